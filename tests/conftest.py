@@ -1,0 +1,73 @@
+"""Shared fixtures: a fresh torchtrace per test, a tiny model, real-server requirements."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+import torchtrace as tt
+
+REQUIRE_SERVERS = os.environ.get("TORCHTRACE_REQUIRE_SERVERS", "").strip().lower() in ("1", "true", "yes")
+
+
+def require_binary(*names: str) -> str:
+    """The path of the first binary found; skip the test without one, or fail when
+    TORCHTRACE_REQUIRE_SERVERS=1 (as in CI), so a missing server never passes silently."""
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    message = f"needs one of {', '.join(names)} on PATH"
+    if REQUIRE_SERVERS:
+        pytest.fail(message + " (TORCHTRACE_REQUIRE_SERVERS=1)")
+    pytest.skip(message)
+
+
+class TinyNet(torch.nn.Module):
+    """Two linear layers with named submodules; small enough for hundreds of steps per second."""
+
+    def __init__(self, d_in: int = 8, d_hidden: int = 16, d_out: int = 4) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(d_in, d_hidden)
+        self.act = torch.nn.Tanh()
+        self.head = torch.nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.head(self.act(self.encoder(x)))
+
+
+@pytest.fixture
+def tiny_model():
+    torch.manual_seed(0)
+    return TinyNet()
+
+
+@pytest.fixture
+def tt_runtime(tmp_path, monkeypatch):
+    """torchtrace configured for one test: any free port, files under tmp_path, strict mode
+    (internal errors raise), and shut down afterwards."""
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_")):
+            monkeypatch.delenv(name, raising=False)
+    result = tt.configure(service_name="test", prometheus_port=0, run_dir=str(tmp_path / "runs"), strict=True,
+                          register_atexit=False)
+    yield result
+    tt.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(monkeypatch):
+    """Fail a test that leaves torchtrace configured or leaves its threads running."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    tt.shutdown()
+    leaked = [t for t in threading.enumerate()
+              if t.ident not in before and t.is_alive() and t.name.startswith("torchtrace")]
+    for t in leaked:
+        t.join(2.0)
+    leaked = [t.name for t in leaked if t.is_alive()]
+    assert not leaked, f"torchtrace threads left running: {leaked}"

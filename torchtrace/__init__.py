@@ -1,0 +1,41 @@
+"""torchtrace: production telemetry for PyTorch training steps.
+
+Decorate a training step or wrap it in ``debug_context`` and every call becomes an
+OpenTelemetry span carrying the step's health, the same numbers become Prometheus metrics,
+and a run report is written at exit.
+
+>>> import torchtrace as tt
+>>> @tt.debug_operation
+... def train_step(batch): ...
+"""
+
+from torchtrace._version import __version__
+from torchtrace.api import (ConfigureResult, StepScope, configure, current_step, debug_context, debug_operation,
+                            flush, shutdown)
+from torchtrace.config import Settings
+from torchtrace.debugger import (DebugConfig, GradientReport, PyTorchDebugger, create_pytorch_debugger,
+                                 debug_training_session)
+from torchtrace.errors import NonFiniteError
+from torchtrace.levels import DebugLevel, DebugMode, OptimizationMode
+
+__all__ = [
+    "ConfigureResult",
+    "DebugConfig",
+    "DebugLevel",
+    "DebugMode",
+    "GradientReport",
+    "NonFiniteError",
+    "OptimizationMode",
+    "PyTorchDebugger",
+    "Settings",
+    "StepScope",
+    "__version__",
+    "configure",
+    "create_pytorch_debugger",
+    "current_step",
+    "debug_context",
+    "debug_operation",
+    "debug_training_session",
+    "flush",
+    "shutdown",
+]

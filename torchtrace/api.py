@@ -1,0 +1,558 @@
+"""configure / shutdown / debug_context / debug_operation: the names users type.
+
+One :class:`StepScope` per operation call serves ``with``, ``async with`` and the
+decorators. The scope's hot path launches device work only; the record is read to the host
+once, at the end of the step (or in the optimizer pre-hook when a guard policy must decide
+before the update).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import functools
+import inspect
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, TypeVar, overload
+
+import torch
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from torchtrace import semconv
+from torchtrace.config import Settings, disabled_by_environment
+from torchtrace.errors import NonFiniteError
+from torchtrace.levels import DebugLevel, DebugMode, Features
+from torchtrace.measure import gradients as grad_measure
+from torchtrace.measure import memory as mem_measure
+from torchtrace.record import readout
+from torchtrace.record.step import StepRecord
+
+logger = logging.getLogger("torchtrace")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_lock = threading.RLock()
+_runtime = None  # the configured Runtime, or None
+_disabled = False  # configured with disabled=True (or the environment said so)
+_atexit_registered = False
+_current: contextvars.ContextVar["StepScope | None"] = contextvars.ContextVar("torchtrace_step", default=None)
+
+
+class ConfigureResult:
+    """What ``configure()`` set up: where metrics are served, where files are written."""
+
+    def __init__(self, runtime) -> None:
+        self._runtime = runtime
+
+    @property
+    def enabled(self) -> bool:
+        return self._runtime is not None
+
+    @property
+    def run_id(self) -> str | None:
+        return self._runtime.settings.run_id if self._runtime else None
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self._runtime.metrics_url if self._runtime else None
+
+    @property
+    def prometheus_port(self) -> int | None:
+        rt = self._runtime
+        return rt.server.port if rt and rt.server else None
+
+    @property
+    def run_dir(self):
+        return self._runtime.run_path if self._runtime else None
+
+    @property
+    def spans_path(self):
+        return self._runtime.spans_path if self._runtime else None
+
+    @property
+    def report_path(self):
+        return self._runtime.report_path if self._runtime else None
+
+    @property
+    def settings(self) -> Settings | None:
+        return self._runtime.settings if self._runtime else None
+
+    def __repr__(self) -> str:
+        if not self.enabled:
+            return "ConfigureResult(disabled)"
+        return f"ConfigureResult(run_id={self.run_id!r}, metrics_url={self.metrics_url!r}, run_dir={str(self.run_dir)!r})"
+
+
+def configure(
+    service_name: str | None = None,
+    *,
+    run_id: str | None = None,
+    level: DebugLevel | str | None = None,
+    mode: DebugMode | str | None = None,
+    prometheus_host: str | None = None,
+    prometheus_port: int | str | None = None,
+    run_dir: str | None = None,
+    otlp_endpoint: str | None = None,
+    otlp_protocol: str | None = None,
+    disabled: bool | None = None,
+    **settings: Any,
+) -> ConfigureResult:
+    """Set torchtrace up (or set it up again). Every argument is optional.
+
+    Arguments beat ``TORCHTRACE_*``/``OTEL_*`` environment variables, which beat defaults.
+    Calling it again shuts the previous set-up down first. Without any call, the first
+    instrumented step configures torchtrace from the environment.
+
+    Raises:
+        ValueError: an invalid argument, naming the setting and the accepted values.
+
+    >>> import torchtrace as tt
+    >>> result = tt.configure(level="basic", prometheus_port="off", write_files=False)
+    >>> result.enabled
+    True
+    >>> tt.shutdown()
+    """
+    global _runtime, _disabled, _atexit_registered
+    args = dict(service_name=service_name, run_id=run_id, level=level, mode=mode, prometheus_host=prometheus_host,
+                prometheus_port=prometheus_port, run_dir=run_dir, otlp_endpoint=otlp_endpoint,
+                otlp_protocol=otlp_protocol, disabled=disabled, **settings)
+    resolved = Settings.resolve(args)  # raises before anything is torn down
+    with _lock:
+        shutdown()
+        if resolved.disabled:
+            _disabled = True
+            return ConfigureResult(None)
+        from torchtrace.runtime import Runtime
+
+        _disabled = False
+        _runtime = Runtime(resolved)
+        if resolved.register_atexit and not _atexit_registered:
+            atexit.register(_shutdown_at_exit)
+            _atexit_registered = True
+        return ConfigureResult(_runtime)
+
+
+def shutdown(timeout_s: float | None = None) -> None:
+    """Finish pending records, write the report, flush spans and stop servers, within a deadline.
+
+    Safe to call any number of times, and when torchtrace was never configured.
+    """
+    global _runtime
+    with _lock:
+        rt, _runtime = _runtime, None
+    if rt is not None:
+        if timeout_s is not None:
+            rt.settings = rt.settings.replace(shutdown_timeout_s=timeout_s)
+        rt.close()
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception:  # never fail interpreter exit
+        logger.debug("torchtrace shutdown at exit failed", exc_info=True)
+
+
+def get_runtime(create: bool = True):
+    """The configured runtime; configures from the environment on first use. None when disabled."""
+    rt = _runtime
+    if rt is not None or _disabled or not create:
+        return rt
+    if disabled_by_environment():
+        return None
+    with _lock:
+        if _runtime is None and not _disabled:
+            try:
+                configure()
+            except Exception as exc:  # a bad environment must not break the user's step
+                logger.warning("torchtrace could not configure itself (%s); instrumentation is off", exc)
+                _set_disabled()
+        return _runtime
+
+
+def _set_disabled() -> None:
+    global _disabled
+    _disabled = True
+
+
+def flush(timeout_s: float | None = None) -> bool:
+    """Finish deferred records and export queued spans now. True when everything went out."""
+    rt = _runtime
+    return rt.flush(timeout_s) if rt is not None else True
+
+
+def current_step() -> "StepScope | None":
+    """The innermost active step scope of this thread/task, if any."""
+    return _current.get()
+
+
+def _extract_loss(result: Any) -> Any:
+    """The loss from a step's return value: a scalar tensor, a dict's "loss", an object's .loss."""
+    if isinstance(result, torch.Tensor):
+        return result if result.numel() == 1 else None
+    if isinstance(result, dict):
+        value = result.get("loss")
+    else:
+        value = getattr(result, "loss", None)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    return None
+
+
+class StepScope:
+    """One instrumented operation call: a span, a step record, the step's measurements.
+
+    Use through :func:`debug_context` or :func:`debug_operation`. Inside the block,
+    :meth:`record_loss` hands over the loss.
+    """
+
+    __slots__ = ("name", "model", "optimizer", "_step_arg", "_level_arg", "_mode_arg", "_attributes", "_rt",
+                 "_active", "step", "_features", "_span", "_token", "_ctx_token", "_hook", "_hook_fired",
+                 "_grad_stats", "_grad_read", "_loss", "_loss_float", "_layout", "_start_ns", "_t0", "_overhead",
+                 "_anomaly_cm", "record", "_param_names", "_param_norms", "_skipped", "_raise", "__weakref__",
+                 "extras")
+
+    def __init__(self, name: str = "step", *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+                 level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
+                 attributes: dict[str, Any] | None = None) -> None:
+        self.name = name
+        self.model = model
+        self.optimizer = optimizer
+        self._step_arg = step
+        self._level_arg = DebugLevel.parse(level, "level") if level is not None else None
+        self._mode_arg = DebugMode.parse(mode, "mode") if mode is not None else None
+        self._attributes = attributes
+        self._active = False
+        self.record: StepRecord | None = None
+        self.step: int | None = None
+        self.extras: dict[str, Any] = {}
+
+    # ------------------------------------------------------------ user API
+    def record_loss(self, loss: Any) -> None:
+        """Record the step's loss (a scalar tensor or a number). No host read happens here."""
+        if not self._active or loss is None:
+            return
+        if isinstance(loss, torch.Tensor):
+            self._loss = loss.detach()
+        elif isinstance(loss, (int, float)):
+            self._loss_float = float(loss)
+
+    @property
+    def span(self):
+        return self._span if self._active else trace.INVALID_SPAN
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    # ------------------------------------------------------------ enter
+    def __enter__(self) -> "StepScope":
+        rt = _runtime if _runtime is not None else get_runtime()
+        if rt is None:
+            return self
+        level = self._level_arg or rt.level
+        if level is DebugLevel.OFF:
+            return self
+        t0 = time.perf_counter()
+        try:
+            self._begin(rt, level, t0)
+        except Exception as exc:
+            self._active = False
+            rt.errors.report("step", exc)
+        return self
+
+    def _begin(self, rt, level: DebugLevel, t0: float) -> None:
+        rt.at_step_boundary()
+        self._rt = rt
+        mode = self._mode_arg or rt.mode
+        self._features = rt.features if (level is rt.level and mode is rt.mode) else Features.for_level(level, mode)
+        self.step = self._step_arg if self._step_arg is not None else rt.next_step(self.name)
+        if self._step_arg is not None:
+            rt.step_counters[self.name] = max(rt.step_counters[self.name], self._step_arg + 1)
+        self._grad_stats = None
+        self._grad_read = None
+        self._loss = None
+        self._loss_float = None
+        self._layout = {}
+        self._hook = None
+        self._hook_fired = False
+        self._param_names = None
+        self._param_norms = None
+        self._skipped = False
+        self._raise = None
+        self._anomaly_cm = None
+        self._overhead = 0.0
+        attrs = {semconv.STEP: self.step, semconv.OPERATION: self.name, semconv.LEVEL: level.value,
+                 semconv.RANK: rt.identity.rank}
+        if self._attributes:
+            attrs.update(self._attributes)
+        self._start_ns = time.time_ns()
+        self._span = rt.tracer.start_span(self.name, start_time=self._start_ns, attributes=attrs)
+        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        self._ctx_token = _current.set(self)
+        if self.optimizer is not None and self._features.grad_stats:
+            self._hook = self.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if self._features.anomaly_mode:
+            self._anomaly_cm = torch.autograd.detect_anomaly(check_nan=True)
+            self._anomaly_cm.__enter__()
+        self._active = True
+        for probe in rt.probes:
+            try:
+                probe.enter(self)
+            except Exception as exc:
+                rt.errors.report("other", exc)
+        t1 = time.perf_counter()
+        self._overhead += t1 - t0
+        self._t0 = t1
+
+    # ------------------------------------------------------------ optimizer pre-hook
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """Measure the gradients the optimizer is about to use; apply the guard policy."""
+        if self._hook_fired or not self._active:
+            return None
+        t0 = time.perf_counter()
+        self._hook_fired = True
+        rt = self._rt
+        try:
+            params = rt.params_for(self.model, optimizer)
+            self._grad_stats = grad_measure.gradient_norms(params)
+            if rt.settings.guard != "warn" and self._grad_stats is not None:
+                self._guard_now(rt, params)
+        except NonFiniteError:
+            self._overhead += time.perf_counter() - t0
+            raise
+        except Exception as exc:
+            rt.errors.report("gradients", exc)
+        self._overhead += time.perf_counter() - t0
+        return None
+
+    def _guard_now(self, rt, params) -> None:
+        """Read the gradient norms now (the step's host read) and skip or raise if non-finite."""
+        stats = self._grad_stats
+        vec = torch.cat([stats.total.reshape(1).to(torch.float64), stats.norms.to(torch.float64)])
+        values = readout.read(vec)
+        self._grad_read = values
+        bad = any(not math.isfinite(v) for v in values[1:])
+        if not bad:
+            return
+        if rt.settings.guard == "skip":
+            for ref in params:
+                ref.param.grad = None
+            self._skipped = True
+        elif rt.settings.guard == "raise":
+            self._raise = NonFiniteError(f"non-finite gradients at step {self.step} of {self.name}",
+                                         step=self.step, kinds=[semconv.NONFINITE_GRAD])
+            raise self._raise
+
+    # ------------------------------------------------------------ exit
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self._active:
+            return False
+        t0 = time.perf_counter()
+        duration = t0 - self._t0
+        end_ns = time.time_ns()
+        self._active = False
+        rt = self._rt
+        try:
+            self._finish(rt, exc, duration, end_ns, t0)
+        except Exception as err:
+            rt.errors.report("step", err)
+        return False
+
+    def _finish(self, rt, exc, duration: float, end_ns: int, t0: float) -> None:
+        if self._anomaly_cm is not None:
+            self._anomaly_cm.__exit__(None, None, None)
+            self._anomaly_cm = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        _current.reset(self._ctx_token)
+        for probe in rt.probes:
+            try:
+                probe.exit(self, exc)
+            except Exception as perr:
+                rt.errors.report("other", perr)
+        feats = self._features
+        if feats.grad_stats and self._grad_stats is None and not self._hook_fired and self.model is not None \
+                and self.optimizer is None:
+            try:
+                self._grad_stats = grad_measure.gradient_norms(rt.params_for(self.model, None))
+            except Exception as gerr:
+                rt.errors.report("gradients", gerr)
+        pieces: list[torch.Tensor] = []
+        offset = 0
+        home = None
+        if self._loss is not None:
+            loss = self._loss.reshape(-1)[:1].to(torch.float64)
+            pieces.append(loss)
+            home = loss.device
+            self._layout["loss"] = offset
+            offset += 1
+        stats = self._grad_stats
+        if stats is not None:
+            if self._grad_read is None:
+                vec = torch.cat([stats.total.reshape(1).to(torch.float64), stats.norms.to(torch.float64)])
+                if home is not None and vec.device != home:
+                    vec = vec.to(home, non_blocking=True)
+                pieces.append(vec)
+                self._layout["grads"] = (offset, stats.count)
+                offset += 1 + stats.count
+        if feats.param_stats and (self.model is not None or self.optimizer is not None):
+            try:
+                refs = rt.params_for(self.model, self.optimizer)
+                norms = grad_measure.parameter_norms(refs)
+                if norms is not None:
+                    if home is not None and norms.device != home:
+                        norms = norms.to(home, non_blocking=True)
+                    self._param_names = [r.name for r in refs]
+                    pieces.append(norms)
+                    self._layout["params"] = (offset, len(refs))
+                    offset += len(refs)
+            except Exception as perr:
+                rt.errors.report("gradients", perr)
+        for key, tensor in self.extras.items():
+            if isinstance(tensor, torch.Tensor) and key.startswith("read:"):
+                flat = tensor.detach().reshape(-1).to(torch.float64)
+                if home is not None and flat.device != home:
+                    flat = flat.to(home, non_blocking=True)
+                pieces.append(flat)
+                self._layout[key] = (offset, flat.numel())
+                offset += flat.numel()
+        pending = None
+        if pieces:
+            vec = pieces[0] if len(pieces) == 1 else torch.cat([p.to(pieces[0].device) for p in pieces])
+            pending = readout.start(vec)
+        mem = mem_measure.sample(cuda=feats.cuda_memory)
+        otel_context.detach(self._token)
+        record = StepRecord(operation=self.name, step=self.step, level=(self._level_arg or rt.level).value,
+                            start_unix_ns=self._start_ns, end_unix_ns=end_ns, duration_s=duration,
+                            memory=mem.as_dict(), skipped=self._skipped,
+                            exception_type=type(exc).__qualname__ if exc is not None else None)
+        ctx = self._span.get_span_context()
+        record.trace_id = format(ctx.trace_id, "032x")
+        record.span_id = format(ctx.span_id, "016x")
+        self.record = record
+        self._overhead += time.perf_counter() - t0
+        record.overhead_s = self._overhead
+        rt.metrics.add_overhead(self._overhead)
+        rt.submit(self, record, pending, self._span, exc)
+        if stats is not None and pending is not None and not pending.ready():
+            stats.grads = []  # deferred: do not keep gradients alive past the step
+
+    # ------------------------------------------------------------ async
+    async def __aenter__(self) -> "StepScope":
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
+
+def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | None = None,
+                  optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+                  level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
+                  attributes: dict[str, Any] | None = None) -> StepScope:
+    """A ``with`` (or ``async with``) block that is one instrumented operation.
+
+    Args:
+        name: the operation's name, which is the span's name (``train_step``).
+        model: the model whose gradients and parameters are watched.
+        optimizer: when given, gradients are measured in its step pre-hook, exactly as the
+            optimizer will use them, and the guard policy can skip the update.
+        step: the step number; counted automatically per operation when omitted.
+        level / mode: override the configured level or mode for this operation.
+        attributes: extra span attributes (low-cardinality, not per-step values).
+
+    >>> import torch, torchtrace as tt
+    >>> _ = tt.configure(prometheus_port="off", write_files=False)
+    >>> model = torch.nn.Linear(3, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+    ...     loss = model(torch.ones(2, 3)).pow(2).mean()
+    ...     loss.backward(); step.record_loss(loss); opt.step()
+    >>> step.record.grad_norm is not None
+    True
+    >>> tt.shutdown()
+    """
+    if isinstance(name, DebugLevel):  # the seeds' debug_context(DebugLevel.BASIC)
+        level, name = name, "step"
+    return StepScope(name, model=model, optimizer=optimizer, step=step, level=level, mode=mode,
+                     attributes=attributes)
+
+
+def _resolve_model(model, args):
+    if model is not None:
+        return model
+    for arg in args[:2]:
+        if isinstance(arg, torch.nn.Module):
+            return arg
+    return None
+
+
+@overload
+def debug_operation(func: F) -> F: ...
+@overload
+def debug_operation(func: None = None, *, name: str | None = None, model: torch.nn.Module | None = None,
+                    optimizer: torch.optim.Optimizer | None = None, level: DebugLevel | str | None = None,
+                    mode: DebugMode | str | None = None) -> Callable[[F], F]: ...
+
+
+def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=None, mode=None, attributes=None):
+    """Decorate a training step (plain, ``async def`` or a method): each call is one operation.
+
+    The loss is taken from the return value (a scalar tensor, a dict's ``"loss"``, an
+    object's ``.loss``) unless the body called ``current_step().record_loss``. When no model
+    is given and the first or second argument is an ``nn.Module`` (``self`` of a module
+    method, or ``train_step(model, batch)``), that module is watched. Exceptions are recorded
+    on the span and re-raised unchanged.
+
+    >>> import torchtrace as tt
+    >>> @tt.debug_operation
+    ... def train_step(x):
+    ...     return (x * 2).sum()
+    """
+    if level is not None:
+        DebugLevel.parse(level, "level")  # fail at decoration time, not in the loop
+    if mode is not None:
+        DebugMode.parse(mode, "mode")
+
+    def decorate(fn):
+        op_name = name or getattr(fn, "__name__", "operation")
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def async_wrapper(*args, **kwargs):
+                rt = _runtime if _runtime is not None else get_runtime()
+                if rt is None or (level is None and rt.off):
+                    return await fn(*args, **kwargs)
+                scope = StepScope(op_name, model=_resolve_model(model, args), optimizer=optimizer, level=level,
+                                  mode=mode, attributes=attributes)
+                with scope:
+                    result = await fn(*args, **kwargs)
+                    if scope._active and scope._loss is None and scope._loss_float is None:
+                        scope.record_loss(_extract_loss(result))
+                return result
+
+            return async_wrapper
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            rt = _runtime if _runtime is not None else get_runtime()
+            if rt is None or (level is None and rt.off):
+                return fn(*args, **kwargs)
+            scope = StepScope(op_name, model=_resolve_model(model, args), optimizer=optimizer, level=level,
+                              mode=mode, attributes=attributes)
+            with scope:
+                result = fn(*args, **kwargs)
+                if scope._active and scope._loss is None and scope._loss_float is None:
+                    scope.record_loss(_extract_loss(result))
+            return result
+
+        return wrapper
+
+    if func is not None and callable(func):
+        return decorate(func)
+    return decorate

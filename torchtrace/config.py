@@ -1,0 +1,300 @@
+"""Settings: arguments beat ``TORCHTRACE_*``/``OTEL_*`` environment variables, which beat defaults.
+
+A bad argument raises ``ValueError`` at configure time, naming the setting and the accepted
+values. A bad environment value is logged and replaced by the default: an environment typo
+must not kill a three-week job at start-up, but a typo in code should be fixed at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from torchtrace.levels import DebugLevel, DebugMode
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------- environment variables
+ENV_DISABLED = "TORCHTRACE_DISABLED"
+"""``1``/``true``: torchtrace does nothing at all: no threads, sockets or files."""
+ENV_LEVEL = "TORCHTRACE_LEVEL"
+"""off, basic, advanced or extreme."""
+ENV_MODE = "TORCHTRACE_MODE"
+"""A DebugMode turned on on top of the level (anomaly_detection, profiling, ...)."""
+ENV_RUN_ID = "TORCHTRACE_RUN_ID"
+"""The run's identifier; shared by all ranks of a job. Default: torchrun's run id or a new one."""
+ENV_RUN_DIR = "TORCHTRACE_RUN_DIR"
+"""Where spans.jsonl and report.json are written. Default ./torchtrace-runs."""
+ENV_PROMETHEUS_HOST = "TORCHTRACE_PROMETHEUS_HOST"
+"""Address the /metrics server binds. Default 127.0.0.1."""
+ENV_PROMETHEUS_PORT = "TORCHTRACE_PROMETHEUS_PORT"
+"""Port of the /metrics server: a number (local rank r adds r), 0 for any free port, off for none."""
+ENV_PORT_POLICY = "TORCHTRACE_PORT_POLICY"
+"""What to do when the port is taken: next (try the next ports), ephemeral, off."""
+ENV_GUARD = "TORCHTRACE_GUARD"
+"""Guard policy for a non-finite step: warn, skip or raise."""
+ENV_STRICT = "TORCHTRACE_STRICT"
+"""``1``: torchtrace's own internal errors are raised (for torchtrace's tests), not swallowed."""
+ENV_OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
+ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
+ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+ENV_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+ENV_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+GUARD_POLICIES = ("warn", "skip", "raise")
+PORT_POLICIES = ("next", "ephemeral", "off")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def new_run_id() -> str:
+    """A sortable, unique run id: UTC time plus 6 random hex digits."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``configure()`` accepts. Build with :meth:`resolve`, not directly.
+
+    >>> s = Settings.resolve({"level": "advanced", "prometheus_port": "off"}, environ={})
+    >>> (s.level, s.prometheus_port)
+    (<DebugLevel.ADVANCED: 'advanced'>, None)
+    """
+
+    disabled: bool = False
+    service_name: str = "torchtrace"
+    run_id: str = ""
+    level: DebugLevel = DebugLevel.BASIC
+    mode: DebugMode = DebugMode.NONE
+    run_dir: Path = Path("torchtrace-runs")
+    write_files: bool = True
+    prometheus_host: str = "127.0.0.1"
+    prometheus_port: int | None = 9464
+    port_policy: str = "next"
+    otlp_endpoint: str | None = None
+    otlp_protocol: str = "http/protobuf"
+    otlp_headers: Mapping[str, str] | None = field(default=None, repr=False)
+    grad_explosion_threshold: float = 1e3
+    grad_vanishing_threshold: float = 1e-7
+    guard: str = "warn"
+    max_consecutive_bad_steps: int | None = None
+    span_queue_size: int = 4096
+    export_timeout_s: float = 5.0
+    shutdown_timeout_s: float = 3.0
+    history_size: int = 1000
+    max_file_bytes: int = 256 * 1024 * 1024
+    strict: bool = False
+    record_exception_messages: bool = False
+    register_atexit: bool = True
+    resource_attributes: Mapping[str, Any] | None = None
+
+    # ------------------------------------------------------------ resolution
+    @classmethod
+    def resolve(cls, args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "Settings":
+        """Merge arguments (``None`` means "not given"), environment and defaults; validate.
+
+        Raises:
+            ValueError: an argument is invalid; the message names the setting and what it accepts.
+            TypeError: an unknown setting name.
+        """
+        env = os.environ if environ is None else environ
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - names)
+        if unknown:
+            raise TypeError(f"unknown torchtrace setting(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        given = {k: v for k, v in args.items() if v is not None}
+        values: dict[str, Any] = {}
+        for name, (env_names, parse) in _ENV_SOURCES.items():
+            if name in given:
+                continue
+            for env_name in env_names:
+                raw = env.get(env_name)
+                if raw is None or raw.strip() == "" and name != "disabled":
+                    continue
+                try:
+                    values[name] = parse(raw, env_name)
+                except ValueError as exc:
+                    logger.warning("ignoring %s: %s; using the default", env_name, exc)
+                break
+        # Arguments are validated strictly.
+        for name, value in given.items():
+            validator = _VALIDATORS.get(name)
+            values[name] = validator(value, name) if validator else value
+        if not values.get("run_id"):
+            elastic = env.get("TORCHELASTIC_RUN_ID", "")
+            values["run_id"] = elastic if elastic and elastic != "none" else new_run_id()
+        _check_run_id(values["run_id"], "run_id")
+        if "otlp_endpoint" in values and values["otlp_endpoint"] is not None:
+            _check_endpoint(values["otlp_endpoint"], "otlp_endpoint")
+        values.setdefault("otlp_protocol", "http/protobuf")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------- parsers (raise ValueError)
+def _bool(value: Any, setting: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in _TRUE:
+            return True
+        if key in _FALSE:
+            return False
+    raise ValueError(f"{setting}={value!r} is not valid; accepted values: true, false, 1, 0")
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
+    def parse(value: Any, setting: str) -> str:
+        key = value.strip().lower() if isinstance(value, str) else value
+        if key not in choices:
+            raise ValueError(f"{setting}={value!r} is not valid; accepted values: {', '.join(choices)}")
+        return key
+
+    return parse
+
+
+def _port(value: Any, setting: str) -> int | None:
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in ("off", "none", "disabled", "false"):
+            return None
+        try:
+            value = int(key)
+        except ValueError:
+            raise ValueError(
+                f"{setting}={value!r} is not valid; accepted values: an integer 0-65535 (0 = any free port) or 'off'"
+            ) from None
+    if value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(
+            f"{setting}={value!r} is not valid; accepted values: an integer 0-65535 (0 = any free port) or 'off'"
+        )
+    return value
+
+
+def _positive_float(value: Any, setting: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a positive finite number") from None
+    if not (number > 0 and number != float("inf")):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a positive finite number")
+    return number
+
+
+def _positive_int(value: Any, setting: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a positive integer") from None
+    if isinstance(value, float) and value != number or number <= 0:
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a positive integer")
+    return number
+
+
+def _optional_positive_int(value: Any, setting: str) -> int | None:
+    if isinstance(value, str) and value.strip().lower() in ("off", "none", ""):
+        return None
+    return _positive_int(value, setting)
+
+
+def _nonempty_str(value: Any, setting: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a non-empty string")
+    return value.strip()
+
+
+def _check_run_id(value: str, setting: str) -> str:
+    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+    if not value or len(value) > 128 or set(value) - allowed or value in (".", ".."):
+        raise ValueError(
+            f"{setting}={value!r} is not valid; accepted values: 1-128 characters of letters, digits, '-', '_', '.'"
+        )
+    return value
+
+
+def _check_endpoint(value: Any, setting: str) -> str:
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a URL starting with http:// or https://")
+    return value
+
+
+def _path(value: Any, setting: str) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a directory path")
+    return Path(value)
+
+
+def _mapping(value: Any, setting: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a mapping of names to values")
+    return dict(value)
+
+
+_VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
+    "disabled": _bool,
+    "service_name": _nonempty_str,
+    "run_id": _check_run_id,
+    "level": lambda v, s: DebugLevel.parse(v, s),
+    "mode": lambda v, s: DebugMode.parse(v, s),
+    "run_dir": _path,
+    "write_files": _bool,
+    "prometheus_host": _nonempty_str,
+    "prometheus_port": _port,
+    "port_policy": _choice(PORT_POLICIES),
+    "otlp_endpoint": _check_endpoint,
+    "otlp_protocol": _choice(OTLP_PROTOCOLS),
+    "otlp_headers": _mapping,
+    "grad_explosion_threshold": _positive_float,
+    "grad_vanishing_threshold": _positive_float,
+    "guard": _choice(GUARD_POLICIES),
+    "max_consecutive_bad_steps": _optional_positive_int,
+    "span_queue_size": _positive_int,
+    "export_timeout_s": _positive_float,
+    "shutdown_timeout_s": _positive_float,
+    "history_size": _positive_int,
+    "max_file_bytes": _positive_int,
+    "strict": _bool,
+    "record_exception_messages": _bool,
+    "register_atexit": _bool,
+    "resource_attributes": _mapping,
+}
+
+# setting -> (environment variables in order of precedence, parser)
+_ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
+    "disabled": ((ENV_DISABLED, ENV_OTEL_SDK_DISABLED), _bool),
+    "service_name": ((ENV_OTEL_SERVICE_NAME,), _nonempty_str),
+    "run_id": ((ENV_RUN_ID,), _check_run_id),
+    "level": ((ENV_LEVEL,), lambda v, s: DebugLevel.parse(v, s)),
+    "mode": ((ENV_MODE,), lambda v, s: DebugMode.parse(v, s)),
+    "run_dir": ((ENV_RUN_DIR,), _path),
+    "prometheus_host": ((ENV_PROMETHEUS_HOST,), _nonempty_str),
+    "prometheus_port": ((ENV_PROMETHEUS_PORT,), _port),
+    "port_policy": ((ENV_PORT_POLICY,), _choice(PORT_POLICIES)),
+    "otlp_endpoint": ((ENV_OTLP_TRACES_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),
+    "otlp_protocol": ((ENV_OTLP_TRACES_PROTOCOL, ENV_OTLP_PROTOCOL), _choice(OTLP_PROTOCOLS)),
+    "guard": ((ENV_GUARD,), _choice(GUARD_POLICIES)),
+    "strict": ((ENV_STRICT,), _bool),
+}
+
+
+def disabled_by_environment(environ: Mapping[str, str] | None = None) -> bool:
+    """True when TORCHTRACE_DISABLED or OTEL_SDK_DISABLED says so (bad values read as false)."""
+    env = os.environ if environ is None else environ
+    for name in (ENV_DISABLED, ENV_OTEL_SDK_DISABLED):
+        raw = env.get(name)
+        if raw is not None and raw.strip().lower() in _TRUE:
+            return True
+    return False

@@ -1,0 +1,1 @@
+"""Sinks that read step records: spans, metrics, run-directory files, the HTTP server."""

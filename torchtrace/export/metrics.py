@@ -1,0 +1,154 @@
+"""Prometheus metrics on a private registry, with the names and labels of the contract.
+
+Every series carries ``run_id`` and ``rank``. Other labels come from closed sets, and the
+one open label (``operation``, named by the user's code) is capped: past
+:data:`MAX_LABEL_VALUES` distinct values new ones are folded into ``__overflow__``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from torchtrace import semconv
+from torchtrace.record.step import StepRecord
+
+MAX_LABEL_VALUES = 64
+OVERFLOW = "__overflow__"
+
+
+def _base(name: str) -> str:
+    """prometheus_client appends ``_total`` to counters itself."""
+    return name[: -len("_total")] if name.endswith("_total") else name
+
+
+class LabelBudget:
+    """Admits at most ``limit`` distinct values for one label; the rest become OVERFLOW."""
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES, allowed: Iterable[str] | None = None) -> None:
+        self.limit = limit
+        self.allowed = frozenset(allowed) if allowed is not None else None
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+        self.overflowed = 0
+
+    def __call__(self, value: str) -> str:
+        if self.allowed is not None:
+            return value if value in self.allowed else OVERFLOW
+        if value in self._seen:
+            return value
+        with self._lock:
+            if value in self._seen:
+                return value
+            if len(self._seen) >= self.limit:
+                self.overflowed += 1
+                return OVERFLOW
+            self._seen.add(value)
+            return value
+
+
+class Metrics:
+    """The contract's instruments, bound to one run's ``run_id`` and ``rank``."""
+
+    def __init__(self, run_id: str, rank: int, version: str, level: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.run_id = run_id
+        self.rank = str(rank)
+        common = list(semconv.COMMON_LABELS)
+        r = self.registry
+        self.operation = LabelBudget()
+        self.kind = LabelBudget(allowed=semconv.ANOMALY_KINDS_ALL)
+        self.component = LabelBudget(allowed=semconv.COMPONENTS)
+        self.reason = LabelBudget(allowed=semconv.DROP_REASONS)
+        self.steps = Counter(_base(semconv.M_STEPS), "Steps completed.", common + ["operation"], registry=r)
+        self.step_duration = Histogram(
+            semconv.M_STEP_DURATION, "Step wall time in seconds; exemplars carry the trace id.",
+            common + ["operation"], buckets=semconv.STEP_DURATION_BUCKETS, registry=r)
+        self.loss = Gauge(semconv.M_LOSS, "Loss of the last step (NaN when it was NaN).", common + ["operation"], registry=r)
+        self.grad_norm = Gauge(semconv.M_GRAD_NORM, "Global L2 gradient norm of the last step, before clipping.",
+                               common + ["operation"], registry=r)
+        self.grad_nonfinite = Gauge(semconv.M_GRAD_NONFINITE,
+                                    "Parameter tensors whose gradient held NaN/Inf in the last step.",
+                                    common + ["operation"], registry=r)
+        self.anomalies = Counter(_base(semconv.M_ANOMALIES), "Anomalies detected, by kind.",
+                                 common + ["operation", "kind"], registry=r)
+        self.skipped = Counter(_base(semconv.M_SKIPPED), "Optimizer updates skipped by the guard.",
+                               common + ["operation"], registry=r)
+        self.memory = Gauge(semconv.M_MEMORY, "Memory in bytes, by device and kind.", common + ["device", "kind"], registry=r)
+        self.memory_growth = Gauge(semconv.M_MEMORY_GROWTH, "Leak detector's memory slope in bytes per step.",
+                                   common + ["device"], registry=r)
+        self.last_step = Gauge(semconv.M_LAST_STEP_TS, "Unix time of the last completed step.",
+                               common + ["operation"], registry=r)
+        self.spans_dropped = Counter(_base(semconv.M_SPANS_DROPPED), "Spans lost by the exporter, by reason.",
+                                     common + ["reason"], registry=r)
+        self.internal_errors = Counter(_base(semconv.M_INTERNAL_ERRORS), "torchtrace's own failures, caught and counted.",
+                                       common + ["component"], registry=r)
+        self.rank_skew = Gauge(semconv.M_RANK_SKEW, "Slowest rank's step time over the median rank's.", common, registry=r)
+        self.overhead = Counter(_base(semconv.M_OVERHEAD), "Seconds spent inside torchtrace on the training thread.",
+                                common, registry=r)
+        self.build_info = Gauge(semconv.M_BUILD_INFO, "Always 1; labels name the version and level.",
+                                common + ["version", "level"], registry=r)
+        self._version = version
+        self._level = level
+        self.build_info.labels(run_id, self.rank, version, level).set(1)
+        # Pre-create the zero series that alerts and dashboards rely on.
+        for reason in semconv.DROP_REASONS:
+            self.spans_dropped.labels(run_id, self.rank, reason)
+        self.overhead.labels(run_id, self.rank)
+
+    def set_level(self, level: str) -> None:
+        if level == self._level:
+            return
+        try:
+            self.build_info.remove(self.run_id, self.rank, self._version, self._level)
+        except KeyError:
+            pass
+        self._level = level
+        self.build_info.labels(self.run_id, self.rank, self._version, level).set(1)
+
+    def observe_step(self, record: StepRecord) -> None:
+        """Update the step instruments from a finished record."""
+        op = self.operation(record.operation)
+        lv = (self.run_id, self.rank, op)
+        self.steps.labels(*lv).inc()
+        exemplar = {"trace_id": record.trace_id} if record.trace_id else None
+        self.step_duration.labels(*lv).observe(record.duration_s, exemplar=exemplar)
+        if record.loss is not None:
+            self.loss.labels(*lv).set(record.loss)
+        if record.grad_norm is not None:
+            self.grad_norm.labels(*lv).set(record.grad_norm)
+            self.grad_nonfinite.labels(*lv).set(len(record.grad_nonfinite_params))
+        for kind in record.anomaly_kinds:
+            self.anomalies.labels(*lv, self.kind(kind)).inc()
+        if record.skipped:
+            self.skipped.labels(*lv).inc()
+        self.last_step.labels(*lv).set(record.end_unix_ns / 1e9 if record.end_unix_ns else time.time())
+        mem = record.memory
+        if mem.get("rss_bytes") is not None:
+            self.memory.labels(self.run_id, self.rank, "cpu", "rss").set(mem["rss_bytes"])
+        device = mem.get("device") or "cuda"
+        for key, kind in (("cuda_allocated_bytes", "allocated"), ("cuda_reserved_bytes", "reserved"),
+                          ("cuda_peak_allocated_bytes", "peak_allocated")):
+            if mem.get(key) is not None:
+                self.memory.labels(self.run_id, self.rank, device, kind).set(mem[key])
+
+    def count_anomaly(self, operation: str, kind: str, n: int = 1) -> None:
+        self.anomalies.labels(self.run_id, self.rank, self.operation(operation), self.kind(kind)).inc(n)
+
+    def drop_spans(self, reason: str, n: int) -> None:
+        self.spans_dropped.labels(self.run_id, self.rank, self.reason(reason)).inc(n)
+
+    def internal_error(self, component: str) -> None:
+        self.internal_errors.labels(self.run_id, self.rank, self.component(component)).inc()
+
+    def add_overhead(self, seconds: float) -> None:
+        self.overhead.labels(self.run_id, self.rank).inc(seconds)
+
+    def set_memory_growth(self, device: str, bytes_per_step: float) -> None:
+        self.memory_growth.labels(self.run_id, self.rank, device).set(bytes_per_step)
+
+    def set_rank_skew(self, skew: float) -> None:
+        self.rank_skew.labels(self.run_id, self.rank).set(skew)

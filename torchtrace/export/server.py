@@ -1,0 +1,180 @@
+"""The HTTP server beside the training job: ``/metrics`` and any routes added to it.
+
+It binds 127.0.0.1 unless told otherwise, warns on a wildcard bind, handles a port in use
+by policy, and runs in daemon threads that never touch training state.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.server
+import logging
+import socket
+import socketserver
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+logger = logging.getLogger(__name__)
+
+# A route handler gets the request handler and returns (status, content type, body bytes).
+Handler = Callable[[http.server.BaseHTTPRequestHandler], "tuple[int, str, bytes]"]
+NEXT_PORT_TRIES = 16
+MAX_BODY_BYTES = 64 * 1024
+
+
+@dataclass
+class Route:
+    method: str
+    path: str  # exact path, or a prefix ending with "/"
+    handler: Handler
+
+
+class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = False
+    request_queue_size = 64
+
+    def server_bind(self) -> None:
+        # allow_reuse_address=False so two processes never share a port; SO_REUSEADDR is
+        # still not set (it would let a second bind succeed on some platforms).
+        super().server_bind()
+
+
+def _make_handler(server: "TelemetryServer"):
+    class RequestHandler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        timeout = 10  # a slow client holds only its own thread, and only this long
+
+        def log_message(self, fmt, *args):  # quiet: no per-request logging
+            return
+
+        def _dispatch(self, method: str) -> None:
+            try:
+                status, ctype, body, headers = server.handle(method, self)
+            except Exception:
+                logger.debug("telemetry server route failed", exc_info=True)
+                status, ctype, body, headers = 500, "text/plain; charset=utf-8", b"internal error\n", {}
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+            if method != "HEAD":
+                self.wfile.write(body)
+
+        def do_GET(self):
+            self._dispatch("GET")
+
+        def do_HEAD(self):
+            self._dispatch("HEAD")
+
+        def do_POST(self):
+            self._dispatch("POST")
+
+        def do_PUT(self):
+            self._dispatch("PUT")
+
+        def do_DELETE(self):
+            self._dispatch("DELETE")
+
+        def do_PATCH(self):
+            self._dispatch("PATCH")
+
+        def do_OPTIONS(self):
+            self._dispatch("OPTIONS")
+
+    return RequestHandler
+
+
+class TelemetryServer:
+    """Serves ``/metrics`` from a registry, plus routes added with :meth:`add_route`."""
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1") -> None:
+        self.registry = registry
+        self.host = host
+        self.port: int | None = None
+        self.routes: list[Route] = []
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self.add_route("GET", "/metrics", self._metrics)
+
+    def add_route(self, method: str, path: str, handler: Handler) -> None:
+        self.routes.append(Route(method.upper(), path, handler))
+
+    def _metrics(self, request) -> tuple[int, str, bytes]:
+        encoder, ctype = choose_encoder(request.headers.get("Accept"))
+        return 200, ctype, encoder(self.registry)
+
+    def handle(self, method: str, request) -> tuple[int, str, bytes, dict]:
+        path = request.path.split("?", 1)[0]
+        matched = [r for r in self.routes if r.path == path or (r.path.endswith("/") and path.startswith(r.path))]
+        if not matched:
+            return 404, "text/plain; charset=utf-8", b"not found\n", {}
+        for route in matched:
+            if route.method == method or (method == "HEAD" and route.method == "GET"):
+                result = route.handler(request)
+                if len(result) == 3:
+                    return (*result, {})
+                return result
+        allow = ", ".join(sorted({r.method for r in matched}))
+        return 405, "text/plain; charset=utf-8", b"method not allowed\n", {"Allow": allow}
+
+    def start(self, port: int, policy: str = "next") -> int | None:
+        """Bind and serve. Returns the port, or None when the port policy gave up.
+
+        ``policy`` decides what a taken port leads to: ``next`` tries the following ports
+        then an ephemeral one, ``ephemeral`` takes any free port, ``off`` serves nothing.
+        """
+        if self.host in ("0.0.0.0", "::", ""):
+            logger.warning("torchtrace metrics server binds %r: reachable from other machines", self.host)
+        candidates = [port]
+        if port != 0 and policy == "next":
+            candidates += [port + i for i in range(1, NEXT_PORT_TRIES) if port + i <= 65535] + [0]
+        elif port != 0 and policy == "ephemeral":
+            candidates.append(0)
+        last_error: OSError | None = None
+        for candidate in candidates:
+            try:
+                family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+                _Server.address_family = family
+                httpd = _Server((self.host, candidate), _make_handler(self))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                last_error = exc
+                continue
+            self._httpd = httpd
+            self.port = httpd.server_address[1]
+            if candidate != port:
+                logger.warning("torchtrace metrics port %d is in use; serving on %d instead", port, self.port)
+            self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                            name="torchtrace-http", daemon=True)
+            self._thread.start()
+            return self.port
+        logger.warning("torchtrace metrics port %d is in use and the port policy is %r: no metrics server (%s)",
+                       port, policy, last_error)
+        return None
+
+    @property
+    def url(self) -> str | None:
+        if self.port is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._thread = None

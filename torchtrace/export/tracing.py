@@ -1,0 +1,241 @@
+"""Spans: a private TracerProvider, a bounded batch processor, and the exporters.
+
+The processor follows four rules: a bounded queue that drops and counts when full (never
+blocks the training thread); one daemon worker thread, started lazily; rebuilt state in a
+forked child, which exports nothing it inherited; and shutdown that respects a deadline
+whatever the exporter does.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Callable, Sequence
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import format_span_id, format_trace_id
+
+from torchtrace.export.files import JsonLinesFile
+
+logger = logging.getLogger(__name__)
+
+DropCallback = Callable[[str, int], None]
+
+
+class BoundedBatchSpanProcessor(SpanProcessor):
+    """Batches finished spans to one exporter from a background thread.
+
+    Args:
+        exporter: where batches go.
+        max_queue: spans held at most; more are dropped and reported as ``queue_full``.
+        on_drop: ``on_drop(reason, count)`` for every lost span (queue_full, export_failed,
+            shutdown).
+        schedule_delay_s: the longest a span waits before its batch is sent.
+        max_batch: spans per export call.
+    """
+
+    def __init__(self, exporter: SpanExporter, max_queue: int = 4096, on_drop: DropCallback | None = None,
+                 schedule_delay_s: float = 1.0, max_batch: int = 512) -> None:
+        self.exporter = exporter
+        self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.schedule_delay_s = schedule_delay_s
+        self._on_drop = on_drop or (lambda reason, n: None)
+        self.exported = 0
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self._init_state()
+        self._pid = os.getpid()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (p := ref()) and p._after_fork())
+
+    def _init_state(self) -> None:
+        self._queue: collections.deque[ReadableSpan] = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._worker: threading.Thread | None = None
+        self._shutdown = False
+        self._flush_requests = 0
+        self._in_flight = 0
+
+    def _after_fork(self) -> None:
+        # A forked child (a DataLoader worker) must not export its parent's spans, nor any
+        # of its own: the parent owns the run's telemetry.
+        self._init_state()
+        self._shutdown = True
+        self._pid = os.getpid()
+
+    def _drop(self, reason: str, count: int) -> None:
+        if count <= 0:
+            return
+        self.dropped[reason] += count
+        try:
+            self._on_drop(reason, count)
+        except Exception:  # the drop counter must never raise into on_end
+            logger.debug("drop callback failed", exc_info=True)
+
+    # ------------------------------------------------------------ SpanProcessor
+    def on_start(self, span, parent_context=None) -> None:  # noqa: D401 - SDK signature
+        return None
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self._shutdown:
+            if os.getpid() == self._pid:
+                self._drop("shutdown", 1)
+            return
+        with self._cond:
+            if len(self._queue) >= self.max_queue:
+                full = True
+            else:
+                full = False
+                self._queue.append(span)
+                if self._worker is None:
+                    self._start_worker()
+                if len(self._queue) >= self.max_batch:
+                    self._cond.notify()
+        if full:
+            self._drop("queue_full", 1)
+
+    def _start_worker(self) -> None:
+        self._worker = threading.Thread(target=self._run, name="torchtrace-span-export", daemon=True)
+        self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue and not self._shutdown and not self._flush_requests:
+                    self._cond.wait(self.schedule_delay_s)
+                if self._shutdown and not self._queue:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+                self._in_flight = len(batch)
+                if not self._queue:
+                    self._flush_requests = 0
+                    self._cond.notify_all()
+            if batch:
+                self._export(batch)
+            with self._cond:
+                self._in_flight = 0
+                self._cond.notify_all()
+
+    def _export(self, batch: list[ReadableSpan]) -> None:
+        try:
+            result = self.exporter.export(batch)
+        except Exception as exc:  # an exporter bug must not kill the worker
+            logger.warning("span exporter %s raised %s; %d span(s) lost", type(self.exporter).__name__,
+                           type(exc).__name__, len(batch))
+            result = SpanExportResult.FAILURE
+        if result == SpanExportResult.SUCCESS:
+            self.exported += len(batch)
+        else:
+            self._drop("export_failed", len(batch))
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        deadline = time.monotonic() + timeout_millis / 1000.0
+        with self._cond:
+            if self._worker is None or self._shutdown:
+                return not self._queue
+            self._flush_requests += 1
+            self._cond.notify_all()
+            while self._queue or self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def shutdown(self, timeout_s: float = 3.0) -> None:  # type: ignore[override]
+        """Flush what fits in ``timeout_s``, count the rest as dropped, stop the exporter."""
+        if self._shutdown:
+            return
+        deadline = time.monotonic() + timeout_s
+        self.force_flush(int(max(0.0, timeout_s * 0.7) * 1000))
+        with self._cond:
+            self._shutdown = True
+            left = len(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        self._drop("shutdown", left)
+        worker = self._worker
+        if worker is not None:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        stopper = threading.Thread(target=self._stop_exporter, name="torchtrace-exporter-stop", daemon=True)
+        stopper.start()
+        stopper.join(max(0.05, deadline - time.monotonic()))
+
+    def _stop_exporter(self) -> None:
+        try:
+            self.exporter.shutdown()
+        except Exception:
+            logger.debug("exporter shutdown failed", exc_info=True)
+
+
+def span_to_dict(span: ReadableSpan) -> dict:
+    """A finished span as a plain dict (the spans.jsonl line format)."""
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "trace_id": format_trace_id(ctx.trace_id),
+        "span_id": format_span_id(ctx.span_id),
+        "parent_span_id": format_span_id(parent.span_id) if parent is not None else None,
+        "name": span.name,
+        "start_unix_ns": span.start_time,
+        "end_unix_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "status_description": span.status.description,
+        "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()},
+        "events": [
+            {"name": e.name, "time_unix_ns": e.timestamp,
+             "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (e.attributes or {}).items()}}
+            for e in span.events
+        ],
+        "resource": dict(span.resource.attributes) if span.resource is not None else {},
+    }
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends finished spans to a JSON-lines file (the embedded default)."""
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        self.file = JsonLinesFile(path, max_bytes)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        written = self.file.write_many([span_to_dict(s) for s in spans])
+        return SpanExportResult.SUCCESS if written == len(spans) else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.file.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=None) -> SpanExporter:
+    """The SDK's OTLP exporter for ``protocol`` ("grpc" or "http/protobuf").
+
+    ``endpoint`` is the base endpoint, as in ``OTEL_EXPORTER_OTLP_ENDPOINT``; for HTTP,
+    ``/v1/traces`` is appended unless the path already ends with it. TLS follows the scheme:
+    https uses TLS (``OTEL_EXPORTER_OTLP_CERTIFICATE`` names a CA file), http does not.
+    """
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        insecure = endpoint.startswith("http://")
+        return GrpcExporter(endpoint=endpoint, insecure=insecure, timeout=timeout_s,
+                            headers=dict(headers) if headers else None)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    url = endpoint.rstrip("/")
+    if not url.endswith("/v1/traces"):
+        url += "/v1/traces"
+    return HttpExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None)
+
+
+def tracer_provider(resource: Resource) -> TracerProvider:
+    """A private provider: torchtrace never replaces the application's global one."""
+    return TracerProvider(resource=resource, shutdown_on_exit=False)

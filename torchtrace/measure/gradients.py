@@ -1,0 +1,159 @@
+"""Gradient statistics with fused multi-tensor kernels, computed on the device.
+
+The non-finite check comes from the norms: a tensor's L2 norm is NaN exactly when the tensor
+holds a NaN. An infinite norm means an Inf element *or* a sum of squares that overflowed
+(large finite values); :func:`classify_infinite` tells the two apart on the rare path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class ParamRef:
+    """A parameter that may carry a gradient, with its name in the model."""
+
+    name: str
+    param: torch.Tensor
+
+
+@dataclass
+class GradStats:
+    """Per-tensor gradient norms on the device, in the order of ``names``.
+
+    ``norms`` is a float32 (or float64 when any gradient is float64) 1-D tensor; ``total`` is
+    the global L2 norm as a 0-d float64 tensor. Both stay on the device until the record's
+    single host read.
+    """
+
+    names: list[str]
+    norms: torch.Tensor
+    total: torch.Tensor
+    grads: list[torch.Tensor]  # dense views used; kept only until the record is read
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+
+def named_params(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> list[ParamRef]:
+    """The parameters to watch, deduplicated (shared parameters appear once).
+
+    With an optimizer, exactly the tensors it updates, named after the model when one is
+    given; otherwise the model's parameters.
+    """
+    names: dict[int, str] = {}
+    if model is not None:
+        for name, p in model.named_parameters(remove_duplicate=True):
+            names.setdefault(id(p), name)
+    refs: list[ParamRef] = []
+    seen: set[int] = set()
+    if optimizer is not None:
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                refs.append(ParamRef(names.get(id(p), f"group{gi}.param{pi}"), p))
+        return refs
+    if model is not None:
+        for name, p in model.named_parameters(remove_duplicate=True):
+            if id(p) not in seen:
+                seen.add(id(p))
+                refs.append(ParamRef(name, p))
+    return refs
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """The values whose norm is the gradient's norm, for every layout torch uses."""
+    if grad.is_sparse:
+        return grad.coalesce().values()
+    if grad.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return grad.values()
+    if hasattr(grad, "to_local") and type(grad).__name__ == "DTensor":
+        return grad.to_local()
+    return grad
+
+
+def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
+    """Per-tensor L2 norms of the gradients and their global norm, without a host read.
+
+    Parameters without a gradient are left out. Low-precision gradients are reduced in
+    float32 so a large finite fp16 gradient does not overflow its norm. Returns ``None`` when
+    no parameter has a gradient.
+    """
+    names: list[str] = []
+    grads: list[torch.Tensor] = []
+    for ref in params:
+        g = ref.param.grad
+        if g is None:
+            continue
+        names.append(ref.name)
+        grads.append(_dense(g))
+    if not grads:
+        return None
+    # Group by (device, dtype): foreach kernels want uniform lists, and the output dtype
+    # follows the input's (complex -> real).
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    any_f64 = any(g.dtype in (torch.float64, torch.complex128) for g in grads)
+    out_dtype = torch.float64 if any_f64 else torch.float32
+    home = grads[0].device
+    pieces: list[torch.Tensor] = []
+    order: list[int] = []
+    for (device, dtype), idx in groups.items():
+        tensors = [grads[i] for i in idx]
+        if dtype in _LOW_PRECISION:
+            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        elif dtype.is_floating_point or dtype.is_complex:
+            norms = torch._foreach_norm(tensors, 2)
+        else:  # integer gradients do not occur in autograd; be safe anyway
+            norms = [torch.linalg.vector_norm(t.double()) for t in tensors]
+        stacked = torch.stack([n.to(out_dtype) for n in norms])
+        if device != home:
+            stacked = stacked.to(home, non_blocking=True)
+        pieces.append(stacked)
+        order.extend(idx)
+    norms = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    # Names follow the grouped order so no device-side permutation is needed.
+    names = [names[i] for i in order]
+    grads = [grads[i] for i in order]
+    total = torch.linalg.vector_norm(norms.to(torch.float64))
+    return GradStats(names=names, norms=norms, total=total, grads=grads)
+
+
+def classify_infinite(grads: Iterable[torch.Tensor]) -> list[bool]:
+    """For gradients whose norm came out infinite: True where an element really is ±Inf/NaN.
+
+    This reads the device; call it only on the anomaly path, never on a healthy step.
+    """
+    return [bool((~torch.isfinite(g)).any()) for g in grads]
+
+
+def parameter_norms(params: Sequence[ParamRef]) -> torch.Tensor | None:
+    """Per-tensor L2 norms of the parameters themselves (for finiteness and update ratios)."""
+    tensors = [ref.param.detach() for ref in params]
+    if not tensors:
+        return None
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    result: list[torch.Tensor | None] = [None] * len(tensors)
+    for (_device, dtype), idx in groups.items():
+        ts = [_dense(tensors[i]) for i in idx]
+        if dtype in _LOW_PRECISION:
+            norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
+        else:
+            norms = torch._foreach_norm(ts, 2)
+        for i, n in zip(idx, norms):
+            result[i] = n
+    home = tensors[0].device
+    out = [r.to(device=home, dtype=torch.float64) for r in result if r is not None]
+    return torch.stack(out)

@@ -1,0 +1,60 @@
+"""Memory samples: process RSS from the OS, CUDA allocator counters (host-side, no sync)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+_PROCESS: psutil.Process | None = None
+
+
+def _process() -> psutil.Process:
+    global _PROCESS
+    if _PROCESS is None or _PROCESS.pid != __import__("os").getpid():
+        _PROCESS = psutil.Process()
+    return _PROCESS
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """One memory sample, in bytes. CUDA fields are None without CUDA."""
+
+    rss: int
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+    cuda_peak_allocated: int | None = None
+    device: str = "cpu"
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {
+            "rss_bytes": self.rss,
+            "cuda_allocated_bytes": self.cuda_allocated,
+            "cuda_reserved_bytes": self.cuda_reserved,
+            "cuda_peak_allocated_bytes": self.cuda_peak_allocated,
+        }
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    return int(_process().memory_info().rss)
+
+
+def sample(cuda: bool = True) -> MemorySample:
+    """Process RSS, and the current CUDA device's allocator counters when CUDA is initialised.
+
+    The CUDA counters are kept by the caching allocator on the host: reading them does not
+    synchronise the device. CUDA is never initialised by this call.
+    """
+    rss = rss_bytes()
+    if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+        dev = torch.cuda.current_device()
+        return MemorySample(
+            rss=rss,
+            cuda_allocated=int(torch.cuda.memory_allocated(dev)),
+            cuda_reserved=int(torch.cuda.memory_reserved(dev)),
+            cuda_peak_allocated=int(torch.cuda.max_memory_allocated(dev)),
+            device=f"cuda:{dev}",
+        )
+    return MemorySample(rss=rss)

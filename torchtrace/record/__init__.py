@@ -1,0 +1,1 @@
+"""Per-step records: the one place device values reach the host, anomaly rules, history."""

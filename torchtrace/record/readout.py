@@ -1,0 +1,67 @@
+"""The one place torchtrace copies device values to the host.
+
+Every host read torchtrace makes goes through :func:`read`; it counts them so a test can
+prove there is at most one per recorded step. A read of a CUDA tensor can be *started*
+without waiting (:func:`start`: a non-blocking copy into pinned memory plus an event) and
+*finished* later (:meth:`Pending.result`), by which time the device has long moved on.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_reads = 0
+
+
+def reads() -> int:
+    """How many host reads torchtrace has made in this process."""
+    return _reads
+
+
+def _count() -> None:
+    global _reads
+    with _lock:
+        _reads += 1
+
+
+class Pending:
+    """A host copy of a 1-D tensor that may still be in flight."""
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, host: torch.Tensor, event: "torch.cuda.Event | None") -> None:
+        self._host = host
+        self._event = event
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> list[float]:
+        """The values as Python floats, waiting for the copy if it has not landed yet."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host.tolist()
+
+
+def start(values: torch.Tensor) -> Pending:
+    """Begin copying ``values`` (1-D) to the host; counts as the step's one host read."""
+    _count()
+    values = values.detach()
+    if values.device.type == "cuda":
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return Pending(host, event)
+    if values.device.type != "cpu":
+        return Pending(values.cpu(), None)
+    return Pending(values, None)
+
+
+def read(values: torch.Tensor) -> list[float]:
+    """Copy ``values`` (1-D) to the host now and return them as floats."""
+    return start(values).result()

@@ -1,0 +1,83 @@
+"""Anomaly rules: when a step's numbers are a problem. Host values in, anomalies out."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from torchtrace import semconv
+from torchtrace.record.step import Anomaly, StepRecord
+
+
+def _cap(names: Sequence[str]) -> list[str]:
+    return list(names[: semconv.MAX_NAMES_PER_ATTRIBUTE])
+
+
+def evaluate_gradients(
+    record: StepRecord,
+    names: Sequence[str],
+    norms: Sequence[float],
+    total: float | None,
+    explosion_threshold: float,
+    vanishing_threshold: float,
+    per_parameter: bool,
+    overflow_only: Sequence[str] = (),
+) -> None:
+    """Fill the record's gradient fields and append gradient anomalies.
+
+    ``overflow_only`` names tensors whose norm overflowed although every element is finite.
+    """
+    record.grad_names = list(names)
+    record.grad_norms = list(norms)
+    record.grad_norm = total
+    bad = [n for n, v in zip(names, norms) if not math.isfinite(v)]
+    record.grad_nonfinite_params = bad
+    if bad:
+        real = [n for n in bad if n not in overflow_only]
+        detail = f"{len(bad)} gradient tensor(s) non-finite: {', '.join(_cap(bad))}"
+        if overflow_only:
+            detail += f" (norm overflow with finite elements: {', '.join(_cap(overflow_only))})"
+        record.anomalies.append(Anomaly(semconv.NONFINITE_GRAD, detail, record.step, record.operation,
+                                        {"count": len(bad), "params": _cap(bad), "with_nonfinite_elements": _cap(real)}))
+        return
+    if total is None or not names:
+        return
+    if per_parameter:
+        exploded = [n for n, v in zip(names, norms) if v > explosion_threshold]
+        vanished = [n for n, v in zip(names, norms) if v < vanishing_threshold]
+    else:
+        exploded = []
+        vanished = []
+    record.grad_exploded_params = exploded
+    record.grad_vanished_params = vanished
+    if total > explosion_threshold or exploded:
+        record.anomalies.append(Anomaly(
+            semconv.GRAD_EXPLOSION,
+            f"gradient norm {total:.4g} over threshold {explosion_threshold:.4g}"
+            + (f"; tensors over it: {', '.join(_cap(exploded))}" if exploded else ""),
+            record.step, record.operation,
+            {"grad_norm": total, "threshold": explosion_threshold, "params": _cap(exploded)},
+        ))
+    if total < vanishing_threshold or vanished:
+        record.anomalies.append(Anomaly(
+            semconv.GRAD_VANISHING,
+            f"gradient norm {total:.4g} under threshold {vanishing_threshold:.4g}"
+            + (f"; tensors under it: {', '.join(_cap(vanished))}" if vanished else ""),
+            record.step, record.operation,
+            {"grad_norm": total, "threshold": vanishing_threshold, "params": _cap(vanished)},
+        ))
+
+
+def evaluate_loss(record: StepRecord) -> None:
+    if record.loss is not None and not math.isfinite(record.loss):
+        record.anomalies.append(Anomaly(semconv.NONFINITE_LOSS, f"loss is {record.loss}", record.step,
+                                        record.operation, {"loss": record.loss}))
+
+
+def evaluate_parameters(record: StepRecord, names: Sequence[str], norms: Sequence[float]) -> None:
+    bad = [n for n, v in zip(names, norms) if not math.isfinite(v)]
+    record.param_nonfinite_params = bad
+    if bad:
+        record.anomalies.append(Anomaly(
+            semconv.NONFINITE_PARAM, f"{len(bad)} parameter tensor(s) non-finite: {', '.join(_cap(bad))}",
+            record.step, record.operation, {"count": len(bad), "params": _cap(bad)}))

@@ -1,0 +1,111 @@
+"""Every telemetry name torchtrace emits, written once.
+
+Dashboards, alert rules and tests depend on these names: add to them, never rename.
+Prometheus names are given as scraped (counters carry their ``_total`` suffix here; the
+metric objects are created without it, as prometheus_client expects).
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- span attributes
+ATTR_PREFIX = "torchtrace."
+STEP = "torchtrace.step"
+OPERATION = "torchtrace.operation"
+LEVEL = "torchtrace.level"
+RANK = "torchtrace.rank"
+LOSS = "torchtrace.loss"
+GRAD_NORM = "torchtrace.grad.norm"  # global L2 norm, before clipping
+GRAD_NORM_SCOPE = "torchtrace.grad.norm_scope"  # "local" or "global" (sharded runs)
+GRAD_NONFINITE_COUNT = "torchtrace.grad.nonfinite_count"
+GRAD_NONFINITE_PARAMS = "torchtrace.grad.nonfinite_params"  # names, capped
+GRAD_EXPLODED_PARAMS = "torchtrace.grad.exploded_params"  # names, capped
+GRAD_VANISHED_PARAMS = "torchtrace.grad.vanished_params"  # names, capped
+GRAD_PARAM_COUNT = "torchtrace.grad.param_count"  # tensors with a gradient
+PARAM_NONFINITE_PARAMS = "torchtrace.param.nonfinite_params"
+ANOMALY_KINDS = "torchtrace.anomaly.kinds"
+MEMORY_RSS_BYTES = "torchtrace.memory.rss_bytes"
+MEMORY_CUDA_ALLOCATED_BYTES = "torchtrace.memory.cuda_allocated_bytes"
+MEMORY_CUDA_RESERVED_BYTES = "torchtrace.memory.cuda_reserved_bytes"
+MEMORY_CUDA_PEAK_BYTES = "torchtrace.memory.cuda_peak_allocated_bytes"
+STEP_SKIPPED = "torchtrace.step.skipped"  # the guard skipped the optimizer update
+OVERHEAD_SECONDS = "torchtrace.overhead_seconds"
+
+# ---------------------------------------------------------------- span events
+EVENT_ANOMALY = "torchtrace.anomaly"
+EVENT_FORENSICS = "torchtrace.forensics"
+EVENT_ANOMALY_KIND = "torchtrace.anomaly.kind"
+EVENT_ANOMALY_DETAIL = "torchtrace.anomaly.detail"
+
+# ---------------------------------------------------------------- resource attributes
+RESOURCE_RUN_ID = "torchtrace.run_id"
+RESOURCE_RANK = "torchtrace.rank"
+RESOURCE_LOCAL_RANK = "torchtrace.local_rank"
+RESOURCE_WORLD_SIZE = "torchtrace.world_size"
+RESOURCE_INSTANCE_ID = "service.instance.id"
+
+# ---------------------------------------------------------------- metrics (as scraped)
+M_STEPS = "torchtrace_steps_total"  # counter {operation}
+M_STEP_DURATION = "torchtrace_step_duration_seconds"  # histogram {operation}, exemplar trace_id
+M_LOSS = "torchtrace_loss"  # gauge {operation}
+M_GRAD_NORM = "torchtrace_grad_norm"  # gauge {operation}
+M_GRAD_NONFINITE = "torchtrace_grad_nonfinite_tensors"  # gauge {operation}
+M_ANOMALIES = "torchtrace_anomalies_total"  # counter {operation, kind}
+M_SKIPPED = "torchtrace_skipped_steps_total"  # counter {operation}
+M_MEMORY = "torchtrace_memory_bytes"  # gauge {device, kind}
+M_MEMORY_GROWTH = "torchtrace_memory_growth_bytes_per_step"  # gauge {device}
+M_LAST_STEP_TS = "torchtrace_last_step_timestamp_seconds"  # gauge {operation}
+M_SPANS_DROPPED = "torchtrace_spans_dropped_total"  # counter {reason}
+M_INTERNAL_ERRORS = "torchtrace_internal_errors_total"  # counter {component}
+M_RANK_SKEW = "torchtrace_rank_step_skew"  # gauge
+M_OVERHEAD = "torchtrace_overhead_seconds_total"  # counter
+M_BUILD_INFO = "torchtrace_build_info"  # gauge {version, level}
+
+ALL_METRICS = (
+    M_STEPS, M_STEP_DURATION, M_LOSS, M_GRAD_NORM, M_GRAD_NONFINITE, M_ANOMALIES,
+    M_SKIPPED, M_MEMORY, M_MEMORY_GROWTH, M_LAST_STEP_TS, M_SPANS_DROPPED,
+    M_INTERNAL_ERRORS, M_RANK_SKEW, M_OVERHEAD, M_BUILD_INFO,
+)
+
+# Labels every series carries.
+COMMON_LABELS = ("run_id", "rank")
+
+# ---------------------------------------------------------------- closed label sets
+# Anomaly kinds: a fixed set. Add to it, never rename.
+NONFINITE_LOSS = "nonfinite_loss"
+NONFINITE_GRAD = "nonfinite_grad"
+NONFINITE_PARAM = "nonfinite_param"
+GRAD_EXPLOSION = "grad_explosion"
+GRAD_VANISHING = "grad_vanishing"
+LOSS_SPIKE = "loss_spike"
+MEMORY_LEAK = "memory_leak"
+NONFINITE_INPUT = "nonfinite_input"
+NONFINITE_OUTPUT = "nonfinite_output"
+UNIFORM_OUTPUT = "uniform_output"
+OOM = "oom"
+STEP_TIME_REGRESSION = "step_time_regression"
+
+ANOMALY_KINDS_ALL = (
+    NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, GRAD_EXPLOSION, GRAD_VANISHING,
+    LOSS_SPIKE, MEMORY_LEAK, NONFINITE_INPUT, NONFINITE_OUTPUT, UNIFORM_OUTPUT, OOM,
+    STEP_TIME_REGRESSION,
+)
+# Kinds that make a step "non-finite": span status ERROR, guard policies apply.
+NONFINITE_KINDS = frozenset({NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM})
+
+MEMORY_KINDS = ("rss", "allocated", "reserved", "peak_allocated")
+DROP_REASONS = ("queue_full", "export_failed", "shutdown")
+# torchtrace's own components, for torchtrace_internal_errors_total{component}.
+COMPONENTS = (
+    "step", "gradients", "memory", "record", "tracing", "metrics", "files", "server",
+    "forensics", "profiler", "distributed", "logging", "other",
+)
+
+# Histogram buckets for a training step (seconds): 1 ms to 10 min.
+STEP_DURATION_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0, 600.0,
+)
+
+# Caps on what goes into one span.
+MAX_NAMES_PER_ATTRIBUTE = 32
+MAX_ATTRIBUTE_LENGTH = 1024
