@@ -1,0 +1,39 @@
+"""Small helpers shared by tests: reading spans, scraping metrics."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+import torchtrace as tt
+
+
+def read_spans(path) -> list[dict]:
+    tt.flush()
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def scrape(url: str, openmetrics: bool = False) -> dict:
+    """{(name, frozenset(labels)): value} from a real HTTP scrape; exemplars under key 'exemplars'."""
+    headers = {"Accept": "application/openmetrics-text; version=1.0.0"} if openmetrics else {}
+    req = urllib.request.Request(url, headers=headers)
+    body = urllib.request.urlopen(req, timeout=5).read().decode()
+    families = parse_openmetrics(body) if openmetrics else parse_text(body)
+    out: dict = {"exemplars": []}
+    for fam in families:
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+            if getattr(s, "exemplar", None):
+                out["exemplars"].append((s.name, s.labels, s.exemplar))
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    matches = [v for (n, ls), v in ((k, v) for k, v in samples.items() if k != "exemplars")
+               if n == name and all(dict(ls).get(k) == str(x) for k, x in labels.items())]
+    assert len(matches) == 1, f"{name} {labels}: {len(matches)} series"
+    return matches[0]

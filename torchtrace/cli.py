@@ -1,0 +1,40 @@
+"""The ``torchtrace`` command: ``demo`` (and ``report``, when available)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from torchtrace._version import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchtrace", description="Production telemetry for PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"torchtrace {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from torchtrace import demo
+
+    demo.add_subcommand(sub)
+    try:
+        from torchtrace import report_cli
+    except ImportError:
+        report_cli = None
+    if report_cli is not None:
+        report_cli.add_report_subcommand(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"torchtrace: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
