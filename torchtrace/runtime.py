@@ -113,7 +113,7 @@ class Runtime:
             semconv.RESOURCE_WORLD_SIZE: ident.world_size,
             semconv.RESOURCE_INSTANCE_ID: ident.instance_id,
             "host.name": ident.node,
-            "telemetry.sdk.name.torchtrace": __version__,
+            "torchtrace.version": __version__,
         }
         attrs.update(self.settings.resource_attributes or {})
         resource = Resource.create(attrs)

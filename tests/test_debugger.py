@@ -1,0 +1,154 @@
+"""The seeds' debugger API against references computed another way."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+import torchtrace as tt
+
+
+def grads_model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    m(torch.randn(7, 6)).pow(2).sum().backward()
+    return m
+
+
+def ref_norm(t):
+    return math.sqrt(sum(v * v for v in t.detach().double().reshape(-1).tolist()))
+
+
+def test_check_gradients_norm_stats_and_anomalies():
+    m = grads_model()
+    dbg = tt.create_pytorch_debugger()
+    report = dbg.check_gradients(m, gradient_threshold=1e9)
+    ref_total = math.sqrt(sum(ref_norm(p.grad) ** 2 for p in m.parameters()))
+    assert float(report) == pytest.approx(ref_total, rel=1e-9)
+    for name, p in m.named_parameters():
+        st = report["param_stats"][name]
+        vals = p.grad.double().reshape(-1).tolist()
+        mean = sum(vals) / len(vals)
+        assert st["norm"] == pytest.approx(ref_norm(p.grad), rel=1e-9)
+        assert st["mean"] == pytest.approx(mean, rel=1e-9, abs=1e-15)
+        assert st["max"] == max(vals) and st["min"] == min(vals)
+    assert report["anomalies"] == []
+    low = dbg.check_gradients(m, gradient_threshold=1e-6)
+    assert [a["kind"] for a in low["anomalies"]] == ["grad_explosion"]
+
+
+def test_explosion_vanishing_names_and_nonfinite():
+    m = grads_model()
+    dbg = tt.PyTorchDebugger()
+    norms = {n: ref_norm(p.grad) for n, p in m.named_parameters()}
+    thr = sorted(norms.values())[1]
+    assert dbg.check_gradient_explosion(m, threshold=thr) == [n for n, v in norms.items() if v > thr]
+    assert dbg.check_gradient_vanishing(m, threshold=thr) == [n for n, v in norms.items() if v < thr]
+    m[0].weight.grad[0, 0] = float("nan")
+    rep = dbg.check_gradients(m)
+    assert rep["nonfinite_params"] == ["0.weight"] and math.isnan(float(rep))
+    assert "0.weight" in dbg.check_gradient_explosion(m, threshold=1e9)
+
+
+def test_analyze_tensor_matches_reference():
+    t = torch.tensor([[1.0, 2.0], [float("nan"), 4.0], [float("inf"), -3.0]])
+    info = tt.PyTorchDebugger().analyze_tensor(t, "x")
+    finite = [1.0, 2.0, 4.0, -3.0]
+    mean = sum(finite) / 4
+    std = math.sqrt(sum((v - mean) ** 2 for v in finite) / 3)
+    assert info["nan_count"] == 1 and info["inf_count"] == 1 and info["has_nan"] and info["has_inf"]
+    assert info["mean"] == pytest.approx(mean) and info["std"] == pytest.approx(std)
+    assert (info["min"], info["max"]) == (-3.0, 4.0)
+    assert info["shape"] == [3, 2] and info["dtype"] == "float32" and info["bytes"] == 24
+
+
+def test_model_parameters_analysis():
+    m = grads_model()
+    m[2].weight.requires_grad_(False)
+    out = tt.PyTorchDebugger().check_model_parameters(m)
+    assert out["total_parameters"] == 6 * 5 + 5 + 5 * 2 + 2
+    assert out["frozen_parameters"] == 5 * 2 and out["ok"]
+    with torch.no_grad():
+        m[0].bias[1] = float("inf")
+    bad = tt.PyTorchDebugger().check_model_parameters(m)
+    assert bad["nonfinite_params"] == ["0.bias"] and not bad["ok"]
+
+
+def test_gradient_flow_and_clipping_on_anomaly():
+    m = grads_model()
+    flow = tt.PyTorchDebugger().analyze_gradient_flow(m)
+    assert [l["name"] for l in flow["layers"]] == [n for n, _ in m.named_parameters()]
+    w = m[0].weight.grad
+    assert flow["layers"][0]["max_abs"] == pytest.approx(float(w.abs().max()))
+    dbg = tt.create_pytorch_debugger(clip_on_anomaly=True, clip_max_norm=0.5, gradient_threshold=1e-3)
+    dbg.check_gradients(m)
+    assert math.sqrt(sum(ref_norm(p.grad) ** 2 for p in m.parameters())) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_anomaly_detection_modes_and_state_restored():
+    dbg = tt.create_pytorch_debugger(enable_anomaly_detection=True)
+    assert not torch.is_anomaly_enabled()
+    x = torch.tensor([-1.0], requires_grad=True)
+    with pytest.raises(RuntimeError):
+        with dbg.anomaly_detection("detect"):
+            assert torch.is_anomaly_enabled()
+            torch.sqrt(x).sum().backward()
+    assert not torch.is_anomaly_enabled()
+    with pytest.warns(RuntimeWarning):
+        with dbg.anomaly_detection("warn"):
+            torch.sqrt(x).sum().backward()
+    assert not torch.is_anomaly_enabled()
+    assert dbg.get_debug_summary()["events_by_type"]["autograd_anomaly"] == 2
+    with pytest.raises(ValueError, match="detect, warn, raise"):
+        with dbg.anomaly_detection("loud"):
+            pass
+
+
+def test_summary_report_and_clear(tmp_path, caplog):
+    m = grads_model()
+    m[0].weight.grad[0, 0] = float("inf")
+    dbg = tt.create_pytorch_debugger()
+    with caplog.at_level(logging.WARNING, logger="torchtrace.debugger"):
+        dbg.check_gradients(m)
+    assert "gradient_anomaly" in caplog.text
+    summary = dbg.get_debug_summary()
+    assert summary["total_anomalies"] >= 1
+    path = dbg.save_debug_report(tmp_path / "r.json")
+    data = json.loads(open(path).read(), parse_constant=lambda c: pytest.fail("bare NaN"))
+    assert data["events"][0]["type"] == "gradient_anomaly"
+    dbg.clear_debug_data()
+    assert dbg.get_debug_summary()["total_events"] == 0
+
+
+def test_bad_debugger_settings_raise_naming_the_setting():
+    with pytest.raises(ValueError, match="explosion_threshold"):
+        tt.create_pytorch_debugger(explosion_threshold=0)
+    with pytest.raises(ValueError, match="anomaly_mode"):
+        tt.create_pytorch_debugger(anomaly_mode="loud")
+    with pytest.raises(TypeError, match="unknown debugger setting"):
+        tt.create_pytorch_debugger(enable_everything=True)
+
+
+def test_debug_training_session_is_a_span(tt_runtime):
+    m = grads_model()
+    with tt.debug_training_session(m, enable_anomaly_detection=True) as dbg:
+        assert torch.is_anomaly_enabled()
+        with tt.debug_context("train_step", model=m):
+            pass
+    assert not torch.is_anomaly_enabled()
+    from tests.helpers import read_spans
+
+    spans = {s["name"]: s for s in read_spans(tt_runtime.spans_path)}
+    assert spans["train_step"]["parent_span_id"] == spans["training_session"]["span_id"]
+    assert dbg.get_debug_summary()["events_by_type"]["session_finished"] == 1
+
+
+def test_public_names_import():
+    for name in tt.__all__:
+        assert getattr(tt, name) is not None, name
+    assert tt.DebugLevel.ADVANCED.value == "advanced" and tt.OptimizationMode.AMP.value == "amp"
+    assert tt.DebugMode.FULL_DEBUG.value == "full_debug"
