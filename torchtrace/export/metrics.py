@@ -98,6 +98,16 @@ class Metrics:
         for reason in semconv.DROP_REASONS:
             self.spans_dropped.labels(run_id, self.rank, reason)
         self.overhead.labels(run_id, self.rank)
+        for component in semconv.COMPONENTS:
+            self.internal_errors.labels(run_id, self.rank, component)
+        self._known_ops: set[str] = set()
+
+    def _first_seen(self, op: str) -> None:
+        """Create an operation's counters at zero, so ``increase()`` sees their first step."""
+        self._known_ops.add(op)
+        for kind in semconv.ANOMALY_KINDS_ALL:
+            self.anomalies.labels(self.run_id, self.rank, op, kind)
+        self.skipped.labels(self.run_id, self.rank, op)
 
     def set_level(self, level: str) -> None:
         if level == self._level:
@@ -112,6 +122,8 @@ class Metrics:
     def observe_step(self, record: StepRecord) -> None:
         """Update the step instruments from a finished record."""
         op = self.operation(record.operation)
+        if op not in self._known_ops:
+            self._first_seen(op)
         lv = (self.run_id, self.rank, op)
         self.steps.labels(*lv).inc()
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
