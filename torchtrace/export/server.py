@@ -38,6 +38,10 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = False
     request_queue_size = 64
 
+    def handle_error(self, request, client_address) -> None:
+        # A client that hangs up or sends garbage is not worth a traceback on stderr.
+        logger.debug("telemetry server: error serving a request", exc_info=True)
+
     def server_bind(self) -> None:
         # allow_reuse_address=False so two processes never share a port; SO_REUSEADDR is
         # still not set (it would let a second bind succeed on some platforms).
