@@ -220,3 +220,11 @@ def test_host_parsing():
     assert debug_api._host_name("[::1]:80") == "::1"
     assert debug_api._host_name("LOCALHOST.") == "localhost"
     assert debug_api._host_name("localhost.evil.example") == "localhost.evil.example"
+
+
+def test_bad_token_in_environment_is_logged_and_replaced(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCHTRACE_DEBUG_TOKEN", "short")
+    with caplog.at_level(logging.WARNING):
+        tt.configure(prometheus_port=0, write_files=False, register_atexit=False)
+    assert "ignoring TORCHTRACE_DEBUG_TOKEN" in caplog.text and "short" not in caplog.text
+    assert runtime().debug_api.token != "short" and len(runtime().debug_api.token) >= 40

@@ -51,8 +51,6 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "localhost.localdom
 _JSON = "application/json"
 _TEXT = "text/plain; charset=utf-8"
 
-Response = "tuple[int, str, bytes, dict[str, str]]"
-
 
 def history_training_summary(runtime) -> dict[str, Any]:
     """The training monitor's summary computed from the runtime's history.
