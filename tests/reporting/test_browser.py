@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtrace.reporting.html import write_html_report
+from torchtrace.reporting.htmlreport import write_html_report
 
 from ..conftest import require_binary
 from ..export.debug_helpers import Trainer, runtime

@@ -118,7 +118,8 @@ class TelemetryServer:
 
     def handle(self, method: str, request) -> tuple[int, str, bytes, dict]:
         path = request.path.split("?", 1)[0]
-        matched = [r for r in self.routes if r.path == path or (r.path.endswith("/") and r.path != "/" and path.startswith(r.path))]
+        matched = [r for r in self.routes
+                   if r.path == path or (r.path.endswith("/") and r.path != "/" and path.startswith(r.path))]
         if not matched:
             return 404, "text/plain; charset=utf-8", b"not found\n", {}
         for route in matched:

@@ -4,7 +4,7 @@
 """
 
 from torchtrace.reporting.cli import add_report_subcommand
-from torchtrace.reporting.html import html_report, write_html_report
+from torchtrace.reporting.htmlreport import html_report, write_html_report
 from torchtrace.reporting.page import live_page
 from torchtrace.reporting.terminal import terminal_report
 

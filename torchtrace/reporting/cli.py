@@ -23,7 +23,7 @@ def add_report_subcommand(subparsers) -> argparse.ArgumentParser:
 
 def run_report(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the process exit status."""
-    from torchtrace.reporting.html import write_html_report
+    from torchtrace.reporting.htmlreport import write_html_report
     from torchtrace.reporting.terminal import terminal_report
 
     try:

@@ -6,6 +6,8 @@ import collections
 import math
 from typing import Any
 
+_LOSS_KINDS = frozenset({"nonfinite_loss", "loss_spike"})
+
 
 def training_summary_from_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Steps, anomalous steps and per-step rates by anomaly kind, from step summaries.
@@ -31,7 +33,7 @@ def training_summary_from_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "anomaly_rate": rate(anomalous),
         "anomalies_by_kind": dict(by_kind),
         "rates_by_kind": {k: rate(v) for k, v in sorted(by_kind.items())},
-        "loss_anomaly_rate": rate(sum(1 for s in steps if {"nonfinite_loss", "loss_spike"} & set(s.get("anomalies") or []))),
+        "loss_anomaly_rate": rate(sum(1 for s in steps if _LOSS_KINDS & set(s.get("anomalies") or []))),
         "explosion_rate": rate(by_kind.get("grad_explosion", 0)),
         "vanishing_rate": rate(by_kind.get("grad_vanishing", 0)),
     }

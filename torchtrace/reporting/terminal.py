@@ -102,7 +102,8 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
     anomaly_events = [e for e in run.events if e.get("type") == "anomaly"]
     for e in anomaly_events[:MAX_ANOMALY_LINES]:
         d = e.get("data") or {}
-        lines.append(f"    step {d.get('step')} {d.get('operation')}: {d.get('kind')}: {d.get('detail') or e.get('message')}")
+        detail = d.get("detail") or e.get("message")
+        lines.append(f"    step {d.get('step')} {d.get('operation')}: {d.get('kind')}: {detail}")
     if len(anomaly_events) > MAX_ANOMALY_LINES:
         lines.append(f"    ... {len(anomaly_events) - MAX_ANOMALY_LINES} more")
     forensics = [e for e in run.events if "forensic" in str(e.get("type"))]
