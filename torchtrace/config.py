@@ -41,6 +41,10 @@ ENV_GUARD = "TORCHTRACE_GUARD"
 """Guard policy for a non-finite step: warn, skip or raise."""
 ENV_STRICT = "TORCHTRACE_STRICT"
 """``1``: torchtrace's own internal errors are raised (for torchtrace's tests), not swallowed."""
+ENV_DEBUG_API = "TORCHTRACE_DEBUG_API"
+"""``0``/``false``: no /debug endpoints and no live page beside /metrics. Default on."""
+ENV_DEBUG_TOKEN = "TORCHTRACE_DEBUG_TOKEN"
+"""The token mutating /debug requests must carry (``Authorization: Bearer``). Default: random per process."""
 ENV_OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
@@ -95,6 +99,8 @@ class Settings:
     record_exception_messages: bool = False
     register_atexit: bool = True
     resource_attributes: Mapping[str, Any] | None = None
+    debug_api: bool = True
+    debug_token: str | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -243,6 +249,13 @@ def _mapping(value: Any, setting: str) -> Mapping[str, Any]:
     return dict(value)
 
 
+def _debug_token(value: Any, setting: str) -> str:
+    if not isinstance(value, str) or len(value.strip()) < 16 or any(c.isspace() or not c.isprintable() for c in value):
+        raise ValueError(f"{setting}=<hidden> is not valid; accepted values: a string of at least 16 printable "
+                         "characters without spaces")
+    return value
+
+
 _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "disabled": _bool,
     "service_name": _nonempty_str,
@@ -270,6 +283,8 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "record_exception_messages": _bool,
     "register_atexit": _bool,
     "resource_attributes": _mapping,
+    "debug_api": _bool,
+    "debug_token": _debug_token,
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -287,6 +302,8 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "otlp_protocol": ((ENV_OTLP_TRACES_PROTOCOL, ENV_OTLP_PROTOCOL), _choice(OTLP_PROTOCOLS)),
     "guard": ((ENV_GUARD,), _choice(GUARD_POLICIES)),
     "strict": ((ENV_STRICT,), _bool),
+    "debug_api": ((ENV_DEBUG_API,), _bool),
+    "debug_token": ((ENV_DEBUG_TOKEN,), _debug_token),
 }
 
 

@@ -94,6 +94,7 @@ class Runtime:
         self.spans_path: Path | None = None
         self.report_path: Path | None = None
         self.run_path: Path | None = None
+        self.debug_api = None  # torchtrace.export.debug_api.DebugAPI when served
 
         self.metrics = Metrics(settings.run_id, self.identity.rank, __version__, self.level.value)
         self.errors = InternalErrors(self.metrics.internal_error, settings.strict)
@@ -153,9 +154,15 @@ class Runtime:
             return
         port = s.prometheus_port + self.identity.local_rank if s.prometheus_port else 0
         server = TelemetryServer(self.metrics.registry, s.prometheus_host)
+        if s.debug_api:
+            from torchtrace.export.debug_api import install_debug_api
+
+            self.debug_api = install_debug_api(self, server)
         try:
             if server.start(port, s.port_policy) is not None:
                 self.server = server
+                if self.debug_api is not None:
+                    self.debug_api.announce()
         except OSError as exc:
             self.errors.report("server", exc)
 
@@ -453,7 +460,7 @@ def _public_settings(settings: Settings) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(settings):
         value = getattr(settings, f.name)
-        if f.name in ("otlp_headers",):
+        if f.name in ("otlp_headers", "debug_token"):
             value = "<set>" if value else None
         elif f.name == "otlp_endpoint":
             value = _redact_url(value)

@@ -38,6 +38,10 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = False
     request_queue_size = 64
 
+    def handle_error(self, request, client_address) -> None:
+        # A client that hangs up or sends garbage is not worth a traceback on stderr.
+        logger.debug("telemetry server: error serving a request", exc_info=True)
+
     def server_bind(self) -> None:
         # allow_reuse_address=False so two processes never share a port; SO_REUSEADDR is
         # still not set (it would let a second bind succeed on some platforms).
@@ -114,7 +118,8 @@ class TelemetryServer:
 
     def handle(self, method: str, request) -> tuple[int, str, bytes, dict]:
         path = request.path.split("?", 1)[0]
-        matched = [r for r in self.routes if r.path == path or (r.path.endswith("/") and path.startswith(r.path))]
+        matched = [r for r in self.routes
+                   if r.path == path or (r.path.endswith("/") and r.path != "/" and path.startswith(r.path))]
         if not matched:
             return 404, "text/plain; charset=utf-8", b"not found\n", {}
         for route in matched:

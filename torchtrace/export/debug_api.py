@@ -1,0 +1,288 @@
+"""The debug HTTP API beside ``/metrics``: summaries, the event timeline, the live page,
+and two changes (debug level, clear history) applied by the training thread.
+
+Routes (all served by the runtime's :class:`~torchtrace.export.server.TelemetryServer`):
+
+=========================  ======================================================================
+``GET /``                  the live page (one self-contained HTML file, no network needed)
+``GET /healthz``           ``{"status": "ok"}`` while the process serves
+``GET /debug/summary``     :meth:`Runtime.summary` plus the pending-change count
+``GET /debug/training/summary``  steps, anomaly steps and rates by kind (:func:`history_training_summary`)
+``GET /debug/steps``       recent step summaries (``?limit=``, default 500)
+``GET /debug/events``      timeline events with ``seq > since`` (``?since=``)
+``POST /debug/level/{l}``  queue a debug-level change (off, basic, advanced, extreme)
+``POST /debug/clear``      queue clearing the history
+=========================  ======================================================================
+
+Safety rules, in the order they are checked:
+
+1. Only the methods above; others get 405 (the server's routing does this).
+2. The ``Host`` header must name a loopback address (or the address the server was told to
+   bind): a DNS-rebinding page cannot reach the API through a name it controls. 403.
+3. A browser ``Origin`` header is refused on every POST, and on a GET unless it is the
+   page's own origin. 403.
+4. A POST needs ``Authorization: Bearer <token>``; missing: 401, wrong: 403. The token is the
+   ``debug_token`` setting, else random per process, compared with :func:`hmac.compare_digest`.
+5. Bodies are at most :data:`MAX_BODY_BYTES` (413) and chunked bodies are refused (411).
+6. Arguments are validated (400).
+
+A change is never applied on the server thread: it is queued with :meth:`Runtime.request`
+and the training thread applies it when the next step starts.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import time
+from typing import Any, Callable
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from torchtrace.export import files
+from torchtrace.levels import DebugLevel
+
+logger = logging.getLogger("torchtrace")
+
+MAX_BODY_BYTES = 4096
+"""Largest request body accepted; the API's POSTs need no body at all."""
+MAX_STEPS_RETURNED = 2000
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "localhost.localdomain"})
+_JSON = "application/json"
+_TEXT = "text/plain; charset=utf-8"
+
+
+def history_training_summary(runtime) -> dict[str, Any]:
+    """The training monitor's summary computed from the runtime's history.
+
+    Rates are per completed step: ``anomaly_rate`` = steps with any anomaly / steps;
+    ``rates_by_kind[k]`` = steps with anomaly kind ``k`` / steps; the seeds' named rates
+    (``loss_anomaly_rate``: nonfinite_loss or loss_spike, ``explosion_rate``,
+    ``vanishing_rate``) are included. The ``recent`` block describes the retained window.
+    """
+    h = runtime.history
+    totals = _retry_copy(lambda: dict(h.totals))
+    by_kind = _retry_copy(lambda: dict(h.anomaly_counts))
+    steps = totals.get("steps", 0)
+    anomaly_steps = totals.get("anomaly_steps", 0)
+
+    def rate(n: int) -> float:
+        return n / steps if steps else 0.0
+
+    recent = h.steps()
+    losses = [s["loss"] for s in recent if isinstance(s.get("loss"), float) and s["loss"] == s["loss"]
+              and abs(s["loss"]) != float("inf")]
+    durations = [s["duration_s"] for s in recent if isinstance(s.get("duration_s"), (int, float))]
+    return {
+        "source": "history",
+        "total_steps": steps,
+        "anomaly_steps": anomaly_steps,
+        "nonfinite_steps": totals.get("nonfinite_steps", 0),
+        "skipped_steps": totals.get("skipped_steps", 0),
+        "failed_steps": totals.get("failed_steps", 0),
+        "anomaly_rate": rate(anomaly_steps),
+        "anomalies_by_kind": by_kind,
+        "rates_by_kind": {k: rate(v) for k, v in sorted(by_kind.items())},
+        "loss_anomaly_rate": rate(by_kind.get("nonfinite_loss", 0) + by_kind.get("loss_spike", 0)),
+        "explosion_rate": rate(by_kind.get("grad_explosion", 0)),
+        "vanishing_rate": rate(by_kind.get("grad_vanishing", 0)),
+        "recent": {
+            "steps": len(recent),
+            "last_loss": recent[-1].get("loss") if recent else None,
+            "mean_loss": sum(losses) / len(losses) if losses else None,
+            "mean_step_seconds": sum(durations) / len(durations) if durations else None,
+        },
+        "level": runtime.level.value,
+    }
+
+
+def _retry_copy(fn: Callable[[], Any], tries: int = 5) -> Any:
+    """Copy a structure the training thread may be growing (a dict resize raises RuntimeError)."""
+    for _ in range(tries - 1):
+        try:
+            return fn()
+        except RuntimeError:
+            time.sleep(0)
+    return fn()
+
+
+def _host_name(host_header: str) -> str:
+    value = host_header.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        return value[1:end] if end > 0 else ""
+    if value.count(":") == 1:
+        value = value.split(":", 1)[0]
+    return value.rstrip(".")
+
+
+class DebugAPI:
+    """The debug routes of one runtime. Built by :func:`install_debug_api` at configure.
+
+    Attributes:
+        token: the bearer token mutating requests need.
+        training_summary: ``fn(runtime) -> dict`` serving ``/debug/training/summary``;
+            replace it to serve another monitor's summary.
+    """
+
+    def __init__(self, runtime, server, token: str | None = None) -> None:
+        self.runtime = runtime
+        self.server = server
+        self.token = token or secrets.token_urlsafe(32)
+        self.token_from_settings = token is not None
+        self.training_summary: Callable[[Any], dict[str, Any]] = history_training_summary
+        self.refused = 0
+
+    # ------------------------------------------------------------ set-up
+    def install(self) -> "DebugAPI":
+        add = self.server.add_route
+        add("GET", "/", self._guarded(self._page))
+        add("GET", "/healthz", self._healthz)
+        add("GET", "/debug/summary", self._guarded(self._summary))
+        add("GET", "/debug/training/summary", self._guarded(self._training))
+        add("GET", "/debug/steps", self._guarded(self._steps))
+        add("GET", "/debug/events", self._guarded(self._events))
+        add("POST", "/debug/level/", self._guarded(self._level, mutating=True))
+        add("POST", "/debug/clear", self._guarded(self._clear, mutating=True))
+        return self
+
+    def announce(self) -> None:
+        """Log where the page is and, once and only locally, the token (never to telemetry)."""
+        url = self.server.url
+        if self.token_from_settings:
+            logger.info("torchtrace live page: %s/ (debug API token from the debug_token setting)", url)
+        else:
+            logger.info("torchtrace live page: %s/ ; debug API token: %s", url, self.token)
+
+    # ------------------------------------------------------------ checks
+    def _refuse(self, status: int, message: str, headers: dict[str, str] | None = None):
+        self.refused += 1
+        out = {"Connection": "close"}
+        out.update(headers or {})
+        return status, _JSON, files.dumps({"error": message}).encode(), out
+
+    def _allowed_host(self, request) -> bool:
+        header = request.headers.get("Host")
+        if not header:
+            return False
+        name = _host_name(header)
+        if name in LOOPBACK_HOSTS:
+            return True
+        bound = (self.server.host or "").lower()
+        return bool(bound) and bound not in ("0.0.0.0", "::") and name == bound
+
+    def _check(self, request, mutating: bool):
+        if not self._allowed_host(request):
+            return self._refuse(403, "Host must name a loopback address")
+        origin = request.headers.get("Origin")
+        if origin is not None:
+            own = "http://" + request.headers.get("Host", "").strip().lower()
+            if mutating or origin.strip().lower() != own:
+                return self._refuse(403, "browser cross-origin requests are refused")
+        if request.headers.get("Sec-Fetch-Site", "").lower() == "cross-site":
+            return self._refuse(403, "browser cross-origin requests are refused")
+        if not mutating:
+            return None
+        auth = request.headers.get("Authorization")
+        if not auth:
+            return self._refuse(401, "missing token: send 'Authorization: Bearer <token>'",
+                                {"WWW-Authenticate": 'Bearer realm="torchtrace"'})
+        scheme, _, given = auth.strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            return self._refuse(403, "wrong token")
+        if request.headers.get("Transfer-Encoding"):
+            return self._refuse(411, "send a Content-Length, not a chunked body")
+        raw = request.headers.get("Content-Length", "0").strip() or "0"
+        if not raw.isdigit():
+            return self._refuse(400, "bad Content-Length")
+        length = int(raw)
+        if length > MAX_BODY_BYTES:
+            return self._refuse(413, f"body over {MAX_BODY_BYTES} bytes")
+        if length:
+            request.rfile.read(length)  # bounded above; the API takes no body
+        return None
+
+    def _guarded(self, handler, mutating: bool = False):
+        def route(request):
+            refusal = self._check(request, mutating)
+            if refusal is not None:
+                return refusal
+            return handler(request)
+
+        return route
+
+    # ------------------------------------------------------------ GET handlers
+    def _json(self, value: Any, status: int = 200):
+        return status, _JSON, files.dumps(value).encode(), {}
+
+    def _healthz(self, request):
+        return self._json({"status": "ok", "run_id": self.runtime.settings.run_id})
+
+    def _summary(self, request):
+        rt = self.runtime
+        out = _retry_copy(rt.summary)
+        out["pending_changes"] = len(rt._changes)
+        return self._json(out)
+
+    def _training(self, request):
+        return self._json(self.training_summary(self.runtime))
+
+    def _steps(self, request):
+        query = parse_qs(urlsplit(request.path).query)
+        limit = _int_arg(query, "limit", 500)
+        if limit is None or not 1 <= limit <= MAX_STEPS_RETURNED:
+            return self._refuse(400, f"limit must be an integer 1-{MAX_STEPS_RETURNED}")
+        steps = self.runtime.history.steps()[-limit:]
+        return self._json({"steps": steps})
+
+    def _events(self, request):
+        query = parse_qs(urlsplit(request.path).query)
+        since = _int_arg(query, "since", 0)
+        if since is None or since < 0:
+            return self._refuse(400, "since must be a non-negative integer")
+        events = [e.as_dict() for e in self.runtime.history.events(since)]
+        last = events[-1]["seq"] if events else since
+        return self._json({"events": events, "last_seq": last})
+
+    def _page(self, request):
+        from torchtrace.reporting.page import live_page
+
+        return 200, "text/html; charset=utf-8", live_page().encode("utf-8"), {
+            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                                       "style-src 'unsafe-inline'; connect-src 'self'; img-src data:"}
+
+    # ------------------------------------------------------------ POST handlers (queued)
+    def _level(self, request):
+        raw = unquote(urlsplit(request.path).path[len("/debug/level/"):])
+        try:
+            level = DebugLevel.parse(raw, "level")
+        except ValueError as exc:
+            return self._refuse(400, str(exc)[:200])
+        rt = self.runtime
+        rt.request(lambda: rt.set_level(level))
+        return self._json({"accepted": True, "level": level.value, "applies": "at the next step"}, 202)
+
+    def _clear(self, request):
+        rt = self.runtime
+
+        def clear() -> None:
+            rt.history.clear()
+            rt.history.add_event("history_cleared", "debug history cleared through the HTTP API")
+
+        rt.request(clear)
+        return self._json({"accepted": True, "applies": "at the next step"}, 202)
+
+
+def _int_arg(query: dict[str, list[str]], name: str, default: int) -> int | None:
+    values = query.get(name)
+    if not values:
+        return default
+    raw = values[-1].strip()
+    if not raw.lstrip("-").isdigit() or len(raw) > 18:
+        return None
+    return int(raw)
+
+
+def install_debug_api(runtime, server) -> DebugAPI:
+    """Add the debug routes to ``server`` for ``runtime`` (called by the runtime at configure)."""
+    return DebugAPI(runtime, server, runtime.settings.debug_token).install()

@@ -1,0 +1,68 @@
+"""``torchtrace report RUN_DIR --html out.html``: one self-contained HTML file for a finished run."""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+
+from torchtrace.reporting.assets import embed_json, page
+from torchtrace.reporting.runfiles import chart_steps, load_run
+from torchtrace.reporting.summary import training_summary_from_steps
+
+_SCRIPT = """
+(function () {
+  var data = JSON.parse(document.getElementById("tt-data").textContent);
+  window.ttRender(data);
+})();
+"""
+
+
+def html_report(run_dir: str | Path, rank: int | None = None) -> str:
+    """The report as an HTML string: the live page's charts, anomalies with their forensic
+    reports, the summary and the configuration, with the data embedded as JSON.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` is not a torchtrace run directory.
+    """
+    run = load_run(run_dir, rank)
+    data = {
+        "summary": run.summary,
+        "training": training_summary_from_steps(run.steps),
+        "steps": chart_steps(run.steps),
+        "events": run.events,
+        "settings": run.settings,
+        "problems": run.problems,
+    }
+    notes = ""
+    if run.problems:
+        notes = "<p class=\"kind\">" + "; ".join(escape(p) for p in run.problems) + "</p>"
+    extra = (f"<section class=\"card wide\"><h2>Configuration <span>{escape(str(run.run_dir))}</span></h2>"
+             f"{notes}<div id=\"tt-settings\"></div></section>"
+             f"<script type=\"application/json\" id=\"tt-data\">{embed_json(data)}</script>")
+    status = f"finished · {run.total_steps} steps"
+    if len(data["steps"]) < run.total_steps:
+        status += f" ({len(data['steps'])} charted)"
+    return page(f"torchtrace report {run.summary.get('run_id', '')}", status, extra, _SCRIPT)
+
+
+def write_html_report(run_dir: str | Path, out: str | Path, rank: int | None = None) -> Path:
+    """Write :func:`html_report` to ``out`` (mode 0600 through an atomic rename)."""
+    import os
+    import tempfile
+
+    target = Path(out)
+    text = html_report(run_dir, rank)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=str(target.parent))
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return target

@@ -1,0 +1,174 @@
+"""Reading a finished run's directory (``report.json`` and ``spans.jsonl``) for the reports.
+
+Steps come from the spans file when there is one (it holds every step, the report only the
+last ``history_size``); anomalies come from the spans' anomaly events, joined with the
+report's timeline for their data and forensic reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchtrace import semconv
+
+MAX_CHART_STEPS = 5000
+"""Steps embedded in the HTML report at most: longer runs are thinned evenly, anomalous steps kept."""
+
+
+@dataclass
+class RunData:
+    """What the reports show about one run (one rank)."""
+
+    run_dir: Path
+    report: dict[str, Any] | None
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    total_steps: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        if self.report is not None:
+            return {k: v for k, v in self.report.items() if k not in ("steps", "events", "settings")}
+        return {"run_id": self.run_dir.name, "totals": {"steps": self.total_steps}}
+
+    @property
+    def settings(self) -> dict[str, Any] | None:
+        return (self.report or {}).get("settings")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if value in ("NaN", "nan"):
+        return math.nan
+    if value in ("Infinity", "inf"):
+        return math.inf
+    if value in ("-Infinity", "-inf"):
+        return -math.inf
+    return None
+
+
+def _rank_file(run_dir: Path, stem: str, suffix: str, rank: int | None) -> Path | None:
+    if rank is None:
+        plain = run_dir / f"{stem}{suffix}"
+        if plain.exists():
+            return plain
+        ranked = sorted(run_dir.glob(f"{stem}.rank*{suffix}"))
+        return ranked[0] if ranked else None
+    for name in (f"{stem}.rank{rank}{suffix}",) + ((f"{stem}{suffix}",) if rank == 0 else ()):
+        if (run_dir / name).exists():
+            return run_dir / name
+    return None
+
+
+def _step_from_span(span: dict[str, Any]) -> dict[str, Any] | None:
+    attrs = span.get("attributes") or {}
+    if semconv.STEP not in attrs:
+        return None
+    start, end = span.get("start_unix_ns") or 0, span.get("end_unix_ns") or 0
+    memory: dict[str, Any] = {}
+    if attrs.get(semconv.MEMORY_RSS_BYTES) is not None:
+        memory["rss_bytes"] = attrs[semconv.MEMORY_RSS_BYTES]
+    if attrs.get(semconv.MEMORY_CUDA_ALLOCATED_BYTES) is not None:
+        memory["cuda_allocated_bytes"] = attrs[semconv.MEMORY_CUDA_ALLOCATED_BYTES]
+    anomalies = []
+    for event in span.get("events") or []:
+        if event.get("name") == semconv.EVENT_ANOMALY:
+            ea = event.get("attributes") or {}
+            anomalies.append({"kind": ea.get(semconv.EVENT_ANOMALY_KIND), "detail": ea.get(semconv.EVENT_ANOMALY_DETAIL),
+                              "time_unix_ns": event.get("time_unix_ns")})
+    forensics = [e for e in span.get("events") or [] if e.get("name") == semconv.EVENT_FORENSICS]
+    return {
+        "operation": attrs.get(semconv.OPERATION, span.get("name")),
+        "step": attrs.get(semconv.STEP),
+        "start_unix_ns": start,
+        "duration_s": (end - start) / 1e9 if end and start else None,
+        "loss": _number(attrs.get(semconv.LOSS)),
+        "grad_norm": _number(attrs.get(semconv.GRAD_NORM)),
+        "memory": memory,
+        "anomalies": [a["kind"] for a in anomalies],
+        "_anomaly_events": anomalies,
+        "_forensics": forensics,
+        "trace_id": span.get("trace_id"),
+        "status": span.get("status"),
+    }
+
+
+def load_run(run_dir: str | Path, rank: int | None = None) -> RunData:
+    """Read a run directory. Missing or damaged files are noted in ``problems``, not raised.
+
+    Raises:
+        FileNotFoundError: the directory holds neither a report nor a spans file.
+    """
+    path = Path(run_dir)
+    report_file = _rank_file(path, "report", ".json", rank)
+    spans_file = _rank_file(path, "spans", ".jsonl", rank)
+    if report_file is None and spans_file is None:
+        raise FileNotFoundError(f"{path}: no report.json or spans.jsonl (is this a torchtrace run directory?)")
+    data = RunData(path, None)
+    if report_file is not None:
+        try:
+            data.report = json.loads(report_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            data.problems.append(f"{report_file.name}: unreadable ({type(exc).__name__})")
+    if spans_file is not None:
+        bad = 0
+        with open(spans_file, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    step = _step_from_span(json.loads(line))
+                except ValueError:
+                    bad += 1
+                    continue
+                if step is not None:
+                    data.steps.append(step)
+        if bad:
+            data.problems.append(f"{spans_file.name}: {bad} unreadable line(s) skipped")
+        data.steps.sort(key=lambda s: s["start_unix_ns"])
+    elif data.report is not None:
+        data.steps = [dict(s) for s in data.report.get("steps", [])]
+    data.total_steps = len(data.steps)
+    data.events = _events(data)
+    return data
+
+
+def _events(data: RunData) -> list[dict[str, Any]]:
+    """The timeline: the report's events, plus anomaly and forensic events only the spans hold."""
+    report_events = list((data.report or {}).get("events", []))
+    seen = {(e.get("data", {}).get("step"), e.get("data", {}).get("operation"), e.get("data", {}).get("kind"))
+            for e in report_events if e.get("type") == "anomaly"}
+    extra: list[dict[str, Any]] = []
+    for s in data.steps:
+        for a in s.pop("_anomaly_events", []):
+            key = (s["step"], s["operation"], a["kind"])
+            if key in seen:
+                continue
+            seen.add(key)
+            extra.append({"seq": None, "timestamp": (a.get("time_unix_ns") or s["start_unix_ns"]) / 1e9,
+                          "type": "anomaly", "message": a.get("detail") or "",
+                          "data": {"kind": a["kind"], "detail": a.get("detail"), "step": s["step"],
+                                   "operation": s["operation"]}})
+        for f in s.pop("_forensics", []):
+            attrs = dict(f.get("attributes") or {})
+            attrs.setdefault("step", s["step"])
+            extra.append({"seq": None, "timestamp": (f.get("time_unix_ns") or s["start_unix_ns"]) / 1e9,
+                          "type": "forensics", "message": "forensic report", "data": attrs})
+    events = extra + report_events
+    events.sort(key=lambda e: e.get("timestamp") or 0)
+    return events
+
+
+def chart_steps(steps: list[dict[str, Any]], limit: int = MAX_CHART_STEPS) -> list[dict[str, Any]]:
+    """At most ``limit`` steps, evenly thinned, always keeping the anomalous ones."""
+    if len(steps) <= limit:
+        return steps
+    stride = len(steps) / limit
+    keep = {int(i * stride) for i in range(limit)}
+    return [s for i, s in enumerate(steps) if i in keep or s.get("anomalies")]

@@ -1,0 +1,121 @@
+"""``torchtrace report RUN_DIR``: a plain-text summary of a finished run for the terminal."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from torchtrace.reporting.runfiles import load_run
+from torchtrace.reporting.summary import finite, training_summary_from_steps
+
+_BARS = "▁▂▃▄▅▆▇█"
+MAX_ANOMALY_LINES = 20
+
+
+def sparkline(values: list[float | None], width: int = 48) -> str:
+    """Unicode bars for ``values`` (resampled to ``width``); non-finite values show as ``!``.
+
+    >>> sparkline([0.0, 1.0, float("nan")], width=3)
+    '▁█!'
+    """
+    if not values:
+        return ""
+    if len(values) > width:
+        values = [values[int(i * len(values) / width)] for i in range(width)]
+    ok = finite(values)
+    lo, hi = (min(ok), max(ok)) if ok else (0.0, 1.0)
+    span = (hi - lo) or 1.0
+    out = []
+    for v in values:
+        if v is None:
+            out.append(" ")
+        elif not math.isfinite(v):
+            out.append("!")
+        else:
+            out.append(_BARS[min(len(_BARS) - 1, int((v - lo) / span * (len(_BARS) - 1) + 0.5))])
+    return "".join(out)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _mib(v: Any) -> str:
+    return f"{v / 2**20:.1f} MiB" if isinstance(v, (int, float)) else "-"
+
+
+def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
+    """The run's summary as text: totals, series with sparklines, anomalies, telemetry health.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` is not a torchtrace run directory.
+    """
+    run = load_run(run_dir, rank)
+    s = run.summary
+    steps = run.steps
+    tr = training_summary_from_steps(steps)
+    lines = [f"torchtrace run {s.get('run_id', run.run_dir.name)}"
+             f"  service {s.get('service_name', '?')}  rank {s.get('rank', 0)}/{s.get('world_size', 1)}"
+             f"  level {s.get('level', '?')}"]
+    ops = s.get("operations") or {}
+    wall = None
+    if steps and steps[-1].get("duration_s") is not None:
+        wall = (steps[-1]["start_unix_ns"] - steps[0]["start_unix_ns"]) / 1e9 + steps[-1]["duration_s"]
+    lines.append(f"  steps: {len(steps)}" + (f" ({', '.join(f'{k} {v}' for k, v in sorted(ops.items()))})" if ops else "")
+                 + (f" over {wall:.1f} s" if wall is not None else ""))
+    durations = finite([st.get("duration_s") for st in steps])
+    if durations:
+        q = sorted(durations)
+        p95 = q[min(len(q) - 1, int(0.95 * len(q)))]
+        lines.append(f"  step time: median {statistics.median(q) * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, "
+                     f"max {q[-1] * 1e3:.2f} ms")
+    for label, key in (("loss", "loss"), ("grad norm", "grad_norm")):
+        series = [st.get(key) for st in steps]
+        ok = finite(series)
+        if not ok and not any(v is not None for v in series):
+            continue
+        bad = sum(1 for v in series if v is not None and not math.isfinite(v))
+        first = next((v for v in series if v is not None), None)
+        last = next((v for v in reversed(series) if v is not None), None)
+        text = f"  {label}: first {_fmt(first)}, last {_fmt(last)}"
+        if ok:
+            text += f", min {_fmt(min(ok))}, max {_fmt(max(ok))}"
+        if bad:
+            text += f", non-finite at {bad} step(s)"
+        lines.append(text)
+        lines.append(f"    {sparkline(series)}")
+    rss = [st.get("memory", {}).get("rss_bytes") for st in steps]
+    rss_ok = finite(rss)
+    if rss_ok:
+        lines.append(f"  memory (rss): first {_mib(rss_ok[0])}, last {_mib(rss_ok[-1])}, max {_mib(max(rss_ok))}")
+    lines.append(f"  anomalies: {tr['anomaly_steps']} step(s), rate {tr['anomaly_rate'] * 100:.2f} %"
+                 + (": " + ", ".join(f"{k} {v}" for k, v in sorted(tr["anomalies_by_kind"].items()))
+                    if tr["anomalies_by_kind"] else ""))
+    anomaly_events = [e for e in run.events if e.get("type") == "anomaly"]
+    for e in anomaly_events[:MAX_ANOMALY_LINES]:
+        d = e.get("data") or {}
+        detail = d.get("detail") or e.get("message")
+        lines.append(f"    step {d.get('step')} {d.get('operation')}: {d.get('kind')}: {detail}")
+    if len(anomaly_events) > MAX_ANOMALY_LINES:
+        lines.append(f"    ... {len(anomaly_events) - MAX_ANOMALY_LINES} more")
+    forensics = [e for e in run.events if "forensic" in str(e.get("type"))]
+    if forensics:
+        lines.append(f"  forensic reports: {len(forensics)} (see the HTML report for details)")
+    tel = s.get("telemetry") or {}
+    if tel:
+        dropped = sum((tel.get("spans_dropped") or {}).values())
+        errors = tel.get("internal_errors") or {}
+        lines.append(f"  telemetry: {tel.get('spans_exported', 0)} spans exported, {dropped} dropped, internal errors "
+                     + (", ".join(f"{k} {v}" for k, v in sorted(errors.items())) if errors else "none"))
+    for problem in run.problems:
+        lines.append(f"  warning: {problem}")
+    lines.append(f"  files: {run.run_dir}")
+    return "\n".join(lines) + "\n"
