@@ -43,3 +43,19 @@ def test_quickstart_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(next(tmp_path.glob("torchtrace-runs/*/report.json")).read_text())
     assert report["totals"]["steps"] == 100 and report["operations"] == {"train_step": 100}
+
+
+def test_report_command_on_a_demo_run(tmp_path):
+    demo = subprocess.run([sys.executable, "-m", "torchtrace.cli", "demo", "--steps", "30", "--inject", "nan@10",
+                           "--port", "off", "--run-dir", str(tmp_path), "--no-progress"],
+                          capture_output=True, text=True, timeout=110)
+    assert demo.returncode == 0, demo.stderr
+    run = next(p for p in tmp_path.iterdir() if p.is_dir())
+    out = tmp_path / "out.html"
+    proc = subprocess.run([sys.executable, "-m", "torchtrace.cli", "report", str(run), "--html", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "nonfinite_loss" in proc.stdout and run.name in proc.stdout
+    html = out.read_text()
+    assert "<script" in html and "http://" not in html.split("<body", 1)[1].split("</body>")[0].replace(
+        "http://127.0.0.1", "")

@@ -1,4 +1,4 @@
-"""The ``torchtrace`` command: ``demo`` (and ``report``, when available)."""
+"""The ``torchtrace`` command: ``demo`` and ``report``."""
 
 from __future__ import annotations
 
@@ -16,12 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     from torchtrace import demo
 
     demo.add_subcommand(sub)
-    try:
-        from torchtrace import report_cli
-    except ImportError:
-        report_cli = None
-    if report_cli is not None:
-        report_cli.add_report_subcommand(sub)
+    from torchtrace.reporting.cli import add_report_subcommand
+
+    add_report_subcommand(sub)
     return parser
 
 
