@@ -42,6 +42,10 @@ ENV_GUARD = "TORCHTRACE_GUARD"
 ENV_STRICT = "TORCHTRACE_STRICT"
 """``1``: torchtrace's own internal errors are raised (for torchtrace's tests), not swallowed."""
 ENV_OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
+ENV_SHARED_STEP_TRACE = "TORCHTRACE_SHARED_STEP_TRACE"
+"""``1``: every rank's span of one step joins one trace, its id derived from (run id, operation, step)."""
+ENV_RANK_SKEW_INTERVAL = "TORCHTRACE_RANK_SKEW_INTERVAL"
+"""Steps between two cross-rank step-time gathers for torchtrace_rank_step_skew (off: never). Default 50."""
 ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
@@ -95,6 +99,8 @@ class Settings:
     record_exception_messages: bool = False
     register_atexit: bool = True
     resource_attributes: Mapping[str, Any] | None = None
+    shared_step_trace: bool = False
+    rank_skew_interval: int | None = 50
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -270,6 +276,8 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "record_exception_messages": _bool,
     "register_atexit": _bool,
     "resource_attributes": _mapping,
+    "shared_step_trace": _bool,
+    "rank_skew_interval": _optional_positive_int,
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -287,6 +295,8 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "otlp_protocol": ((ENV_OTLP_TRACES_PROTOCOL, ENV_OTLP_PROTOCOL), _choice(OTLP_PROTOCOLS)),
     "guard": ((ENV_GUARD,), _choice(GUARD_POLICIES)),
     "strict": ((ENV_STRICT,), _bool),
+    "shared_step_trace": ((ENV_SHARED_STEP_TRACE,), _bool),
+    "rank_skew_interval": ((ENV_RANK_SKEW_INTERVAL,), _optional_positive_int),
 }
 
 
