@@ -32,6 +32,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
 logger = logging.getLogger("torchtrace")
 
 
@@ -315,20 +317,16 @@ def step_trace_id(run_id: str, operation: str, step: int) -> int:
     return int.from_bytes(digest[:16], "big") or 1
 
 
-class StepTraceIdGenerator:
+class StepTraceIdGenerator(RandomIdGenerator):
     """An OTel IdGenerator: random ids, except a root step span's trace id is derived from
     (run id, operation, step), so all ranks' spans of one step share one trace."""
 
-    def __init__(self) -> None:
-        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-
-        self._random = RandomIdGenerator()
-
-    def generate_span_id(self) -> int:
-        return self._random.generate_span_id()
-
     def generate_trace_id(self) -> int:
-        return _forced_trace_id.get() or self._random.generate_trace_id()
+        return _forced_trace_id.get() or super().generate_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        # A derived id is not random in the W3C sense (trace-flags "random" bit).
+        return not _forced_trace_id.get()
 
 
 class _StepTrace:

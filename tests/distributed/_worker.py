@@ -164,10 +164,16 @@ def scenario_skew(out: str, rank: int, world: int) -> dict:
             opt.zero_grad()
     rt = tt.api.get_runtime()
     report = rt.report()["distributed"]
+    import urllib.request
+
+    with urllib.request.urlopen(rt.metrics_url, timeout=10) as resp:  # this rank's own /metrics
+        scraped = resp.read().decode()
+    steps_lines = [ln for ln in scraped.splitlines() if ln.startswith("torchtrace_steps_total{")]
     skew_value = rt.metrics.registry.get_sample_value("torchtrace_rank_step_skew",
                                                       {"run_id": rt.settings.run_id, "rank": str(rank)})
     tt.shutdown()
-    return {"skew_gauge": skew_value, "rank_skew": report["rank_skew"], "collectives": report["collectives"]}
+    return {"skew_gauge": skew_value, "rank_skew": report["rank_skew"], "collectives": report["collectives"],
+            "steps_lines": steps_lines, "metrics_port": rt.server.port}
 
 
 def scenario_crash(out: str, rank: int, world: int) -> dict:
