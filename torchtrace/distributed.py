@@ -156,9 +156,10 @@ def shard_key(grad: Any) -> tuple | None:
     """For a DTensor gradient: ``(mesh, shard mesh dims, has_partial)``; None for a plain tensor."""
     if type(grad).__name__ != "DTensor" or not hasattr(grad, "placements"):
         return None
-    dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+    mesh = grad.device_mesh
+    dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard() and mesh.size(i) > 1)
     partial = any(p.is_partial() for p in grad.placements)
-    return (grad.device_mesh, dims, partial)
+    return (mesh, dims, partial)
 
 
 def reduce_shard_norms(norms, keys: Sequence[tuple | None]):
