@@ -22,6 +22,7 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from torchtrace import distributed as _dist
 from torchtrace import semconv
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.errors import NonFiniteError
@@ -163,6 +164,10 @@ def get_runtime(create: bool = True):
         return rt
     if disabled_by_environment():
         return None
+    if _dist.in_dataloader_worker():
+        # A spawn/forkserver DataLoader worker: the main process owns the run's telemetry;
+        # configuring here would open a second server and a second run directory.
+        return None
     with _lock:
         if _runtime is None and not _disabled:
             try:
@@ -293,7 +298,8 @@ class StepScope:
         if self._attributes:
             attrs.update(self._attributes)
         self._start_ns = time.time_ns()
-        self._span = rt.tracer.start_span(self.name, start_time=self._start_ns, attributes=attrs)
+        with _dist.step_trace(rt, self.name, self.step):
+            self._span = rt.tracer.start_span(self.name, start_time=self._start_ns, attributes=attrs)
         self._token = otel_context.attach(trace.set_span_in_context(self._span))
         self._ctx_token = _current.set(self)
         if self.optimizer is not None and self._features.grad_stats:
@@ -322,7 +328,7 @@ class StepScope:
         try:
             params = rt.params_for(self.model, optimizer)
             self._grad_stats = grad_measure.gradient_norms(params)
-            if rt.settings.guard != "warn" and self._grad_stats is not None:
+            if rt.settings.guard != "warn" and (self._grad_stats is not None or rt.identity.distributed):
                 self._guard_now(rt, params)
         except NonFiniteError:
             self._overhead += time.perf_counter() - t0
@@ -335,18 +341,30 @@ class StepScope:
     def _guard_now(self, rt, params) -> None:
         """Read the gradient norms now (the step's host read) and skip or raise if non-finite."""
         stats = self._grad_stats
-        vec = torch.cat([stats.total.reshape(1).to(torch.float64), stats.norms.to(torch.float64)])
-        values = readout.read(vec)
-        self._grad_read = values
-        bad = any(not math.isfinite(v) for v in values[1:])
+        bad = False
+        if stats is not None:
+            vec = torch.cat([stats.total.reshape(1).to(torch.float64), stats.norms.to(torch.float64)])
+            values = readout.read(vec)
+            self._grad_read = values
+            bad = any(not math.isfinite(v) for v in values[1:])
+        local_bad = bad
+        if rt.identity.distributed:
+            # Every rank takes the same decision in the same step: one all_reduce(MAX).
+            try:
+                bad = _dist.agree_any(bad)
+            except Exception as exc:
+                rt.errors.report("distributed", exc)
         if not bad:
             return
+        if not local_bad:
+            self._span.set_attribute(semconv.GUARD_PEER_NONFINITE, True)
         if rt.settings.guard == "skip":
             for ref in params:
                 ref.param.grad = None
             self._skipped = True
         elif rt.settings.guard == "raise":
-            self._raise = NonFiniteError(f"non-finite gradients at step {self.step} of {self.name}",
+            where = "" if local_bad else " on another rank"
+            self._raise = NonFiniteError(f"non-finite gradients{where} at step {self.step} of {self.name}",
                                          step=self.step, kinds=[semconv.NONFINITE_GRAD])
             raise self._raise
 

@@ -46,6 +46,10 @@ ENV_DEBUG_API = "TORCHTRACE_DEBUG_API"
 ENV_DEBUG_TOKEN = "TORCHTRACE_DEBUG_TOKEN"
 """The token mutating /debug requests must carry (``Authorization: Bearer``). Default: random per process."""
 ENV_OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
+ENV_SHARED_STEP_TRACE = "TORCHTRACE_SHARED_STEP_TRACE"
+"""``1``: every rank's span of one step joins one trace, its id derived from (run id, operation, step)."""
+ENV_RANK_SKEW_INTERVAL = "TORCHTRACE_RANK_SKEW_INTERVAL"
+"""Steps between two cross-rank step-time gathers for torchtrace_rank_step_skew (off: never). Default 50."""
 ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
@@ -101,6 +105,8 @@ class Settings:
     resource_attributes: Mapping[str, Any] | None = None
     debug_api: bool = True
     debug_token: str | None = field(default=None, repr=False)
+    shared_step_trace: bool = False
+    rank_skew_interval: int | None = 50
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -285,6 +291,8 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "resource_attributes": _mapping,
     "debug_api": _bool,
     "debug_token": _debug_token,
+    "shared_step_trace": _bool,
+    "rank_skew_interval": _optional_positive_int,
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -304,6 +312,8 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "strict": ((ENV_STRICT,), _bool),
     "debug_api": ((ENV_DEBUG_API,), _bool),
     "debug_token": ((ENV_DEBUG_TOKEN,), _debug_token),
+    "shared_step_trace": ((ENV_SHARED_STEP_TRACE,), _bool),
+    "rank_skew_interval": ((ENV_RANK_SKEW_INTERVAL,), _optional_positive_int),
 }
 
 

@@ -22,6 +22,7 @@ from opentelemetry.trace import Status, StatusCode
 from torchtrace import semconv
 from torchtrace._version import __version__
 from torchtrace.config import Settings
+from torchtrace import distributed as _distributed
 from torchtrace.distributed import Identity, identity, rank_file_name
 from torchtrace.errors import InternalErrors
 from torchtrace.export import files
@@ -103,6 +104,7 @@ class Runtime:
         self._setup_files()
         self._setup_exporters()
         self._setup_server()
+        _distributed.install(self)
 
     # ------------------------------------------------------------ construction
     def _resource(self) -> Resource:
@@ -159,7 +161,8 @@ class Runtime:
 
             self.debug_api = install_debug_api(self, server)
         try:
-            if server.start(port, s.port_policy) is not None:
+            # Fallback ports step by the local world size, so rank r never takes rank r+1's port.
+            if server.start(port, s.port_policy, stride=self.identity.local_world_size) is not None:
                 self.server = server
                 if self.debug_api is not None:
                     self.debug_api.announce()
@@ -275,6 +278,7 @@ class Runtime:
 
     def _evaluate_grads(self, scope, record: StepRecord, total: float, norms: list[float]) -> None:
         s = self.settings
+        record.grad_norm_scope = getattr(scope._grad_stats, "scope", "global")
         overflow: list[str] = []
         if scope._grad_stats.grads and any(math.isinf(v) for v in norms):
             overflow = self._overflowed(scope, norms)

@@ -29,6 +29,9 @@ MEMORY_CUDA_RESERVED_BYTES = "torchtrace.memory.cuda_reserved_bytes"
 MEMORY_CUDA_PEAK_BYTES = "torchtrace.memory.cuda_peak_allocated_bytes"
 STEP_SKIPPED = "torchtrace.step.skipped"  # the guard skipped the optimizer update
 OVERHEAD_SECONDS = "torchtrace.overhead_seconds"
+RANK_STEP_SKEW = "torchtrace.rank.step_skew"  # slowest rank's mean step time over the median's (every N steps)
+RANK_SLOWEST = "torchtrace.rank.slowest"  # the rank with the slowest mean step time in that window
+GUARD_PEER_NONFINITE = "torchtrace.guard.peer_nonfinite"  # the guard acted because another rank was non-finite
 
 # ---------------------------------------------------------------- span events
 EVENT_ANOMALY = "torchtrace.anomaly"
@@ -59,6 +62,7 @@ M_INTERNAL_ERRORS = "torchtrace_internal_errors_total"  # counter {component}
 M_RANK_SKEW = "torchtrace_rank_step_skew"  # gauge
 M_OVERHEAD = "torchtrace_overhead_seconds_total"  # counter
 M_BUILD_INFO = "torchtrace_build_info"  # gauge {version, level}
+M_RANK_STEP_SECONDS = "torchtrace_rank_step_seconds"  # gauge {operation}: this rank's mean step time, last skew window
 
 ALL_METRICS = (
     M_STEPS, M_STEP_DURATION, M_LOSS, M_GRAD_NORM, M_GRAD_NONFINITE, M_ANOMALIES,

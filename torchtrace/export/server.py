@@ -131,17 +131,20 @@ class TelemetryServer:
         allow = ", ".join(sorted({r.method for r in matched}))
         return 405, "text/plain; charset=utf-8", b"method not allowed\n", {"Allow": allow}
 
-    def start(self, port: int, policy: str = "next") -> int | None:
+    def start(self, port: int, policy: str = "next", stride: int = 1) -> int | None:
         """Bind and serve. Returns the port, or None when the port policy gave up.
 
         ``policy`` decides what a taken port leads to: ``next`` tries the following ports
         then an ephemeral one, ``ephemeral`` takes any free port, ``off`` serves nothing.
+        ``stride`` spaces the following ports (the local world size under torchrun, so the
+        fallbacks of local rank r are r + k * stride and never another rank's port).
         """
         if self.host in ("0.0.0.0", "::", ""):
             logger.warning("torchtrace metrics server binds %r: reachable from other machines", self.host)
         candidates = [port]
         if port != 0 and policy == "next":
-            candidates += [port + i for i in range(1, NEXT_PORT_TRIES) if port + i <= 65535] + [0]
+            candidates += [port + i * max(stride, 1) for i in range(1, NEXT_PORT_TRIES)
+                           if port + i * max(stride, 1) <= 65535] + [0]
         elif port != 0 and policy == "ephemeral":
             candidates.append(0)
         last_error: OSError | None = None

@@ -12,6 +12,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from torchtrace import distributed as _distributed
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -36,6 +38,7 @@ class GradStats:
     norms: torch.Tensor
     total: torch.Tensor
     grads: list[torch.Tensor]  # dense views used; kept only until the record is read
+    scope: str = "global"  # "local" when some DTensor shard norms could not be combined across ranks
 
     @property
     def count(self) -> int:
@@ -84,17 +87,24 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
 def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
     """Per-tensor L2 norms of the gradients and their global norm, without a host read.
 
+    For sharded (DTensor / FSDP2) gradients the local shard norms are combined across the
+    shard group (:func:`torchtrace.distributed.reduce_shard_norms`, one ``all_reduce``), so
+    every rank gets the norms of the whole tensors; every rank must call this at the same
+    point. DDP gradients are already reduced and need nothing.
+
     Parameters without a gradient are left out. Low-precision gradients are reduced in
     float32 so a large finite fp16 gradient does not overflow its norm. Returns ``None`` when
     no parameter has a gradient.
     """
     names: list[str] = []
     grads: list[torch.Tensor] = []
+    keys: list[tuple | None] = []
     for ref in params:
         g = ref.param.grad
         if g is None:
             continue
         names.append(ref.name)
+        keys.append(_distributed.shard_key(g))
         grads.append(_dense(g))
     if not grads:
         return None
@@ -125,8 +135,16 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
     # Names follow the grouped order so no device-side permutation is needed.
     names = [names[i] for i in order]
     grads = [grads[i] for i in order]
+    scope = "global"
+    if any(k is not None for k in keys):
+        # DTensor (FSDP2) gradients: the norms so far are of the local shards.
+        keys = [keys[i] for i in order]
+        try:
+            norms, scope = _distributed.reduce_shard_norms(norms, keys)
+        except Exception:  # already logged; collectives are off from now on
+            scope = "local"
     total = torch.linalg.vector_norm(norms.to(torch.float64))
-    return GradStats(names=names, norms=norms, total=total, grads=grads)
+    return GradStats(names=names, norms=norms, total=total, grads=grads, scope=scope)
 
 
 def classify_infinite(grads: Iterable[torch.Tensor]) -> list[bool]:

@@ -1,0 +1,155 @@
+"""Real ``torchrun`` jobs (2 ranks, gloo on CPU): rank identity, files and ports, global
+gradient norms under FSDP2/DTensor, guard agreement, stragglers, and a crashing rank.
+
+Starting torch in two processes is the slow part (several seconds on a 2-core machine), so
+the worker scenarios run one after the other inside a single launch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_worker.py")
+LAUNCH_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args: list[str], tmp: Path) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "--max_restarts=0", *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return proc, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """One launch: shard, guard, skew, then crash (rank 1 raises; the job must end, not hang)."""
+    out = tmp_path_factory.mktemp("worker")
+    proc, wall = _torchrun([str(WORKER), str(out), "shard", "guard", "skew", "crash"], out)
+
+    def load(scenario: str) -> list[dict]:
+        results = []
+        for r in (0, 1):
+            path = out / f"{scenario}.rank{r}.json"
+            assert path.exists(), f"{path.name} missing; torchrun output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            results.append(json.loads(path.read_text()))
+        return results
+
+    return {"proc": proc, "wall": wall, "load": load, "out": out}
+
+
+@pytest.mark.timeout(200)
+def test_global_grad_norm_fsdp2_and_dtensor_match_single_process(worker):
+    for r, res in enumerate(worker["load"]("shard")):
+        assert res["rank"] == r
+        ref, ref_per = res["ref_total"], res["ref_per"]
+        # DTensor directly (Shard(0) and Replicate): replicated tensors are not double counted.
+        assert res["dtensor_scope"] == "global"
+        assert abs(res["dtensor_total"] - ref) / ref < 1e-5
+        for got, want in zip(res["dtensor_per"], ref_per):
+            assert abs(got - want) / want < 1e-5
+        # The local shard norm alone is wrong (what per-shard reporting would show).
+        assert abs(res["local_only_total"] - ref) / ref > 1e-2
+        # FSDP2 fully_shard: the recorded global norm equals the unsharded reference.
+        assert "fsdp_error" not in res, res.get("fsdp_error")
+        assert res["fsdp_scope"] == "global"
+        assert abs(res["fsdp_total"] - ref) / ref < 1e-5
+        for got, want in zip(res["fsdp_per"], ref_per):
+            assert abs(got - want) / want < 1e-5
+        assert res["fsdp_names"] == ["encoder.weight", "encoder.bias", "head.weight", "head.bias"]
+        # One all_reduce per recorded step: one for the direct DTensor call, one for the FSDP step.
+        assert res["collectives"] == {"grad_norm": 2}
+
+
+@pytest.mark.timeout(200)
+def test_nan_on_one_rank_makes_every_rank_skip_or_raise_in_the_same_step(worker):
+    r0, r1 = worker["load"]("guard")
+    for res in (r0, r1):
+        assert res["skip"]["skipped"] == [3]
+        assert res["skip"]["params_equal"] and res["skip"]["params_finite"]
+        assert res["raise"]["raised_at"] == 2
+        assert res["raise"]["params_equal"]
+    assert "another rank" in r0["raise"]["message"]
+    assert "another rank" not in r1["raise"]["message"]
+
+
+@pytest.mark.timeout(200)
+def test_slowed_rank_shows_in_skew_and_metrics_carry_rank(worker):
+    results = worker["load"]("skew")
+    for r, res in enumerate(results):
+        last = res["rank_skew"]
+        assert last["slowest_rank"] == 1
+        times = last["step_seconds_by_rank"]
+        median = (times[0] + times[1]) / 2
+        assert res["skew_gauge"] == pytest.approx(max(times) / median)
+        assert res["skew_gauge"] > 1.5  # rank 1 sleeps 50 ms per step, rank 0 computes ~1 ms
+        assert res["collectives"]["skew"] == 2  # 8 steps, every 4
+        assert res["steps_lines"] and all(f'rank="{r}"' in ln for ln in res["steps_lines"])
+    assert results[0]["metrics_port"] != results[1]["metrics_port"]
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_raises_does_not_hang_the_other(worker):
+    proc = worker["proc"]
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in proc.stderr + proc.stdout
+    assert worker["wall"] < LAUNCH_TIMEOUT_S
+    assert not (worker["out"] / "crash.rank0.json").exists()
+
+
+@pytest.mark.timeout(200)
+def test_example_ddp_train_under_torchrun(tmp_path):
+    base = _free_port()
+    blocker = socket.socket()
+    try:
+        blocker.bind(("127.0.0.1", base))  # rank 0's port is taken: its fallback must skip rank 1's
+        blocker.listen(1)
+    except OSError:
+        blocker.close()
+        pytest.skip("could not occupy a port")
+    try:
+        proc, _ = _torchrun([str(ROOT / "examples" / "ddp_train.py"), "--steps", "10", "--port", str(base),
+                             "--run-dir", "runs", "--run-id", "ex1", "--shared-trace"], tmp_path)
+    finally:
+        blocker.close()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "ex1"
+    ports, traces = {}, {}
+    for r in (0, 1):
+        report = json.loads((run / f"report.rank{r}.json").read_text())
+        assert (report["rank"], report["world_size"], report["local_rank"]) == (r, 2, r)
+        assert report["totals"]["steps"] == 10
+        ports[r] = int(report["telemetry"]["metrics_url"].rsplit(":", 1)[1].split("/")[0])
+        spans = [json.loads(line) for line in (run / f"spans.rank{r}.jsonl").read_text().splitlines()]
+        assert len(spans) == 10
+        for span in spans:
+            assert span["resource"]["torchtrace.rank"] == r
+            assert span["resource"]["torchtrace.world_size"] == 2
+            assert span["attributes"]["torchtrace.rank"] == r
+            assert span["attributes"]["torchtrace.grad.norm_scope"] == "global"
+            assert math.isfinite(span["attributes"]["torchtrace.grad.norm"])
+        traces[r] = {s["attributes"]["torchtrace.step"]: s["trace_id"] for s in spans}
+        ids = {s["resource"]["service.instance.id"] for s in spans}
+        assert len(ids) == 1
+    assert ports[1] == base + 1 and ports[0] == base + 2  # base + local rank; fallback strides by 2
+    assert traces[0] == traces[1] and len(set(traces[0].values())) == 10  # one trace per step, all ranks
+    assert sorted(p.name for p in run.iterdir()) == ["report.rank0.json", "report.rank1.json",
+                                                      "spans.rank0.jsonl", "spans.rank1.jsonl"]

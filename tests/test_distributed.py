@@ -1,0 +1,116 @@
+"""Single-process parts of torchtrace.distributed: identity, files, ports, skew, trace ids."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace import distributed as d
+from torchtrace.config import Settings
+from torchtrace.export.server import TelemetryServer
+from torchtrace.measure import gradients as grad_measure
+
+
+def test_identity_from_torchrun_environment():
+    ident = d.identity({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                        "GROUP_RANK": "1"})
+    assert (ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, ident.node_rank) == (3, 1, 4, 2, 1)
+    assert ident.distributed and len(ident.instance_id) == 32
+    assert d.identity({"RANK": "3"}).instance_id != ident.instance_id
+    single = d.identity({"RANK": "x"})
+    assert (single.rank, single.world_size, single.distributed) == (0, 1, False)
+
+
+def test_rank_file_names_never_collide():
+    names = {d.rank_file_name("spans", ".jsonl", d.Identity(rank=r, world_size=4)) for r in range(4)}
+    assert names == {f"spans.rank{r}.jsonl" for r in range(4)}
+    assert d.rank_file_name("report", ".json", d.Identity()) == "report.json"
+
+
+def test_port_fallback_strides_by_local_world_size():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", base))
+    blocker.listen(1)
+    server = TelemetryServer(__import__("prometheus_client").CollectorRegistry(), "127.0.0.1")
+    try:
+        port = server.start(base, "next", stride=4)
+        assert port not in (base, base + 1, base + 2, base + 3)  # other local ranks' ports are never taken
+        if base < port < base + 4 * 64:
+            assert (port - base) % 4 == 0
+    finally:
+        server.stop()
+        blocker.close()
+
+
+def test_skew_is_slowest_over_median():
+    assert d.skew([1.0, 1.0, 1.0]) == 1.0
+    assert d.skew([1.0, 2.0, 4.0]) == 2.0
+    assert d.skew([0.01, 0.03]) == pytest.approx(0.03 / 0.02)
+    assert d.skew([0.0, 0.0]) == 1.0
+
+
+def test_settings_for_distributed_features():
+    s = Settings.resolve({}, environ={"TORCHTRACE_SHARED_STEP_TRACE": "1", "TORCHTRACE_RANK_SKEW_INTERVAL": "off"})
+    assert s.shared_step_trace is True and s.rank_skew_interval is None
+    assert Settings.resolve({}, environ={}).rank_skew_interval == 50
+    with pytest.raises(ValueError, match="rank_skew_interval"):
+        Settings.resolve({"rank_skew_interval": 0}, environ={})
+    with pytest.raises(ValueError, match="shared_step_trace"):
+        Settings.resolve({"shared_step_trace": "maybe"}, environ={})
+
+
+def test_shared_step_trace_ids_are_derived_from_run_and_step(tmp_path):
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="run-a", shared_step_trace=True,
+                 register_atexit=False, strict=True)
+    for _ in range(2):
+        with tt.debug_context("train_step") as step:
+            with tt.debug_context("inner") as inner:
+                pass
+    assert step.record.trace_id == format(d.step_trace_id("run-a", "train_step", 1), "032x")
+    assert inner.record.trace_id == step.record.trace_id  # nested spans stay in the step's trace
+    assert d.step_trace_id("run-a", "train_step", 1) != d.step_trace_id("run-a", "train_step", 2)
+    assert d.step_trace_id("run-b", "train_step", 1) != d.step_trace_id("run-a", "train_step", 1)
+    tt.shutdown()
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="run-a", register_atexit=False)
+    with tt.debug_context("train_step", step=1) as plain:
+        pass
+    assert plain.record.trace_id != format(d.step_trace_id("run-a", "train_step", 1), "032x")
+
+
+def test_single_process_norms_are_global_and_issue_no_collective(tt_runtime, tiny_model):
+    before = dict(d.STATE.counts)
+    opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+    with tt.debug_context("train_step", model=tiny_model, optimizer=opt) as step:
+        tiny_model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+    assert step.record.grad_norm_scope == "global"
+    assert dict(d.STATE.counts) == before
+    assert d.agree_any(True) is True and d.agree_any(False) is False
+    report = json.loads(json.dumps(tt.api.get_runtime().summary()["distributed"]))
+    assert report["world_size"] == 1 and report["rank_skew"] is None
+
+
+def test_dtensor_on_a_one_rank_mesh_needs_no_collective(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.randn(6, 3, dtype=torch.float64)
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 3, dtype=torch.float64), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(g, mesh, [Shard(0)])
+        stats = grad_measure.gradient_norms([grad_measure.ParamRef("w", p)])
+        assert stats.scope == "global"
+        assert float(stats.total) == pytest.approx(float(g.norm()), rel=1e-12)
+    finally:
+        dist.destroy_process_group()
