@@ -368,6 +368,9 @@ def install(rt) -> None:
     if rt.identity.distributed and interval:
         straggler = StragglerProbe(rt, interval)
         rt.probes.append(straggler)
+    elif not rt.identity.distributed:
+        # One rank is its own median and its own slowest: the skew is exactly 1.
+        rt.metrics.set_rank_skew(1.0)
 
     def section() -> dict[str, Any]:
         ident = rt.identity
