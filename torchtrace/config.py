@@ -41,6 +41,10 @@ ENV_GUARD = "TORCHTRACE_GUARD"
 """Guard policy for a non-finite step: warn, skip or raise."""
 ENV_STRICT = "TORCHTRACE_STRICT"
 """``1``: torchtrace's own internal errors are raised (for torchtrace's tests), not swallowed."""
+ENV_FORENSICS = "TORCHTRACE_FORENSICS"
+"""``0``: never replay a non-finite step to localise it (default on)."""
+ENV_FORENSICS_MAX_REPLAYS = "TORCHTRACE_FORENSICS_MAX_REPLAYS"
+"""At most this many forensic replays per run (default 3; 0 = none)."""
 ENV_OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
@@ -95,6 +99,8 @@ class Settings:
     record_exception_messages: bool = False
     register_atexit: bool = True
     resource_attributes: Mapping[str, Any] | None = None
+    forensics: bool = True
+    forensics_max_replays: int = 3
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -210,6 +216,16 @@ def _optional_positive_int(value: Any, setting: str) -> int | None:
     return _positive_int(value, setting)
 
 
+def _non_negative_int(value: Any, setting: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= 0") from None
+    if isinstance(value, bool) or isinstance(value, float) and value != number or number < 0:
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= 0")
+    return number
+
+
 def _nonempty_str(value: Any, setting: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: a non-empty string")
@@ -270,6 +286,8 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "record_exception_messages": _bool,
     "register_atexit": _bool,
     "resource_attributes": _mapping,
+    "forensics": _bool,
+    "forensics_max_replays": lambda v, s: _non_negative_int(v, s),
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -287,6 +305,8 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "otlp_protocol": ((ENV_OTLP_TRACES_PROTOCOL, ENV_OTLP_PROTOCOL), _choice(OTLP_PROTOCOLS)),
     "guard": ((ENV_GUARD,), _choice(GUARD_POLICIES)),
     "strict": ((ENV_STRICT,), _bool),
+    "forensics": ((ENV_FORENSICS,), _bool),
+    "forensics_max_replays": ((ENV_FORENSICS_MAX_REPLAYS,), lambda v, s: _non_negative_int(v, s)),
 }
 
 

@@ -102,6 +102,9 @@ class Runtime:
         self._setup_files()
         self._setup_exporters()
         self._setup_server()
+        from torchtrace.forensics.probe import install as _install_forensics
+
+        _install_forensics(self)
 
     # ------------------------------------------------------------ construction
     def _resource(self) -> Resource:
