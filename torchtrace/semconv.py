@@ -126,3 +126,6 @@ LOOP_NAME = "torchtrace.loop.name"
 LOOP_STEP = "torchtrace.loop.step"
 LOOP_STAT_PREFIX = "torchtrace.loop."  # + mean, std, min, max, nan_count, inf_count
 LOOP_NONFINITE = "torchtrace.loop.nonfinite"
+# Added anomaly kind (detect_model_anomalies: outputs outside the expected value range).
+OUTPUT_OUT_OF_RANGE = "output_out_of_range"
+ANOMALY_KINDS_ALL = ANOMALY_KINDS_ALL + (OUTPUT_OUT_OF_RANGE,)
