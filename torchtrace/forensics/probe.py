@@ -69,8 +69,9 @@ class ForensicsProbe:
 
     def on_nonfinite(self, scope, params_updated: bool = False) -> dict[str, Any] | None:
         """Replay the step now (the caller guarantees the parameters are as the step saw them)."""
-        if "forensics_report" in scope.extras:
-            return scope.extras["forensics_report"]
+        if "forensics_report" in scope.extras or scope.extras.get("forensics_tried"):
+            return scope.extras.get("forensics_report")
+        scope.extras["forensics_tried"] = True
         if not self.enabled_for(scope):
             return None
         if not self.budget_left():

@@ -322,6 +322,7 @@ def _analyse(report, rec: _Recorder, loss_value, grad_bad, bad_params, module_na
             producer = _backward_producer(rec, grad_bad, module_names) or {"module": "<loss>", "type": None}
     report["cause"] = cause
     report["kind"] = CAUSE_KIND[cause]
+    report["overflow"] = False
     if producer is not None:
         report["module"] = producer.get("module")
         report["module_type"] = producer.get("type")
