@@ -254,7 +254,7 @@ class StepScope:
     # ------------------------------------------------------------ enter
     def __enter__(self) -> "StepScope":
         rt = _runtime if _runtime is not None else get_runtime()
-        if rt is None:
+        if rt is None or getattr(rt, "replaying", False):  # a forensic replay records nothing itself
             return self
         level = self._level_arg or rt.level
         if level is DebugLevel.OFF:

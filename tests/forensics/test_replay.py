@@ -316,3 +316,48 @@ def test_gradscaler_overflow_is_not_a_nonfinite_anomaly(tmp_path):
     assert rt.history.totals.get("nonfinite_steps", 0) == 0 and rt.forensics.replays == 0
     assert step.record.extra.get("scaler_overflow") is True
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_gradscaler_with_a_real_nan_is_localised_without_touching_the_scaler(tmp_path):
+    _configure(tmp_path, guard="skip")
+    torch.manual_seed(0)
+    model = Zoo(SqrtFeature(), "features")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+    @tt.debug_operation
+    def amp_step(model, batch, opt, scaler):
+        opt.zero_grad()
+        loss = model(batch).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    amp_step(model, torch.randn(4, 8), opt, scaler)
+    rt = get_runtime()
+    report = rt.forensics.reports[-1]
+    assert (report["cause"], report["module"]) == ("forward", "features")
+    assert scaler.get_scale() == 512.0  # backed off once by the step itself, not again by the replay
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_nested_scopes_record_nothing_during_the_replay(tmp_path):
+    _configure(tmp_path, guard="skip")
+    model = Zoo(SqrtFeature(), "features")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @tt.debug_operation
+    def train_step(model, batch, opt):
+        opt.zero_grad()
+        with tt.debug_context("forward"):
+            loss = model(batch).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    train_step(model, torch.randn(4, 8), opt)
+    rt = get_runtime()
+    assert rt.forensics.replays == 1
+    assert dict(rt.history.operations) == {"forward": 1, "train_step": 1}

@@ -88,8 +88,12 @@ class ForensicsProbe:
         scalers = list(scalers) + ([scaler] if scaler is not None and scaler not in scalers else [])
         from torchtrace.api import _extract_loss
 
-        report = replay.replay(scope.model, scope.extras["replay"], scope.extras.get("forensics_rng"), opts, scalers,
-                               _extract_loss)
+        self.rt.replaying = True
+        try:
+            report = replay.replay(scope.model, scope.extras["replay"], scope.extras.get("forensics_rng"), opts,
+                                   scalers, _extract_loss)
+        finally:
+            self.rt.replaying = False
         report.update(step=scope.step, operation=scope.name, rank=self.rt.identity.rank,
                       params_updated=params_updated, replay_number=self.replays)
         scope.extras["forensics_report"] = report
