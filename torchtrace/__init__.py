@@ -17,6 +17,10 @@ from torchtrace.debugger import (DebugConfig, GradientReport, PyTorchDebugger, c
                                  debug_training_session)
 from torchtrace.errors import NonFiniteError
 from torchtrace.levels import DebugLevel, DebugMode, OptimizationMode
+from torchtrace.forensics import anomaly_detection, replay_step
+from torchtrace.record.checks import detect_model_anomalies, validate_model_input
+from torchtrace.record.monitor import TrainingDebugger, TrainingMonitor
+from torchtrace.record.pipeline import analyze_pipeline, monitor_loop_step
 
 __all__ = [
     "ConfigureResult",
@@ -38,4 +42,12 @@ __all__ = [
     "debug_training_session",
     "flush",
     "shutdown",
+    "TrainingMonitor",
+    "TrainingDebugger",
+    "validate_model_input",
+    "detect_model_anomalies",
+    "analyze_pipeline",
+    "monitor_loop_step",
+    "anomaly_detection",
+    "replay_step",
 ]

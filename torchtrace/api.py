@@ -259,7 +259,7 @@ class StepScope:
     # ------------------------------------------------------------ enter
     def __enter__(self) -> "StepScope":
         rt = _runtime if _runtime is not None else get_runtime()
-        if rt is None:
+        if rt is None or getattr(rt, "replaying", False):  # a forensic replay records nothing itself
             return self
         level = self._level_arg or rt.level
         if level is DebugLevel.OFF:
@@ -328,7 +328,8 @@ class StepScope:
         try:
             params = rt.params_for(self.model, optimizer)
             self._grad_stats = grad_measure.gradient_norms(params)
-            if rt.settings.guard != "warn" and (self._grad_stats is not None or rt.identity.distributed):
+            guard = rt.settings.guard != "warn" and (self._grad_stats is not None or rt.identity.distributed)
+            if guard or (self._grad_stats is not None and rt.forensics.decide_early(self, params)):
                 self._guard_now(rt, params)
         except NonFiniteError:
             self._overhead += time.perf_counter() - t0
@@ -348,7 +349,7 @@ class StepScope:
             self._grad_read = values
             bad = any(not math.isfinite(v) for v in values[1:])
         local_bad = bad
-        if rt.identity.distributed:
+        if rt.identity.distributed and rt.settings.guard != "warn":
             # Every rank takes the same decision in the same step: one all_reduce(MAX).
             try:
                 bad = _dist.agree_any(bad)
@@ -356,8 +357,14 @@ class StepScope:
                 rt.errors.report("distributed", exc)
         if not bad:
             return
+        report = None
         if not local_bad:
             self._span.set_attribute(semconv.GUARD_PEER_NONFINITE, True)
+        else:
+            try:  # localise before anything changes: the parameters are still those the step saw
+                report = rt.forensics.on_nonfinite(self)
+            except Exception as exc:
+                rt.errors.report("forensics", exc)
         if rt.settings.guard == "skip":
             for ref in params:
                 ref.param.grad = None
@@ -365,7 +372,7 @@ class StepScope:
         elif rt.settings.guard == "raise":
             where = "" if local_bad else " on another rank"
             self._raise = NonFiniteError(f"non-finite gradients{where} at step {self.step} of {self.name}",
-                                         step=self.step, kinds=[semconv.NONFINITE_GRAD])
+                                         step=self.step, kinds=[semconv.NONFINITE_GRAD], report=report)
             raise self._raise
 
     # ------------------------------------------------------------ exit
@@ -381,7 +388,9 @@ class StepScope:
             self._finish(rt, exc, duration, end_ns, t0)
         except Exception as err:
             rt.errors.report("step", err)
-        return False
+        if exc is None and self.extras.get("raise") is not None:
+            raise self.extras.pop("raise")  # a guard policy decided on the host record
+        return bool(exc is not None and self.extras.get("suppress"))  # OOM skipped by the guard
 
     def _finish(self, rt, exc, duration: float, end_ns: int, t0: float) -> None:
         if self._anomaly_cm is not None:
@@ -474,7 +483,8 @@ class StepScope:
 def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | None = None,
                   optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                   level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
-                  attributes: dict[str, Any] | None = None) -> StepScope:
+                  attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
+                  scaler: Any = None) -> StepScope:
     """A ``with`` (or ``async with``) block that is one instrumented operation.
 
     Args:
@@ -485,6 +495,9 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
         step: the step number; counted automatically per operation when omitted.
         level / mode: override the configured level or mode for this operation.
         attributes: extra span attributes (low-cardinality, not per-step values).
+        replay: a callable that runs the step's forward and loss (and optionally backward)
+            again, returning the loss; used only to localise a non-finite step (docs/forensics.md).
+        scaler: the GradScaler in use: overflow steps under a finite loss are not anomalies.
 
     >>> import torch, torchtrace as tt
     >>> _ = tt.configure(prometheus_port="off", write_files=False)
@@ -498,8 +511,13 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
     """
     if isinstance(name, DebugLevel):  # the seeds' debug_context(DebugLevel.BASIC)
         level, name = name, "step"
-    return StepScope(name, model=model, optimizer=optimizer, step=step, level=level, mode=mode,
-                     attributes=attributes)
+    scope = StepScope(name, model=model, optimizer=optimizer, step=step, level=level, mode=mode,
+                      attributes=attributes)
+    if replay is not None:
+        scope.extras["replay"] = replay
+    if scaler is not None:
+        scope.extras["scaler"] = scaler
+    return scope
 
 
 def _resolve_model(model, args):
@@ -519,14 +537,44 @@ def debug_operation(func: None = None, *, name: str | None = None, model: torch.
                     mode: DebugMode | str | None = None) -> Callable[[F], F]: ...
 
 
-def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=None, mode=None, attributes=None):
+def _resolve_optimizer(optimizer, args, kwargs):
+    if optimizer is not None:
+        return optimizer
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.optim.Optimizer):
+            return value
+    return None
+
+
+def _prepare_replay(scope: StepScope, fn, args, kwargs, replay, scaler) -> None:
+    """What forensics needs to replay this call: a callable, and whose updates to neutralise."""
+    from torchtrace.forensics import replay as forensic_replay
+
+    if scaler is not None:
+        scope.extras["scaler"] = scaler
+    if replay is False:
+        return
+    scope.extras["replay_owners"] = forensic_replay.find_side_effect_owners(args, kwargs)
+    if callable(replay):
+        scope.extras["replay"] = replay
+    elif fn is not None:
+        scope.extras["replay"] = forensic_replay.default_replay(fn, args, kwargs)
+
+
+def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=None, mode=None, attributes=None,
+                    replay=None, scaler=None):
     """Decorate a training step (plain, ``async def`` or a method): each call is one operation.
 
     The loss is taken from the return value (a scalar tensor, a dict's ``"loss"``, an
     object's ``.loss``) unless the body called ``current_step().record_loss``. When no model
     is given and the first or second argument is an ``nn.Module`` (``self`` of a module
-    method, or ``train_step(model, batch)``), that module is watched. Exceptions are recorded
-    on the span and re-raised unchanged.
+    method, or ``train_step(model, batch)``), that module is watched; an optimizer among the
+    arguments is hooked likewise. Exceptions are recorded on the span and re-raised unchanged.
+
+    Forensics: a non-finite step is replayed by calling the undecorated function again with
+    the same arguments, its optimizers' ``step`` neutralised, so the function must be
+    re-runnable (no side effect but the optimizer step). ``replay=`` gives another callable
+    (forward + loss), ``replay=False`` turns replay off; ``scaler=`` names a GradScaler.
 
     >>> import torchtrace as tt
     >>> @tt.debug_operation
@@ -546,8 +594,11 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
                 rt = _runtime if _runtime is not None else get_runtime()
                 if rt is None or (level is None and rt.off):
                     return await fn(*args, **kwargs)
-                scope = StepScope(op_name, model=_resolve_model(model, args), optimizer=optimizer, level=level,
+                scope = StepScope(op_name, model=_resolve_model(model, args),
+                                  optimizer=_resolve_optimizer(optimizer, args, kwargs), level=level,
                                   mode=mode, attributes=attributes)
+                _prepare_replay(scope, None, args, kwargs, replay, scaler)
+                result = None
                 with scope:
                     result = await fn(*args, **kwargs)
                     if scope._active and scope._loss is None and scope._loss_float is None:
@@ -561,8 +612,11 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
             rt = _runtime if _runtime is not None else get_runtime()
             if rt is None or (level is None and rt.off):
                 return fn(*args, **kwargs)
-            scope = StepScope(op_name, model=_resolve_model(model, args), optimizer=optimizer, level=level,
+            scope = StepScope(op_name, model=_resolve_model(model, args),
+                              optimizer=_resolve_optimizer(optimizer, args, kwargs), level=level,
                               mode=mode, attributes=attributes)
+            _prepare_replay(scope, fn, args, kwargs, replay, scaler)
+            result = None
             with scope:
                 result = fn(*args, **kwargs)
                 if scope._active and scope._loss is None and scope._loss_float is None:

@@ -45,6 +45,10 @@ ENV_DEBUG_API = "TORCHTRACE_DEBUG_API"
 """``0``/``false``: no /debug endpoints and no live page beside /metrics. Default on."""
 ENV_DEBUG_TOKEN = "TORCHTRACE_DEBUG_TOKEN"
 """The token mutating /debug requests must carry (``Authorization: Bearer``). Default: random per process."""
+ENV_FORENSICS = "TORCHTRACE_FORENSICS"
+"""``0``: never replay a non-finite step to localise it (default on)."""
+ENV_FORENSICS_MAX_REPLAYS = "TORCHTRACE_FORENSICS_MAX_REPLAYS"
+"""At most this many forensic replays per run (default 3; 0 = none)."""
 ENV_OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 ENV_SHARED_STEP_TRACE = "TORCHTRACE_SHARED_STEP_TRACE"
 """``1``: every rank's span of one step joins one trace, its id derived from (run id, operation, step)."""
@@ -107,6 +111,8 @@ class Settings:
     debug_token: str | None = field(default=None, repr=False)
     shared_step_trace: bool = False
     rank_skew_interval: int | None = 50
+    forensics: bool = True
+    forensics_max_replays: int = 3
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -222,6 +228,16 @@ def _optional_positive_int(value: Any, setting: str) -> int | None:
     return _positive_int(value, setting)
 
 
+def _non_negative_int(value: Any, setting: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= 0") from None
+    if isinstance(value, bool) or isinstance(value, float) and value != number or number < 0:
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= 0")
+    return number
+
+
 def _nonempty_str(value: Any, setting: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: a non-empty string")
@@ -293,6 +309,8 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "debug_token": _debug_token,
     "shared_step_trace": _bool,
     "rank_skew_interval": _optional_positive_int,
+    "forensics": _bool,
+    "forensics_max_replays": lambda v, s: _non_negative_int(v, s),
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -314,6 +332,8 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "debug_token": ((ENV_DEBUG_TOKEN,), _debug_token),
     "shared_step_trace": ((ENV_SHARED_STEP_TRACE,), _bool),
     "rank_skew_interval": ((ENV_RANK_SKEW_INTERVAL,), _optional_positive_int),
+    "forensics": ((ENV_FORENSICS,), _bool),
+    "forensics_max_replays": ((ENV_FORENSICS_MAX_REPLAYS,), lambda v, s: _non_negative_int(v, s)),
 }
 
 

@@ -105,6 +105,9 @@ class Runtime:
         self._setup_exporters()
         self._setup_server()
         _distributed.install(self)
+        from torchtrace.forensics.probe import install as _install_forensics
+
+        _install_forensics(self)
 
     # ------------------------------------------------------------ construction
     def _resource(self) -> Resource:

@@ -113,3 +113,23 @@ STEP_DURATION_BUCKETS = (
 # Caps on what goes into one span.
 MAX_NAMES_PER_ATTRIBUTE = 32
 MAX_ATTRIBUTE_LENGTH = 1024
+
+# ---------------------------------------------------------------- forensics (issue 3)
+# Attributes of the torchtrace.forensics event: FORENSICS_PREFIX + a report key, e.g.
+# torchtrace.forensics.module (the producing module's path), .cause (input, forward, loss,
+# backward, parameter, unknown), .kind (the anomaly kind), .op (backward op from the anomaly
+# trace), .inputs/.outputs (JSON statistics), .rank, .replay_seconds (seconds).
+FORENSICS_PREFIX = "torchtrace.forensics."
+FORENSICS_MODULE = "torchtrace.forensics.module"
+FORENSICS_CAUSE = "torchtrace.forensics.cause"
+FORENSICS_OP = "torchtrace.forensics.op"
+EVENT_OOM = "torchtrace.oom"  # out of memory inside a step; attributes under FORENSICS_PREFIX
+# Iterative inference loops (monitor_loop_step): one event per iteration on the current span.
+EVENT_LOOP_STEP = "torchtrace.loop_step"
+LOOP_NAME = "torchtrace.loop.name"
+LOOP_STEP = "torchtrace.loop.step"
+LOOP_STAT_PREFIX = "torchtrace.loop."  # + mean, std, min, max, nan_count, inf_count
+LOOP_NONFINITE = "torchtrace.loop.nonfinite"
+# Added anomaly kind (detect_model_anomalies: outputs outside the expected value range).
+OUTPUT_OUT_OF_RANGE = "output_out_of_range"
+ANOMALY_KINDS_ALL = ANOMALY_KINDS_ALL + (OUTPUT_OUT_OF_RANGE,)

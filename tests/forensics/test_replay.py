@@ -1,0 +1,363 @@
+"""Forensic replay: the planted-fault zoo is localised and classified; healthy steps report nothing;
+the replay leaves the training result untouched; guard policies skip, raise and stop."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace import semconv
+from torchtrace.api import get_runtime
+
+from tests.conftest import TinyNet
+from tests.forensics.zoo import BadGrad, HalfBlock, MyNorm, SafeLogLoss, SqrtFeature, Zoo
+
+
+def _configure(tmp_path, **kw):
+    kw.setdefault("guard", "skip")
+    return tt.configure(service_name="t", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
+                        register_atexit=False, **kw)
+
+
+def _make_step(loss_kind="mse"):
+    @tt.debug_operation
+    def train_step(model, batch, opt):
+        opt.zero_grad()
+        out = model(batch)
+        if loss_kind == "mse":
+            loss = out.pow(2).mean()
+        else:  # a hand-written log loss; saturated softmax -> log(0)
+            loss = SafeLogLoss()(torch.softmax(out * 1e4, -1), torch.ones_like(out))
+        loss.backward()
+        opt.step()
+        return loss
+    return train_step
+
+
+def _const_row():
+    x = torch.randn(4, 8)
+    x[2] = 1.0
+    return x
+
+
+def _nan_input():
+    x = torch.randn(4, 8)
+    x[1, 3] = float("nan")
+    return x
+
+
+# (fault module, slot name, slot position, batch factory, loss) -> expected (cause, kind, module, op)
+ZOO = {
+    "log0_in_loss": (None, "block", "mid", lambda: torch.randn(4, 8), "log",
+                     ("loss", semconv.NONFINITE_LOSS, "<loss>", None)),
+    "sqrt_negative": (SqrtFeature(), "features", "mid", lambda: torch.randn(4, 8), "mse",
+                      ("forward", semconv.NONFINITE_OUTPUT, "features", None)),
+    "zero_std_norm": (MyNorm(), "norm", "pre", _const_row, "mse",
+                      ("forward", semconv.NONFINITE_OUTPUT, "norm", None)),
+    "fp16_overflow": (HalfBlock(), "fp16", "mid", lambda: torch.randn(4, 8) * 10, "mse",
+                      ("forward", semconv.NONFINITE_OUTPUT, "fp16", None)),
+    "nan_in_batch": (None, "block", "mid", _nan_input, "mse",
+                     ("input", semconv.NONFINITE_INPUT, "", None)),
+    "nan_born_in_backward": (BadGrad(), "custom", "mid", lambda: torch.randn(4, 8), "mse",
+                             ("backward", semconv.NONFINITE_GRAD, "custom", "_BadBackwardBackward")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ZOO))
+def test_zoo_fault_is_localised_and_classified(case, tmp_path):
+    fault, slot, where, batch, loss_kind, (cause, kind, module, op) = ZOO[case]
+    _configure(tmp_path)
+    torch.manual_seed(0)
+    model = Zoo(fault, slot, where)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = _make_step(loss_kind)
+    train_step(model, batch(), opt)
+    rt = get_runtime()
+    assert rt.forensics.replays == 1
+    report = rt.forensics.reports[-1]
+    assert (report["cause"], report["kind"], report["module"]) == (cause, kind, module)
+    assert report.get("op") == op
+    assert report["rank"] == 0 and report["step"] == 0 and report["params_updated"] is False
+    assert report["overflow"] is (case == "fp16_overflow")
+    last = rt.history.last_record
+    assert kind in last.anomaly_kinds and last.skipped
+    if cause == "forward":  # producer's inputs finite, outputs not
+        assert report["inputs"]["nan_count"] == 0 and report["inputs"]["inf_count"] == 0
+        assert report["outputs"]["nan_count"] + report["outputs"]["inf_count"] > 0
+
+
+def test_zoo_through_debug_context_with_replay_closure_and_no_optimizer(tmp_path):
+    """No optimizer, warn policy: detected at the step's end, replayed through the user's closure."""
+    _configure(tmp_path, guard="warn")
+    torch.manual_seed(0)
+    model = Zoo(SqrtFeature(), "features")
+    x = torch.randn(4, 8)
+    with tt.debug_context("eval_step", model=model, replay=lambda: model(x).pow(2).mean()) as step:
+        loss = model(x).pow(2).mean()
+        step.record_loss(loss)
+    report = step.record.extra["forensics"]
+    assert (report["cause"], report["module"]) == ("forward", "features")
+    assert semconv.NONFINITE_OUTPUT in step.record.anomaly_kinds
+    assert all(p.grad is None for p in model.parameters())  # the replay's backward left nothing
+
+
+def test_no_false_report_over_500_clean_steps(tmp_path):
+    _configure(tmp_path, guard="warn")
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train_step = _make_step()
+    for _ in range(500):
+        train_step(model, torch.randn(16, 8), opt)
+    rt = get_runtime()
+    assert rt.history.totals["steps"] == 500
+    assert rt.history.totals.get("anomaly_steps", 0) == 0
+    assert rt.forensics.replays == 0 and not rt.forensics.reports
+
+
+def _snapshot(model, opt, buffers=True):
+    src = model.state_dict() if buffers else dict(model.named_parameters())
+    params = {k: v.detach().clone() for k, v in src.items()}
+    state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+             for i, s in enumerate(opt.state.values())}
+    return params, state
+
+
+def _identical(a, b):
+    pa, sa = a
+    pb, sb = b
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            va, vb = sa[i][k], sb[i][k]
+            assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, (i, k)
+
+
+class Gate(torch.nn.Module):
+    """Identity, or NaN when armed (to plant a fault in one chosen step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return x * float("nan") if self.armed else x
+
+
+class NetWithState(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.drop = torch.nn.Dropout(0.3)
+        self.gate = Gate()
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.gate(self.drop(torch.relu(self.bn(self.encoder(x))))))
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam"])
+def test_skip_keeps_parameters_and_optimizer_state_bit_identical(opt_name, tmp_path):
+    _configure(tmp_path, guard="skip")
+    torch.manual_seed(0)
+    model = NetWithState()
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_name == "sgd_momentum"
+           else torch.optim.Adam(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    train_step = _make_step()
+    batches = [torch.randn(8, 8) for _ in range(6)]
+    for b in batches[:3]:
+        train_step(model, b, opt)
+        sched.step()
+    before = _snapshot(model, opt, buffers=False)  # BatchNorm statistics are the step's own forward's
+    model.gate.armed = True
+    train_step(model, batches[3], opt)
+    model.gate.armed = False
+    rt = get_runtime()
+    assert rt.history.last_record.skipped and rt.history.last_record.nonfinite
+    assert all(p.grad is None for p in model.parameters())  # gradients cleared
+    _identical(before, _snapshot(model, opt, buffers=False))
+    assert rt.metrics.registry.get_sample_value(
+        "torchtrace_skipped_steps_total", {"run_id": rt.settings.run_id, "rank": "0", "operation": "train_step"}) == 1
+    train_step(model, batches[4], opt)  # training goes on
+    after = _snapshot(model, opt, buffers=False)
+    assert not rt.history.last_record.anomalies
+    assert any(not torch.equal(after[0][k], before[0][k]) for k in before[0] if "weight" in k)
+
+
+def test_replay_changes_nothing_compared_with_forensics_off(tmp_path):
+    """Same run with and without forensics (dropout, BatchNorm, one planted NaN step): bit-identical."""
+    finals = []
+    for forensics in (True, False):
+        _configure(tmp_path, guard="skip", forensics=forensics)
+        torch.manual_seed(0)
+        model = NetWithState()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        train_step = _make_step()
+        for i in range(6):
+            model.gate.armed = i == 3
+            train_step(model, torch.randn(8, 8), opt)
+        assert get_runtime().forensics.replays == (1 if forensics else 0)
+        finals.append((_snapshot(model, opt), torch.rand(3)))
+        tt.shutdown()
+    _identical(finals[0][0], finals[1][0])
+    assert torch.equal(finals[0][1], finals[1][1])  # the RNG stream continues as without replay
+
+
+def test_raise_policy_carries_the_report_after_recording(tmp_path):
+    _configure(tmp_path, guard="raise")
+    torch.manual_seed(0)
+    model = Zoo(SqrtFeature(), "features")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(tt.NonFiniteError) as info:
+        _make_step()(model, torch.randn(4, 8), opt)
+    assert info.value.report["module"] == "features"
+    assert semconv.NONFINITE_GRAD in info.value.kinds
+    rt = get_runtime()
+    assert rt.history.totals["nonfinite_steps"] == 1 and rt.history.last_record.exception_type == "NonFiniteError"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_raise_policy_without_optimizer_raises_after_the_step(tmp_path):
+    _configure(tmp_path, guard="raise")
+    model = TinyNet()
+    with pytest.raises(tt.NonFiniteError):
+        with tt.debug_context("eval", model=model) as step:
+            step.record_loss(torch.tensor(float("nan")))
+    assert get_runtime().history.totals["nonfinite_steps"] == 1
+
+
+def test_stop_after_k_consecutive_bad_steps(tmp_path):
+    _configure(tmp_path, guard="skip", max_consecutive_bad_steps=3)
+    torch.manual_seed(0)
+    model = NetWithState()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = _make_step()
+    model.gate.armed = True
+    train_step(model, torch.randn(8, 8), opt)
+    train_step(model, torch.randn(8, 8), opt)
+    model.gate.armed = False
+    train_step(model, torch.randn(8, 8), opt)  # a good step resets the count
+    model.gate.armed = True
+    train_step(model, torch.randn(8, 8), opt)
+    train_step(model, torch.randn(8, 8), opt)
+    with pytest.raises(tt.NonFiniteError, match="3 consecutive"):
+        train_step(model, torch.randn(8, 8), opt)
+
+
+def test_replay_budget_limits_replays(tmp_path):
+    _configure(tmp_path, guard="skip", forensics_max_replays=2)
+    model = NetWithState()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.gate.armed = True
+    for _ in range(5):
+        _make_step()(model, torch.randn(8, 8), opt)
+    rt = get_runtime()
+    assert rt.forensics.replays == 2 and rt.forensics.skipped_budget == 3
+    assert rt.history.totals["nonfinite_steps"] == 5
+    assert rt.summary()["forensics"]["replays"] == 2
+
+
+def test_report_is_span_event_report_section_log_and_metric(tmp_path, caplog):
+    _configure(tmp_path, guard="skip")
+    torch.manual_seed(0)
+    model = Zoo(SqrtFeature(), "features")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.ERROR, logger="torchtrace.forensics"):
+        _make_step()(model, torch.randn(4, 8), opt)
+    assert any("born in features" in r.getMessage() for r in caplog.records)
+    rt = get_runtime()
+    labels = {"run_id": rt.settings.run_id, "rank": "0", "operation": "train_step"}
+    assert rt.metrics.registry.get_sample_value("torchtrace_anomalies_total",
+                                                {**labels, "kind": semconv.NONFINITE_OUTPUT}) == 1
+    section = rt.report()["forensics"]
+    assert section["reports"][0]["module"] == "features"
+    spans_path = rt.spans_path
+    tt.shutdown()
+    spans = [json.loads(line) for line in spans_path.read_text().splitlines()]
+    events = [e for s in spans for e in s.get("events", []) if e["name"] == semconv.EVENT_FORENSICS]
+    assert len(events) == 1
+    attrs = events[0]["attributes"]
+    assert attrs[semconv.FORENSICS_MODULE] == "features" and attrs[semconv.FORENSICS_CAUSE] == "forward"
+
+
+def test_gradscaler_overflow_is_not_a_nonfinite_anomaly(tmp_path):
+    _configure(tmp_path, guard="skip")
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1e38)
+
+    @tt.debug_operation
+    def amp_step(model, batch, opt, scaler):
+        opt.zero_grad()
+        loss = model(batch).pow(2).mean() * 1e3
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    amp_step(model, torch.randn(4, 8), opt, scaler)
+    assert scaler.get_scale() < 1e38  # the scaler saw the overflow and backed off
+    with tt.debug_context("amp_ctx", model=model, scaler=scaler) as step:
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        (loss * 1e38).backward()  # overflowing scaled gradients, finite loss
+        step.record_loss(loss)
+    rt = get_runtime()
+    assert rt.history.totals.get("nonfinite_steps", 0) == 0 and rt.forensics.replays == 0
+    assert step.record.extra.get("scaler_overflow") is True
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_gradscaler_with_a_real_nan_is_localised_without_touching_the_scaler(tmp_path):
+    _configure(tmp_path, guard="skip")
+    torch.manual_seed(0)
+    model = Zoo(SqrtFeature(), "features")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+    @tt.debug_operation
+    def amp_step(model, batch, opt, scaler):
+        opt.zero_grad()
+        loss = model(batch).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    amp_step(model, torch.randn(4, 8), opt, scaler)
+    rt = get_runtime()
+    report = rt.forensics.reports[-1]
+    assert (report["cause"], report["module"]) == ("forward", "features")
+    assert scaler.get_scale() == 512.0  # backed off once by the step itself, not again by the replay
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_nested_scopes_record_nothing_during_the_replay(tmp_path):
+    _configure(tmp_path, guard="skip")
+    model = Zoo(SqrtFeature(), "features")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @tt.debug_operation
+    def train_step(model, batch, opt):
+        opt.zero_grad()
+        with tt.debug_context("forward"):
+            loss = model(batch).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    train_step(model, torch.randn(4, 8), opt)
+    rt = get_runtime()
+    assert rt.forensics.replays == 1
+    assert dict(rt.history.operations) == {"forward": 1, "train_step": 1}

@@ -1,0 +1,383 @@
+"""Forensic replay: find the module that produced a NaN/Inf, on the one step that had one.
+
+Healthy steps pay only for remembering how to replay (the RNG state and a replay callable).
+When a step's loss or gradients are non-finite, the step is run again on the same inputs and
+RNG state, with the parameters unchanged, under forward hooks on every module (pass A), and,
+when the forward was clean, once more under ``torch.autograd.detect_anomaly(check_nan=True)``
+to name the backward op (pass B). The optimizer's ``step`` (and a GradScaler's ``step``,
+``unscale_`` and ``update``) are no-ops during the replay; gradients, buffers, RNG state and
+training flags are restored afterwards, so the replay never changes the training result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+
+from torchtrace import semconv
+from torchtrace.measure import tensors as tensor_measure
+from torchtrace.record import readout
+
+# Causes a report can name (report["cause"]) and the anomaly kind each one counts as.
+CAUSE_KIND = {
+    "input": semconv.NONFINITE_INPUT,
+    "forward": semconv.NONFINITE_OUTPUT,
+    "loss": semconv.NONFINITE_LOSS,
+    "backward": semconv.NONFINITE_GRAD,
+    "parameter": semconv.NONFINITE_PARAM,
+    "unknown": semconv.NONFINITE_GRAD,
+}
+_OP_RE = re.compile(r"Function '([^']+)' returned (nan|inf)", re.IGNORECASE)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- RNG and state capture
+def capture_rng() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The CPU and CUDA generator states (host-side: no device synchronisation)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def restore_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Floating-point tensors inside args/kwargs/outputs (tuples, lists, dicts, dataclass-like .loss)."""
+    if depth > 4:
+        return
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() or obj.is_complex():
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item, depth + 1)
+
+
+def _all_finite(ts: list[torch.Tensor]) -> torch.Tensor:
+    if not ts:
+        return torch.ones((), dtype=torch.bool)
+    flags = [torch.isfinite(t.detach()).all().to("cpu", non_blocking=False) if t.device.type != "cpu"
+             else torch.isfinite(t.detach()).all() for t in ts]
+    return torch.stack(flags).all()
+
+
+_NAN6 = torch.full((6,), float("nan"), dtype=torch.float64)
+
+
+def _stats(ts: list[torch.Tensor]) -> torch.Tensor:
+    return tensor_measure.tensor_stats(ts[0]).cpu() if ts else _NAN6
+
+
+# ---------------------------------------------------------------- neutralising side effects
+@contextlib.contextmanager
+def neutralised(optimizers: list[Any], scalers: list[Any]) -> Iterator[None]:
+    """``optimizer.step`` and a GradScaler's ``step/unscale_/update`` become no-ops (instance patch)."""
+    patched: list[tuple[Any, str, bool, Any]] = []
+
+    def patch(obj: Any, name: str) -> None:
+        had = name in vars(obj)
+        patched.append((obj, name, had, vars(obj).get(name)))
+        setattr(obj, name, lambda *a, **k: None)
+
+    try:
+        for opt in optimizers:
+            patch(opt, "step")
+        for sc in scalers:
+            for name in ("step", "unscale_", "update"):
+                patch(sc, name)
+        yield
+    finally:
+        for obj, name, had, old in reversed(patched):
+            if had:
+                setattr(obj, name, old)
+            else:
+                try:
+                    delattr(obj, name)
+                except AttributeError:
+                    pass
+
+
+def default_replay(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], Any]:
+    """The decorator's replay: call the undecorated step function again with the same arguments."""
+    return lambda: fn(*args, **kwargs)
+
+
+def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[Any]]:
+    """Optimizers and GradScalers passed to the step function (their updates are neutralised)."""
+    opts, scalers = [], []
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.optim.Optimizer):
+            opts.append(value)
+        elif hasattr(value, "_scale") and hasattr(value, "unscale_"):
+            scalers.append(value)
+    return opts, scalers
+
+
+# ---------------------------------------------------------------- the replay
+class _Recorder:
+    """Forward and backward hooks on every module; device flags collected, read once at the end."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.names = {m: (n or "") for n, m in model.named_modules()}
+        self.calls: list[dict[str, Any]] = []  # in completion order
+        self._stack: list[dict[str, Any]] = []
+        self.grad_flags: list[tuple[str, str, torch.Tensor]] = []  # (module, "in"/"out", finite flag)
+        self.handles: list[Any] = []
+        self.order = 0
+
+    def install(self) -> None:
+        for module in self.names:
+            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _grad_hook(self, name: str, side: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.grad_flags.append((name, side, _all_finite([grad])))
+        return hook
+
+    def _pre(self, module, args, kwargs):
+        name = self.names.get(module, "?")
+        ins = list(_tensors(args)) + list(_tensors(kwargs))
+        self.order += 1
+        self._stack.append({"module": name, "type": type(module).__name__, "call": self.order,
+                            "in_finite": _all_finite(ins), "in_stats": _stats(ins), "has_in": bool(ins)})
+        if torch.is_grad_enabled():
+            for t in ins:
+                if t.requires_grad:
+                    t.register_hook(self._grad_hook(name, "in"))
+        return None
+
+    def _post(self, module, args, kwargs, output):
+        entry = self._stack.pop() if self._stack else {"module": self.names.get(module, "?"), "type": type(module).__name__,
+                                                        "call": 0, "in_finite": torch.ones((), dtype=torch.bool),
+                                                        "in_stats": _NAN6, "has_in": False}
+        outs = list(_tensors(output))
+        entry["out_finite"] = _all_finite(outs)
+        entry["out_stats"] = _stats(outs)
+        entry["out_dtype"] = str(outs[0].dtype).replace("torch.", "") if outs else None
+        self.calls.append(entry)
+        if torch.is_grad_enabled():
+            for t in outs:
+                if t.requires_grad:
+                    t.register_hook(self._grad_hook(entry["module"], "out"))
+        return None
+
+
+def _describe(values: list[float]) -> dict[str, Any]:
+    s = dict(zip(tensor_measure.STAT_NAMES, values))
+    return {k: (v if math.isfinite(v) else None) if k not in ("nan_count", "inf_count") else
+            (int(v) if math.isfinite(v) else None) for k, v in s.items()}
+
+
+def _depth(name: str) -> int:
+    return 0 if not name else name.count(".") + 1
+
+
+def _owner(param_name: str, module_names: set[str]) -> str:
+    parts = param_name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        cand = ".".join(parts[:i])
+        if cand in module_names:
+            return cand
+    return ""
+
+
+def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, optimizers: list[Any],
+           scalers: list[Any], extract_loss: Callable[[Any], Any]) -> dict[str, Any]:
+    """Replay one step and return the forensic report (a JSON-ready dict).
+
+    ``run`` re-executes the step (forward, loss and usually backward); when it leaves no
+    gradient and returns a loss that requires grad, the replay calls ``backward`` itself.
+    Everything the replay touches is restored before returning.
+    """
+    t0 = time.perf_counter()
+    params = [(n, p) for n, p in model.named_parameters()]
+    module_names = {n for n, _ in model.named_modules()}
+    saved_grads = [(p, p.grad) for _, p in params]
+    saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    saved_training = [(m, m.training) for m in model.modules()]
+    rng_now = capture_rng()
+    report: dict[str, Any] = {"replayed": True, "model": type(model).__name__}
+    try:
+        # Parameters that are already non-finite explain everything downstream.
+        pflags = readout.read(torch.stack([torch.isfinite(p.detach()).all().cpu() for _, p in params]).to(torch.float64)) \
+            if params else []
+        bad_params = [n for (n, _), ok in zip(params, pflags) if not ok]
+        rec = _Recorder(model)
+        loss_value, pass_a_error = _run_once(model, run, rng, optimizers, scalers, extract_loss, params, rec)
+        grad_bad = _nonfinite_grads(params)
+        _analyse(report, rec, loss_value, grad_bad, bad_params, module_names)
+        if pass_a_error is not None:
+            report["replay_error"] = pass_a_error
+        if report["cause"] in ("backward", "unknown") and grad_bad:
+            report["op"] = _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params)
+    finally:
+        for p, g in saved_grads:
+            p.grad = g
+        with torch.no_grad():
+            for b, v in saved_buffers:
+                b.copy_(v)
+        for m, flag in saved_training:
+            m.training = flag
+        restore_rng(rng_now)
+    report["replay_seconds"] = time.perf_counter() - t0
+    return report
+
+
+def _run_once(model, run, rng, optimizers, scalers, extract_loss, params, rec: _Recorder | None):
+    for _, p in params:
+        p.grad = None
+    if rng is not None:
+        restore_rng(rng)
+    error = None
+    loss_value = None
+    if rec is not None:
+        rec.install()
+    try:
+        with neutralised(optimizers, scalers), torch.enable_grad():
+            try:
+                out = run()
+            except Exception as exc:  # the replayed step failed: report, do not raise
+                return None, type(exc).__qualname__
+            loss = extract_loss(out)
+            if isinstance(loss, torch.Tensor):
+                if all(p.grad is None for _, p in params) and loss.requires_grad:
+                    try:
+                        loss.backward()
+                    except Exception as exc:
+                        error = type(exc).__qualname__
+                loss_value = readout.read(loss.detach().reshape(-1)[:1].to(torch.float64).cpu())[0]
+            elif isinstance(loss, (int, float)):
+                loss_value = float(loss)
+    finally:
+        if rec is not None:
+            rec.remove()
+    return loss_value, error
+
+
+def _nonfinite_grads(params) -> list[str]:
+    with_grad = [(n, p.grad) for n, p in params if p.grad is not None]
+    if not with_grad:
+        return []
+    flags = readout.read(torch.stack([torch.isfinite(g).all().cpu() for _, g in with_grad]).to(torch.float64))
+    return [n for (n, _), ok in zip(with_grad, flags) if not ok]
+
+
+def _analyse(report, rec: _Recorder, loss_value, grad_bad, bad_params, module_names) -> None:
+    calls = sorted(rec.calls, key=lambda c: c["call"])
+    done = rec.calls  # completion order: children before parents
+    if calls:
+        flat = torch.cat([torch.stack([c["in_finite"].to(torch.float64).cpu(), c["out_finite"].to(torch.float64).cpu()])
+                          for c in done] + [torch.cat([c["in_stats"], c["out_stats"]]) for c in done])
+        values = readout.read(flat)
+        n = len(done)
+        for i, c in enumerate(done):
+            c["in_ok"] = bool(values[2 * i])
+            c["out_ok"] = bool(values[2 * i + 1])
+            base = 2 * n + 12 * i
+            c["inputs"] = _describe(values[base:base + 6]) if c["has_in"] else None
+            c["outputs"] = _describe(values[base + 6:base + 12])
+    report["loss"] = loss_value if loss_value is None or math.isfinite(loss_value) else str(loss_value)
+    report["nonfinite_grads"] = grad_bad[: semconv.MAX_NAMES_PER_ATTRIBUTE]
+    report["nonfinite_params"] = bad_params[: semconv.MAX_NAMES_PER_ATTRIBUTE]
+    report["modules_seen"] = len(done)
+    producer = None
+    cause = "unknown"
+    if bad_params:
+        cause = "parameter"
+        producer = {"module": _owner(bad_params[0], module_names), "type": None}
+    else:
+        first_in = next((c for c in calls if c["has_in"] and not c["in_ok"]), None)
+        born = [c for c in done if c["in_ok"] and not c["out_ok"]]
+        if born:
+            cause = "forward"
+            producer = born[0]
+        elif first_in is not None:
+            cause = "input"
+            producer = first_in
+        elif loss_value is not None and not math.isfinite(loss_value):
+            cause = "loss"
+            producer = {"module": "<loss>", "type": None}
+        elif grad_bad:
+            cause = "backward"
+            producer = _backward_producer(rec, grad_bad, module_names) or {"module": "<loss>", "type": None}
+    report["cause"] = cause
+    report["kind"] = CAUSE_KIND[cause]
+    report["overflow"] = False
+    if producer is not None:
+        report["module"] = producer.get("module")
+        report["module_type"] = producer.get("type")
+        if producer.get("inputs") is not None or producer.get("outputs") is not None:
+            report["inputs"] = producer.get("inputs")
+            report["outputs"] = producer.get("outputs")
+            report["output_dtype"] = producer.get("out_dtype")
+            out = producer.get("outputs") or {}
+            report["overflow"] = bool(cause == "forward" and (out.get("inf_count") or 0) > 0
+                                      and not (out.get("nan_count") or 0))
+
+
+def _backward_producer(rec: _Recorder, grad_bad: list[str], module_names: set[str]) -> dict[str, Any] | None:
+    flags = rec.grad_flags
+    if flags:
+        values = readout.read(torch.stack([f.to(torch.float64).cpu() for _, _, f in flags]))
+    else:
+        values = []
+    out_ok: dict[str, bool] = {}
+    in_bad: set[str] = set()
+    for (name, side, _), ok in zip(flags, values):
+        if side == "out":
+            out_ok[name] = out_ok.get(name, True) and bool(ok)
+        elif not ok:
+            in_bad.add(name)
+    own_bad = {_owner(p, module_names) for p in grad_bad}
+    cands = [m for m in module_names if out_ok.get(m, True) and (m in in_bad or m in own_bad)]
+    if not cands:
+        return None
+    best = max(cands, key=_depth)
+    kind = next((c["type"] for c in rec.calls if c["module"] == best), None)
+    return {"module": best, "type": kind}
+
+
+def _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params) -> str | None:
+    """Pass B: the backward op that first returned NaN/Inf, from ``detect_anomaly``'s error."""
+    op = None
+    prev = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autograd.detect_anomaly(check_nan=True):
+                for _, p in params:
+                    p.grad = None
+                if rng is not None:
+                    restore_rng(rng)
+                with neutralised(optimizers, scalers), torch.enable_grad():
+                    try:
+                        out = run()
+                        loss = extract_loss(out)
+                        if isinstance(loss, torch.Tensor) and loss.requires_grad and all(p.grad is None for _, p in params):
+                            loss.backward()
+                    except RuntimeError as exc:
+                        m = _OP_RE.search(str(exc))
+                        op = m.group(1) if m else None
+    finally:
+        torch.set_anomaly_enabled(*prev)
+    return op

@@ -1,0 +1,101 @@
+"""Input and output checks: ``validate_model_input`` and ``detect_model_anomalies``.
+
+Occasional checks (data loading, evaluation, serving), not per-step telemetry: each reads
+its statistics to the host once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from torchtrace import semconv
+from torchtrace.measure import tensors as tensor_measure
+from torchtrace.record import readout
+from torchtrace.record.monitor import _record
+
+
+def _stats(t: torch.Tensor) -> dict[str, Any]:
+    values = readout.read(tensor_measure.tensor_stats(t).cpu())
+    return tensor_measure.describe(t, values)
+
+
+def validate_model_input(x: torch.Tensor, *, expected_dims: int | Sequence[int] | None = None,
+                         min_value: float | None = None, max_value: float | None = None,
+                         allow_nonfinite: bool = False, name: str = "input") -> dict[str, Any]:
+    """Check a batch before it reaches the model; returns its statistics.
+
+    Raises:
+        TypeError: ``x`` is not a tensor.
+        ValueError: NaN/Inf values (counted as ``nonfinite_input``), values outside
+            ``[min_value, max_value]``, or a number of dimensions not in ``expected_dims``;
+            the message says what was found and what was expected.
+
+    >>> import torch, torchtrace as tt
+    >>> tt.validate_model_input(torch.zeros(2, 3), expected_dims=2)["nan_count"]
+    0
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if expected_dims is not None:
+        allowed = (expected_dims,) if isinstance(expected_dims, int) else tuple(expected_dims)
+        if x.dim() not in allowed:
+            raise ValueError(f"{name} has {x.dim()} dimensions (shape {tuple(x.shape)}); expected "
+                             f"{' or '.join(str(a) for a in allowed)}")
+    if not (x.is_floating_point() or x.is_complex()):
+        x_stats = x.to(torch.float64)
+    else:
+        x_stats = x
+    info = _stats(x_stats)
+    if not allow_nonfinite and (info["nan_count"] or info["inf_count"]):
+        _record([semconv.NONFINITE_INPUT], -1, None, None, operation="validate_model_input")
+        raise ValueError(f"{name} holds {info['nan_count']} NaN and {info['inf_count']} Inf value(s) "
+                         f"out of {info['numel']} (shape {tuple(x.shape)})")
+    if min_value is not None and info["min"] is not None and info["min"] < min_value:
+        raise ValueError(f"{name} minimum {info['min']:.6g} is below the allowed minimum {min_value:.6g}")
+    if max_value is not None and info["max"] is not None and info["max"] > max_value:
+        raise ValueError(f"{name} maximum {info['max']:.6g} is above the allowed maximum {max_value:.6g}")
+    return info
+
+
+def detect_model_anomalies(model: torch.nn.Module, x: Any, *, value_range: tuple[float, float] | None = None,
+                           uniform_tolerance: float = 1e-6) -> dict[str, Any]:
+    """Run ``model(x)`` without gradients and check its output.
+
+    Anomalies (recorded on the runtime as ``torchtrace_anomalies_total{kind}`` and in the
+    run history): ``nonfinite_output`` (NaN/Inf), ``output_out_of_range`` (outside
+    ``value_range``), ``uniform_output`` (every sample of a batch of two or more gets the
+    same prediction, within ``uniform_tolerance``: a collapsed model).
+
+    Returns ``{"ok", "anomalies": [kind...], "output": statistics, "details": {...}}``.
+    """
+    with torch.no_grad():
+        out = model(x)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    elif isinstance(out, dict):
+        out = next(v for v in out.values() if isinstance(v, torch.Tensor))
+    o = out.detach()
+    of = o.to(torch.float64)
+    spread = torch.zeros((), dtype=torch.float64, device=o.device)
+    if o.dim() >= 1 and o.shape[0] >= 2:
+        flat = of.reshape(o.shape[0], -1)
+        spread = (flat - flat[:1]).abs().nan_to_num(nan=math.inf).amax()
+    values = readout.read(torch.cat([tensor_measure.tensor_stats(o), spread.reshape(1)]).cpu())
+    info = tensor_measure.describe(o, values[:-1], "output")
+    anomalies: list[str] = []
+    details: dict[str, Any] = {}
+    if info["nan_count"] or info["inf_count"]:
+        anomalies.append(semconv.NONFINITE_OUTPUT)
+        details[semconv.NONFINITE_OUTPUT] = {"nan_count": info["nan_count"], "inf_count": info["inf_count"]}
+    if value_range is not None and info["min"] is not None and (info["min"] < value_range[0] or info["max"] > value_range[1]):
+        anomalies.append(semconv.OUTPUT_OUT_OF_RANGE)
+        details[semconv.OUTPUT_OUT_OF_RANGE] = {"min": info["min"], "max": info["max"], "range": list(value_range)}
+    if o.dim() >= 1 and o.shape[0] >= 2 and values[-1] <= uniform_tolerance:
+        anomalies.append(semconv.UNIFORM_OUTPUT)
+        details[semconv.UNIFORM_OUTPUT] = {"max_difference": values[-1], "batch": int(o.shape[0])}
+    if anomalies:
+        _record(anomalies, -1, None, None, operation="detect_model_anomalies")
+    return {"ok": not anomalies, "anomalies": anomalies, "output": info, "details": details}
