@@ -17,6 +17,10 @@ from torchtrace.debugger import (DebugConfig, GradientReport, PyTorchDebugger, c
                                  debug_training_session)
 from torchtrace.errors import NonFiniteError
 from torchtrace.levels import DebugLevel, DebugMode, OptimizationMode
+from torchtrace.inspection import debug_backward_pass, debug_forward_pass, debug_training_step, inspect_model
+from torchtrace.memory_tracking import (MemorySnapshot, MemoryTracker, clear_memory, memory_tracking,
+                                        take_memory_snapshot, track_tensor)
+from torchtrace.profiling import ProfileSchedule, profiling
 
 __all__ = [
     "ConfigureResult",
@@ -38,4 +42,16 @@ __all__ = [
     "debug_training_session",
     "flush",
     "shutdown",
+    "MemorySnapshot",
+    "MemoryTracker",
+    "ProfileSchedule",
+    "clear_memory",
+    "debug_backward_pass",
+    "debug_forward_pass",
+    "debug_training_step",
+    "inspect_model",
+    "memory_tracking",
+    "profiling",
+    "take_memory_snapshot",
+    "track_tensor",
 ]

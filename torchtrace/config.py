@@ -95,6 +95,9 @@ class Settings:
     record_exception_messages: bool = False
     register_atexit: bool = True
     resource_attributes: Mapping[str, Any] | None = None
+    leak_window: int = 32  # steps in the leak detector's slope window
+    leak_threshold_bytes: int = 256 * 1024  # bytes per step of sustained growth that is a leak
+    leak_confirm_steps: int = 8  # steps the slow path (census, tracemalloc) watches before reporting
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -270,6 +273,9 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "record_exception_messages": _bool,
     "register_atexit": _bool,
     "resource_attributes": _mapping,
+    "leak_window": _positive_int,
+    "leak_threshold_bytes": _positive_int,
+    "leak_confirm_steps": _positive_int,
 }
 
 # setting -> (environment variables in order of precedence, parser)

@@ -1,0 +1,1 @@
+"""After-the-fact investigations: where a leak, a NaN or an OOM came from."""
