@@ -269,7 +269,10 @@ class LeakProbe:
         points = []
         if mem.get("cuda_allocated_bytes") is not None:
             points.append((mem.get("device") or "cuda", mem["cuda_allocated_bytes"]))
-        if mem.get("rss_bytes") is not None:
+        heap = mem_measure.heap_in_use_bytes()  # ~20 us; falls back to RSS without glibc
+        if heap is not None:
+            points.append(("cpu", heap))
+        elif mem.get("rss_bytes") is not None:
             points.append(("cpu", mem["rss_bytes"]))
         worst = None
         for device, value in points:
