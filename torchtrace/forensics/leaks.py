@@ -34,7 +34,7 @@ _GRAPH_NODES = 2000  # bound on the autograd-graph walk that estimates retained 
 def theil_sen_slope(xs: list[float], ys: list[float]) -> float | None:
     """Median of the slopes between every pair of points (Theil-Sen); None below two points.
 
-    >>> theil_sen_slope([0, 1, 2, 3], [0, 10, 20, 1000])
+    >>> theil_sen_slope([0, 1, 2, 3, 4], [0, 10, 20, 30, 1000])
     10.0
     """
     slopes = []
