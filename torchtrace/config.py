@@ -246,6 +246,10 @@ def _mapping(value: Any, setting: str) -> Mapping[str, Any]:
     return dict(value)
 
 
+def _too_small(value: Any, setting: str, minimum: int) -> int:
+    raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= {minimum}")
+
+
 _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "disabled": _bool,
     "service_name": _nonempty_str,
@@ -273,7 +277,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "record_exception_messages": _bool,
     "register_atexit": _bool,
     "resource_attributes": _mapping,
-    "leak_window": _positive_int,
+    "leak_window": lambda v, s: _positive_int(v, s) if _positive_int(v, s) >= 4 else _too_small(v, s, 4),
     "leak_threshold_bytes": _positive_int,
     "leak_confirm_steps": _positive_int,
 }

@@ -142,3 +142,8 @@ def test_detector_off_at_basic(tt_runtime):
 def test_leak_settings_validated():
     with pytest.raises(ValueError, match="leak_threshold_bytes"):
         tt.configure(leak_threshold_bytes=-1, prometheus_port="off", write_files=False)
+
+
+def test_leak_window_validated():
+    with pytest.raises(ValueError, match="leak_window=2 is not valid; accepted values: an integer >= 4"):
+        tt.configure(leak_window=2, prometheus_port="off", write_files=False)
