@@ -142,3 +142,34 @@ def test_schedule_validation():
         ProfileSchedule(active=0)
     with pytest.raises(ValueError, match="max_trace_bytes"):
         ProfileSchedule(max_trace_bytes=10)
+
+
+def test_step_time_regression_arms_a_window(tt_runtime):
+    from types import SimpleNamespace
+
+    from torchtrace.levels import Features
+    from torchtrace.record.step import StepRecord
+
+    probe = find_probe(get_runtime(), ProfilerProbe)
+    probe.set_schedule(ProfileSchedule(regression_factor=3.0, regression_window=16))
+    scope = SimpleNamespace(extras={}, _features=Features(), step=0)
+
+    def feed(duration):
+        probe.finalize(scope, StepRecord("s", 0, "basic", 0, duration_s=duration), None)
+
+    for _ in range(8):
+        feed(0.010)
+    feed(0.029)  # under 3x the median
+    assert probe.armed is None
+    feed(0.031)
+    assert probe.armed == "regression"
+    probe.set_schedule(None)
+
+
+def test_nested_step_is_part_of_the_profiled_step(tt_runtime, tiny_model, tmp_path):
+    with tt.profiling(tmp_path / "n" / "x.json", ProfileSchedule(steps=[0], active=1)) as res:
+        with tt.debug_context("outer"):
+            with tt.debug_context("inner"):
+                tiny_model(torch.ones(1, 8))
+    assert _profiler_steps(res["path"]) == ["ProfilerStep#0"]
+    assert res["windows"][0]["steps"] == [0]

@@ -205,6 +205,8 @@ class ProfilerProbe:
     # -------------------------------------------------------------- per step
     def enter(self, scope) -> None:
         w = self.window
+        if w is not None and w.rec is not None:
+            return  # a step nested in a profiled step is part of it
         if w is None:
             sched = self._active_schedule(scope)
             if sched is None:
