@@ -21,6 +21,10 @@ from torchtrace.forensics import anomaly_detection, replay_step
 from torchtrace.record.checks import detect_model_anomalies, validate_model_input
 from torchtrace.record.monitor import TrainingDebugger, TrainingMonitor
 from torchtrace.record.pipeline import analyze_pipeline, monitor_loop_step
+from torchtrace.inspection import debug_backward_pass, debug_forward_pass, debug_training_step, inspect_model
+from torchtrace.memory_tracking import (MemorySnapshot, MemoryTracker, clear_memory, memory_tracking,
+                                        take_memory_snapshot, track_tensor)
+from torchtrace.profiling import ProfileSchedule, profiling
 
 __all__ = [
     "ConfigureResult",
@@ -50,4 +54,16 @@ __all__ = [
     "monitor_loop_step",
     "anomaly_detection",
     "replay_step",
+    "MemorySnapshot",
+    "MemoryTracker",
+    "ProfileSchedule",
+    "clear_memory",
+    "debug_backward_pass",
+    "debug_forward_pass",
+    "debug_training_step",
+    "inspect_model",
+    "memory_tracking",
+    "profiling",
+    "take_memory_snapshot",
+    "track_tensor",
 ]

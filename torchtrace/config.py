@@ -113,6 +113,9 @@ class Settings:
     rank_skew_interval: int | None = 50
     forensics: bool = True
     forensics_max_replays: int = 3
+    leak_window: int = 32  # steps in the leak detector's slope window
+    leak_threshold_bytes: int = 256 * 1024  # bytes per step of sustained growth that is a leak
+    leak_confirm_steps: int = 8  # steps the slow path (census, tracemalloc) watches before reporting
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -276,6 +279,8 @@ def _debug_token(value: Any, setting: str) -> str:
         raise ValueError(f"{setting}=<hidden> is not valid; accepted values: a string of at least 16 printable "
                          "characters without spaces")
     return value
+def _too_small(value: Any, setting: str, minimum: int) -> int:
+    raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= {minimum}")
 
 
 _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
@@ -311,6 +316,9 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "rank_skew_interval": _optional_positive_int,
     "forensics": _bool,
     "forensics_max_replays": lambda v, s: _non_negative_int(v, s),
+    "leak_window": lambda v, s: _positive_int(v, s) if _positive_int(v, s) >= 4 else _too_small(v, s, 4),
+    "leak_threshold_bytes": _positive_int,
+    "leak_confirm_steps": _positive_int,
 }
 
 # setting -> (environment variables in order of precedence, parser)

@@ -309,6 +309,85 @@ class PyTorchDebugger:
         if bad:
             raise NonFiniteError(f"non-finite gradients in {', '.join(bad[:8])}", kinds=[semconv.NONFINITE_GRAD])
 
+    # ------------------------------------------------------------ profiling, memory, layers
+    def profiling(self, output_file: str | os.PathLike[str] | None = None, schedule: Any = None, **options: Any):
+        """A ``torch.profiler`` window over the block (or windows per ``schedule``); see :func:`torchtrace.profiling`."""
+        from torchtrace.profiling import profiling
+
+        self._log_debug_event("profiling", f"profiling to {output_file or 'the run directory'}", level=logging.DEBUG)
+        return profiling(output_file, schedule, **options)
+
+    def memory_tracking(self):
+        """Per-step memory samples inside the block; see :func:`torchtrace.memory_tracking`."""
+        from torchtrace.memory_tracking import memory_tracking
+
+        return memory_tracking()
+
+    def take_memory_snapshot(self, name: str | None = None, census: bool = False):
+        """A named memory snapshot; ``snapshot.compare(earlier)`` gives the differences."""
+        from torchtrace.memory_tracking import take_memory_snapshot
+
+        snap = take_memory_snapshot(name, census)
+        self._log_debug_event("memory_snapshot", f"snapshot {snap.name}", snap.as_dict(), logging.DEBUG)
+        return snap
+
+    def compare_memory_snapshots(self, before, after) -> dict[str, Any]:
+        from torchtrace.memory_tracking import compare
+
+        return compare(before, after)
+
+    def track_tensor(self, tensor: torch.Tensor, name: str) -> None:
+        """Watch ``tensor`` by weak reference (never keeps it alive)."""
+        from torchtrace.memory_tracking import track_tensor
+
+        track_tensor(tensor, name)
+
+    def clear_memory(self) -> dict[str, Any]:
+        """``gc.collect()`` and CUDA ``empty_cache()``; returns the bytes released."""
+        from torchtrace.memory_tracking import clear_memory
+
+        freed = clear_memory()
+        self._log_debug_event("memory_cleared", f"released {freed}", freed, logging.DEBUG)
+        return freed
+
+    def debug_forward_pass(self, model: torch.nn.Module, inputs: Any, layer_hooks: bool = True) -> dict[str, Any]:
+        """Per-layer output statistics and time; see :func:`torchtrace.debug_forward_pass`."""
+        from torchtrace.inspection import debug_forward_pass
+
+        out = debug_forward_pass(model, inputs, layer_hooks=layer_hooks)
+        if out["nonfinite_layers"]:
+            self._log_debug_event("activation_anomaly", f"first non-finite output in {out['first_nonfinite_layer']}",
+                                  {"layers": out["nonfinite_layers"]}, logging.WARNING)
+        return out
+
+    def debug_backward_pass(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> dict[str, Any]:
+        """Timed backward and per-parameter gradient statistics; see :func:`torchtrace.debug_backward_pass`."""
+        from torchtrace.inspection import debug_backward_pass
+
+        out = debug_backward_pass(loss, model=model)
+        if out["nonfinite_params"]:
+            self._log_debug_event("gradient_anomaly", f"non-finite gradients in {out['nonfinite_params'][:8]}",
+                                  {"params": out["nonfinite_params"]}, logging.WARNING)
+        return out
+
+    def inspect_model(self, model: torch.nn.Module, input_shape: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """Layers, parameter counts, dtypes, devices and a validating forward pass; see :func:`torchtrace.inspect_model`."""
+        from torchtrace.inspection import inspect_model
+
+        out = inspect_model(model, input_shape, **kwargs)
+        fwd = out.get("forward")
+        if fwd is not None and not fwd["ok"]:
+            self._log_debug_event("shape_mismatch", f"forward fails in {fwd['failed_layer']}: {fwd['error']}",
+                                  {"layer": fwd["failed_layer"]}, logging.WARNING)
+        return out
+
+    def debug_training_step(self, model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Any,
+                            optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Forward statistics, loss, backward statistics and the optimizer step, in one report."""
+        from torchtrace.inspection import debug_training_step
+
+        return debug_training_step(model, inputs, targets, loss_fn, optimizer)
+
     # ------------------------------------------------------------ summaries
     def get_debug_summary(self) -> dict[str, Any]:
         """Counts of events by type, anomalies, the last events, and the run's telemetry summary."""

@@ -108,6 +108,9 @@ class Runtime:
         from torchtrace.forensics.probe import install as _install_forensics
 
         _install_forensics(self)
+        from torchtrace.probes_registry import install_probes
+
+        install_probes(self)
 
     # ------------------------------------------------------------ construction
     def _resource(self) -> Resource:
@@ -266,6 +269,10 @@ class Runtime:
         if record.loss is None and scope is not None and scope._loss_float is not None:
             record.loss = scope._loss_float
         rules.evaluate_loss(record)
+        if scope is not None and values is not None:
+            for key, where in layout.items():
+                if key.startswith("read:"):  # probes find their values under "value:<name>"
+                    scope.extras["value:" + key[5:]] = values[where[0]:where[0] + where[1]]
         for probe in list(self.probes):
             try:
                 probe.finalize(scope, record, span)
@@ -431,6 +438,11 @@ class Runtime:
             self.finish_deferred(block=True)
         except Exception as exc:
             self.errors.report("record", exc)
+        for probe in list(self.probes):
+            try:
+                getattr(probe, "close", lambda: None)()
+            except Exception as exc:
+                self.errors.report("other", exc)
         try:
             self.write_report()
         except Exception as exc:

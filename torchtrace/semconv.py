@@ -133,3 +133,26 @@ LOOP_NONFINITE = "torchtrace.loop.nonfinite"
 # Added anomaly kind (detect_model_anomalies: outputs outside the expected value range).
 OUTPUT_OUT_OF_RANGE = "output_out_of_range"
 ANOMALY_KINDS_ALL = ANOMALY_KINDS_ALL + (OUTPUT_OUT_OF_RANGE,)
+# ---------------------------------------------------------------- profiling, memory, activations
+PROFILE_TRACE_PATH = "torchtrace.profile.trace_path"  # Chrome trace file of the window holding this step
+PROFILE_WINDOW = "torchtrace.profile.window"  # "first-last" steps of the profiled window
+PROFILE_REASON = "torchtrace.profile.reason"  # why the window was opened: schedule, anomaly, regression, manual
+PROFILE_TRUNCATED = "torchtrace.profile.truncated"  # trace events dropped to respect the size cap
+EVENT_PROFILE_OP = "torchtrace.profile.op"  # one of the window's top ops by self time
+PROFILE_OP_NAME = "torchtrace.profile.op.name"
+PROFILE_OP_SELF_CPU_US = "torchtrace.profile.op.self_cpu_us"
+PROFILE_OP_CPU_US = "torchtrace.profile.op.cpu_us"
+PROFILE_OP_SELF_DEVICE_US = "torchtrace.profile.op.self_device_us"
+PROFILE_OP_CALLS = "torchtrace.profile.op.calls"
+MEMORY_GROWTH_BYTES_PER_STEP = "torchtrace.memory.growth_bytes_per_step"  # leak detector's slope
+EVENT_MEMORY_LEAK = "torchtrace.memory_leak"  # the leak report: accumulating tensors and sites
+MEMORY_LEAK_TENSORS = "torchtrace.memory_leak.tensors"  # "shape dtype device grad_fn +count (+bytes)", capped
+MEMORY_LEAK_SITES = "torchtrace.memory_leak.sites"  # "file:line +bytes", capped
+EVENT_ACTIVATIONS = "torchtrace.activations"  # per-layer output statistics of the step
+ACTIVATION_LAYERS = "torchtrace.activations.layers"  # layer names, capped
+ACTIVATION_MEAN = "torchtrace.activations.mean"
+ACTIVATION_STD = "torchtrace.activations.std"
+ACTIVATION_MIN = "torchtrace.activations.min"
+ACTIVATION_MAX = "torchtrace.activations.max"
+ACTIVATION_NONFINITE = "torchtrace.activations.nonfinite"
+ACTIVATION_NONFINITE_LAYERS = "torchtrace.activations.nonfinite_layers"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
@@ -58,3 +59,39 @@ def sample(cuda: bool = True) -> MemorySample:
             device=f"cuda:{dev}",
         )
     return MemorySample(rss=rss)
+
+
+class _MallInfo2(__import__("ctypes").Structure):
+    _fields_ = [(name, __import__("ctypes").c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+_MALLINFO2: Any = None
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (glibc ``mallinfo2``: in-use arena + mmapped).
+
+    Unlike RSS this falls when memory is freed even if the allocator keeps the pages, so a
+    leak of CPU tensors shows up as growth even after an earlier phase left free pages behind.
+    None where glibc's ``mallinfo2`` is not available.
+    """
+    global _MALLINFO2
+    if _MALLINFO2 is None:
+        _MALLINFO2 = False
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            fn = libc.mallinfo2
+            fn.restype = _MallInfo2
+            fn.argtypes = []
+            _MALLINFO2 = fn
+        except (OSError, AttributeError):
+            pass
+    if not _MALLINFO2:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)

@@ -1,0 +1,88 @@
+"""Memory samples per step, snapshots and their comparison, weakly tracked tensors, clear_memory."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+import torchtrace as tt
+from torchtrace.memory_tracking import MemoryTracker, compare, tracker
+
+
+def test_snapshot_compare_and_census():
+    trk = MemoryTracker()
+    a = trk.take_snapshot("a", census=True)
+    keep = [torch.zeros(37, 41) for _ in range(3)]
+    b = trk.take_snapshot("b", census=True)
+    diff = b.compare(a)
+    assert diff["from"] == "a" and diff["to"] == "b" and diff["rss_bytes"] is not None
+    group = next(g for g in diff["growing_tensors"] if g["shape"] == [37, 41])
+    assert group["count_growth"] == 3 and group["bytes_growth"] == 3 * 37 * 41 * 4
+    assert compare(a, b) == diff
+    assert b.as_dict()["tensor_count"] >= 3
+    del keep
+
+
+def test_track_tensor_is_weak():
+    trk = MemoryTracker()
+    t = torch.ones(10, 10)
+    trk.track_tensor(t, "ones")
+    s1 = trk.take_snapshot("with")
+    assert trk.tracked()["ones"] == {"alive": True, "bytes": 400, "shape": [10, 10], "dtype": "float32",
+                                     "device": "cpu", "freed_unix": None}
+    del t
+    gc.collect()
+    info = trk.tracked()["ones"]
+    assert info["alive"] is False and info["freed_unix"] is not None
+    s2 = trk.take_snapshot("without")
+    assert s2.compare(s1)["tracked_freed"] == ["ones"]
+
+
+def test_memory_tracking_samples_each_step(tt_runtime):
+    trk = tracker()
+    n0 = len(trk.samples)
+    with tt.memory_tracking() as t:
+        for i in range(3):
+            with tt.debug_context("s"):
+                pass
+    assert t is trk and len(trk.samples) - n0 == 3
+    assert [s["step"] for s in list(trk.samples)[-3:]] == [0, 1, 2]
+    assert "start" in trk.snapshots and "end" in trk.snapshots
+    with tt.debug_context("s"):
+        pass
+    assert len(trk.samples) - n0 == 3  # not tracking outside the block at BASIC
+    assert trk.summary()["rss_max"] > 0
+
+
+def test_memory_profiling_mode_samples(tmp_path):
+    tt.configure(mode="memory_profiling", prometheus_port="off", run_dir=str(tmp_path), strict=True,
+                 register_atexit=False)
+    n0 = len(tracker().samples)
+    with tt.debug_context("s"):
+        pass
+    assert len(tracker().samples) == n0 + 1
+    tt.shutdown()
+
+
+def test_debugger_memory_api():
+    dbg = tt.PyTorchDebugger()
+    a = dbg.take_memory_snapshot("x")
+    t = torch.ones(3)
+    dbg.track_tensor(t, "t")
+    b = dbg.take_memory_snapshot("y")
+    assert dbg.compare_memory_snapshots(a, b)["tracked_new"] == ["t"]
+    freed = dbg.clear_memory()
+    assert "rss_bytes" in freed
+    assert tt.clear_memory().keys() >= {"rss_bytes"}
+    with dbg.memory_tracking() as trk:
+        assert trk.active
+    types = [e.event_type for e in dbg.history.events()]
+    assert "memory_snapshot" in types and "memory_cleared" in types
+
+
+def test_public_names_import():
+    for name in ("profiling", "ProfileSchedule", "memory_tracking", "take_memory_snapshot", "track_tensor",
+                 "clear_memory", "debug_forward_pass", "debug_backward_pass", "inspect_model", "debug_training_step",
+                 "MemorySnapshot", "MemoryTracker"):
+        assert name in tt.__all__ and getattr(tt, name) is not None

@@ -1,0 +1,175 @@
+"""Profiler windows: Chrome trace per window, ProfilerStep per profiled step, path and top ops on spans."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace import semconv
+from torchtrace.api import get_runtime
+from torchtrace.probes_registry import find_probe
+from torchtrace.profiling import ProfilerProbe, ProfileSchedule, cap_trace
+
+
+def _spans(result) -> list[dict]:
+    tt.flush()
+    return [json.loads(line) for line in result.spans_path.read_text().splitlines()]
+
+
+def _train(model, steps, start=0, nan_at=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    for i in range(start, start + steps):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            loss = model(x).pow(2).mean()
+            if nan_at == i:
+                loss = loss * float("nan")
+            loss.backward()
+            step.record_loss(loss)
+            opt.step()
+            opt.zero_grad()
+
+
+def _profiler_steps(path) -> list[str]:
+    doc = json.loads(open(path).read())
+    return sorted({e["name"] for e in doc["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")})
+
+
+def test_window_writes_trace_with_one_profiler_step_per_step(tt_runtime, tiny_model, tmp_path):
+    out = tmp_path / "prof" / "t.json"
+    with tt.profiling(out, ProfileSchedule(steps=[2], active=3)) as res:
+        _train(tiny_model, 7)
+    assert len(res["windows"]) == 1
+    path = res["path"]
+    assert _profiler_steps(path) == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
+    spans = _spans(tt_runtime)
+    by_step = {s["attributes"][semconv.STEP]: s for s in spans if s["name"] == "train_step"}
+    for step in (2, 3, 4):
+        assert by_step[step]["attributes"][semconv.PROFILE_TRACE_PATH] == path
+        assert by_step[step]["attributes"][semconv.PROFILE_REASON] == "schedule"
+    for step in (0, 1, 5, 6):
+        assert semconv.PROFILE_TRACE_PATH not in by_step[step]["attributes"]
+    ops = [e for e in by_step[4]["events"] if e["name"] == semconv.EVENT_PROFILE_OP]
+    assert 1 <= len(ops) <= 10
+    names = [e["attributes"][semconv.PROFILE_OP_NAME] for e in ops]
+    assert any("addmm" in n or "linear" in n for n in names)
+    selfs = [e["attributes"][semconv.PROFILE_OP_SELF_CPU_US] for e in ops]
+    assert selfs == sorted(selfs, reverse=True)  # ordered by self time (no device time on CPU)
+    assert not any(e["name"] == semconv.EVENT_PROFILE_OP for e in by_step[3]["events"])
+
+
+def test_window_never_exceeds_step_cap_and_rate_limit(tt_runtime, tiny_model, tmp_path):
+    sched = ProfileSchedule(every=4, active=50, max_window_steps=2, max_windows=2)
+    with tt.profiling(tmp_path / "p" / "x.json", sched) as res:
+        _train(tiny_model, 20)
+    assert len(res["windows"]) == 2  # max_windows
+    assert [w["steps"] for w in res["windows"]] == [[0, 1], [4, 5]]
+    for w in res["windows"]:
+        assert len(_profiler_steps(w["path"])) == 2
+
+
+def test_trace_size_cap(tmp_path):
+    path = tmp_path / "trace.json"
+    events = [{"ph": "X", "name": f"op{i}", "dur": i, "ts": i, "pid": 1, "tid": 1, "args": {"pad": "x" * 100}}
+              for i in range(500)]
+    events.append({"ph": "X", "name": "ProfilerStep#7", "dur": 1, "ts": 0, "pid": 1, "tid": 1})
+    path.write_text(json.dumps({"traceEvents": events}))
+    dropped = cap_trace(path, 8192)
+    doc = json.loads(path.read_text())
+    assert path.stat().st_size <= 8192
+    assert dropped == 501 - len(doc["traceEvents"]) > 0
+    kept = [e["name"] for e in doc["traceEvents"]]
+    assert "ProfilerStep#7" in kept
+    durs = [e["dur"] for e in doc["traceEvents"] if e["name"] != "ProfilerStep#7"]
+    assert min(durs) > max(set(range(500)) - set(durs))  # the longest events are the ones kept
+
+
+def test_capped_window_on_disk(tt_runtime, tiny_model, tmp_path):
+    with tt.profiling(tmp_path / "c" / "x.json", ProfileSchedule(steps=[0], active=2, max_trace_bytes=6000)) as res:
+        _train(tiny_model, 3)
+    path = res["path"]
+    assert open(path).read() and len(open(path).read().encode()) <= 6000
+    assert _profiler_steps(path) == ["ProfilerStep#0", "ProfilerStep#1"]
+
+
+def test_anomaly_triggers_window(tt_runtime, tiny_model, tmp_path):
+    with tt.profiling(tmp_path / "a" / "x.json", ProfileSchedule(on_anomaly=True, active=1, min_interval_steps=10)) as res:
+        _train(tiny_model, 6, nan_at=2)
+    assert [(w["reason"], w["steps"]) for w in res["windows"]] == [("anomaly", [3])]
+
+
+def test_profiling_mode_uses_default_schedule(tmp_path):
+    tt.configure(mode="profiling", prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False)
+    model = torch.nn.Linear(8, 2)
+    _train(model, 8)
+    probe = find_probe(get_runtime(), ProfilerProbe)
+    assert [w["steps"] for w in probe.windows] == [[5, 6]]
+    assert probe.windows[0]["path"].startswith(str(tmp_path))
+    tt.shutdown()
+
+
+def test_level_change_turns_default_windows_off(tmp_path):
+    tt.configure(mode="profiling", prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False)
+    rt = get_runtime()
+    rt.set_level("basic", "none")
+    _train(torch.nn.Linear(8, 2), 8)
+    assert find_probe(rt, ProfilerProbe).windows == []
+    tt.shutdown()
+
+
+def test_manual_block_profiles_everything(tt_runtime, tiny_model, tmp_path):
+    out = tmp_path / "m.json"
+    dbg = tt.PyTorchDebugger()
+    with dbg.profiling(output_file=out) as res:
+        _train(tiny_model, 2)
+        torch.ones(3) + 1
+    assert res["path"] == str(out)
+    assert _profiler_steps(out) == ["ProfilerStep#0", "ProfilerStep#1"]
+
+
+def test_manual_block_without_runtime(tmp_path):
+    tt.configure(disabled=True)
+    with tt.profiling(tmp_path / "n.json") as res:
+        torch.ones(3).sum()
+    assert json.loads(open(res["path"]).read())["traceEvents"]
+
+
+def test_schedule_validation():
+    with pytest.raises(ValueError, match="active"):
+        ProfileSchedule(active=0)
+    with pytest.raises(ValueError, match="max_trace_bytes"):
+        ProfileSchedule(max_trace_bytes=10)
+
+
+def test_step_time_regression_arms_a_window(tt_runtime):
+    from types import SimpleNamespace
+
+    from torchtrace.levels import Features
+    from torchtrace.record.step import StepRecord
+
+    probe = find_probe(get_runtime(), ProfilerProbe)
+    probe.set_schedule(ProfileSchedule(regression_factor=3.0, regression_window=16))
+    scope = SimpleNamespace(extras={}, _features=Features(), step=0)
+
+    def feed(duration):
+        probe.finalize(scope, StepRecord("s", 0, "basic", 0, duration_s=duration), None)
+
+    for _ in range(8):
+        feed(0.010)
+    feed(0.029)  # under 3x the median
+    assert probe.armed is None
+    feed(0.031)
+    assert probe.armed == "regression"
+    probe.set_schedule(None)
+
+
+def test_nested_step_is_part_of_the_profiled_step(tt_runtime, tiny_model, tmp_path):
+    with tt.profiling(tmp_path / "n" / "x.json", ProfileSchedule(steps=[0], active=1)) as res:
+        with tt.debug_context("outer"):
+            with tt.debug_context("inner"):
+                tiny_model(torch.ones(1, 8))
+    assert _profiler_steps(res["path"]) == ["ProfilerStep#0"]
+    assert res["windows"][0]["steps"] == [0]

@@ -1,0 +1,133 @@
+"""Per-layer output statistics through forward hooks, kept on the device until one host read.
+
+Each hooked call stacks ``tensor_stats`` of the layer's (first floating) output: mean, std,
+min, max over finite values and NaN/Inf counts. Only these six numbers per call are kept,
+never the activation itself. Hooks are removed by :meth:`LayerHooks.remove` (also on error).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+
+from torchtrace.measure.tensors import STAT_NAMES, tensor_stats
+
+MAX_LAYER_CALLS = 512  # per step: hooks past this many calls record nothing
+
+
+def first_tensor(output: Any) -> torch.Tensor | None:
+    """The first floating-point tensor in a module's output (tensor, tuple/list, dict, dataclass-like)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() or output.is_complex() else None
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            t = first_tensor(item)
+            if t is not None:
+                return t
+        return None
+    if isinstance(output, dict):
+        return first_tensor(list(output.values()))
+    for attr in ("last_hidden_state", "logits"):
+        value = getattr(output, attr, None)
+        if isinstance(value, torch.Tensor):
+            return first_tensor(value)
+    return None
+
+
+def layer_modules(model: torch.nn.Module, leaves_only: bool = True) -> list[tuple[str, torch.nn.Module]]:
+    """Named submodules to hook: the leaves (default) or every module but the root."""
+    out = []
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+        if leaves_only and any(True for _ in mod.children()):
+            continue
+        out.append((name, mod))
+    if not out:
+        out.append((type(model).__name__, model))
+    return out
+
+
+class LayerHooks:
+    """Forward hooks that record per-call output statistics (device tensors) and, optionally, time.
+
+    >>> m = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU())
+    >>> hooks = LayerHooks(m)
+    >>> _ = m(torch.ones(1, 2)); hooks.remove()
+    >>> hooks.names
+    ['0', '1']
+    """
+
+    def __init__(self, model: torch.nn.Module, leaves_only: bool = True, timing: bool = False,
+                 modules: Iterable[tuple[str, torch.nn.Module]] | None = None) -> None:
+        self.names: list[str] = []
+        self.stats: list[torch.Tensor] = []
+        self.meta: list[dict[str, Any]] = []
+        self.times: list[float] = []
+        self.timing = timing
+        self._starts: dict[int, list[float]] = {}
+        self._handles: list[Any] = []
+        self._calls: dict[str, int] = {}
+        try:
+            for name, mod in (modules if modules is not None else layer_modules(model, leaves_only)):
+                if timing:
+                    self._handles.append(mod.register_forward_pre_hook(self._pre(mod)))
+                self._handles.append(mod.register_forward_hook(self._post(name, mod)))
+        except Exception:
+            self.remove()
+            raise
+
+    def _pre(self, mod):
+        def hook(_module, _inputs):
+            self._starts.setdefault(id(mod), []).append(time.perf_counter())
+        return hook
+
+    def _post(self, name: str, mod):
+        def hook(_module, _inputs, output):
+            elapsed = None
+            if self.timing:
+                starts = self._starts.get(id(mod))
+                if starts:
+                    elapsed = time.perf_counter() - starts.pop()
+            if len(self.stats) >= MAX_LAYER_CALLS:
+                return None
+            t = first_tensor(output)
+            if t is None:
+                return None
+            n = self._calls.get(name, 0)
+            self._calls[name] = n + 1
+            with torch.no_grad():
+                self.stats.append(tensor_stats(t))
+            self.names.append(name if n == 0 else f"{name}#{n}")
+            self.meta.append({"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                              "device": str(t.device), "module": type(_module).__name__})
+            self.times.append(elapsed if elapsed is not None else float("nan"))
+            return None
+        return hook
+
+    def stacked(self) -> torch.Tensor | None:
+        """All recorded statistics as one ``[calls, 6]`` float64 tensor on the first call's device."""
+        if not self.stats:
+            return None
+        dev = self.stats[0].device
+        return torch.stack([s.to(dev) for s in self.stats])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._starts.clear()
+
+    def rows(self, values: list[float]) -> list[dict[str, Any]]:
+        """Per-call dictionaries from the host values of :meth:`stacked`."""
+        w = len(STAT_NAMES)
+        out = []
+        for i, name in enumerate(self.names):
+            row = dict(zip(STAT_NAMES, values[i * w:(i + 1) * w]))
+            row["nan_count"] = int(row["nan_count"])
+            row["inf_count"] = int(row["inf_count"])
+            row["nonfinite_count"] = row["nan_count"] + row["inf_count"]
+            out.append({"name": name, **self.meta[i], **row, "time_s": self.times[i]})
+        return out

@@ -1,0 +1,85 @@
+"""The optional probes every runtime carries, and the per-layer activation probe.
+
+Each probe looks at the step's ``Features`` on every call, so a level or mode change at
+runtime switches it on or off at the next step; a probe whose feature is off costs one
+attribute check per step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torchtrace import semconv
+from torchtrace.measure.activations import LayerHooks
+
+
+class ActivationProbe:
+    """EXTREME: forward hooks on the step's model; stats stacked into the step's one host read."""
+
+    KEY = "read:activations"
+
+    def __init__(self, runtime) -> None:
+        self.rt = runtime
+
+    def enter(self, scope) -> None:
+        if scope._features.activations and scope.model is not None:
+            scope.extras["activation_hooks"] = LayerHooks(scope.model)
+
+    def exit(self, scope, exc) -> None:
+        hooks = scope.extras.pop("activation_hooks", None)
+        if hooks is None:
+            return
+        hooks.remove()
+        stacked = hooks.stacked()
+        hooks.stats = []
+        if stacked is not None:
+            scope.extras[self.KEY] = stacked
+            scope.extras["activation_layers"] = hooks
+
+    def finalize(self, scope, record, span) -> None:
+        if scope is None:
+            return
+        hooks = scope.extras.pop("activation_layers", None)
+        scope.extras.pop(self.KEY, None)
+        values = scope.extras.pop("value:activations", None)
+        if hooks is None or values is None:
+            return
+        rows = hooks.rows(values)
+        cap = semconv.MAX_NAMES_PER_ATTRIBUTE
+        bad = [r["name"] for r in rows if r["nonfinite_count"]]
+        record.extra["activations"] = rows
+        attrs: dict[str, Any] = {
+            semconv.ACTIVATION_LAYERS: [r["name"][:200] for r in rows[:cap]],
+            semconv.ACTIVATION_MEAN: [_f(r["mean"]) for r in rows[:cap]],
+            semconv.ACTIVATION_STD: [_f(r["std"]) for r in rows[:cap]],
+            semconv.ACTIVATION_MIN: [_f(r["min"]) for r in rows[:cap]],
+            semconv.ACTIVATION_MAX: [_f(r["max"]) for r in rows[:cap]],
+            semconv.ACTIVATION_NONFINITE: [r["nonfinite_count"] for r in rows[:cap]],
+        }
+        if bad:
+            attrs[semconv.ACTIVATION_NONFINITE_LAYERS] = bad[:cap]
+        span.add_event(semconv.EVENT_ACTIVATIONS, attrs)
+
+
+def _f(v: float) -> float:
+    return v if math.isfinite(v) else float("nan")
+
+
+def install_probes(runtime) -> None:
+    """Add the profiling, memory, leak and activation probes to a new runtime (called once)."""
+    from torchtrace.memory_tracking import LeakProbe, MemoryProbe
+    from torchtrace.profiling import ProfilerProbe
+
+    runtime.probes.extend([ProfilerProbe(runtime), ActivationProbe(runtime), MemoryProbe(runtime),
+                           LeakProbe(runtime)])
+
+
+def find_probe(runtime, kind: type) -> Any:
+    """The runtime's probe of class ``kind``, or None."""
+    if runtime is None:
+        return None
+    for p in runtime.probes:
+        if isinstance(p, kind):
+            return p
+    return None

@@ -1,0 +1,393 @@
+"""``torch.profiler`` windows over chosen steps, with a rate limit and a size cap.
+
+A window covers ``active`` consecutive instrumented steps. It opens on a schedule (chosen
+steps, every N steps), after an anomaly, or after a step-time regression. Each profiled step
+is marked ``ProfilerStep#<step>`` in a Chrome trace written per rank; the trace's path goes on
+every profiled step's span, and the window's top ops by self time go on the last step's span
+as ``torchtrace.profile.op`` events, so the breakdown is visible in Jaeger without the file.
+
+>>> import torchtrace as tt
+>>> sched = tt.ProfileSchedule(steps=[3], active=2)
+>>> sched.wants(3), sched.wants(4)
+(True, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from torchtrace import semconv
+from torchtrace.distributed import rank_file_name
+from torchtrace.export import files
+
+logger = logging.getLogger(__name__)
+
+TOP_OPS = 10
+
+
+@dataclass
+class ProfileSchedule:
+    """When windows open and what they record.
+
+    Args:
+        steps: step numbers where a window starts.
+        every: also start a window every ``every`` steps (after ``wait`` steps), None for never.
+        wait: steps to skip before the first scheduled window (warm-up, compilation).
+        active: steps per window (capped by ``max_window_steps``).
+        on_anomaly: open a window on the step after an anomaly.
+        regression_factor: open a window after a step slower than this times the median of the
+            last ``regression_window`` steps (None: off).
+        max_windows: windows per run at most; min_interval_steps / min_interval_s: rate limit.
+        max_trace_bytes: size cap of one trace file; events are dropped (longest kept) past it.
+        record_shapes / profile_memory / with_stack: ``torch.profiler`` options.
+    """
+
+    steps: list[int] = field(default_factory=list)
+    every: int | None = None
+    wait: int = 0
+    active: int = 1
+    on_anomaly: bool = False
+    regression_factor: float | None = None
+    regression_window: int = 32
+    max_windows: int = 10
+    min_interval_steps: int = 0
+    min_interval_s: float = 0.0
+    max_window_steps: int = 8
+    max_trace_bytes: int = 64 * 1024 * 1024
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    cuda: bool | None = None  # None: when CUDA is available
+
+    def __post_init__(self) -> None:
+        def bad(name, accepted):
+            raise ValueError(f"{name}={getattr(self, name)!r} is not valid; accepted values: {accepted}")
+
+        self.steps = sorted({int(s) for s in self.steps})
+        if self.every is not None and (isinstance(self.every, bool) or int(self.every) <= 0):
+            bad("every", "a positive integer or None")
+        if int(self.active) <= 0:
+            bad("active", "a positive integer")
+        if int(self.max_window_steps) <= 0:
+            bad("max_window_steps", "a positive integer")
+        if int(self.max_trace_bytes) < 4096:
+            bad("max_trace_bytes", "an integer >= 4096")
+        if self.regression_factor is not None and not self.regression_factor > 1:
+            bad("regression_factor", "a number > 1 or None")
+
+    @property
+    def window_steps(self) -> int:
+        return min(int(self.active), int(self.max_window_steps))
+
+    def wants(self, step: int) -> bool:
+        """Whether the schedule starts a window at ``step`` (triggers aside)."""
+        if step in self.steps:
+            return True
+        return self.every is not None and step >= self.wait and (step - self.wait) % self.every == 0
+
+    @classmethod
+    def default(cls) -> "ProfileSchedule":
+        """``DebugMode.PROFILING``'s schedule: steps 5-6, then every 500 steps, and after anomalies."""
+        return cls(steps=[], every=500, wait=5, active=2, on_anomaly=True, regression_factor=3.0,
+                   min_interval_steps=50, max_windows=20)
+
+
+class _Window:
+    def __init__(self, path: Path, reason: str, first_step: int, n_steps: int, prof) -> None:
+        self.path = path
+        self.reason = reason
+        self.first_step = first_step
+        self.n_steps = n_steps
+        self.prof = prof
+        self.steps: list[int] = []
+        self.rec = None  # the open ProfilerStep record_function
+        self.done = False
+        self.top_ops: list[dict[str, Any]] = []
+        self.truncated = 0
+        self.scopes: list[Any] = []
+
+
+def top_ops(prof, limit: int = TOP_OPS) -> list[dict[str, Any]]:
+    """The window's ops by self CPU time (ProfilerStep markers excluded)."""
+    out = []
+    for evt in prof.key_averages():
+        if evt.key.startswith("ProfilerStep#"):
+            continue
+        dev = getattr(evt, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(evt, "self_cuda_time_total", 0)
+        out.append({"name": evt.key, "self_cpu_us": float(evt.self_cpu_time_total),
+                    "cpu_us": float(evt.cpu_time_total), "self_device_us": float(dev or 0.0), "calls": int(evt.count)})
+    out.sort(key=lambda d: (d["self_cpu_us"] + d["self_device_us"]), reverse=True)
+    return out[:limit]
+
+
+def cap_trace(path: Path, max_bytes: int) -> int:
+    """Shrink a Chrome trace to ``max_bytes``: keep metadata and ProfilerStep events, then the
+    longest events that fit. Returns how many events were dropped."""
+    size = path.stat().st_size
+    if size <= max_bytes:
+        return 0
+    with open(path, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    events = doc.get("traceEvents", [])
+    keep = [e for e in events if e.get("ph") == "M" or str(e.get("name", "")).startswith("ProfilerStep#")]
+    rest = sorted((e for e in events if not (e.get("ph") == "M" or str(e.get("name", "")).startswith("ProfilerStep#"))),
+                  key=lambda e: e.get("dur", 0) or 0, reverse=True)
+    base = dict(doc)
+    base["traceEvents"] = keep
+    budget = max_bytes - len(json.dumps(base)) - 64
+    for e in rest:
+        n = len(json.dumps(e)) + 2
+        if n > budget:
+            continue
+        budget -= n
+        keep.append(e)
+    dropped = len(events) - len(keep)
+    base["traceEvents"] = keep
+    base["torchtrace_dropped_events"] = dropped
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(base, fh)
+    os.replace(tmp, path)
+    return dropped
+
+
+class ProfilerProbe:
+    """Opens and closes profiler windows around instrumented steps (see :class:`ProfileSchedule`)."""
+
+    def __init__(self, runtime) -> None:
+        self.rt = runtime
+        self.schedule: ProfileSchedule | None = None  # explicit, from profiling(); else the default
+        self.output: Path | None = None
+        self.window: _Window | None = None
+        self.windows: list[dict[str, Any]] = []
+        self.armed: str | None = None  # a trigger seen in finalize: start at the next step
+        self.last_start_step: int | None = None
+        self.last_start_time = 0.0
+        self.durations: list[float] = []
+        runtime.report_sections["profiles"] = lambda: list(self.windows)
+
+    # -------------------------------------------------------------- configuration
+    def _active_schedule(self, scope) -> ProfileSchedule | None:
+        if self.schedule is not None:
+            return self.schedule
+        feats = scope._features if scope is not None else self.rt.features
+        return ProfileSchedule.default() if feats.profiling else None
+
+    def set_schedule(self, schedule: ProfileSchedule | None, output: Path | None = None) -> None:
+        self.schedule = schedule
+        self.output = output
+
+    def _directory(self) -> Path:
+        if self.output is not None:
+            return self.output
+        base = self.rt.run_path if self.rt.run_path is not None else Path(self.rt.settings.run_dir) / self.rt.settings.run_id
+        return base / "profiles"
+
+    def _allowed(self, sched: ProfileSchedule, step: int) -> bool:
+        if len(self.windows) >= sched.max_windows:
+            return False
+        if self.last_start_step is not None and step - self.last_start_step < sched.min_interval_steps:
+            return False
+        return time.monotonic() - self.last_start_time >= sched.min_interval_s or not self.windows
+
+    # -------------------------------------------------------------- per step
+    def enter(self, scope) -> None:
+        w = self.window
+        if w is not None and w.rec is not None:
+            return  # a step nested in a profiled step is part of it
+        if w is None:
+            sched = self._active_schedule(scope)
+            if sched is None:
+                self.armed = None
+                return
+            reason = self.armed or ("schedule" if sched.wants(scope.step) else None)
+            if reason is None or not self._allowed(sched, scope.step):
+                return
+            self.armed = None
+            w = self.window = self._open(sched, scope, reason)
+        w.rec = torch.profiler.record_function(f"ProfilerStep#{scope.step}")
+        w.rec.__enter__()
+        w.steps.append(scope.step)
+        w.scopes.append(scope)
+        scope.extras["profile_window"] = w
+
+    def _open(self, sched: ProfileSchedule, scope, reason: str) -> _Window:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        use_cuda = torch.cuda.is_available() if sched.cuda is None else sched.cuda
+        if use_cuda:
+            activities.append(ProfilerActivity.CUDA)
+        ident = self.rt.identity
+        n = sched.window_steps
+        stem = f"trace-{scope.name}-step{scope.step}-{scope.step + n - 1}"
+        path = self._directory() / rank_file_name(stem, ".json", ident)
+        prof = profile(activities=activities, record_shapes=sched.record_shapes, profile_memory=sched.profile_memory,
+                       with_stack=sched.with_stack)
+        prof.__enter__()
+        self.last_start_step = scope.step
+        self.last_start_time = time.monotonic()
+        return _Window(path, reason, scope.step, n, prof)
+
+    def exit(self, scope, exc) -> None:
+        w = scope.extras.get("profile_window")
+        if w is None or w is not self.window:
+            return
+        if w.rec is not None:
+            w.rec.__exit__(None, None, None)
+            w.rec = None
+        if len(w.steps) >= w.n_steps or exc is not None:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        w, self.window = self.window, None
+        if w is None:
+            return
+        try:
+            if w.rec is not None:
+                w.rec.__exit__(None, None, None)
+                w.rec = None
+            w.prof.__exit__(None, None, None)
+            files.ensure_private_dir(w.path.parent)
+            w.prof.export_chrome_trace(str(w.path))
+            os.chmod(w.path, 0o600)
+            sched = self.schedule or ProfileSchedule.default()
+            w.truncated = cap_trace(w.path, sched.max_trace_bytes)
+            w.top_ops = top_ops(w.prof)
+        finally:
+            w.prof = None
+            w.done = True
+            w.scopes = []
+            self.windows.append({"path": str(w.path), "reason": w.reason, "steps": list(w.steps),
+                                 "truncated_events": w.truncated, "top_ops": w.top_ops[:5]})
+
+    def finalize(self, scope, record, span) -> None:
+        w = scope.extras.get("profile_window") if scope is not None else None
+        if w is not None:
+            span.set_attribute(semconv.PROFILE_TRACE_PATH, str(w.path))
+            span.set_attribute(semconv.PROFILE_WINDOW, f"{w.first_step}-{w.first_step + w.n_steps - 1}")
+            span.set_attribute(semconv.PROFILE_REASON, w.reason)
+            if w.done and w.steps and scope.step == w.steps[-1]:
+                if w.truncated:
+                    span.set_attribute(semconv.PROFILE_TRUNCATED, w.truncated)
+                for op in w.top_ops:
+                    span.add_event(semconv.EVENT_PROFILE_OP, {
+                        semconv.PROFILE_OP_NAME: op["name"][:200], semconv.PROFILE_OP_SELF_CPU_US: op["self_cpu_us"],
+                        semconv.PROFILE_OP_CPU_US: op["cpu_us"], semconv.PROFILE_OP_SELF_DEVICE_US: op["self_device_us"],
+                        semconv.PROFILE_OP_CALLS: op["calls"]})
+            scope.extras.pop("profile_window", None)
+        sched = self._active_schedule(scope)
+        if sched is None or self.window is not None:
+            return
+        if sched.on_anomaly and record.anomalies:
+            self.armed = "anomaly"
+        if sched.regression_factor is not None and record.duration_s > 0:
+            d = self.durations
+            if len(d) >= max(8, sched.regression_window // 2):
+                if record.duration_s > sched.regression_factor * statistics.median(d):
+                    self.armed = self.armed or "regression"
+            d.append(record.duration_s)
+            if len(d) > sched.regression_window:
+                del d[0]
+
+    def close(self) -> None:
+        if self.window is not None:
+            self._close_window()
+
+
+@contextlib.contextmanager
+def profiling(output_file: str | os.PathLike[str] | None = None, schedule: ProfileSchedule | None = None, *,
+              record_shapes: bool = False, profile_memory: bool = False, with_stack: bool = False,
+              max_trace_bytes: int = 64 * 1024 * 1024) -> Iterator[dict[str, Any]]:
+    """Profile inside the block.
+
+    Without ``schedule``: one ``torch.profiler`` window over the whole block, written as a
+    Chrome trace to ``output_file`` (default ``<run_dir>/profiles/trace-block.json``); every
+    instrumented step inside is a ``ProfilerStep``. With ``schedule``: instrumented steps in
+    the block are profiled in windows per the schedule, written into ``output_file``'s
+    directory (or the run's ``profiles/``). The yielded dict gets ``path``/``windows``.
+
+    >>> import torch, torchtrace as tt, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> with tt.profiling(os.path.join(d, "t.json")) as result:
+    ...     _ = torch.ones(8) * 2
+    >>> os.path.exists(result["path"])
+    True
+    """
+    from torchtrace.api import get_runtime
+
+    rt = get_runtime()
+    probe = _probe(rt)
+    result: dict[str, Any] = {"path": None, "windows": []}
+    if schedule is not None:
+        if probe is None:
+            raise RuntimeError("profiling(schedule=...) needs a configured torchtrace runtime")
+        schedule.record_shapes = schedule.record_shapes or record_shapes
+        schedule.profile_memory = schedule.profile_memory or profile_memory
+        schedule.with_stack = schedule.with_stack or with_stack
+        old = (probe.schedule, probe.output)
+        before = len(probe.windows)
+        probe.set_schedule(schedule, Path(output_file).parent if output_file else None)
+        try:
+            yield result
+        finally:
+            probe.close()
+            probe.set_schedule(*old)
+            result["windows"] = probe.windows[before:]
+            result["path"] = result["windows"][-1]["path"] if result["windows"] else None
+        return
+    path = Path(output_file) if output_file else (
+        (probe._directory() if probe is not None else Path("torchtrace-profiles")) / "trace-block.json")
+    sched = ProfileSchedule(every=1, active=10 ** 9, max_window_steps=10 ** 9, max_windows=10 ** 9,
+                            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
+                            max_trace_bytes=max_trace_bytes)
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, record_shapes=record_shapes, profile_memory=profile_memory,
+                   with_stack=with_stack)
+    window = _Window(path, "manual", -1, 10 ** 9, prof)
+    old = None
+    if probe is not None:
+        old = (probe.schedule, probe.output, probe.window)
+        probe.schedule = sched
+    prof.__enter__()
+    if probe is not None:
+        probe.window = window
+    try:
+        yield result
+    finally:
+        if probe is not None:
+            probe.window = window
+            probe.schedule = sched
+            probe._close_window()
+            probe.schedule, probe.output, probe.window = old
+            result["windows"] = probe.windows[-1:]
+        else:
+            prof.__exit__(None, None, None)
+            files.ensure_private_dir(path.parent)
+            prof.export_chrome_trace(str(path))
+            cap_trace(path, max_trace_bytes)
+            result["windows"] = [{"path": str(path), "reason": "manual", "top_ops": top_ops(prof)[:5]}]
+        result["path"] = str(path)
+
+
+def _probe(rt) -> ProfilerProbe | None:
+    if rt is None:
+        return None
+    for p in rt.probes:
+        if isinstance(p, ProfilerProbe):
+            return p
+    return None
