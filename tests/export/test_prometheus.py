@@ -128,3 +128,49 @@ def test_report_is_strict_json_with_totals(tt_runtime, tiny_model):
     assert len(report["steps"]) == 3 and report["steps"][1]["loss"] == "NaN"
     assert (path.stat().st_mode & 0o777) == 0o600
     assert (tt_runtime.spans_path.stat().st_mode & 0o777) == 0o600
+
+
+def test_same_port_again_after_a_scrape_and_shutdown_and_never_shared(tmp_path):
+    import socket
+    import urllib.request
+
+    r = tt.configure(prometheus_port=0, run_dir=str(tmp_path), register_atexit=False)
+    port = r.prometheus_port
+    urllib.request.urlopen(r.metrics_url, timeout=5).read()  # leaves a connection in TIME_WAIT
+    tt.shutdown()
+    r2 = tt.configure(prometheus_port=port, port_policy="off", run_dir=str(tmp_path), register_atexit=False)
+    assert r2.prometheus_port == port
+    # A second live listener on the same port is still refused.
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+            other.listen()
+    finally:
+        other.close()
+        tt.shutdown()
+
+
+def test_shutdown_ends_keep_alive_connections(tmp_path):
+    """A scraper holding a keep-alive connection must not keep reading a stopped run."""
+    import http.client
+
+    r = tt.configure(run_id="first", prometheus_port=0, run_dir=str(tmp_path), register_atexit=False)
+    conn = http.client.HTTPConnection("127.0.0.1", r.prometheus_port, timeout=5)
+    conn.request("GET", "/metrics")
+    assert 'run_id="first"' in conn.getresponse().read().decode()
+    port = r.prometheus_port
+    tt.shutdown()
+    tt.configure(run_id="second", prometheus_port=port, port_policy="off", run_dir=str(tmp_path),
+                 register_atexit=False)
+    try:
+        conn.request("GET", "/metrics")
+        body = conn.getresponse().read().decode()
+    except (OSError, http.client.HTTPException):
+        conn.close()  # the old connection was ended: a scraper reconnects
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/metrics")
+        body = conn.getresponse().read().decode()
+    conn.close()
+    assert 'run_id="second"' in body and 'run_id="first"' not in body

@@ -166,7 +166,11 @@ def wait_scraped(prom: str, run_id: str, min_steps: float = 1, timeout: float = 
         if res and float(res[0]["value"][1]) >= min_steps:
             return
         time.sleep(0.3)
-    raise TimeoutError(f"Prometheus never scraped run {run_id}")
+    targets = api(prom, "/api/v1/targets")["activeTargets"]
+    health = [(t["scrapeUrl"], t["health"], t.get("lastError")) for t in targets]
+    seen = api(prom, "/api/v1/query", query="torchtrace_steps_total")["result"]
+    built = api(prom, "/api/v1/query", query="torchtrace_build_info")["result"]
+    raise TimeoutError(f"Prometheus never scraped run {run_id}: targets {health} steps {seen} build {built}")
 
 
 def train_for(trainer: Trainer, seconds: float, **kwargs) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import http.server
 import logging
+import os
 import socket
 import socketserver
 import threading
@@ -35,17 +36,39 @@ class Route:
 
 class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
-    allow_reuse_address = False
+    # On POSIX, SO_REUSEADDR lets a restarted server bind over connections still in
+    # TIME_WAIT (a scrape just before shutdown); it never lets two live listeners share a
+    # port there. On Windows it would, so it stays off.
+    allow_reuse_address = os.name == "posix"
     request_queue_size = 64
 
     def handle_error(self, request, client_address) -> None:
         # A client that hangs up or sends garbage is not worth a traceback on stderr.
         logger.debug("telemetry server: error serving a request", exc_info=True)
 
-    def server_bind(self) -> None:
-        # allow_reuse_address=False so two processes never share a port; SO_REUSEADDR is
-        # still not set (it would let a second bind succeed on some platforms).
-        super().server_bind()
+    # Open connections are tracked so that stopping the server also ends keep-alive
+    # connections: a scraper must not go on reading a stopped run's registry through one.
+    def process_request(self, request, client_address) -> None:
+        with _conn_lock:
+            self.__dict__.setdefault("_conns", set()).add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        with _conn_lock:
+            self.__dict__.setdefault("_conns", set()).discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        with _conn_lock:
+            conns = list(self.__dict__.get("_conns", ()))
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+_conn_lock = threading.Lock()
 
 
 def _make_handler(server: "TelemetryServer"):
@@ -183,6 +206,7 @@ class TelemetryServer:
             return
         httpd.shutdown()
         httpd.server_close()
+        httpd.close_connections()
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._thread = None
