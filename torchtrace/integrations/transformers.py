@@ -16,6 +16,9 @@ import torch
 from torchtrace.integrations._common import StepDriver, require
 
 _tf = require("transformers", "transformers", "Hugging Face transformers")
+if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transformers 4.42
+    raise ImportError(f"torchtrace.integrations.transformers needs transformers>=4.42 (found {_tf.__version__}): "
+                      "pip install -U \"torchtrace[transformers]\"")
 
 __all__ = ["TorchtraceCallback"]
 
