@@ -148,3 +148,55 @@ def test_disabled_torchtrace_trains_normally(tmp_path):
     module = Module()
     fit(module, [TorchtraceCallback()], val=False)
     assert len(module.losses) == 5
+
+
+def test_mixed_precision_grads_are_measured_unscaled(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    result = configure(tmp_path)
+    spy = Spy()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", plugins=[plugin], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[spy, TorchtraceCallback()])
+    trainer.fit(Module(), loaders()[0])
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 3
+    for span, ref in zip(spans, spy.norms):  # the spy sees what the optimizer uses: unscaled
+        assert span["attributes"][semconv.GRAD_NORM] == pytest.approx(ref, rel=1e-5)
+        assert ref < 1000  # the scaled gradients would be ~1024 times larger
+
+
+def test_gradient_accumulation_one_span_per_batch(tmp_path):
+    result = configure(tmp_path)
+    spy = Spy()
+    module = Module()
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+                         callbacks=[spy, TorchtraceCallback()])
+    trainer.fit(module, loaders()[0])
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 4 and len(spy.norms) == 2
+    # gradients are measured on the batch that steps the optimizer; the loss is Lightning's (divided by 2)
+    assert [semconv.GRAD_NORM in s["attributes"] for s in spans] == [False, True, False, True]
+    assert [s["attributes"][semconv.GRAD_NORM] for s in spans[1::2]] == pytest.approx(spy.norms, rel=1e-6)
+    assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx([v / 2 for v in module.losses], rel=1e-6)
+
+
+def test_torchtrace_failure_is_counted_and_training_goes_on(tmp_path, monkeypatch):
+    from torchtrace.api import get_runtime
+    from torchtrace.measure import gradients
+
+    tt.configure(service_name="test", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=False,
+                 register_atexit=False)
+
+    def broken(params):
+        raise RuntimeError("measurement broke")
+
+    monkeypatch.setattr(gradients, "gradient_norms", broken)
+    plain, traced = Module(), Module()
+    fit(plain, [], val=False)
+    fit(traced, [TorchtraceCallback()], val=False)
+    assert get_runtime().errors.by_component["gradients"] == 5
+    for a, b in zip(plain.parameters(), traced.parameters()):
+        assert torch.equal(a, b)

@@ -173,3 +173,24 @@ def test_callback_clipping_measures_before_clipping(tmp_path):
 def test_bad_max_grad_norm_is_rejected():
     with pytest.raises(ValueError, match="max_grad_norm"):
         TorchtraceCallback(max_grad_norm=-1)
+
+
+def test_custom_compute_loss_records_its_loss(tmp_path):
+    result = configure(tmp_path)
+    seen: list[float] = []
+
+    class Custom(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits  # no labels: the output carries no loss
+            loss = torch.nn.functional.cross_entropy(logits, labels) * 3.0
+            tt.current_step().record_loss(loss)
+            seen.append(float(loss.detach().double()))
+            return loss
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                                          report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                                          disable_tqdm=True, max_grad_norm=0.0)
+    Custom(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[TorchtraceCallback()]).train()
+    spans = read_spans(result.spans_path)
+    assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx(seen, rel=1e-6)

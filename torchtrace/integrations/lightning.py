@@ -54,7 +54,9 @@ class TorchtraceCallback(_pl.Callback):
 
     # ------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
-        self._train.begin(pl_module)
+        # The module joins the scope in on_before_optimizer_step: a batch that only
+        # accumulates gradients gets no gradient statistics of partial sums.
+        self._train.begin(None)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._train.measure(pl_module, optimizer)
