@@ -1,0 +1,202 @@
+"""Lightning callback: spans per batch, grad norm in on_before_optimizer_step, guard skip/raise, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import torchtrace as tt  # noqa: E402
+from torchtrace import semconv  # noqa: E402
+from torchtrace.integrations.lightning import TorchtraceCallback  # noqa: E402
+from tests.helpers import read_spans, scrape, value  # noqa: E402
+
+
+class Module(pl.LightningModule):
+    def __init__(self, nan_at: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.nan_at = nan_at
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if batch_idx == self.nan_at:
+            loss = loss * float("nan")
+        self.losses.append(float(loss.detach().double()))
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class Spy(pl.Callback):
+    """Runs before torchtrace's callback: float64 reference norms and parameter snapshots."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+        self.before: list[list[torch.Tensor]] = []
+        self.after: list[list[torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before.append([p.detach().clone() for p in pl_module.parameters()])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.norms.append(math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in pl_module.parameters())))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after.append([p.detach().clone() for p in pl_module.parameters()])
+
+
+def loaders():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 8, generator=g)
+    y = x.sum(dim=1, keepdim=True)
+    ds = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(ds, batch_size=4), torch.utils.data.DataLoader(ds, batch_size=8)
+
+
+def fit(module, callbacks, steps=5, val=True):
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                         limit_val_batches=2 if val else 0, val_check_interval=steps if val else None,
+                         num_sanity_val_steps=2 if val else 0)
+    train, valid = loaders()
+    trainer.fit(module, train, valid if val else None)
+    return trainer
+
+
+def configure(tmp_path, **kw):
+    return tt.configure(service_name="test", prometheus_port=0, run_dir=str(tmp_path / "runs"), strict=True,
+                        register_atexit=False, **kw)
+
+
+def test_spans_loss_grad_norm_and_validation(tmp_path):
+    result = configure(tmp_path)
+    spy = Spy()
+    module = Module()
+    trainer = fit(module, [spy, TorchtraceCallback()])
+    spans = read_spans(result.spans_path)
+    train = [s for s in spans if s["name"] == "train_step"]
+    val = [s for s in spans if s["name"] == "validation_step"]
+    assert len(train) == 5 and len(val) == 2  # the sanity check's 2 batches are not traced
+    assert [s["attributes"][semconv.STEP] for s in train] == [0, 1, 2, 3, 4]
+    for span, ref_norm, ref_loss in zip(train, spy.norms, module.losses):
+        assert span["attributes"][semconv.GRAD_NORM] == pytest.approx(ref_norm, rel=1e-6)
+        assert span["attributes"][semconv.LOSS] == pytest.approx(ref_loss, rel=1e-6)
+        assert span["status"] == "UNSET"
+    assert all(semconv.GRAD_NORM not in s["attributes"] and semconv.LOSS in s["attributes"] for s in val)
+    samples = scrape(result.metrics_url)
+    assert value(samples, "torchtrace_steps_total", operation="train_step") == 5
+    assert value(samples, "torchtrace_steps_total", operation="validation_step") == 2
+    assert value(samples, "torchtrace_grad_norm", operation="train_step") == pytest.approx(spy.norms[-1], rel=1e-6)
+    # Lightning's own logged metrics are exactly what the module logged: nothing added.
+    assert set(trainer.logged_metrics) == {"train_loss", "val_loss"}
+
+
+def test_weights_equal_uninstrumented_run(tmp_path):
+    configure(tmp_path)
+    plain, traced = Module(), Module()
+    fit(plain, [], val=False)
+    fit(traced, [TorchtraceCallback()], val=False)
+    for a, b in zip(plain.parameters(), traced.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_nan_detected_and_update_skipped(tmp_path):
+    result = configure(tmp_path, guard="skip")
+    spy = Spy()
+    module = Module(nan_at=2)
+    fit(module, [spy, TorchtraceCallback()], val=False)
+    spans = read_spans(result.spans_path)
+    assert [s["status"] for s in spans] == ["UNSET", "UNSET", "ERROR", "UNSET", "UNSET"]
+    bad = spans[2]["attributes"]
+    assert bad[semconv.STEP_SKIPPED] is True
+    assert {"nonfinite_loss", "nonfinite_grad"} <= set(bad[semconv.ANOMALY_KINDS])
+    for i, (before, after) in enumerate(zip(spy.before, spy.after)):
+        same = all(torch.equal(a, b) for a, b in zip(before, after))
+        assert same == (i == 2), i
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    samples = scrape(result.metrics_url)
+    assert value(samples, "torchtrace_skipped_steps_total", operation="train_step") == 1
+    assert value(samples, "torchtrace_anomalies_total", operation="train_step", kind="nonfinite_grad") == 1
+
+
+def test_guard_raise_ends_span_and_propagates(tmp_path):
+    result = configure(tmp_path, guard="raise")
+    with pytest.raises(tt.NonFiniteError):
+        fit(Module(nan_at=1), [TorchtraceCallback()], val=False)
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 2 and spans[1]["status"] == "ERROR"
+    assert any(e["name"] == "exception" for e in spans[1]["events"])
+
+
+def test_disabled_torchtrace_trains_normally(tmp_path):
+    tt.configure(disabled=True)
+    module = Module()
+    fit(module, [TorchtraceCallback()], val=False)
+    assert len(module.losses) == 5
+
+
+def test_mixed_precision_grads_are_measured_unscaled(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    result = configure(tmp_path)
+    spy = Spy()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", plugins=[plugin], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[spy, TorchtraceCallback()])
+    trainer.fit(Module(), loaders()[0])
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 3
+    for span, ref in zip(spans, spy.norms):  # the spy sees what the optimizer uses: unscaled
+        assert span["attributes"][semconv.GRAD_NORM] == pytest.approx(ref, rel=1e-5)
+        assert ref < 1000  # the scaled gradients would be ~1024 times larger
+
+
+def test_gradient_accumulation_one_span_per_batch(tmp_path):
+    result = configure(tmp_path)
+    spy = Spy()
+    module = Module()
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+                         callbacks=[spy, TorchtraceCallback()])
+    trainer.fit(module, loaders()[0])
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 4 and len(spy.norms) == 2
+    # gradients are measured on the batch that steps the optimizer; the loss is Lightning's (divided by 2)
+    assert [semconv.GRAD_NORM in s["attributes"] for s in spans] == [False, True, False, True]
+    assert [s["attributes"][semconv.GRAD_NORM] for s in spans[1::2]] == pytest.approx(spy.norms, rel=1e-6)
+    assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx([v / 2 for v in module.losses], rel=1e-6)
+
+
+def test_torchtrace_failure_is_counted_and_training_goes_on(tmp_path, monkeypatch):
+    from torchtrace.api import get_runtime
+    from torchtrace.measure import gradients
+
+    tt.configure(service_name="test", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=False,
+                 register_atexit=False)
+
+    def broken(params):
+        raise RuntimeError("measurement broke")
+
+    monkeypatch.setattr(gradients, "gradient_norms", broken)
+    plain, traced = Module(), Module()
+    fit(plain, [], val=False)
+    fit(traced, [TorchtraceCallback()], val=False)
+    assert get_runtime().errors.by_component["gradients"] == 5
+    for a, b in zip(plain.parameters(), traced.parameters()):
+        assert torch.equal(a, b)

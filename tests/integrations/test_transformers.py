@@ -1,0 +1,196 @@
+"""Hugging Face Trainer callback: spans per optimizer step, loss via forward hook, guard skip/raise."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torchtrace as tt  # noqa: E402
+from torchtrace import semconv  # noqa: E402
+from torchtrace.integrations.transformers import TorchtraceCallback  # noqa: E402
+from tests.helpers import read_spans, scrape, value  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def tiny_bert():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    return transformers.BertForSequenceClassification(config)
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 50, (n, 8), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class Spy(transformers.TrainerCallback):
+    """Runs before torchtrace's callback: reference norms, losses and parameter snapshots."""
+
+    def __init__(self, nan_at: int | None = None) -> None:
+        self.norms: list[float] = []
+        self.losses: list[float] = []
+        self.before: list[list[torch.Tensor]] = []
+        self.after: list[list[torch.Tensor]] = []
+        self.nan_at = nan_at
+        self.step = -1
+        self.handle = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.handle = model.register_forward_hook(self._forward)
+
+    def _forward(self, module, inputs, output):
+        if self.step == self.nan_at:
+            output.loss = output.loss * float("nan")
+        self.losses.append(float(output.loss.detach().double()))
+        return output
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.step += 1
+        self.before.append([p.detach().clone() for p in model.parameters()])
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.norms.append(math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()
+                                        if p.grad is not None)))
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after.append([p.detach().clone() for p in model.parameters()])
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.handle.remove()
+
+
+def train(tmp_path, callbacks, steps=5, model=None, **args):
+    model = model or tiny_bert()
+    kw = dict(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4, report_to=[],
+              use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, max_grad_norm=0.0,
+              seed=0, data_seed=0)
+    kw.update(args)
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**kw), train_dataset=Data(),
+                                   callbacks=callbacks)
+    trainer.train()
+    return model
+
+
+def configure(tmp_path, **kw):
+    return tt.configure(service_name="test", prometheus_port=0, run_dir=str(tmp_path / "runs"), strict=True,
+                        register_atexit=False, **kw)
+
+
+def test_spans_loss_and_grad_norm(tmp_path):
+    result = configure(tmp_path)
+    spy = Spy()
+    train(tmp_path, [spy, TorchtraceCallback()])
+    spans = read_spans(result.spans_path)
+    assert [s["name"] for s in spans] == ["train_step"] * 5
+    assert [s["attributes"][semconv.STEP] for s in spans] == [0, 1, 2, 3, 4]
+    for span, ref_norm, ref_loss in zip(spans, spy.norms, spy.losses):
+        assert span["attributes"][semconv.GRAD_NORM] == pytest.approx(ref_norm, rel=1e-6)
+        assert span["attributes"][semconv.LOSS] == pytest.approx(ref_loss, rel=1e-6)
+    samples = scrape(result.metrics_url)
+    assert value(samples, "torchtrace_steps_total", operation="train_step") == 5
+    assert value(samples, "torchtrace_loss", operation="train_step") == pytest.approx(spy.losses[-1], rel=1e-6)
+
+
+def test_gradient_accumulation_averages_micro_batch_losses(tmp_path):
+    result = configure(tmp_path)
+    spy = Spy()
+    train(tmp_path, [spy, TorchtraceCallback()], steps=2, gradient_accumulation_steps=2)
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 2 and len(spy.losses) == 4
+    for i, span in enumerate(spans):
+        ref = (spy.losses[2 * i] + spy.losses[2 * i + 1]) / 2
+        assert span["attributes"][semconv.LOSS] == pytest.approx(ref, rel=1e-6)
+
+
+def test_weights_equal_uninstrumented_run(tmp_path):
+    configure(tmp_path)
+    plain = train(tmp_path, [])
+    traced = train(tmp_path, [TorchtraceCallback()])
+    for a, b in zip(plain.parameters(), traced.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_nan_detected_and_update_skipped(tmp_path):
+    result = configure(tmp_path, guard="skip")
+    spy = Spy(nan_at=2)
+    model = train(tmp_path, [spy, TorchtraceCallback()])
+    spans = read_spans(result.spans_path)
+    assert [s["status"] for s in spans] == ["UNSET", "UNSET", "ERROR", "UNSET", "UNSET"]
+    bad = spans[2]["attributes"]
+    assert bad[semconv.STEP_SKIPPED] is True
+    assert {"nonfinite_loss", "nonfinite_grad"} <= set(bad[semconv.ANOMALY_KINDS])
+    assert str(bad[semconv.LOSS]).lower() == "nan"
+    for i, (before, after) in enumerate(zip(spy.before, spy.after)):
+        same = all(torch.equal(a, b) for a, b in zip(before, after))
+        assert same == (i == 2), i
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    samples = scrape(result.metrics_url)
+    assert value(samples, "torchtrace_skipped_steps_total", operation="train_step") == 1
+
+
+def test_guard_raise_ends_span_and_propagates(tmp_path):
+    result = configure(tmp_path, guard="raise")
+    with pytest.raises(tt.NonFiniteError):
+        train(tmp_path, [Spy(nan_at=1), TorchtraceCallback()])
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 2 and spans[1]["status"] == "ERROR"
+
+
+def test_callback_clipping_measures_before_clipping(tmp_path):
+    result = configure(tmp_path)
+    spy = Spy()
+    clipped = train(tmp_path, [spy, TorchtraceCallback(max_grad_norm=0.01)], steps=3)
+    reference = train(tmp_path, [], steps=3, max_grad_norm=0.01)  # the Trainer's own clipping, same maths
+    spans = read_spans(result.spans_path)
+    assert [s["attributes"][semconv.GRAD_NORM] for s in spans] == pytest.approx(spy.norms, rel=1e-6)
+    assert all(n > 0.01 for n in spy.norms)  # clipping was active on every step
+    for a, b in zip(clipped.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_max_grad_norm_is_rejected():
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        TorchtraceCallback(max_grad_norm=-1)
+
+
+def test_custom_compute_loss_records_its_loss(tmp_path):
+    result = configure(tmp_path)
+    seen: list[float] = []
+
+    class Custom(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits  # no labels: the output carries no loss
+            loss = torch.nn.functional.cross_entropy(logits, labels) * 3.0
+            tt.current_step().record_loss(loss)
+            seen.append(float(loss.detach().double()))
+            return loss
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                                          report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                                          disable_tqdm=True, max_grad_norm=0.0)
+    Custom(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[TorchtraceCallback()]).train()
+    spans = read_spans(result.spans_path)
+    assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx(seen, rel=1e-6)

@@ -1,0 +1,93 @@
+"""What both framework callbacks share: one step scope open between two framework hooks.
+
+Frameworks call hooks, not ``with`` blocks, so :class:`StepDriver` enters a
+:class:`~torchtrace.api.StepScope` in the "batch starts" hook and exits it in the "batch
+ends" hook. Gradients are measured when the framework says the optimizer is about to step
+(after its closure ran and, under mixed precision, after unscaling), never through the
+torch optimizer's own pre-hook, which in Lightning runs before the closure.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from torchtrace import api
+from torchtrace.errors import NonFiniteError
+from torchtrace.record.step import StepRecord
+
+
+def require(module: str, extra: str, what: str):
+    """Import ``module`` or raise ImportError saying which extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"torchtrace.integrations.{extra} needs {what}: pip install \"torchtrace[{extra}]\"") from exc
+
+
+class StepDriver:
+    """Opens and closes one scope per framework step; never raises torchtrace's own errors."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.scope: api.StepScope | None = None
+        self._losses: list[torch.Tensor] = []
+
+    @property
+    def active(self) -> bool:
+        return self.scope is not None and self.scope.active
+
+    def begin(self, model: torch.nn.Module | None) -> None:
+        self.abort(None)  # a scope left open by an interrupted step ends here
+        rt = api.get_runtime()
+        if rt is None or rt.off:
+            return
+        # No optimizer on the scope: its pre-hook would fire at the wrong moment (see module doc).
+        scope = api.StepScope(self.name, model=model)
+        scope.__enter__()
+        self.scope = scope
+        self._losses = []
+
+    def measure(self, model: torch.nn.Module | None, optimizer) -> None:
+        """Gradient statistics and the guard policy, right before the optimizer's update.
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients; the step's
+                span is ended with the error first.
+        """
+        scope = self.scope
+        if scope is None or not scope.active:
+            return
+        if model is not None and scope.model is None:
+            scope.model = model
+        try:
+            scope._before_optimizer_step(optimizer, (), {})
+        except NonFiniteError as exc:
+            self.end(exc)
+            raise
+
+    def add_loss(self, loss: Any) -> None:
+        """Collect a micro-batch loss (device tensor, no host read); averaged at the end."""
+        if self.active and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach().reshape(()))
+
+    def end(self, exc: BaseException | None = None, loss: Any = None) -> StepRecord | None:
+        scope, self.scope = self.scope, None
+        if scope is None:
+            return None
+        if scope.active:
+            if loss is not None:
+                scope.record_loss(loss)
+            elif self._losses and scope._loss is None and scope._loss_float is None:
+                losses = self._losses
+                scope.record_loss(losses[0] if len(losses) == 1 else torch.stack(
+                    [t.to(losses[0].device, torch.float32) for t in losses]).mean())
+            self._losses = []
+            scope.__exit__(type(exc) if exc is not None else None, exc, None)
+        return scope.record
+
+    def abort(self, exc: BaseException | None) -> None:
+        if self.scope is not None:
+            self.end(exc if exc is not None else RuntimeError("step interrupted"))

@@ -1,0 +1,82 @@
+"""PyTorch Lightning: one line gives every training batch a torchtrace step.
+
+>>> from torchtrace.integrations.lightning import TorchtraceCallback   # doctest: +SKIP
+>>> trainer = lightning.pytorch.Trainer(callbacks=[TorchtraceCallback()])  # doctest: +SKIP
+
+Needs ``pip install "torchtrace[lightning]"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtrace.api import _extract_loss
+from torchtrace.integrations._common import StepDriver, require
+
+try:
+    import lightning.pytorch as _pl
+except ImportError:  # the older package name
+    try:
+        import pytorch_lightning as _pl  # type: ignore[no-redef]
+    except ImportError:
+        _pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
+
+__all__ = ["TorchtraceCallback"]
+
+
+class TorchtraceCallback(_pl.Callback):
+    """A torchtrace step span per training batch, and one per validation batch.
+
+    Hooks used:
+
+    - ``on_train_batch_start`` opens the step (span ``train_step``); ``on_train_batch_end``
+      records ``outputs["loss"]`` and closes it.
+    - ``on_before_optimizer_step`` measures the gradients: Lightning calls it after the
+      closure (forward and backward) and, under mixed precision, after unscaling, so the
+      statistics are those of the real update. The guard policy applies here: ``skip``
+      clears the gradients so the optimizer leaves every parameter unchanged; ``raise``
+      ends the span and raises :class:`torchtrace.NonFiniteError` through ``trainer.fit``.
+    - ``on_validation_batch_start/end`` open and close a ``validation_step`` span (no
+      gradient statistics; the sanity check is not traced).
+
+    Nothing is logged through ``LightningModule.log``: Lightning's own logged metrics are
+    untouched; torchtrace's numbers go to its spans, Prometheus metrics and report.
+
+    Args:
+        name: the training span's name (the ``operation`` label).
+        validation_name: the validation span's name; ``None`` traces no validation.
+    """
+
+    def __init__(self, name: str = "train_step", validation_name: str | None = "validation_step") -> None:
+        super().__init__()
+        self._train = StepDriver(name)
+        self._val = StepDriver(validation_name) if validation_name else None
+
+    # ------------------------------------------------------------ training
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        # The module joins the scope in on_before_optimizer_step: a batch that only
+        # accumulates gradients gets no gradient statistics of partial sums.
+        self._train.begin(None)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._train.measure(pl_module, optimizer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._train.end(None, _extract_loss(outputs))
+
+    # ------------------------------------------------------------ validation
+    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if self._val is not None and not trainer.sanity_checking:
+            self._val.begin(None)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if self._val is not None:
+            self._val.end(None, _extract_loss(outputs))
+
+    # ------------------------------------------------------------ failures
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._train.abort(exception)
+        if self._val is not None:
+            self._val.abort(exception)

@@ -1,0 +1,90 @@
+"""Hugging Face ``transformers.Trainer``: one line gives every optimizer step a torchtrace step.
+
+>>> from torchtrace.integrations.transformers import TorchtraceCallback   # doctest: +SKIP
+>>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[TorchtraceCallback()])  # doctest: +SKIP
+
+Needs ``pip install "torchtrace[transformers]"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torchtrace.integrations._common import StepDriver, require
+
+_tf = require("transformers", "transformers", "Hugging Face transformers")
+if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transformers 4.42
+    raise ImportError(f"torchtrace.integrations.transformers needs transformers>=4.42 (found {_tf.__version__}): "
+                      "pip install -U \"torchtrace[transformers]\"")
+
+__all__ = ["TorchtraceCallback"]
+
+
+def _output_loss(output: Any) -> Any:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return loss
+
+
+class TorchtraceCallback(_tf.TrainerCallback):
+    """A torchtrace step span per Trainer optimizer step (all its gradient-accumulation micro-batches).
+
+    Hooks used:
+
+    - ``on_step_begin`` opens the step (span ``train_step``); ``on_step_end`` closes it.
+    - ``on_pre_optimizer_step`` measures the gradients the optimizer is about to use (the
+      Trainer has already unscaled them, and clipped them when ``max_grad_norm > 0``) and
+      applies the guard policy: ``skip`` clears the gradients so ``optimizer.step()``
+      leaves every parameter unchanged; ``raise`` ends the span and raises
+      :class:`torchtrace.NonFiniteError` out of ``trainer.train()``.
+    - The loss: the Trainer does not hand it to callbacks, so a forward hook on the model
+      (registered in ``on_train_begin``, removed in ``on_train_end``) keeps the model
+      output's ``loss`` while a step is open, as a device tensor (no host read); the
+      micro-batch losses are averaged. A custom ``compute_loss`` whose loss is not the
+      model output's can call ``torchtrace.current_step().record_loss(loss)`` instead.
+
+    Args:
+        name: the span's name (the ``operation`` label).
+        max_grad_norm: clip gradients to this global norm *after* torchtrace measured
+            them, on the device, with no host read. Use it with
+            ``TrainingArguments(max_grad_norm=0)`` so the span and metrics carry the norm
+            before clipping, as the telemetry contract says. ``None`` (default) clips nothing.
+    """
+
+    def __init__(self, name: str = "train_step", max_grad_norm: float | None = None) -> None:
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        self._driver = StepDriver(name)
+        self._max_grad_norm = max_grad_norm
+        self._handle = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and self._handle is None:
+            self._handle = model.register_forward_hook(self._on_forward)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._driver.abort(None)
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._driver.begin(model)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        self._driver.measure(model, inner)
+        if self._max_grad_norm is not None and model is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                           self._max_grad_norm, foreach=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._driver.end(None)
+
+    def _on_forward(self, module, inputs, output) -> None:
+        if self._driver.active and module.training:
+            self._driver.add_loss(_output_loss(output))
