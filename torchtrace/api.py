@@ -150,8 +150,12 @@ def shutdown(timeout_s: float | None = None) -> None:
 
 
 def _shutdown_at_exit() -> None:
+    global _runtime
     try:
-        shutdown()
+        with _lock:
+            rt, _runtime = _runtime, None
+        if rt is not None:
+            rt.close(at_exit=True)
     except Exception:  # never fail interpreter exit
         logger.debug("torchtrace shutdown at exit failed", exc_info=True)
 

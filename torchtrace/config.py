@@ -47,10 +47,19 @@ ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 ENV_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+ENV_METRICS_EXPORTER = "TORCHTRACE_METRICS_EXPORTER"
+"""prometheus (default: the /metrics endpoint), otlp (push to the collector), both, none."""
+ENV_METRICS_EXPORT_INTERVAL = "TORCHTRACE_METRICS_EXPORT_INTERVAL"
+"""Seconds between OTLP metrics pushes (default 10)."""
+ENV_OTLP_METRICS_ENDPOINT = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+ENV_OTLP_CERTIFICATE = "OTEL_EXPORTER_OTLP_CERTIFICATE"
+"""A CA bundle (PEM file) trusted for https OTLP endpoints."""
+ENV_OTLP_TRACES_CERTIFICATE = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 GUARD_POLICIES = ("warn", "skip", "raise")
 PORT_POLICIES = ("next", "ephemeral", "off")
+METRICS_EXPORTERS = ("prometheus", "otlp", "both", "none")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -88,13 +97,17 @@ class Settings:
     max_consecutive_bad_steps: int | None = None
     span_queue_size: int = 4096
     export_timeout_s: float = 5.0
-    shutdown_timeout_s: float = 3.0
+    shutdown_timeout_s: float = 1.0
     history_size: int = 1000
     max_file_bytes: int = 256 * 1024 * 1024
     strict: bool = False
     record_exception_messages: bool = False
     register_atexit: bool = True
     resource_attributes: Mapping[str, Any] | None = None
+    metrics_exporter: str = "prometheus"
+    metrics_export_interval_s: float = 10.0
+    otlp_metrics_endpoint: str | None = None
+    otlp_certificate: str | None = None
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -134,6 +147,8 @@ class Settings:
         _check_run_id(values["run_id"], "run_id")
         if "otlp_endpoint" in values and values["otlp_endpoint"] is not None:
             _check_endpoint(values["otlp_endpoint"], "otlp_endpoint")
+        if values.get("otlp_metrics_endpoint") is not None:
+            _check_endpoint(values["otlp_metrics_endpoint"], "otlp_metrics_endpoint")
         values.setdefault("otlp_protocol", "http/protobuf")
         return cls(**values)
 
@@ -243,6 +258,12 @@ def _mapping(value: Any, setting: str) -> Mapping[str, Any]:
     return dict(value)
 
 
+def _readable_file(value: Any, setting: str) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not os.path.isfile(value) or not os.access(value, os.R_OK):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: the path of a readable PEM file")
+    return os.fspath(value)
+
+
 _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "disabled": _bool,
     "service_name": _nonempty_str,
@@ -270,6 +291,10 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "record_exception_messages": _bool,
     "register_atexit": _bool,
     "resource_attributes": _mapping,
+    "metrics_exporter": _choice(METRICS_EXPORTERS),
+    "metrics_export_interval_s": _positive_float,
+    "otlp_metrics_endpoint": _check_endpoint,
+    "otlp_certificate": _readable_file,
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -287,6 +312,10 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "otlp_protocol": ((ENV_OTLP_TRACES_PROTOCOL, ENV_OTLP_PROTOCOL), _choice(OTLP_PROTOCOLS)),
     "guard": ((ENV_GUARD,), _choice(GUARD_POLICIES)),
     "strict": ((ENV_STRICT,), _bool),
+    "metrics_exporter": ((ENV_METRICS_EXPORTER,), _choice(METRICS_EXPORTERS)),
+    "metrics_export_interval_s": ((ENV_METRICS_EXPORT_INTERVAL,), _positive_float),
+    "otlp_metrics_endpoint": ((ENV_OTLP_METRICS_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),
+    "otlp_certificate": ((ENV_OTLP_TRACES_CERTIFICATE, ENV_OTLP_CERTIFICATE), _readable_file),
 }
 
 
