@@ -285,8 +285,27 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=N
     url = endpoint.rstrip("/")
     if not url.endswith("/v1/traces"):
         url += "/v1/traces"
+    session = None
+    if url.startswith("https://") and ca_file:
+        session = _pinned_ca_session(ca_file)
     return HttpExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None,
-                        certificate_file=ca_file if url.startswith("https://") and ca_file else None)
+                        certificate_file=ca_file if session is not None else None, session=session)
+
+
+def _pinned_ca_session(ca_file: str):
+    """A requests session that verifies with ``ca_file`` even when REQUESTS_CA_BUNDLE is set
+    (requests lets that variable override a session's own ``verify``)."""
+    import requests
+
+    class PinnedSession(requests.Session):
+        def merge_environment_settings(self, url, proxies, stream, verify, cert):
+            merged = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            merged["verify"] = ca_file
+            return merged
+
+    session = PinnedSession()
+    session.verify = ca_file
+    return session
 
 
 def tracer_provider(resource: Resource) -> TracerProvider:
