@@ -148,8 +148,16 @@ class Runtime:
                                                 s.otlp_certificate))
         for exporter in exporters:
             proc = BoundedBatchSpanProcessor(exporter, s.span_queue_size, self.metrics.drop_spans)
+            proc.on_error = self._exporter_error
             self.processors.append(proc)
             self.tracer_provider.add_span_processor(proc)
+
+    def _exporter_error(self, exc: BaseException) -> None:
+        """An exporter raised on the export thread: counted, never re-raised there."""
+        try:
+            self.errors.report("tracing", exc)
+        except Exception:
+            pass
 
     def _setup_server(self) -> None:
         s = self.settings
@@ -160,7 +168,7 @@ class Runtime:
         try:
             if server.start(port, s.port_policy) is not None:
                 self.server = server
-        except OSError as exc:
+        except Exception as exc:
             self.errors.report("server", exc)
 
     def _setup_metrics_push(self) -> None:
@@ -284,7 +292,10 @@ class Runtime:
             except Exception as perr:
                 self.errors.report("other", perr)
         self._decorate_span(record, span, exc)
-        self.metrics.observe_step(record)
+        try:
+            self.metrics.observe_step(record)
+        except Exception as merr:
+            self.errors.report("metrics", merr)
         self.history.add_step(record)
         for anomaly in record.anomalies:
             self.history.add_event("anomaly", anomaly.detail, anomaly.as_dict())

@@ -48,6 +48,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.max_batch = max_batch
         self.schedule_delay_s = schedule_delay_s
         self._on_drop = on_drop or (lambda reason, n: None)
+        self.on_error: Callable[[BaseException], None] | None = None
         self.exported = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         self._init_state()
@@ -138,9 +139,15 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         try:
             result = self.exporter.export(batch)
         except Exception as exc:  # an exporter bug must not kill the worker
-            logger.warning("span exporter %s raised %s; %d span(s) lost", type(self.exporter).__name__,
+            (logger.debug if self.on_error else logger.warning)(
+                "span exporter %s raised %s; %d span(s) lost", type(self.exporter).__name__,
                            type(exc).__name__, len(batch))
             result = SpanExportResult.FAILURE
+            if self.on_error is not None:
+                try:
+                    self.on_error(exc)
+                except Exception:
+                    pass
         self._export_started = None
         if result == SpanExportResult.SUCCESS:
             self.exported += len(batch)
