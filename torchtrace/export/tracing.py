@@ -316,5 +316,14 @@ def _pinned_ca_session(ca_file: str):
 
 
 def tracer_provider(resource: Resource) -> TracerProvider:
-    """A private provider: torchtrace never replaces the application's global one."""
-    return TracerProvider(resource=resource, shutdown_on_exit=False)
+    """A private provider: torchtrace never replaces the application's global one.
+
+    Attribute values (user-given ones included) are cut to ``MAX_ATTRIBUTE_LENGTH`` characters.
+    """
+    from opentelemetry.sdk.trace import SpanLimits
+
+    from torchtrace import semconv
+
+    limits = SpanLimits(max_attribute_length=semconv.MAX_ATTRIBUTE_LENGTH,
+                        max_span_attribute_length=semconv.MAX_ATTRIBUTE_LENGTH)
+    return TracerProvider(resource=resource, shutdown_on_exit=False, span_limits=limits)
