@@ -133,17 +133,22 @@ def test_tls_receiver_fails_without_the_ca_and_succeeds_with_it(tmp_path, receiv
     certs = make_tls_certs(tmp_path / "certs")
     with receiver_cls(server_cert_pem=certs.cert_pem, server_key_pem=certs.key_pem) as rx:
         assert rx.endpoint.startswith("https://")
-        rt, proc = _configure(tmp_path, rx.endpoint, protocol)
+        rt, proc = _configure(tmp_path, rx.endpoint, protocol, metrics_exporter="otlp",
+                              metrics_export_interval_s=60)
         with tt.debug_context("untrusted"):
             pass
         tt.shutdown(timeout_s=5.0)
-        assert rx.spans() == []
+        assert rx.spans() == [] and rx.metrics() == []
         assert proc.dropped["export_failed"] == 1 and proc.exported == 0
         assert rt.metrics.spans_dropped.labels(rt.settings.run_id, "0", "export_failed")._value.get() == 1
+        assert rt.metrics_pusher.failures == 1 and rt.metrics_pusher.pushes == 0
 
-        rt, proc = _configure(tmp_path, rx.endpoint, protocol, otlp_certificate=str(certs.ca_path))
+        rt, proc = _configure(tmp_path, rx.endpoint, protocol, otlp_certificate=str(certs.ca_path),
+                              metrics_exporter="otlp", metrics_export_interval_s=60)
         with tt.debug_context("trusted"):
             pass
         tt.shutdown(timeout_s=5.0)
         assert [s.name for s in rx.spans()] == ["trusted"]
         assert proc.exported == 1
+        assert rt.metrics_pusher.pushes == 1 and rt.metrics_pusher.failures == 0
+        assert any(m.name == "torchtrace_steps" for m in rx.metrics())
