@@ -151,8 +151,12 @@ def shutdown(timeout_s: float | None = None) -> None:
 
 
 def _shutdown_at_exit() -> None:
+    global _runtime
     try:
-        shutdown()
+        with _lock:
+            rt, _runtime = _runtime, None
+        if rt is not None:
+            rt.close(at_exit=True)
     except Exception:  # never fail interpreter exit
         logger.debug("torchtrace shutdown at exit failed", exc_info=True)
 
@@ -207,6 +211,14 @@ def _extract_loss(result: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
     return None
+
+
+def _record_returned_loss(scope: "StepScope", rt, result: Any) -> None:
+    """Take the loss from a step's return value; an odd object's failing ``.loss`` is ours to absorb."""
+    try:
+        scope.record_loss(_extract_loss(result))
+    except Exception as exc:
+        rt.errors.report("step", exc)
 
 
 class StepScope:
@@ -387,10 +399,26 @@ class StepScope:
         try:
             self._finish(rt, exc, duration, end_ns, t0)
         except Exception as err:
-            rt.errors.report("step", err)
+            try:
+                rt.errors.report("step", err)
+            finally:
+                self._abandon()
         if exc is None and self.extras.get("raise") is not None:
             raise self.extras.pop("raise")  # a guard policy decided on the host record
         return bool(exc is not None and self.extras.get("suppress"))  # OOM skipped by the guard
+
+    def _abandon(self) -> None:
+        """After an internal error in ``_finish``: restore every global and end the span."""
+        for undo in (lambda: self._anomaly_cm is not None and self._anomaly_cm.__exit__(None, None, None),
+                     lambda: self._hook is not None and self._hook.remove(),
+                     lambda: self._ctx_token is not None and _current.reset(self._ctx_token),
+                     lambda: self._token is not None and otel_context.detach(self._token),
+                     lambda: self._span.end()):
+            try:
+                undo()
+            except Exception:
+                pass
+        self._anomaly_cm = self._hook = self._ctx_token = self._token = None
 
     def _finish(self, rt, exc, duration: float, end_ns: int, t0: float) -> None:
         if self._anomaly_cm is not None:
@@ -400,6 +428,7 @@ class StepScope:
             self._hook.remove()
             self._hook = None
         _current.reset(self._ctx_token)
+        self._ctx_token = None
         for probe in rt.probes:
             try:
                 probe.exit(self, exc)
@@ -454,9 +483,18 @@ class StepScope:
         pending = None
         if pieces:
             vec = pieces[0] if len(pieces) == 1 else torch.cat([p.to(pieces[0].device) for p in pieces])
-            pending = readout.start(vec)
-        mem = mem_measure.sample(cuda=feats.cuda_memory)
+            try:
+                pending = readout.start(vec)
+            except Exception as rerr:
+                rt.errors.report("record", rerr)
+                self._layout.clear()
+        try:
+            mem = mem_measure.sample(cuda=feats.cuda_memory)
+        except Exception as merr:
+            rt.errors.report("memory", merr)
+            mem = mem_measure.MemorySample(rss=None)  # type: ignore[arg-type]
         otel_context.detach(self._token)
+        self._token = None
         record = StepRecord(operation=self.name, step=self.step, level=(self._level_arg or rt.level).value,
                             start_unix_ns=self._start_ns, end_unix_ns=end_ns, duration_s=duration,
                             memory=mem.as_dict(), skipped=self._skipped,
@@ -467,7 +505,10 @@ class StepScope:
         self.record = record
         self._overhead += time.perf_counter() - t0
         record.overhead_s = self._overhead
-        rt.metrics.add_overhead(self._overhead)
+        try:
+            rt.metrics.add_overhead(self._overhead)
+        except Exception as oerr:
+            rt.errors.report("metrics", oerr)
         rt.submit(self, record, pending, self._span, exc)
         if stats is not None and pending is not None and not pending.ready():
             stats.grads = []  # deferred: do not keep gradients alive past the step
@@ -602,7 +643,7 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
                 with scope:
                     result = await fn(*args, **kwargs)
                     if scope._active and scope._loss is None and scope._loss_float is None:
-                        scope.record_loss(_extract_loss(result))
+                        _record_returned_loss(scope, rt, result)
                 return result
 
             return async_wrapper
@@ -620,7 +661,7 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
             with scope:
                 result = fn(*args, **kwargs)
                 if scope._active and scope._loss is None and scope._loss_float is None:
-                    scope.record_loss(_extract_loss(result))
+                    _record_returned_loss(scope, rt, result)
             return result
 
         return wrapper

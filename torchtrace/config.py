@@ -59,10 +59,19 @@ ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 ENV_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+ENV_METRICS_EXPORTER = "TORCHTRACE_METRICS_EXPORTER"
+"""prometheus (default: the /metrics endpoint), otlp (push to the collector), both, none."""
+ENV_METRICS_EXPORT_INTERVAL = "TORCHTRACE_METRICS_EXPORT_INTERVAL"
+"""Seconds between OTLP metrics pushes (default 10)."""
+ENV_OTLP_METRICS_ENDPOINT = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+ENV_OTLP_CERTIFICATE = "OTEL_EXPORTER_OTLP_CERTIFICATE"
+"""A CA bundle (PEM file) trusted for https OTLP endpoints."""
+ENV_OTLP_TRACES_CERTIFICATE = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 GUARD_POLICIES = ("warn", "skip", "raise")
 PORT_POLICIES = ("next", "ephemeral", "off")
+METRICS_EXPORTERS = ("prometheus", "otlp", "both", "none")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -100,7 +109,7 @@ class Settings:
     max_consecutive_bad_steps: int | None = None
     span_queue_size: int = 4096
     export_timeout_s: float = 5.0
-    shutdown_timeout_s: float = 3.0
+    shutdown_timeout_s: float = 1.0
     history_size: int = 1000
     max_file_bytes: int = 256 * 1024 * 1024
     strict: bool = False
@@ -116,6 +125,10 @@ class Settings:
     leak_window: int = 32  # steps in the leak detector's slope window
     leak_threshold_bytes: int = 256 * 1024  # bytes per step of sustained growth that is a leak
     leak_confirm_steps: int = 8  # steps the slow path (census, tracemalloc) watches before reporting
+    metrics_exporter: str = "prometheus"
+    metrics_export_interval_s: float = 10.0
+    otlp_metrics_endpoint: str | None = None
+    otlp_certificate: str | None = None
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -155,6 +168,8 @@ class Settings:
         _check_run_id(values["run_id"], "run_id")
         if "otlp_endpoint" in values and values["otlp_endpoint"] is not None:
             _check_endpoint(values["otlp_endpoint"], "otlp_endpoint")
+        if values.get("otlp_metrics_endpoint") is not None:
+            _check_endpoint(values["otlp_metrics_endpoint"], "otlp_metrics_endpoint")
         values.setdefault("otlp_protocol", "http/protobuf")
         return cls(**values)
 
@@ -281,6 +296,10 @@ def _debug_token(value: Any, setting: str) -> str:
     return value
 def _too_small(value: Any, setting: str, minimum: int) -> int:
     raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= {minimum}")
+def _readable_file(value: Any, setting: str) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not os.path.isfile(value) or not os.access(value, os.R_OK):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: the path of a readable PEM file")
+    return os.fspath(value)
 
 
 _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
@@ -319,6 +338,10 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "leak_window": lambda v, s: _positive_int(v, s) if _positive_int(v, s) >= 4 else _too_small(v, s, 4),
     "leak_threshold_bytes": _positive_int,
     "leak_confirm_steps": _positive_int,
+    "metrics_exporter": _choice(METRICS_EXPORTERS),
+    "metrics_export_interval_s": _positive_float,
+    "otlp_metrics_endpoint": _check_endpoint,
+    "otlp_certificate": _readable_file,
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -342,6 +365,10 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "rank_skew_interval": ((ENV_RANK_SKEW_INTERVAL,), _optional_positive_int),
     "forensics": ((ENV_FORENSICS,), _bool),
     "forensics_max_replays": ((ENV_FORENSICS_MAX_REPLAYS,), lambda v, s: _non_negative_int(v, s)),
+    "metrics_exporter": ((ENV_METRICS_EXPORTER,), _choice(METRICS_EXPORTERS)),
+    "metrics_export_interval_s": ((ENV_METRICS_EXPORT_INTERVAL,), _positive_float),
+    "otlp_metrics_endpoint": ((ENV_OTLP_METRICS_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),
+    "otlp_certificate": ((ENV_OTLP_TRACES_CERTIFICATE, ENV_OTLP_CERTIFICATE), _readable_file),
 }
 
 

@@ -25,7 +25,7 @@ from torchtrace.config import Settings
 from torchtrace import distributed as _distributed
 from torchtrace.distributed import Identity, identity, rank_file_name
 from torchtrace.errors import InternalErrors
-from torchtrace.export import files
+from torchtrace.export import files, transport
 from torchtrace.export.metrics import Metrics
 from torchtrace.export.server import TelemetryServer
 from torchtrace.export.tracing import (BoundedBatchSpanProcessor, JsonLinesSpanExporter, otlp_span_exporter,
@@ -96,6 +96,7 @@ class Runtime:
         self.report_path: Path | None = None
         self.run_path: Path | None = None
         self.debug_api = None  # torchtrace.export.debug_api.DebugAPI when served
+        self.metrics_pusher = None
 
         self.metrics = Metrics(settings.run_id, self.identity.rank, __version__, self.level.value)
         self.errors = InternalErrors(self.metrics.internal_error, settings.strict)
@@ -111,6 +112,7 @@ class Runtime:
         from torchtrace.probes_registry import install_probes
 
         install_probes(self)
+        self._setup_metrics_push()
 
     # ------------------------------------------------------------ construction
     def _resource(self) -> Resource:
@@ -150,15 +152,25 @@ class Runtime:
         if self.spans_path is not None:
             exporters.append(JsonLinesSpanExporter(self.spans_path, s.max_file_bytes))
         if s.otlp_endpoint:
-            exporters.append(otlp_span_exporter(s.otlp_endpoint, s.otlp_protocol, s.export_timeout_s, s.otlp_headers))
+            transport.warn_if_plaintext(s.otlp_endpoint, "otlp_endpoint")
+            exporters.append(otlp_span_exporter(s.otlp_endpoint, s.otlp_protocol, s.export_timeout_s, s.otlp_headers,
+                                                s.otlp_certificate))
         for exporter in exporters:
             proc = BoundedBatchSpanProcessor(exporter, s.span_queue_size, self.metrics.drop_spans)
+            proc.on_error = self._exporter_error
             self.processors.append(proc)
             self.tracer_provider.add_span_processor(proc)
 
+    def _exporter_error(self, exc: BaseException) -> None:
+        """An exporter raised on the export thread: counted, never re-raised there."""
+        try:
+            self.errors.report("tracing", exc)
+        except Exception:
+            pass
+
     def _setup_server(self) -> None:
         s = self.settings
-        if s.prometheus_port is None:
+        if s.prometheus_port is None or s.metrics_exporter in ("otlp", "none"):
             return
         port = s.prometheus_port + self.identity.local_rank if s.prometheus_port else 0
         server = TelemetryServer(self.metrics.registry, s.prometheus_host)
@@ -172,8 +184,29 @@ class Runtime:
                 self.server = server
                 if self.debug_api is not None:
                     self.debug_api.announce()
-        except OSError as exc:
+        except Exception as exc:
             self.errors.report("server", exc)
+
+    def _setup_metrics_push(self) -> None:
+        s = self.settings
+        if s.metrics_exporter not in ("otlp", "both"):
+            return
+        endpoint = s.otlp_metrics_endpoint or s.otlp_endpoint
+        if not endpoint:
+            logger.warning("torchtrace metrics_exporter=%s but no OTLP endpoint is set: no metrics are pushed",
+                           s.metrics_exporter)
+            return
+        from torchtrace.export.otlp_metrics import OtlpMetricsPusher
+
+        transport.warn_if_plaintext(endpoint, "otlp_metrics_endpoint")
+        try:
+            pusher = OtlpMetricsPusher(self.metrics.registry, endpoint, s.otlp_protocol,
+                                       dict(self.tracer_provider.resource.attributes), s.metrics_export_interval_s,
+                                       s.export_timeout_s, s.otlp_headers, s.otlp_certificate)
+            pusher.start()
+            self.metrics_pusher = pusher
+        except Exception as exc:
+            self.errors.report("metrics", exc)
 
     # ------------------------------------------------------------ per-step services
     @property
@@ -279,7 +312,10 @@ class Runtime:
             except Exception as perr:
                 self.errors.report("other", perr)
         self._decorate_span(record, span, exc)
-        self.metrics.observe_step(record)
+        try:
+            self.metrics.observe_step(record)
+        except Exception as merr:
+            self.errors.report("metrics", merr)
         self.history.add_step(record)
         for anomaly in record.anomalies:
             self.history.add_event("anomaly", anomaly.detail, anomaly.as_dict())
@@ -388,6 +424,8 @@ class Runtime:
                 "spans_exported": exported,
                 "spans_dropped": dict(dropped),
                 "internal_errors": dict(self.errors.by_component),
+                "metrics_pushes": self.metrics_pusher.pushes if self.metrics_pusher else None,
+                "metrics_push_failures": self.metrics_pusher.failures if self.metrics_pusher else None,
             },
         }
         for name, section in list(self.report_sections.items()):
@@ -428,12 +466,18 @@ class Runtime:
             ok = proc.force_flush(int(left * 1000)) and ok
         return ok
 
-    def close(self) -> None:
-        """Write the report and stop every thread and socket within the shutdown deadline."""
+    def close(self, at_exit: bool = False) -> None:
+        """Write the report and stop every thread and socket within the shutdown deadline.
+
+        ``at_exit``: called from the interpreter's exit; no thread is started from here on.
+        """
         if self.closed:
             return
         self.closed = True
         deadline = time.monotonic() + self.settings.shutdown_timeout_s
+        if at_exit:
+            for proc in self.processors:
+                proc.prepare_exit()
         try:
             self.finish_deferred(block=True)
         except Exception as exc:
@@ -447,10 +491,25 @@ class Runtime:
             self.write_report()
         except Exception as exc:
             self.errors.report("files", exc)
-        for proc in self.processors:
-            proc.shutdown(max(0.1, deadline - time.monotonic()))
+        n = len(self.processors) + (self.metrics_pusher is not None)
+        for i, proc in enumerate(self.processors):
+            # Each exporter gets an equal share of what is left, so one stuck collector
+            # cannot use up the others' time.
+            share = max(0.05, (deadline - time.monotonic()) / max(1, n - i))
+            try:
+                proc.shutdown(share)
+            except Exception as exc:
+                self.errors.report("tracing", exc)
+        if self.metrics_pusher is not None:
+            try:
+                self.metrics_pusher.shutdown(max(0.05, deadline - time.monotonic()))
+            except Exception as exc:
+                self.errors.report("metrics", exc)
         if self.server is not None:
-            self.server.stop(max(0.1, deadline - time.monotonic()))
+            try:
+                self.server.stop(max(0.1, deadline - time.monotonic()))
+            except Exception as exc:
+                self.errors.report("server", exc)
         try:
             self.write_report()  # again, with the final export counts
         except Exception as exc:

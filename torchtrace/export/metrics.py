@@ -17,6 +17,7 @@ from torchtrace import semconv
 from torchtrace.record.step import StepRecord
 
 MAX_LABEL_VALUES = 64
+MAX_DEVICE_VALUES = 16
 OVERFLOW = "__overflow__"
 
 
@@ -63,6 +64,7 @@ class Metrics:
         self.kind = LabelBudget(allowed=semconv.ANOMALY_KINDS_ALL)
         self.component = LabelBudget(allowed=semconv.COMPONENTS)
         self.reason = LabelBudget(allowed=semconv.DROP_REASONS)
+        self.device = LabelBudget(MAX_DEVICE_VALUES)
         self.steps = Counter(_base(semconv.M_STEPS), "Steps completed.", common + ["operation"], registry=r)
         self.step_duration = Histogram(
             semconv.M_STEP_DURATION, "Step wall time in seconds; exemplars carry the trace id.",
@@ -141,11 +143,37 @@ class Metrics:
         mem = record.memory
         if mem.get("rss_bytes") is not None:
             self.memory.labels(self.run_id, self.rank, "cpu", "rss").set(mem["rss_bytes"])
-        device = mem.get("device") or "cuda"
+        device = self.device(str(mem.get("device") or "cuda"))
         for key, kind in (("cuda_allocated_bytes", "allocated"), ("cuda_reserved_bytes", "reserved"),
                           ("cuda_peak_allocated_bytes", "peak_allocated")):
             if mem.get(key) is not None:
                 self.memory.labels(self.run_id, self.rank, device, kind).set(mem[key])
+
+    def series_caps(self) -> dict[str, int]:
+        """The most label sets each metric family can hold in this process (overflow included).
+
+        ``run_id`` and ``rank`` are fixed per process, so only the other labels count.
+        """
+        ops = MAX_LABEL_VALUES + 1
+        kinds = len(semconv.ANOMALY_KINDS_ALL) + 1
+        devices = MAX_DEVICE_VALUES + 1
+        return {
+            _base(semconv.M_STEPS): ops,
+            semconv.M_STEP_DURATION: ops,
+            semconv.M_LOSS: ops,
+            semconv.M_GRAD_NORM: ops,
+            semconv.M_GRAD_NONFINITE: ops,
+            _base(semconv.M_ANOMALIES): ops * kinds,
+            _base(semconv.M_SKIPPED): ops,
+            semconv.M_MEMORY: 1 + devices * (len(semconv.MEMORY_KINDS) - 1),
+            semconv.M_MEMORY_GROWTH: devices,
+            semconv.M_LAST_STEP_TS: ops,
+            _base(semconv.M_SPANS_DROPPED): len(semconv.DROP_REASONS) + 1,
+            _base(semconv.M_INTERNAL_ERRORS): len(semconv.COMPONENTS) + 1,
+            semconv.M_RANK_SKEW: 1,
+            _base(semconv.M_OVERHEAD): 1,
+            semconv.M_BUILD_INFO: 1,
+        }
 
     def count_anomaly(self, operation: str, kind: str, n: int = 1) -> None:
         self.anomalies.labels(self.run_id, self.rank, self.operation(operation), self.kind(kind)).inc(n)
@@ -160,7 +188,7 @@ class Metrics:
         self.overhead.labels(self.run_id, self.rank).inc(seconds)
 
     def set_memory_growth(self, device: str, bytes_per_step: float) -> None:
-        self.memory_growth.labels(self.run_id, self.rank, device).set(bytes_per_step)
+        self.memory_growth.labels(self.run_id, self.rank, self.device(str(device))).set(bytes_per_step)
 
     def set_rank_skew(self, skew: float) -> None:
         self.rank_skew.labels(self.run_id, self.rank).set(skew)

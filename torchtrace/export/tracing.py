@@ -48,6 +48,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.max_batch = max_batch
         self.schedule_delay_s = schedule_delay_s
         self._on_drop = on_drop or (lambda reason, n: None)
+        self.on_error: Callable[[BaseException], None] | None = None
         self.exported = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         self._init_state()
@@ -62,6 +63,9 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._shutdown = False
         self._flush_requests = 0
         self._in_flight = 0
+        self._exiting = False
+        self._failing = False  # the last export failed: a flush at shutdown would only wait
+        self._export_started: float | None = None
 
     def _after_fork(self) -> None:
         # A forked child (a DataLoader worker) must not export its parent's spans, nor any
@@ -95,11 +99,18 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 full = False
                 self._queue.append(span)
                 if self._worker is None:
-                    self._start_worker()
+                    if self._exiting:  # at interpreter exit no thread is started
+                        self._queue.pop()
+                        full = True
+                    else:
+                        self._start_worker()
                 if len(self._queue) >= self.max_batch:
                     self._cond.notify()
         if full:
-            self._drop("queue_full", 1)
+            if self._exiting and self._worker is None:
+                self._export_inline_or_drop([span])
+            else:
+                self._drop("queue_full", 1)
 
     def _start_worker(self) -> None:
         self._worker = threading.Thread(target=self._run, name="torchtrace-span-export", daemon=True)
@@ -124,16 +135,42 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 self._cond.notify_all()
 
     def _export(self, batch: list[ReadableSpan]) -> None:
+        self._export_started = time.monotonic()
         try:
             result = self.exporter.export(batch)
         except Exception as exc:  # an exporter bug must not kill the worker
-            logger.warning("span exporter %s raised %s; %d span(s) lost", type(self.exporter).__name__,
+            (logger.debug if self.on_error else logger.warning)(
+                "span exporter %s raised %s; %d span(s) lost", type(self.exporter).__name__,
                            type(exc).__name__, len(batch))
             result = SpanExportResult.FAILURE
+            if self.on_error is not None:
+                try:
+                    self.on_error(exc)
+                except Exception:
+                    pass
+        self._export_started = None
         if result == SpanExportResult.SUCCESS:
             self.exported += len(batch)
+            self._failing = False
         else:
+            self._failing = True
             self._drop("export_failed", len(batch))
+
+    def collector_unhealthy(self, stuck_after_s: float = 0.5) -> bool:
+        """The last export failed, or the current one has hung for ``stuck_after_s``."""
+        started = self._export_started
+        return self._failing or (started is not None and time.monotonic() - started > stuck_after_s)
+
+    def prepare_exit(self) -> None:
+        """Interpreter exit: from now on no thread is started; a processor without a worker
+        writes local (file) exports inline and drops network ones as ``shutdown``."""
+        self._exiting = True
+
+    def _export_inline_or_drop(self, batch: list[ReadableSpan]) -> None:
+        if isinstance(self.exporter, JsonLinesSpanExporter):
+            self._export(batch)
+        else:
+            self._drop("shutdown", len(batch))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000.0
@@ -154,7 +191,18 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if self._shutdown:
             return
         deadline = time.monotonic() + timeout_s
-        self.force_flush(int(max(0.0, timeout_s * 0.7) * 1000))
+        if self.collector_unhealthy():
+            flush_s = min(0.05, timeout_s * 0.7)  # waiting on a dead collector only delays exit
+        else:
+            flush_s = timeout_s * 0.7
+        flush_deadline = time.monotonic() + max(0.0, flush_s)
+        while True:
+            # Flush in short slices; give up early once the collector looks dead or stuck.
+            left = flush_deadline - time.monotonic()
+            if self.force_flush(int(max(0.0, min(0.05, left)) * 1000)) or left <= 0:
+                break
+            if self.collector_unhealthy(stuck_after_s=0.3):
+                break
         with self._cond:
             self._shutdown = True
             left = len(self._queue)
@@ -163,7 +211,16 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._drop("shutdown", left)
         worker = self._worker
         if worker is not None:
-            worker.join(max(0.0, deadline - time.monotonic()))
+            # A worker stuck in a network call is abandoned (it is a daemon thread).
+            join_s = deadline - time.monotonic()
+            if self.collector_unhealthy():
+                join_s = min(join_s, 0.05)
+            worker.join(max(0.0, join_s))
+        if self._exiting:
+            # No new thread at exit: stop the exporter inline. The SDK's exporters only set a
+            # flag and close their channel or session here, which also cancels a stuck call.
+            self._stop_exporter()
+            return
         stopper = threading.Thread(target=self._stop_exporter, name="torchtrace-exporter-stop", daemon=True)
         stopper.start()
         stopper.join(max(0.05, deadline - time.monotonic()))
@@ -215,27 +272,64 @@ class JsonLinesSpanExporter(SpanExporter):
         return True
 
 
-def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=None) -> SpanExporter:
+def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=None,
+                       ca_file: str | None = None) -> SpanExporter:
     """The SDK's OTLP exporter for ``protocol`` ("grpc" or "http/protobuf").
 
     ``endpoint`` is the base endpoint, as in ``OTEL_EXPORTER_OTLP_ENDPOINT``; for HTTP,
     ``/v1/traces`` is appended unless the path already ends with it. TLS follows the scheme:
-    https uses TLS (``OTEL_EXPORTER_OTLP_CERTIFICATE`` names a CA file), http does not.
+    https uses TLS (``ca_file``, or ``OTEL_EXPORTER_OTLP_CERTIFICATE``, names a CA file),
+    http does not.
     """
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
         insecure = endpoint.startswith("http://")
-        return GrpcExporter(endpoint=endpoint, insecure=insecure, timeout=timeout_s,
+        credentials = None
+        if not insecure and ca_file:
+            import grpc
+
+            with open(ca_file, "rb") as fh:
+                credentials = grpc.ssl_channel_credentials(root_certificates=fh.read())
+        return GrpcExporter(endpoint=endpoint, insecure=insecure, credentials=credentials, timeout=timeout_s,
                             headers=dict(headers) if headers else None)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
     url = endpoint.rstrip("/")
     if not url.endswith("/v1/traces"):
         url += "/v1/traces"
-    return HttpExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None)
+    session = None
+    if url.startswith("https://") and ca_file:
+        session = _pinned_ca_session(ca_file)
+    return HttpExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None,
+                        certificate_file=ca_file if session is not None else None, session=session)
+
+
+def _pinned_ca_session(ca_file: str):
+    """A requests session that verifies with ``ca_file`` even when REQUESTS_CA_BUNDLE is set
+    (requests lets that variable override a session's own ``verify``)."""
+    import requests
+
+    class PinnedSession(requests.Session):
+        def merge_environment_settings(self, url, proxies, stream, verify, cert):
+            merged = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            merged["verify"] = ca_file
+            return merged
+
+    session = PinnedSession()
+    session.verify = ca_file
+    return session
 
 
 def tracer_provider(resource: Resource) -> TracerProvider:
-    """A private provider: torchtrace never replaces the application's global one."""
-    return TracerProvider(resource=resource, shutdown_on_exit=False)
+    """A private provider: torchtrace never replaces the application's global one.
+
+    Attribute values (user-given ones included) are cut to ``MAX_ATTRIBUTE_LENGTH`` characters.
+    """
+    from opentelemetry.sdk.trace import SpanLimits
+
+    from torchtrace import semconv
+
+    limits = SpanLimits(max_attribute_length=semconv.MAX_ATTRIBUTE_LENGTH,
+                        max_span_attribute_length=semconv.MAX_ATTRIBUTE_LENGTH)
+    return TracerProvider(resource=resource, shutdown_on_exit=False, span_limits=limits)

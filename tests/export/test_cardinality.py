@@ -1,0 +1,84 @@
+"""Open labels stay bounded: 10,000 distinct names never make more series than the caps."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+import torchtrace as tt
+from torchtrace import semconv
+from torchtrace.api import get_runtime
+from torchtrace.export.metrics import MAX_LABEL_VALUES, OVERFLOW, Metrics
+from torchtrace.record.step import StepRecord
+
+
+def _series_per_family(registry) -> dict[str, int]:
+    out: dict[str, set] = collections.defaultdict(set)
+    for family in registry.collect():
+        for sample in family.samples:
+            out[family.name].add(tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le")))
+    return {name: len(sets) for name, sets in out.items()}
+
+
+def test_ten_thousand_module_names_stay_under_every_cap():
+    m = Metrics("run", 0, "0", "basic")
+    caps = m.series_caps()
+    for i in range(10_000):
+        name = f"model.layers.{i}.attn.q_proj"
+        rec = StepRecord(operation=name, step=i, level="basic", start_unix_ns=1, end_unix_ns=2, duration_s=0.01,
+                         memory={"rss_bytes": 1, "device": f"cuda:{i}", "cuda_allocated_bytes": 1,
+                                 "cuda_reserved_bytes": 1, "cuda_peak_allocated_bytes": 1})
+        rec.loss = 1.0
+        rec.grad_norm = 1.0
+        m.observe_step(rec)
+        m.count_anomaly(name, name)  # a kind outside the closed set
+        m.count_anomaly(name, semconv.ANOMALY_KINDS_ALL[i % len(semconv.ANOMALY_KINDS_ALL)])
+        m.drop_spans(name, 1)
+        m.internal_error(name)
+        m.set_memory_growth(name, 1.0)
+    seen = _series_per_family(m.registry)
+    for family, cap in caps.items():
+        assert seen.get(family, 0) <= cap, (family, seen.get(family), cap)
+    # The overflow series took the rest: the step counter still counts every step.
+    steps = {s.labels["operation"]: s.value for f in m.registry.collect() if f.name == "torchtrace_steps"
+             for s in f.samples if s.name.endswith("_total")}
+    assert len(steps) == MAX_LABEL_VALUES + 1
+    assert steps[OVERFLOW] == 10_000 - MAX_LABEL_VALUES
+    assert sum(steps.values()) == 10_000
+    assert seen["torchtrace_steps"] == caps["torchtrace_steps"]
+
+
+def test_operation_names_through_steps_are_capped(tt_runtime):
+    rt = get_runtime()
+    for i in range(300):
+        with tt.debug_context(f"op_{i}"):
+            pass
+    rt.finish_deferred(block=True)
+    seen = _series_per_family(rt.metrics.registry)
+    caps = rt.metrics.series_caps()
+    for family, cap in caps.items():
+        assert seen.get(family, 0) <= cap, family
+
+
+def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
+    """docs/reliability.md: a BASIC CPU job with one operation exports 12 label sets per rank."""
+    rt = get_runtime()
+    opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+    for _ in range(3):
+        with tt.debug_context("train_step", model=tiny_model, optimizer=opt) as step:
+            loss = tiny_model(torch.ones(4, 8)).pow(2).mean()
+            loss.backward()
+            step.record_loss(loss)
+            opt.step()
+            opt.zero_grad()
+    rt.finish_deferred(block=True)
+    seen = _series_per_family(rt.metrics.registry)
+    # steps, duration, loss, grad_norm, grad_nonfinite, last_step, memory{cpu,rss}: 7;
+    # spans_dropped x3 reasons; overhead; build_info: 5.  Total 12 families' label sets below.
+    expected = {"torchtrace_steps": 1, "torchtrace_step_duration_seconds": 1, "torchtrace_loss": 1,
+                "torchtrace_grad_norm": 1, "torchtrace_grad_nonfinite_tensors": 1,
+                "torchtrace_last_step_timestamp_seconds": 1, "torchtrace_memory_bytes": 1,
+                "torchtrace_spans_dropped": 3, "torchtrace_overhead_seconds": 1, "torchtrace_build_info": 1}
+    assert {k: v for k, v in seen.items() if v} == expected
+    assert sum(expected.values()) == 12

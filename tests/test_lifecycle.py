@@ -1,0 +1,168 @@
+"""Processes, ports and repeated set-ups: nothing leaks, nothing collides, off means off."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import torchtrace as tt
+from tests.fixtures import GrpcOtlpReceiver
+from torchtrace.api import get_runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_")):
+            monkeypatch.delenv(name, raising=False)
+
+
+def _sockets() -> int:
+    return len(psutil.Process().net_connections(kind="inet"))
+
+
+def _one_step(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+        loss = model(torch.ones(2, 8)).pow(2).mean()
+        loss.backward()
+        step.record_loss(loss)
+        opt.step()
+
+
+def test_twenty_configure_shutdown_cycles_leave_no_threads_or_sockets(tmp_path, tiny_model, monkeypatch):
+    _clean_env(monkeypatch)
+    with GrpcOtlpReceiver() as rx:
+        # Warm-up cycle: gRPC starts process-wide threads once, on first use.
+        tt.configure(prometheus_port=0, run_dir=str(tmp_path), otlp_endpoint=rx.endpoint, otlp_protocol="grpc",
+                     metrics_exporter="both", register_atexit=False, strict=True)
+        _one_step(tiny_model)
+        tt.shutdown()
+        threads0 = {t.ident for t in threading.enumerate()}
+        sockets0 = _sockets()
+        for i in range(20):
+            result = tt.configure(prometheus_port=0, run_dir=str(tmp_path), otlp_endpoint=rx.endpoint,
+                                  otlp_protocol="grpc", metrics_exporter="both", register_atexit=False, strict=True)
+            assert result.metrics_url is not None
+            _one_step(tiny_model)
+            tt.shutdown()
+        rx.wait_for_spans(21, timeout=10)
+        for t in threading.enumerate():
+            if t.name.startswith("torchtrace"):
+                t.join(2.0)
+        leaked = [t.name for t in threading.enumerate() if t.ident not in threads0 and t.is_alive()
+                  and t.name.startswith("torchtrace")]
+        assert not leaked
+        # Our own threads are gone; gRPC's internal pool may differ by a few, never by 20.
+        assert len([t for t in threading.enumerate() if t.ident not in threads0]) < 5
+        assert _sockets() <= sockets0 + 2
+
+
+def test_disabled_means_no_threads_sockets_or_files(tmp_path, tiny_model):
+    script = r"""
+import os, sys, threading, psutil, torch, torchtrace as tt
+before_t = threading.active_count(); before_s = len(psutil.Process().net_connections(kind="inet"))
+tt.configure(run_dir=sys.argv[1], otlp_endpoint="http://127.0.0.1:9")
+model = torch.nn.Linear(3, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+@tt.debug_operation(model=model)
+def step(x):
+    return model(x).sum()
+for _ in range(5):
+    with tt.debug_context("train_step", model=model, optimizer=opt) as s:
+        l = model(torch.ones(2, 3)).sum(); l.backward(); s.record_loss(l); opt.step()
+    step(torch.ones(2, 3))
+tt.flush(); tt.shutdown()
+print(threading.active_count() - before_t, len(psutil.Process().net_connections(kind="inet")) - before_s,
+      any(t.name.startswith("torchtrace") for t in threading.enumerate()))
+"""
+    for var, value in (("TORCHTRACE_DISABLED", "1"), ("OTEL_SDK_DISABLED", "true")):
+        run_dir = tmp_path / var
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+        env.update({var: value, "PYTHONPATH": str(ROOT)})
+        out = subprocess.run([sys.executable, "-c", script, str(run_dir)], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["0", "0", "False"], (var, out.stdout)
+        assert not run_dir.exists()
+        assert not (tmp_path / "torchtrace-runs").exists()
+
+
+@pytest.mark.parametrize("policy", ["next", "ephemeral", "off"])
+def test_port_in_use_is_handled_by_policy(tmp_path, tiny_model, monkeypatch, caplog, policy):
+    _clean_env(monkeypatch)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        caplog.set_level(logging.WARNING)
+        result = tt.configure(prometheus_port=port, port_policy=policy, run_dir=str(tmp_path), strict=True,
+                              register_atexit=False)
+        _one_step(tiny_model)  # training goes on
+        served = result.prometheus_port
+        summary_url = get_runtime().summary()["telemetry"]["metrics_url"]
+        tt.shutdown()
+    assert f"port {port} is in use" in caplog.text
+    if policy == "off":
+        assert served is None and summary_url is None
+    else:
+        assert served is not None and served != port
+        assert summary_url.endswith(f":{served}/metrics")
+        if policy == "next":  # the following ports first (one of them is free here)
+            assert port < served < port + 16
+
+
+def test_server_binds_loopback_by_default_and_warns_on_wildcard(tmp_path, monkeypatch, caplog):
+    _clean_env(monkeypatch)
+    tt.configure(prometheus_port=0, run_dir=str(tmp_path), register_atexit=False)
+    assert get_runtime().server._httpd.server_address[0] == "127.0.0.1"
+    tt.shutdown()
+    caplog.set_level(logging.WARNING)
+    tt.configure(prometheus_port=0, prometheus_host="0.0.0.0", run_dir=str(tmp_path), register_atexit=False)
+    tt.shutdown()
+    assert "reachable from other machines" in caplog.text
+
+
+def test_dataloader_fork_workers_neither_hang_nor_duplicate_spans(tmp_path, tiny_model, monkeypatch):
+    _clean_env(monkeypatch)
+    result = tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            # A worker that opens a step of its own must not export anything.
+            with tt.debug_context("in_worker"):
+                pass
+            return torch.ones(8) * i
+
+    loader = torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=2,
+                                         multiprocessing_context="fork", timeout=60)
+    opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+    for epoch in range(2):
+        for x in loader:
+            with tt.debug_context("train_step", model=tiny_model, optimizer=opt) as step:
+                loss = tiny_model(x).pow(2).mean()
+                loss.backward()
+                step.record_loss(loss)
+                opt.step()
+                opt.zero_grad()
+    spans_path = result.spans_path
+    tt.shutdown()
+    from torchtrace.export.files import read_json_lines
+
+    lines = read_json_lines(spans_path)
+    names = [d["name"] for d in lines]
+    assert names.count("train_step") == 8
+    assert "in_worker" not in names
+    assert len({d["span_id"] for d in lines}) == len(lines)

@@ -1,0 +1,38 @@
+"""Transport security checks for the collector endpoints torchtrace talks to."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if not host:
+        return False
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_plaintext(endpoint: str, setting: str) -> bool:
+    """Log a warning when ``endpoint`` is plain http to a host other than this machine.
+
+    Returns True when a warning was given. Only scheme, host and port are logged: never a
+    path, query or credentials.
+    """
+    parts = urlsplit(endpoint)
+    if parts.scheme != "http" or is_loopback_host(parts.hostname):
+        return False
+    port = f":{parts.port}" if parts.port else ""
+    logger.warning("torchtrace %s is plaintext http to %s%s: telemetry and headers travel unencrypted; "
+                   "use https:// (with otlp_certificate for a private CA)", setting, parts.hostname, port)
+    return True
