@@ -17,6 +17,9 @@ from torchtrace.debugger import (DebugConfig, GradientReport, PyTorchDebugger, c
                                  debug_training_session)
 from torchtrace.errors import NonFiniteError
 from torchtrace.levels import DebugLevel, DebugMode, OptimizationMode
+from torchtrace.optimize import (AmpState, BenchmarkResults, ModeResult, OptimizationReport, OptimizedModel,
+                                 PyTorchOptimizer, amp_step, benchmark_optimizations, current_amp, optimize_model,
+                                 optimize_training_loop)
 
 __all__ = [
     "ConfigureResult",
@@ -38,4 +41,15 @@ __all__ = [
     "debug_training_session",
     "flush",
     "shutdown",
+    "AmpState",
+    "BenchmarkResults",
+    "ModeResult",
+    "OptimizationReport",
+    "OptimizedModel",
+    "PyTorchOptimizer",
+    "amp_step",
+    "benchmark_optimizations",
+    "current_amp",
+    "optimize_model",
+    "optimize_training_loop",
 ]
