@@ -164,3 +164,16 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="modes='turbo'"):
         tt.benchmark_optimizations(nn.Linear(8, 4), batches(1), lambda p: torch.optim.SGD(p, lr=0.1),
                                    F.mse_loss, modes=["turbo"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_benchmark_with_float16_amp_and_compilation():  # pragma: no cover - no GPU in CI
+    torch.manual_seed(0)
+    model = DeepMLP(d=64, depth=4).cuda()
+    buf = io.StringIO()
+    res = tt.benchmark_optimizations(model, batches(3), torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                     F.mse_loss, modes=["amp", "compilation", "full_optimization"],
+                                     warmup=3, steps=10, file=buf)
+    assert res["amp"].applied == ["amp"] and res["amp"].memory_kind == "cuda_peak_allocated"
+    assert all(r.ok for r in res.results.values()), buf.getvalue()
+    assert res["amp"].max_abs_loss_diff < 0.05

@@ -262,8 +262,11 @@ def benchmark_optimizations(model: nn.Module, batches: Iterable, optimizer, loss
                 out.results[mode] = res
                 if span is not None:
                     _annotate(span, res, rt)
-            if rt is not None and res.ok:
-                rt.metrics.set_optimization(mode.value, res.median_s, res.speedup, res.memory_bytes)
+            if rt is not None and not rt.off and res.ok:
+                try:
+                    rt.metrics.set_optimization(mode.value, res.median_s, res.speedup, res.memory_bytes)
+                except Exception as exc:  # noqa: BLE001
+                    rt.errors.report("metrics", exc)
     if print_table:
         (file or sys.stdout).write(out.table() + "\n")
     return out
