@@ -14,7 +14,8 @@ from torch import nn
 from torchtrace.levels import OptimizationMode
 from torchtrace.optimize.benchmark import (BenchmarkResults, ModeResult, benchmark_optimizations,
                                            optimize_training_loop)
-from torchtrace.optimize.modes import (AmpState, OptimizationReport, OptimizedModel, amp_step, current_amp,
+from torchtrace.optimize.amp import AmpState, amp_step, current_amp
+from torchtrace.optimize.modes import (OptimizationReport, OptimizedModel,
                                        optimize_model)
 
 

@@ -10,7 +10,6 @@ what was not, and why: nothing fails the job because an optimization is unavaila
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 import logging
@@ -25,7 +24,8 @@ from torch import nn
 
 from torchtrace import semconv
 from torchtrace.levels import OptimizationMode
-from torchtrace.optimize import checkpointing
+from torchtrace.optimize import amp as amp_mod, checkpointing
+from torchtrace.optimize.amp import _DTYPES, AmpState, _current_amp, amp_step, current_amp  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ _WANTS = {
     OptimizationMode.MEMORY_EFFICIENT: (CHECKPOINT,),
     OptimizationMode.FULL_OPTIMIZATION: (AMP, COMPILE, CHECKPOINT),
 }
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
@@ -78,55 +77,6 @@ class OptimizationReport:
         return attrs
 
 
-@dataclass
-class AmpState:
-    """The autocast settings of an optimized call; ``scaler`` is set for float16 training."""
-
-    device_type: str
-    dtype: torch.dtype
-    scaler: Any = None  # torch.amp.GradScaler or None
-
-    def autocast(self):
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
-
-
-_current_amp: contextvars.ContextVar[AmpState | None] = contextvars.ContextVar("torchtrace_amp", default=None)
-
-
-def current_amp() -> AmpState | None:
-    """The AMP state of the innermost optimized call on this thread/task, or None.
-
-    Inside a function decorated with ``@optimize_model(mode=AMP)`` on CUDA with float16,
-    ``current_amp().scaler`` is the GradScaler the training step must use (or call
-    :func:`amp_step`, which does).
-    """
-    return _current_amp.get()
-
-
-def amp_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
-    """Backward and optimizer step, through the GradScaler when AMP needs one.
-
-    ``scaler`` defaults to ``current_amp().scaler``. Without a scaler this is
-    ``loss.backward(); optimizer.step()``. Backward runs with autocast disabled, as the
-    PyTorch AMP recipe asks. Gradients are not zeroed: call ``optimizer.zero_grad()``.
-
-    >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> amp_step(model(torch.ones(1, 2)).sum(), opt)
-    """
-    state = current_amp()
-    if scaler is None and state is not None:
-        scaler = state.scaler
-    device_type = state.device_type if state is not None else loss.device.type
-    with torch.autocast(device_type=device_type, enabled=False):
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-
-
 def failure_reason(exc: BaseException, limit: int = 300) -> str:
     """One line naming an exception and its root cause (dynamo wraps backend errors)."""
     root, seen = exc, 0
@@ -147,28 +97,15 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _amp_state(device: torch.device, amp_dtype: str | torch.dtype | None, report: OptimizationReport) -> AmpState | None:
-    dev = device.type
-    if amp_dtype is None:
-        dtype = torch.float16 if dev == "cuda" else torch.bfloat16
-    elif isinstance(amp_dtype, torch.dtype):
-        dtype = amp_dtype
-    else:
-        dtype = _DTYPES[str(amp_dtype).lower()]
-    if dev not in ("cpu", "cuda"):
-        report.skipped[AMP] = f"autocast is not supported here for device {dev!r}"
+def _amp_state(device: torch.device, amp_dtype, report: OptimizationReport) -> AmpState | None:
+    state, why = amp_mod.amp_state(device, amp_dtype)
+    if state is None:
+        report.skipped[AMP] = why
         return None
-    if dev == "cpu" and dtype is torch.float16:
-        report.skipped[AMP] = "float16 autocast is not offered on CPU; use bfloat16"
-        return None
-    if dev == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        report.skipped[AMP] = "this GPU does not support bfloat16"
-        return None
-    scaler = torch.amp.GradScaler("cuda") if (dev == "cuda" and dtype is torch.float16) else None
     report.applied.append(AMP)
-    report.amp_dtype = str(dtype).replace("torch.", "")
-    report.grad_scaler = scaler is not None
-    return AmpState(dev, dtype, scaler)
+    report.amp_dtype = str(state.dtype).replace("torch.", "")
+    report.grad_scaler = state.scaler is not None
+    return state
 
 
 def compile_unavailable(backend: str, device: torch.device) -> str | None:
