@@ -25,6 +25,9 @@ from torchtrace.inspection import debug_backward_pass, debug_forward_pass, debug
 from torchtrace.memory_tracking import (MemorySnapshot, MemoryTracker, clear_memory, memory_tracking,
                                         take_memory_snapshot, track_tensor)
 from torchtrace.profiling import ProfileSchedule, profiling
+from torchtrace.optimize import (AmpState, BenchmarkResults, ModeResult, OptimizationReport, OptimizedModel,
+                                 PyTorchOptimizer, amp_step, benchmark_optimizations, current_amp, optimize_model,
+                                 optimize_training_loop)
 
 __all__ = [
     "ConfigureResult",
@@ -66,4 +69,15 @@ __all__ = [
     "profiling",
     "take_memory_snapshot",
     "track_tensor",
+    "AmpState",
+    "BenchmarkResults",
+    "ModeResult",
+    "OptimizationReport",
+    "OptimizedModel",
+    "PyTorchOptimizer",
+    "amp_step",
+    "benchmark_optimizations",
+    "current_amp",
+    "optimize_model",
+    "optimize_training_loop",
 ]

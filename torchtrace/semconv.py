@@ -156,3 +156,32 @@ ACTIVATION_MIN = "torchtrace.activations.min"
 ACTIVATION_MAX = "torchtrace.activations.max"
 ACTIVATION_NONFINITE = "torchtrace.activations.nonfinite"
 ACTIVATION_NONFINITE_LAYERS = "torchtrace.activations.nonfinite_layers"
+# ---------------------------------------------------------------- optimize_model (added)
+# Span attributes of the "optimize_model" and "benchmark_optimizations" spans.
+OPT_MODE = "torchtrace.optimize.mode"  # an OptimizationMode value
+OPT_DEVICE = "torchtrace.optimize.device"
+OPT_APPLIED = "torchtrace.optimize.applied"  # names: amp, compilation, activation_checkpointing
+OPT_SKIPPED = "torchtrace.optimize.skipped"  # "name: reason" strings
+OPT_AMP_DTYPE = "torchtrace.optimize.amp_dtype"
+OPT_GRAD_SCALER = "torchtrace.optimize.grad_scaler"
+OPT_COMPILE_BACKEND = "torchtrace.optimize.compile_backend"
+OPT_COMPILE_FALLBACK = "torchtrace.optimize.compile_fallback"  # why compilation fell back to eager
+OPT_CHECKPOINTED = "torchtrace.optimize.checkpointed"  # module names, capped
+BENCH_MEDIAN_S = "torchtrace.benchmark.median_step_seconds"
+BENCH_IQR_S = "torchtrace.benchmark.iqr_step_seconds"
+BENCH_SPEEDUP = "torchtrace.benchmark.speedup"  # NONE's median over this mode's; < 1 is slower
+BENCH_MEMORY_BYTES = "torchtrace.benchmark.memory_bytes"
+BENCH_MEMORY_KIND = "torchtrace.benchmark.memory_kind"  # saved_activations or cuda_peak_allocated
+BENCH_MEMORY_SAVING = "torchtrace.benchmark.memory_saving"  # 1 - mode/NONE; negative uses more
+BENCH_LOSS_DIFF = "torchtrace.benchmark.max_abs_loss_diff"  # against NONE, same batches and seed
+BENCH_STEPS = "torchtrace.benchmark.timed_steps"
+BENCH_ERROR = "torchtrace.benchmark.error"
+TRAIN_TOTAL_S = "torchtrace.training.total_seconds"  # optimize_training_loop span
+TRAIN_STEPS = "torchtrace.training.steps"
+
+# Metrics of benchmark_optimizations, label {mode} from the OptimizationMode values.
+M_OPT_STEP_SECONDS = "torchtrace_optimization_step_seconds"  # gauge {mode}: median step time
+M_OPT_SPEEDUP = "torchtrace_optimization_speedup"  # gauge {mode}: NONE median / mode median
+M_OPT_MEMORY = "torchtrace_optimization_memory_bytes"  # gauge {mode}: measured memory (see kind)
+OPT_METRICS = (M_OPT_STEP_SECONDS, M_OPT_SPEEDUP, M_OPT_MEMORY)
+OPTIMIZATION_MODES = ("none", "amp", "compilation", "memory_efficient", "full_optimization")

@@ -104,6 +104,15 @@ class Metrics:
             self.internal_errors.labels(run_id, self.rank, component)
         self._known_ops: set[str] = set()
 
+        # benchmark_optimizations (added): one series per OptimizationMode.
+        self.opt_mode = LabelBudget(allowed=semconv.OPTIMIZATION_MODES)
+        self.opt_step_seconds = Gauge(semconv.M_OPT_STEP_SECONDS, "Median step time of the last benchmark, by mode.",
+                                      common + ["mode"], registry=r)
+        self.opt_speedup = Gauge(semconv.M_OPT_SPEEDUP, "NONE's median step time over this mode's; below 1 is slower.",
+                                 common + ["mode"], registry=r)
+        self.opt_memory = Gauge(semconv.M_OPT_MEMORY, "Memory measured by the last benchmark, by mode, in bytes.",
+                                common + ["mode"], registry=r)
+
     def _first_seen(self, op: str) -> None:
         """Create an operation's counters at zero, so ``increase()`` sees their first step."""
         self._known_ops.add(op)
@@ -192,3 +201,14 @@ class Metrics:
 
     def set_rank_skew(self, skew: float) -> None:
         self.rank_skew.labels(self.run_id, self.rank).set(skew)
+
+    def set_optimization(self, mode: str, median_s: float | None, speedup: float | None,
+                         memory_bytes: float | None) -> None:
+        """Publish one benchmarked mode; a value that was not measured leaves its series alone."""
+        lv = (self.run_id, self.rank, self.opt_mode(mode))
+        if median_s is not None:
+            self.opt_step_seconds.labels(*lv).set(median_s)
+        if speedup is not None:
+            self.opt_speedup.labels(*lv).set(speedup)
+        if memory_bytes is not None:
+            self.opt_memory.labels(*lv).set(memory_bytes)
