@@ -62,7 +62,7 @@ def test_operation_names_through_steps_are_capped(tt_runtime):
 
 
 def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
-    """docs/reliability.md: a BASIC CPU job with one operation exports 12 label sets per rank."""
+    """docs/reliability.md: a BASIC CPU job with one operation exports 40 label sets per rank."""
     rt = get_runtime()
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     for _ in range(3):
@@ -74,11 +74,14 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
             opt.zero_grad()
     rt.finish_deferred(block=True)
     seen = _series_per_family(rt.metrics.registry)
-    # steps, duration, loss, grad_norm, grad_nonfinite, last_step, memory{cpu,rss}: 7;
-    # spans_dropped x3 reasons; overhead; build_info: 5.  Total 12 families' label sets below.
+    # steps, duration, loss, grad_norm, grad_nonfinite, last_step, memory{cpu,rss}, spans_dropped x3 reasons,
+    # overhead, build_info, rank skew; and the counters created at zero for alert rules: anomalies for
+    # every kind, skipped steps for the operation, internal errors for every component.
     expected = {"torchtrace_steps": 1, "torchtrace_step_duration_seconds": 1, "torchtrace_loss": 1,
                 "torchtrace_grad_norm": 1, "torchtrace_grad_nonfinite_tensors": 1,
                 "torchtrace_last_step_timestamp_seconds": 1, "torchtrace_memory_bytes": 1,
-                "torchtrace_spans_dropped": 3, "torchtrace_overhead_seconds": 1, "torchtrace_build_info": 1}
+                "torchtrace_spans_dropped": 3, "torchtrace_overhead_seconds": 1, "torchtrace_build_info": 1,
+                "torchtrace_rank_step_skew": 1, "torchtrace_anomalies": len(semconv.ANOMALY_KINDS_ALL),
+                "torchtrace_skipped_steps": 1, "torchtrace_internal_errors": len(semconv.COMPONENTS)}
     assert {k: v for k, v in seen.items() if v} == expected
-    assert sum(expected.values()) == 12
+    assert sum(expected.values()) == 40
