@@ -439,11 +439,14 @@ class StepScope:
         record.span_id = format(ctx.span_id, "016x")
         self.record = record
         self._overhead += time.perf_counter() - t0
-        record.overhead_s = self._overhead
-        rt.metrics.add_overhead(self._overhead)
+        record.overhead_s = self._overhead  # the span's attribute: time up to the hand-over
+        t_submit = time.perf_counter()
         rt.submit(self, record, pending, self._span, exc)
         if stats is not None and pending is not None and not pending.ready():
             stats.grads = []  # deferred: do not keep gradients alive past the step
+        # The metric also counts the hand-over (on CPU it finishes the record: span, metrics,
+        # history). Deferred records are finished inside the next step's __enter__, counted there.
+        rt.metrics.add_overhead(self._overhead + (time.perf_counter() - t_submit))
 
     # ------------------------------------------------------------ async
     async def __aenter__(self) -> "StepScope":
