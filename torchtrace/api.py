@@ -426,7 +426,8 @@ class StepScope:
                 offset += flat.numel()
         pending = None
         if pieces:
-            vec = pieces[0] if len(pieces) == 1 else torch.cat([p.to(pieces[0].device) for p in pieces])
+            dev = pieces[0].device
+            vec = pieces[0] if len(pieces) == 1 else torch.cat([p if p.device == dev else p.to(dev) for p in pieces])
             pending = readout.start(vec)
         mem = mem_measure.sample(cuda=feats.cuda_memory)
         otel_context.detach(self._token)
