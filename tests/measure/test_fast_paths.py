@@ -62,3 +62,14 @@ def test_statm_rss_agrees_with_psutil():
     slow = psutil.Process(os.getpid()).memory_info().rss
     assert abs(fast - slow) <= 4 * 1024 * 1024, (fast, slow)
     assert memory.sample(cuda=False).rss > 0
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32] * 4, [torch.float32, torch.float64, torch.float16]])
+def test_parameter_norms_match_float64_reference(dtypes):
+    torch.manual_seed(2)
+    params = [(torch.randn(3, i + 2) * (i + 1)).to(dt) for i, dt in enumerate(dtypes)]
+    refs = [gradients.ParamRef(f"w{i}", torch.nn.Parameter(p)) for i, p in enumerate(params)]
+    norms = gradients.parameter_norms(refs)
+    assert norms.dtype == torch.float64
+    for got, p in zip(norms.tolist(), params):
+        assert got == pytest.approx(_ref_norm(p), rel=1e-5)

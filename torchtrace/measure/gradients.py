@@ -151,6 +151,14 @@ def parameter_norms(params: Sequence[ParamRef]) -> torch.Tensor | None:
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
+    if len(groups) == 1:  # the common case: one stack, one conversion
+        ((_device, dtype),) = groups
+        ts = [_dense(t) for t in tensors]
+        if dtype in _LOW_PRECISION:
+            norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
+        else:
+            norms = torch._foreach_norm(ts, 2)
+        return torch.stack(norms).to(torch.float64)
     result: list[torch.Tensor | None] = [None] * len(tensors)
     for (_device, dtype), idx in groups.items():
         ts = [_dense(tensors[i]) for i in idx]
