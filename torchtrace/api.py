@@ -482,7 +482,8 @@ class StepScope:
                 offset += flat.numel()
         pending = None
         if pieces:
-            vec = pieces[0] if len(pieces) == 1 else torch.cat([p.to(pieces[0].device) for p in pieces])
+            dev = pieces[0].device
+            vec = pieces[0] if len(pieces) == 1 else torch.cat([p if p.device == dev else p.to(dev) for p in pieces])
             try:
                 pending = readout.start(vec)
             except Exception as rerr:
@@ -504,14 +505,17 @@ class StepScope:
         record.span_id = format(ctx.span_id, "016x")
         self.record = record
         self._overhead += time.perf_counter() - t0
-        record.overhead_s = self._overhead
-        try:
-            rt.metrics.add_overhead(self._overhead)
-        except Exception as oerr:
-            rt.errors.report("metrics", oerr)
+        record.overhead_s = self._overhead  # the span's attribute: time up to the hand-over
+        t_submit = time.perf_counter()
         rt.submit(self, record, pending, self._span, exc)
         if stats is not None and pending is not None and not pending.ready():
             stats.grads = []  # deferred: do not keep gradients alive past the step
+        # The metric also counts the hand-over (on CPU it finishes the record: span, metrics,
+        # history). Deferred records are finished inside the next step's __enter__, counted there.
+        try:
+            rt.metrics.add_overhead(self._overhead + (time.perf_counter() - t_submit))
+        except Exception as oerr:
+            rt.errors.report("metrics", oerr)
 
     # ------------------------------------------------------------ async
     async def __aenter__(self) -> "StepScope":

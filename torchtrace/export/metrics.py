@@ -99,7 +99,9 @@ class Metrics:
         # Pre-create the zero series that alerts and dashboards rely on.
         for reason in semconv.DROP_REASONS:
             self.spans_dropped.labels(run_id, self.rank, reason)
-        self.overhead.labels(run_id, self.rank)
+        self._overhead_child = self.overhead.labels(run_id, self.rank)
+        self._rss = self.memory.labels(run_id, self.rank, "cpu", "rss")
+        self._op_children: dict[str, tuple] = {}
         for component in semconv.COMPONENTS:
             self.internal_errors.labels(run_id, self.rank, component)
         self._known_ops: set[str] = set()
@@ -112,6 +114,7 @@ class Metrics:
                                  common + ["mode"], registry=r)
         self.opt_memory = Gauge(semconv.M_OPT_MEMORY, "Memory measured by the last benchmark, by mode, in bytes.",
                                 common + ["mode"], registry=r)
+
 
     def _first_seen(self, op: str) -> None:
         """Create an operation's counters at zero, so ``increase()`` sees their first step."""
@@ -130,28 +133,39 @@ class Metrics:
         self._level = level
         self.build_info.labels(self.run_id, self.rank, self._version, level).set(1)
 
+    def _children(self, operation: str) -> tuple:
+        """The per-operation series, resolved once per operation instead of ``.labels()`` per step."""
+        kids = self._op_children.get(operation)
+        if kids is None:
+            lv = (self.run_id, self.rank, self.operation(operation))
+            if lv[2] not in self._known_ops:
+                self._first_seen(lv[2])
+            kids = (self.steps.labels(*lv), self.step_duration.labels(*lv), self.loss.labels(*lv),
+                    self.grad_norm.labels(*lv), self.grad_nonfinite.labels(*lv), self.last_step.labels(*lv), lv)
+            if len(self._op_children) < 4 * MAX_LABEL_VALUES:  # operation names past the budget fold anyway
+                self._op_children[operation] = kids
+        return kids
+
     def observe_step(self, record: StepRecord) -> None:
         """Update the step instruments from a finished record."""
-        op = self.operation(record.operation)
-        if op not in self._known_ops:
-            self._first_seen(op)
-        lv = (self.run_id, self.rank, op)
-        self.steps.labels(*lv).inc()
+        steps, duration, loss, grad_norm, grad_nonfinite, last_step, lv = self._children(record.operation)
+        steps.inc()
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
-        self.step_duration.labels(*lv).observe(record.duration_s, exemplar=exemplar)
+        duration.observe(record.duration_s, exemplar=exemplar)
         if record.loss is not None:
-            self.loss.labels(*lv).set(record.loss)
+            loss.set(record.loss)
         if record.grad_norm is not None:
-            self.grad_norm.labels(*lv).set(record.grad_norm)
-            self.grad_nonfinite.labels(*lv).set(len(record.grad_nonfinite_params))
-        for kind in record.anomaly_kinds:
-            self.anomalies.labels(*lv, self.kind(kind)).inc()
+            grad_norm.set(record.grad_norm)
+            grad_nonfinite.set(len(record.grad_nonfinite_params))
+        if record.anomalies:
+            for kind in record.anomaly_kinds:
+                self.anomalies.labels(*lv, self.kind(kind)).inc()
         if record.skipped:
             self.skipped.labels(*lv).inc()
-        self.last_step.labels(*lv).set(record.end_unix_ns / 1e9 if record.end_unix_ns else time.time())
+        last_step.set(record.end_unix_ns / 1e9 if record.end_unix_ns else time.time())
         mem = record.memory
         if mem.get("rss_bytes") is not None:
-            self.memory.labels(self.run_id, self.rank, "cpu", "rss").set(mem["rss_bytes"])
+            self._rss.set(mem["rss_bytes"])
         device = self.device(str(mem.get("device") or "cuda"))
         for key, kind in (("cuda_allocated_bytes", "allocated"), ("cuda_reserved_bytes", "reserved"),
                           ("cuda_peak_allocated_bytes", "peak_allocated")):
@@ -194,7 +208,7 @@ class Metrics:
         self.internal_errors.labels(self.run_id, self.rank, self.component(component)).inc()
 
     def add_overhead(self, seconds: float) -> None:
-        self.overhead.labels(self.run_id, self.rank).inc(seconds)
+        self._overhead_child.inc(seconds)
 
     def set_memory_growth(self, device: str, bytes_per_step: float) -> None:
         self.memory_growth.labels(self.run_id, self.rank, self.device(str(device))).set(bytes_per_step)

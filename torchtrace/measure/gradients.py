@@ -75,6 +75,8 @@ def named_params(model: torch.nn.Module | None = None, optimizer: torch.optim.Op
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
     """The values whose norm is the gradient's norm, for every layout torch uses."""
+    if type(grad) is torch.Tensor and grad.layout is torch.strided:  # the common case, cheaply
+        return grad
     if grad.is_sparse:
         return grad.coalesce().values()
     if grad.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
@@ -113,32 +115,36 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, g in enumerate(grads):
         groups.setdefault((g.device, g.dtype), []).append(i)
-    any_f64 = any(g.dtype in (torch.float64, torch.complex128) for g in grads)
+    any_f64 = any(dtype in (torch.float64, torch.complex128) for _device, dtype in groups)
     out_dtype = torch.float64 if any_f64 else torch.float32
     home = grads[0].device
     pieces: list[torch.Tensor] = []
     order: list[int] = []
     for (device, dtype), idx in groups.items():
-        tensors = [grads[i] for i in idx]
+        tensors = [grads[i] for i in idx] if len(groups) > 1 else grads
         if dtype in _LOW_PRECISION:
             norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
         elif dtype.is_floating_point or dtype.is_complex:
             norms = torch._foreach_norm(tensors, 2)
         else:  # integer gradients do not occur in autograd; be safe anyway
             norms = [torch.linalg.vector_norm(t.double()) for t in tensors]
-        stacked = torch.stack([n.to(out_dtype) for n in norms])
+        # One group's norms share a dtype: stack them, then convert once (not once per tensor).
+        stacked = torch.stack(norms)
+        if stacked.dtype != out_dtype:
+            stacked = stacked.to(out_dtype)
         if device != home:
             stacked = stacked.to(home, non_blocking=True)
         pieces.append(stacked)
         order.extend(idx)
     norms = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    # Names follow the grouped order so no device-side permutation is needed.
-    names = [names[i] for i in order]
-    grads = [grads[i] for i in order]
+    if len(groups) > 1:
+        # Names follow the grouped order so no device-side permutation is needed.
+        names = [names[i] for i in order]
+        grads = [grads[i] for i in order]
+        keys = [keys[i] for i in order]
     scope = "global"
     if any(k is not None for k in keys):
         # DTensor (FSDP2) gradients: the norms so far are of the local shards.
-        keys = [keys[i] for i in order]
         try:
             norms, scope = _distributed.reduce_shard_norms(norms, keys)
         except Exception:  # already logged; collectives are off from now on
@@ -163,6 +169,14 @@ def parameter_norms(params: Sequence[ParamRef]) -> torch.Tensor | None:
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
+    if len(groups) == 1:  # the common case: one stack, one conversion
+        ((_device, dtype),) = groups
+        ts = [_dense(t) for t in tensors]
+        if dtype in _LOW_PRECISION:
+            norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
+        else:
+            norms = torch._foreach_norm(ts, 2)
+        return torch.stack(norms).to(torch.float64)
     result: list[torch.Tensor | None] = [None] * len(tensors)
     for (_device, dtype), idx in groups.items():
         ts = [_dense(tensors[i]) for i in idx]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +39,34 @@ class MemorySample:
         }
 
 
+_STATM: tuple[int, int] | None = None  # (pid, fd) of an open /proc/self/statm
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _statm_rss() -> int | None:
+    """RSS from ``/proc/self/statm`` through a kept-open descriptor (one pread, a few µs).
+
+    The same number psutil reports on Linux (resident pages times the page size); None where
+    there is no procfs, and the caller falls back to psutil.
+    """
+    global _STATM
+    pid = os.getpid()
+    try:
+        if _STATM is None or _STATM[0] != pid:
+            if not sys.platform.startswith("linux"):
+                return None
+            _STATM = (pid, os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+        data = os.pread(_STATM[1], 128, 0)
+        return int(data.split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def rss_bytes() -> int:
     """Resident set size of this process."""
+    rss = _statm_rss()
+    if rss is not None:
+        return rss
     return int(_process().memory_info().rss)
 
 

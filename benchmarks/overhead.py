@@ -1,0 +1,374 @@
+"""What torchtrace costs per training step, next to the alternatives users would reach for.
+
+Variants run interleaved in one process (round-robin, so drift in the machine hits them all
+alike), each round timing ``--steps`` steps per variant; the table shows the median ms/step
+over rounds, the min-max spread, and the ratio of medians to the bare loop.
+
+    python benchmarks/overhead.py            # full run (a few minutes on 2 CPU cores)
+    python benchmarks/overhead.py --quick    # CI smoke: tiny sizes, asserts nothing about time
+    python benchmarks/overhead.py --device cuda --gpu-model   # 100M+ parameters, sync-debug check
+
+Variants:
+  bare       the plain step
+  off        decorated with @debug_operation, torchtrace configured with level=off
+  basic / advanced / extreme   decorated, at that level
+  seed       the per-parameter checks a hand-written monitor does: isnan/isinf/norm().item()
+             per gradient and mean/std/norm .item() per parameter
+  anomaly    the plain step inside torch.autograd.detect_anomaly() always on
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torchtrace as tt  # noqa: E402
+from torchtrace import api as tt_api  # noqa: E402
+from torchtrace.levels import DebugLevel  # noqa: E402
+from torchtrace.record import readout  # noqa: E402
+from torchtrace.record.step import StepRecord  # noqa: E402
+
+VARIANTS = ("bare", "off", "basic", "advanced", "extreme", "seed", "anomaly")
+
+
+# ---------------------------------------------------------------- workloads
+class MLP(torch.nn.Module):
+    """17 linear layers: 34 parameter tensors."""
+
+    def __init__(self, width: int, layers: int = 17) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i + 1 < len(self.layers):
+                x = torch.relu(x)
+        return x
+
+
+class ManyTensors(torch.nn.Module):
+    """``n`` small parameter tensors behind one cheap forward (cat + square): cost by tensor count."""
+
+    def __init__(self, n: int, size: int = 16) -> None:
+        super().__init__()
+        self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(size) * 0.1) for _ in range(n))
+
+    def forward(self, x):
+        flat = torch.cat([p.reshape(-1) for p in self.params])
+        return (flat * x).pow(2)
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, d_model: int, layers: int, vocab: int = 1000) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        layer = torch.nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0,
+                                                 batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d_model, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+class Workload:
+    def __init__(self, name, model, make_batch, loss_fn, device):
+        self.name = name
+        self.model = model.to(device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.batch = make_batch(device)
+        self.loss_fn = loss_fn
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.n_tensors = sum(1 for _ in self.model.parameters())
+
+    def step(self, model, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(model, batch)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+
+def _mse(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _lm(model, batch):
+    tokens, target = batch
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _sum(model, batch):
+    return model(batch).mean()
+
+
+def workloads(args, device) -> list[Workload]:
+    torch.manual_seed(0)
+    out = []
+    if args.gpu_model:
+        # ~101M parameters in 34 tensors: width 2432, 17 layers.
+        w = 2432
+        out.append(Workload("mlp-101M", MLP(w), lambda d: (torch.randn(512, w, device=d), torch.randn(512, w, device=d)),
+                            _mse, device))
+        return out
+    if args.quick:
+        w, batch = 64, 32
+    else:
+        w, batch = 340, 256  # 17 * (340*340 + 340) = 1.97M parameters, 34 tensors
+    out.append(Workload(f"mlp-{w}x17", MLP(w), lambda d: (torch.randn(batch, w, device=d), torch.randn(batch, w, device=d)),
+                        _mse, device))
+    if not args.only_mlp:
+        d_model, layers, seq, bsz = (32, 1, 16, 4) if args.quick else (128, 2, 64, 16)
+        out.append(Workload(f"encoder-d{d_model}x{layers}", Encoder(d_model, layers),
+                            lambda d: (torch.randint(0, 1000, (bsz, seq), device=d),
+                                       torch.randint(0, 1000, (bsz, seq), device=d)), _lm, device))
+        counts = [100] if args.quick else [1000, 3000, 10000]
+        for n in counts:
+            out.append(Workload(f"tensors-{n}", ManyTensors(n), lambda d: torch.tensor(1.0, device=d), _sum, device))
+    return out
+
+
+# ---------------------------------------------------------------- variants
+def seed_checks(model: torch.nn.Module) -> dict:
+    """A typical hand-written monitor: per-parameter checks with a host read each."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[name] = (bool(torch.isnan(g).any()), bool(torch.isinf(g).any()), g.norm().item())
+        d = p.detach()
+        out[name + ".stats"] = (d.mean().item(), d.std().item(), d.norm().item())
+    return out
+
+
+def make_runner(variant: str, wl: Workload):
+    """A zero-argument callable running one step of ``variant``."""
+    model, batch = wl.model, wl.batch
+    if variant == "bare":
+        return lambda: wl.step(model, batch)
+    if variant == "seed":
+        def seeded():
+            loss = wl.step(model, batch)
+            loss.item()
+            seed_checks(model)
+            return loss
+        return seeded
+    if variant == "anomaly":
+        def anomalous():
+            with torch.autograd.detect_anomaly(check_nan=True):
+                return wl.step(model, batch)
+        return anomalous
+    level = variant
+    decorated = tt.debug_operation(name="train_step", model=model, optimizer=wl.optimizer)(wl.step)
+
+    def instrumented():
+        rt = tt_api.get_runtime()
+        if rt.level.value != level:
+            rt.set_level(level)
+        return decorated(model, batch)
+    return instrumented
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(fn, steps: int, device) -> tuple[float, float]:
+    """(wall, process CPU) seconds per step. CPU time counts every thread of the process,
+    torch's intra-op pool and torchtrace's exporter thread included; on a shared machine it is
+    the steadier of the two."""
+    _sync(device)
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+
+
+def run_workload(wl: Workload, variants, rounds: int, steps: int, warmup: int, device, budget_s: float):
+    runners = {v: make_runner(v, wl) for v in variants}
+    for v in variants:  # warm up every path (allocator, autograd graph caches, span machinery)
+        for _ in range(warmup):
+            runners[v]()
+    times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    t_start = time.perf_counter()
+    for r in range(rounds):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for v in order:
+            times[v].append(time_steps(runners[v], steps, device))
+        if time.perf_counter() - t_start > budget_s and r >= 2:
+            break
+    return times
+
+
+def off_call_cost(n: int = 200_000) -> tuple[float, float]:
+    """µs per call of a trivial function: plain, and decorated with torchtrace at level off."""
+    def f(x):
+        return x
+
+    g = tt.debug_operation(f)
+    rt = tt_api.get_runtime()
+    rt.set_level("off")
+    best_plain = best_dec = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for i in range(n):
+            f(i)
+        t1 = time.perf_counter()
+        for i in range(n):
+            g(i)
+        t2 = time.perf_counter()
+        best_plain = min(best_plain, (t1 - t0) / n)
+        best_dec = min(best_dec, (t2 - t1) / n)
+    return best_plain * 1e6, best_dec * 1e6
+
+
+def export_costs(n: int = 2000) -> dict[str, float]:
+    """µs on the training thread for the export part of a step: span start+decorate+end, metrics."""
+    rt = tt_api.get_runtime()
+    rt.set_level("basic")
+    names = [f"layers.{i}.weight" for i in range(34)]
+    record = StepRecord(operation="train_step", step=1, level="basic", start_unix_ns=time.time_ns(),
+                        end_unix_ns=time.time_ns(), duration_s=0.01, loss=0.5, grad_norm=1.0,
+                        grad_names=names, memory={"rss_bytes": 1 << 30}, trace_id="0" * 32)
+    t0 = time.perf_counter()
+    for i in range(n):
+        span = rt.tracer.start_span("train_step", attributes={"torchtrace.step": i, "torchtrace.operation": "train_step",
+                                                             "torchtrace.level": "basic", "torchtrace.rank": 0})
+        rt._decorate_span(record, span, None)
+    t1 = time.perf_counter()
+    for _ in range(n):
+        rt.metrics.observe_step(record)
+    t2 = time.perf_counter()
+    rt.flush(5.0)
+    return {"span_us": (t1 - t0) / n * 1e6, "metrics_us": (t2 - t1) / n * 1e6}
+
+
+def overhead_check(wl: Workload, device, steps: int) -> dict[str, float]:
+    """torchtrace's self-measured overhead vs the measured difference to bare, at BASIC."""
+    rt = tt_api.get_runtime()
+    rt.set_level("basic")
+    bare = make_runner("bare", wl)
+    inst = make_runner("basic", wl)
+    for _ in range(3):
+        bare(); inst()
+    rt.finish_deferred(block=True)
+    before = _overhead_total(rt)
+    tb = time_steps(bare, steps, device)
+    ti = time_steps(inst, steps, device)
+    rt.finish_deferred(block=True)
+    after = _overhead_total(rt)
+    return {"self_us": (after - before) / steps * 1e6, "delta_us": (ti[0] - tb[0]) * 1e6,
+            "cpu_delta_us": (ti[1] - tb[1]) * 1e6}
+
+
+def _overhead_total(rt) -> float:
+    return rt.metrics.overhead.labels(rt.metrics.run_id, rt.metrics.rank)._value.get()
+
+
+def fmt_table(name: str, wl: Workload, times) -> str:
+    wall = {v: [t[0] for t in ts] for v, ts in times.items()}
+    cpu = {v: [t[1] for t in ts] for v, ts in times.items()}
+    base, cbase = statistics.median(wall["bare"]), statistics.median(cpu["bare"])
+    rounds = len(wall["bare"])
+    lines = [f"\n{name}: {wl.n_params / 1e6:.2f}M parameters in {wl.n_tensors} tensors ({rounds} rounds)",
+             f"{'variant':<10} {'ms/step':>9} {'min':>9} {'max':>9} {'ratio':>7} {'added ms':>9} "
+             f"{'cpu ms':>9} {'cpu ratio':>9}"]
+    for v in times:
+        med, cmed = statistics.median(wall[v]), statistics.median(cpu[v])
+        lines.append(f"{v:<10} {med * 1e3:9.3f} {min(wall[v]) * 1e3:9.3f} {max(wall[v]) * 1e3:9.3f} "
+                     f"{med / base:7.3f} {(med - base) * 1e3:+9.3f} {cmed * 1e3:9.3f} {cmed / cbase:9.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few rounds: a CI smoke test")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--gpu-model", action="store_true", help="one ~100M-parameter MLP (use with --device cuda)")
+    p.add_argument("--only-mlp", action="store_true", help="only the MLP workload")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="steps per variant per round")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if "bare" not in variants:
+        variants.insert(0, "bare")
+    rounds = args.rounds or (3 if args.quick else 11)
+    steps = args.steps or (3 if args.quick else 20)
+    warmup = 1 if args.quick else 5
+
+    logging.getLogger("torchtrace").setLevel(logging.ERROR)  # anomaly warnings are not what we time
+    warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+    run_dir = tempfile.mkdtemp(prefix="torchtrace-bench-")
+    tt.configure(service_name="overhead-bench", level="basic", prometheus_port=0, run_dir=run_dir,
+                 register_atexit=False)
+    print(f"# torchtrace overhead benchmark: torch {torch.__version__}, python {platform.python_version()}, "
+          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, device {device}")
+    print(f"# {rounds} interleaved rounds x {steps} steps per variant; medians, min-max over rounds")
+    total0 = time.perf_counter()
+    wls = workloads(args, device)
+    for wl in wls:
+        vs, budget, n = variants, (12 if args.quick else 60), steps
+        if wl.name.startswith("tensors-") and not args.quick:
+            # Per-tensor host reads make the seed-style check minutes long at thousands of
+            # tensors; it and detect_anomaly are shown on the 1,000-tensor model only.
+            if wl.n_tensors > 1000:
+                vs = [v for v in variants if v not in ("seed", "anomaly")]
+            budget, n = 35, max(3, steps // 4)
+        times = run_workload(wl, vs, rounds, n, warmup, device, budget)
+        print(fmt_table(wl.name, wl, times), flush=True)
+    if device.type == "cuda":
+        wl = wls[0]
+        rt = tt_api.get_runtime()
+        runner = make_runner("basic", wl)
+        runner()
+        torch.cuda.synchronize()
+        reads0 = readout.reads()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(5):
+                # The whole instrumented step runs in error mode: any synchronisation raises.
+                runner()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        rt.flush(5.0)
+        print(f"\nsync-debug 'error' mode: 5 BASIC steps ran without a synchronisation; "
+              f"host reads {readout.reads() - reads0}")
+    plain_us, dec_us = off_call_cost(20_000 if args.quick else 200_000)
+    print(f"\nOFF decorated call: {dec_us:.3f} us vs plain {plain_us:.3f} us (+{dec_us - plain_us:.3f} us per call)")
+    costs = export_costs(200 if args.quick else 2000)
+    print(f"export on the training thread: span start+attributes+end {costs['span_us']:.1f} us/step, "
+          f"metrics {costs['metrics_us']:.1f} us/step")
+    oc = overhead_check(wls[0], device, 10 if args.quick else 40)
+    print(f"torchtrace_overhead_seconds_total ({wls[0].name}, basic): {oc['self_us']:.1f} us/step; "
+          f"instrumented - bare: {oc['delta_us']:.1f} us/step wall, {oc['cpu_delta_us']:.1f} us/step CPU")
+    tt.shutdown()
+    print(f"\ntotal benchmark time {time.perf_counter() - total0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

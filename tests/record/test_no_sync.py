@@ -1,0 +1,119 @@
+"""The no-sync guarantee: at BASIC and ADVANCED, one host read per recorded step, through readout.
+
+On CPU we count torchtrace's reads (readout.reads()) and every Python-level host read a
+tensor offers (.item(), .tolist(), bool(), float(), int()) while the instrumented loop runs: the
+only ones allowed are readout's. On CUDA the loop runs under sync debug mode "error".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace import api
+from torchtrace.record import readout
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int = 16, layers: int = 5) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class HostReadCounter:
+    """Counts Python-level device-to-host reads on tensors, and which ones readout made."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: dict[str, int] = {n: 0 for n in self.NAMES}
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, original))
+
+    def _wrap(self, name, original):
+        def counted(t, *args, **kwargs):
+            self.calls[name] += 1
+            return original(t, *args, **kwargs)
+        return counted
+
+
+def _train(model, opt, steps, device="cpu"):
+    x = torch.randn(8, 16, device=device)
+
+    @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+    def train_step(batch):
+        opt.zero_grad(set_to_none=True)
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(steps):
+        train_step(x)
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_one_host_read_per_step_through_readout(tt_runtime, monkeypatch, level):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    api.get_runtime().set_level(level)
+    _train(model, opt, 2)  # warm-up (first-use paths)
+    counter = HostReadCounter(monkeypatch)
+    before = readout.reads()
+    steps = 7
+    _train(model, opt, steps)
+    made = readout.reads() - before
+    assert made == steps, f"{made} host reads through readout for {steps} steps"
+    # The only Python-level host reads are readout's .tolist(), one per step.
+    assert counter.calls["tolist"] == steps
+    others = {k: v for k, v in counter.calls.items() if k != "tolist" and v}
+    assert others == {}, f"host reads outside readout: {others}"
+    rec = api.get_runtime().history.last_record
+    assert rec is not None and rec.step == steps + 1 and rec.grad_norm is not None
+    # The values read are the real ones: global norm against a float64 reference.
+    ref = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters())).item()
+    assert rec.grad_norm == pytest.approx(ref, rel=1e-5)
+
+
+def test_off_makes_no_read_and_no_span(tt_runtime, monkeypatch):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rt = api.get_runtime()
+    rt.set_level("off")
+    counter = HostReadCounter(monkeypatch)
+    before = readout.reads()
+    steps_before = rt.history.totals.get("steps", 0)
+    _train(model, opt, 5)
+    assert readout.reads() == before
+    assert sum(counter.calls.values()) == 0
+    assert rt.history.totals.get("steps", 0) == steps_before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_cuda_loop_runs_under_sync_debug_error(tt_runtime, level):
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
+    rt = api.get_runtime()
+    rt.set_level(level)
+    _train(model, opt, 2, device="cuda")
+    torch.cuda.synchronize()
+    before = readout.reads()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _train(model, opt, 5, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert readout.reads() - before == 5
+    rt.flush(5.0)
+    assert rt.history.last_record.grad_norm is not None

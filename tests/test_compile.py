@@ -1,0 +1,82 @@
+"""Instrumenting a compiled model adds no graph breaks (eager and aot_eager backends, on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace import api
+
+dynamo = pytest.importorskip("torch._dynamo")
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def _frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _run(compiled, opt, x, steps, instrument: bool, level: str = "basic"):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = compiled(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    if instrument:
+        api.get_runtime().set_level(level)
+        step = tt.debug_operation(name="train_step", model=compiled, optimizer=opt)(step)
+    losses = [step() for _ in range(steps)]
+    return torch.stack([l.detach() for l in losses])
+
+
+@pytest.mark.parametrize("backend,level", [("eager", "basic"), ("aot_eager", "basic"), ("eager", "extreme")])
+def test_no_graph_breaks_added(tt_runtime, backend, level):
+    x = torch.randn(4, 8)
+    results = {}
+    for instrument in (False, True):
+        dynamo.reset()
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(model, backend=backend)
+        losses = _run(compiled, opt, x, 4, instrument, level)
+        results[instrument] = (_breaks(), _frames(), losses)
+    (b0, g0, l0), (b1, g1, l1) = results[False], results[True]
+    assert b1 == b0 == 0, f"graph breaks: bare {b0}, instrumented {b1}"
+    assert g1 == g0, f"graphs compiled: bare {g0}, instrumented {g1}"
+    assert torch.equal(l0, l1), "instrumenting changed the training result"
+    rec = api.get_runtime().history.last_record
+    assert rec is not None and rec.grad_norm is not None and rec.loss == pytest.approx(l1[-1].item())
+
+
+def test_explain_reports_no_break_inside_a_step(tt_runtime):
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    api.get_runtime().set_level("advanced")
+    with tt.debug_context("explain_step", model=model):
+        explanation = dynamo.explain(model)(torch.randn(4, 8))
+    assert explanation.graph_break_count == 0
+    assert explanation.graph_count == 1
