@@ -59,8 +59,11 @@ def _train(model, opt, steps, device="cpu"):
         train_step(x)
 
 
+@pytest.mark.parametrize("forensics", [False, True])
 @pytest.mark.parametrize("level", ["basic", "advanced"])
-def test_one_host_read_per_step_through_readout(tt_runtime, monkeypatch, level):
+def test_one_host_read_per_step_through_readout(tmp_path, monkeypatch, level, forensics):
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False,
+                 forensics=forensics)
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -68,12 +71,18 @@ def test_one_host_read_per_step_through_readout(tt_runtime, monkeypatch, level):
     _train(model, opt, 2)  # warm-up (first-use paths)
     counter = HostReadCounter(monkeypatch)
     before = readout.reads()
+    peeks_before = readout.cpu_peeks()
     steps = 7
     _train(model, opt, steps)
     made = readout.reads() - before
     assert made == steps, f"{made} host reads through readout for {steps} steps"
-    # The only Python-level host reads are readout's .tolist(), one per step.
-    assert counter.calls["tolist"] == steps
+    # With forensics on, CPU gradients are also looked at in the optimizer pre-hook, so a
+    # replay would see the parameters before the update. That look is readout.peek_cpu(),
+    # which refuses any tensor not already in host memory: on a GPU it cannot happen.
+    peeks = readout.cpu_peeks() - peeks_before
+    assert peeks == (steps if forensics else 0)
+    # The only Python-level host reads are readout's .tolist(): one read per step (+ the peeks).
+    assert counter.calls["tolist"] == steps + peeks
     others = {k: v for k, v in counter.calls.items() if k != "tolist" and v}
     assert others == {}, f"host reads outside readout: {others}"
     rec = api.get_runtime().history.last_record
@@ -117,3 +126,11 @@ def test_cuda_loop_runs_under_sync_debug_error(tt_runtime, level):
     assert readout.reads() - before == 5
     rt.flush(5.0)
     assert rt.history.last_record.grad_norm is not None
+
+
+def test_peek_cpu_refuses_anything_but_cpu_tensors():
+    from torchtrace.record import readout
+
+    assert readout.peek_cpu(torch.tensor([1.0, 2.0])) == [1.0, 2.0]
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        readout.peek_cpu(torch.tensor([1.0], device="meta"))

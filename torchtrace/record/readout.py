@@ -14,6 +14,7 @@ import torch
 
 _lock = threading.Lock()
 _reads = 0
+_cpu_peeks = 0
 
 
 def reads() -> int:
@@ -61,6 +62,27 @@ def start(values: torch.Tensor) -> Pending:
     if values.device.type != "cpu":
         return Pending(values.cpu(), None)
     return Pending(values, None)
+
+
+def cpu_peeks() -> int:
+    """How many times torchtrace looked at values already in host memory (:func:`peek_cpu`)."""
+    return _cpu_peeks
+
+
+def peek_cpu(values: torch.Tensor) -> list[float]:
+    """The values of a CPU tensor: no copy and nothing to synchronise with, so not a host read.
+
+    Used where a decision is worth making early only because it is free (CPU gradients).
+
+    Raises:
+        ValueError: the tensor is not on the CPU; device values must go through :func:`read`.
+    """
+    global _cpu_peeks
+    if values.device.type != "cpu":
+        raise ValueError(f"peek_cpu() takes CPU tensors only, not {values.device}; use read()")
+    with _lock:
+        _cpu_peeks += 1
+    return values.detach().tolist()
 
 
 def read(values: torch.Tensor) -> list[float]:
