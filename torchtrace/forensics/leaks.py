@@ -170,8 +170,11 @@ def tensor_census() -> dict[tuple, list]:
     del objects
     for obj in tensors:
         try:
-            key = (tuple(obj.shape), str(obj.dtype).replace("torch.", ""), str(obj.device), _grad_fn_name(obj))
-            nbytes = obj.numel() * obj.element_size()
+            # Fake or symbolic tensors (left by torch.compile) have no concrete size: skip them.
+            shape = tuple(int(d) for d in obj.shape)
+            nbytes = int(obj.numel()) * obj.element_size()
+            key = (shape, str(obj.dtype).replace("torch.", ""), str(obj.device), _grad_fn_name(obj))
+            hash(key)
         except Exception:
             continue
         g = groups.get(key)
