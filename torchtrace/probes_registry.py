@@ -24,7 +24,7 @@ class ActivationProbe:
 
     def enter(self, scope) -> None:
         if scope._features.activations and scope.model is not None:
-            scope.extras["activation_hooks"] = LayerHooks(scope.model)
+            scope.extras["activation_hooks"] = LayerHooks(scope.model, fast=True)
 
     def exit(self, scope, exc) -> None:
         hooks = scope.extras.pop("activation_hooks", None)

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from torchtrace.measure.tensors import STAT_NAMES, tensor_stats
+from torchtrace.measure.tensors import FAST_STAT_NAMES, STAT_NAMES, fast_tensor_stats, tensor_stats
 
 MAX_LAYER_CALLS = 512  # per step: hooks past this many calls record nothing
 
@@ -61,7 +61,11 @@ class LayerHooks:
     """
 
     def __init__(self, model: torch.nn.Module, leaves_only: bool = True, timing: bool = False,
-                 modules: Iterable[tuple[str, torch.nn.Module]] | None = None) -> None:
+                 modules: Iterable[tuple[str, torch.nn.Module]] | None = None, fast: bool = False) -> None:
+        # fast: the per-step statistics (fast_tensor_stats); else the exact ones over finite values.
+        self.fast = fast
+        self._stats_fn = fast_tensor_stats if fast else tensor_stats
+        self._stat_names = FAST_STAT_NAMES if fast else STAT_NAMES
         self.names: list[str] = []
         self.stats: list[torch.Tensor] = []
         self.meta: list[dict[str, Any]] = []
@@ -99,10 +103,10 @@ class LayerHooks:
             n = self._calls.get(name, 0)
             self._calls[name] = n + 1
             with torch.no_grad():
-                self.stats.append(tensor_stats(t))
+                self.stats.append(self._stats_fn(t))
             self.names.append(name if n == 0 else f"{name}#{n}")
-            self.meta.append({"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                              "device": str(t.device), "module": type(_module).__name__})
+            # Raw objects now, strings only when rows() is asked for (off the step's path).
+            self.meta.append((t.shape, t.dtype, t.device, type(_module).__name__))
             self.times.append(elapsed if elapsed is not None else float("nan"))
             return None
         return hook
@@ -112,7 +116,7 @@ class LayerHooks:
         if not self.stats:
             return None
         dev = self.stats[0].device
-        return torch.stack([s.to(dev) for s in self.stats])
+        return torch.stack([s if s.device == dev else s.to(dev) for s in self.stats])
 
     def remove(self) -> None:
         for h in self._handles:
@@ -122,12 +126,19 @@ class LayerHooks:
 
     def rows(self, values: list[float]) -> list[dict[str, Any]]:
         """Per-call dictionaries from the host values of :meth:`stacked`."""
-        w = len(STAT_NAMES)
+        names = self._stat_names
+        w = len(names)
         out = []
         for i, name in enumerate(self.names):
-            row = dict(zip(STAT_NAMES, values[i * w:(i + 1) * w]))
-            row["nan_count"] = int(row["nan_count"])
-            row["inf_count"] = int(row["inf_count"])
-            row["nonfinite_count"] = row["nan_count"] + row["inf_count"]
-            out.append({"name": name, **self.meta[i], **row, "time_s": self.times[i]})
+            row = dict(zip(names, values[i * w:(i + 1) * w]))
+            if self.fast:
+                row["nonfinite_count"] = int(row["nonfinite_count"])
+            else:
+                row["nan_count"] = int(row["nan_count"])
+                row["inf_count"] = int(row["inf_count"])
+                row["nonfinite_count"] = row["nan_count"] + row["inf_count"]
+            shape, dtype, device, module = self.meta[i]
+            meta = {"shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "device": str(device),
+                    "module": module}
+            out.append({"name": name, **meta, **row, "time_s": self.times[i]})
         return out

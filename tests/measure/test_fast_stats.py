@@ -1,0 +1,45 @@
+"""The per-step activation statistics against a float64 reference computed by a plain loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchtrace.measure.tensors import FAST_STAT_NAMES, fast_tensor_stats
+
+
+def reference(t: torch.Tensor) -> dict:
+    vals = [float(v) for v in t.detach().double().reshape(-1).tolist()]
+    n = len(vals)
+    mean = sum(vals) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(vals), "max": max(vals),
+            "nonfinite_count": sum(1 for v in vals if not math.isfinite(v))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_fast_stats_match_reference(dtype):
+    torch.manual_seed(0)
+    t = (torch.randn(37, 11) * 3 + 1).to(dtype)
+    got = dict(zip(FAST_STAT_NAMES, fast_tensor_stats(t).tolist()))
+    want = reference(t)
+    for key in ("mean", "std", "min", "max"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    assert got["nonfinite_count"] == 0
+
+
+def test_fast_stats_count_nonfinite_and_show_it():
+    t = torch.randn(100)
+    t[3], t[50], t[70] = float("nan"), float("inf"), float("-inf")
+    got = dict(zip(FAST_STAT_NAMES, fast_tensor_stats(t).tolist()))
+    assert got["nonfinite_count"] == 3
+    assert math.isnan(got["mean"])
+
+
+def test_fast_stats_single_and_empty():
+    one = dict(zip(FAST_STAT_NAMES, fast_tensor_stats(torch.tensor([2.5])).tolist()))
+    assert one == {"mean": 2.5, "std": 0.0, "min": 2.5, "max": 2.5, "nonfinite_count": 0}
+    empty = fast_tensor_stats(torch.empty(0)).tolist()
+    assert all(math.isnan(v) for v in empty[:4]) and empty[4] == 0
