@@ -27,6 +27,19 @@ def require_binary(*names: str) -> str:
     pytest.skip(message)
 
 
+def require_module(name: str):
+    """Import ``name``; skip without it, or fail when TORCHTRACE_REQUIRE_SERVERS=1 (CI installs
+    every optional framework through the dev extra, so a missing one there is a broken install)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        if REQUIRE_SERVERS:
+            pytest.fail(f"needs {name} ({exc}) and TORCHTRACE_REQUIRE_SERVERS=1", pytrace=False)
+        pytest.skip(f"needs {name}", allow_module_level=True)
+
+
 class TinyNet(torch.nn.Module):
     """Two linear layers with named submodules; small enough for hundreds of steps per second."""
 

@@ -263,3 +263,17 @@ def test_weights_bit_identical_after_50_instrumented_steps(tt_runtime):
     for sa, sb in zip(opt_a.state.values(), opt_b.state.values()):
         for k in sa:
             assert torch.equal(sa[k], sb[k])
+
+
+def test_advanced_names_tiny_gradient_tensors_without_calling_the_step_an_anomaly(tmp_path):
+    tt.configure(level="advanced", prometheus_port="off", run_dir=str(tmp_path), grad_vanishing_threshold=1e-3,
+                 strict=True, register_atexit=False)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    with tt.debug_context("s", model=model) as s:
+        model(torch.randn(8, 4)).sum().backward()
+        with torch.no_grad():
+            model[0].bias.grad.mul_(1e-6)  # one tensor's gradient is tiny, the global norm is not
+    assert s.record.grad_vanished_params == ["0.bias"]
+    assert s.record.anomaly_kinds == []
+    spans = read_spans(tt.api.get_runtime().spans_path)
+    assert spans[0]["attributes"][semconv.GRAD_VANISHED_PARAMS] == ["0.bias"]

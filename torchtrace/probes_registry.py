@@ -47,7 +47,7 @@ class ActivationProbe:
             return
         rows = hooks.rows(values)
         cap = semconv.MAX_NAMES_PER_ATTRIBUTE
-        bad = [r["name"] for r in rows if r["nonfinite_count"]]
+        bad = [r["name"] for r in rows if r["nonfinite"]]
         record.extra["activations"] = rows
         attrs: dict[str, Any] = {
             semconv.ACTIVATION_LAYERS: [r["name"][:200] for r in rows[:cap]],
@@ -55,7 +55,7 @@ class ActivationProbe:
             semconv.ACTIVATION_STD: [_f(r["std"]) for r in rows[:cap]],
             semconv.ACTIVATION_MIN: [_f(r["min"]) for r in rows[:cap]],
             semconv.ACTIVATION_MAX: [_f(r["max"]) for r in rows[:cap]],
-            semconv.ACTIVATION_NONFINITE: [r["nonfinite_count"] for r in rows[:cap]],
+            semconv.ACTIVATION_NONFINITE: [r["nonfinite"] for r in rows[:cap]],  # 1 = held NaN/Inf
         }
         if bad:
             attrs[semconv.ACTIVATION_NONFINITE_LAYERS] = bad[:cap]

@@ -154,7 +154,7 @@ ACTIVATION_MEAN = "torchtrace.activations.mean"
 ACTIVATION_STD = "torchtrace.activations.std"
 ACTIVATION_MIN = "torchtrace.activations.min"
 ACTIVATION_MAX = "torchtrace.activations.max"
-ACTIVATION_NONFINITE = "torchtrace.activations.nonfinite"
+ACTIVATION_NONFINITE = "torchtrace.activations.nonfinite"  # per layer: 1 when its output held NaN/Inf
 ACTIVATION_NONFINITE_LAYERS = "torchtrace.activations.nonfinite_layers"
 # ---------------------------------------------------------------- optimize_model (added)
 # Span attributes of the "optimize_model" and "benchmark_optimizations" spans.

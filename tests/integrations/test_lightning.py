@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from tests.conftest import require_module
 import torch
 
-pl = pytest.importorskip("lightning.pytorch")
+pl = require_module("lightning.pytorch")
 
 import torchtrace as tt  # noqa: E402
 from torchtrace import semconv  # noqa: E402

@@ -6,12 +6,14 @@ import math
 import os
 
 import pytest
+
+from tests.conftest import require_module
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+transformers = require_module("transformers")
+require_module("accelerate")
 
 import torchtrace as tt  # noqa: E402
 from torchtrace import semconv  # noqa: E402

@@ -132,7 +132,7 @@ class LayerHooks:
         for i, name in enumerate(self.names):
             row = dict(zip(names, values[i * w:(i + 1) * w]))
             if self.fast:
-                row["nonfinite_count"] = int(row["nonfinite_count"])
+                row["nonfinite"] = int(row["nonfinite"])  # a flag: this layer's output held NaN/Inf
             else:
                 row["nan_count"] = int(row["nan_count"])
                 row["inf_count"] = int(row["inf_count"])

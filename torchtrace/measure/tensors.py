@@ -44,29 +44,38 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     ])
 
 
-FAST_STAT_NAMES = ("mean", "std", "min", "max", "nonfinite_count")
+FAST_STAT_NAMES = ("mean", "std", "min", "max", "nonfinite")
 
 
 def fast_tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """mean, std, min, max over *all* elements and the non-finite count, as one float32 device tensor.
+    """mean, std, min, max over *all* elements and a non-finite flag, as one float64 device tensor.
 
-    The per-step variant of :func:`tensor_stats` (EXTREME level): three fused passes in the
-    tensor's own precision (low precision is reduced in float32), no float64 copy. With a
-    non-finite element the four statistics are non-finite too, which is the point: the count
-    says how many.
+    The per-step variant of :func:`tensor_stats` (EXTREME level), built from the reductions
+    that are fast on every device: a sum, a dot product (sum of squares) and ``aminmax``,
+    each one pass in the tensor's own precision (low precision is reduced in float32). The
+    variance comes from the two sums, combined in float64. ``nonfinite`` is 1 when any element
+    is NaN or Inf (then the sums or extremes are non-finite too) and 0 otherwise; exact
+    counts are :func:`tensor_stats`' job, off the per-step path. (Per-element ``isfinite``
+    counts and ``std_mean`` are 20-30 times slower than these on CPU.)
     """
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
     if x.dtype != torch.float64 and x.dtype != torch.float32:
         x = x.float()
-    if x.numel() == 0:
-        nan = torch.full((4,), float("nan"), dtype=torch.float32, device=x.device)
-        return torch.cat([nan, torch.zeros(1, dtype=torch.float32, device=x.device)])
-    std, mean = torch.std_mean(x, correction=1 if x.numel() > 1 else 0)
-    mn, mx = torch.aminmax(x)
-    nonfinite = x.numel() - torch.isfinite(x).sum()
-    return torch.stack([mean.float(), std.float(), mn.float(), mx.float(), nonfinite.float()])
+    n = x.numel()
+    if n == 0:
+        nan = torch.full((4,), float("nan"), dtype=torch.float64, device=x.device)
+        return torch.cat([nan, torch.zeros(1, dtype=torch.float64, device=x.device)])
+    v = x.reshape(-1)
+    total = v.sum().to(torch.float64)
+    squares = torch.dot(v, v).to(torch.float64)
+    mn, mx = torch.aminmax(v)
+    mean = total / n
+    var = ((squares - total * mean) / max(n - 1, 1)).clamp(min=0.0)
+    head = torch.stack([mean, var.sqrt(), mn.to(torch.float64), mx.to(torch.float64)])
+    flag = (~torch.isfinite(torch.stack([total, squares, head[2], head[3]]))).any().to(torch.float64)
+    return torch.cat([head, flag.reshape(1)])
 
 
 def describe(t: torch.Tensor, values: list[float], name: str = "tensor") -> dict[str, Any]:
