@@ -11,7 +11,9 @@ import torch
 
 import torchtrace as tt
 
-REQUIRE_SERVERS = os.environ.get("TORCHTRACE_REQUIRE_SERVERS", "").strip().lower() in ("1", "true", "yes")
+def servers_required() -> bool:
+    """TORCHTRACE_REQUIRE_SERVERS=1 (set by .ci/run): a missing server or framework fails the test."""
+    return os.environ.get("TORCHTRACE_REQUIRE_SERVERS", "").strip().lower() in ("1", "true", "yes")
 
 
 def require_binary(*names: str) -> str:
@@ -22,7 +24,7 @@ def require_binary(*names: str) -> str:
         if path:
             return path
     message = f"needs one of {', '.join(names)} on PATH"
-    if REQUIRE_SERVERS:
+    if servers_required():
         pytest.fail(message + " (TORCHTRACE_REQUIRE_SERVERS=1)")
     pytest.skip(message)
 
@@ -35,7 +37,7 @@ def require_module(name: str):
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        if REQUIRE_SERVERS:
+        if servers_required():
             pytest.fail(f"needs {name} ({exc}) and TORCHTRACE_REQUIRE_SERVERS=1", pytrace=False)
         pytest.skip(f"needs {name}", allow_module_level=True)
 

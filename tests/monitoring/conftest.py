@@ -21,22 +21,7 @@ from stack_files import (
     load_yaml,
 )
 
-REQUIRE_SERVERS_ENV = "TORCHTRACE_REQUIRE_SERVERS"
-
-
-def require_binary(name: str) -> str:
-    """Return the path of executable ``name``, or skip the test when it is missing.
-
-    With ``TORCHTRACE_REQUIRE_SERVERS=1`` a missing binary fails the test instead, so
-    that CI which installed the servers cannot pass by skipping.
-    """
-    path = shutil.which(name)
-    if path:
-        return path
-    message = f"{name} is not on PATH"
-    if os.environ.get(REQUIRE_SERVERS_ENV) == "1":
-        pytest.fail(f"{message} and {REQUIRE_SERVERS_ENV}=1", pytrace=False)
-    pytest.skip(f"{message} (set {REQUIRE_SERVERS_ENV}=1 to fail instead)")
+from tests.conftest import require_binary  # noqa: E402,F401  (one definition, shared)
 
 
 @pytest.fixture(scope="session")
