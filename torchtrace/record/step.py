@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtrace.semconv import NONFINITE_KINDS
+
 
 @dataclass
 class Anomaly:
@@ -59,8 +61,6 @@ class StepRecord:
 
     @property
     def nonfinite(self) -> bool:
-        from torchtrace.semconv import NONFINITE_KINDS
-
         return any(a.kind in NONFINITE_KINDS for a in self.anomalies)
 
     def summary(self) -> dict[str, Any]:
