@@ -50,3 +50,50 @@ def test_fast_stats_single_and_empty():
     assert one == {"mean": 2.5, "std": 0.0, "min": 2.5, "max": 2.5, "nonfinite": 0}
     empty = fast_tensor_stats(torch.empty(0)).tolist()
     assert all(math.isnan(v) for v in empty[:4]) and empty[4] == 0
+
+
+class _Mixed(torch.nn.Module):
+    """Layers whose outputs differ in dtype and size, one of them empty and one holding a NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 5)
+        self.b = torch.nn.Linear(5, 4).double()
+        self.c = torch.nn.Identity()
+        self.d = torch.nn.Identity()
+
+    def forward(self, x):
+        y = self.b(self.a(x).double())
+        self.c(torch.empty(0))
+        z = y.clone()
+        z[0, 1] = float("nan")
+        return self.d(z)
+
+
+def test_layer_hooks_batch_the_per_layer_statistics():
+    # The hooks keep raw sums per call and finish every row in one vectorised pass at the
+    # end of the step: each row must equal the float64 plain-loop reference of that output.
+    from torchtrace.measure.activations import LayerHooks
+
+    torch.manual_seed(1)
+    model = _Mixed()
+    outputs = {}
+    for name in ("a", "b", "c", "d"):
+        getattr(model, name).register_forward_hook(lambda m, i, o, name=name: outputs.__setitem__(name, o.detach()))
+    hooks = LayerHooks(model, fast=True)
+    model(torch.randn(3, 6))
+    hooks.remove()
+    rows = hooks.rows(hooks.stacked().reshape(-1).tolist())
+    assert [r["name"] for r in rows] == ["a", "b", "c", "d"]
+    for row in rows:
+        out = outputs[row["name"]]
+        if out.numel() == 0:
+            assert all(math.isnan(row[k]) for k in ("mean", "std", "min", "max")) and row["nonfinite"] == 0
+            continue
+        want = reference(out)
+        assert row["nonfinite"] == want["nonfinite"]
+        if want["nonfinite"]:
+            assert math.isnan(row["mean"])
+            continue
+        for key in ("mean", "std", "min", "max"):
+            assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (row["name"], key)

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from torchtrace.measure.tensors import FAST_STAT_NAMES, STAT_NAMES, fast_tensor_stats, tensor_stats
+from torchtrace.measure.tensors import FAST_STAT_NAMES, STAT_NAMES, fast_raw_stats, finish_fast_stats, tensor_stats
 
 MAX_LAYER_CALLS = 512  # per step: hooks past this many calls record nothing
 
@@ -64,10 +64,10 @@ class LayerHooks:
                  modules: Iterable[tuple[str, torch.nn.Module]] | None = None, fast: bool = False) -> None:
         # fast: the per-step statistics (fast_tensor_stats); else the exact ones over finite values.
         self.fast = fast
-        self._stats_fn = fast_tensor_stats if fast else tensor_stats
         self._stat_names = FAST_STAT_NAMES if fast else STAT_NAMES
         self.names: list[str] = []
-        self.stats: list[torch.Tensor] = []
+        self.stats: list[torch.Tensor] = []  # fast: raw [sum, sumsq, min, max] rows; else tensor_stats rows
+        self._counts: list[int] = []  # fast: element counts of the rows in ``stats``
         self.meta: list[dict[str, Any]] = []
         self.times: list[float] = []
         self.timing = timing
@@ -103,7 +103,12 @@ class LayerHooks:
             n = self._calls.get(name, 0)
             self._calls[name] = n + 1
             with torch.no_grad():
-                self.stats.append(self._stats_fn(t))
+                if self.fast:
+                    raw, count = fast_raw_stats(t)
+                    self.stats.append(raw)
+                    self._counts.append(count)
+                else:
+                    self.stats.append(tensor_stats(t))
             self.names.append(name if n == 0 else f"{name}#{n}")
             # Raw objects now, strings only when rows() is asked for (off the step's path).
             self.meta.append((t.shape, t.dtype, t.device, type(_module).__name__))
@@ -112,11 +117,17 @@ class LayerHooks:
         return hook
 
     def stacked(self) -> torch.Tensor | None:
-        """All recorded statistics as one ``[calls, 6]`` float64 tensor on the first call's device."""
+        """All recorded statistics as one float64 tensor (a row per call) on the first call's device."""
         if not self.stats:
             return None
         dev = self.stats[0].device
-        return torch.stack([s if s.device == dev else s.to(dev) for s in self.stats])
+        rows = self.stats
+        if self.fast:
+            dtype = rows[0].dtype
+            if any(s.device != dev or s.dtype != dtype for s in rows):
+                rows = [s.to(device=dev, dtype=torch.float64) for s in rows]
+            return finish_fast_stats(torch.stack(rows), self._counts[:len(rows)])
+        return torch.stack([s if s.device == dev else s.to(dev) for s in rows])
 
     def remove(self) -> None:
         for h in self._handles:

@@ -86,6 +86,27 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+def _uniform_dense(params: Sequence[ParamRef]) -> GradStats | None:
+    """The common step, cheaply: every parameter has a plain strided floating-point gradient of
+    one dtype on one device. None sends the caller to the general path (missing gradients,
+    sparse, DTensor, mixed dtypes or devices, low precision)."""
+    grads = [ref.param.grad for ref in params]
+    if not grads:
+        return None
+    first = grads[0]
+    if type(first) is not torch.Tensor:
+        return None
+    dtype, device, strided = first.dtype, first.device, torch.strided
+    if dtype not in (torch.float32, torch.float64):
+        return None
+    for g in grads:
+        if type(g) is not torch.Tensor or g.dtype is not dtype or g.layout is not strided or g.device != device:
+            return None
+    norms = torch.stack(torch._foreach_norm(grads, 2))
+    total = torch.linalg.vector_norm(norms, dtype=torch.float64)
+    return GradStats(names=[ref.name for ref in params], norms=norms, total=total, grads=grads)
+
+
 def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
     """Per-tensor L2 norms of the gradients and their global norm, without a host read.
 
@@ -98,6 +119,9 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
     float32 so a large finite fp16 gradient does not overflow its norm. Returns ``None`` when
     no parameter has a gradient.
     """
+    fast = _uniform_dense(params)
+    if fast is not None:
+        return fast
     names: list[str] = []
     grads: list[torch.Tensor] = []
     keys: list[tuple | None] = []
