@@ -278,8 +278,9 @@ def export_costs(n: int = 2000) -> dict[str, float]:
     return {"span_us": (t1 - t0) / n * 1e6, "metrics_us": (t2 - t1) / n * 1e6}
 
 
-def overhead_check(wl: Workload, device, steps: int) -> dict[str, float]:
-    """torchtrace's self-measured overhead vs the measured difference to bare, at BASIC."""
+def overhead_check(wl: Workload, device, rounds: int) -> dict[str, float]:
+    """torchtrace's self-measured overhead vs the measured difference to bare, at BASIC
+    (two-step blocks of each, interleaved; the difference is the median over rounds)."""
     rt = tt_api.get_runtime()
     rt.set_level("basic")
     bare = make_runner("bare", wl)
@@ -287,13 +288,17 @@ def overhead_check(wl: Workload, device, steps: int) -> dict[str, float]:
     for _ in range(3):
         bare(); inst()
     rt.finish_deferred(block=True)
-    before = _overhead_total(rt)
-    tb = time_steps(bare, steps, device)
-    ti = time_steps(inst, steps, device)
-    rt.finish_deferred(block=True)
-    after = _overhead_total(rt)
-    return {"self_us": (after - before) / steps * 1e6, "delta_us": (ti[0] - tb[0]) * 1e6,
-            "thread_delta_us": (ti[1] - tb[1]) * 1e6}
+    walls, threads, selfs = [], [], []
+    for _ in range(rounds):
+        tb = time_steps(bare, 2, device)
+        before = _overhead_total(rt)
+        ti = time_steps(inst, 2, device)
+        rt.finish_deferred(block=True)
+        selfs.append((_overhead_total(rt) - before) / 2)
+        walls.append(ti[0] - tb[0])
+        threads.append(ti[1] - tb[1])
+    return {"self_us": statistics.median(selfs) * 1e6, "delta_us": statistics.median(walls) * 1e6,
+            "thread_delta_us": statistics.median(threads) * 1e6}
 
 
 def _overhead_total(rt) -> float:
@@ -338,8 +343,11 @@ def main(argv=None) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if "bare" not in variants:
         variants.insert(0, "bare")
-    rounds = args.rounds or (3 if args.quick else 11)
-    steps = args.steps or (3 if args.quick else 20)
+    # Short blocks, many rounds: this machine's speed drifts over seconds, and a round of two
+    # steps per variant lets the paired ratio cancel that drift (11 rounds of 20 steps could
+    # not tell 5 % from noise; 120 rounds of 2 steps put `off` within 0.5 % of bare).
+    rounds = args.rounds or (3 if args.quick else 120)
+    steps = args.steps or (3 if args.quick else 2)
     warmup = 1 if args.quick else 5
 
     logging.getLogger("torchtrace").setLevel(logging.ERROR)  # anomaly warnings are not what we time
@@ -349,19 +357,42 @@ def main(argv=None) -> int:
                  register_atexit=False)
     print(f"# torchtrace overhead benchmark: torch {torch.__version__}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, device {device}")
-    print(f"# {rounds} interleaved rounds x {steps} steps per variant; medians, min-max over rounds")
+    print(f"# up to {rounds} interleaved rounds x {steps} steps per variant (each workload has a time budget);"
+          f" medians and min-max over rounds; 'paired' = median over rounds of the round's ratio to bare")
     total0 = time.perf_counter()
     wls = workloads(args, device)
+    # The micro measurements first: later workloads can leave the process changed (a leak
+    # investigation turns tracemalloc on for a few steps, which slows every allocation).
+    plain_us, dec_us = off_call_cost(20_000 if args.quick else 200_000)
+    print(f"\nOFF decorated call: {dec_us:.3f} us vs plain {plain_us:.3f} us (+{dec_us - plain_us:.3f} us per call)")
+    costs = export_costs(200 if args.quick else 2000)
+    print(f"export on the training thread: span start+attributes+end {costs['span_us']:.1f} us/step, "
+          f"metrics {costs['metrics_us']:.1f} us/step")
+    oc = overhead_check(wls[0], device, 5 if args.quick else 60)
+    print(f"torchtrace_overhead_seconds_total ({wls[0].name}, basic, medians): {oc['self_us']:.1f} us/step; "
+          f"instrumented - bare: {oc['delta_us']:.1f} us/step wall, {oc['thread_delta_us']:.1f} us/step training-thread CPU")
+    from torchtrace.memory_tracking import LeakProbe
+    from torchtrace.probes_registry import find_probe
+
+    leak_probe = find_probe(tt_api.get_runtime(), LeakProbe)
     for wl in wls:
-        vs, budget, n = variants, (12 if args.quick else 60), steps
+        vs, budget, n, r = variants, (12 if args.quick else 75), steps, rounds
+        if wl.name.startswith("encoder") and not args.quick:
+            budget = 40
         if wl.name.startswith("tensors-") and not args.quick:
             # Per-tensor host reads make the seed-style check minutes long at thousands of
             # tensors; it and detect_anomaly are shown on the 1,000-tensor model only.
             if wl.n_tensors > 1000:
                 vs = [v for v in variants if v not in ("seed", "anomaly", "floor")]
-            budget, n = 35, max(3, steps // 4)
-        times = run_workload(wl, vs, rounds, n, warmup, device, budget)
+            budget, n, r = 30, 2, min(rounds, 15)
+        started = leak_probe.investigations if leak_probe is not None else 0
+        times = run_workload(wl, vs, r, n, warmup, device, budget)
         print(fmt_table(wl.name, wl, times), flush=True)
+        if leak_probe is not None and leak_probe.investigations > started:
+            # Switching variants every two steps moves the heap; the detector's slow path
+            # (census + tracemalloc for confirm_steps steps) is then part of what was timed.
+            print(f"(leak detector: {leak_probe.investigations - started} investigation(s) started during this "
+                  f"workload, {leak_probe.flagged} leak(s) flagged in total)", flush=True)
     if device.type == "cuda":
         wl = wls[0]
         rt = tt_api.get_runtime()
@@ -379,14 +410,6 @@ def main(argv=None) -> int:
         rt.flush(5.0)
         print(f"\nsync-debug 'error' mode: 5 BASIC steps ran without a synchronisation; "
               f"host reads {readout.reads() - reads0}")
-    plain_us, dec_us = off_call_cost(20_000 if args.quick else 200_000)
-    print(f"\nOFF decorated call: {dec_us:.3f} us vs plain {plain_us:.3f} us (+{dec_us - plain_us:.3f} us per call)")
-    costs = export_costs(200 if args.quick else 2000)
-    print(f"export on the training thread: span start+attributes+end {costs['span_us']:.1f} us/step, "
-          f"metrics {costs['metrics_us']:.1f} us/step")
-    oc = overhead_check(wls[0], device, 10 if args.quick else 40)
-    print(f"torchtrace_overhead_seconds_total ({wls[0].name}, basic): {oc['self_us']:.1f} us/step; "
-          f"instrumented - bare: {oc['delta_us']:.1f} us/step wall, {oc['thread_delta_us']:.1f} us/step training-thread CPU")
     tt.shutdown()
     print(f"\ntotal benchmark time {time.perf_counter() - total0:.1f} s")
     return 0

@@ -341,8 +341,13 @@ class StepScope:
             params = rt.params_for(self.model, optimizer)
             self._grad_stats = grad_measure.gradient_norms(params)
             guard = rt.settings.guard != "warn" and (self._grad_stats is not None or rt.identity.distributed)
-            if guard or (self._grad_stats is not None and rt.forensics.decide_early(self, params)):
+            if guard:
                 self._guard_now(rt, params)
+            elif self._grad_stats is not None and rt.forensics.decide_early(self, params):
+                # The global norm is non-finite exactly when some tensor's is: look at that one
+                # CPU value, and build the full vector only on a bad step.
+                if not math.isfinite(readout.peek_cpu(self._grad_stats.total.reshape(1))[0]):
+                    self._guard_now(rt, params)
         except NonFiniteError:
             self._overhead += time.perf_counter() - t0
             raise

@@ -230,6 +230,7 @@ class LeakProbe:
         self.unattributed = 0
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
         self.flagged = 0
+        self.investigations = 0  # slow paths started (each runs confirm_steps steps)
         runtime.report_sections["memory_leaks"] = self.section
 
     def configure(self, window: int | None = None, threshold: float | None = None,
@@ -243,7 +244,7 @@ class LeakProbe:
         self.trackers.clear()
 
     def section(self) -> dict[str, Any]:
-        return {"flagged": self.flagged, "threshold_bytes_per_step": self.threshold, "window": self.window,
+        return {"flagged": self.flagged, "investigations": self.investigations, "threshold_bytes_per_step": self.threshold, "window": self.window,
                 "slopes": {d: t.slope for d, t in self.trackers.items()}, "reports": list(self.reports)}
 
     def enter(self, scope) -> None:
@@ -251,6 +252,14 @@ class LeakProbe:
 
     def exit(self, scope, exc) -> None:
         return None
+
+    def on_level(self, features) -> None:
+        """The level changed: without the leak detector, an investigation in progress (and the
+        tracemalloc it started, which slows every allocation) ends now, not at the next
+        recorded step (at OFF there is none)."""
+        if not features.leak_detector and self.investigation is not None:
+            self.investigation.stop()
+            self.investigation = None
 
     def _tracker(self, device: str) -> leaks.GrowthTracker:
         t = self.trackers.get(device)
@@ -291,6 +300,7 @@ class LeakProbe:
             return
         if worst is not None:
             self.investigated_device = worst[0]
+            self.investigations += 1
             self.investigation = leaks.Investigation.begin(record.step, use_tracemalloc=self.use_tracemalloc)
 
     def _conclude(self, record, span) -> None:

@@ -244,6 +244,13 @@ class Runtime:
         if mode is not None:
             self.mode = DebugMode.parse(mode, "mode")
         self.features = Features.for_level(self.level, self.mode)
+        for probe in self.probes:  # a probe whose feature just went off releases what it holds now
+            on_level = getattr(probe, "on_level", None)
+            if on_level is not None:
+                try:
+                    on_level(self.features)
+                except Exception as exc:
+                    self.errors.report("other", exc)
         self.metrics.set_level(self.level.value)
         self.history.add_event("level_changed", f"debug level set to {self.level.value}",
                                {"level": self.level.value, "mode": self.mode.value})

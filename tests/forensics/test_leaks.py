@@ -131,6 +131,32 @@ def test_clean_loop_is_never_flagged(tmp_path):
     tt.shutdown()
 
 
+def test_level_change_ends_an_investigation_and_its_tracemalloc(tmp_path):
+    # Leak for a while so the slow path starts, then switch to OFF (no step is recorded
+    # there): the investigation and the tracemalloc it started must end at the switch.
+    import tracemalloc
+
+    assert not tracemalloc.is_tracing()
+    _configure(tmp_path)
+    probe = find_probe(get_runtime(), LeakProbe)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    kept = []
+    for _ in range(3 * WINDOW):
+        with tt.debug_context("train_step", model=model, optimizer=opt):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            kept.append(torch.randn(64 * 1024))  # 256 KiB a step
+        if probe.investigation is not None:
+            break
+    assert probe.investigation is not None and tracemalloc.is_tracing()
+    get_runtime().set_level("off")
+    assert probe.investigation is None and not tracemalloc.is_tracing()
+    tt.shutdown()
+
+
 def test_detector_off_at_basic(tt_runtime):
     probe = find_probe(get_runtime(), LeakProbe)
     for i in range(5):

@@ -66,7 +66,7 @@ class LayerHooks:
         self.fast = fast
         self._stat_names = FAST_STAT_NAMES if fast else STAT_NAMES
         self.names: list[str] = []
-        self.stats: list[torch.Tensor] = []  # fast: raw [sum, sumsq, min, max] rows; else tensor_stats rows
+        self.stats: list[Any] = []  # fast: (sum, sumsq, min, max) 0-d tensors per call; else tensor_stats rows
         self._counts: list[int] = []  # fast: element counts of the rows in ``stats``
         self.meta: list[dict[str, Any]] = []
         self.times: list[float] = []
@@ -102,12 +102,12 @@ class LayerHooks:
                 return None
             n = self._calls.get(name, 0)
             self._calls[name] = n + 1
-            with torch.no_grad():
-                if self.fast:
-                    raw, count = fast_raw_stats(t)
-                    self.stats.append(raw)
-                    self._counts.append(count)
-                else:
+            if self.fast:  # works on a detached view: no autograd graph, no no_grad() needed
+                raw, count = fast_raw_stats(t)
+                self.stats.append(raw)
+                self._counts.append(count)
+            else:
+                with torch.no_grad():
                     self.stats.append(tensor_stats(t))
             self.names.append(name if n == 0 else f"{name}#{n}")
             # Raw objects now, strings only when rows() is asked for (off the step's path).
@@ -120,14 +120,14 @@ class LayerHooks:
         """All recorded statistics as one float64 tensor (a row per call) on the first call's device."""
         if not self.stats:
             return None
-        dev = self.stats[0].device
-        rows = self.stats
         if self.fast:
-            dtype = rows[0].dtype
-            if any(s.device != dev or s.dtype != dtype for s in rows):
-                rows = [s.to(device=dev, dtype=torch.float64) for s in rows]
-            return finish_fast_stats(torch.stack(rows), self._counts[:len(rows)])
-        return torch.stack([s if s.device == dev else s.to(dev) for s in rows])
+            flat = [x for row in self.stats for x in row]
+            dev, dtype = flat[0].device, flat[0].dtype
+            if any(x.device != dev or x.dtype != dtype for x in flat):
+                flat = [x.to(device=dev, dtype=torch.float64) for x in flat]
+            return finish_fast_stats(torch.stack(flat).reshape(-1, 4), self._counts[:len(self.stats)])
+        dev = self.stats[0].device
+        return torch.stack([s if s.device == dev else s.to(dev) for s in self.stats])
 
     def remove(self) -> None:
         for h in self._handles:

@@ -59,14 +59,14 @@ def fast_tensor_stats(t: torch.Tensor) -> torch.Tensor:
     counts and ``std_mean`` are 20-30 times slower than these on CPU.)
     """
     raw, n = fast_raw_stats(t)
-    return finish_fast_stats(raw.reshape(1, 4), [n])[0]
+    return finish_fast_stats(torch.stack(raw).reshape(1, 4), [n])[0]
 
 
-def fast_raw_stats(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The device half of :func:`fast_tensor_stats`: ``[sum, sum of squares, min, max]`` in the
-    reduction's precision, and the element count. Three reductions and a stack, nothing else,
-    so a forward hook adds few kernel launches; :func:`finish_fast_stats` turns many of these
-    into statistics at once."""
+def fast_raw_stats(t: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int]:
+    """The device half of :func:`fast_tensor_stats`: ``(sum, sum of squares, min, max)`` as 0-d
+    tensors in the reduction's precision, and the element count. Three reductions, nothing
+    else, so a forward hook adds few kernel launches; :func:`finish_fast_stats` turns many of
+    these (stacked) into statistics at once."""
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
@@ -74,10 +74,10 @@ def fast_raw_stats(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         x = x.float()
     n = x.numel()
     if n == 0:
-        return torch.tensor([0.0, 0.0, float("nan"), float("nan")], dtype=x.dtype, device=x.device), 0
+        return tuple(torch.tensor([0.0, 0.0, float("nan"), float("nan")], dtype=x.dtype, device=x.device)), 0
     v = x.reshape(-1)
     mn, mx = torch.aminmax(v)
-    return torch.stack([v.sum(), torch.dot(v, v), mn, mx]), n
+    return (v.sum(), torch.dot(v, v), mn, mx), n
 
 
 def finish_fast_stats(raw: torch.Tensor, counts: list[int]) -> torch.Tensor:
