@@ -130,10 +130,44 @@ def configure(
 
         _disabled = False
         _runtime = Runtime(resolved)
+        _install_clip_interception()
         if resolved.register_atexit and not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
         return ConfigureResult(_runtime)
+
+
+def _install_clip_interception() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` measure the current step's
+    gradients first (once per step), so the recorded norm is the one *before* clipping, as the
+    telemetry contract says; without it the optimizer pre-hook would see clipped gradients and
+    an explosion would read as ``max_norm``. Idempotent (run at import and at configure);
+    outside a step the wrapper only reads a context variable. A function bound by name before
+    torchtrace was imported (``from torch.nn.utils import clip_grad_norm_``) is not reached
+    (documented)."""
+    import torch.nn.utils as nn_utils
+    from torch.nn.utils import clip_grad as clip_module
+
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        current = getattr(nn_utils, name, None)
+        if current is None or getattr(current, "__torchtrace_wrapped__", False):
+            continue
+        wrapped = _clip_wrapper(current)
+        setattr(nn_utils, name, wrapped)
+        if getattr(clip_module, name, None) is current:
+            setattr(clip_module, name, wrapped)
+
+
+def _clip_wrapper(original):
+    @functools.wraps(original)
+    def clip(*args, **kwargs):
+        scope = _current.get()
+        if scope is not None and scope._active and not scope._hook_fired:
+            scope._before_clipping()
+        return original(*args, **kwargs)
+
+    clip.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
+    return clip
 
 
 def shutdown(timeout_s: float | None = None) -> None:
@@ -330,6 +364,17 @@ class StepScope:
         self._t0 = t1
 
     # ------------------------------------------------------------ optimizer pre-hook
+    def _before_clipping(self) -> None:
+        """The user is about to clip: measure (and guard) now, on the gradients as backward left them."""
+        if self._features.grad_stats and (self.optimizer is not None or self.model is not None):
+            try:
+                self._before_optimizer_step(self.optimizer, (), {})
+            except NonFiniteError as exc:
+                on_raise = self.extras.get("on_guard_raise")  # a framework callback ends its span first
+                if on_raise is not None:
+                    on_raise(exc)
+                raise
+
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """Measure the gradients the optimizer is about to use; apply the guard policy."""
         if self._hook_fired or not self._active:
@@ -683,3 +728,8 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
     if func is not None and callable(func):
         return decorate(func)
     return decorate
+
+
+# At import, so modules imported after torchtrace that bind the clip functions by name get
+# the wrapped ones (the wrapper is inert until a step is open).
+_install_clip_interception()

@@ -172,6 +172,28 @@ def test_callback_clipping_measures_before_clipping(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_trainers_own_clipping_is_measured_before_clipping(tmp_path):
+    # The Trainer clips with max_grad_norm before on_pre_optimizer_step; torchtrace measures at
+    # the clip call, so the spans carry the pre-clip norms the Trainer itself computed.
+    result = configure(tmp_path)
+    seen = []
+
+    class Recording(transformers.Trainer):
+        def _clip_grad_norm(self, model):
+            norm = super()._clip_grad_norm(model)
+            seen.append(float(norm))
+            return norm
+
+    kw = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, report_to=[],
+              use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, max_grad_norm=0.01,
+              seed=0, data_seed=0)
+    Recording(model=tiny_bert(), args=transformers.TrainingArguments(**kw), train_dataset=Data(),
+              callbacks=[TorchtraceCallback()]).train()
+    spans = read_spans(result.spans_path)
+    assert len(seen) == 3 and all(n > 0.01 for n in seen)  # clipping was active on every step
+    assert [s["attributes"][semconv.GRAD_NORM] for s in spans] == pytest.approx(seen, rel=1e-5)
+
+
 def test_bad_max_grad_norm_is_rejected():
     with pytest.raises(ValueError, match="max_grad_norm"):
         TorchtraceCallback(max_grad_norm=-1)

@@ -47,6 +47,9 @@ class StepDriver:
         # No optimizer on the scope: its pre-hook would fire at the wrong moment (see module doc).
         scope = api.StepScope(self.name, model=model)
         scope.__enter__()
+        # A guard="raise" decided inside the framework's own clip_grad_norm_ call (torchtrace
+        # measures there, before clipping) must end this span as measure() does.
+        scope.extras["on_guard_raise"] = self.end
         self.scope = scope
         self._losses = []
 

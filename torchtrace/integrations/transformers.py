@@ -37,8 +37,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     - ``on_step_begin`` opens the step (span ``train_step``); ``on_step_end`` closes it.
     - ``on_pre_optimizer_step`` measures the gradients the optimizer is about to use (the
-      Trainer has already unscaled them, and clipped them when ``max_grad_norm > 0``) and
-      applies the guard policy: ``skip`` clears the gradients so ``optimizer.step()``
+      Trainer has already unscaled them) and applies the guard policy, unless torchtrace
+      already did so at the Trainer's ``clip_grad_norm_`` call, before clipping: ``skip`` clears the gradients so ``optimizer.step()``
       leaves every parameter unchanged; ``raise`` ends the span and raises
       :class:`torchtrace.NonFiniteError` out of ``trainer.train()``.
     - The loss: the Trainer does not hand it to callbacks, so a forward hook on the model
@@ -50,9 +50,9 @@ class TorchtraceCallback(_tf.TrainerCallback):
     Args:
         name: the span's name (the ``operation`` label).
         max_grad_norm: clip gradients to this global norm *after* torchtrace measured
-            them, on the device, with no host read. Use it with
-            ``TrainingArguments(max_grad_norm=0)`` so the span and metrics carry the norm
-            before clipping, as the telemetry contract says. ``None`` (default) clips nothing.
+            them, on the device, with no host read (with ``TrainingArguments(max_grad_norm=0)``;
+            the Trainer's own clipping is measured before clipping too). ``None`` (default)
+            clips nothing.
     """
 
     def __init__(self, name: str = "train_step", max_grad_norm: float | None = None) -> None:
