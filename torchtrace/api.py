@@ -266,7 +266,7 @@ class StepScope:
                  "_active", "step", "_features", "_span", "_token", "_ctx_token", "_hook", "_hook_fired",
                  "_grad_stats", "_grad_read", "_loss", "_loss_float", "_layout", "_start_ns", "_t0", "_overhead",
                  "_anomaly_cm", "record", "_param_names", "_param_norms", "_skipped", "_raise", "__weakref__",
-                 "extras")
+                 "extras", "_update_before")
 
     def __init__(self, name: str = "step", *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
@@ -335,6 +335,7 @@ class StepScope:
         self._hook_fired = False
         self._param_names = None
         self._param_norms = None
+        self._update_before = None
         self._skipped = False
         self._raise = None
         self._anomaly_cm = None
@@ -393,6 +394,10 @@ class StepScope:
                 # CPU value, and build the full vector only on a bad step.
                 if not math.isfinite(readout.peek_cpu(self._grad_stats.total.reshape(1))[0]):
                     self._guard_now(rt, params)
+            every = rt.settings.update_ratio_interval
+            if self._features.param_stats and every and self.step % every == 0 and params:
+                # Before the update: the parameters now, to measure what the update changed.
+                self._update_before = (params, grad_measure.snapshot_parameters(params))
         except NonFiniteError:
             self._overhead += time.perf_counter() - t0
             raise
@@ -525,6 +530,16 @@ class StepScope:
                     pieces.append(norms)
                     self._layout["params"] = (offset, len(refs))
                     offset += len(refs)
+                    if self._update_before is not None:
+                        snap_refs, before = self._update_before
+                        self._update_before = None
+                        # Only against the same parameter list (an integration may measure
+                        # through the optimizer's list and record through the model's).
+                        updates = grad_measure.update_norms(refs, before) if snap_refs is refs else None
+                        if updates is not None:
+                            pieces.append(updates if updates.device == norms.device else updates.to(norms.device))
+                            self._layout["updates"] = (offset, len(refs))
+                            offset += len(refs)
             except Exception as perr:
                 rt.errors.report("gradients", perr)
         for key, tensor in self.extras.items():

@@ -53,6 +53,7 @@ ENV_OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 ENV_SHARED_STEP_TRACE = "TORCHTRACE_SHARED_STEP_TRACE"
 """``1``: every rank's span of one step joins one trace, its id derived from (run id, operation, step)."""
 ENV_RANK_SKEW_INTERVAL = "TORCHTRACE_RANK_SKEW_INTERVAL"
+ENV_UPDATE_RATIO_INTERVAL = "TORCHTRACE_UPDATE_RATIO_INTERVAL"
 """Steps between two cross-rank step-time gathers for torchtrace_rank_step_skew (off: never). Default 50."""
 ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
@@ -120,6 +121,7 @@ class Settings:
     debug_token: str | None = field(default=None, repr=False)
     shared_step_trace: bool = False
     rank_skew_interval: int | None = 50
+    update_ratio_interval: int = 10  # ADVANCED: update/weight ratio every N steps (0: never)
     forensics: bool = True
     forensics_max_replays: int = 3
     leak_window: int = 32  # steps in the leak detector's slope window
@@ -333,6 +335,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "debug_token": _debug_token,
     "shared_step_trace": _bool,
     "rank_skew_interval": _optional_positive_int,
+    "update_ratio_interval": lambda v, s: _non_negative_int(v, s),
     "forensics": _bool,
     "forensics_max_replays": lambda v, s: _non_negative_int(v, s),
     "leak_window": lambda v, s: _positive_int(v, s) if _positive_int(v, s) >= 4 else _too_small(v, s, 4),
@@ -363,6 +366,7 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "debug_token": ((ENV_DEBUG_TOKEN,), _debug_token),
     "shared_step_trace": ((ENV_SHARED_STEP_TRACE,), _bool),
     "rank_skew_interval": ((ENV_RANK_SKEW_INTERVAL,), _optional_positive_int),
+    "update_ratio_interval": ((ENV_UPDATE_RATIO_INTERVAL,), lambda v, s: _non_negative_int(v, s)),
     "forensics": ((ENV_FORENSICS,), _bool),
     "forensics_max_replays": ((ENV_FORENSICS_MAX_REPLAYS,), lambda v, s: _non_negative_int(v, s)),
     "metrics_exporter": ((ENV_METRICS_EXPORTER,), _choice(METRICS_EXPORTERS)),

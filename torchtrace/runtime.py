@@ -304,6 +304,10 @@ class Runtime:
             if p is not None:
                 start, count = p
                 rules.evaluate_parameters(record, scope._param_names, values[start:start + count])
+                u = layout.get("updates")
+                if u is not None:
+                    rules.evaluate_updates(record, scope._param_names, values[u[0]:u[0] + u[1]],
+                                           values[start:start + count])
         if scope is not None and scope._grad_read is not None and scope._grad_stats is not None:
             self._evaluate_grads(scope, record, scope._grad_read[0], scope._grad_read[1:])
         if record.loss is None and scope is not None and scope._loss_float is not None:
@@ -365,6 +369,11 @@ class Runtime:
                 attrs[semconv.GRAD_VANISHED_PARAMS] = _capped(record.grad_vanished_params)
         if record.param_nonfinite_params:
             attrs[semconv.PARAM_NONFINITE_PARAMS] = _capped(record.param_nonfinite_params)
+        if record.update_ratio is not None:
+            attrs[semconv.UPDATE_RATIO] = record.update_ratio
+        if record.update_ratio_max_param is not None:
+            attrs[semconv.UPDATE_RATIO_MAX] = record.update_ratio_max
+            attrs[semconv.UPDATE_RATIO_MAX_PARAM] = record.update_ratio_max_param[:200]
         if record.anomalies:
             attrs[semconv.ANOMALY_KINDS] = record.anomaly_kinds
         mem = record.memory

@@ -213,3 +213,35 @@ def parameter_norms(params: Sequence[ParamRef]) -> torch.Tensor | None:
     home = tensors[0].device
     out = [r.to(device=home, dtype=torch.float64) for r in result if r is not None]
     return torch.stack(out)
+
+
+def _norms_f64(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor L2 norms as one float64 tensor (low precision reduced in float32)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    result: list[torch.Tensor | None] = [None] * len(tensors)
+    for (_device, dtype), idx in groups.items():
+        ts = [tensors[i] for i in idx]
+        norms = torch._foreach_norm(ts, 2, dtype=torch.float32) if dtype in _LOW_PRECISION else torch._foreach_norm(ts, 2)
+        for i, n in zip(idx, norms):
+            result[i] = n
+    home = tensors[0].device
+    return torch.stack([r.to(device=home, dtype=torch.float64) for r in result])  # type: ignore[union-attr]
+
+
+def snapshot_parameters(params: Sequence[ParamRef]) -> list[torch.Tensor]:
+    """Copies of the parameters (local shards of sharded ones), for :func:`update_norms`.
+
+    Costs one parameter-sized allocation until the update is measured; taken only every
+    ``update_ratio_interval`` steps.
+    """
+    return [_dense(ref.param.detach()).clone() for ref in params]
+
+
+def update_norms(params: Sequence[ParamRef], before: list[torch.Tensor]) -> torch.Tensor | None:
+    """Per-tensor norms of ``parameter now - snapshot``, float64, on the device (no host read)."""
+    now = [_dense(ref.param.detach()) for ref in params]
+    if not now or len(now) != len(before):
+        return None
+    return _norms_f64(torch._foreach_sub(now, before))

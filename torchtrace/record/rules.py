@@ -84,3 +84,21 @@ def evaluate_parameters(record: StepRecord, names: Sequence[str], norms: Sequenc
         record.anomalies.append(Anomaly(
             semconv.NONFINITE_PARAM, f"{len(bad)} parameter tensor(s) non-finite: {', '.join(_cap(bad))}",
             record.step, record.operation, {"count": len(bad), "params": _cap(bad)}))
+
+
+def evaluate_updates(record: StepRecord, names: Sequence[str], update_norms: Sequence[float],
+                     param_norms: Sequence[float]) -> None:
+    """Update-to-weight ratios: per tensor ||p_after - p_before|| / ||p_after||, and overall.
+
+    A zero parameter gives NaN (no ratio), a non-finite one too; the overall ratio sums
+    squares over the finite tensors.
+    """
+    ratios = [u / p if p > 0 and math.isfinite(p) and math.isfinite(u) else float("nan")
+              for u, p in zip(update_norms, param_norms)]
+    record.update_ratios = ratios
+    good = [(u, p) for u, p in zip(update_norms, param_norms) if math.isfinite(u) and math.isfinite(p)]
+    den = math.sqrt(sum(p * p for _, p in good))
+    record.update_ratio = math.sqrt(sum(u * u for u, _ in good)) / den if den > 0 else None
+    best = max(((r, n) for r, n in zip(ratios, names) if not math.isnan(r)), default=None)
+    if best is not None:
+        record.update_ratio_max, record.update_ratio_max_param = best

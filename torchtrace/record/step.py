@@ -42,6 +42,10 @@ class StepRecord:
     grad_exploded_params: list[str] = field(default_factory=list)
     grad_vanished_params: list[str] = field(default_factory=list)
     param_nonfinite_params: list[str] = field(default_factory=list)
+    update_ratio: float | None = None  # ADVANCED, every update_ratio_interval steps
+    update_ratio_max: float | None = None
+    update_ratio_max_param: str | None = None
+    update_ratios: list[float] = field(default_factory=list)  # per tensor, in param_names order
     memory: dict[str, int | None] = field(default_factory=dict)
     anomalies: list[Anomaly] = field(default_factory=list)
     exception_type: str | None = None
@@ -73,6 +77,7 @@ class StepRecord:
             "loss": self.loss,
             "grad_norm": self.grad_norm,
             "grad_nonfinite_params": self.grad_nonfinite_params,
+            "update_ratio": self.update_ratio,
             "anomalies": [a.kind for a in self.anomalies],
             "memory": self.memory,
             "exception_type": self.exception_type,
