@@ -121,7 +121,7 @@ class Settings:
     debug_token: str | None = field(default=None, repr=False)
     shared_step_trace: bool = False
     rank_skew_interval: int | None = 50
-    update_ratio_interval: int = 10  # ADVANCED: update/weight ratio every N steps (0: never)
+    update_ratio_interval: int = 50  # ADVANCED: update/weight ratio every N steps (0: never)
     forensics: bool = True
     forensics_max_replays: int = 3
     leak_window: int = 32  # steps in the leak detector's slope window
