@@ -146,6 +146,11 @@ def workloads(args, device) -> list[Workload]:
         w, batch = 340, 256  # 17 * (340*340 + 340) = 1.97M parameters, 34 tensors
     out.append(Workload(f"mlp-{w}x17", MLP(w), lambda d: (torch.randn(batch, w, device=d), torch.randn(batch, w, device=d)),
                         _mse, device))
+    if not args.only_mlp and not args.quick:
+        # The same 34 tensors at width 8: compute is negligible, so "added ms" is torchtrace's
+        # fixed per-step cost (Python, small kernels, span, metrics) on this machine.
+        out.append(Workload("toy-mlp-8x17", MLP(8), lambda d: (torch.randn(4, 8, device=d), torch.randn(4, 8, device=d)),
+                            _mse, device))
     if not args.only_mlp:
         d_model, layers, seq, bsz = (32, 1, 16, 4) if args.quick else (128, 2, 64, 16)
         out.append(Workload(f"encoder-d{d_model}x{layers}", Encoder(d_model, layers),
@@ -379,6 +384,8 @@ def main(argv=None) -> int:
         vs, budget, n, r = variants, (12 if args.quick else 75), steps, rounds
         if wl.name.startswith("encoder") and not args.quick:
             budget = 40
+        if wl.name.startswith("toy-") and not args.quick:
+            budget, n = 25, 10
         if wl.name.startswith("tensors-") and not args.quick:
             # Per-tensor host reads make the seed-style check minutes long at thousands of
             # tensors; it and detect_anomaly are shown on the 1,000-tensor model only.
