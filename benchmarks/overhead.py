@@ -337,6 +337,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--gpu-model", action="store_true", help="one ~100M-parameter MLP (use with --device cuda)")
     p.add_argument("--only-mlp", action="store_true", help="only the MLP workload")
+    p.add_argument("--workloads", default=None,
+                   help="comma-separated name prefixes to run (mlp, toy, encoder, tensors); default: all")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="steps per variant per round")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -366,6 +368,9 @@ def main(argv=None) -> int:
           f" medians and min-max over rounds; 'paired' = median over rounds of the round's ratio to bare")
     total0 = time.perf_counter()
     wls = workloads(args, device)
+    if args.workloads:
+        prefixes = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+        wls = [wl for wl in wls if wl.name.startswith(prefixes)] or wls[:1]
     # The micro measurements first: later workloads can leave the process changed (a leak
     # investigation turns tracemalloc on for a few steps, which slows every allocation).
     plain_us, dec_us = off_call_cost(20_000 if args.quick else 200_000)
