@@ -117,7 +117,9 @@ class LayerHooks:
         return hook
 
     def stacked(self) -> torch.Tensor | None:
-        """All recorded statistics as one float64 tensor (a row per call) on the first call's device."""
+        """All recorded values as one float64 tensor on the first call's device: a row per call,
+        ``(sum, sum of squares, min, max)`` when ``fast`` (statistics are finished on the host,
+        in :meth:`rows`), else :func:`tensor_stats`' six values."""
         if not self.stats:
             return None
         if self.fast:
@@ -125,7 +127,7 @@ class LayerHooks:
             dev, dtype = flat[0].device, flat[0].dtype
             if any(x.device != dev or x.dtype != dtype for x in flat):
                 flat = [x.to(device=dev, dtype=torch.float64) for x in flat]
-            return finish_fast_stats(torch.stack(flat).reshape(-1, 4), self._counts[:len(self.stats)])
+            return torch.stack(flat).reshape(-1, 4).to(torch.float64)
         dev = self.stats[0].device
         return torch.stack([s if s.device == dev else s.to(dev) for s in self.stats])
 
@@ -138,13 +140,13 @@ class LayerHooks:
     def rows(self, values: list[float]) -> list[dict[str, Any]]:
         """Per-call dictionaries from the host values of :meth:`stacked`."""
         names = self._stat_names
-        w = len(names)
+        w = 4 if self.fast else len(names)
         out = []
         for i, name in enumerate(self.names):
-            row = dict(zip(names, values[i * w:(i + 1) * w]))
-            if self.fast:
-                row["nonfinite"] = int(row["nonfinite"])  # a flag: this layer's output held NaN/Inf
+            if self.fast:  # "nonfinite" is a flag: this layer's output held NaN/Inf
+                row = dict(zip(names, finish_fast_stats(values[i * w:(i + 1) * w], self._counts[i])))
             else:
+                row = dict(zip(names, values[i * w:(i + 1) * w]))
                 row["nan_count"] = int(row["nan_count"])
                 row["inf_count"] = int(row["inf_count"])
                 row["nonfinite_count"] = row["nan_count"] + row["inf_count"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -59,14 +60,21 @@ def fast_tensor_stats(t: torch.Tensor) -> torch.Tensor:
     counts and ``std_mean`` are 20-30 times slower than these on CPU.)
     """
     raw, n = fast_raw_stats(t)
-    return finish_fast_stats(torch.stack(raw).reshape(1, 4), [n])[0]
+    r = torch.stack(raw).to(torch.float64)
+    if n == 0:
+        return torch.cat([torch.full((4,), float("nan"), dtype=torch.float64, device=r.device),
+                          torch.zeros(1, dtype=torch.float64, device=r.device)])
+    mean = r[0] / n  # n is a Python number: no host-to-device copy
+    var = ((r[1] - r[0] * mean) / max(n - 1, 1)).clamp(min=0.0)
+    flag = (~torch.isfinite(r)).any().to(torch.float64)
+    return torch.stack([mean, var.sqrt(), r[2], r[3], flag])
 
 
 def fast_raw_stats(t: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int]:
     """The device half of :func:`fast_tensor_stats`: ``(sum, sum of squares, min, max)`` as 0-d
     tensors in the reduction's precision, and the element count. Three reductions, nothing
-    else, so a forward hook adds few kernel launches; :func:`finish_fast_stats` turns many of
-    these (stacked) into statistics at once."""
+    else, so a forward hook adds few kernel launches; the rows go to the host in the step's
+    one read and :func:`finish_fast_stats` turns each into statistics there."""
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
@@ -80,16 +88,18 @@ def fast_raw_stats(t: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int]:
     return (v.sum(), torch.dot(v, v), mn, mx), n
 
 
-def finish_fast_stats(raw: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """``[k, 4]`` rows of :func:`fast_raw_stats` and their element counts -> ``[k, 5]`` float64
-    rows of mean, std, min, max, non-finite flag (NaN statistics and flag 0 for an empty tensor)."""
-    r = raw.to(torch.float64)
-    n = torch.tensor(counts, dtype=torch.float64, device=r.device)
-    total, squares = r[:, 0], r[:, 1]
+def finish_fast_stats(row: list[float], n: int) -> tuple[float, float, float, float, int]:
+    """Host half: ``(sum, sum of squares, min, max)`` read from the device and the element count
+    -> mean, std, min, max and the non-finite flag (NaN statistics and flag 0 when empty)."""
+    total, squares, mn, mx = row
+    if n == 0:
+        nan = float("nan")
+        return nan, nan, nan, nan, 0
     mean = total / n
-    var = ((squares - total * mean) / (n - 1).clamp(min=1.0)).clamp(min=0.0)
-    flag = (~torch.isfinite(r)).any(dim=1) & (n > 0)
-    return torch.stack([mean, var.sqrt(), r[:, 2], r[:, 3], flag.to(torch.float64)], dim=1)
+    var = (squares - total * mean) / max(n - 1, 1)
+    std = math.sqrt(var) if var > 0 else (0.0 if var <= 0 else var)  # rounding below 0 -> 0; NaN stays
+    flag = int(not all(math.isfinite(v) for v in row))
+    return mean, std, mn, mx, flag
 
 
 def describe(t: torch.Tensor, values: list[float], name: str = "tensor") -> dict[str, Any]:
