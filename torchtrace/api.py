@@ -163,7 +163,14 @@ def _clip_wrapper(original):
     def clip(*args, **kwargs):
         scope = _current.get()
         if scope is not None and scope._active and not scope._hook_fired:
-            scope._before_clipping()
+            try:
+                scope._before_clipping()
+            except NonFiniteError:
+                raise  # guard="raise": the policy the user asked for
+            except Exception as exc:  # torchtrace's own failure never reaches the user's clip call
+                rt = _runtime
+                if rt is not None:
+                    rt.errors.report("gradients", exc)
         return original(*args, **kwargs)
 
     clip.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]

@@ -86,3 +86,27 @@ def test_guard_skip_applies_when_the_user_clips(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     finally:
         tt.shutdown()
+
+
+def test_a_fault_in_the_clip_wrapper_is_counted_not_raised(tmp_path, monkeypatch):
+    from torchtrace import api
+
+    def boom(self):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(api.StepScope, "_before_clipping", boom)
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), strict=False, register_atexit=False)
+    try:
+        model = _net()
+        twin = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+        x = torch.randn(4, 8)
+        with tt.debug_context("train_step", model=model, optimizer=opt):
+            got = _step(model, opt, x, CLIPS["norm"])
+        want = _step(twin, twin_opt, x, CLIPS["norm"])
+        assert float(got) == float(want)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+        assert api.get_runtime().errors.by_component.get("gradients", 0) >= 1
+    finally:
+        tt.shutdown()
