@@ -73,3 +73,18 @@ def test_parameter_norms_match_float64_reference(dtypes):
     assert norms.dtype == torch.float64
     for got, p in zip(norms.tolist(), params):
         assert got == pytest.approx(_ref_norm(p), rel=1e-5)
+
+
+def test_update_norms_match_float64_reference_for_mixed_dtypes():
+    torch.manual_seed(3)
+    dtypes = [torch.float32, torch.float64, torch.bfloat16]
+    refs = [gradients.ParamRef(f"w{i}", torch.nn.Parameter(torch.randn(4, i + 3).to(dt))) for i, dt in enumerate(dtypes)]
+    before = gradients.snapshot_parameters(refs)
+    start = [r.param.detach().double().clone() for r in refs]
+    with torch.no_grad():
+        for i, r in enumerate(refs):
+            r.param.add_(torch.randn_like(r.param) * (i + 1) * 0.1)
+    got = gradients.update_norms(refs, before)
+    assert got.dtype == torch.float64
+    for g, r, s in zip(got.tolist(), refs, start):
+        assert g == pytest.approx(float((r.param.detach().double() - s).norm()), rel=1e-2 if r.param.dtype == torch.bfloat16 else 1e-6)

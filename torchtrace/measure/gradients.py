@@ -187,32 +187,10 @@ def classify_infinite(grads: Iterable[torch.Tensor]) -> list[bool]:
 
 def parameter_norms(params: Sequence[ParamRef]) -> torch.Tensor | None:
     """Per-tensor L2 norms of the parameters themselves (for finiteness and update ratios)."""
-    tensors = [ref.param.detach() for ref in params]
+    tensors = [_dense(ref.param.detach()) for ref in params]
     if not tensors:
         return None
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    if len(groups) == 1:  # the common case: one stack, one conversion
-        ((_device, dtype),) = groups
-        ts = [_dense(t) for t in tensors]
-        if dtype in _LOW_PRECISION:
-            norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
-        else:
-            norms = torch._foreach_norm(ts, 2)
-        return torch.stack(norms).to(torch.float64)
-    result: list[torch.Tensor | None] = [None] * len(tensors)
-    for (_device, dtype), idx in groups.items():
-        ts = [_dense(tensors[i]) for i in idx]
-        if dtype in _LOW_PRECISION:
-            norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
-        else:
-            norms = torch._foreach_norm(ts, 2)
-        for i, n in zip(idx, norms):
-            result[i] = n
-    home = tensors[0].device
-    out = [r.to(device=home, dtype=torch.float64) for r in result if r is not None]
-    return torch.stack(out)
+    return _norms_f64(tensors)
 
 
 def _norms_f64(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -220,10 +198,16 @@ def _norms_f64(tensors: list[torch.Tensor]) -> torch.Tensor:
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
+
+    def norms_of(ts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        return torch._foreach_norm(ts, 2, dtype=torch.float32) if dtype in _LOW_PRECISION else torch._foreach_norm(ts, 2)
+
+    if len(groups) == 1:  # the common case: one stack, one conversion
+        ((_device, dtype),) = groups
+        return torch.stack(norms_of(tensors, dtype)).to(torch.float64)
     result: list[torch.Tensor | None] = [None] * len(tensors)
     for (_device, dtype), idx in groups.items():
-        ts = [tensors[i] for i in idx]
-        norms = torch._foreach_norm(ts, 2, dtype=torch.float32) if dtype in _LOW_PRECISION else torch._foreach_norm(ts, 2)
+        norms = norms_of([tensors[i] for i in idx], dtype)
         for i, n in zip(idx, norms):
             result[i] = n
     home = tensors[0].device
