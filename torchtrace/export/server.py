@@ -13,6 +13,7 @@ import os
 import socket
 import socketserver
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,6 +42,21 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     # port there. On Windows it would, so it stays off.
     allow_reuse_address = os.name == "posix"
     request_queue_size = 64
+    # Connections accepted per second at most. Each costs Python time under the GIL that the
+    # training thread then waits for; a client reconnecting in a tight loop (measured: 1,800
+    # connections a second from one process) would otherwise take a whole core and slow
+    # every step. Past the pace, connections wait in the kernel's backlog. A scraper or a
+    # person uses a handful a minute.
+    max_accept_rate = 100.0
+    _next_accept = 0.0
+
+    def get_request(self):
+        now = time.monotonic()
+        wait = self._next_accept - now
+        if wait > 0:
+            time.sleep(wait)  # in the accept thread, without the GIL; at most 1/rate
+        self._next_accept = max(now, self._next_accept) + 1.0 / self.max_accept_rate
+        return super().get_request()
 
     def handle_error(self, request, client_address) -> None:
         # A client that hangs up or sends garbage is not worth a traceback on stderr.
