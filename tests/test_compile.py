@@ -80,3 +80,27 @@ def test_explain_reports_no_break_inside_a_step(tt_runtime):
         explanation = dynamo.explain(model)(torch.randn(4, 8))
     assert explanation.graph_break_count == 0
     assert explanation.graph_count == 1
+
+
+def test_clip_wrapper_adds_no_graph_break():
+    # torchtrace wraps clip_grad_norm_ (to measure before clipping); inside a compiled
+    # function the wrapper must trace like torch's own function.
+    from torch._dynamo.utils import counters
+
+    wrapped = torch.nn.utils.clip_grad_norm_
+    assert getattr(wrapped, "__torchtrace_wrapped__", False)
+    original = wrapped.__wrapped__
+    breaks = {}
+    for name, clip in (("torch", original), ("torchtrace", wrapped)):
+        dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        net = Net()
+        net(torch.randn(4, 8)).sum().backward()
+
+        def f(net=net, clip=clip):
+            return clip(net.parameters(), 0.5)
+
+        total = torch.compile(f, backend="eager")()
+        breaks[name] = (_breaks(), float(total))
+    assert breaks["torchtrace"] == breaks["torch"]

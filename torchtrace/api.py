@@ -158,9 +158,17 @@ def _install_clip_interception() -> None:
             setattr(clip_module, name, wrapped)
 
 
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    check = getattr(compiler, "is_compiling", None)
+    return bool(check()) if check is not None else False
+
+
 def _clip_wrapper(original):
     @functools.wraps(original)
     def clip(*args, **kwargs):
+        if _is_compiling():  # traced by torch.compile: stay out of the graph (no break)
+            return original(*args, **kwargs)
         scope = _current.get()
         if scope is not None and scope._active and not scope._hook_fired:
             try:
