@@ -552,7 +552,7 @@ class StepScope:
                         # through the optimizer's list and record through the model's).
                         updates = grad_measure.update_norms(refs, before) if snap_refs is refs else None
                         if updates is not None:
-                            pieces.append(updates if updates.device == norms.device else updates.to(norms.device))
+                            pieces.append(updates)  # on the parameters' device, like ``norms``
                             self._layout["updates"] = (offset, len(refs))
                             offset += len(refs)
             except Exception as perr:

@@ -62,7 +62,7 @@ class LayerHooks:
 
     def __init__(self, model: torch.nn.Module, leaves_only: bool = True, timing: bool = False,
                  modules: Iterable[tuple[str, torch.nn.Module]] | None = None, fast: bool = False) -> None:
-        # fast: the per-step statistics (fast_tensor_stats); else the exact ones over finite values.
+        # fast: the per-step statistics (fast_raw_stats); else the exact ones over finite values.
         self.fast = fast
         self._stat_names = FAST_STAT_NAMES if fast else STAT_NAMES
         self.names: list[str] = []

@@ -48,33 +48,17 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
 FAST_STAT_NAMES = ("mean", "std", "min", "max", "nonfinite")
 
 
-def fast_tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """mean, std, min, max over *all* elements and a non-finite flag, as one float64 device tensor.
-
-    The per-step variant of :func:`tensor_stats` (EXTREME level), built from the reductions
-    that are fast on every device: a sum, a dot product (sum of squares) and ``aminmax``,
-    each one pass in the tensor's own precision (low precision is reduced in float32). The
-    variance comes from the two sums, combined in float64. ``nonfinite`` is 1 when any element
-    is NaN or Inf (then the sums or extremes are non-finite too) and 0 otherwise; exact
-    counts are :func:`tensor_stats`' job, off the per-step path. (Per-element ``isfinite``
-    counts and ``std_mean`` are 20-30 times slower than these on CPU.)
-    """
-    raw, n = fast_raw_stats(t)
-    r = torch.stack(raw).to(torch.float64)
-    if n == 0:
-        return torch.cat([torch.full((4,), float("nan"), dtype=torch.float64, device=r.device),
-                          torch.zeros(1, dtype=torch.float64, device=r.device)])
-    mean = r[0] / n  # n is a Python number: no host-to-device copy
-    var = ((r[1] - r[0] * mean) / max(n - 1, 1)).clamp(min=0.0)
-    flag = (~torch.isfinite(r)).any().to(torch.float64)
-    return torch.stack([mean, var.sqrt(), r[2], r[3], flag])
-
-
 def fast_raw_stats(t: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int]:
-    """The device half of :func:`fast_tensor_stats`: ``(sum, sum of squares, min, max)`` as 0-d
-    tensors in the reduction's precision, and the element count. Three reductions, nothing
-    else, so a forward hook adds few kernel launches; the rows go to the host in the step's
-    one read and :func:`finish_fast_stats` turns each into statistics there."""
+    """The per-step statistics of a tensor (EXTREME level), device half: ``(sum, sum of squares,
+    min, max)`` as 0-d tensors in the reduction's precision, and the element count.
+
+    Three reductions that are fast on every device, each one pass in the tensor's own
+    precision (low precision is reduced in float32), nothing else, so a forward hook adds
+    few kernel launches. The rows go to the host in the step's one read and
+    :func:`finish_fast_stats` turns each into mean, std, min, max and a non-finite flag
+    there (the flag: 1 when any element is NaN or Inf, since the sums or extremes are then
+    non-finite). Exact NaN/Inf counts are :func:`tensor_stats`' job, off the per-step path:
+    per-element ``isfinite`` counts and ``std_mean`` are 20-30 times slower on CPU."""
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
