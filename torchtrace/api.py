@@ -534,7 +534,11 @@ class StepScope:
                 pieces.append(vec)
                 self._layout["grads"] = (offset, stats.count)
                 offset += 1 + stats.count
-        if feats.param_stats and (self.model is not None or self.optimizer is not None):
+        if feats.param_stats and (self.model is not None or self.optimizer is not None) and (
+                self._update_before is not None or self.step % rt.settings.param_check_interval == 0):
+            # A second pass over memory as large as the model: every param_check_interval
+            # steps (and on update-ratio steps). A step with a non-finite loss or gradient
+            # gets its parameters checked when its record is finished (Runtime.finalize).
             try:
                 refs = rt.params_for(self.model, self.optimizer)
                 norms = grad_measure.parameter_norms(refs)

@@ -54,6 +54,7 @@ ENV_SHARED_STEP_TRACE = "TORCHTRACE_SHARED_STEP_TRACE"
 """``1``: every rank's span of one step joins one trace, its id derived from (run id, operation, step)."""
 ENV_RANK_SKEW_INTERVAL = "TORCHTRACE_RANK_SKEW_INTERVAL"
 ENV_UPDATE_RATIO_INTERVAL = "TORCHTRACE_UPDATE_RATIO_INTERVAL"
+ENV_PARAM_CHECK_INTERVAL = "TORCHTRACE_PARAM_CHECK_INTERVAL"
 """Steps between two cross-rank step-time gathers for torchtrace_rank_step_skew (off: never). Default 50."""
 ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
@@ -122,6 +123,7 @@ class Settings:
     shared_step_trace: bool = False
     rank_skew_interval: int | None = 50
     update_ratio_interval: int = 50  # ADVANCED: update/weight ratio every N steps (0: never)
+    param_check_interval: int = 10  # ADVANCED: parameter norms and finiteness every N steps (and on bad steps)
     forensics: bool = True
     forensics_max_replays: int = 3
     leak_window: int = 32  # steps in the leak detector's slope window
@@ -336,6 +338,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "shared_step_trace": _bool,
     "rank_skew_interval": _optional_positive_int,
     "update_ratio_interval": lambda v, s: _non_negative_int(v, s),
+    "param_check_interval": _positive_int,
     "forensics": _bool,
     "forensics_max_replays": lambda v, s: _non_negative_int(v, s),
     "leak_window": lambda v, s: _positive_int(v, s) if _positive_int(v, s) >= 4 else _too_small(v, s, 4),
@@ -367,6 +370,7 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "shared_step_trace": ((ENV_SHARED_STEP_TRACE,), _bool),
     "rank_skew_interval": ((ENV_RANK_SKEW_INTERVAL,), _optional_positive_int),
     "update_ratio_interval": ((ENV_UPDATE_RATIO_INTERVAL,), lambda v, s: _non_negative_int(v, s)),
+    "param_check_interval": ((ENV_PARAM_CHECK_INTERVAL,), _positive_int),
     "forensics": ((ENV_FORENSICS,), _bool),
     "forensics_max_replays": ((ENV_FORENSICS_MAX_REPLAYS,), lambda v, s: _non_negative_int(v, s)),
     "metrics_exporter": ((ENV_METRICS_EXPORTER,), _choice(METRICS_EXPORTERS)),

@@ -303,6 +303,7 @@ class Runtime:
             p = layout.get("params")
             if p is not None:
                 start, count = p
+                record.param_checked = True
                 rules.evaluate_parameters(record, scope._param_names, values[start:start + count])
                 u = layout.get("updates")
                 if u is not None:
@@ -313,6 +314,8 @@ class Runtime:
         if record.loss is None and scope is not None and scope._loss_float is not None:
             record.loss = scope._loss_float
         rules.evaluate_loss(record)
+        if scope is not None and not record.param_checked and record.nonfinite and scope._features.param_stats:
+            self._check_parameters_now(scope, record)
         if scope is not None and values is not None:
             for key, where in layout.items():
                 if key.startswith("read:"):  # probes find their values under "value:<name>"
@@ -332,6 +335,21 @@ class Runtime:
             self.history.add_event("anomaly", anomaly.detail, anomaly.as_dict())
             self._log_anomaly(anomaly)
         self.consecutive_bad = self.consecutive_bad + 1 if record.nonfinite else 0
+
+    def _check_parameters_now(self, scope, record: StepRecord) -> None:
+        """A non-finite step outside the parameter-check cadence: name the non-finite
+        parameters now (a second host read, on the anomaly path only)."""
+        if scope.model is None and scope.optimizer is None:
+            return
+        try:
+            refs = self.params_for(scope.model, scope.optimizer)
+            norms = grad_measure.parameter_norms(refs)
+            if norms is None:
+                return
+            record.param_checked = True
+            rules.evaluate_parameters(record, [r.name for r in refs], readout.read(norms))
+        except Exception as exc:
+            self.errors.report("gradients", exc)
 
     def _evaluate_grads(self, scope, record: StepRecord, total: float, norms: list[float]) -> None:
         s = self.settings
@@ -367,6 +385,8 @@ class Runtime:
                 attrs[semconv.GRAD_EXPLODED_PARAMS] = _capped(record.grad_exploded_params)
             if record.grad_vanished_params:
                 attrs[semconv.GRAD_VANISHED_PARAMS] = _capped(record.grad_vanished_params)
+        if record.param_checked:
+            attrs[semconv.PARAM_CHECKED] = True
         if record.param_nonfinite_params:
             attrs[semconv.PARAM_NONFINITE_PARAMS] = _capped(record.param_nonfinite_params)
         if record.update_ratio is not None:

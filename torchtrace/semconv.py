@@ -21,6 +21,7 @@ GRAD_NONFINITE_PARAMS = "torchtrace.grad.nonfinite_params"  # names, capped
 GRAD_EXPLODED_PARAMS = "torchtrace.grad.exploded_params"  # names, capped
 GRAD_VANISHED_PARAMS = "torchtrace.grad.vanished_params"  # names, capped
 GRAD_PARAM_COUNT = "torchtrace.grad.param_count"  # tensors with a gradient
+PARAM_CHECKED = "torchtrace.param.checked"  # ADVANCED: parameters checked this step (every N steps, bad steps)
 PARAM_NONFINITE_PARAMS = "torchtrace.param.nonfinite_params"
 UPDATE_RATIO = "torchtrace.update.ratio"  # ||all updates|| / ||all parameters after the update||
 UPDATE_RATIO_MAX = "torchtrace.update.ratio_max"  # the largest per-tensor ||update|| / ||parameter||

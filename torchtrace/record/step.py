@@ -41,6 +41,7 @@ class StepRecord:
     grad_nonfinite_params: list[str] = field(default_factory=list)
     grad_exploded_params: list[str] = field(default_factory=list)
     grad_vanished_params: list[str] = field(default_factory=list)
+    param_checked: bool = False  # ADVANCED: parameters were checked (every param_check_interval steps, bad steps)
     param_nonfinite_params: list[str] = field(default_factory=list)
     update_ratio: float | None = None  # ADVANCED, every update_ratio_interval steps
     update_ratio_max: float | None = None
