@@ -148,7 +148,7 @@ def test_extreme_level_records_layers_every_step(tiny_model, tmp_path):
             step.record_loss(loss)
             opt.step()
     assert readout.reads() - before == 2  # still one host read per step
-    assert _hook_count(tiny_model) == 0
+    assert _hook_count(tiny_model) == 3  # kept between steps (switched off), one per leaf layer
     rows = step.record.extra["activations"]
     assert [r["name"] for r in rows] == ["encoder", "act", "head"]
     assert math.isclose(rows[2]["mean"], ref_head["mean"], rel_tol=1e-6)
@@ -161,6 +161,40 @@ def test_extreme_level_records_layers_every_step(tiny_model, tmp_path):
         assert ev[0]["attributes"][semconv.ACTIVATION_LAYERS] == ["encoder", "act", "head"]
         assert math.isclose(ev[0]["attributes"][semconv.ACTIVATION_MAX][2], ref_head["max"], rel_tol=1e-6)
     tt.shutdown()
+    assert _hook_count(tiny_model) == 0  # shutdown removes them
+
+
+def test_kept_hooks_record_only_inside_steps_and_go_with_the_level(tiny_model, tmp_path):
+    tt.configure(level="extreme", prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False)
+    try:
+        x = torch.randn(3, 8)
+        ref = _ref_stats(tiny_model(x))  # before the hooks exist
+        for i in range(3):
+            with tt.debug_context("train_step", model=tiny_model) as step:
+                tiny_model(x).sum().backward()
+            with torch.no_grad():
+                tiny_model(torch.randn(5, 8) * 100)  # an evaluation between steps: not recorded
+            rows = step.record.extra["activations"]
+            assert [r["name"] for r in rows] == ["encoder", "act", "head"], i
+            assert math.isclose(rows[2]["mean"], ref["mean"], rel_tol=1e-6)
+            assert math.isclose(rows[2]["max"], ref["max"], rel_tol=1e-6)
+        with tt.debug_context("outer", model=tiny_model) as outer:
+            tiny_model(x)
+            with tt.debug_context("inner", model=tiny_model) as inner:
+                tiny_model(x)
+            assert _hook_count(tiny_model) == 3  # the inner step's own hooks are gone
+        assert [r["name"] for r in inner.record.extra["activations"]] == ["encoder", "act", "head"]
+        # The outer step's hooks also saw the inner forward (as in a step without nesting).
+        assert [r["name"] for r in outer.record.extra["activations"]] == [
+            "encoder", "act", "head", "encoder#1", "act#1", "head#1"]
+        assert _hook_count(tiny_model) == 3
+        tt.api.get_runtime().set_level("advanced")
+        assert _hook_count(tiny_model) == 0
+        with tt.debug_context("train_step", model=tiny_model) as step:
+            tiny_model(x).sum().backward()
+        assert "activations" not in step.record.extra and _hook_count(tiny_model) == 0
+    finally:
+        tt.shutdown()
 
 
 def test_basic_level_installs_no_hooks(tt_runtime, tiny_model):

@@ -8,34 +8,66 @@ attribute check per step.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
+
+import torch
 
 from torchtrace import semconv
 from torchtrace.measure.activations import LayerHooks
 
 
 class ActivationProbe:
-    """EXTREME: forward hooks on the step's model; stats stacked into the step's one host read."""
+    """EXTREME: forward hooks on the step's model; stats stacked into the step's one host read.
+
+    The hooks are registered on a model at its first EXTREME step and kept (switched off
+    between steps) until the level drops below EXTREME or torchtrace shuts down: registering
+    and removing a hook per layer on every step cost more than the statistics of a small
+    model. Modules added to a model after that are hooked after the next level change.
+    """
 
     KEY = "read:activations"
 
     def __init__(self, runtime) -> None:
         self.rt = runtime
+        self._kept: weakref.WeakKeyDictionary[torch.nn.Module, LayerHooks] = weakref.WeakKeyDictionary()
 
     def enter(self, scope) -> None:
-        if scope._features.activations and scope.model is not None:
+        if not (scope._features.activations and scope.model is not None):
+            return
+        hooks = self._kept.get(scope.model)
+        if hooks is None:
+            hooks = self._kept[scope.model] = LayerHooks(scope.model, fast=True, active=False)
+        elif hooks.active:  # a step inside a step on the same model: hooks of its own
             scope.extras["activation_hooks"] = LayerHooks(scope.model, fast=True)
+            return
+        hooks.active = True
+        scope.extras["activation_hooks"] = hooks
 
     def exit(self, scope, exc) -> None:
         hooks = scope.extras.pop("activation_hooks", None)
         if hooks is None:
             return
-        hooks.remove()
+        if self._kept.get(scope.model) is hooks:
+            hooks.active = False
+            hooks = hooks.take()
+        else:
+            hooks.remove()
         stacked = hooks.stacked()
         hooks.stats = []
         if stacked is not None:
             scope.extras[self.KEY] = stacked
             scope.extras["activation_layers"] = hooks
+
+    def on_level(self, features) -> None:
+        if not features.activations:
+            self.close()
+
+    def close(self) -> None:
+        """Remove every kept hook (level below EXTREME, shutdown)."""
+        for hooks in list(self._kept.values()):
+            hooks.remove()
+        self._kept.clear()
 
     def finalize(self, scope, record, span) -> None:
         if scope is None:

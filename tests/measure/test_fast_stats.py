@@ -103,3 +103,11 @@ def test_layer_hooks_batch_the_per_layer_statistics():
             continue
         for key in ("mean", "std", "min", "max"):
             assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (row["name"], key)
+
+
+def test_nonfinite_flag_when_the_row_sum_overflows_but_every_value_is_finite():
+    big = 1.5e308  # finite in float64; the four add to more than float64 can hold
+    assert finish_fast_stats([big, big, big, big], 4)[4] == 0
+    assert finish_fast_stats([1.0, float("inf"), 0.0, 1.0], 4)[4] == 1
+    assert finish_fast_stats([float("nan"), 1.0, 0.0, 1.0], 4)[4] == 1
+    assert finish_fast_stats([1.0, 1.0, float("-inf"), 1.0], 4)[4] == 1

@@ -94,12 +94,15 @@ class JsonLinesFile:
 
     def write_many(self, docs: list[Any]) -> int:
         """Append documents; returns how many were written (the rest hit the size cap)."""
+        return self.write_lines([(dumps(doc) + "\n").encode("utf-8") for doc in docs])
+
+    def write_lines(self, lines: list[bytes]) -> int:
+        """Append encoded lines (each one strict JSON document ending in a newline)."""
         with self._lock:
             fh = self._open()
             written = 0
             chunks = []
-            for doc in docs:
-                line = (dumps(doc) + "\n").encode("utf-8")
+            for line in lines:
                 if self._size + len(line) > self.max_bytes:
                     self.dropped += 1
                     continue

@@ -9,19 +9,21 @@ whatever the exporter does.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import format_span_id, format_trace_id
 
+from torchtrace.export import files
 from torchtrace.export.files import JsonLinesFile
 
 logger = logging.getLogger(__name__)
@@ -234,6 +236,20 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
 def span_to_dict(span: ReadableSpan) -> dict:
     """A finished span as a plain dict (the spans.jsonl line format)."""
+    doc = _span_fields(span)
+    doc["resource"] = _resource(span.resource)[0]
+    return doc
+
+
+def _mapping(attributes) -> dict:
+    """Span or event attributes as a dict (the SDK's own dict when it has one: no copy)."""
+    raw = getattr(attributes, "_dict", None)
+    if isinstance(raw, dict):
+        return raw
+    return dict(attributes) if attributes else {}
+
+
+def _span_fields(span: ReadableSpan) -> dict:
     ctx = span.get_span_context()
     parent = span.parent
     return {
@@ -245,14 +261,40 @@ def span_to_dict(span: ReadableSpan) -> dict:
         "end_unix_ns": span.end_time,
         "status": span.status.status_code.name,
         "status_description": span.status.description,
-        "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()},
-        "events": [
-            {"name": e.name, "time_unix_ns": e.timestamp,
-             "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (e.attributes or {}).items()}}
-            for e in span.events
-        ],
-        "resource": dict(span.resource.attributes) if span.resource is not None else {},
+        # Tuples (sequence attributes) are written as JSON arrays.
+        "attributes": _mapping(span.attributes),
+        "events": [{"name": e.name, "time_unix_ns": e.timestamp, "attributes": _mapping(e.attributes)}
+                   for e in span.events],
     }
+
+
+_RESOURCES: dict[int, tuple[Any, dict, str]] = {}
+
+
+def _resource(resource) -> tuple[dict, str]:
+    """The resource's attributes as a dict and as strict JSON text, built once per resource
+    (every span of a run shares it)."""
+    if resource is None:
+        return {}, "{}"
+    hit = _RESOURCES.get(id(resource))
+    if hit is None or hit[0] is not resource:
+        if len(_RESOURCES) > 16:
+            _RESOURCES.clear()
+        attrs = dict(resource.attributes)
+        hit = _RESOURCES[id(resource)] = (resource, attrs, files.dumps(attrs))
+    return hit[1], hit[2]
+
+
+def span_line(span: ReadableSpan) -> bytes:
+    """One spans.jsonl line: :func:`span_to_dict` as strict JSON. Attribute keys are strings and
+    values JSON types, so the C encoder takes the document; only a non-finite float sends it
+    to the strict path. The resource's text is made once and joined on."""
+    doc = _span_fields(span)
+    try:
+        text = json.dumps(doc, allow_nan=False)
+    except (ValueError, TypeError):
+        text = files.dumps(doc)
+    return (text[:-1] + ', "resource": ' + _resource(span.resource)[1] + "}\n").encode("utf-8")
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -262,7 +304,7 @@ class JsonLinesSpanExporter(SpanExporter):
         self.file = JsonLinesFile(path, max_bytes)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        written = self.file.write_many([span_to_dict(s) for s in spans])
+        written = self.file.write_lines([span_line(s) for s in spans])
         return SpanExportResult.SUCCESS if written == len(spans) else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:

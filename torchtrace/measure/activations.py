@@ -61,9 +61,13 @@ class LayerHooks:
     """
 
     def __init__(self, model: torch.nn.Module, leaves_only: bool = True, timing: bool = False,
-                 modules: Iterable[tuple[str, torch.nn.Module]] | None = None, fast: bool = False) -> None:
+                 modules: Iterable[tuple[str, torch.nn.Module]] | None = None, fast: bool = False,
+                 active: bool = True) -> None:
         # fast: the per-step statistics (fast_raw_stats); else the exact ones over finite values.
+        # active: hooks record only while True (hooks kept on a model across steps are
+        # switched off between them, which costs one attribute check per module call).
         self.fast = fast
+        self.active = active
         self._stat_names = FAST_STAT_NAMES if fast else STAT_NAMES
         self.names: list[str] = []
         self.stats: list[Any] = []  # fast: (sum, sumsq, min, max) 0-d tensors per call; else tensor_stats rows
@@ -74,6 +78,10 @@ class LayerHooks:
         self._starts: dict[int, list[float]] = {}
         self._handles: list[Any] = []
         self._calls: dict[str, int] = {}
+        self._dtype: torch.dtype | None = None  # fast: the first row's dtype and device
+        self._device: torch.device | None = None
+        self._mixed = False
+        self._meta_cache: dict[tuple, dict[str, Any]] = {}
         try:
             for name, mod in (modules if modules is not None else layer_modules(model, leaves_only)):
                 if timing:
@@ -90,6 +98,8 @@ class LayerHooks:
 
     def _post(self, name: str, mod):
         def hook(_module, _inputs, output):
+            if not self.active:
+                return None
             elapsed = None
             if self.timing:
                 starts = self._starts.get(id(mod))
@@ -104,6 +114,10 @@ class LayerHooks:
             self._calls[name] = n + 1
             if self.fast:  # works on a detached view: no autograd graph, no no_grad() needed
                 raw, count = fast_raw_stats(t)
+                if self.stats and (raw[0].dtype is not self._dtype or raw[0].device != self._device):
+                    self._mixed = True
+                elif not self.stats:
+                    self._dtype, self._device, self._mixed = raw[0].dtype, raw[0].device, False
                 self.stats.append(raw)
                 self._counts.append(count)
             else:
@@ -124,12 +138,22 @@ class LayerHooks:
             return None
         if self.fast:
             flat = [x for row in self.stats for x in row]
-            dev, dtype = flat[0].device, flat[0].dtype
-            if any(x.device != dev or x.dtype != dtype for x in flat):
-                flat = [x.to(device=dev, dtype=torch.float64) for x in flat]
+            if self._mixed:  # rows of several dtypes or devices (set by the hook)
+                flat = [x.to(device=self._device, dtype=torch.float64) for x in flat]
             return torch.stack(flat).reshape(-1, 4).to(torch.float64)
         dev = self.stats[0].device
         return torch.stack([s if s.device == dev else s.to(dev) for s in self.stats])
+
+    def take(self) -> "LayerHooks":
+        """This step's calls as a separate object (for :meth:`stacked` and :meth:`rows`, which
+        may run after the next step has begun); the hooks stay and start an empty step."""
+        snap = object.__new__(LayerHooks)
+        snap.__dict__.update(self.__dict__)
+        snap._handles = []
+        snap.active = False
+        self.names, self.stats, self._counts, self.meta, self.times = [], [], [], [], []
+        self._calls, self._starts, self._mixed = {}, {}, False
+        return snap
 
     def remove(self) -> None:
         for h in self._handles:
@@ -150,8 +174,13 @@ class LayerHooks:
                 row["nan_count"] = int(row["nan_count"])
                 row["inf_count"] = int(row["inf_count"])
                 row["nonfinite_count"] = row["nan_count"] + row["inf_count"]
-            shape, dtype, device, module = self.meta[i]
-            meta = {"shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "device": str(device),
-                    "module": module}
-            out.append({"name": name, **meta, **row, "time_s": self.times[i]})
+            key = self.meta[i]
+            meta = self._meta_cache.get(key)
+            if meta is None:
+                if len(self._meta_cache) >= 1024:  # shapes that vary every step (sequence lengths)
+                    self._meta_cache.clear()
+                shape, dtype, device, module = key
+                meta = self._meta_cache[key] = {"shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
+                                                "device": str(device), "module": module}
+            out.append({"name": name, **meta, "shape": list(meta["shape"]), **row, "time_s": self.times[i]})
         return out

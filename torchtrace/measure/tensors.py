@@ -82,7 +82,9 @@ def finish_fast_stats(row: list[float], n: int) -> tuple[float, float, float, fl
     mean = total / n
     var = (squares - total * mean) / max(n - 1, 1)
     std = math.sqrt(var) if var > 0 else (0.0 if var <= 0 else var)  # rounding below 0 -> 0; NaN stays
-    flag = int(not all(math.isfinite(v) for v in row))
+    # One addition tells the common case (all finite); an overflowing sum of float64
+    # extremes is told apart by the element-wise check.
+    flag = 0 if math.isfinite(total + squares + mn + mx) else int(not all(math.isfinite(v) for v in row))
     return mean, std, mn, mx, flag
 
 
