@@ -519,8 +519,10 @@ class StepScope:
         pieces: list[torch.Tensor] = []
         offset = 0
         home = None
+        # Pieces keep their dtypes: the one cat below promotes them (the float64 global norm
+        # makes it float64), so no piece needs a conversion of its own.
         if self._loss is not None:
-            loss = self._loss.reshape(-1)[:1].to(torch.float64)
+            loss = self._loss.reshape(1) if self._loss.numel() == 1 else self._loss.reshape(-1)[:1]
             pieces.append(loss)
             home = loss.device
             self._layout["loss"] = offset
@@ -528,10 +530,11 @@ class StepScope:
         stats = self._grad_stats
         if stats is not None:
             if self._grad_read is None:
-                vec = torch.cat([stats.total.reshape(1).to(torch.float64), stats.norms.to(torch.float64)])
-                if home is not None and vec.device != home:
-                    vec = vec.to(home, non_blocking=True)
-                pieces.append(vec)
+                total, norms = stats.total.reshape(1), stats.norms
+                if home is not None and total.device != home:
+                    total, norms = total.to(home, non_blocking=True), norms.to(home, non_blocking=True)
+                pieces.append(total)
+                pieces.append(norms)
                 self._layout["grads"] = (offset, stats.count)
                 offset += 1 + stats.count
         if feats.param_stats and (self.model is not None or self.optimizer is not None) and (
@@ -573,6 +576,8 @@ class StepScope:
         if pieces:
             dev = pieces[0].device
             vec = pieces[0] if len(pieces) == 1 else torch.cat([p if p.device == dev else p.to(dev) for p in pieces])
+            if vec.dtype != torch.float64:
+                vec = vec.to(torch.float64)
             try:
                 pending = readout.start(vec)
             except Exception as rerr:

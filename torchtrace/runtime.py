@@ -355,7 +355,8 @@ class Runtime:
         s = self.settings
         record.grad_norm_scope = getattr(scope._grad_stats, "scope", "global")
         overflow: list[str] = []
-        if scope._grad_stats.grads and any(math.isinf(v) for v in norms):
+        # A finite global norm (float64, summed from the tensors' norms) means every tensor's is.
+        if scope._grad_stats.grads and not math.isfinite(total) and any(math.isinf(v) for v in norms):
             overflow = self._overflowed(scope, norms)
         rules.evaluate_gradients(record, scope._grad_stats.names, norms, total, s.grad_explosion_threshold,
                                  s.grad_vanishing_threshold, scope._features.param_stats, overflow)

@@ -166,6 +166,8 @@ class Metrics:
         mem = record.memory
         if mem.get("rss_bytes") is not None:
             self._rss.set(mem["rss_bytes"])
+        if mem.get("cuda_allocated_bytes") is None and mem.get("cuda_reserved_bytes") is None:
+            return  # no CUDA counters in this record (a CPU step)
         device = self.device(str(mem.get("device") or "cuda"))
         for key, kind in (("cuda_allocated_bytes", "allocated"), ("cuda_reserved_bytes", "reserved"),
                           ("cuda_peak_allocated_bytes", "peak_allocated")):

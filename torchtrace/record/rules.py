@@ -25,12 +25,17 @@ def evaluate_gradients(
 ) -> None:
     """Fill the record's gradient fields and append gradient anomalies.
 
+    ``total`` is the float64 L2 norm of ``norms`` (as :func:`gradient_norms` computes it).
+
     ``overflow_only`` names tensors whose norm overflowed although every element is finite.
     """
     record.grad_names = list(names)
     record.grad_norms = list(norms)
     record.grad_norm = total
-    bad = [n for n, v in zip(names, norms) if not math.isfinite(v)]
+    # ``total`` is the L2 norm of ``norms`` in float64: finite exactly when every tensor's norm
+    # is (an overflowing square makes it infinite too), so a finite total needs no scan.
+    finite_total = total is not None and math.isfinite(total)
+    bad = [] if finite_total else [n for n, v in zip(names, norms) if not math.isfinite(v)]
     record.grad_nonfinite_params = bad
     if bad:
         real = [n for n in bad if n not in overflow_only]
