@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -25,6 +26,10 @@ from torchtrace import semconv
 from torchtrace.forensics import leaks
 from torchtrace.measure import memory as mem_measure
 from torchtrace.record.step import Anomaly
+
+HEAP_FREE_S = 100e-6  # a heap sample this cheap is taken every step
+HEAP_BUDGET = 0.005  # otherwise at most this share of the step time goes to heap samples
+HEAP_MAX_GAP = 64  # and at least one sample every this many steps
 
 
 # ---------------------------------------------------------------- snapshots
@@ -231,6 +236,11 @@ class LeakProbe:
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
         self.flagged = 0
         self.investigations = 0  # slow paths started (each runs confirm_steps steps)
+        self.heap_every = 1  # the CPU heap is sampled every this many steps (see _sample_heap)
+        self._heap_wait = 0
+        self._heap_cost: float | None = None  # seconds per mallinfo2 call, smoothed
+        self._step_s: float | None = None  # step wall time, smoothed
+        self._heap_available = True
         runtime.report_sections["memory_leaks"] = self.section
 
     def configure(self, window: int | None = None, threshold: float | None = None,
@@ -245,6 +255,7 @@ class LeakProbe:
 
     def section(self) -> dict[str, Any]:
         return {"flagged": self.flagged, "investigations": self.investigations, "threshold_bytes_per_step": self.threshold, "window": self.window,
+                "heap_sampled_every_steps": self.heap_every,
                 "slopes": {d: t.slope for d, t in self.trackers.items()}, "reports": list(self.reports)}
 
     def enter(self, scope) -> None:
@@ -260,6 +271,36 @@ class LeakProbe:
         if not features.leak_detector and self.investigation is not None:
             self.investigation.stop()
             self.investigation = None
+
+    def _sample_heap(self, step_s: float) -> int | None:
+        """The CPU heap in use, on the steps it is sampled; None on the others.
+
+        glibc's ``mallinfo2`` walks the allocator's free lists, so its cost grows with
+        fragmentation: a few microseconds in a fresh process, over a millisecond after heavy
+        churn. It runs every step while it costs under ``HEAP_FREE_S``; past that, every N steps
+        with N chosen so it takes at most ``HEAP_BUDGET`` of the step time (N at most
+        ``HEAP_MAX_GAP``). The slope stays in bytes per step, as the samples carry their steps.
+        """
+        self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
+        if self._heap_wait > 0:
+            self._heap_wait -= 1
+            return None
+        if self._heap_cost is None:
+            mem_measure.heap_in_use_bytes()  # the first call loads the C library: not a sample's cost
+        t0 = time.perf_counter()
+        heap = mem_measure.heap_in_use_bytes()
+        cost = time.perf_counter() - t0
+        if heap is None:
+            self._heap_available = False
+            return None
+        self._heap_cost = cost if self._heap_cost is None else 0.7 * self._heap_cost + 0.3 * cost
+        if self._heap_cost <= HEAP_FREE_S:
+            gap = 1
+        else:
+            gap = min(HEAP_MAX_GAP, max(1, math.ceil(self._heap_cost / (HEAP_BUDGET * max(self._step_s, 1e-6)))))
+        self.heap_every = gap
+        self._heap_wait = gap - 1
+        return heap
 
     def _tracker(self, device: str) -> leaks.GrowthTracker:
         t = self.trackers.get(device)
@@ -278,11 +319,11 @@ class LeakProbe:
         points = []
         if mem.get("cuda_allocated_bytes") is not None:
             points.append((mem.get("device") or "cuda", mem["cuda_allocated_bytes"]))
-        heap = mem_measure.heap_in_use_bytes()  # ~20 us; falls back to RSS without glibc
+        heap = self._sample_heap(record.duration_s)
         if heap is not None:
             points.append(("cpu", heap))
-        elif mem.get("rss_bytes") is not None:
-            points.append(("cpu", mem["rss_bytes"]))
+        elif not self._heap_available and mem.get("rss_bytes") is not None:
+            points.append(("cpu", mem["rss_bytes"]))  # no glibc: RSS, already sampled
         worst = None
         for device, value in points:
             tr = self._tracker(device)
@@ -293,6 +334,10 @@ class LeakProbe:
                     span.set_attribute(semconv.MEMORY_GROWTH_BYTES_PER_STEP, slope)
                 if tr.sustained() and worst is None:
                     worst = (device, tr)
+        if not points:  # the heap was not sampled this step: the span carries the last slope
+            tr = self.trackers.get("cpu")
+            if tr is not None and tr.slope is not None:
+                span.set_attribute(semconv.MEMORY_GROWTH_BYTES_PER_STEP, tr.slope)
         if self.investigation is not None:
             self.investigation.steps += 1
             if self.investigation.steps >= self.confirm_steps:

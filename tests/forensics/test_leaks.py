@@ -3,6 +3,7 @@ their tensors named, a clean loop of the same length never flagged)."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import statistics
@@ -15,6 +16,8 @@ from torchtrace import semconv
 from torchtrace.api import get_runtime
 from torchtrace.forensics import leaks
 from torchtrace.memory_tracking import LeakProbe
+
+memory_tracking = importlib.import_module("torchtrace.memory_tracking")  # the package exports a function of that name
 from torchtrace.probes_registry import find_probe
 
 WINDOW = 16
@@ -48,6 +51,52 @@ def test_growth_tracker_sustained_and_round_trip():
     assert not flat.sustained()
     with pytest.raises(ValueError, match="window"):
         leaks.GrowthTracker(window=2)
+
+
+@pytest.fixture(autouse=True)
+def _heap_sampled_every_step(monkeypatch, request):
+    # These tests are about what the detector finds, so the heap is sampled every step however
+    # fragmented this test process's heap is (the sampling policy has its own test).
+    if request.node.name != "test_a_costly_heap_sample_is_spread_over_steps_and_keeps_the_slope":
+        monkeypatch.setattr(memory_tracking, "HEAP_FREE_S", 10.0)
+
+
+def test_a_costly_heap_sample_is_spread_over_steps_and_keeps_the_slope(tmp_path, monkeypatch):
+    import time
+
+    from torchtrace.measure import memory as mem_measure
+
+    step_no = [0]
+    calls = []
+
+    def costly_heap():  # a fragmented heap: 3 ms a call; grows 300 KB per step
+        time.sleep(0.003)
+        calls.append(step_no[0])
+        return 10_000_000 + 300_000 * step_no[0]
+
+    monkeypatch.setattr(mem_measure, "heap_in_use_bytes", costly_heap)
+    tt.configure(level="advanced", prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False,
+                 leak_window=4, leak_threshold_bytes=10 ** 9)
+    try:
+        probe = find_probe(get_runtime(), LeakProbe)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        steps = 700
+        for i in range(steps):
+            step_no[0] = i
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                opt.zero_grad()
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+        # A ~1 ms step cannot give 0.5 % of itself to a 3 ms sample: one sample every 64 steps.
+        assert probe.heap_every == memory_tracking.HEAP_MAX_GAP
+        assert len(calls) <= 2 + 1 + steps // memory_tracking.HEAP_MAX_GAP  # the first call is a warm-up
+        gaps = {b - a for a, b in zip(calls[2:], calls[3:])}
+        assert gaps == {memory_tracking.HEAP_MAX_GAP}
+        assert probe.trackers["cpu"].slope == pytest.approx(300_000)  # still bytes per step
+        assert step.record.anomalies == []
+    finally:
+        tt.shutdown()
 
 
 def _configure(tmp_path):

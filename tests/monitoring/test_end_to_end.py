@@ -6,6 +6,7 @@ stored carry trace ids of the run's spans.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import socket
@@ -194,8 +195,13 @@ def dashboard_queries(run_id: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_nan_alert_reaches_webhook_healthy_run_silent_dashboards_have_data(stack):
+def test_nan_alert_reaches_webhook_healthy_run_silent_dashboards_have_data(stack, monkeypatch):
     prom, hook = stack["prom"], stack["hook"]
+    # The leak detector's growth slope needs two windows of heap samples. After hundreds of
+    # tests this process's heap is fragmented enough that the detector would sample it only
+    # every few dozen steps (its cost policy, tested in tests/forensics/test_leaks.py), too
+    # rarely for an 8-second run: here it samples every step.
+    monkeypatch.setattr(importlib.import_module("torchtrace.memory_tracking"), "HEAP_FREE_S", 10.0)
     # Phase 1: a healthy run, scraped for a while: no alert may fire or even be pending.
     healthy = tt.configure(service_name="e2e", run_id="healthy-run", level="advanced",
                            prometheus_port=stack["metrics_port"], port_policy="off",
