@@ -48,7 +48,8 @@ def evaluate_gradients(
     if total is None or not names:
         return
     if per_parameter:
-        exploded = [n for n, v in zip(names, norms) if v > explosion_threshold]
+        # No tensor's norm exceeds the global norm, so a global norm under the threshold needs no scan.
+        exploded = [n for n, v in zip(names, norms) if v > explosion_threshold] if total > explosion_threshold else []
         vanished = [n for n, v in zip(names, norms) if v < vanishing_threshold]
     else:
         exploded = []
