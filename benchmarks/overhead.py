@@ -13,7 +13,11 @@ Variants:
   floor      the plain step plus the least any per-step gradient check costs: one fused norm
              over the gradients (before the update) and one host read of the norms and loss
   off        decorated with @debug_operation, torchtrace configured with level=off
-  basic / advanced / extreme   decorated, at that level
+  basic / advanced / extreme   decorated, at that level. extreme trains an identical copy of
+             the model (same weights, own optimizer): its activation hooks stay registered on
+             that copy between rounds, as in a job that stays at EXTREME, while the other
+             variants' model carries none (a level change removes the hooks, and the rounds
+             change the level every few steps)
   seed       the per-parameter checks a hand-written monitor does: isnan/isinf/norm().item()
              per gradient and mean/std/norm .item() per parameter
   anomaly    the plain step inside torch.autograd.detect_anomaly() always on
@@ -22,6 +26,7 @@ Variants:
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import math
 import os
@@ -195,7 +200,23 @@ def make_runner(variant: str, wl: Workload):
                 return wl.step(model, batch)
         return anomalous
     level = variant
-    decorated = tt.debug_operation(name="train_step", model=model, optimizer=wl.optimizer)(wl.step)
+    optimizer, step = wl.optimizer, wl.step
+    if level == "extreme":
+        model = copy.deepcopy(wl.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=wl.optimizer.param_groups[0]["lr"])
+
+        def step(m, b):
+            optimizer.zero_grad(set_to_none=True)
+            loss = wl.loss_fn(m, b)
+            loss.backward()
+            optimizer.step()
+            return loss
+    if level == "extreme":
+        # The operation is pinned at EXTREME (the decorator's level), so the rounds' level
+        # changes for the other variants leave its hooks in place.
+        pinned = tt.debug_operation(name="train_step", model=model, optimizer=optimizer, level="extreme")(step)
+        return lambda: pinned(model, batch)
+    decorated = tt.debug_operation(name="train_step", model=model, optimizer=optimizer)(step)
 
     def instrumented():
         rt = tt_api.get_runtime()

@@ -203,3 +203,27 @@ def test_basic_level_installs_no_hooks(tt_runtime, tiny_model):
         seen.append(_hook_count(tiny_model))
         tiny_model(torch.ones(1, 8)).sum().backward()
     assert seen == [0] and "activations" not in step.record.extra
+
+
+def test_an_operation_pinned_at_extreme_keeps_its_hooks_through_runtime_level_changes(tiny_model, tmp_path):
+    tt.configure(level="basic", prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False)
+    try:
+        x = torch.randn(3, 8)
+
+        @tt.debug_operation(name="probe_step", model=tiny_model, level="extreme")
+        def step():
+            tiny_model(x).sum().backward()
+
+        step()
+        assert _hook_count(tiny_model) == 3
+        tt.api.get_runtime().set_level("advanced")  # the runtime was never EXTREME
+        assert _hook_count(tiny_model) == 3
+        step()
+        rec = tt.api.get_runtime().history.last_record
+        assert [r["name"] for r in rec.extra["activations"]] == ["encoder", "act", "head"]
+        tt.api.get_runtime().set_level("extreme")
+        tt.api.get_runtime().set_level("basic")  # leaving EXTREME removes every kept hook
+        assert _hook_count(tiny_model) == 0
+    finally:
+        tt.shutdown()
+    assert _hook_count(tiny_model) == 0

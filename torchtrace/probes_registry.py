@@ -21,7 +21,7 @@ class ActivationProbe:
     """EXTREME: forward hooks on the step's model; stats stacked into the step's one host read.
 
     The hooks are registered on a model at its first EXTREME step and kept (switched off
-    between steps) until the level drops below EXTREME or torchtrace shuts down: registering
+    between steps) until the runtime's level drops from EXTREME or torchtrace shuts down: registering
     and removing a hook per layer on every step cost more than the statistics of a small
     model. Modules added to a model after that are hooked after the next level change.
     """
@@ -31,6 +31,7 @@ class ActivationProbe:
     def __init__(self, runtime) -> None:
         self.rt = runtime
         self._kept: weakref.WeakKeyDictionary[torch.nn.Module, LayerHooks] = weakref.WeakKeyDictionary()
+        self._runtime_extreme = bool(getattr(getattr(runtime, "features", None), "activations", False))
 
     def enter(self, scope) -> None:
         if not (scope._features.activations and scope.model is not None):
@@ -60,8 +61,11 @@ class ActivationProbe:
             scope.extras["activation_layers"] = hooks
 
     def on_level(self, features) -> None:
-        if not features.activations:
+        # Leaving EXTREME removes the hooks. An operation pinned at EXTREME by its own
+        # ``level=`` keeps them through level changes that never made the runtime EXTREME.
+        if self._runtime_extreme and not features.activations:
             self.close()
+        self._runtime_extreme = features.activations
 
     def close(self) -> None:
         """Remove every kept hook (level below EXTREME, shutdown)."""
