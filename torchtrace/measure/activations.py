@@ -155,6 +155,24 @@ class LayerHooks:
         self._calls, self._starts, self._mixed = {}, {}, False
         return snap
 
+    def _fast_rows(self, values: list[float]) -> list[dict[str, Any]]:
+        """:meth:`rows` for the per-step statistics: one dict literal per call ("nonfinite" is a
+        flag, 1 when the layer's output held NaN/Inf)."""
+        cache, counts, meta, times = self._meta_cache, self._counts, self.meta, self.times
+        out = []
+        for i, name in enumerate(self.names):
+            mean, std, mn, mx, flag = finish_fast_stats(values[4 * i:4 * i + 4], counts[i])
+            key = meta[i]
+            strings = cache.get(key)
+            if strings is None:
+                if len(cache) >= 1024:  # shapes that vary every step (sequence lengths)
+                    cache.clear()
+                strings = cache[key] = (str(key[1]).replace("torch.", ""), str(key[2]))
+            out.append({"name": name, "shape": list(key[0]), "dtype": strings[0], "device": strings[1],
+                        "module": key[3], "mean": mean, "std": std, "min": mn, "max": mx, "nonfinite": flag,
+                        "time_s": times[i]})
+        return out
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
@@ -163,24 +181,17 @@ class LayerHooks:
 
     def rows(self, values: list[float]) -> list[dict[str, Any]]:
         """Per-call dictionaries from the host values of :meth:`stacked`."""
+        if self.fast:
+            return self._fast_rows(values)
         names = self._stat_names
-        w = 4 if self.fast else len(names)
+        w = len(names)
         out = []
         for i, name in enumerate(self.names):
-            if self.fast:  # "nonfinite" is a flag: this layer's output held NaN/Inf
-                row = dict(zip(names, finish_fast_stats(values[i * w:(i + 1) * w], self._counts[i])))
-            else:
-                row = dict(zip(names, values[i * w:(i + 1) * w]))
-                row["nan_count"] = int(row["nan_count"])
-                row["inf_count"] = int(row["inf_count"])
-                row["nonfinite_count"] = row["nan_count"] + row["inf_count"]
-            key = self.meta[i]
-            meta = self._meta_cache.get(key)
-            if meta is None:
-                if len(self._meta_cache) >= 1024:  # shapes that vary every step (sequence lengths)
-                    self._meta_cache.clear()
-                shape, dtype, device, module = key
-                meta = self._meta_cache[key] = {"shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
-                                                "device": str(device), "module": module}
-            out.append({"name": name, **meta, "shape": list(meta["shape"]), **row, "time_s": self.times[i]})
+            row = dict(zip(names, values[i * w:(i + 1) * w]))
+            row["nan_count"] = int(row["nan_count"])
+            row["inf_count"] = int(row["inf_count"])
+            row["nonfinite_count"] = row["nan_count"] + row["inf_count"]
+            shape, dtype, device, module = self.meta[i]
+            out.append({"name": name, "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
+                        "device": str(device), "module": module, **row, "time_s": self.times[i]})
         return out
