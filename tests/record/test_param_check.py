@@ -4,6 +4,8 @@ are checked against a plain loop over the parameters."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -16,6 +18,17 @@ from tests.helpers import read_spans
 def _configure(tmp_path, **kw):
     return tt.configure(prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False,
                         level=kw.pop("level", "advanced"), **kw)
+
+
+@contextlib.contextmanager
+def _training(tmp_path, **kw):
+    """torchtrace configured with ``kw``, a fresh model and its SGD optimizer; shut down after."""
+    result = _configure(tmp_path, **kw)
+    try:
+        model = _model()
+        yield result, model, torch.optim.SGD(model.parameters(), lr=0.01)
+    finally:
+        tt.shutdown()
 
 
 def _model():
@@ -39,10 +52,7 @@ def _step(model, opt, poison=None):
 
 
 def test_checked_every_interval_steps_and_spans_say_so(tmp_path):
-    result = _configure(tmp_path, param_check_interval=3, update_ratio_interval=0)
-    try:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with _training(tmp_path, param_check_interval=3, update_ratio_interval=0) as (result, model, opt):
         records = [_step(model, opt) for _ in range(8)]
         assert [r.param_checked for r in records] == [i % 3 == 0 for i in range(8)]
         assert all(r.param_nonfinite_params == [] for r in records)
@@ -51,27 +61,17 @@ def test_checked_every_interval_steps_and_spans_say_so(tmp_path):
         spans = read_spans(result.spans_path)
         checked = [s["attributes"][semconv.STEP] for s in spans if s["attributes"].get(semconv.PARAM_CHECKED)]
         assert checked == [0, 3, 6]
-    finally:
-        tt.shutdown()
 
 
 def test_update_ratio_steps_are_checked_too(tmp_path):
-    _configure(tmp_path, param_check_interval=100, update_ratio_interval=4)
-    try:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with _training(tmp_path, param_check_interval=100, update_ratio_interval=4) as (result, model, opt):
         records = [_step(model, opt) for _ in range(9)]
         assert [i for i, r in enumerate(records) if r.param_checked] == [0, 4, 8]
         assert [i for i, r in enumerate(records) if r.update_ratio is not None] == [0, 4, 8]
-    finally:
-        tt.shutdown()
 
 
 def test_a_bad_step_off_the_cadence_names_the_nonfinite_parameters(tmp_path):
-    _configure(tmp_path, param_check_interval=1000, update_ratio_interval=0)
-    try:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with _training(tmp_path, param_check_interval=1000, update_ratio_interval=0) as (result, model, opt):
         for _ in range(3):
             assert not _step(model, opt).nonfinite
         reads = readout.reads()
@@ -82,15 +82,10 @@ def test_a_bad_step_off_the_cadence_names_the_nonfinite_parameters(tmp_path):
         assert "2.weight" in expected  # the NaN gradient spread to every tensor through the SGD update
         assert rec.param_nonfinite_params == expected
         assert rec.anomaly_kinds == [semconv.NONFINITE_GRAD, semconv.NONFINITE_PARAM]
-    finally:
-        tt.shutdown()
 
 
 def test_a_skipped_bad_step_leaves_the_parameters_finite(tmp_path):
-    _configure(tmp_path, param_check_interval=1000, update_ratio_interval=0, guard="skip")
-    try:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with _training(tmp_path, param_check_interval=1000, update_ratio_interval=0, guard="skip") as (result, model, opt):
         _step(model, opt)
         with tt.debug_context("train_step", model=model, optimizer=opt) as step:
             opt.zero_grad()
@@ -99,31 +94,19 @@ def test_a_skipped_bad_step_leaves_the_parameters_finite(tmp_path):
         rec = step.record
         assert rec.skipped and rec.param_checked and rec.param_nonfinite_params == []
         assert _nonfinite_by_loop(model) == []
-    finally:
-        tt.shutdown()
 
 
 def test_basic_never_checks_parameters(tmp_path):
-    _configure(tmp_path, level="basic", param_check_interval=1)
-    try:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with _training(tmp_path, level="basic", param_check_interval=1) as (result, model, opt):
         records = [_step(model, opt) for _ in range(3)]
         records.append(_step(model, opt, poison=lambda: model[2].bias.fill_(float("nan"))))
         assert not any(r.param_checked for r in records)
         assert records[-1].nonfinite and records[-1].param_nonfinite_params == []
-    finally:
-        tt.shutdown()
 
 
 def test_interval_one_checks_every_step(tmp_path):
-    _configure(tmp_path, param_check_interval=1, update_ratio_interval=0)
-    try:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with _training(tmp_path, param_check_interval=1, update_ratio_interval=0) as (result, model, opt):
         assert all(_step(model, opt).param_checked for _ in range(4))
-    finally:
-        tt.shutdown()
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, "often"])
