@@ -426,7 +426,7 @@ class StepScope:
         stats = self._grad_stats
         bad = False
         if stats is not None:
-            vec = torch.cat([stats.total.reshape(1).to(torch.float64), stats.norms.to(torch.float64)])
+            vec = torch.cat([stats.total.reshape(1), stats.norms])  # float64: cat promotes to the total's dtype
             if rt.settings.guard == "warn":
                 # Only forensics' early look at CPU gradients brings a warn step here: the
                 # values are in host memory already, and the step's one read stays at its end.

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from torchtrace.measure.tensors import FAST_STAT_NAMES, STAT_NAMES, fast_raw_stats, finish_fast_stats, tensor_stats
+from torchtrace.measure.tensors import STAT_NAMES, fast_raw_stats, finish_fast_stats, tensor_stats
 
 MAX_LAYER_CALLS = 512  # per step: hooks past this many calls record nothing
 
@@ -68,7 +68,6 @@ class LayerHooks:
         # switched off between them, which costs one attribute check per module call).
         self.fast = fast
         self.active = active
-        self._stat_names = FAST_STAT_NAMES if fast else STAT_NAMES
         self.names: list[str] = []
         self.stats: list[Any] = []  # fast: (sum, sumsq, min, max) 0-d tensors per call; else tensor_stats rows
         self._counts: list[int] = []  # fast: element counts of the rows in ``stats``
@@ -81,7 +80,7 @@ class LayerHooks:
         self._dtype: torch.dtype | None = None  # fast: the first row's dtype and device
         self._device: torch.device | None = None
         self._mixed = False
-        self._meta_cache: dict[tuple, dict[str, Any]] = {}
+        self._meta_cache: dict[tuple, tuple[str, str]] = {}  # fast rows: (dtype, device) strings per meta
         try:
             for name, mod in (modules if modules is not None else layer_modules(model, leaves_only)):
                 if timing:
@@ -183,7 +182,7 @@ class LayerHooks:
         """Per-call dictionaries from the host values of :meth:`stacked`."""
         if self.fast:
             return self._fast_rows(values)
-        names = self._stat_names
+        names = STAT_NAMES
         w = len(names)
         out = []
         for i, name in enumerate(self.names):
