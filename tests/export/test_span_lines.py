@@ -4,6 +4,7 @@ dict writes, for finite and non-finite values, sequences and events."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -43,3 +44,12 @@ def test_fast_line_equals_the_strict_encoding(tracer, attributes, event):
     doc = json.loads(text)
     assert doc["parent_span_id"] == format(parent.get_span_context().span_id, "016x")
     assert doc["resource"]["service.name"] == "lines"
+    # The attributes themselves, against what the span was given (not through span_to_dict).
+    def plain(values):
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()
+                if all(not isinstance(x, float) or math.isfinite(x) for x in (v if isinstance(v, tuple) else (v,)))}
+    assert set(doc["attributes"]) == set(attributes)
+    assert {k: doc["attributes"][k] for k in plain(attributes)} == plain(attributes)
+    if event is not None:
+        assert set(doc["events"][0]["attributes"]) == set(event)
+        assert {k: doc["events"][0]["attributes"][k] for k in plain(event)} == plain(event)

@@ -62,21 +62,20 @@ def _model_and_step(poison_at: int | None = None):
 
     def step(i: int) -> tuple[float, float]:
         """One instrumented step; returns its loss and global gradient norm in float64."""
+        poisoned = i == poison_at
         with tt.debug_context("train_step", model=model, optimizer=opt) as scope:
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.mse_loss(model(x), y)
-            if poison_at is not None and i == poison_at:
+            if poisoned:
                 loss = loss * float("nan")
             loss.backward()
             scope.record_loss(loss)
             ref = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
-            if poison_at is not None and i == poison_at:
-                before = [p.detach().clone() for p in model.parameters()]
+            before = [p.detach().clone() for p in model.parameters()] if poisoned else []
             opt.step()
-            if poison_at is not None and i == poison_at:  # the user drops the poisoned update
-                with torch.no_grad():
-                    for p, b in zip(model.parameters(), before):
-                        p.copy_(b)
+            with torch.no_grad():  # the user drops a poisoned update
+                for p, b in zip(model.parameters(), before):
+                    p.copy_(b)
         return float(loss.detach().double()), ref
 
     return step
