@@ -402,8 +402,8 @@ def main(argv=None) -> int:
     oc = overhead_check(wls[0], device, 5 if args.quick else 60)
     print(f"torchtrace_overhead_seconds_total ({wls[0].name}, basic, medians): {oc['self_us']:.1f} us/step; "
           f"instrumented - bare: {oc['delta_us']:.1f} us/step wall, {oc['thread_delta_us']:.1f} us/step training-thread CPU")
-    from torchtrace.memory_tracking import LeakProbe
-    from torchtrace.probes_registry import find_probe
+    from torchtrace.probes.leaks import LeakProbe
+    from torchtrace.probes import find_probe
 
     leak_probe = find_probe(tt_api.get_runtime(), LeakProbe)
     for wl in wls:

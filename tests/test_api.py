@@ -221,9 +221,9 @@ def test_disabled_environment_means_no_threads_no_files(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHTRACE_DISABLED", "1")
     monkeypatch.chdir(tmp_path)
     tt.shutdown()
-    import torchtrace.api as api
+    from torchtrace import current
 
-    monkeypatch.setattr(api, "_disabled", False)
+    monkeypatch.setattr(current, "_disabled", False)
     before = threading.active_count()
 
     @tt.debug_operation

@@ -10,6 +10,10 @@ import torch
 
 import torchtrace as tt
 from torchtrace import distributed as d
+from torchtrace.distributed.collectives import STATE
+from torchtrace.export.trace_ids import step_trace_id
+from torchtrace.probes.straggler import skew
+from torchtrace.record.policy import agree_any
 from torchtrace.config import Settings
 from torchtrace.export.server import TelemetryServer
 from torchtrace.measure import gradients as grad_measure
@@ -50,10 +54,10 @@ def test_port_fallback_strides_by_local_world_size():
 
 
 def test_skew_is_slowest_over_median():
-    assert d.skew([1.0, 1.0, 1.0]) == 1.0
-    assert d.skew([1.0, 2.0, 4.0]) == 2.0
-    assert d.skew([0.01, 0.03]) == pytest.approx(0.03 / 0.02)
-    assert d.skew([0.0, 0.0]) == 1.0
+    assert skew([1.0, 1.0, 1.0]) == 1.0
+    assert skew([1.0, 2.0, 4.0]) == 2.0
+    assert skew([0.01, 0.03]) == pytest.approx(0.03 / 0.02)
+    assert skew([0.0, 0.0]) == 1.0
 
 
 def test_settings_for_distributed_features():
@@ -73,26 +77,26 @@ def test_shared_step_trace_ids_are_derived_from_run_and_step(tmp_path):
         with tt.debug_context("train_step") as step:
             with tt.debug_context("inner") as inner:
                 pass
-    assert step.record.trace_id == format(d.step_trace_id("run-a", "train_step", 1), "032x")
+    assert step.record.trace_id == format(step_trace_id("run-a", "train_step", 1), "032x")
     assert inner.record.trace_id == step.record.trace_id  # nested spans stay in the step's trace
-    assert d.step_trace_id("run-a", "train_step", 1) != d.step_trace_id("run-a", "train_step", 2)
-    assert d.step_trace_id("run-b", "train_step", 1) != d.step_trace_id("run-a", "train_step", 1)
+    assert step_trace_id("run-a", "train_step", 1) != step_trace_id("run-a", "train_step", 2)
+    assert step_trace_id("run-b", "train_step", 1) != step_trace_id("run-a", "train_step", 1)
     tt.shutdown()
     tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="run-a", register_atexit=False)
     with tt.debug_context("train_step", step=1) as plain:
         pass
-    assert plain.record.trace_id != format(d.step_trace_id("run-a", "train_step", 1), "032x")
+    assert plain.record.trace_id != format(step_trace_id("run-a", "train_step", 1), "032x")
 
 
 def test_single_process_norms_are_global_and_issue_no_collective(tt_runtime, tiny_model):
-    before = dict(d.STATE.counts)
+    before = dict(STATE.counts)
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     with tt.debug_context("train_step", model=tiny_model, optimizer=opt) as step:
         tiny_model(torch.randn(3, 8)).sum().backward()
         opt.step()
     assert step.record.grad_norm_scope == "global"
-    assert dict(d.STATE.counts) == before
-    assert d.agree_any(True) is True and d.agree_any(False) is False
+    assert dict(STATE.counts) == before
+    assert agree_any(True) is True and agree_any(False) is False
     report = json.loads(json.dumps(tt.api.get_runtime().summary()["distributed"]))
     assert report["world_size"] == 1 and report["rank_skew"] is None
 

@@ -24,7 +24,7 @@ CHILD = r"""
 import atexit, sys, threading, time, torch, torchtrace as tt
 # The same imports whether torchtrace is disabled or not, so the baseline's teardown is comparable.
 import opentelemetry.exporter.otlp.proto.grpc.trace_exporter, opentelemetry.exporter.otlp.proto.http.trace_exporter
-import grpc, requests, torchtrace.runtime, torchtrace.export.otlp_metrics
+import grpc, requests, torchtrace.step.runtime, torchtrace.export.otlp_metrics
 started = []
 marks = []
 atexit.register(lambda: print("threads started at exit:", started, "torchtrace exit handler s:",

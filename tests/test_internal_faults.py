@@ -14,9 +14,10 @@ import torch
 
 import torchtrace as tt
 from tests.conftest import TinyNet
-from torchtrace import runtime as runtime_mod
+from torchtrace.step import runtime as runtime_mod
 from torchtrace.api import get_runtime
-from torchtrace.export import files, metrics, tracing
+from torchtrace import files
+from torchtrace.export import metrics, tracing
 from torchtrace.measure import gradients, memory
 from torchtrace.record import history, readout, rules
 

@@ -159,7 +159,7 @@ def test_dataloader_fork_workers_neither_hang_nor_duplicate_spans(tmp_path, tiny
                 opt.zero_grad()
     spans_path = result.spans_path
     tt.shutdown()
-    from torchtrace.export.files import read_json_lines
+    from torchtrace.files import read_json_lines
 
     lines = read_json_lines(spans_path)
     names = [d["name"] for d in lines]

@@ -7,7 +7,7 @@ import gc
 import torch
 
 import torchtrace as tt
-from torchtrace.memory_tracking import MemoryTracker, compare, tracker
+from torchtrace.measure.snapshots import MemoryTracker, compare, tracker
 
 
 def test_snapshot_compare_and_census():

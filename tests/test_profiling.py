@@ -10,8 +10,8 @@ import torch
 import torchtrace as tt
 from torchtrace import semconv
 from torchtrace.api import get_runtime
-from torchtrace.probes_registry import find_probe
-from torchtrace.profiling import ProfilerProbe, ProfileSchedule, cap_trace
+from torchtrace.probes import find_probe
+from torchtrace.probes.profiler import ProfilerProbe, ProfileSchedule, cap_trace
 
 
 def _spans(result) -> list[dict]:

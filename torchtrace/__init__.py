@@ -18,13 +18,14 @@ from torchtrace.debugger import (DebugConfig, GradientReport, PyTorchDebugger, c
 from torchtrace.errors import NonFiniteError
 from torchtrace.levels import DebugLevel, DebugMode, OptimizationMode
 from torchtrace.forensics import anomaly_detection, replay_step
-from torchtrace.record.checks import detect_model_anomalies, validate_model_input
+from torchtrace.tools.checks import detect_model_anomalies, validate_model_input
 from torchtrace.record.monitor import TrainingDebugger, TrainingMonitor
-from torchtrace.record.pipeline import analyze_pipeline, monitor_loop_step
-from torchtrace.inspection import debug_backward_pass, debug_forward_pass, debug_training_step, inspect_model
-from torchtrace.memory_tracking import (MemorySnapshot, MemoryTracker, clear_memory, memory_tracking,
-                                        take_memory_snapshot, track_tensor)
-from torchtrace.profiling import ProfileSchedule, profiling
+from torchtrace.tools.pipeline import analyze_pipeline, monitor_loop_step
+from torchtrace.tools.inspection import debug_backward_pass, debug_forward_pass, debug_training_step, inspect_model
+from torchtrace.measure.snapshots import MemorySnapshot, MemoryTracker
+from torchtrace.tools.memory import clear_memory, memory_tracking, take_memory_snapshot, track_tensor
+from torchtrace.probes.profiler import ProfileSchedule
+from torchtrace.tools.profiling import profiling
 from torchtrace.optimize import (AmpState, BenchmarkResults, ModeResult, OptimizationReport, OptimizedModel,
                                  PyTorchOptimizer, amp_step, benchmark_optimizations, current_amp, optimize_model,
                                  optimize_training_loop)

@@ -22,24 +22,23 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from torchtrace import distributed as _dist
-from torchtrace import semconv
+from torchtrace import current, semconv
+from torchtrace.distributed import in_dataloader_worker
+from torchtrace.export.trace_ids import step_trace
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.errors import NonFiniteError
 from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure import memory as mem_measure
+from torchtrace.measure.loss import extract_loss
 from torchtrace.record import readout
+from torchtrace.record.policy import agree_any
 from torchtrace.record.step import StepRecord
 
 logger = logging.getLogger("torchtrace")
 F = TypeVar("F", bound=Callable[..., Any])
 
-_lock = threading.RLock()
-_runtime = None  # the configured Runtime, or None
-_disabled = False  # configured with disabled=True (or the environment said so)
 _atexit_registered = False
-_current: contextvars.ContextVar["StepScope | None"] = contextvars.ContextVar("torchtrace_step", default=None)
 
 
 class ConfigureResult:
@@ -116,25 +115,25 @@ def configure(
     True
     >>> tt.shutdown()
     """
-    global _runtime, _disabled, _atexit_registered
+    global _atexit_registered
     args = dict(service_name=service_name, run_id=run_id, level=level, mode=mode, prometheus_host=prometheus_host,
                 prometheus_port=prometheus_port, run_dir=run_dir, otlp_endpoint=otlp_endpoint,
                 otlp_protocol=otlp_protocol, disabled=disabled, **settings)
     resolved = Settings.resolve(args)  # raises before anything is torn down
-    with _lock:
+    with current.lock:
         shutdown()
         if resolved.disabled:
-            _disabled = True
+            current.set_disabled(True)
             return ConfigureResult(None)
-        from torchtrace.runtime import Runtime
+        from torchtrace.step.runtime import Runtime
 
-        _disabled = False
-        _runtime = Runtime(resolved)
+        rt = Runtime(resolved)
+        current.set_runtime(rt)
         _install_clip_interception()
         if resolved.register_atexit and not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
-        return ConfigureResult(_runtime)
+        return ConfigureResult(rt)
 
 
 def _install_clip_interception() -> None:
@@ -169,14 +168,14 @@ def _clip_wrapper(original):
     def clip(*args, **kwargs):
         if _is_compiling():  # traced by torch.compile: stay out of the graph (no break)
             return original(*args, **kwargs)
-        scope = _current.get()
+        scope = current.step()
         if scope is not None and scope._active and not scope._hook_fired:
             try:
                 scope._before_clipping()
             except NonFiniteError:
                 raise  # guard="raise": the policy the user asked for
             except Exception as exc:  # torchtrace's own failure never reaches the user's clip call
-                rt = _runtime
+                rt = current.runtime(create=False)
                 if rt is not None:
                     rt.errors.report("gradients", exc)
         return original(*args, **kwargs)
@@ -190,9 +189,9 @@ def shutdown(timeout_s: float | None = None) -> None:
 
     Safe to call any number of times, and when torchtrace was never configured.
     """
-    global _runtime
-    with _lock:
-        rt, _runtime = _runtime, None
+    with current.lock:
+        rt = current.runtime(create=False)
+        current.set_runtime(None)
     if rt is not None:
         if timeout_s is not None:
             rt.settings = rt.settings.replace(shutdown_timeout_s=timeout_s)
@@ -200,72 +199,55 @@ def shutdown(timeout_s: float | None = None) -> None:
 
 
 def _shutdown_at_exit() -> None:
-    global _runtime
     try:
-        with _lock:
-            rt, _runtime = _runtime, None
+        with current.lock:
+            rt = current.runtime(create=False)
+            current.set_runtime(None)
         if rt is not None:
             rt.close(at_exit=True)
     except Exception:  # never fail interpreter exit
         logger.debug("torchtrace shutdown at exit failed", exc_info=True)
 
 
-def get_runtime(create: bool = True):
-    """The configured runtime; configures from the environment on first use. None when disabled."""
-    rt = _runtime
-    if rt is not None or _disabled or not create:
-        return rt
+get_runtime = current.runtime
+
+
+def _configure_on_first_use():
+    """The runtime built from the environment when a step runs before any ``configure()``."""
     if disabled_by_environment():
         return None
-    if _dist.in_dataloader_worker():
+    if in_dataloader_worker():
         # A spawn/forkserver DataLoader worker: the main process owns the run's telemetry;
         # configuring here would open a second server and a second run directory.
         return None
-    with _lock:
-        if _runtime is None and not _disabled:
+    with current.lock:
+        if current.runtime(create=False) is None and not current.disabled():
             try:
                 configure()
             except Exception as exc:  # a bad environment must not break the user's step
                 logger.warning("torchtrace could not configure itself (%s); instrumentation is off", exc)
-                _set_disabled()
-        return _runtime
+                current.set_disabled(True)
+        return current.runtime(create=False)
 
 
-def _set_disabled() -> None:
-    global _disabled
-    _disabled = True
+current.set_auto_configure(_configure_on_first_use)
 
 
 def flush(timeout_s: float | None = None) -> bool:
     """Finish deferred records and export queued spans now. True when everything went out."""
-    rt = _runtime
+    rt = current.runtime(create=False)
     return rt.flush(timeout_s) if rt is not None else True
 
 
 def current_step() -> "StepScope | None":
     """The innermost active step scope of this thread/task, if any."""
-    return _current.get()
-
-
-def _extract_loss(result: Any) -> Any:
-    """The loss from a step's return value: a scalar tensor, a dict's "loss", an object's .loss."""
-    if isinstance(result, torch.Tensor):
-        return result if result.numel() == 1 else None
-    if isinstance(result, dict):
-        value = result.get("loss")
-    else:
-        value = getattr(result, "loss", None)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value
-    return None
+    return current.step()
 
 
 def _record_returned_loss(scope: "StepScope", rt, result: Any) -> None:
     """Take the loss from a step's return value; an odd object's failing ``.loss`` is ours to absorb."""
     try:
-        scope.record_loss(_extract_loss(result))
+        scope.record_loss(extract_loss(result))
     except Exception as exc:
         rt.errors.report("step", exc)
 
@@ -319,7 +301,7 @@ class StepScope:
 
     # ------------------------------------------------------------ enter
     def __enter__(self) -> "StepScope":
-        rt = _runtime if _runtime is not None else get_runtime()
+        rt = current.runtime()
         if rt is None or getattr(rt, "replaying", False):  # a forensic replay records nothing itself
             return self
         level = self._level_arg or rt.level
@@ -360,10 +342,10 @@ class StepScope:
         if self._attributes:
             attrs.update(self._attributes)
         self._start_ns = time.time_ns()
-        with _dist.step_trace(rt, self.name, self.step):
+        with step_trace(rt.shared_step_trace, rt.settings.run_id, self.name, self.step):
             self._span = rt.tracer.start_span(self.name, start_time=self._start_ns, attributes=attrs)
         self._token = otel_context.attach(trace.set_span_in_context(self._span))
-        self._ctx_token = _current.set(self)
+        self._ctx_token = current.enter_step(self)
         if self.optimizer is not None and self._features.grad_stats:
             self._hook = self.optimizer.register_step_pre_hook(self._before_optimizer_step)
         if self._features.anomaly_mode:
@@ -439,7 +421,7 @@ class StepScope:
         if rt.identity.distributed and rt.settings.guard != "warn":
             # Every rank takes the same decision in the same step: one all_reduce(MAX).
             try:
-                bad = _dist.agree_any(bad)
+                bad = agree_any(bad)
             except Exception as exc:
                 rt.errors.report("distributed", exc)
         if not bad:
@@ -486,7 +468,7 @@ class StepScope:
         """After an internal error in ``_finish``: restore every global and end the span."""
         for undo in (lambda: self._anomaly_cm is not None and self._anomaly_cm.__exit__(None, None, None),
                      lambda: self._hook is not None and self._hook.remove(),
-                     lambda: self._ctx_token is not None and _current.reset(self._ctx_token),
+                     lambda: self._ctx_token is not None and current.leave_step(self._ctx_token),
                      lambda: self._token is not None and otel_context.detach(self._token),
                      lambda: self._span.end()):
             try:
@@ -502,7 +484,7 @@ class StepScope:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        _current.reset(self._ctx_token)
+        current.leave_step(self._ctx_token)
         self._ctx_token = None
         for probe in rt.probes:
             try:
@@ -730,7 +712,7 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def async_wrapper(*args, **kwargs):
-                rt = _runtime if _runtime is not None else get_runtime()
+                rt = current.runtime()
                 if rt is None or (level is None and rt.off):
                     return await fn(*args, **kwargs)
                 scope = StepScope(op_name, model=_resolve_model(model, args),
@@ -748,7 +730,7 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            rt = _runtime if _runtime is not None else get_runtime()
+            rt = current.runtime()
             if rt is None or (level is None and rt.off):
                 return fn(*args, **kwargs)
             scope = StepScope(op_name, model=_resolve_model(model, args),

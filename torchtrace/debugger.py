@@ -17,9 +17,8 @@ from typing import Any, Iterator
 
 import torch
 
-from torchtrace import semconv
+from torchtrace import current, files, semconv
 from torchtrace.errors import NonFiniteError
-from torchtrace.export import files
 from torchtrace.levels import DebugLevel, DebugMode
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure import memory as mem_measure
@@ -312,39 +311,39 @@ class PyTorchDebugger:
     # ------------------------------------------------------------ profiling, memory, layers
     def profiling(self, output_file: str | os.PathLike[str] | None = None, schedule: Any = None, **options: Any):
         """A ``torch.profiler`` window over the block (or windows per ``schedule``); see :func:`torchtrace.profiling`."""
-        from torchtrace.profiling import profiling
+        from torchtrace.tools.profiling import profiling
 
         self._log_debug_event("profiling", f"profiling to {output_file or 'the run directory'}", level=logging.DEBUG)
         return profiling(output_file, schedule, **options)
 
     def memory_tracking(self):
         """Per-step memory samples inside the block; see :func:`torchtrace.memory_tracking`."""
-        from torchtrace.memory_tracking import memory_tracking
+        from torchtrace.tools.memory import memory_tracking
 
         return memory_tracking()
 
     def take_memory_snapshot(self, name: str | None = None, census: bool = False):
         """A named memory snapshot; ``snapshot.compare(earlier)`` gives the differences."""
-        from torchtrace.memory_tracking import take_memory_snapshot
+        from torchtrace.tools.memory import take_memory_snapshot
 
         snap = take_memory_snapshot(name, census)
         self._log_debug_event("memory_snapshot", f"snapshot {snap.name}", snap.as_dict(), logging.DEBUG)
         return snap
 
     def compare_memory_snapshots(self, before, after) -> dict[str, Any]:
-        from torchtrace.memory_tracking import compare
+        from torchtrace.measure.snapshots import compare
 
         return compare(before, after)
 
     def track_tensor(self, tensor: torch.Tensor, name: str) -> None:
         """Watch ``tensor`` by weak reference (never keeps it alive)."""
-        from torchtrace.memory_tracking import track_tensor
+        from torchtrace.tools.memory import track_tensor
 
         track_tensor(tensor, name)
 
     def clear_memory(self) -> dict[str, Any]:
         """``gc.collect()`` and CUDA ``empty_cache()``; returns the bytes released."""
-        from torchtrace.memory_tracking import clear_memory
+        from torchtrace.tools.memory import clear_memory
 
         freed = clear_memory()
         self._log_debug_event("memory_cleared", f"released {freed}", freed, logging.DEBUG)
@@ -352,7 +351,7 @@ class PyTorchDebugger:
 
     def debug_forward_pass(self, model: torch.nn.Module, inputs: Any, layer_hooks: bool = True) -> dict[str, Any]:
         """Per-layer output statistics and time; see :func:`torchtrace.debug_forward_pass`."""
-        from torchtrace.inspection import debug_forward_pass
+        from torchtrace.tools.inspection import debug_forward_pass
 
         out = debug_forward_pass(model, inputs, layer_hooks=layer_hooks)
         if out["nonfinite_layers"]:
@@ -362,7 +361,7 @@ class PyTorchDebugger:
 
     def debug_backward_pass(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> dict[str, Any]:
         """Timed backward and per-parameter gradient statistics; see :func:`torchtrace.debug_backward_pass`."""
-        from torchtrace.inspection import debug_backward_pass
+        from torchtrace.tools.inspection import debug_backward_pass
 
         out = debug_backward_pass(loss, model=model)
         if out["nonfinite_params"]:
@@ -372,7 +371,7 @@ class PyTorchDebugger:
 
     def inspect_model(self, model: torch.nn.Module, input_shape: Any = None, **kwargs: Any) -> dict[str, Any]:
         """Layers, parameter counts, dtypes, devices and a validating forward pass; see :func:`torchtrace.inspect_model`."""
-        from torchtrace.inspection import inspect_model
+        from torchtrace.tools.inspection import inspect_model
 
         out = inspect_model(model, input_shape, **kwargs)
         fwd = out.get("forward")
@@ -384,21 +383,19 @@ class PyTorchDebugger:
     def debug_training_step(self, model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Any,
                             optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Forward statistics, loss, backward statistics and the optimizer step, in one report."""
-        from torchtrace.inspection import debug_training_step
+        from torchtrace.tools.inspection import debug_training_step
 
         return debug_training_step(model, inputs, targets, loss_fn, optimizer)
 
     # ------------------------------------------------------------ summaries
     def get_debug_summary(self) -> dict[str, Any]:
         """Counts of events by type, anomalies, the last events, and the run's telemetry summary."""
-        from torchtrace.api import get_runtime
-
         events = self.history.events()
         by_type: dict[str, int] = {}
         for e in events:
             by_type[e.event_type] = by_type.get(e.event_type, 0) + 1
         anomalies = sum(v for k, v in by_type.items() if "anomaly" in k or k in ("gradient_explosion", "gradient_vanishing"))
-        rt = get_runtime(create=False)
+        rt = current.runtime(create=False)
         return {
             "total_events": self.history.totals["events"],
             "events_by_type": by_type,
@@ -441,10 +438,8 @@ def debug_training_session(model: torch.nn.Module, logger: logging.Logger | None
     With ``enable_anomaly_detection`` the session runs under autograd anomaly detection.
     At the end a parameter check and a summary are logged.
     """
-    from torchtrace.api import get_runtime
-
     debugger = create_pytorch_debugger(logger=logger, debug_mode=debug_mode, **settings)
-    rt = get_runtime()
+    rt = current.runtime()
     span_cm = rt.tracer.start_as_current_span("training_session") if rt is not None else contextlib.nullcontext()
     with span_cm:
         anomaly = debugger.anomaly_detection() if debugger.config.enable_anomaly_detection else contextlib.nullcontext()

@@ -189,3 +189,34 @@ M_OPT_SPEEDUP = "torchtrace_optimization_speedup"  # gauge {mode}: NONE median /
 M_OPT_MEMORY = "torchtrace_optimization_memory_bytes"  # gauge {mode}: measured memory (see kind)
 OPT_METRICS = (M_OPT_STEP_SECONDS, M_OPT_SPEEDUP, M_OPT_MEMORY)
 OPTIMIZATION_MODES = ("none", "amp", "compilation", "memory_efficient", "full_optimization")
+# ---------------------------------------------------------------- throughput and goodput (additive)
+# Span attributes.
+SAMPLES = "torchtrace.samples"  # batch items in the step
+TOKENS = "torchtrace.tokens"  # tokens in the step (non-padding where a mask says so)
+FLOPS = "torchtrace.flops"  # model FLOPs of the step, forward + backward
+LR = "torchtrace.lr"  # learning rate of parameter group 0 (all groups in the report)
+DATA_WAIT_S = "torchtrace.data_wait_s"  # seconds from the end of the previous step to the start of this one
+PHASE_FORWARD_S = "torchtrace.phase.forward_s"
+PHASE_BACKWARD_S = "torchtrace.phase.backward_s"
+PHASE_OPTIMIZER_S = "torchtrace.phase.optimizer_s"
+# Metrics (as scraped).
+M_SAMPLES = "torchtrace_samples_total"  # counter {operation}
+M_TOKENS = "torchtrace_tokens_total"  # counter {operation}
+M_FLOPS = "torchtrace_flops_total"  # counter {operation}
+M_MFU = "torchtrace_mfu_ratio"  # gauge {operation}: achieved FLOP/s over peak, last window; absent when the peak is unknown
+M_LEARNING_RATE = "torchtrace_learning_rate"  # gauge {operation, group}: group index, capped at MAX_LR_GROUPS
+M_DATA_WAIT = "torchtrace_data_wait_seconds"  # histogram {operation}
+M_STEP_PHASE = "torchtrace_step_phase_seconds"  # histogram {operation, phase}
+M_GOODPUT = "torchtrace_goodput_ratio"  # gauge: productive step time over wall time since configure
+M_BADPUT = "torchtrace_badput_seconds_total"  # counter {kind}
+THROUGHPUT_METRICS = (M_SAMPLES, M_TOKENS, M_FLOPS, M_MFU, M_LEARNING_RATE, M_DATA_WAIT, M_STEP_PHASE, M_GOODPUT,
+                      M_BADPUT)
+PHASES = ("forward", "backward", "optimizer")
+BADPUT_KINDS = ("startup", "data_wait", "skipped_step", "forensics", "checkpoint", "evaluation", "other")
+MAX_LR_GROUPS = 8  # learning-rate groups past this index share the label value "8+"
+# Histogram buckets for waiting on data and for step phases (seconds): 100 µs to 5 min.
+DATA_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0, 60.0, 300.0)
+THROUGHPUT_DROP = "throughput_drop"
+DATA_STALL = "data_stall"
+ANOMALY_KINDS_ALL = ANOMALY_KINDS_ALL + (THROUGHPUT_DROP, DATA_STALL)

@@ -62,7 +62,7 @@ def test_operation_names_through_steps_are_capped(tt_runtime):
 
 
 def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
-    """docs/reliability.md: a BASIC CPU job with one operation exports 40 label sets per rank."""
+    """docs/reliability.md: a BASIC CPU job with one operation exports 42 label sets per rank."""
     rt = get_runtime()
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     for _ in range(3):
@@ -84,4 +84,4 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
                 "torchtrace_rank_step_skew": 1, "torchtrace_anomalies": len(semconv.ANOMALY_KINDS_ALL),
                 "torchtrace_skipped_steps": 1, "torchtrace_internal_errors": len(semconv.COMPONENTS)}
     assert {k: v for k, v in seen.items() if v} == expected
-    assert sum(expected.values()) == 40
+    assert sum(expected.values()) == 42

@@ -11,7 +11,7 @@ import torch
 
 import torchtrace as tt
 from torchtrace.api import get_runtime
-from torchtrace.export import files
+from torchtrace import files
 
 
 def _strict_loads(text: str):

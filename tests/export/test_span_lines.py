@@ -10,7 +10,8 @@ import pytest
 
 import torchtrace as tt
 from torchtrace import api
-from torchtrace.export import files, tracing
+from torchtrace import files
+from torchtrace.export import tracing
 
 
 @pytest.fixture()

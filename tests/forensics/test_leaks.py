@@ -14,11 +14,11 @@ import torch
 import torchtrace as tt
 from torchtrace import semconv
 from torchtrace.api import get_runtime
-from torchtrace.forensics import leaks
-from torchtrace.memory_tracking import LeakProbe
+from torchtrace.record import growth as leaks
+from torchtrace.probes.leaks import LeakProbe
 
-memory_tracking = importlib.import_module("torchtrace.memory_tracking")  # the package exports a function of that name
-from torchtrace.probes_registry import find_probe
+memory_tracking = importlib.import_module("torchtrace.probes.leaks")  # the package exports a function of that name
+from torchtrace.probes import find_probe
 
 WINDOW = 16
 CONFIRM = 4

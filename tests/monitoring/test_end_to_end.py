@@ -201,7 +201,7 @@ def test_nan_alert_reaches_webhook_healthy_run_silent_dashboards_have_data(stack
     # tests this process's heap is fragmented enough that the detector would sample it only
     # every few dozen steps (its cost policy, tested in tests/forensics/test_leaks.py), too
     # rarely for an 8-second run: here it samples every step.
-    monkeypatch.setattr(importlib.import_module("torchtrace.memory_tracking"), "HEAP_FREE_S", 10.0)
+    monkeypatch.setattr(importlib.import_module("torchtrace.probes.leaks"), "HEAP_FREE_S", 10.0)
     # Phase 1: a healthy run, scraped for a while: no alert may fire or even be pending.
     healthy = tt.configure(service_name="e2e", run_id="healthy-run", level="advanced",
                            prometheus_port=stack["metrics_port"], port_policy="off",

@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from torchtrace.export import files
+from torchtrace import files
 from torchtrace.levels import DebugLevel
 
 logger = logging.getLogger("torchtrace")

@@ -23,8 +23,8 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import format_span_id, format_trace_id
 
-from torchtrace.export import files
-from torchtrace.export.files import JsonLinesFile
+from torchtrace import files
+from torchtrace.files import JsonLinesFile
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,6 @@
 """Forensics: NaN localisation by replay, out-of-memory records, explicit anomaly detection."""
 
 from torchtrace.forensics.anomaly import anomaly_detection
-from torchtrace.forensics.probe import ForensicsProbe
 from torchtrace.forensics.replay import replay as replay_step
 
-__all__ = ["ForensicsProbe", "anomaly_detection", "replay_step"]
+__all__ = ["anomaly_detection", "replay_step"]

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from torchtrace import semconv
+from torchtrace import current, semconv
 from torchtrace.errors import NonFiniteError
 
 logger = logging.getLogger("torchtrace.forensics")
@@ -57,13 +57,11 @@ def anomaly_detection(mode: str = "detect", check_nan: bool = True) -> Iterator[
 
 
 def _record(exc: BaseException, mode: str) -> None:
-    from torchtrace.api import current_step, get_runtime
-
-    rt = get_runtime(create=False)
+    rt = current.runtime(create=False)
     if rt is None:
         return
     try:
-        scope = current_step()
+        scope = current.step()
         op = scope.name if scope is not None else "anomaly_detection"
         rt.metrics.count_anomaly(op, semconv.NONFINITE_GRAD)
         rt.history.add_event("autograd_anomaly", str(exc).splitlines()[0][:300], {"mode": mode})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtrace.api import _extract_loss
+from torchtrace.measure.loss import extract_loss
 from torchtrace.integrations._common import StepDriver, require
 
 try:
@@ -62,7 +62,7 @@ class TorchtraceCallback(_pl.Callback):
         self._train.measure(pl_module, optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._train.end(None, _extract_loss(outputs))
+        self._train.end(None, extract_loss(outputs))
 
     # ------------------------------------------------------------ validation
     def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int,
@@ -73,7 +73,7 @@ class TorchtraceCallback(_pl.Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         if self._val is not None:
-            self._val.end(None, _extract_loss(outputs))
+            self._val.end(None, extract_loss(outputs))
 
     # ------------------------------------------------------------ failures
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

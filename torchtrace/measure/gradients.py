@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from torchtrace import distributed as _distributed
+from torchtrace.distributed import collectives
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -111,7 +111,7 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
     """Per-tensor L2 norms of the gradients and their global norm, without a host read.
 
     For sharded (DTensor / FSDP2) gradients the local shard norms are combined across the
-    shard group (:func:`torchtrace.distributed.reduce_shard_norms`, one ``all_reduce``), so
+    shard group (:func:`torchtrace.distributed.collectives.reduce_shard_norms`, one ``all_reduce``), so
     every rank gets the norms of the whole tensors; every rank must call this at the same
     point. DDP gradients are already reduced and need nothing.
 
@@ -130,7 +130,7 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
         if g is None:
             continue
         names.append(ref.name)
-        keys.append(_distributed.shard_key(g))
+        keys.append(collectives.shard_key(g))
         grads.append(_dense(g))
     if not grads:
         return None
@@ -170,7 +170,7 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
     if any(k is not None for k in keys):
         # DTensor (FSDP2) gradients: the norms so far are of the local shards.
         try:
-            norms, scope = _distributed.reduce_shard_norms(norms, keys)
+            norms, scope = collectives.reduce_shard_norms(norms, keys)
         except Exception:  # already logged; collectives are off from now on
             scope = "local"
     total = torch.linalg.vector_norm(norms.to(torch.float64))

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence, TextIO
 import torch
 from torch import nn
 
-from torchtrace import semconv
+from torchtrace import current, semconv
 from torchtrace.levels import OptimizationMode
 from torchtrace.measure.saved import SavedTensorMeter
 from torchtrace.optimize.modes import OptimizedModel, amp_step, failure_reason, model_device, optimize_model
@@ -228,7 +228,6 @@ def benchmark_optimizations(model: nn.Module, batches: Iterable, optimizer, loss
     ``benchmark_optimizations`` with one ``benchmark_optimizations.mode`` child per mode;
     metrics ``torchtrace_optimization_{step_seconds,speedup,memory_bytes}{mode}``.
     """
-    from torchtrace.api import get_runtime
     wanted = [OptimizationMode.parse(m, "modes") for m in (modes if modes is not None else ALL_MODES)]
     order = [OptimizationMode.NONE] + [m for m in dict.fromkeys(wanted) if m is not OptimizationMode.NONE]
     if warmup < 0 or steps < 1:
@@ -241,7 +240,7 @@ def benchmark_optimizations(model: nn.Module, batches: Iterable, optimizer, loss
     names = {id(p): n for n, p in model.named_parameters()}
     opts = dict(amp_dtype=amp_dtype, compile_backend=compile_backend, compile_options=compile_options)
     out = BenchmarkResults(device=str(device), warmup=warmup, steps=steps)
-    rt = get_runtime()
+    rt = current.runtime()
     tracer = rt.tracer if rt is not None and not rt.off else None
     outer = tracer.start_as_current_span("benchmark_optimizations") if tracer else _null()
     with outer:
@@ -326,14 +325,13 @@ def optimize_training_loop(model: nn.Module, dataloader: Iterable, optimizer: to
     ``epoch_mean_loss`` (one per epoch), ``final_loss``, ``optimization`` (what was applied
     and skipped) and ``mode``. Options are those of :func:`optimize_model`.
     """
-    from torchtrace.api import get_runtime
     mode = OptimizationMode.parse(mode, "mode")
     if epochs < 1:
         raise ValueError(f"epochs={epochs}: need epochs >= 1")
     device = model_device(model)
     om = optimize_model(model, mode, **options)
     om.train()
-    rt = get_runtime()
+    rt = current.runtime()
     tracer = rt.tracer if rt is not None and not rt.off else None
     span_cm = tracer.start_as_current_span("optimize_training_loop", attributes={semconv.OPT_MODE: mode.value}) \
         if tracer else _null()

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from torchtrace import semconv
+from torchtrace import current, semconv
 from torchtrace.levels import OptimizationMode
 from torchtrace.optimize import amp as amp_mod, checkpointing
 from torchtrace.optimize.amp import _DTYPES, AmpState, _current_amp, amp_step, current_amp  # noqa: F401
@@ -204,8 +204,7 @@ class OptimizedModel(nn.Module):
 
 
 def _record_fallback(report: OptimizationReport) -> None:
-    from torchtrace.api import get_runtime
-    rt = get_runtime()
+    rt = current.runtime()
     if rt is None or rt.off:
         return
     try:
@@ -254,8 +253,7 @@ def _apply(model: nn.Module, mode: OptimizationMode, *, amp_dtype=None, compile_
 
 
 def _traced(mode: OptimizationMode, build: Callable[[], OptimizedModel]) -> OptimizedModel:
-    from torchtrace.api import get_runtime
-    rt = get_runtime()
+    rt = current.runtime()
     if rt is None or rt.off:
         return build()
     with rt.tracer.start_as_current_span("optimize_model", attributes={semconv.OPT_MODE: mode.value}) as span:

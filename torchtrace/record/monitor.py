@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchtrace import semconv
+from torchtrace import current, semconv
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.record import readout
 
@@ -163,9 +163,7 @@ TrainingDebugger = TrainingMonitor  # the seeds' name
 def _record(kinds: list[str], step: int, loss: float | None, grad_norm: float | None,
             operation: str = "training_monitor") -> None:
     """Count anomalies on the configured runtime (metrics, run history, log)."""
-    from torchtrace.api import get_runtime
-
-    rt = get_runtime(create=False)
+    rt = current.runtime(create=False)
     for kind in kinds:
         logger.warning("step %s: %s (loss %s, grad norm %s)", step, kind, loss, grad_norm)
     if rt is None:

@@ -303,7 +303,7 @@ def page(title: str, status: str, extra_sections: str, script: str) -> str:
 
 def embed_json(value: Any) -> str:
     """JSON safe inside a ``<script type="application/json">`` element (no ``</script>`` break-out)."""
-    from torchtrace.export.files import to_strict
+    from torchtrace.files import to_strict
 
     text = json.dumps(to_strict(value), allow_nan=False, default=str)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")

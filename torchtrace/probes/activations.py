@@ -1,9 +1,4 @@
-"""The optional probes every runtime carries, and the per-layer activation probe.
-
-Each probe looks at the step's ``Features`` on every call, so a level or mode change at
-runtime switches it on or off at the next step; a probe whose feature is off costs one
-attribute check per step.
-"""
+"""EXTREME: per-layer activation statistics of every step, read with the step's one host read."""
 
 from __future__ import annotations
 
@@ -100,22 +95,3 @@ class ActivationProbe:
 
 def _f(v: float) -> float:
     return v if math.isfinite(v) else float("nan")
-
-
-def install_probes(runtime) -> None:
-    """Add the profiling, memory, leak and activation probes to a new runtime (called once)."""
-    from torchtrace.memory_tracking import LeakProbe, MemoryProbe
-    from torchtrace.profiling import ProfilerProbe
-
-    runtime.probes.extend([ProfilerProbe(runtime), ActivationProbe(runtime), MemoryProbe(runtime),
-                           LeakProbe(runtime)])
-
-
-def find_probe(runtime, kind: type) -> Any:
-    """The runtime's probe of class ``kind``, or None."""
-    if runtime is None:
-        return None
-    for p in runtime.probes:
-        if isinstance(p, kind):
-            return p
-    return None

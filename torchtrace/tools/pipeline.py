@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
-from torchtrace import semconv
+from torchtrace import current, semconv
 from torchtrace.measure import tensors as tensor_measure
 from torchtrace.record import readout
 from torchtrace.record.monitor import _record
@@ -86,9 +86,7 @@ def monitor_loop_step(name: str, step: int, tensor: torch.Tensor) -> dict[str, A
     for key, value in stats.items():
         if isinstance(value, int) or math.isfinite(value):
             attrs[semconv.LOOP_STAT_PREFIX + key] = value
-    from torchtrace.api import get_runtime
-
-    rt = get_runtime()
+    rt = current.runtime()
     if rt is not None:
         try:
             span = trace.get_current_span()

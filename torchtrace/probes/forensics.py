@@ -18,6 +18,7 @@ import torch
 from torchtrace import semconv
 from torchtrace.errors import NonFiniteError
 from torchtrace.forensics import oom, replay
+from torchtrace.measure.loss import extract_loss
 from torchtrace.record.step import Anomaly
 
 logger = logging.getLogger("torchtrace.forensics")
@@ -86,12 +87,10 @@ class ForensicsProbe:
             opts.append(scope.optimizer)
         scaler = scope.extras.get("scaler")
         scalers = list(scalers) + ([scaler] if scaler is not None and scaler not in scalers else [])
-        from torchtrace.api import _extract_loss
-
         self.rt.replaying = True
         try:
             report = replay.replay(scope.model, scope.extras["replay"], scope.extras.get("forensics_rng"), opts,
-                                   scalers, _extract_loss)
+                                   scalers, extract_loss)
         finally:
             self.rt.replaying = False
         report.update(step=scope.step, operation=scope.name, rank=self.rt.identity.rank,

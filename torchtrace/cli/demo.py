@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import torchtrace as tt
+from torchtrace import current
 
 FAULTS = ("nan", "explode")
 
@@ -89,9 +90,7 @@ def run(steps: int = 300, level: str = "basic", inject: list[Fault] | None = Non
         print(file=out)
     elapsed = time.perf_counter() - started
     tt.flush()
-    from torchtrace.api import get_runtime
-
-    rt = get_runtime(create=False)
+    rt = current.runtime(create=False)
     summary = rt.summary() if rt is not None else {}
     if hold_s > 0:
         print(f"  holding the metrics server for {hold_s:.0f} s", file=out)

@@ -22,12 +22,14 @@ from opentelemetry.trace import Status, StatusCode
 from torchtrace import semconv
 from torchtrace._version import __version__
 from torchtrace.config import Settings
-from torchtrace import distributed as _distributed
 from torchtrace.distributed import Identity, identity, rank_file_name
+from torchtrace.distributed.collectives import STATE as COLLECTIVES
 from torchtrace.errors import InternalErrors
-from torchtrace.export import files, transport
+from torchtrace import files
+from torchtrace.export import transport
 from torchtrace.export.metrics import Metrics
 from torchtrace.export.server import TelemetryServer
+from torchtrace.export.trace_ids import StepTraceIdGenerator
 from torchtrace.export.tracing import (BoundedBatchSpanProcessor, JsonLinesSpanExporter, otlp_span_exporter,
                                        tracer_provider)
 from torchtrace.levels import DebugLevel, DebugMode, Features
@@ -35,6 +37,7 @@ from torchtrace.measure import gradients as grad_measure
 from torchtrace.record import readout, rules
 from torchtrace.record.history import History
 from torchtrace.record.step import StepRecord
+from torchtrace.probes.straggler import StragglerProbe
 
 logger = logging.getLogger("torchtrace")
 
@@ -105,11 +108,11 @@ class Runtime:
         self._setup_files()
         self._setup_exporters()
         self._setup_server()
-        _distributed.install(self)
-        from torchtrace.forensics.probe import install as _install_forensics
+        self._install_distributed()
+        from torchtrace.probes.forensics import install as _install_forensics
 
         _install_forensics(self)
-        from torchtrace.probes_registry import install_probes
+        from torchtrace.probes import install_probes
 
         install_probes(self)
         self._setup_metrics_push()
@@ -134,6 +137,30 @@ class Runtime:
                 resource.attributes.get("service.name")).startswith("unknown_service"):
             resource = resource.merge(Resource({"service.name": self.settings.service_name}))
         return resource
+
+    def _install_distributed(self) -> None:
+        """Shared step traces, the straggler probe and the report's ``distributed`` section."""
+        s = self.settings
+        self.shared_step_trace = bool(s.shared_step_trace)
+        if self.shared_step_trace:
+            self.tracer.id_generator = StepTraceIdGenerator()
+        straggler = None
+        if self.identity.distributed and s.rank_skew_interval:
+            straggler = StragglerProbe(self, s.rank_skew_interval)
+            self.probes.append(straggler)
+        elif not self.identity.distributed:
+            # One rank is its own median and its own slowest: the skew is exactly 1.
+            self.metrics.set_rank_skew(1.0)
+
+        def section() -> dict[str, Any]:
+            ident = self.identity
+            return {"rank": ident.rank, "local_rank": ident.local_rank, "world_size": ident.world_size,
+                    "local_world_size": ident.local_world_size, "node": ident.node, "node_rank": ident.node_rank,
+                    "instance_id": ident.instance_id, "collectives": dict(COLLECTIVES.counts),
+                    "collectives_broken": COLLECTIVES.broken,
+                    "rank_skew": straggler.last if straggler is not None else None}
+
+        self.report_sections["distributed"] = section
 
     def _setup_files(self) -> None:
         if not self.settings.write_files:

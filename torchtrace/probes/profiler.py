@@ -14,7 +14,6 @@ as ``torchtrace.profile.op`` events, so the breakdown is visible in Jaeger witho
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -22,13 +21,12 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from torchtrace import semconv
+from torchtrace import files, semconv
 from torchtrace.distributed import rank_file_name
-from torchtrace.export import files
 
 logger = logging.getLogger(__name__)
 
@@ -305,89 +303,3 @@ class ProfilerProbe:
     def close(self) -> None:
         if self.window is not None:
             self._close_window()
-
-
-@contextlib.contextmanager
-def profiling(output_file: str | os.PathLike[str] | None = None, schedule: ProfileSchedule | None = None, *,
-              record_shapes: bool = False, profile_memory: bool = False, with_stack: bool = False,
-              max_trace_bytes: int = 64 * 1024 * 1024) -> Iterator[dict[str, Any]]:
-    """Profile inside the block.
-
-    Without ``schedule``: one ``torch.profiler`` window over the whole block, written as a
-    Chrome trace to ``output_file`` (default ``<run_dir>/profiles/trace-block.json``); every
-    instrumented step inside is a ``ProfilerStep``. With ``schedule``: instrumented steps in
-    the block are profiled in windows per the schedule, written into ``output_file``'s
-    directory (or the run's ``profiles/``). The yielded dict gets ``path``/``windows``.
-
-    >>> import torch, torchtrace as tt, tempfile, os
-    >>> d = tempfile.mkdtemp()
-    >>> with tt.profiling(os.path.join(d, "t.json")) as result:
-    ...     _ = torch.ones(8) * 2
-    >>> os.path.exists(result["path"])
-    True
-    """
-    from torchtrace.api import get_runtime
-
-    rt = get_runtime()
-    probe = _probe(rt)
-    result: dict[str, Any] = {"path": None, "windows": []}
-    if schedule is not None:
-        if probe is None:
-            raise RuntimeError("profiling(schedule=...) needs a configured torchtrace runtime")
-        schedule.record_shapes = schedule.record_shapes or record_shapes
-        schedule.profile_memory = schedule.profile_memory or profile_memory
-        schedule.with_stack = schedule.with_stack or with_stack
-        old = (probe.schedule, probe.output)
-        before = len(probe.windows)
-        probe.set_schedule(schedule, Path(output_file).parent if output_file else None)
-        try:
-            yield result
-        finally:
-            probe.close()
-            probe.set_schedule(*old)
-            result["windows"] = probe.windows[before:]
-            result["path"] = result["windows"][-1]["path"] if result["windows"] else None
-        return
-    path = Path(output_file) if output_file else (
-        (probe._directory() if probe is not None else Path("torchtrace-profiles")) / "trace-block.json")
-    sched = ProfileSchedule(every=1, active=10 ** 9, max_window_steps=10 ** 9, max_windows=10 ** 9,
-                            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
-                            max_trace_bytes=max_trace_bytes)
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities, record_shapes=record_shapes, profile_memory=profile_memory,
-                   with_stack=with_stack)
-    window = _Window(path, "manual", -1, 10 ** 9, prof)
-    old = None
-    if probe is not None:
-        old = (probe.schedule, probe.output, probe.window)
-        probe.schedule = sched
-    prof.__enter__()
-    if probe is not None:
-        probe.window = window
-    try:
-        yield result
-    finally:
-        if probe is not None:
-            probe.window = window
-            probe.schedule = sched
-            probe._close_window()
-            probe.schedule, probe.output, probe.window = old
-            result["windows"] = probe.windows[-1:]
-        else:
-            prof.__exit__(None, None, None)
-            files.ensure_private_dir(path.parent)
-            prof.export_chrome_trace(str(path))
-            cap_trace(path, max_trace_bytes)
-            result["windows"] = [{"path": str(path), "reason": "manual", "top_ops": top_ops(prof)[:5]}]
-        result["path"] = str(path)
-
-
-def _probe(rt) -> ProfilerProbe | None:
-    if rt is None:
-        return None
-    for p in rt.probes:
-        if isinstance(p, ProfilerProbe):
-            return p
-    return None

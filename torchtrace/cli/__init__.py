@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchtrace", description="Production telemetry for PyTorch training.")
     parser.add_argument("--version", action="version", version=f"torchtrace {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    from torchtrace import demo
+    from torchtrace.cli import demo
 
     demo.add_subcommand(sub)
     from torchtrace.reporting.cli import add_report_subcommand

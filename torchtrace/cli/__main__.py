@@ -1,0 +1,7 @@
+"""``python -m torchtrace.cli``: the ``torchtrace`` command."""
+
+import sys
+
+from torchtrace.cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""The configured runtime and the open step: where every layer finds them.
+
+``torchtrace.api.configure()`` installs the runtime here and ``StepScope`` sets the open step,
+so code below the API (records, probes, forensics, tools) reaches both through this module
+without importing the API: imports run one way. This module imports nothing of torchtrace.
+
+>>> from torchtrace import current
+>>> current.step() is None
+True
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from typing import Any, Callable
+
+lock = threading.RLock()
+"""Held while the runtime is replaced (configure, shutdown)."""
+
+_runtime: Any = None  # torchtrace.step.runtime.Runtime, or None
+_disabled = False  # configured with disabled=True, or the environment said so
+_auto_configure: Callable[[], Any] | None = None  # set by torchtrace.api
+_step: contextvars.ContextVar[Any] = contextvars.ContextVar("torchtrace_step", default=None)
+
+
+def runtime(create: bool = True) -> Any:
+    """The configured runtime; on first use configures one from the environment.
+
+    None when torchtrace is disabled, or when ``create`` is False and nothing is configured.
+    """
+    rt = _runtime
+    if rt is not None or _disabled or not create or _auto_configure is None:
+        return rt
+    return _auto_configure()
+
+
+def set_runtime(rt: Any) -> None:
+    global _runtime, _disabled
+    _runtime = rt
+    if rt is not None:
+        _disabled = False
+
+
+def set_disabled(flag: bool) -> None:
+    global _disabled
+    _disabled = flag
+
+
+def disabled() -> bool:
+    return _disabled
+
+
+def set_auto_configure(fn: Callable[[], Any]) -> None:
+    """Who builds a runtime on first use (``torchtrace.api`` registers it at import)."""
+    global _auto_configure
+    _auto_configure = fn
+
+
+def step() -> Any:
+    """The innermost open step scope of this thread or task, or None."""
+    return _step.get()
+
+
+def enter_step(scope: Any) -> contextvars.Token:
+    return _step.set(scope)
+
+
+def leave_step(token: contextvars.Token) -> None:
+    _step.reset(token)

@@ -1,0 +1,128 @@
+"""The collectives torchtrace issues, and the rule that keeps them safe.
+
+Every collective goes through :func:`run`: it is counted by purpose, and one that fails
+switches torchtrace's collectives off for the rest of the process, so torchtrace never issues
+another one that its peers might not reach (the failure is counted under
+``torchtrace_internal_errors_total{component="distributed"}`` by the caller). Callers issue
+them from the training thread at a point every rank reaches in the same order (the optimizer
+step, the end of an outermost operation); they wait at most the process group's timeout.
+
+The collectives, by purpose:
+
+* ``grad_norm``: squared gradient norms of DTensor shards (FSDP2) summed over the mesh's
+  shard dimension (:func:`reduce_shard_norms`, from :mod:`torchtrace.measure.gradients`);
+* ``guard``: one ``all_reduce(MAX)`` of a flag, so a guard policy takes the same decision on
+  every rank (:mod:`torchtrace.record.policy`);
+* ``skew``: every ``rank_skew_interval`` steps, each rank's mean step time
+  (:mod:`torchtrace.probes.straggler`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Sequence
+
+logger = logging.getLogger("torchtrace")
+
+
+class _State:
+    """Process-wide collective bookkeeping: counts per purpose, and the broken flag."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.broken: str | None = None  # why collectives were switched off
+
+
+STATE = _State()
+
+
+def collectives_available() -> bool:
+    """True when a default process group of more than one rank is up and nothing broke."""
+    if STATE.broken is not None:
+        return False
+    try:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except Exception:
+        return False
+
+
+def device(group: Any = None):
+    """Where a collective's tensor must live for the group's backend (cuda for NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "cuda" not in backend and "nccl" not in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def run(purpose: str, fn) -> Any:
+    """Run one collective; on failure switch collectives off for good and re-raise."""
+    STATE.counts[purpose] += 1
+    try:
+        return fn()
+    except Exception as exc:
+        STATE.broken = f"{purpose}: {type(exc).__name__}"
+        logger.error("torchtrace: a %s collective failed (%s); torchtrace issues no further collectives in "
+                     "this process", purpose, type(exc).__name__)
+        raise
+
+
+def shard_key(grad: Any) -> tuple | None:
+    """For a DTensor gradient: ``(mesh, shard mesh dims, has_partial)``; None for a plain tensor."""
+    if type(grad).__name__ != "DTensor" or not hasattr(grad, "placements"):
+        return None
+    mesh = grad.device_mesh
+    dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard() and mesh.size(i) > 1)
+    partial = any(p.is_partial() for p in grad.placements)
+    return (mesh, dims, partial)
+
+
+def reduce_shard_norms(norms, keys: Sequence[tuple | None]):
+    """Global per-tensor norms from local shard norms: returns ``(norms, scope)``.
+
+    ``norms`` holds each tensor's local L2 norm; ``keys[i]`` is :func:`shard_key` of its
+    gradient. Squared norms of tensors sharded over the same mesh dimensions are stacked
+    and summed with one ``all_reduce`` per distinct group (one per step for FSDP2); mesh
+    dimensions where a tensor is replicated are not reduced, so nothing is counted twice.
+    A NaN or Inf in any shard makes the global norm non-finite on every rank.
+    ``scope`` is ``"global"`` when every norm now covers its whole tensor, ``"local"`` when
+    some could not be combined (no process group, collectives off, Partial placements).
+    """
+    import torch
+    import torch.distributed as dist
+
+    groups: dict[tuple, list[int]] = {}
+    scope = "global"
+    for i, key in enumerate(keys):
+        if key is None:
+            continue
+        mesh, dims, partial = key
+        if partial:
+            scope = "local"
+            continue
+        if dims:
+            groups.setdefault((id(mesh), dims), []).append(i)
+    if not groups:
+        return norms, scope
+    if not collectives_available():
+        return norms, "local"
+    out_dtype = norms.dtype
+    squared = norms.to(torch.float64).square()
+    for (_mesh_id, dims), idx in groups.items():
+        mesh = keys[idx[0]][0]
+        index = torch.tensor(idx, device=squared.device)
+        part = squared.index_select(0, index)
+        for dim in dims:
+            group = mesh.get_group(dim)
+            home = part.device
+            dev = device(group)
+            buf = part.to(dev) if dev != home else part
+            run("grad_norm", lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group))
+            part = buf.to(home) if dev != home else buf
+        squared = squared.index_copy(0, index, part)
+    return squared.sqrt().to(out_dtype), scope
