@@ -149,7 +149,7 @@ def test_extreme_level_records_layers_every_step(tiny_model, tmp_path):
             opt.step()
     assert readout.reads() - before == 2  # still one host read per step
     assert _hook_count(tiny_model) == 3  # kept between steps (switched off), one per leaf layer
-    rows = step.record.extra["activations"]
+    rows = step.record.activations
     assert [r["name"] for r in rows] == ["encoder", "act", "head"]
     assert math.isclose(rows[2]["mean"], ref_head["mean"], rel_tol=1e-6)
     tt.flush()
@@ -174,7 +174,7 @@ def test_kept_hooks_record_only_inside_steps_and_go_with_the_level(tiny_model, t
                 tiny_model(x).sum().backward()
             with torch.no_grad():
                 tiny_model(torch.randn(5, 8) * 100)  # an evaluation between steps: not recorded
-            rows = step.record.extra["activations"]
+            rows = step.record.activations
             assert [r["name"] for r in rows] == ["encoder", "act", "head"], i
             assert math.isclose(rows[2]["mean"], ref["mean"], rel_tol=1e-6)
             assert math.isclose(rows[2]["max"], ref["max"], rel_tol=1e-6)
@@ -183,16 +183,16 @@ def test_kept_hooks_record_only_inside_steps_and_go_with_the_level(tiny_model, t
             with tt.debug_context("inner", model=tiny_model) as inner:
                 tiny_model(x)
             assert _hook_count(tiny_model) == 3  # the inner step's own hooks are gone
-        assert [r["name"] for r in inner.record.extra["activations"]] == ["encoder", "act", "head"]
+        assert [r["name"] for r in inner.record.activations] == ["encoder", "act", "head"]
         # The outer step's hooks also saw the inner forward (as in a step without nesting).
-        assert [r["name"] for r in outer.record.extra["activations"]] == [
+        assert [r["name"] for r in outer.record.activations] == [
             "encoder", "act", "head", "encoder#1", "act#1", "head#1"]
         assert _hook_count(tiny_model) == 3
         tt.api.get_runtime().set_level("advanced")
         assert _hook_count(tiny_model) == 0
         with tt.debug_context("train_step", model=tiny_model) as step:
             tiny_model(x).sum().backward()
-        assert "activations" not in step.record.extra and _hook_count(tiny_model) == 0
+        assert step.record.activations is None and _hook_count(tiny_model) == 0
     finally:
         tt.shutdown()
 
@@ -202,7 +202,7 @@ def test_basic_level_installs_no_hooks(tt_runtime, tiny_model):
     with tt.debug_context("s", model=tiny_model) as step:
         seen.append(_hook_count(tiny_model))
         tiny_model(torch.ones(1, 8)).sum().backward()
-    assert seen == [0] and "activations" not in step.record.extra
+    assert seen == [0] and step.record.activations is None
 
 
 def test_an_operation_pinned_at_extreme_keeps_its_hooks_through_runtime_level_changes(tiny_model, tmp_path):
@@ -220,7 +220,7 @@ def test_an_operation_pinned_at_extreme_keeps_its_hooks_through_runtime_level_ch
         assert _hook_count(tiny_model) == 3
         step()
         rec = tt.api.get_runtime().history.last_record
-        assert [r["name"] for r in rec.extra["activations"]] == ["encoder", "act", "head"]
+        assert [r["name"] for r in rec.activations] == ["encoder", "act", "head"]
         tt.api.get_runtime().set_level("extreme")
         tt.api.get_runtime().set_level("basic")  # leaving EXTREME removes every kept hook
         assert _hook_count(tiny_model) == 0

@@ -14,6 +14,7 @@ import torch
 
 import torchtrace as tt
 from tests.conftest import TinyNet
+from torchtrace.probes.base import Probe
 from torchtrace.step import runtime as runtime_mod
 from torchtrace.api import get_runtime
 from torchtrace import files
@@ -28,7 +29,7 @@ def _boom(*args, **kwargs):
     raise RuntimeError("injected fault")
 
 
-class _RaisingProbe(runtime_mod.Probe):
+class _RaisingProbe(Probe):
     def __init__(self, where: str) -> None:
         self.where = where
 
@@ -36,13 +37,13 @@ class _RaisingProbe(runtime_mod.Probe):
         if self.where == "enter":
             raise RuntimeError("probe enter")
 
-    def exit(self, scope, exc):
+    def exit(self, scope, state, exc):
         if self.where == "exit":
             raise RuntimeError("probe exit")
 
-    def finalize(self, scope, record, span):
-        if self.where == "finalize":
-            raise RuntimeError("probe finalize")
+    def finish(self, scope, state, record, values):
+        if self.where == "finish":
+            raise RuntimeError("probe finish")
 
 
 # name -> (target object, attribute, components expected to count it)
@@ -58,7 +59,8 @@ FAULTS = {
     "history": (history.History, "add_step", {"record"}),
     "loss_rule": (rules, "evaluate_loss", {"record"}),
     "probe_enter": None,
-    "probe_finalize": None,
+    "probe_exit": None,
+    "probe_finish": None,
 }
 
 
@@ -103,7 +105,7 @@ def test_injected_fault_is_counted_and_training_is_unchanged(fault, tmp_path, mo
                  level="advanced")
     rt = get_runtime()
     if spec is None:
-        rt.probes.append(_RaisingProbe(fault.split("_", 1)[1]))
+        rt.probes.add(_RaisingProbe(fault.split("_", 1)[1]))
         expected = {"other"}
     torch.manual_seed(0)
     caplog.set_level(logging.WARNING, logger="torchtrace")

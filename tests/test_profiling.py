@@ -151,11 +151,11 @@ def test_step_time_regression_arms_a_window(tt_runtime):
     from torchtrace.record.step import StepRecord
 
     probe = find_probe(get_runtime(), ProfilerProbe)
-    probe.set_schedule(ProfileSchedule(regression_factor=3.0, regression_window=16))
-    scope = SimpleNamespace(extras={}, _features=Features(), step=0)
+    saved = probe.open_schedule(ProfileSchedule(regression_factor=3.0, regression_window=16))
+    scope = SimpleNamespace(features=Features(), step=0)
 
     def feed(duration):
-        probe.finalize(scope, StepRecord("s", 0, "basic", 0, duration_s=duration), None)
+        probe.finish(scope, None, StepRecord("s", 0, "basic", 0, duration_s=duration), None)
 
     for _ in range(8):
         feed(0.010)
@@ -163,7 +163,7 @@ def test_step_time_regression_arms_a_window(tt_runtime):
     assert probe.armed is None
     feed(0.031)
     assert probe.armed == "regression"
-    probe.set_schedule(None)
+    probe.restore(saved)
 
 
 def test_nested_step_is_part_of_the_profiled_step(tt_runtime, tiny_model, tmp_path):

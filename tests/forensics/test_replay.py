@@ -99,7 +99,7 @@ def test_zoo_through_debug_context_with_replay_closure_and_no_optimizer(tmp_path
     with tt.debug_context("eval_step", model=model, replay=lambda: model(x).pow(2).mean()) as step:
         loss = model(x).pow(2).mean()
         step.record_loss(loss)
-    report = step.record.extra["forensics"]
+    report = step.record.forensics
     assert (report["cause"], report["module"]) == ("forward", "features")
     assert semconv.NONFINITE_OUTPUT in step.record.anomaly_kinds
     assert all(p.grad is None for p in model.parameters())  # the replay's backward left nothing
@@ -254,17 +254,32 @@ def test_stop_after_k_consecutive_bad_steps(tmp_path):
         train_step(model, torch.randn(8, 8), opt)
 
 
-def test_replay_budget_limits_replays(tmp_path):
+def test_replay_budget_is_spent_per_incident(tmp_path):
+    """Consecutive non-finite steps are one incident: one replay. A new incident after recovery
+    gets its own replay, until the budget is spent."""
     _configure(tmp_path, guard="skip", forensics_max_replays=2)
     model = NetWithState()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.gate.armed = True
-    for _ in range(5):
-        _make_step()(model, torch.randn(8, 8), opt)
+    step = _make_step()
     rt = get_runtime()
-    assert rt.forensics.replays == 2 and rt.forensics.skipped_budget == 3
-    assert rt.history.totals["nonfinite_steps"] == 5
-    assert rt.summary()["forensics"]["replays"] == 2
+    model.gate.armed = True
+    for _ in range(5):  # incident 1: five bad steps in a row
+        step(model, torch.randn(8, 8), opt)
+    assert rt.forensics.replays == 1 and rt.forensics.incident_steps == 4
+    model.gate.armed = False
+    step(model, torch.randn(8, 8), opt)  # recovered
+    model.gate.armed = True
+    step(model, torch.randn(8, 8), opt)  # incident 2: replayed
+    assert rt.forensics.replays == 2 and rt.forensics.incidents == 2
+    model.gate.armed = False
+    step(model, torch.randn(8, 8), opt)
+    model.gate.armed = True
+    step(model, torch.randn(8, 8), opt)  # incident 3: over the budget of 2
+    assert rt.forensics.replays == 2 and rt.forensics.skipped_budget == 1
+    assert rt.history.totals["nonfinite_steps"] == 7
+    section = rt.summary()["forensics"]
+    assert section["replays"] == 2 and len(section["reports"]) == 2
+    assert [r["step"] for r in section["reports"]] == [0, 6]
 
 
 def test_report_is_span_event_report_section_log_and_metric(tmp_path, caplog):
@@ -314,7 +329,7 @@ def test_gradscaler_overflow_is_not_a_nonfinite_anomaly(tmp_path):
         step.record_loss(loss)
     rt = get_runtime()
     assert rt.history.totals.get("nonfinite_steps", 0) == 0 and rt.forensics.replays == 0
-    assert step.record.extra.get("scaler_overflow") is True
+    assert step.record.scaler_overflow is True
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

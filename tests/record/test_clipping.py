@@ -91,10 +91,10 @@ def test_guard_skip_applies_when_the_user_clips(tmp_path):
 def test_a_fault_in_the_clip_wrapper_is_counted_not_raised(tmp_path, monkeypatch):
     from torchtrace import api
 
-    def boom(self):
+    def boom(self, optimizer=None):
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(api.StepScope, "_before_clipping", boom)
+    monkeypatch.setattr(api.StepScope, "check_gradients_now", boom)
     tt.configure(prometheus_port="off", run_dir=str(tmp_path), strict=False, register_atexit=False)
     try:
         model = _net()

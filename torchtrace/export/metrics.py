@@ -89,6 +89,9 @@ class Metrics:
         self.internal_errors = Counter(_base(semconv.M_INTERNAL_ERRORS), "torchtrace's own failures, caught and counted.",
                                        common + ["component"], registry=r)
         self.rank_skew = Gauge(semconv.M_RANK_SKEW, "Slowest rank's step time over the median rank's.", common, registry=r)
+        self.rank_step_seconds = Gauge(semconv.M_RANK_STEP_SECONDS,
+                                       "This rank's mean step time over the last skew window, in seconds.",
+                                       common + ["operation"], registry=r)
         self.overhead = Counter(_base(semconv.M_OVERHEAD), "Seconds spent inside torchtrace on the training thread.",
                                 common, registry=r)
         self.build_info = Gauge(semconv.M_BUILD_INFO, "Always 1; labels name the version and level.",
@@ -163,6 +166,13 @@ class Metrics:
         if record.skipped:
             self.skipped.labels(*lv).inc()
         last_step.set(record.end_unix_ns / 1e9 if record.end_unix_ns else time.time())
+        if record.rank_step_seconds is not None:
+            self.rank_step_seconds.labels(*lv).set(record.rank_step_seconds)
+        if record.rank_skew is not None:
+            self.set_rank_skew(record.rank_skew[0])
+        if record.memory_slopes:
+            for device, slope in record.memory_slopes.items():
+                self.set_memory_growth(device, slope)
         mem = record.memory
         if mem.get("rss_bytes") is not None:
             self._rss.set(mem["rss_bytes"])

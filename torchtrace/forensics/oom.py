@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from torchtrace.measure import memory as mem_measure
+from torchtrace.record.policy import GuardPolicy
 
 logger = logging.getLogger("torchtrace.forensics")
 
@@ -45,7 +46,7 @@ def handle(rt, scope, exc: BaseException) -> dict[str, Any]:
                 info["snapshot"] = str(path)
         except Exception as err:  # a failed snapshot must not hide the OOM
             rt.errors.report("forensics", err)
-    skip = rt.settings.guard == "skip"
+    skip = rt.guard is GuardPolicy.SKIP
     info["action"] = "skipped" if skip else "raised"
     info["detail"] = f"out of memory at step {scope.step} of {scope.name}; batch {info['action']}"
     if skip:

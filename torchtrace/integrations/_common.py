@@ -49,7 +49,7 @@ class StepDriver:
         scope.__enter__()
         # A guard="raise" decided inside the framework's own clip_grad_norm_ call (torchtrace
         # measures there, before clipping) must end this span as measure() does.
-        scope.extras["on_guard_raise"] = self.end
+        scope.on_guard_raise = self.end
         self.scope = scope
         self._losses = []
 
@@ -66,7 +66,7 @@ class StepDriver:
         if model is not None and scope.model is None:
             scope.model = model
         try:
-            scope._before_optimizer_step(optimizer, (), {})
+            scope.check_gradients_now(optimizer)
         except NonFiniteError as exc:
             self.end(exc)
             raise
@@ -83,7 +83,7 @@ class StepDriver:
         if scope.active:
             if loss is not None:
                 scope.record_loss(loss)
-            elif self._losses and scope._loss is None and scope._loss_float is None:
+            elif self._losses and not scope.has_loss:
                 losses = self._losses
                 scope.record_loss(losses[0] if len(losses) == 1 else torch.stack(
                     [t.to(losses[0].device, torch.float32) for t in losses]).mean())

@@ -2,21 +2,74 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
+@dataclass(frozen=True)
+class LossValue:
+    """A loss ready for the record: a device tensor to read, or a host number, or why it is neither."""
+
+    tensor: torch.Tensor | None = None  # 1 element, floating point, detached
+    number: float | None = None
+    problem: str | None = None  # why it is not recorded (said once per operation)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A tensor without data: on the meta device, or a fake tensor of a compiler trace."""
+    if t.device.type == "meta":
+        return True
+    return type(t).__name__ in ("FakeTensor", "FunctionalTensor") or bool(getattr(t, "fake_mode", None))
+
+
+def classify_loss(loss: Any) -> LossValue:
+    """What a loss handed to ``record_loss`` is.
+
+    >>> classify_loss(0.25).number
+    0.25
+    >>> classify_loss(torch.ones(16, 1)).problem
+    'a loss of shape [16, 1] is not a scalar; record loss.mean() or loss.sum()'
+    >>> classify_loss(torch.tensor(True)).problem
+    'a loss of dtype torch.bool is not a number; record a floating-point loss'
+    """
+    if isinstance(loss, torch.Tensor):
+        if loss.dtype is torch.bool or not (loss.is_floating_point() or loss.is_complex()):
+            return LossValue(problem=f"a loss of dtype {loss.dtype} is not a number; record a floating-point loss")
+        if loss.numel() != 1:
+            return LossValue(problem=f"a loss of shape {list(loss.shape)} is not a scalar; record loss.mean() or "
+                                     "loss.sum()")
+        if _is_fake(loss):
+            return LossValue(problem=f"a loss on the {loss.device.type} device holds no value")
+        value = loss.detach().reshape(1)
+        if value.is_complex():
+            value = value.real
+        return LossValue(tensor=value)
+    if isinstance(loss, bool):
+        return LossValue(problem="a loss of type bool is not a number")
+    if isinstance(loss, (int, float)):
+        return LossValue(number=float(loss))
+    try:  # numpy scalars and other objects that convert to a number
+        number = float(loss)
+    except (TypeError, ValueError):
+        return LossValue(problem=f"a loss of type {type(loss).__name__} is not a number")
+    return LossValue(number=number)
+
+
 def extract_loss(result: Any) -> Any:
-    """The loss from a step's return value: a scalar tensor, a dict's "loss", an object's .loss."""
-    if isinstance(result, torch.Tensor):
-        return result if result.numel() == 1 else None
+    """The loss from a step's return value: a tensor, a Python number, a dict's "loss", an object's .loss.
+
+    Whatever is found is judged by :func:`classify_loss` (a non-scalar tensor is reported, not
+    silently cut to its first element).
+
+    >>> extract_loss({"loss": 1.5})
+    1.5
+    >>> extract_loss(0.5)
+    0.5
+    """
+    if isinstance(result, (torch.Tensor, int, float)) and not isinstance(result, bool):
+        return result
     if isinstance(result, dict):
-        value = result.get("loss")
-    else:
-        value = getattr(result, "loss", None)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value
-    return None
+        return result.get("loss")
+    return getattr(result, "loss", None)

@@ -1,32 +1,22 @@
-"""Probes: optional families of checks plugged into every step (activations, memory, leaks,
-profiler, forensics, stragglers).
+"""Probes: optional families of checks around every step (activations, memory samples, leaks,
+the profiler, forensics, stragglers), behind one interface (:mod:`torchtrace.probes.base`).
 
 Each probe looks at the step's ``Features`` on every call, so a level or mode change at
 runtime switches it on or off at the next step; a probe whose feature is off costs one
-attribute check per step.
+attribute check per step. The runtime installs them from one list
+(:func:`torchtrace.step.setup.probes`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-
-def install_probes(runtime) -> None:
-    """Add the profiling, activation, memory and leak probes to a new runtime (called once)."""
-    from torchtrace.probes.activations import ActivationProbe
-    from torchtrace.probes.leaks import LeakProbe
-    from torchtrace.probes.memory import MemoryProbe
-    from torchtrace.probes.profiler import ProfilerProbe
-
-    runtime.probes.extend([ProfilerProbe(runtime), ActivationProbe(runtime), MemoryProbe(runtime),
-                           LeakProbe(runtime)])
+from torchtrace.probes.base import Probe, ProbeSet
 
 
-def find_probe(runtime, kind: type) -> Any:
+def find_probe(runtime: Any, kind: type) -> Any:
     """The runtime's probe of class ``kind``, or None."""
-    if runtime is None:
-        return None
-    for p in runtime.probes:
-        if isinstance(p, kind):
-            return p
-    return None
+    return runtime.probes.find(kind) if runtime is not None else None
+
+
+__all__ = ["Probe", "ProbeSet", "find_probe"]

@@ -1,174 +1,192 @@
-"""The forensics probe: remembers how to replay each step, replays the one that went wrong,
-and turns the result into a span event, a report section, a log record and a metric.
+"""The forensics probe: remembers how to replay each step, replays the one that went wrong, and
+puts the report on the record (``record.forensics``: export makes it a span event, the history
+an event, the log a line). Also out-of-memory records, and GradScaler overflow steps.
 
-Also the guard's follow-ups that need the host record: ``max_consecutive_bad_steps``, the
-``raise`` policy for steps without an optimizer, GradScaler overflow steps, and OOM.
+The replay budget (``forensics_max_replays``) is spent per *incident*, not per step: a run of
+consecutive non-finite steps is one incident (under ``guard="warn"`` a NaN update leaves every
+later step non-finite for the same reason), so only its first step is replayed, and a later,
+distinct incident after recovery gets its own replay.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
 from typing import Any
 
-import torch
-
 from torchtrace import semconv
-from torchtrace.errors import NonFiniteError
 from torchtrace.forensics import oom, replay
 from torchtrace.measure.loss import extract_loss
-from torchtrace.record.step import Anomaly
+from torchtrace.probes.base import Probe
+from torchtrace.record.step import Anomaly, StepRecord
 
 logger = logging.getLogger("torchtrace.forensics")
 
 MAX_REPORTS_KEPT = 20
 
 
-class ForensicsProbe:
+class _State:
+    __slots__ = ("rng", "tried", "report", "oom")
+
+    def __init__(self) -> None:
+        self.rng = None
+        self.tried = False
+        self.report: dict[str, Any] | None = None
+        self.oom: dict[str, Any] | None = None
+
+
+class ForensicsProbe(Probe):
     """Registered on every runtime by ``configure()``; see docs/forensics.md."""
 
-    def __init__(self, rt) -> None:
+    name = "forensics"
+    component = "forensics"
+
+    def __init__(self, rt: Any) -> None:
         self.rt = rt
         self.replays = 0
+        self.incidents = 0
         self.skipped_budget = 0
+        self.incident_steps = 0  # non-finite steps inside an incident that was already replayed
+        self.in_incident = False
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REPORTS_KEPT)
         self.ooms: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REPORTS_KEPT)
 
     # ------------------------------------------------------------ policy helpers
-    def enabled_for(self, scope) -> bool:
-        return bool(self.rt.settings.forensics and scope._features.forensics
-                    and scope.extras.get("replay") is not None)
+    def replayable(self, scope: Any) -> bool:
+        return bool(self.rt.settings.forensics and scope.features.forensics and scope.replay is not None)
 
     def budget_left(self) -> bool:
         return self.replays < self.rt.settings.forensics_max_replays
 
-    def decide_early(self, scope, params) -> bool:
-        """Read the gradient norms in the optimizer pre-hook under ``warn`` too?
+    def wants_early_look(self, scope: Any, stats: Any) -> bool:
+        """Read the gradient norms in the optimizer hook under ``warn`` too? Only where that read is
+        free (gradients on the CPU): a replay then sees the parameters before the update."""
+        return (not self.in_incident and self.replayable(scope) and self.budget_left()
+                and stats.total.device.type == "cpu")
 
-        Only where that read is free (gradients on the CPU): then a replay sees the
-        parameters before the update. On an accelerator the read waits for the record.
-        """
-        if not (self.enabled_for(scope) and self.budget_left()):
-            return False
-        stats = scope._grad_stats
-        return stats is not None and stats.total.device.type == "cpu"
+    # ------------------------------------------------------------ step hooks
+    def enter(self, scope: Any) -> _State | None:
+        if not scope.features.forensics:
+            return None
+        state = _State()
+        if not self.in_incident and self.replayable(scope) and self.budget_left():
+            state.rng = replay.capture_rng()
+        return state
 
-    # ------------------------------------------------------------ probe interface
-    def enter(self, scope) -> None:
-        if self.enabled_for(scope) and self.budget_left():
-            scope.extras["forensics_rng"] = replay.capture_rng()
-
-    def exit(self, scope, exc: BaseException | None) -> None:
-        if exc is not None and oom.is_oom(exc):
+    def exit(self, scope: Any, state: _State | None, exc: BaseException | None) -> None:
+        if exc is not None and state is not None and oom.is_oom(exc):
             info = oom.handle(self.rt, scope, exc)
             self.ooms.append(info)
-            scope.extras["oom"] = info
-            if self.rt.settings.guard == "skip":
-                scope.extras["suppress"] = True
+            state.oom = info
+            if info["action"] == "skipped":
+                scope.suppress = True
+        return None
 
-    def on_nonfinite(self, scope, params_updated: bool = False) -> dict[str, Any] | None:
-        """Replay the step now (the caller guarantees the parameters are as the step saw them)."""
-        if "forensics_report" in scope.extras or scope.extras.get("forensics_tried"):
-            return scope.extras.get("forensics_report")
-        scope.extras["forensics_tried"] = True
-        if not self.enabled_for(scope):
+    def replay_now(self, scope: Any, params_updated: bool) -> dict[str, Any] | None:
+        """Replay the step now (the caller guarantees the parameters are as the step saw them, or
+        says they were updated). Once per step; once per incident."""
+        state = scope.state_of(self)
+        if state is None or state.tried:
+            return state.report if state is not None else None
+        state.tried = True
+        if self.in_incident:
+            self.incident_steps += 1
+            return None
+        if not self.replayable(scope):
+            if self.rt.settings.forensics and scope.features.forensics:
+                self.rt.warn_once(("replay", scope.name),
+                                  "torchtrace: step %s of %s is non-finite; to find the module that produced it, "
+                                  "give debug_context a replay= callable (the step's forward and loss again) or "
+                                  "use @debug_operation, which replays by itself (docs/forensics.md)",
+                                  scope.step, scope.name)
             return None
         if not self.budget_left():
             self.skipped_budget += 1
             return None
         if scope.model is None:
             return None
+        state.report = self._replay(scope, state, params_updated)
+        return state.report
+
+    def _replay(self, scope: Any, state: _State, params_updated: bool) -> dict[str, Any]:
         self.replays += 1
-        opts, scalers = scope.extras.get("replay_owners", ([], []))
+        self.incidents += 1
+        opts, scalers = scope.replay_owners
         opts = list(opts)
         if scope.optimizer is not None and scope.optimizer not in opts:
             opts.append(scope.optimizer)
-        scaler = scope.extras.get("scaler")
-        scalers = list(scalers) + ([scaler] if scaler is not None and scaler not in scalers else [])
-        self.rt.replaying = True
+        scalers = list(scalers)
+        if scope.scaler is not None and scope.scaler not in scalers:
+            scalers.append(scope.scaler)
+        rt = self.rt
+        rt.replaying = True
         try:
-            report = replay.replay(scope.model, scope.extras["replay"], scope.extras.get("forensics_rng"), opts,
-                                   scalers, extract_loss)
+            report = replay.replay(scope.model, scope.replay, state.rng, opts, scalers, extract_loss)
         finally:
-            self.rt.replaying = False
-        report.update(step=scope.step, operation=scope.name, rank=self.rt.identity.rank,
-                      params_updated=params_updated, replay_number=self.replays)
-        scope.extras["forensics_report"] = report
+            rt.replaying = False
+        report.update(step=scope.step, operation=scope.name, rank=rt.identity.rank, params_updated=params_updated,
+                      replay_number=self.replays)
         return report
 
-    def finalize(self, scope, record, span) -> None:
-        if scope is None:
+    def finish(self, scope: Any, state: _State | None, record: StepRecord, values: list[float] | None) -> None:
+        if state is None:
             return
-        rt = self.rt
         self._scaler_overflow(scope, record)
-        if record.nonfinite and "forensics_report" not in scope.extras:
-            updated = bool(scope._hook_fired and not scope._skipped)
-            try:
-                self.on_nonfinite(scope, params_updated=updated)
-            except Exception as exc:
-                rt.errors.report("forensics", exc)
-        report = scope.extras.get("forensics_report")
-        if report is not None:
-            self._publish(scope, record, span, report)
-        info = scope.extras.get("oom")
-        if info is not None:
+        if record.nonfinite and not state.tried:
+            check = scope.gradients
+            updated = bool(check is not None and check.fired and not check.skipped)
+            self.replay_now(scope, params_updated=updated)
+        if state.report is not None:
+            self._publish(record, state.report)
+        if state.oom is not None:
+            info = state.oom
             record.anomalies.append(Anomaly(semconv.OOM, info["detail"], record.step, record.operation, info))
-            record.skipped = record.skipped or bool(scope.extras.get("suppress"))
-            span.add_event(semconv.EVENT_OOM, _flat(info))
-        for key in ("forensics_rng", "replay", "replay_owners"):  # keep no tensors alive past the step
-            scope.extras.pop(key, None)
-        # Guard follow-ups that need the host record.
-        if record.nonfinite and scope.extras.get("raise") is None:
-            limit = rt.settings.max_consecutive_bad_steps
-            run = rt.consecutive_bad + 1
-            if limit is not None and run >= limit:
-                scope.extras["raise"] = NonFiniteError(
-                    f"{run} consecutive non-finite steps (limit {limit}) at step {record.step} of {record.operation}",
-                    step=record.step, kinds=record.anomaly_kinds, report=report)
-            elif rt.settings.guard == "raise" and scope._raise is None:
-                scope.extras["raise"] = NonFiniteError(
-                    f"non-finite step {record.step} of {record.operation}: {', '.join(record.anomaly_kinds)}",
-                    step=record.step, kinds=record.anomaly_kinds, report=report)
-        if scope._raise is not None and report is not None and scope._raise.report is None:
-            scope._raise.report = report
+            record.skipped = record.skipped or info["action"] == "skipped"
+            record.oom = info
+        self.in_incident = record.nonfinite
+        state.rng = None  # keep no tensors alive past the step
 
     # ------------------------------------------------------------ helpers
-    def _scaler_overflow(self, scope, record) -> None:
+    def _scaler_overflow(self, scope: Any, record: StepRecord) -> None:
         """With a GradScaler, Inf/NaN gradients under a finite loss are the scaler's business."""
-        if scope.extras.get("scaler") is None and not scope.extras.get("replay_owners", ([], []))[1]:
+        if scope.scaler is None and not scope.replay_owners[1]:
             return
         if record.loss is not None and not math.isfinite(record.loss):
             return
         before = len(record.anomalies)
         record.anomalies = [a for a in record.anomalies if a.kind != semconv.NONFINITE_GRAD]
         if len(record.anomalies) != before:
-            record.extra["scaler_overflow"] = True
+            record.scaler_overflow = True
 
-    def _publish(self, scope, record, span, report: dict[str, Any]) -> None:
-        rt = self.rt
+    def _publish(self, record: StepRecord, report: dict[str, Any]) -> None:
         kind = report.get("kind")
+        text = sentence(report)
         if kind and kind not in record.anomaly_kinds:
-            record.anomalies.append(Anomaly(kind, _sentence(report), record.step, record.operation,
+            record.anomalies.append(Anomaly(kind, text, record.step, record.operation,
                                             {"module": report.get("module"), "cause": report.get("cause")}))
-        record.extra["forensics"] = report
+        record.forensics = report
         self.reports.append(report)
-        span.add_event(semconv.EVENT_FORENSICS, _flat(report))
-        rt.history.add_event("forensics", _sentence(report), report)
-        logger.error("torchtrace forensics: %s", _sentence(report))
+        self.rt.history.add_event("forensics", text, report)
+        logger.error("torchtrace forensics: %s", text)
 
     def section(self) -> dict[str, Any]:
-        return {"replays": self.replays, "budget": self.rt.settings.forensics_max_replays,
-                "skipped_over_budget": self.skipped_budget, "reports": list(self.reports),
-                "ooms": list(self.ooms)}
+        return {"replays": self.replays, "incidents": self.incidents, "budget": self.rt.settings.forensics_max_replays,
+                "skipped_over_budget": self.skipped_budget, "steps_in_replayed_incidents": self.incident_steps,
+                "reports": list(self.reports), "ooms": list(self.ooms)}
 
 
-def _sentence(report: dict[str, Any]) -> str:
+def sentence(report: dict[str, Any]) -> str:
+    """One line saying where the non-finite value was born."""
     where = report.get("module")
-    where = "<model root>" if where == "" else where
-    text = (f"step {report.get('step')} of {report.get('operation')} (rank {report.get('rank')}): "
-            f"{report.get('cause')} non-finite value born in {where}")
+    cause = report.get("cause")
+    head = f"step {report.get('step')} of {report.get('operation')} (rank {report.get('rank')}): "
+    if cause == "input":
+        target = "the model" if where in ("", None) else where
+        text = head + f"non-finite value in the input of {target}"
+    else:
+        where = "the model's own forward" if where == "" else where
+        text = head + f"{cause} non-finite value born in {where}"
     if report.get("module_type"):
         text += f" ({report['module_type']})"
     if report.get("op"):
@@ -176,25 +194,3 @@ def _sentence(report: dict[str, Any]) -> str:
     if report.get("overflow"):
         text += ", overflow"
     return text
-
-
-def _flat(report: dict[str, Any]) -> dict[str, Any]:
-    """Span-event attributes: scalars as they are, nested values as capped JSON."""
-    out: dict[str, Any] = {}
-    for key, value in report.items():
-        name = semconv.FORENSICS_PREFIX + key
-        if value is None:
-            continue
-        if isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
-            out[name] = value[: semconv.MAX_ATTRIBUTE_LENGTH] if isinstance(value, str) else value
-        else:
-            out[name] = json.dumps(value, default=str)[: semconv.MAX_ATTRIBUTE_LENGTH]
-    return out
-
-
-def install(rt) -> ForensicsProbe:
-    probe = ForensicsProbe(rt)
-    rt.probes.append(probe)
-    rt.report_sections["forensics"] = probe.section
-    rt.forensics = probe
-    return probe

@@ -11,6 +11,7 @@ from typing import Any
 from torchtrace import semconv
 from torchtrace.measure import census
 from torchtrace.measure import memory as mem_measure
+from torchtrace.probes.base import Probe
 from torchtrace.record import growth
 from torchtrace.record.step import Anomaly
 
@@ -19,13 +20,17 @@ HEAP_BUDGET = 0.005  # otherwise at most this share of the step time goes to hea
 HEAP_MAX_GAP = 64  # and at least one sample every this many steps
 
 
-class LeakProbe:
+class LeakProbe(Probe):
     """The leak detector: robust slope per device each step; an investigation when it is sustained.
 
     Cheap per step (host floats only). After a sustained slope, the slow path runs for
     ``confirm_steps`` steps and then a ``memory_leak`` anomaly is added with the report; the
-    slope windows then start afresh.
+    slope windows then start afresh. The slope goes to ``record.memory_growth``; the report of a
+    flagged leak to ``record.leak``.
     """
+
+    name = "memory_leaks"
+    component = "memory"
 
     def __init__(self, runtime, use_tracemalloc: bool = True) -> None:
         self.rt = runtime
@@ -46,7 +51,6 @@ class LeakProbe:
         self._heap_cost: float | None = None  # seconds per mallinfo2 call, smoothed
         self._step_s: float | None = None  # step wall time, smoothed
         self._heap_available = True
-        runtime.report_sections["memory_leaks"] = self.section
 
     def configure(self, window: int | None = None, threshold: float | None = None,
                   confirm_steps: int | None = None) -> None:
@@ -62,12 +66,6 @@ class LeakProbe:
         return {"flagged": self.flagged, "investigations": self.investigations, "threshold_bytes_per_step": self.threshold, "window": self.window,
                 "heap_sampled_every_steps": self.heap_every,
                 "slopes": {d: t.slope for d, t in self.trackers.items()}, "reports": list(self.reports)}
-
-    def enter(self, scope) -> None:
-        return None
-
-    def exit(self, scope, exc) -> None:
-        return None
 
     def on_level(self, features) -> None:
         """The level changed: without the leak detector, an investigation in progress (and the
@@ -113,9 +111,8 @@ class LeakProbe:
             t = self.trackers[device] = growth.GrowthTracker(self.window, self.threshold)
         return t
 
-    def finalize(self, scope, record, span) -> None:
-        feats = scope._features if scope is not None else self.rt.features
-        if not feats.leak_detector:
+    def finish(self, scope, state, record, values) -> None:
+        if not scope.features.leak_detector:
             if self.investigation is not None:
                 self.investigation.stop()
                 self.investigation = None
@@ -134,26 +131,28 @@ class LeakProbe:
             tr = self._tracker(device)
             slope = tr.add(record.step, value)
             if slope is not None:
-                self.rt.metrics.set_memory_growth(device, slope)
+                if record.memory_slopes is None:
+                    record.memory_slopes = {}
+                record.memory_slopes[device] = slope
                 if device == points[0][0]:
-                    span.set_attribute(semconv.MEMORY_GROWTH_BYTES_PER_STEP, slope)
+                    record.memory_growth = slope
                 if tr.sustained() and worst is None:
                     worst = (device, tr)
         if not points:  # the heap was not sampled this step: the span carries the last slope
             tr = self.trackers.get("cpu")
             if tr is not None and tr.slope is not None:
-                span.set_attribute(semconv.MEMORY_GROWTH_BYTES_PER_STEP, tr.slope)
+                record.memory_growth = tr.slope
         if self.investigation is not None:
             self.investigation.steps += 1
             if self.investigation.steps >= self.confirm_steps:
-                self._conclude(record, span)
+                self._conclude(record)
             return
         if worst is not None:
             self.investigated_device = worst[0]
             self.investigations += 1
             self.investigation = census.Investigation.begin(record.step, use_tracemalloc=self.use_tracemalloc)
 
-    def _conclude(self, record, span) -> None:
+    def _conclude(self, record) -> None:
         """Flag when the slow path accounts for the growth, or when growth nothing accounts for
         is seen in two windows in a row (a leak outside tensors and Python objects)."""
         inv, self.investigation = self.investigation, None
@@ -180,14 +179,10 @@ class LeakProbe:
         detail = census.leak_detail(device, slope, report)
         record.anomalies.append(Anomaly(semconv.MEMORY_LEAK, detail, record.step, record.operation,
                                         {"device": device, "bytes_per_step": slope}))
-        attrs: dict[str, Any] = {semconv.EVENT_ANOMALY_DETAIL: detail[:semconv.MAX_ATTRIBUTE_LENGTH],
-                                 semconv.MEMORY_GROWTH_BYTES_PER_STEP: slope}
-        if report.get("tensors"):
-            attrs[semconv.MEMORY_LEAK_TENSORS] = [census.describe_group(g)[:200] for g in report["tensors"]]
         sites = (report.get("cuda_sites") or []) + (report.get("sites") or [])
-        if sites:
-            attrs[semconv.MEMORY_LEAK_SITES] = [f"{s['site']} +{s['bytes']}B"[:200] for s in sites[:census.MAX_REPORTED]]
-        span.add_event(semconv.EVENT_MEMORY_LEAK, attrs)
+        record.leak = {"detail": detail, "bytes_per_step": slope, "device": device,
+                       "tensor_lines": [census.describe_group(g)[:200] for g in report.get("tensors") or []],
+                       "site_lines": [f"{s['site']} +{s['bytes']}B"[:200] for s in sites[:census.MAX_REPORTED]]}
 
     def close(self) -> None:
         if self.investigation is not None:

@@ -3,24 +3,24 @@ inside ``memory_tracking()``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torchtrace.measure.snapshots import tracker
+from torchtrace.probes.base import Probe
+from torchtrace.record.step import StepRecord
 
 _TRACKER = tracker()
 
 
-class MemoryProbe:
-    """Per-step samples into the tracker (memory_profiling feature or inside ``memory_tracking()``)."""
+class MemoryProbe(Probe):
+    """Adds the step's memory sample to :func:`torchtrace.measure.snapshots.tracker`."""
 
-    def __init__(self, runtime) -> None:
+    name = "memory_samples"
+    component = "memory"
+
+    def __init__(self, runtime: Any) -> None:
         self.rt = runtime
 
-    def enter(self, scope) -> None:
-        return None
-
-    def exit(self, scope, exc) -> None:
-        return None
-
-    def finalize(self, scope, record, span) -> None:
-        feats = scope._features if scope is not None else self.rt.features
-        if feats.memory_profiling or _TRACKER.active:
+    def finish(self, scope: Any, state: Any, record: StepRecord, values: list[float] | None) -> None:
+        if scope.features.memory_profiling or _TRACKER.active:
             _TRACKER.add_sample(record.step, record.operation, record.memory)

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from torchtrace import files, semconv
+from torchtrace import files
 from torchtrace.distributed import rank_file_name
+from torchtrace.probes.base import Probe
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class ProfileSchedule:
                    min_interval_steps=50, max_windows=20)
 
 
-class _Window:
+class Window:
     def __init__(self, path: Path, reason: str, first_step: int, n_steps: int, prof) -> None:
         self.path = path
         self.reason = reason
@@ -112,7 +113,6 @@ class _Window:
         self.done = False
         self.top_ops: list[dict[str, Any]] = []
         self.truncated = 0
-        self.scopes: list[Any] = []
 
 
 def top_ops(prof, limit: int = TOP_OPS) -> list[dict[str, Any]]:
@@ -161,33 +161,41 @@ def cap_trace(path: Path, max_bytes: int) -> int:
     return dropped
 
 
-class ProfilerProbe:
-    """Opens and closes profiler windows around instrumented steps (see :class:`ProfileSchedule`)."""
+class ProfilerProbe(Probe):
+    """Opens and closes profiler windows around instrumented steps (see :class:`ProfileSchedule`);
+    the window holding a step goes to ``record.profile``."""
+
+    name = "profiles"
+    component = "profiler"
 
     def __init__(self, runtime) -> None:
         self.rt = runtime
         self.schedule: ProfileSchedule | None = None  # explicit, from profiling(); else the default
         self.output: Path | None = None
-        self.window: _Window | None = None
+        self.window: Window | None = None
         self.windows: list[dict[str, Any]] = []
-        self.armed: str | None = None  # a trigger seen in finalize: start at the next step
+        self.armed: str | None = None  # a trigger seen in finish: start at the next step
         self.last_start_step: int | None = None
         self.last_start_time = 0.0
         self.durations: list[float] = []
-        runtime.report_sections["profiles"] = lambda: list(self.windows)
 
     # -------------------------------------------------------------- configuration
     def _active_schedule(self, scope) -> ProfileSchedule | None:
         if self.schedule is not None:
             return self.schedule
-        feats = scope._features if scope is not None else self.rt.features
+        feats = scope.features if scope is not None else self.rt.features
         return ProfileSchedule.default() if feats.profiling else None
 
-    def set_schedule(self, schedule: ProfileSchedule | None, output: Path | None = None) -> None:
+    def open_schedule(self, schedule: ProfileSchedule, output: Path | None = None) -> tuple:
+        """``profiling(schedule=...)``: steps are profiled by ``schedule`` into ``output`` until
+        :meth:`restore` puts back what this returns."""
+        saved = (self.schedule, self.output, self.window)
         self.schedule = schedule
         self.output = output
+        return saved
 
-    def _directory(self) -> Path:
+    def directory(self) -> Path:
+        """Where traces go: the output given to ``profiling()``, else the run's ``profiles/``."""
         if self.output is not None:
             return self.output
         base = self.rt.run_path if self.rt.run_path is not None else Path(self.rt.settings.run_dir) / self.rt.settings.run_id
@@ -201,27 +209,26 @@ class ProfilerProbe:
         return time.monotonic() - self.last_start_time >= sched.min_interval_s or not self.windows
 
     # -------------------------------------------------------------- per step
-    def enter(self, scope) -> None:
+    def enter(self, scope) -> "Window | None":
         w = self.window
         if w is not None and w.rec is not None:
-            return  # a step nested in a profiled step is part of it
+            return None  # a step nested in a profiled step is part of it
         if w is None:
             sched = self._active_schedule(scope)
             if sched is None:
                 self.armed = None
-                return
+                return None
             reason = self.armed or ("schedule" if sched.wants(scope.step) else None)
             if reason is None or not self._allowed(sched, scope.step):
-                return
+                return None
             self.armed = None
             w = self.window = self._open(sched, scope, reason)
         w.rec = torch.profiler.record_function(f"ProfilerStep#{scope.step}")
         w.rec.__enter__()
         w.steps.append(scope.step)
-        w.scopes.append(scope)
-        scope.extras["profile_window"] = w
+        return w
 
-    def _open(self, sched: ProfileSchedule, scope, reason: str) -> _Window:
+    def _open(self, sched: ProfileSchedule, scope, reason: str) -> Window:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU]
@@ -231,25 +238,37 @@ class ProfilerProbe:
         ident = self.rt.identity
         n = sched.window_steps
         stem = f"trace-{scope.name}-step{scope.step}-{scope.step + n - 1}"
-        path = self._directory() / rank_file_name(stem, ".json", ident)
+        path = self.directory() / rank_file_name(stem, ".json", ident)
         prof = profile(activities=activities, record_shapes=sched.record_shapes, profile_memory=sched.profile_memory,
                        with_stack=sched.with_stack)
         prof.__enter__()
         self.last_start_step = scope.step
         self.last_start_time = time.monotonic()
-        return _Window(path, reason, scope.step, n, prof)
+        return Window(path, reason, scope.step, n, prof)
 
-    def exit(self, scope, exc) -> None:
-        w = scope.extras.get("profile_window")
+    def exit(self, scope, w: "Window | None", exc) -> None:
         if w is None or w is not self.window:
-            return
+            return None
         if w.rec is not None:
             w.rec.__exit__(None, None, None)
             w.rec = None
         if len(w.steps) >= w.n_steps or exc is not None:
-            self._close_window()
+            self.close_window()
+        return None
 
-    def _close_window(self) -> None:
+    def open_block(self, window: "Window", schedule: "ProfileSchedule") -> tuple:
+        """``profiling()`` without a schedule: ``window`` covers every step until :meth:`close_window`.
+        Returns what :meth:`restore` puts back."""
+        saved = (self.schedule, self.output, self.window)
+        self.schedule = schedule
+        self.window = window
+        return saved
+
+    def restore(self, saved: tuple) -> None:
+        self.schedule, self.output, self.window = saved
+
+    def close_window(self) -> None:
+        """Stop the open window and write its trace (capped in size)."""
         w, self.window = self.window, None
         if w is None:
             return
@@ -267,25 +286,15 @@ class ProfilerProbe:
         finally:
             w.prof = None
             w.done = True
-            w.scopes = []
             self.windows.append({"path": str(w.path), "reason": w.reason, "steps": list(w.steps),
                                  "truncated_events": w.truncated, "top_ops": w.top_ops[:5]})
 
-    def finalize(self, scope, record, span) -> None:
-        w = scope.extras.get("profile_window") if scope is not None else None
+    def finish(self, scope, w: "Window | None", record, values) -> None:
         if w is not None:
-            span.set_attribute(semconv.PROFILE_TRACE_PATH, str(w.path))
-            span.set_attribute(semconv.PROFILE_WINDOW, f"{w.first_step}-{w.first_step + w.n_steps - 1}")
-            span.set_attribute(semconv.PROFILE_REASON, w.reason)
-            if w.done and w.steps and scope.step == w.steps[-1]:
-                if w.truncated:
-                    span.set_attribute(semconv.PROFILE_TRUNCATED, w.truncated)
-                for op in w.top_ops:
-                    span.add_event(semconv.EVENT_PROFILE_OP, {
-                        semconv.PROFILE_OP_NAME: op["name"][:200], semconv.PROFILE_OP_SELF_CPU_US: op["self_cpu_us"],
-                        semconv.PROFILE_OP_CPU_US: op["cpu_us"], semconv.PROFILE_OP_SELF_DEVICE_US: op["self_device_us"],
-                        semconv.PROFILE_OP_CALLS: op["calls"]})
-            scope.extras.pop("profile_window", None)
+            last = w.done and w.steps and scope.step == w.steps[-1]
+            record.profile = {"path": str(w.path), "window": f"{w.first_step}-{w.first_step + w.n_steps - 1}",
+                              "reason": w.reason, "truncated": w.truncated if last else 0,
+                              "top_ops": list(w.top_ops) if last else []}
         sched = self._active_schedule(scope)
         if sched is None or self.window is not None:
             return
@@ -302,4 +311,7 @@ class ProfilerProbe:
 
     def close(self) -> None:
         if self.window is not None:
-            self._close_window()
+            self.close_window()
+
+    def section(self) -> list[dict[str, Any]]:
+        return list(self.windows)

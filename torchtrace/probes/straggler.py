@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import collections
 import statistics
-import time
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from prometheus_client import Gauge
-
-from torchtrace import current, semconv
+from torchtrace import current
 from torchtrace.distributed import collectives
+from torchtrace.probes.base import Probe
 from torchtrace.record import readout
+from torchtrace.record.step import StepRecord
 
 
 def gather_step_times(mean_s: float) -> list[float] | None:
@@ -40,49 +39,63 @@ def skew(times: Sequence[float]) -> float:
     return max(times) / med
 
 
-class StragglerProbe:
+class _State:
+    __slots__ = ("skew", "mean")
+
+    def __init__(self) -> None:
+        self.skew: tuple[float, int] | None = None
+        self.mean: tuple[str, float] | None = None
+
+
+class StragglerProbe(Probe):
     """Per outermost operation, the mean step time over ``interval`` steps is gathered from
-    every rank and the skew (slowest over median) exported as ``torchtrace_rank_step_skew``.
+    every rank; the skew (slowest over median) goes to ``record.rank_skew`` and from there to
+    ``torchtrace_rank_step_skew`` and the span.
 
     The gather happens at the end of the step every rank reaches in the same order (its
-    ``interval``-th outermost call of that operation).
+    ``interval``-th outermost call of that operation), before the step's record is handed
+    over: a record may be finished later on a GPU, at a moment that differs between ranks.
     """
 
-    def __init__(self, rt, interval: int) -> None:
+    name = "rank_skew"
+    component = "distributed"
+
+    def __init__(self, rt: Any, interval: int) -> None:
         self.rt = rt
         self.interval = interval
         self._sum: collections.Counter[str] = collections.Counter()
         self._n: collections.Counter[str] = collections.Counter()
         self.last: dict[str, Any] | None = None
-        self.step_seconds = Gauge(semconv.M_RANK_STEP_SECONDS,
-                                  "This rank's mean step time over the last skew window, in seconds.",
-                                  list(semconv.COMMON_LABELS) + ["operation"], registry=rt.metrics.registry)
 
-    def enter(self, scope) -> None:
-        return None
+    def enter(self, scope: Any) -> _State:
+        return _State()
 
-    def exit(self, scope, exc) -> None:
+    def exit(self, scope: Any, state: _State, exc: BaseException | None) -> None:
         if current.step() is not None:  # nested operation: only outermost steps count
-            return
+            return None
         op = scope.name
-        self._sum[op] += time.perf_counter() - scope._t0
+        self._sum[op] += scope.duration_s
         self._n[op] += 1
         if self._n[op] < self.interval:
-            return
+            return None
         mean = self._sum[op] / self._n[op]
         self._sum[op] = 0.0
         self._n[op] = 0
-        m = self.rt.metrics
-        self.step_seconds.labels(m.run_id, m.rank, m.operation(op)).set(mean)
+        state.mean = (op, mean)
         times = gather_step_times(mean)
         if not times:
-            return
+            return None
         value = skew(times)
-        m.set_rank_skew(value)
         slowest = max(range(len(times)), key=times.__getitem__)
         self.last = {"operation": op, "step": scope.step, "skew": value, "slowest_rank": slowest,
                      "step_seconds_by_rank": list(times)}
-        scope._span.set_attributes({semconv.RANK_STEP_SKEW: value, semconv.RANK_SLOWEST: slowest})
-
-    def finalize(self, scope, record, span) -> None:
+        state.skew = (value, slowest)
         return None
+
+    def finish(self, scope: Any, state: _State, record: StepRecord, values: list[float] | None) -> None:
+        if state.mean is not None:
+            record.rank_step_seconds = state.mean[1]
+        record.rank_skew = state.skew
+
+    def section(self) -> dict[str, Any] | None:
+        return self.last

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from torchtrace.config import GUARD_POLICIES
+from torchtrace.errors import NonFiniteError
 from torchtrace.distributed import collectives
 from torchtrace.levels import _ParseEnum
 from torchtrace.record import readout
@@ -42,3 +43,24 @@ def agree_any(flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=collectives.device())
     collectives.run("guard", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
     return readout.read(t)[0] > 0
+
+
+def decide_after_record(record, guard: GuardPolicy, consecutive_bad: int, limit: int | None,
+                        report: dict | None) -> NonFiniteError | None:
+    """The error a finished non-finite record leads to, or None.
+
+    ``consecutive_bad`` counts this step. ``max_consecutive_bad_steps`` (``limit``) stops any
+    run, whatever the policy; ``raise`` raises for a step whose gradients were not decided
+    before the update (no optimizer, or a non-finite loss or parameter).
+    """
+    if not record.nonfinite:
+        return None
+    if limit is not None and consecutive_bad >= limit:
+        return NonFiniteError(f"{consecutive_bad} consecutive non-finite steps (limit {limit}) at step "
+                              f"{record.step} of {record.operation}", step=record.step, kinds=record.anomaly_kinds,
+                              report=report)
+    if guard is GuardPolicy.RAISE:
+        return NonFiniteError(f"non-finite step {record.step} of {record.operation}: "
+                              f"{', '.join(record.anomaly_kinds)}", step=record.step, kinds=record.anomaly_kinds,
+                              report=report)
+    return None

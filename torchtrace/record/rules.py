@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Sequence
 
 from torchtrace import semconv
@@ -108,3 +109,20 @@ def evaluate_updates(record: StepRecord, names: Sequence[str], update_norms: Seq
     best = max(((r, n) for r, n in zip(ratios, names) if not math.isnan(r)), default=None)
     if best is not None:
         record.update_ratio_max, record.update_ratio_max_param = best
+
+
+_ANOMALY_OP = re.compile(r"Function '([^']+)' returned (nan|inf)", re.IGNORECASE)
+
+
+def evaluate_exception(record: StepRecord, exc: BaseException, anomaly_mode: bool) -> None:
+    """A step that failed under ``detect_anomaly`` (DebugMode.ANOMALY_DETECTION): the failure is a
+    ``nonfinite_grad`` anomaly naming the backward op, not only an exception."""
+    if not anomaly_mode or not isinstance(exc, RuntimeError):
+        return
+    match = _ANOMALY_OP.search(str(exc))
+    if match is None:
+        return
+    op = match.group(1)
+    record.anomalies.append(Anomaly(semconv.NONFINITE_GRAD, f"autograd anomaly: backward op {op} returned "
+                                    f"{match.group(2).lower()} values", record.step, record.operation,
+                                    {"op": op, "source": "detect_anomaly"}))

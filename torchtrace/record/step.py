@@ -1,11 +1,31 @@
-"""StepRecord: everything torchtrace learned about one operation call, as host values."""
+"""StepRecord: everything torchtrace learned about one operation call, as host values.
+
+The step scope fills the timing and the measurements, the rules add anomalies, the probes
+add their findings to typed fields, and ``torchtrace.export`` turns the finished record into
+span attributes, events, metrics and file lines. Name lists can be as long as the model has
+tensors; everything that leaves the record for a report, an API response or an event is
+capped (:data:`MAX_NAMES`), with the number left out stated.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
-from torchtrace.semconv import NONFINITE_KINDS
+from torchtrace.semconv import MAX_NAMES_PER_ATTRIBUTE, NONFINITE_KINDS
+
+MAX_NAMES = MAX_NAMES_PER_ATTRIBUTE
+"""Names of tensors kept in a summary, an event or an anomaly's data; the rest are counted."""
+MAX_NAME_LENGTH = 200
+
+
+def capped(names: Sequence[str], limit: int = MAX_NAMES) -> list[str]:
+    """The first ``limit`` names, each cut to :data:`MAX_NAME_LENGTH` characters.
+
+    >>> capped(["a" * 300, "b"], limit=1)[0] == "a" * 200
+    True
+    """
+    return [n[:MAX_NAME_LENGTH] for n in names[:limit]]
 
 
 @dataclass
@@ -23,9 +43,9 @@ class Anomaly:
                 "operation": self.operation, "data": self.data}
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
-    """One step's health, read to the host. Built by the step scope, finished by the recorder."""
+    """One step's health, read to the host. Built by the step scope, finished by the runtime."""
 
     operation: str
     step: int
@@ -36,8 +56,8 @@ class StepRecord:
     loss: float | None = None
     grad_norm: float | None = None
     grad_norm_scope: str = "local"
-    grad_names: list[str] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
+    grad_names: Sequence[str] = ()
+    grad_norms: Sequence[float] = ()
     grad_nonfinite_params: list[str] = field(default_factory=list)
     grad_exploded_params: list[str] = field(default_factory=list)
     grad_vanished_params: list[str] = field(default_factory=list)
@@ -47,14 +67,34 @@ class StepRecord:
     update_ratio_max: float | None = None
     update_ratio_max_param: str | None = None
     update_ratios: list[float] = field(default_factory=list)  # per tensor, in param_names order
-    memory: dict[str, int | None] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
     anomalies: list[Anomaly] = field(default_factory=list)
     exception_type: str | None = None
-    skipped: bool = False
+    skipped: bool = False  # the guard skipped the optimizer update
+    guard_peer_nonfinite: bool = False  # the guard acted because another rank was non-finite
     trace_id: str | None = None
     span_id: str | None = None
     overhead_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Probes' findings (None: the probe had nothing to say this step).
+    activations: list[dict[str, Any]] | None = None  # EXTREME: one row per hooked layer call
+    forensics: dict[str, Any] | None = None  # the replay's report
+    oom: dict[str, Any] | None = None  # out of memory inside the step
+    scaler_overflow: bool = False  # a GradScaler overflow step (not an anomaly)
+    memory_growth: float | None = None  # leak detector's slope, bytes per step (the step's device)
+    memory_slopes: dict[str, float] | None = None  # the slopes of every device sampled this step
+    leak: dict[str, Any] | None = None  # the leak report, on the step a leak was flagged
+    profile: dict[str, Any] | None = None  # the profiler window holding this step
+    rank_skew: tuple[float, int] | None = None  # (skew, slowest rank), every rank_skew_interval steps
+    rank_step_seconds: float | None = None  # this rank's mean step time over the last skew window
+    # Throughput and goodput.
+    samples: int | None = None
+    tokens: int | None = None
+    flops: float | None = None  # model FLOPs of the step (forward + backward)
+    flops_counted: bool = False  # this step ran under the FLOP counter: its time is not throughput
+    lr: list[float] | None = None  # learning rate per parameter group
+    data_wait_s: float | None = None
+    phases: dict[str, float] | None = None  # forward, backward, optimizer seconds
+    kind: str = "train"  # train, evaluation, checkpoint, other (badput accounting)
 
     @property
     def anomaly_kinds(self) -> list[str]:
@@ -69,19 +109,28 @@ class StepRecord:
         return any(a.kind in NONFINITE_KINDS for a in self.anomalies)
 
     def summary(self) -> dict[str, Any]:
-        """A compact, JSON-ready view (no per-parameter lists beyond the anomaly names)."""
-        return {
+        """A compact, JSON-ready view, bounded in size whatever the model (names capped)."""
+        bad = self.grad_nonfinite_params
+        out = {
             "operation": self.operation,
             "step": self.step,
             "start_unix_ns": self.start_unix_ns,
             "duration_s": self.duration_s,
             "loss": self.loss,
             "grad_norm": self.grad_norm,
-            "grad_nonfinite_params": self.grad_nonfinite_params,
+            "grad_nonfinite_count": len(bad),
+            "grad_nonfinite_params": capped(bad),
             "update_ratio": self.update_ratio,
-            "anomalies": [a.kind for a in self.anomalies],
+            "anomalies": self.anomaly_kinds,
             "memory": self.memory,
             "exception_type": self.exception_type,
             "skipped": self.skipped,
             "trace_id": self.trace_id,
         }
+        if self.samples is not None:
+            out["samples"] = self.samples
+        if self.tokens is not None:
+            out["tokens"] = self.tokens
+        if self.data_wait_s is not None:
+            out["data_wait_s"] = self.data_wait_s
+        return out

@@ -15,7 +15,7 @@ import torch
 
 from torchtrace import current
 from torchtrace.files import ensure_private_dir
-from torchtrace.probes.profiler import ProfilerProbe, ProfileSchedule, _Window, cap_trace, top_ops
+from torchtrace.probes.profiler import ProfilerProbe, ProfileSchedule, Window, cap_trace, top_ops
 
 
 @contextlib.contextmanager
@@ -45,19 +45,18 @@ def profiling(output_file: str | os.PathLike[str] | None = None, schedule: Profi
         schedule.record_shapes = schedule.record_shapes or record_shapes
         schedule.profile_memory = schedule.profile_memory or profile_memory
         schedule.with_stack = schedule.with_stack or with_stack
-        old = (probe.schedule, probe.output)
+        saved = probe.open_schedule(schedule, Path(output_file).parent if output_file else None)
         before = len(probe.windows)
-        probe.set_schedule(schedule, Path(output_file).parent if output_file else None)
         try:
             yield result
         finally:
             probe.close()
-            probe.set_schedule(*old)
+            probe.restore(saved)
             result["windows"] = probe.windows[before:]
             result["path"] = result["windows"][-1]["path"] if result["windows"] else None
         return
     path = Path(output_file) if output_file else (
-        (probe._directory() if probe is not None else Path("torchtrace-profiles")) / "trace-block.json")
+        (probe.directory() if probe is not None else Path("torchtrace-profiles")) / "trace-block.json")
     sched = ProfileSchedule(every=1, active=10 ** 9, max_window_steps=10 ** 9, max_windows=10 ** 9,
                             record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
                             max_trace_bytes=max_trace_bytes)
@@ -66,22 +65,16 @@ def profiling(output_file: str | os.PathLike[str] | None = None, schedule: Profi
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities, record_shapes=record_shapes, profile_memory=profile_memory,
                    with_stack=with_stack)
-    window = _Window(path, "manual", -1, 10 ** 9, prof)
-    old = None
-    if probe is not None:
-        old = (probe.schedule, probe.output, probe.window)
-        probe.schedule = sched
+    window = Window(path, "manual", -1, 10 ** 9, prof)
+    saved = probe.open_block(window, sched) if probe is not None else None
     prof.__enter__()
-    if probe is not None:
-        probe.window = window
     try:
         yield result
     finally:
         if probe is not None:
-            probe.window = window
-            probe.schedule = sched
-            probe._close_window()
-            probe.schedule, probe.output, probe.window = old
+            probe.open_block(window, sched)  # the block's window, whatever steps did inside
+            probe.close_window()
+            probe.restore(saved)
             result["windows"] = probe.windows[-1:]
         else:
             prof.__exit__(None, None, None)
@@ -93,9 +86,4 @@ def profiling(output_file: str | os.PathLike[str] | None = None, schedule: Profi
 
 
 def _probe(rt) -> ProfilerProbe | None:
-    if rt is None:
-        return None
-    for p in rt.probes:
-        if isinstance(p, ProfilerProbe):
-            return p
-    return None
+    return rt.probes.find(ProfilerProbe) if rt is not None else None

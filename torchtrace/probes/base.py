@@ -1,0 +1,162 @@
+"""The probe interface, and the set of probes a runtime runs around every step.
+
+A probe is an optional family of checks (activations, memory samples, leaks, the profiler,
+forensics, stragglers). Its three step hooks run on the training thread:
+
+* ``enter(scope)`` when the step starts; returns the probe's state for this step, or None;
+* ``exit(scope, state, exc)`` when the step ends, before the host read; returns a device
+  tensor to read with the step's one host read, or None;
+* ``finish(scope, state, record, values)`` once the record's host values are known
+  (``values``: the host copy of what ``exit`` returned); it fills the record's typed fields
+  (``record.activations``, ``record.leak``...) and may add anomalies. It never touches the
+  span: export turns the record into span attributes and events.
+
+A probe overrides only the hooks it needs: :class:`ProbeSet` calls only overridden ones.
+A probe's failure is counted under its ``component`` and the step goes on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from torchtrace.record.step import StepRecord
+
+
+class Probe:
+    """Base class of every probe (see the module docstring).
+
+    >>> class CountSteps(Probe):
+    ...     name = "count"
+    ...     def __init__(self): self.n = 0
+    ...     def finish(self, scope, state, record, values): self.n += 1
+    ...     def section(self): return {"steps": self.n}
+    """
+
+    name = "probe"  # the report section's name
+    component = "other"  # torchtrace_internal_errors_total{component} of its failures
+
+    def enter(self, scope: Any) -> Any:
+        return None
+
+    def exit(self, scope: Any, state: Any, exc: BaseException | None) -> torch.Tensor | None:
+        return None
+
+    def finish(self, scope: Any, state: Any, record: StepRecord, values: list[float] | None) -> None:
+        return None
+
+    def on_level(self, features: Any) -> None:
+        """The runtime's level or mode changed (a probe whose feature went off releases what it holds)."""
+        return None
+
+    def close(self) -> None:
+        """Shutdown: release everything (hooks, profiler windows, tracing)."""
+        return None
+
+    def section(self) -> dict[str, Any] | None:
+        """The probe's section of the run report, or None."""
+        return None
+
+
+def _overrides(probe: Probe, method: str) -> bool:
+    return getattr(type(probe), method) is not getattr(Probe, method)
+
+
+class ProbeSet:
+    """The probes of one runtime, in a fixed order, with the step hooks each one overrides."""
+
+    def __init__(self, errors: Any) -> None:
+        self._errors = errors
+        self._probes: list[Probe] = []
+        self._enter: list[tuple[int, Probe]] = []
+        self._exit: list[tuple[int, Probe]] = []
+        self._finish: list[tuple[int, Probe]] = []
+        self._index: dict[int, int] = {}
+
+    def add(self, probe: Probe) -> Probe:
+        """Add a probe (at configure, before the first step)."""
+        i = len(self._probes)
+        self._probes.append(probe)
+        self._index[id(probe)] = i
+        for method, table in (("enter", self._enter), ("exit", self._exit), ("finish", self._finish)):
+            if _overrides(probe, method):
+                table.append((i, probe))
+        return probe
+
+    def __iter__(self) -> Iterator[Probe]:
+        return iter(list(self._probes))
+
+    def __len__(self) -> int:
+        return len(self._probes)
+
+    def find(self, kind: type) -> Any:
+        """The probe of class ``kind``, or None."""
+        for p in self._probes:
+            if isinstance(p, kind):
+                return p
+        return None
+
+    def state_of(self, states: list | None, probe: Probe) -> Any:
+        """``probe``'s state in a step's ``states`` (what :meth:`enter` returned)."""
+        i = self._index.get(id(probe))
+        return states[i] if states is not None and i is not None else None
+
+    # ------------------------------------------------------------ step hooks
+    def enter(self, scope: Any) -> list | None:
+        states = None
+        for i, probe in self._enter:
+            try:
+                state = probe.enter(scope)
+            except Exception as exc:
+                self._errors.report(probe.component, exc)
+                continue
+            if state is not None:
+                if states is None:
+                    states = [None] * len(self._probes)
+                states[i] = state
+        return states
+
+    def exit(self, scope: Any, states: list | None, exc: BaseException | None, plan: Any) -> None:
+        for i, probe in self._exit:
+            try:
+                tensor = probe.exit(scope, states[i] if states is not None else None, exc)
+                if tensor is not None:
+                    plan.add(probe, tensor)
+            except Exception as err:
+                self._errors.report(probe.component, err)
+
+    def finish(self, scope: Any, states: list | None, record: StepRecord, plan: Any, values: list[float] | None) -> None:
+        for i, probe in self._finish:
+            try:
+                probe.finish(scope, states[i] if states is not None else None, record,
+                             plan.take(probe, values) if plan is not None else None)
+            except Exception as err:
+                self._errors.report(probe.component, err)
+
+    # ------------------------------------------------------------ lifecycle
+    def on_level(self, features: Any) -> None:
+        for probe in list(self._probes):
+            try:
+                probe.on_level(features)
+            except Exception as exc:
+                self._errors.report(probe.component, exc)
+
+    def close(self) -> None:
+        for probe in list(self._probes):
+            try:
+                probe.close()
+            except Exception as exc:
+                self._errors.report(probe.component, exc)
+
+    def sections(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for probe in list(self._probes):
+            try:
+                section = probe.section()
+            except Exception as exc:
+                self._errors.report(probe.component, exc)
+                continue
+            if section is not None:
+                out[probe.name] = section
+        return out

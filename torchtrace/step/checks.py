@@ -1,0 +1,95 @@
+"""The user's mistakes, named where they are made: wrong argument types at scope creation or
+decoration raise ``TypeError`` with the correct call, instead of failing later inside the step
+(where torchtrace would only count them as its own errors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchtrace.levels import DebugLevel
+
+STEP_KINDS = ("train", "evaluation", "checkpoint", "other")
+_EXAMPLE = 'debug_context("train_step", model=model, optimizer=optimizer)'
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__
+
+
+def is_optimizer(value: Any) -> bool:
+    """A torch optimizer, or an object that behaves as one (param_groups, step, step pre-hooks)."""
+    if isinstance(value, torch.optim.Optimizer):
+        return True
+    return (hasattr(value, "param_groups") and callable(getattr(value, "step", None))
+            and callable(getattr(value, "register_step_pre_hook", None)))
+
+
+def is_scaler(value: Any) -> bool:
+    return callable(getattr(value, "unscale_", None)) and callable(getattr(value, "scale", None))
+
+
+def check_model(model: Any, where: str) -> None:
+    if model is None or isinstance(model, torch.nn.Module):
+        return
+    hint = " (model and optimizer swapped?)" if is_optimizer(model) else ""
+    raise TypeError(f"{where}: model= must be a torch.nn.Module, got {_kind(model)}{hint}; "
+                    f"for example {_EXAMPLE}")
+
+
+def check_optimizer(optimizer: Any, where: str) -> None:
+    if optimizer is None or is_optimizer(optimizer):
+        return
+    hint = " (model and optimizer swapped?)" if isinstance(optimizer, torch.nn.Module) else ""
+    raise TypeError(f"{where}: optimizer= must be a torch.optim.Optimizer, got {_kind(optimizer)}{hint}; "
+                    f"for example {_EXAMPLE}")
+
+
+def check_scaler(scaler: Any, where: str) -> None:
+    if scaler is None or is_scaler(scaler):
+        return
+    raise TypeError(f"{where}: scaler= must be a torch.amp.GradScaler (an object with scale() and unscale_()), "
+                    f"got {_kind(scaler)}; for example debug_context(\"train_step\", model=model, "
+                    f"optimizer=optimizer, scaler=torch.amp.GradScaler())")
+
+
+def check_scope_arguments(name: Any, model: Any, optimizer: Any, scaler: Any, replay: Any, step: Any,
+                          kind: Any) -> None:
+    """Raises TypeError or ValueError naming the argument and showing the correct call."""
+    where = "debug_context"
+    if not isinstance(name, str):
+        if isinstance(name, torch.nn.Module):
+            raise TypeError(f"{where}: the first argument is the operation's name, got a {_kind(name)}; pass the "
+                            f"model by keyword: {_EXAMPLE}")
+        raise TypeError(f"{where}: the operation's name must be a string, got {_kind(name)}; for example {_EXAMPLE}")
+    if not name.strip():
+        raise ValueError(f"{where}: the operation's name must not be empty; for example {_EXAMPLE}")
+    check_model(model, where)
+    check_optimizer(optimizer, where)
+    check_scaler(scaler, where)
+    if replay is not None and not callable(replay):
+        raise TypeError(f"{where}: replay= must be a callable that runs the step's forward and loss again, got "
+                        f"{_kind(replay)}; for example replay=lambda: loss_fn(model(x), y)")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise TypeError(f"{where}: step= must be a non-negative int, got {step!r}")
+    if kind not in STEP_KINDS:
+        raise ValueError(f"{where}: kind={kind!r} is not valid; accepted values: {', '.join(STEP_KINDS)}")
+
+
+def check_decorator_target(func: Any) -> None:
+    """``@debug_operation(model)``: a module where the decorated function belongs."""
+    if isinstance(func, torch.nn.Module):
+        raise TypeError("debug_operation: got a torch.nn.Module where the function to decorate belongs; pass the "
+                        "model by keyword: @debug_operation(model=model, optimizer=optimizer)")
+    if isinstance(func, torch.optim.Optimizer):
+        raise TypeError("debug_operation: got an optimizer where the function to decorate belongs; pass it by "
+                        "keyword: @debug_operation(model=model, optimizer=optimizer)")
+    if func is not None and not callable(func):
+        raise TypeError(f"debug_operation decorates a function, got {_kind(func)}; for example "
+                        "@debug_operation(name=\"train_step\", model=model)")
+
+
+def check_level(level: Any) -> None:
+    if level is not None:
+        DebugLevel.parse(level, "level")

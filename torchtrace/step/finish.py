@@ -1,0 +1,150 @@
+"""Finishing a step's record: host values in, a complete record out, handed to export.
+
+Runs on the training thread, when the step's one host read has landed (at once on the CPU; at
+a later step boundary on a GPU): the values fill the record, the rules add anomalies, the
+probes add their findings, the guard policy decides, and then export takes over (span,
+metrics, history, log).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from torchtrace import semconv
+from torchtrace.errors import NonFiniteError
+from torchtrace.measure import gradients as grad_measure
+from torchtrace.record import policy, readout, rules
+from torchtrace.record.step import StepRecord
+from torchtrace.export.spans import apply_record
+
+logger = logging.getLogger("torchtrace")
+
+_LOG_FIRST = 10  # anomalies of one kind logged individually before thinning out
+_LOG_EVERY = 100
+
+
+def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float] | None, span: Any,
+           exc: BaseException | None) -> None:
+    """Turn host values into the record's fields, anomalies, policy decisions and telemetry."""
+    states, _ = scope.hand_over()
+    if values is not None:
+        loss = plan.first("loss", values)
+        if loss is not None:
+            record.loss = loss
+        grads = plan.take("grads", values)
+        if grads is not None:
+            _evaluate_grads(rt, scope, record, grads[0], grads[1:])
+        _evaluate_parameters(rt, scope, record, plan, values)
+        tokens = plan.first("tokens", values)
+        if tokens is not None:
+            record.tokens = int(tokens)
+    check = scope.gradients
+    if check is not None and check.values is not None and check.stats is not None:
+        _evaluate_grads(rt, scope, record, check.values[0], check.values[1:])
+    rules.evaluate_loss(record)
+    if exc is not None:
+        rules.evaluate_exception(record, exc, scope.features.anomaly_mode)
+    if not record.param_checked and record.nonfinite and scope.features.param_stats:
+        _check_parameters_now(rt, scope, record)
+    rt.probes.finish(scope, states, record, plan, values)
+    _apply_policy(rt, scope, record)
+    export(rt, record, span, exc)
+    scope.release()
+
+
+def export(rt: Any, record: StepRecord, span: Any, exc: BaseException | None) -> None:
+    """Hand the finished record to every sink: span, metrics, history, log."""
+    try:
+        apply_record(span, record, exc, rt.settings.record_exception_messages)
+    except Exception as serr:
+        rt.errors.report("tracing", serr)
+        try:
+            span.end(end_time=record.end_unix_ns or None)
+        except Exception:
+            pass
+    try:
+        rt.metrics.observe_step(record)
+    except Exception as merr:
+        rt.errors.report("metrics", merr)
+    rt.history.add_step(record)
+    for anomaly in record.anomalies:
+        rt.history.add_event("anomaly", anomaly.detail, anomaly.as_dict())
+        _log_anomaly(rt, anomaly)
+
+
+def _apply_policy(rt: Any, scope: Any, record: StepRecord) -> None:
+    """The guard's follow-ups that need the host record: stop after K bad steps, raise without an optimizer."""
+    run = rt.consecutive_bad + 1 if record.nonfinite else 0
+    rt.consecutive_bad = run
+    if record.nonfinite and not record.skipped and rt.guard is policy.GuardPolicy.SKIP:
+        rt.guard_could_not_act(scope, record)
+    report = record.forensics
+    if scope.raised is not None:
+        if report is not None and scope.raised.report is None:
+            scope.raised.report = report
+        return
+    scope.pending_error = policy.decide_after_record(record, rt.guard, run, rt.settings.max_consecutive_bad_steps,
+                                                     report)
+
+
+def _evaluate_grads(rt: Any, scope: Any, record: StepRecord, total: float, norms: list[float]) -> None:
+    stats = scope.gradients.stats
+    record.grad_norm_scope = stats.scope
+    overflow: list[str] = []
+    # A finite global norm (float64, summed from the tensors' norms) means every tensor's is.
+    if stats.grads and not math.isfinite(total) and any(math.isinf(v) for v in norms):
+        overflow = _overflowed(stats, norms)
+    s = rt.settings
+    rules.evaluate_gradients(record, stats.names, norms, total, s.grad_explosion_threshold,
+                             s.grad_vanishing_threshold, scope.features.param_stats, overflow)
+
+
+def _overflowed(stats: Any, norms: list[float]) -> list[str]:
+    """Names of tensors whose infinite norm came from overflow, not from an Inf element (anomaly path)."""
+    idx = [i for i, v in enumerate(norms) if math.isinf(v)]
+    flags = torch.stack([(~torch.isfinite(stats.grads[i])).any() for i in idx]).to(torch.float64)
+    real = readout.read(flags)
+    return [stats.names[i] for i, r in zip(idx, real) if not r]
+
+
+def _evaluate_parameters(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float]) -> None:
+    norms = plan.take("params", values)
+    if norms is None:
+        return
+    names = plan.label("params")
+    record.param_checked = True
+    rules.evaluate_parameters(record, names, norms)
+    updates = plan.take("updates", values)
+    if updates is not None:
+        rules.evaluate_updates(record, names, updates, norms)
+
+
+def _check_parameters_now(rt: Any, scope: Any, record: StepRecord) -> None:
+    """A non-finite step outside the parameter-check cadence: name the non-finite parameters now
+    (a second host read, on the anomaly path only)."""
+    if scope.model is None and scope.optimizer is None:
+        return
+    try:
+        refs = rt.params_for(scope.model, scope.optimizer)
+        norms = grad_measure.parameter_norms(refs)
+        if norms is None:
+            return
+        record.param_checked = True
+        rules.evaluate_parameters(record, [r.name for r in refs], readout.read(norms))
+    except Exception as exc:
+        rt.errors.report("gradients", exc)
+
+
+def _log_anomaly(rt: Any, anomaly: Any) -> None:
+    counts = rt.log_counts
+    n = counts[anomaly.kind] = counts[anomaly.kind] + 1
+    if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
+        suffix = f" ({n} so far)" if n > _LOG_FIRST else ""
+        logger.warning("step %s %s: %s: %s%s", anomaly.step, anomaly.operation, anomaly.kind, anomaly.detail, suffix)
+
+
+__all__ = ["NonFiniteError", "export", "finish", "semconv"]

@@ -1,0 +1,133 @@
+"""The step's gradient check: measured right before the optimizer uses the gradients.
+
+With an optimizer, :class:`GradientCheck` hooks its ``step`` (``register_step_pre_hook``), so
+the norms are those of the update about to happen and a ``skip`` guard can drop it before any
+parameter changes. ``torch.nn.utils.clip_grad_norm_`` called inside a step measures first
+(:mod:`torchtrace.step.clipping`), so the recorded norm is the one before clipping. Without an
+optimizer the gradients are measured when the step ends.
+
+The norms stay on the device and ride in the step's one host read, unless a decision is due
+now: a ``skip``/``raise`` guard must decide before the update (its own host read), and on the
+CPU the global norm is looked at for free so that a non-finite step is replayed while the
+parameters are still those the step saw.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from torchtrace.errors import NonFiniteError
+from torchtrace.measure import gradients as grad_measure
+from torchtrace.record import readout
+from torchtrace.record.policy import GuardPolicy, agree_any
+
+
+class GradientCheck:
+    """One step's gradient measurement and guard decision (see the module docstring)."""
+
+    __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "_hook")
+
+    def __init__(self, scope: Any, rt: Any) -> None:
+        self.scope = scope
+        self.rt = rt
+        self.stats: grad_measure.GradStats | None = None
+        self.values: list[float] | None = None  # [total, *norms] when read before the update
+        self.fired = False
+        self.skipped = False
+        self.peer_nonfinite = False
+        self.update_before: tuple[list, list[torch.Tensor]] | None = None
+        self._hook = None
+
+    def hook(self, optimizer: Any) -> None:
+        self._hook = optimizer.register_step_pre_hook(self._pre_hook)
+
+    def unhook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.before_update(optimizer)
+
+    def before_update(self, optimizer: Any) -> None:
+        """Measure the gradients the optimizer is about to use; apply the guard policy.
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients.
+        """
+        scope = self.scope
+        if self.fired or not scope.active:
+            return
+        t0 = time.perf_counter()
+        self.fired = True
+        rt = self.rt
+        try:
+            params = rt.params_for(scope.model, optimizer)
+            self.stats = grad_measure.gradient_norms(params)
+            if rt.guard is not GuardPolicy.WARN and (self.stats is not None or rt.identity.distributed):
+                self._decide(params)
+            elif self.stats is not None and rt.forensics.wants_early_look(scope, self.stats):
+                # The global norm is non-finite exactly when some tensor's is: look at that one
+                # CPU value, and build the full vector only on a bad step.
+                if not math.isfinite(readout.peek_cpu(self.stats.total.reshape(1))[0]):
+                    self._decide(params)
+            every = rt.settings.update_ratio_interval
+            if scope.features.param_stats and every and scope.step % every == 0 and params:
+                # Before the update: the parameters now, to measure what the update changed.
+                self.update_before = (params, grad_measure.snapshot_parameters(params))
+        except NonFiniteError:
+            scope.add_overhead(time.perf_counter() - t0)
+            raise
+        except Exception as exc:
+            rt.errors.report("gradients", exc)
+        scope.add_overhead(time.perf_counter() - t0)
+
+    def measure_at_end(self) -> None:
+        """No optimizer was hooked: measure the gradients as the step leaves them. (With an
+        optimizer that did not step, no update used them: nothing to measure.)"""
+        scope = self.scope
+        if self.fired or scope.model is None or scope.optimizer is not None:
+            return
+        self.fired = True
+        self.stats = grad_measure.gradient_norms(self.rt.params_for(scope.model, None))
+
+    def _decide(self, params: list) -> None:
+        """Read the norms now (a host read of its own) and skip or raise when non-finite."""
+        rt, scope, stats = self.rt, self.scope, self.stats
+        bad = False
+        if stats is not None:
+            vec = torch.cat([stats.total.reshape(1), stats.norms])  # cat promotes to the total's float64
+            # A warn step comes here only for forensics' free look at CPU values.
+            values = readout.peek_cpu(vec) if rt.guard is GuardPolicy.WARN else readout.read(vec)
+            self.values = values
+            bad = not math.isfinite(values[0]) or any(not math.isfinite(v) for v in values[1:])
+        local_bad = bad
+        if rt.identity.distributed and rt.guard is not GuardPolicy.WARN:
+            try:  # every rank takes the same decision in the same step: one all_reduce(MAX)
+                bad = agree_any(bad)
+            except Exception as exc:
+                rt.errors.report("distributed", exc)
+        if not bad:
+            return
+        report = None
+        if not local_bad:
+            self.peer_nonfinite = True
+        else:
+            try:  # localise before anything changes: the parameters are still those the step saw
+                report = rt.forensics.replay_now(scope, params_updated=False)
+            except Exception as exc:
+                rt.errors.report("forensics", exc)
+        if rt.guard is GuardPolicy.SKIP:
+            for ref in params:
+                ref.param.grad = None
+            self.skipped = True
+        elif rt.guard is GuardPolicy.RAISE:
+            where = "" if local_bad else " on another rank"
+            error = NonFiniteError(f"non-finite gradients{where} at step {scope.step} of {scope.name}",
+                                   step=scope.step, kinds=["nonfinite_grad"], report=report)
+            scope.raised = error
+            raise error

@@ -1,0 +1,317 @@
+"""StepScope: one instrumented operation call, from its entry to the hand-over of its record.
+
+At entry the scope opens the step's span (so user code inside keeps it as its parent), hooks
+the optimizer and lets the probes start. While the step runs, it only launches device work.
+At exit it gathers every device value the record needs into one host read
+(:class:`~torchtrace.record.reads.ReadPlan`), builds the :class:`StepRecord` and hands it to
+the runtime, which finishes it (now on the CPU; when the copy has landed on a GPU) and passes
+it on to export. One scope serves ``with``, ``async with`` and the decorators.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from torchtrace import current
+from torchtrace.errors import NonFiniteError
+from torchtrace.export.spans import clean_attributes
+from torchtrace.levels import DebugLevel, DebugMode, Features
+from torchtrace.measure import memory as mem_measure
+from torchtrace.measure.loss import LossValue, classify_loss
+from torchtrace.record.reads import ReadPlan
+from torchtrace.record.step import StepRecord
+from torchtrace.step import checks
+from torchtrace.step.gradients import GradientCheck
+
+logger = logging.getLogger("torchtrace")
+
+STEP_KINDS = checks.STEP_KINDS
+
+
+class StepScope:
+    """One instrumented operation call: a span, a step record, the step's measurements.
+
+    Use through :func:`torchtrace.debug_context` or :func:`torchtrace.debug_operation`.
+    Inside the block, :meth:`record_loss` hands over the loss and :meth:`record_batch` the
+    batch size. Probes read the public attributes (``name``, ``model``, ``optimizer``,
+    ``step``, ``features``, ``gradients``, ``replay``, ``scaler``); everything else is the
+    scope's own.
+    """
+
+    __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_owners", "on_guard_raise", "kind",
+                 "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s", "_step_arg", "_level_arg",
+                 "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
+                 "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "__weakref__")
+
+    def __init__(self, name: str = "step", *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+                 level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
+                 attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
+                 scaler: Any = None, kind: str = "train") -> None:
+        checks.check_scope_arguments(name, model, optimizer, scaler, replay, step, kind)
+        self.name = name
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.replay = replay
+        self.replay_owners: tuple[list, list] = ([], [])
+        self.on_guard_raise: Callable[[BaseException], Any] | None = None  # a framework callback ends its span
+        self.kind = kind
+        self._step_arg = step
+        self._level_arg = DebugLevel.parse(level, "level") if level is not None else None
+        self._mode_arg = DebugMode.parse(mode, "mode") if mode is not None else None
+        self._attributes = clean_attributes(attributes) if attributes else None
+        self._active = False
+        self.record: StepRecord | None = None
+        self.step: int | None = None
+        self.features: Features | None = None
+        self.gradients: GradientCheck | None = None
+        self.raised: NonFiniteError | None = None  # the guard's error, raised from the optimizer hook
+        self.pending_error: NonFiniteError | None = None  # decided on the host record, raised at the step's end
+        self.suppress = False  # an exception the guard absorbs (out of memory under "skip")
+        self.duration_s = 0.0  # the step's wall time, once it has ended
+
+    # ------------------------------------------------------------ user API
+    def record_loss(self, loss: Any) -> None:
+        """Record the step's loss (a scalar tensor or a number). No host read happens here.
+
+        A tensor with more than one element, or of a bool or integer dtype, is not a loss: it is
+        not recorded and a warning says why, once per operation.
+        """
+        if not self._active or loss is None:
+            return
+        value = classify_loss(loss)
+        if value.problem is not None:
+            self._rt.warn_once(("loss", self.name, value.problem),
+                               "torchtrace: step %s of %s: the loss was not recorded: %s", self.step, self.name,
+                               value.problem)
+            return
+        self._loss = value
+
+    def record_batch(self, samples: int | None = None, tokens: int | Any | None = None) -> None:
+        """Record the batch's size (items) and tokens; overrides what torchtrace infers.
+
+        ``tokens`` may be a device tensor (a mask's sum): it is read with the step's one host read.
+        """
+        if not self._active:
+            return
+        self._batch = (samples, tokens)
+
+    @property
+    def span(self):
+        """The step's span (the current span inside the step), or an invalid span outside it."""
+        return self._span if self._active else trace.INVALID_SPAN
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def has_loss(self) -> bool:
+        return self._active and self._loss is not None
+
+    def add_overhead(self, seconds: float) -> None:
+        """Time spent inside torchtrace during the step (hooks), for ``torchtrace_overhead_seconds_total``."""
+        self._overhead += seconds
+
+    def state_of(self, probe: Any) -> Any:
+        """The per-step state ``probe.enter`` returned for this step (None when it returned none)."""
+        return self._rt.probes.state_of(self._states, probe) if self._states is not None else None
+
+    def check_gradients_now(self, optimizer: Any = None) -> None:
+        """Measure (and guard) the gradients now, as they are about to be used: the user is about
+        to clip them, or a framework says its optimizer is about to step (``optimizer`` then
+        names the parameters to watch). Once per step.
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients.
+        """
+        if not self._active or not self.features.grad_stats:
+            return
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if optimizer is None and self.model is None:
+            return
+        try:
+            if self.gradients is None:
+                self.gradients = GradientCheck(self, self._rt)
+            self.gradients.before_update(optimizer)
+        except NonFiniteError as exc:
+            if self.on_guard_raise is not None:
+                self.on_guard_raise(exc)
+            raise
+
+    # ------------------------------------------------------------ enter
+    def __enter__(self) -> "StepScope":
+        rt = current.runtime()
+        if rt is None or rt.replaying:  # a forensic replay records nothing itself
+            return self
+        level = self._level_arg or rt.level
+        if level is DebugLevel.OFF:
+            return self
+        t0 = time.perf_counter()
+        try:
+            self._begin(rt, level, t0)
+        except Exception as exc:
+            self._active = False
+            rt.errors.report("step", exc)
+        return self
+
+    def _begin(self, rt: Any, level: DebugLevel, t0: float) -> None:
+        rt.at_step_boundary()
+        self._rt = rt
+        mode = self._mode_arg or rt.mode
+        self.features = feats = rt.features if (level is rt.level and mode is rt.mode) else Features.for_level(level, mode)
+        self.step = rt.step_number(self.name, self._step_arg)
+        self._loss = None
+        self._batch = None
+        self._states = None
+        self._anomaly_cm = None
+        self._overhead = 0.0
+        self.gradients = None
+        self.raised = None
+        self.pending_error = None
+        self.suppress = False
+        self._start_ns = time.time_ns()
+        self._span = rt.open_span(self, level, self._attributes, self._start_ns)
+        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        self._ctx_token = current.enter_step(self)
+        if feats.grad_stats and (self.optimizer is not None or self.model is not None):
+            self.gradients = GradientCheck(self, rt)
+            if self.optimizer is not None:
+                self.gradients.hook(self.optimizer)
+            else:
+                rt.guard_without_optimizer(self)
+        if feats.anomaly_mode:
+            self._anomaly_cm = torch.autograd.detect_anomaly(check_nan=True)
+            self._anomaly_cm.__enter__()
+        self._active = True
+        self._states = rt.probes.enter(self)
+        t1 = time.perf_counter()
+        self._overhead += t1 - t0
+        self._t0 = t1
+
+    # ------------------------------------------------------------ exit
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self._active:
+            return False
+        t0 = time.perf_counter()
+        self.duration_s = duration = t0 - self._t0
+        end_ns = time.time_ns()
+        self._active = False
+        rt = self._rt
+        try:
+            self._finish(rt, exc, duration, end_ns, t0)
+        except Exception as err:
+            try:
+                rt.errors.report("step", err)
+            finally:
+                self._abandon()
+        if exc is None and self.pending_error is not None:
+            error, self.pending_error = self.pending_error, None
+            raise error  # a guard policy decided on the host record
+        return bool(exc is not None and self.suppress)
+
+    def _abandon(self) -> None:
+        """After an internal error in ``_finish``: restore every global and end the span."""
+        for undo in (lambda: self._anomaly_cm is not None and self._anomaly_cm.__exit__(None, None, None),
+                     lambda: self.gradients is not None and self.gradients.unhook(),
+                     lambda: self._ctx_token is not None and current.leave_step(self._ctx_token),
+                     lambda: self._token is not None and otel_context.detach(self._token),
+                     lambda: self._span.end()):
+            try:
+                undo()
+            except Exception:
+                pass
+        self._anomaly_cm = self._ctx_token = self._token = None
+
+    def _restore(self) -> None:
+        if self._anomaly_cm is not None:
+            self._anomaly_cm.__exit__(None, None, None)
+            self._anomaly_cm = None
+        if self.gradients is not None:
+            self.gradients.unhook()
+        current.leave_step(self._ctx_token)
+        self._ctx_token = None
+
+    def _finish(self, rt: Any, exc: BaseException | None, duration: float, end_ns: int, t0: float) -> None:
+        self._restore()
+        plan = ReadPlan()
+        loss = self._loss
+        if loss is not None and loss.tensor is not None:
+            plan.add("loss", loss.tensor)
+        grads = self.gradients
+        if grads is not None:
+            if not grads.fired:
+                try:
+                    grads.measure_at_end()
+                except Exception as gerr:
+                    rt.errors.report("gradients", gerr)
+            stats = grads.stats
+            if stats is not None and grads.values is None:
+                plan.add("grads", torch.cat([stats.total.reshape(1).to(stats.norms.dtype), stats.norms]))
+        rt.plan_parameter_check(self, plan)
+        batch = self._batch
+        if batch is not None and isinstance(batch[1], torch.Tensor):
+            plan.add("tokens", batch[1])
+        rt.probes.exit(self, self._states, exc, plan)
+        pending = None
+        try:
+            pending = plan.start()
+        except Exception as rerr:
+            rt.errors.report("record", rerr)
+            plan = ReadPlan()
+        try:
+            mem = mem_measure.sample(cuda=self.features.cuda_memory).as_dict()
+        except Exception as merr:
+            rt.errors.report("memory", merr)
+            mem = {}
+        otel_context.detach(self._token)
+        self._token = None
+        record = StepRecord(operation=self.name, step=self.step, level=(self._level_arg or rt.level).value,
+                            start_unix_ns=self._start_ns, end_unix_ns=end_ns, duration_s=duration, memory=mem,
+                            skipped=grads is not None and grads.skipped,
+                            exception_type=type(exc).__qualname__ if exc is not None else None, kind=self.kind)
+        if grads is not None:
+            record.guard_peer_nonfinite = grads.peer_nonfinite
+        if loss is not None and loss.number is not None:
+            record.loss = loss.number
+        if batch is not None:
+            record.samples = batch[0]
+            if batch[1] is not None and not isinstance(batch[1], torch.Tensor):
+                record.tokens = int(batch[1])
+        ctx = self._span.get_span_context()
+        record.trace_id = format(ctx.trace_id, "032x")
+        record.span_id = format(ctx.span_id, "016x")
+        self.record = record
+        self._overhead += time.perf_counter() - t0
+        record.overhead_s = self._overhead
+        rt.submit(self, record, plan, pending, self._span, exc)
+
+    def hand_over(self) -> tuple[Any, float]:
+        """What the runtime finishes a record with: the probe states and the overhead so far."""
+        return self._states, self._overhead
+
+    def release(self) -> None:
+        """After the record is finished: drop every reference to tensors and callables."""
+        self._states = None
+        self._loss = None
+        self._batch = None
+        self.gradients = None
+        self.replay = None
+        self.replay_owners = ([], [])
+
+    # ------------------------------------------------------------ async
+    async def __aenter__(self) -> "StepScope":
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
+
+__all__ = ["LossValue", "STEP_KINDS", "StepScope"]

@@ -1,0 +1,147 @@
+"""What ``configure()`` builds besides the runtime's own state: the resource, the run directory,
+span exporters, the metrics server with the debug API, the OTLP metrics pusher, and the probes."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+
+from torchtrace import files, semconv
+from torchtrace._version import __version__
+from torchtrace.distributed import rank_file_name
+from torchtrace.distributed.collectives import STATE as COLLECTIVES
+from torchtrace.export import transport
+from torchtrace.export.server import TelemetryServer
+from torchtrace.export.spans import ReadableSpans
+from torchtrace.export.tracing import BoundedBatchSpanProcessor, JsonLinesSpanExporter, otlp_span_exporter
+from torchtrace.probes.activations import ActivationProbe
+from torchtrace.probes.forensics import ForensicsProbe
+from torchtrace.probes.leaks import LeakProbe
+from torchtrace.probes.memory import MemoryProbe
+from torchtrace.probes.profiler import ProfilerProbe
+from torchtrace.probes.straggler import StragglerProbe
+
+logger = logging.getLogger("torchtrace")
+
+
+def resource(rt: Any) -> Resource:
+    """service.name, run id, rank identity, host and version; OTEL_RESOURCE_ATTRIBUTES merged in."""
+    ident = rt.identity
+    attrs: dict[str, Any] = {
+        semconv.RESOURCE_RUN_ID: rt.settings.run_id,
+        semconv.RESOURCE_RANK: ident.rank,
+        semconv.RESOURCE_LOCAL_RANK: ident.local_rank,
+        semconv.RESOURCE_WORLD_SIZE: ident.world_size,
+        semconv.RESOURCE_INSTANCE_ID: ident.instance_id,
+        "host.name": ident.node,
+        "torchtrace.version": __version__,
+    }
+    attrs.update(rt.settings.resource_attributes or {})
+    res = Resource.create(attrs)
+    # service.name: argument or OTEL_SERVICE_NAME, then OTEL_RESOURCE_ATTRIBUTES, then ours.
+    given = str(res.attributes.get("service.name", "")).strip()
+    if rt.settings.service_name != "torchtrace" or not given or given.startswith("unknown_service"):
+        res = res.merge(Resource({"service.name": rt.settings.service_name}))
+    return res
+
+
+def run_files(rt: Any) -> None:
+    """The run directory and this rank's file names (none with ``write_files=False``)."""
+    if not rt.settings.write_files:
+        return
+    try:
+        rt.run_path = files.ensure_private_dir(Path(rt.settings.run_dir) / rt.settings.run_id)
+        rt.spans_path = rt.run_path / rank_file_name("spans", ".jsonl", rt.identity)
+        rt.report_path = rt.run_path / rank_file_name("report", ".json", rt.identity)
+    except OSError as exc:
+        rt.errors.report("files", exc)
+        rt.run_path = rt.spans_path = rt.report_path = None
+
+
+def span_exporters(rt: Any) -> None:
+    """One bounded batch processor per exporter: spans.jsonl, and OTLP when an endpoint is set."""
+    s = rt.settings
+    exporters = []
+    if rt.spans_path is not None:
+        exporters.append(JsonLinesSpanExporter(rt.spans_path, s.max_file_bytes))
+    if s.otlp_endpoint:
+        transport.warn_if_plaintext(s.otlp_endpoint, "otlp_endpoint")
+        exporters.append(ReadableSpans(otlp_span_exporter(s.otlp_endpoint, s.otlp_protocol, s.export_timeout_s,
+                                                          s.otlp_headers, s.otlp_certificate)))
+    for exporter in exporters:
+        proc = BoundedBatchSpanProcessor(exporter, s.span_queue_size, rt.metrics.drop_spans)
+        proc.on_error = rt.exporter_error
+        rt.processors.append(proc)
+        rt.tracer_provider.add_span_processor(proc)
+
+
+def server(rt: Any) -> None:
+    """/metrics (and the debug API) on ``prometheus_port`` (+ local rank), by the port policy."""
+    s = rt.settings
+    if s.prometheus_port is None or s.metrics_exporter in ("otlp", "none"):
+        return
+    port = s.prometheus_port + rt.identity.local_rank if s.prometheus_port else 0
+    srv = TelemetryServer(rt.metrics.registry, s.prometheus_host)
+    if s.debug_api:
+        from torchtrace.export.debug_api import install_debug_api
+
+        rt.debug_api = install_debug_api(rt, srv)
+    try:
+        # Fallback ports step by the local world size, so rank r never takes rank r+1's port.
+        if srv.start(port, s.port_policy, stride=rt.identity.local_world_size) is not None:
+            rt.server = srv
+            if rt.debug_api is not None:
+                rt.debug_api.announce()
+    except Exception as exc:
+        rt.errors.report("server", exc)
+
+
+def metrics_push(rt: Any) -> None:
+    """OTLP metrics push for fleets (``metrics_exporter`` otlp or both)."""
+    s = rt.settings
+    if s.metrics_exporter not in ("otlp", "both"):
+        return
+    endpoint = s.otlp_metrics_endpoint or s.otlp_endpoint
+    if not endpoint:
+        logger.warning("torchtrace metrics_exporter=%s but no OTLP endpoint is set: no metrics are pushed",
+                       s.metrics_exporter)
+        return
+    from torchtrace.export.otlp_metrics import OtlpMetricsPusher
+
+    transport.warn_if_plaintext(endpoint, "otlp_metrics_endpoint")
+    try:
+        pusher = OtlpMetricsPusher(rt.metrics.registry, endpoint, s.otlp_protocol,
+                                   dict(rt.tracer_provider.resource.attributes), s.metrics_export_interval_s,
+                                   s.export_timeout_s, s.otlp_headers, s.otlp_certificate)
+        pusher.start()
+        rt.metrics_pusher = pusher
+    except Exception as exc:
+        rt.errors.report("metrics", exc)
+
+
+def probes(rt: Any) -> None:
+    """The probes every runtime runs, in order; forensics last among the step's own checks."""
+    rt.probes.add(ProfilerProbe(rt))
+    rt.probes.add(ActivationProbe(rt))
+    rt.probes.add(MemoryProbe(rt))
+    rt.probes.add(LeakProbe(rt))
+    rt.forensics = rt.probes.add(ForensicsProbe(rt))
+    s = rt.settings
+    if rt.identity.distributed and s.rank_skew_interval:
+        rt.probes.add(StragglerProbe(rt, s.rank_skew_interval))
+    elif not rt.identity.distributed:
+        # One rank is its own median and its own slowest: the skew is exactly 1.
+        rt.metrics.set_rank_skew(1.0)
+
+
+def distributed_section(rt: Any) -> dict[str, Any]:
+    ident = rt.identity
+    straggler = rt.probes.find(StragglerProbe)
+    return {"rank": ident.rank, "local_rank": ident.local_rank, "world_size": ident.world_size,
+            "local_world_size": ident.local_world_size, "node": ident.node, "node_rank": ident.node_rank,
+            "instance_id": ident.instance_id, "collectives": dict(COLLECTIVES.counts),
+            "collectives_broken": COLLECTIVES.broken,
+            "rank_skew": straggler.last if straggler is not None else None}
