@@ -52,7 +52,7 @@ FAULTS = {
     "metric_update": (metrics.Metrics, "observe_step", {"metrics"}),
     "overhead_metric": (metrics.Metrics, "add_overhead", {"metrics"}),
     "report_file_write": (files, "write_json_atomic", {"files"}),
-    "memory_sample": (memory, "sample", {"memory"}),
+    "memory_sample": (memory, "step_sample", {"memory"}),
     "gradient_norms": (gradients, "gradient_norms", {"gradients"}),
     "host_readout": (readout, "start", {"record"}),
     "span_start": (runtime_mod.Runtime, "at_step_boundary", {"step"}),

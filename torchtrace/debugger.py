@@ -125,7 +125,7 @@ class PyTorchDebugger:
             return [], [], []
         stats = torch.stack([
             torch.cat([tensor_measure.tensor_stats(r.param.grad),
-                       torch.linalg.vector_norm(grad_measure._dense(r.param.grad).to(torch.float64)).reshape(1)])
+                       torch.linalg.vector_norm(grad_measure.dense(r.param.grad).to(torch.float64)).reshape(1)])
             for r in refs])
         values = readout.read(stats.reshape(-1).cpu() if stats.device.type != "cpu" else stats.reshape(-1))
         width = len(tensor_measure.STAT_NAMES) + 1
@@ -211,8 +211,8 @@ class PyTorchDebugger:
         with_grad = [r for r in refs if r.param.grad is not None]
         layers = []
         if with_grad:
-            vals = torch.stack([torch.stack([grad_measure._dense(r.param.grad).abs().to(torch.float64).mean(),
-                                             grad_measure._dense(r.param.grad).abs().to(torch.float64).max()])
+            vals = torch.stack([torch.stack([grad_measure.dense(r.param.grad).abs().to(torch.float64).mean(),
+                                             grad_measure.dense(r.param.grad).abs().to(torch.float64).max()])
                                 for r in with_grad])
             flat = readout.read(vals.reshape(-1).cpu())
             for i, r in enumerate(with_grad):

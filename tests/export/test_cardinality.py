@@ -31,12 +31,12 @@ def test_ten_thousand_module_names_stay_under_every_cap():
                                  "cuda_reserved_bytes": 1, "cuda_peak_allocated_bytes": 1})
         rec.loss = 1.0
         rec.grad_norm = 1.0
+        rec.memory_slopes = {name: 1.0}
         m.observe_step(rec)
         m.count_anomaly(name, name)  # a kind outside the closed set
         m.count_anomaly(name, semconv.ANOMALY_KINDS_ALL[i % len(semconv.ANOMALY_KINDS_ALL)])
         m.drop_spans(name, 1)
         m.internal_error(name)
-        m.set_memory_growth(name, 1.0)
     seen = _series_per_family(m.registry)
     for family, cap in caps.items():
         assert seen.get(family, 0) <= cap, (family, seen.get(family), cap)
@@ -62,7 +62,7 @@ def test_operation_names_through_steps_are_capped(tt_runtime):
 
 
 def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
-    """docs/reliability.md: a BASIC CPU job with one operation exports 42 label sets per rank."""
+    """docs/reliability.md: a BASIC CPU job with one operation exports 49 label sets per rank."""
     rt = get_runtime()
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     for _ in range(3):
@@ -82,6 +82,7 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
                 "torchtrace_last_step_timestamp_seconds": 1, "torchtrace_memory_bytes": 1,
                 "torchtrace_spans_dropped": 3, "torchtrace_overhead_seconds": 1, "torchtrace_build_info": 1,
                 "torchtrace_rank_step_skew": 1, "torchtrace_anomalies": len(semconv.ANOMALY_KINDS_ALL),
-                "torchtrace_skipped_steps": 1, "torchtrace_internal_errors": len(semconv.COMPONENTS)}
+                "torchtrace_skipped_steps": 1, "torchtrace_internal_errors": len(semconv.COMPONENTS),
+                "torchtrace_badput_seconds": len(semconv.BADPUT_KINDS)}
     assert {k: v for k, v in seen.items() if v} == expected
-    assert sum(expected.values()) == 42
+    assert sum(expected.values()) == 49

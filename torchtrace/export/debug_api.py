@@ -221,7 +221,7 @@ class DebugAPI:
     def _summary(self, request):
         rt = self.runtime
         out = _retry_copy(rt.summary)
-        out["pending_changes"] = len(rt._changes)
+        out["pending_changes"] = rt.pending_changes
         return self._json(out)
 
     def _training(self, request):

@@ -24,6 +24,7 @@ from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import DEFAULT_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
@@ -170,11 +171,21 @@ def open_span(tracer_provider: Any, name: str, attributes: dict[str, Any], start
         trace_id = trace_id or tracer_provider.id_generator.generate_trace_id()
     else:
         trace_id = parent.trace_id
-    decision = tracer_provider.sampler.should_sample(None, trace_id, name, trace.SpanKind.INTERNAL, attributes)
-    flags = _SAMPLED if decision.decision.is_sampled() else _NOT_SAMPLED
-    context = SpanContext(trace_id, tracer_provider.id_generator.generate_span_id(), is_remote=False,
-                          trace_flags=flags, trace_state=decision.trace_state)
-    if not decision.decision.is_recording():
+    ids = tracer_provider.id_generator
+    sampler = tracer_provider.sampler
+    if sampler is DEFAULT_ON:  # the SDK's default: sampled unless a parent says otherwise
+        sampled = parent is None or parent.trace_flags.sampled
+        context = SpanContext(trace_id, ids.generate_span_id(), is_remote=False,
+                              trace_flags=_SAMPLED if sampled else _NOT_SAMPLED,
+                              trace_state=parent.trace_state if parent is not None else None)
+        recording = sampled
+    else:  # OTEL_TRACES_SAMPLER or a configured sampler decides
+        decision = sampler.should_sample(None, trace_id, name, trace.SpanKind.INTERNAL, attributes)
+        context = SpanContext(trace_id, ids.generate_span_id(), is_remote=False,
+                              trace_flags=_SAMPLED if decision.decision.is_sampled() else _NOT_SAMPLED,
+                              trace_state=decision.trace_state)
+        recording = decision.decision.is_recording()
+    if not recording:
         return trace.NonRecordingSpan(context)
     return StepSpan(name, context, parent, tracer_provider.resource, attributes, start_ns, sink)
 

@@ -8,7 +8,8 @@ holds a NaN. An infinite norm means an Inf element *or* a sum of squares that ov
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+import math
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -29,20 +30,39 @@ class ParamRef:
 class GradStats:
     """Per-tensor gradient norms on the device, in the order of ``names``.
 
-    ``norms`` is a float32 (or float64 when any gradient is float64) 1-D tensor; ``total`` is
-    the global L2 norm as a 0-d float64 tensor. Both stay on the device until the record's
-    single host read.
+    ``norms`` is a float32 (or float64 when any gradient is float64) 1-D tensor that stays on
+    the device until the record's single host read; the global norm is computed from the
+    host copy (:func:`global_norm`), or on the device by :attr:`total` when a caller wants it
+    there.
     """
 
     names: list[str]
     norms: torch.Tensor
-    total: torch.Tensor
     grads: list[torch.Tensor]  # dense views used; kept only until the record is read
     scope: str = "global"  # "local" when some DTensor shard norms could not be combined across ranks
 
     @property
     def count(self) -> int:
         return len(self.names)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The global L2 norm as a 0-d float64 device tensor (one more kernel; no host read)."""
+        return torch.linalg.vector_norm(self.norms, dtype=torch.float64)
+
+
+def global_norm(norms: Sequence[float]) -> float:
+    """The global L2 norm from the per-tensor norms, in float64 on the host.
+
+    NaN when any norm is NaN, else infinite when any is infinite.
+
+    >>> global_norm([3.0, 4.0])
+    5.0
+    """
+    total = math.hypot(*norms)
+    if not math.isfinite(total) and any(math.isnan(v) for v in norms):
+        return math.nan
+    return total
 
 
 def named_params(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> list[ParamRef]:
@@ -73,7 +93,7 @@ def named_params(model: torch.nn.Module | None = None, optimizer: torch.optim.Op
     return refs
 
 
-def _dense(grad: torch.Tensor) -> torch.Tensor:
+def dense(grad: torch.Tensor) -> torch.Tensor:
     """The values whose norm is the gradient's norm, for every layout torch uses."""
     if type(grad) is torch.Tensor and grad.layout is torch.strided:  # the common case, cheaply
         return grad
@@ -97,14 +117,36 @@ def _uniform_dense(params: Sequence[ParamRef]) -> GradStats | None:
     if type(first) is not torch.Tensor:
         return None
     dtype, device, strided = first.dtype, first.device, torch.strided
-    if dtype not in (torch.float32, torch.float64):
+    if dtype is not torch.float32 and dtype is not torch.float64:
         return None
     for g in grads:
-        if type(g) is not torch.Tensor or g.dtype is not dtype or g.layout is not strided or g.device != device:
+        # A dense gradient has its parameter's dtype and device (autograd checks it on
+        # assignment): the device compare, the costly one, runs only past a dtype change.
+        if type(g) is not torch.Tensor or g.layout is not strided or g.dtype is not dtype:
             return None
-    norms = torch.stack(torch._foreach_norm(grads, 2))
-    total = torch.linalg.vector_norm(norms, dtype=torch.float64)
-    return GradStats(names=[ref.name for ref in params], norms=norms, total=total, grads=grads)
+    if _mixed_devices(params, device):
+        return None
+    try:
+        norms = torch.stack(torch._foreach_norm(grads, 2))
+    except RuntimeError:  # moved since the device check: the general path sorts it out
+        return None
+    return GradStats(names=[ref.name for ref in params], norms=norms, grads=grads)
+
+
+def _mixed_devices(params: Sequence[ParamRef], device: torch.device) -> bool:
+    """Whether the parameters live on more than one device (checked once per parameter list)."""
+    key = id(params)
+    hit = _DEVICES.get(key)
+    if hit is not None and hit[0] is params:
+        return hit[1]
+    mixed = any(ref.param.device != device for ref in params)
+    if len(_DEVICES) > 64:
+        _DEVICES.clear()
+    _DEVICES[key] = (params, mixed)
+    return mixed
+
+
+_DEVICES: dict[int, tuple[Any, bool]] = {}
 
 
 def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
@@ -131,7 +173,7 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
             continue
         names.append(ref.name)
         keys.append(collectives.shard_key(g))
-        grads.append(_dense(g))
+        grads.append(dense(g))
     if not grads:
         return None
     # Group by (device, dtype): foreach kernels want uniform lists, and the output dtype
@@ -173,8 +215,7 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
             norms, scope = collectives.reduce_shard_norms(norms, keys)
         except Exception:  # already logged; collectives are off from now on
             scope = "local"
-    total = torch.linalg.vector_norm(norms.to(torch.float64))
-    return GradStats(names=names, norms=norms, total=total, grads=grads, scope=scope)
+    return GradStats(names=names, norms=norms, grads=grads, scope=scope)
 
 
 def classify_infinite(grads: Iterable[torch.Tensor]) -> list[bool]:
@@ -187,7 +228,7 @@ def classify_infinite(grads: Iterable[torch.Tensor]) -> list[bool]:
 
 def parameter_norms(params: Sequence[ParamRef]) -> torch.Tensor | None:
     """Per-tensor L2 norms of the parameters themselves (for finiteness and update ratios)."""
-    tensors = [_dense(ref.param.detach()) for ref in params]
+    tensors = [dense(ref.param.detach()) for ref in params]
     if not tensors:
         return None
     return _norms_f64(tensors)
@@ -220,12 +261,12 @@ def snapshot_parameters(params: Sequence[ParamRef]) -> list[torch.Tensor]:
     Costs one parameter-sized allocation until the update is measured; taken only every
     ``update_ratio_interval`` steps.
     """
-    return [_dense(ref.param.detach()).clone() for ref in params]
+    return [dense(ref.param.detach()).clone() for ref in params]
 
 
 def update_norms(params: Sequence[ParamRef], before: list[torch.Tensor]) -> torch.Tensor | None:
     """Per-tensor norms of ``parameter now - snapshot``, float64, on the device (no host read)."""
-    now = [_dense(ref.param.detach()) for ref in params]
+    now = [dense(ref.param.detach()) for ref in params]
     if not now or len(now) != len(before):
         return None
     return _norms_f64(torch._foreach_sub(now, before))

@@ -77,7 +77,7 @@ def sample(cuda: bool = True) -> MemorySample:
     synchronise the device. CUDA is never initialised by this call.
     """
     rss = rss_bytes()
-    if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda and torch.cuda.is_initialized():  # initialised implies available; cheaper to ask
         dev = torch.cuda.current_device()
         return MemorySample(
             rss=rss,
@@ -87,6 +87,14 @@ def sample(cuda: bool = True) -> MemorySample:
             device=f"cuda:{dev}",
         )
     return MemorySample(rss=rss)
+
+
+def step_sample(cuda: bool = True) -> dict[str, Any]:
+    """:func:`sample` as the step record's ``memory`` dict (only the keys that have values)."""
+    if cuda and torch.cuda.is_initialized():
+        s = sample(cuda=True)
+        return {**s.as_dict(), "device": s.device}
+    return {"rss_bytes": rss_bytes()}
 
 
 class _MallInfo2(__import__("ctypes").Structure):

@@ -63,7 +63,7 @@ class ForensicsProbe(Probe):
         """Read the gradient norms in the optimizer hook under ``warn`` too? Only where that read is
         free (gradients on the CPU): a replay then sees the parameters before the update."""
         return (not self.in_incident and self.replayable(scope) and self.budget_left()
-                and stats.total.device.type == "cpu")
+                and stats.norms.device.type == "cpu")
 
     # ------------------------------------------------------------ step hooks
     def enter(self, scope: Any) -> _State | None:

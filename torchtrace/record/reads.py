@@ -2,7 +2,8 @@
 
 Every device value a step needs on the host (the loss, the gradient norms, parameter norms,
 a probe's statistics, a token count) is added as a slot; :meth:`ReadPlan.start` concatenates
-them (one ``cat``, which promotes to the widest dtype) and starts the copy
+them (one ``cat``, which promotes to the widest dtype: a slot whose values need float64 adds
+them as float64) and starts the copy
 (:func:`torchtrace.record.readout.start`); once the values are on the host,
 :meth:`ReadPlan.take` hands each owner its slice.
 
@@ -45,6 +46,8 @@ class ReadPlan:
         if label is not None:
             self._labels[key] = label
         flat = tensor.detach().reshape(-1)
+        if flat.device.type == "meta":  # a model on the meta device has no values to read
+            return
         if self.home is None:
             self.home = flat.device
         elif flat.device != self.home:
@@ -59,9 +62,9 @@ class ReadPlan:
         pieces = self._pieces
         if not pieces:
             return None
+        # One cat promotes to the widest dtype; float32 values read as exact Python floats, so
+        # nothing is converted on the device (a slot that needs float64 adds it as float64).
         vec = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        if vec.dtype is not torch.float64:
-            vec = vec.to(torch.float64)
         self._pieces = []  # keep no device tensor alive past the copy
         return readout.start(vec)
 

@@ -26,7 +26,7 @@ def evaluate_gradients(
 ) -> None:
     """Fill the record's gradient fields and append gradient anomalies.
 
-    ``total`` is the float64 L2 norm of ``norms`` (as :func:`gradient_norms` computes it).
+    ``total`` is the float64 L2 norm of ``norms`` (:func:`torchtrace.measure.gradients.global_norm`).
 
     ``overflow_only`` names tensors whose norm overflowed although every element is finite.
     """

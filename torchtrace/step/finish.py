@@ -35,16 +35,16 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
         loss = plan.first("loss", values)
         if loss is not None:
             record.loss = loss
-        grads = plan.take("grads", values)
-        if grads is not None:
-            _evaluate_grads(rt, scope, record, grads[0], grads[1:])
+        norms = plan.take("grads", values)
+        if norms is not None:
+            _evaluate_grads(rt, scope, record, norms)
         _evaluate_parameters(rt, scope, record, plan, values)
         tokens = plan.first("tokens", values)
         if tokens is not None:
             record.tokens = int(tokens)
     check = scope.gradients
     if check is not None and check.values is not None and check.stats is not None:
-        _evaluate_grads(rt, scope, record, check.values[0], check.values[1:])
+        _evaluate_grads(rt, scope, record, check.values)
     rules.evaluate_loss(record)
     if exc is not None:
         rules.evaluate_exception(record, exc, scope.features.anomaly_mode)
@@ -91,8 +91,9 @@ def _apply_policy(rt: Any, scope: Any, record: StepRecord) -> None:
                                                      report)
 
 
-def _evaluate_grads(rt: Any, scope: Any, record: StepRecord, total: float, norms: list[float]) -> None:
+def _evaluate_grads(rt: Any, scope: Any, record: StepRecord, norms: list[float]) -> None:
     stats = scope.gradients.stats
+    total = grad_measure.global_norm(norms)
     record.grad_norm_scope = stats.scope
     overflow: list[str] = []
     # A finite global norm (float64, summed from the tensors' norms) means every tensor's is.

@@ -35,7 +35,7 @@ class GradientCheck:
         self.scope = scope
         self.rt = rt
         self.stats: grad_measure.GradStats | None = None
-        self.values: list[float] | None = None  # [total, *norms] when read before the update
+        self.values: list[float] | None = None  # the norms, when read before the update
         self.fired = False
         self.skipped = False
         self.peer_nonfinite = False
@@ -71,10 +71,11 @@ class GradientCheck:
             if rt.guard is not GuardPolicy.WARN and (self.stats is not None or rt.identity.distributed):
                 self._decide(params)
             elif self.stats is not None and rt.forensics.wants_early_look(scope, self.stats):
-                # The global norm is non-finite exactly when some tensor's is: look at that one
-                # CPU value, and build the full vector only on a bad step.
-                if not math.isfinite(readout.peek_cpu(self.stats.total.reshape(1))[0]):
-                    self._decide(params)
+                # CPU norms are already in host memory: look at them for free, and decide now on
+                # a bad step, while the parameters are still those the step saw.
+                values = readout.peek_cpu(self.stats.norms)
+                if not all(map(math.isfinite, values)):
+                    self._decide(params, values)
             every = rt.settings.update_ratio_interval
             if scope.features.param_stats and every and scope.step % every == 0 and params:
                 # Before the update: the parameters now, to measure what the update changed.
@@ -95,16 +96,16 @@ class GradientCheck:
         self.fired = True
         self.stats = grad_measure.gradient_norms(self.rt.params_for(scope.model, None))
 
-    def _decide(self, params: list) -> None:
-        """Read the norms now (a host read of its own) and skip or raise when non-finite."""
+    def _decide(self, params: list, values: list[float] | None = None) -> None:
+        """Read the norms now (a host read of its own, unless ``values`` are the CPU norms already
+        looked at) and skip or raise when one is non-finite."""
         rt, scope, stats = self.rt, self.scope, self.stats
         bad = False
         if stats is not None:
-            vec = torch.cat([stats.total.reshape(1), stats.norms])  # cat promotes to the total's float64
-            # A warn step comes here only for forensics' free look at CPU values.
-            values = readout.peek_cpu(vec) if rt.guard is GuardPolicy.WARN else readout.read(vec)
+            if values is None:
+                values = readout.read(stats.norms)
             self.values = values
-            bad = not math.isfinite(values[0]) or any(not math.isfinite(v) for v in values[1:])
+            bad = not all(map(math.isfinite, values))
         local_bad = bad
         if rt.identity.distributed and rt.guard is not GuardPolicy.WARN:
             try:  # every rank takes the same decision in the same step: one all_reduce(MAX)

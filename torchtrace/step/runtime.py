@@ -197,6 +197,11 @@ class Runtime:
             pass
 
     # ------------------------------------------------------------ changes and boundaries
+    @property
+    def pending_changes(self) -> int:
+        """Changes queued by the debug API, not yet applied by the training thread."""
+        return len(self._changes)
+
     def request(self, change: Callable[[], None]) -> None:
         """Queue a change (level, clear, ...) for the training thread's next step boundary."""
         self._changes.append(change)

@@ -254,7 +254,7 @@ class StepScope:
                     rt.errors.report("gradients", gerr)
             stats = grads.stats
             if stats is not None and grads.values is None:
-                plan.add("grads", torch.cat([stats.total.reshape(1).to(stats.norms.dtype), stats.norms]))
+                plan.add("grads", stats.norms)
         rt.plan_parameter_check(self, plan)
         batch = self._batch
         if batch is not None and isinstance(batch[1], torch.Tensor):
@@ -267,7 +267,7 @@ class StepScope:
             rt.errors.report("record", rerr)
             plan = ReadPlan()
         try:
-            mem = mem_measure.sample(cuda=self.features.cuda_memory).as_dict()
+            mem = mem_measure.step_sample(cuda=self.features.cuda_memory)
         except Exception as merr:
             rt.errors.report("memory", merr)
             mem = {}

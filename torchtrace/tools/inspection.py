@@ -101,7 +101,7 @@ def debug_backward_pass(loss: torch.Tensor, model: torch.nn.Module | None = None
     params: dict[str, dict[str, Any]] = {}
     if with_grad:
         rows = torch.stack([torch.cat([tensor_measure.tensor_stats(p.grad),
-                                       torch.linalg.vector_norm(grad_measure._dense(p.grad).to(torch.float64)).reshape(1)])
+                                       torch.linalg.vector_norm(grad_measure.dense(p.grad).to(torch.float64)).reshape(1)])
                             for _, p in with_grad])
         flat = readout.read(rows.reshape(-1).cpu())
         w = len(tensor_measure.STAT_NAMES) + 1
