@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,13 +49,9 @@ def classify_loss(loss: Any) -> LossValue:
         return LossValue(tensor=value)
     if isinstance(loss, bool):
         return LossValue(problem="a loss of type bool is not a number")
-    if isinstance(loss, (int, float)):
+    if isinstance(loss, numbers.Real):  # int, float, NumPy scalars
         return LossValue(number=float(loss))
-    try:  # numpy scalars and other objects that convert to a number
-        number = float(loss)
-    except (TypeError, ValueError):
-        return LossValue(problem=f"a loss of type {type(loss).__name__} is not a number")
-    return LossValue(number=number)
+    return LossValue(problem=f"a loss of type {type(loss).__name__} is not a number")
 
 
 def extract_loss(result: Any) -> Any:

@@ -1,0 +1,111 @@
+"""A user's mistake is named at the point of the mistake, never counted as torchtrace's own error."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace.api import get_runtime
+
+
+@pytest.fixture
+def model_and_opt(tiny_model):
+    return tiny_model, torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+
+
+def test_a_string_as_model_is_refused_at_scope_creation(tt_runtime):
+    with pytest.raises(TypeError, match=r"model= must be a torch.nn.Module, got str.*debug_context\(\"train_step\""):
+        tt.debug_context("train_step", model="my_model")
+    assert get_runtime().errors.total == 0
+
+
+def test_model_and_optimizer_swapped(tt_runtime, model_and_opt):
+    model, opt = model_and_opt
+    with pytest.raises(TypeError, match=r"model= .* got SGD \(model and optimizer swapped\?\)"):
+        tt.debug_context("train_step", model=opt, optimizer=model)
+    with pytest.raises(TypeError, match=r"optimizer= .* got TinyNet \(model and optimizer swapped\?\)"):
+        tt.debug_context("train_step", optimizer=model)
+    with pytest.raises(TypeError, match="model and optimizer swapped"):
+        tt.debug_operation(model=opt, optimizer=model)
+    rt = get_runtime()
+    assert rt.errors.total == 0 and rt.history.totals["steps"] == 0
+
+
+def test_a_module_as_the_decorators_argument(tt_runtime, tiny_model):
+    with pytest.raises(TypeError, match=r"got a torch.nn.Module where the function to decorate belongs.*model=model"):
+        tt.debug_operation(tiny_model)
+
+
+def test_a_module_as_debug_contexts_name(tt_runtime, tiny_model):
+    with pytest.raises(TypeError, match=r"first argument is the operation's name, got a TinyNet.*model=model"):
+        tt.debug_context(tiny_model)
+    with pytest.raises(TypeError, match="name must be a string, got int"):
+        tt.debug_context(3)
+
+
+def test_wrong_scaler_and_replay_types(tt_runtime, model_and_opt):
+    model, opt = model_and_opt
+    with pytest.raises(TypeError, match="scaler= must be a torch.amp.GradScaler"):
+        tt.debug_context("train_step", model=model, optimizer=opt, scaler=1.0)
+    with pytest.raises(TypeError, match="replay= must be a callable"):
+        tt.debug_context("train_step", model=model, replay="again")
+    with pytest.raises(TypeError, match="scaler= must be a torch.amp.GradScaler"):
+        tt.debug_operation(scaler="amp")
+    with pytest.raises(ValueError, match="kind='eval' is not valid; accepted values: train, evaluation"):
+        tt.debug_context("evaluate", kind="eval")
+
+
+def test_the_right_calls_still_work_and_count_no_internal_error(tt_runtime, model_and_opt):
+    model, opt = model_and_opt
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with tt.debug_context("train_step", model=model, optimizer=opt, scaler=scaler) as step:
+        loss = model(torch.ones(2, 8)).pow(2).mean()
+        loss.backward()
+        step.record_loss(loss)
+        opt.step()
+    assert step.record.grad_norm is not None
+    with tt.debug_context(tt.DebugLevel.BASIC) as seed_style:  # the seeds' form
+        pass
+    assert seed_style.record.operation == "step"
+    assert get_runtime().errors.total == 0
+
+
+def test_a_guard_that_cannot_act_says_so_once_per_operation(tmp_path, tiny_model, caplog):
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), guard="skip", register_atexit=False)
+    try:
+        opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+        caplog.set_level(logging.WARNING, logger="torchtrace")
+        for i in range(3):
+            with tt.debug_context("train_step", model=tiny_model) as step:  # no optimizer=: skip cannot act
+                opt.zero_grad()
+                loss = tiny_model(torch.ones(2, 8)).pow(2).mean() * (float("nan") if i == 1 else 1.0)
+                loss.backward()
+                step.record_loss(loss)
+                opt.step()
+        warnings = [r for r in caplog.records if "cannot skip" in r.getMessage()]
+        assert len(warnings) == 1 and "optimizer=" in warnings[0].getMessage()
+        assert "train_step" in warnings[0].getMessage()
+        rt = get_runtime()
+        assert rt.history.totals["skipped_steps"] == 0 and rt.history.totals["nonfinite_steps"] >= 1
+        guard = rt.summary()["guard"]
+        assert guard["policy"] == "skip" and guard["not_applied"]["train_step"] >= 1
+        assert rt.errors.total == 0
+    finally:
+        tt.shutdown()
+
+
+def test_a_guard_with_an_optimizer_does_not_warn(tmp_path, tiny_model, caplog):
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), guard="skip", register_atexit=False)
+    try:
+        opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+        caplog.set_level(logging.WARNING, logger="torchtrace")
+        with tt.debug_context("train_step", model=tiny_model, optimizer=opt):
+            tiny_model(torch.ones(2, 8)).pow(2).mean().backward()
+            opt.step()
+        assert not [r for r in caplog.records if "cannot skip" in r.getMessage()]
+        assert get_runtime().summary()["guard"]["not_applied"] == {}
+    finally:
+        tt.shutdown()
