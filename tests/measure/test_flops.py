@@ -227,3 +227,12 @@ def test_docs_list_every_row_with_its_numbers_and_source():
             if precision in row.flops:
                 value = row.flops[precision] / 1e12
                 assert any(abs(n - value) < 1e-6 for n in numbers), (row.product, precision, line)
+
+
+@pytest.mark.parametrize("module", ["torchtrace.measure.flops", "torchtrace.measure.peaks", "torchtrace.measure.batch"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

@@ -191,9 +191,29 @@ def test_state_round_trip_restores_totals_and_baselines():
     assert b.badput["forensics"] == approx(a.badput["forensics"]) == approx(0.06)
 
 
+def test_loading_into_a_ledger_that_already_counted_keeps_every_second():
+    saved = GoodputLedger(configured_at=0.0)
+    saved.add_step(FinishedStep(2.0, 5.0))
+    ledger = GoodputLedger(configured_at=100.0)
+    ledger.add_step(FinishedStep(101.0, 104.0, applied=False))
+    ledger.load_state_dict(saved.state_dict())
+    g = ledger.snapshot(now=106.0)
+    assert g.wall_s == 5.0 + 6.0 and total(g) == approx(g.wall_s)
+    assert (g.productive_s, g.badput["startup"], g.badput["skipped_step"], g.badput["data_wait"]) == (3.0, 3.0, 3.0, 2.0)
+
+
 def test_bad_state_and_bad_kind_are_refused():
     ledger = GoodputLedger(configured_at=0.0)
     with pytest.raises(ValueError, match="version"):
         ledger.load_state_dict({"version": 99})
     with pytest.raises(ValueError, match="kind='training'.*train, checkpoint, evaluation, other"):
         ledger.add_step(FinishedStep(1.0, 2.0, kind="training"))
+
+
+@pytest.mark.parametrize("module", ["torchtrace.record.goodput", "torchtrace.record.throughput"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

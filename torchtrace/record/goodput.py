@@ -142,7 +142,7 @@ class GoodputLedger:
             if end > self._cursor:
                 self._count(max(start, self._cursor), end, _class_of(step))
             self._started = True
-            self._last_end = max(end, self._last_end or end)
+            self._last_end = end if self._last_end is None else max(end, self._last_end)
             self._last_operation = step.operation
             findings: list[Finding] = []
             window = self._window(step.operation)
@@ -222,7 +222,7 @@ class GoodputLedger:
         with self._lock:
             self.rules = rules
             self.peak_flops = state.get("peak_flops", self.peak_flops)
-            self._prior_wall = float(state["wall_s"]) - (self._cursor - self.configured_at)
+            self._prior_wall += float(state["wall_s"])
             self._totals = {k: float(state["totals"].get(k, 0.0)) + self._totals[k] for k in self._totals}
             self._debt = float(state["debt_s"]) + self._debt
             self._windows = windows

@@ -111,7 +111,7 @@ class Throughput:
 
 
 # One window entry: (cycle_s, wait_s, samples, tokens, flops).
-Entry = tuple[float, float, "int | None", "int | None", "int | None"]
+Entry = tuple[float, float, int | None, int | None, int | None]
 
 
 class OperationWindow:
