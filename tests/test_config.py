@@ -20,6 +20,8 @@ from torchtrace.config import Settings
     ({"guard": "ignore"}, "guard", "warn, skip, raise"),
     ({"otlp_endpoint": "localhost:4317"}, "otlp_endpoint", "http://"),
     ({"run_id": "../etc"}, "run_id", "letters, digits"),
+    ({"peak_flops": 0}, "peak_flops", "positive finite number"),
+    ({"peak_flops": "fast"}, "peak_flops", "positive finite number"),
 ])
 def test_bad_argument_raises_naming_setting_and_accepted_values(kwargs, setting, accepted):
     with pytest.raises(ValueError) as err:
@@ -56,6 +58,13 @@ def test_bad_environment_value_is_logged_and_replaced_by_default(caplog):
         s = Settings.resolve({}, environ={"TORCHTRACE_LEVEL": "loud", "TORCHTRACE_PROMETHEUS_PORT": "x"})
     assert s.level.value == "basic" and s.prometheus_port == 9464
     assert "TORCHTRACE_LEVEL" in caplog.text and "TORCHTRACE_PROMETHEUS_PORT" in caplog.text
+
+
+def test_peak_flops_from_argument_environment_or_none():
+    assert Settings.resolve({}, environ={}).peak_flops is None  # the table of known accelerators
+    assert Settings.resolve({}, environ={"TORCHTRACE_PEAK_FLOPS": "989e12"}).peak_flops == 989e12
+    assert Settings.resolve({"peak_flops": 3e14}, environ={"TORCHTRACE_PEAK_FLOPS": "989e12"}).peak_flops == 3e14
+    assert Settings.resolve({}, environ={"TORCHTRACE_PEAK_FLOPS": "-1"}).peak_flops is None  # logged, ignored
 
 
 def test_port_off_and_run_id_from_torchrun():

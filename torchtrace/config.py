@@ -69,6 +69,8 @@ ENV_OTLP_METRICS_ENDPOINT = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
 ENV_OTLP_CERTIFICATE = "OTEL_EXPORTER_OTLP_CERTIFICATE"
 """A CA bundle (PEM file) trusted for https OTLP endpoints."""
 ENV_OTLP_TRACES_CERTIFICATE = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"
+ENV_PEAK_FLOPS = "TORCHTRACE_PEAK_FLOPS"
+"""Peak FLOP/s of one device for MFU (e.g. 989e12), instead of the table of known accelerators."""
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 GUARD_POLICIES = ("warn", "skip", "raise")
@@ -133,6 +135,7 @@ class Settings:
     metrics_export_interval_s: float = 10.0
     otlp_metrics_endpoint: str | None = None
     otlp_certificate: str | None = None
+    peak_flops: float | None = None  # FLOP/s of one device for MFU; None: the table of known accelerators
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -348,6 +351,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "metrics_export_interval_s": _positive_float,
     "otlp_metrics_endpoint": _check_endpoint,
     "otlp_certificate": _readable_file,
+    "peak_flops": _positive_float,
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -377,6 +381,7 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "metrics_export_interval_s": ((ENV_METRICS_EXPORT_INTERVAL,), _positive_float),
     "otlp_metrics_endpoint": ((ENV_OTLP_METRICS_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),
     "otlp_certificate": ((ENV_OTLP_TRACES_CERTIFICATE, ENV_OTLP_CERTIFICATE), _readable_file),
+    "peak_flops": ((ENV_PEAK_FLOPS,), _positive_float),
 }
 
 

@@ -33,6 +33,16 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "torchtrace_rank_step_skew": (GAUGE, frozenset()),
     "torchtrace_overhead_seconds_total": (COUNTER, frozenset()),
     "torchtrace_build_info": (GAUGE, frozenset({"version", "level"})),
+    # throughput and goodput (DESIGN.md, "Throughput and goodput")
+    "torchtrace_samples_total": (COUNTER, frozenset({"operation"})),
+    "torchtrace_tokens_total": (COUNTER, frozenset({"operation"})),
+    "torchtrace_flops_total": (COUNTER, frozenset({"operation"})),
+    "torchtrace_mfu_ratio": (GAUGE, frozenset({"operation"})),
+    "torchtrace_learning_rate": (GAUGE, frozenset({"operation", "group"})),
+    "torchtrace_data_wait_seconds": (HISTOGRAM, frozenset({"operation"})),
+    "torchtrace_step_phase_seconds": (HISTOGRAM, frozenset({"operation", "phase"})),
+    "torchtrace_goodput_ratio": (GAUGE, frozenset()),
+    "torchtrace_badput_seconds_total": (COUNTER, frozenset({"kind"})),
 }
 
 #: Closed sets of label values, where the contract fixes them.
@@ -40,15 +50,22 @@ ANOMALY_KINDS = frozenset({
     "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_explosion",
     "grad_vanishing", "loss_spike", "memory_leak", "nonfinite_input",
     "nonfinite_output", "uniform_output", "oom", "step_time_regression",
+    "throughput_drop", "data_stall",
 })
 MEMORY_KINDS = frozenset({"rss", "allocated", "reserved", "peak_allocated"})
 DROP_REASONS = frozenset({"queue_full", "export_failed", "shutdown"})
+PHASES = frozenset({"forward", "backward", "optimizer"})
+BADPUT_KINDS = frozenset({"startup", "data_wait", "skipped_step", "forensics", "checkpoint", "evaluation", "other"})
+LR_GROUPS = frozenset({*map(str, range(8)), "8+"})  # the group index, capped
 
 #: (series name, label) -> the values that label may take on that series.
 CLOSED_LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("torchtrace_anomalies_total", "kind"): ANOMALY_KINDS,
     ("torchtrace_memory_bytes", "kind"): MEMORY_KINDS,
     ("torchtrace_spans_dropped_total", "reason"): DROP_REASONS,
+    ("torchtrace_step_phase_seconds", "phase"): PHASES,
+    ("torchtrace_badput_seconds_total", "kind"): BADPUT_KINDS,
+    ("torchtrace_learning_rate", "group"): LR_GROUPS,
 }
 
 

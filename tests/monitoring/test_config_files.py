@@ -42,6 +42,7 @@ REQUIRED_ALERTS = {
     "TrainingNonFiniteLoss", "TrainingNonFiniteGradients", "GradientExplosion",
     "GradientVanishing", "LossSpike", "TrainingStalled", "StepTimeRegression",
     "MemoryLeak", "StepsSkipped", "RankStraggler", "TelemetryDroppingSpans",
+    "ThroughputDrop", "DataLoaderStall", "LowGoodput",
 }
 SEVERITIES = {"critical", "warning", "info"}
 
@@ -513,6 +514,10 @@ def test_dashboard_shows_what_the_issue_asks_for(dashboards):
                    "torchtrace_spans_dropped_total", "torchtrace_rank_step_skew"):
         assert needed in exprs, f"no panel shows {needed}"
     assert re.search(r"by \(kind\)[^\n]*torchtrace_anomalies_total", exprs), "anomalies by kind"
+    for needed in ("torchtrace_tokens_total", "torchtrace_mfu_ratio", "torchtrace_data_wait_seconds_sum",
+                   "torchtrace_goodput_ratio"):
+        assert needed in exprs, f"no panel shows {needed}"
+    assert re.search(r"by \(kind\) \(rate\(torchtrace_badput_seconds_total", exprs), "goodput breakdown by badput kind"
     assert re.search(r"by \(rank\)[^\n]*torchtrace_step_duration_seconds_sum", exprs), "step time by rank"
 
 
@@ -536,6 +541,16 @@ def test_dashboard_queries_follow_the_run_variable(dashboards):
 
 
 # ------------------------------------------------------------------- telemetry contract
+
+
+def test_contract_agrees_with_the_library_names():
+    """The throughput names written out here are the ones torchtrace.semconv emits."""
+    from torchtrace import semconv
+
+    assert set(semconv.THROUGHPUT_METRICS) <= set(contract.METRICS)
+    assert contract.PHASES == set(semconv.PHASES) and contract.BADPUT_KINDS == set(semconv.BADPUT_KINDS)
+    assert contract.LR_GROUPS == {*map(str, range(semconv.MAX_LR_GROUPS)), f"{semconv.MAX_LR_GROUPS}+"}
+    assert {semconv.THROUGHPUT_DROP, semconv.DATA_STALL} <= contract.ANOMALY_KINDS
 
 
 @pytest.mark.parametrize("where,kind,expr", EXPRESSIONS, ids=[e[0] for e in EXPRESSIONS])

@@ -1,0 +1,129 @@
+"""infer_batch: samples and tokens from a step's arguments, checked against plain counts over the data."""
+
+from __future__ import annotations
+
+import random
+from collections import UserDict
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from tests.conftest import require_module
+from torchtrace.measure.batch import NOTHING, BatchSize, infer_batch
+
+
+class Sequences(Dataset):
+    """Token sequences of random lengths, as plain Python lists."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        rng = random.Random(seed)
+        self.rows = [[rng.randrange(1, 1000) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.rows[i]
+
+
+def pad_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
+
+
+def test_tensor_batches_sum_to_the_dataset_length():
+    data = TensorDataset(torch.randn(103, 5), torch.randint(0, 3, (103,)))
+    model, opt = torch.nn.Linear(5, 3), None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = [infer_batch((model, opt, x, y), {"step": i}) for i, (x, y) in enumerate(DataLoader(data, batch_size=16))]
+    assert [s.samples for s in seen] == [16] * 6 + [7]
+    assert sum(s.samples for s in seen) == sum(1 for _ in data)  # plain count of the rows
+    assert all(s.tokens is None for s in seen)
+
+
+@pytest.mark.parametrize("as_kwargs", [False, True])
+def test_padded_dict_batches_count_only_real_tokens(as_kwargs):
+    data = Sequences(57)
+    samples = tokens = 0
+    for batch in DataLoader(data, batch_size=8, collate_fn=pad_collate):
+        size = infer_batch((), batch) if as_kwargs else infer_batch((batch,), {})
+        assert isinstance(size.tokens, torch.Tensor) and size.tokens.dim() == 0 and size.pending
+        assert size.tokens.dtype == torch.int64
+        assert int(size.tokens) < batch["input_ids"].numel() or batch["attention_mask"].all()
+        samples += size.samples
+        tokens += int(size.tokens)
+    assert samples == len(data.rows)
+    assert tokens == sum(len(row) for row in data.rows)  # plain count of the unpadded sequences
+
+
+def test_batch_encoding_of_transformers():
+    transformers = require_module("transformers")
+    ids = torch.tensor([[101, 7, 8, 102, 0], [101, 9, 102, 0, 0]])
+    enc = transformers.BatchEncoding({"input_ids": ids, "attention_mask": (ids != 0).long()})
+    size = infer_batch((enc,), {})
+    assert size.samples == 2 and int(size.tokens) == 7
+    assert int(infer_batch((), enc).tokens) == 7  # model(**batch) style
+
+
+def test_input_ids_without_a_usable_mask_count_every_position():
+    ids = torch.ones(3, 10, dtype=torch.long)
+    assert infer_batch(({"input_ids": ids},), {}) == BatchSize(3, 30)
+    wrong_shape = {"input_ids": ids, "attention_mask": torch.ones(3, 9)}
+    assert infer_batch((wrong_shape,), {}) == BatchSize(3, 30)
+    assert infer_batch(({"input_ids": torch.ones(12, dtype=torch.long)},), {}) == BatchSize(1, 12)
+
+
+def test_bool_and_float_masks():
+    ids = torch.ones(2, 4, dtype=torch.long)
+    for mask in (torch.tensor([[True, True, False, False], [True, True, True, False]]),
+                 torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])):
+        assert int(infer_batch(({"input_ids": ids, "attention_mask": mask},), {}).tokens) == 5
+
+
+def test_what_is_skipped_and_where_it_looks():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.zeros(6, 2)
+    assert infer_batch((model, opt, 3, 0.5, "name", None, torch.tensor(1.0), x), {}).samples == 6
+    assert infer_batch((((x, torch.zeros(6)),),), {}).samples == 6  # nested tuples
+    assert infer_batch(([torch.zeros(4, 1), x],), {}).samples == 4  # first tensor of a list
+    assert infer_batch(({"pixels": torch.zeros(9, 3), "y": x},), {}).samples == 9  # first tensor of a dict
+    assert infer_batch((UserDict({"input_ids": torch.ones(2, 3, dtype=torch.long)}),), {}) == BatchSize(2, 6)
+    assert infer_batch((model,), {"batch": x}).samples == 6  # keyword values after positionals
+    assert infer_batch((), {}) is NOTHING
+    assert infer_batch((model, opt, 1, "a"), {"lr": 0.1}) == BatchSize(None, None)
+
+
+def test_deep_or_wide_containers_are_not_searched_far():
+    buried = [[[[torch.zeros(5, 1)]]]]  # past MAX_DEPTH
+    assert infer_batch((buried,), {}) is NOTHING
+    wide = ["text"] * 10_000 + [torch.zeros(5, 1)]  # past MAX_ITEMS
+    assert infer_batch((wide,), {}) is NOTHING
+    gen = (torch.zeros(2) for _ in range(3))
+    assert infer_batch((gen,), {}) is NOTHING and len(list(gen)) == 3  # an iterator is never consumed
+
+
+def test_overrides_replace_inferred_values():
+    size = infer_batch(({"input_ids": torch.ones(2, 3, dtype=torch.long)},), {})
+    assert size.with_overrides() is size
+    assert size.with_overrides(samples=5) == BatchSize(5, 6)
+    assert size.with_overrides(tokens=4) == BatchSize(2, 4)
+
+
+def test_no_host_read(monkeypatch):
+    """Only shapes and a device-side count: no .item(), .tolist(), bool(), int() or float()."""
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda t, *a, _n=name, _o=original, **k: reads.append(_n) or _o(t, *a, **k))
+    batch = pad_collate(Sequences(8).rows)
+    for args, kwargs in (((batch,), {}), ((), batch), ((batch["input_ids"], torch.zeros(8)), {})):
+        infer_batch(args, kwargs)
+    assert reads == []

@@ -1,0 +1,238 @@
+"""Step FLOPs against the matrix-product formula and an independent FlopCounterMode; the peak table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from torchtrace.measure import flops as flops_mod
+from torchtrace.measure.flops import StepFlops, count_flops, shape_key
+from torchtrace.measure.peaks import ACCELERATORS, PRECISIONS, find_accelerator, peak_flops, precision_key
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "throughput.md"
+
+
+def train_step(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+# ---------------------------------------------------------------- counting
+
+
+@pytest.mark.parametrize("m,k,n", [(8, 64, 32), (3, 5, 7), (128, 256, 512)])
+def test_linear_layer_is_exactly_the_matrix_product_formula(m, k, n):
+    layer = torch.nn.Linear(k, n)
+    cache = StepFlops()
+    x = torch.randn(m, k, requires_grad=True)
+    with cache.counting("with-input-grad"):
+        layer(x).sum().backward()
+    # forward 2mkn; backward: input gradient 2mkn and weight gradient 2mkn
+    assert cache.lookup("with-input-grad") == 3 * 2 * m * k * n
+    with cache.counting("first-layer"):
+        layer(x.detach()).sum().backward()
+    # a first layer's input needs no gradient: forward + weight gradient only
+    assert cache.lookup("first-layer") == 2 * 2 * m * k * n
+
+
+def test_mlp_step_against_the_formula_summed_over_layers():
+    widths = [32, 64, 64, 10]
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.ReLU())
+                                  for a, b in zip(widths, widths[1:])])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = 16
+    x, y = torch.randn(batch, widths[0]), torch.randn(batch, widths[-1])
+    _, counted = count_flops(train_step, model, opt, x, y)
+    products = [2 * batch * a * b for a, b in zip(widths, widths[1:])]
+    expected = 3 * sum(products) - products[0]  # no input gradient for the first layer
+    assert counted == expected  # the optimizer's element-wise math adds nothing
+
+
+def test_transformer_step_within_ten_percent_of_an_independent_count():
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True), num_layers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 24, 64), torch.randn(4, 24, 64)
+    cache = StepFlops()
+    key = shape_key((model, opt, x, y), {})
+    with cache.counting(key):
+        train_step(model, opt, x, y)
+    # reference: FlopCounterMode run on its own around forward and backward only
+    reference = FlopCounterMode(display=False)
+    with reference:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    ref = reference.get_total_flops()
+    assert ref > 0 and abs(cache.lookup(key) - ref) <= 0.10 * ref
+    # and by hand: per layer, projections 2*B*T*(4d^2 + 2*d*ff) and attention 4*B*T^2*d forward;
+    # backward twice that, less the first layer's input projection (its input needs no gradient)
+    b, t, d, ff, layers = 4, 24, 64, 128, 2
+    linear, attention, in_proj = 2 * b * t * (4 * d * d + 2 * d * ff), 4 * b * t * t * d, 2 * b * t * 3 * d * d
+    by_hand = layers * 3 * (linear + attention) - in_proj
+    assert cache.lookup(key) == by_hand
+
+
+def test_counted_once_per_shape_key():
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cache = StepFlops()
+    ran = []
+    for batch in (4, 4, 16, 4, 16, 16, 4):
+        x, y = torch.randn(batch, 8), torch.randn(batch, 4)
+        key = shape_key((model, opt, x, y), {"step": len(ran)})
+        if cache.needs_count(key):
+            with cache.counting(key):
+                train_step(model, opt, x, y)
+        else:
+            train_step(model, opt, x, y)
+        ran.append(cache.lookup(key))
+    assert cache.counts == 2 and len(cache) == 2
+    assert ran == [2 * 2 * b * 8 * 4 for b in (4, 4, 16, 4, 16, 16, 4)]
+
+
+def test_a_step_that_raises_records_nothing():
+    cache = StepFlops()
+    with pytest.raises(ZeroDivisionError):
+        with cache.counting("k"):
+            torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+            1 / 0
+    assert cache.lookup("k") is None and cache.needs_count("k") and cache.counts == 0
+
+
+def test_room_for_a_bounded_number_of_shapes():
+    cache = StepFlops(max_shapes=2)
+    cache.record("a", 1)
+    cache.record("b", 2)
+    cache.record("c", 3)
+    assert (cache.lookup("c"), cache.needs_count("c"), len(cache)) == (None, False, 2)
+    cache.record("a", 10)  # a known key can be updated (user-supplied FLOPs)
+    assert cache.lookup("a") == 10
+    with pytest.raises(ValueError, match="max_shapes"):
+        StepFlops(max_shapes=0)
+
+
+def test_shape_key_reads_shapes_and_dtypes_not_values():
+    model = torch.nn.Linear(3, 3)
+    a = shape_key((model, torch.zeros(4, 3), 1), {"batch": {"ids": torch.zeros(4, 7, dtype=torch.long)}})
+    b = shape_key((model, torch.ones(4, 3), 2), {"batch": {"ids": torch.ones(4, 7, dtype=torch.long)}})
+    assert a == b and hash(a) == hash(b)
+    assert a != shape_key((model, torch.zeros(5, 3), 1), {"batch": {"ids": torch.zeros(4, 7, dtype=torch.long)}})
+    assert a != shape_key((model, torch.zeros(4, 3), 1), {"batch": {"ids": torch.zeros(4, 8, dtype=torch.long)}})
+    assert a != shape_key((model, torch.zeros(4, 3, dtype=torch.float64), 1),
+                          {"batch": {"ids": torch.zeros(4, 7, dtype=torch.long)}})
+    assert shape_key((), {}) == ()
+    assert len(shape_key(tuple(range(100)), {})) == flops_mod.KEY_MAX_ITEMS
+
+
+# ---------------------------------------------------------------- peaks
+
+NAMES = [  # as torch.cuda.get_device_name reports them -> (product, dense bf16 TFLOP/s)
+    ("NVIDIA A100-SXM4-80GB", "A100 SXM", 312),
+    ("NVIDIA A100-SXM4-40GB", "A100 SXM", 312),
+    ("NVIDIA A100-PCIE-40GB", "A100 PCIe", 312),
+    ("NVIDIA A100 80GB PCIe", "A100 PCIe", 312),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.5),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756.5),
+    ("NVIDIA H100 NVL", "H100 NVL", 835.5),
+    ("NVIDIA H200", "H200 SXM", 989.5),
+    ("NVIDIA H200 NVL", "H200 NVL", 835.5),
+    ("NVIDIA GH200 480GB", "GH200", 989.5),
+    ("NVIDIA L4", "L4", 121),
+    ("NVIDIA L40S", "L40S", 362.05),
+    ("NVIDIA A10G", "A10G", 70),
+    ("NVIDIA A10", "A10", 125),
+    ("Tesla V100-SXM2-16GB", "V100 SXM2", None),
+    ("Tesla V100-PCIE-32GB", "V100 PCIe", None),
+    ("Tesla V100S-PCIE-32GB", "V100S PCIe", None),
+    ("Tesla T4", "T4", None),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090", 165.2),
+    ("AMD Instinct MI300X", "MI300X", 1307.4),
+    ("AMD Instinct MI250X/MI250", "MI250X", 383),
+]
+
+
+@pytest.mark.parametrize("name,product,bf16", NAMES)
+def test_device_names_find_their_row(name, product, bf16):
+    assert find_accelerator(name).product == product
+    value = peak_flops(name, torch.bfloat16)
+    if bf16 is None:
+        assert value is None  # no bf16 tensor cores: emulated, no peak
+    else:
+        assert value == pytest.approx(bf16 * 1e12)
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090 Laptop GPU", "NVIDIA GeForce RTX 4090 D", "NVIDIA RTX A6000",
+                                  "NVIDIA A100-SXM4-40GB MIG 1g.5gb", "Intel(R) Xeon(R)", ""])
+def test_unknown_devices_have_no_peak(name):
+    assert peak_flops(name, torch.bfloat16) is None
+
+
+def test_every_row_is_ordered_like_the_hardware():
+    """fp32 <= tf32 <= fp16 and bf16 == fp16 where both exist: catches a digit typed in the wrong column."""
+    for row in ACCELERATORS:
+        f = row.flops
+        assert set(f) <= set(PRECISIONS) and {"fp32", "tf32", "fp16"} <= set(f), row.product
+        assert f["fp32"] <= f["tf32"] <= f["fp16"], row.product
+        assert f.get("bf16", f["fp16"]) == f["fp16"], row.product
+        assert 1e12 < f["fp32"] < 1e15 and row.source, row.product
+
+
+def test_dtype_selects_the_precision():
+    assert peak_flops("NVIDIA H100 80GB HBM3", "tf32") == pytest.approx(494.5e12)
+    assert peak_flops("NVIDIA H100 80GB HBM3", "fp32") == pytest.approx(67e12)
+    assert peak_flops("NVIDIA H100 80GB HBM3", torch.float16) == pytest.approx(989.5e12)
+    assert peak_flops("NVIDIA H100 80GB HBM3", torch.float64) is None
+    assert peak_flops("Tesla V100-SXM2-16GB", "tf32") == peak_flops("Tesla V100-SXM2-16GB", "fp32") == 15.7e12
+    assert precision_key(torch.float32, tf32=True) == "tf32" and precision_key(torch.float32, tf32=False) == "fp32"
+    assert precision_key("bfloat16") == "bf16" and precision_key("int8") is None
+
+
+def test_float32_follows_torch_tf32_switch():
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        assert precision_key(torch.float32) == "tf32"
+        assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == pytest.approx(156e12)
+        matmul.fp32_precision = "ieee"
+        assert precision_key(torch.float32) == "fp32"
+        assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == pytest.approx(19.5e12)
+    finally:
+        matmul.fp32_precision = before
+
+
+def test_cpu_has_no_peak_unless_overridden():
+    for device in ("cpu", torch.device("cpu"), "meta"):
+        assert peak_flops(device, torch.float32) is None
+        assert peak_flops(device, torch.float32, override=3.5e12) == 3.5e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16, override=1e15) == 1e15
+    if not torch.cuda.is_available():
+        assert peak_flops("cuda:0", torch.bfloat16) is None and peak_flops(0, torch.bfloat16) is None
+
+
+def test_docs_list_every_row_with_its_numbers_and_source():
+    text = DOCS.read_text(encoding="utf-8")
+    for row in ACCELERATORS:
+        line = next((l for l in text.splitlines() if l.startswith(f"| {row.product} |")), None)
+        assert line is not None, f"docs/throughput.md has no table row for {row.product}"
+        numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", line.split("|", 2)[2])]
+        for precision in PRECISIONS:
+            if precision in row.flops:
+                value = row.flops[precision] / 1e12
+                assert any(abs(n - value) < 1e-6 for n in numbers), (row.product, precision, line)
+
+
+@pytest.mark.parametrize("module", ["torchtrace.measure.flops", "torchtrace.measure.peaks", "torchtrace.measure.batch"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,219 @@
+"""GoodputLedger: the timeline partition against a hand-computed timeline and a tick-by-tick sweep."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from torchtrace import semconv
+from torchtrace.record.goodput import (
+    CHECKPOINT,
+    EVALUATION,
+    OTHER,
+    TRAIN,
+    FinishedStep,
+    Goodput,
+    GoodputLedger,
+)
+from torchtrace.record.throughput import RuleSettings
+
+approx = pytest.approx
+
+
+def total(g: Goodput) -> float:
+    return g.productive_s + sum(g.badput.values())
+
+
+def test_hand_computed_timeline_with_a_skipped_step_a_slow_loader_and_a_replay():
+    ledger = GoodputLedger(configured_at=0.0)
+    waits = [
+        ledger.add_step(FinishedStep(5.0, 6.0)).data_wait_s,  # startup 5 s, then productive 1
+        ledger.add_step(FinishedStep(6.2, 7.2)).data_wait_s,  # loader 0.2 s
+        ledger.add_step(FinishedStep(9.2, 10.2, applied=False)).data_wait_s,  # slow loader 2 s; skipped step 1 s
+    ]
+    ledger.add_forensics(10.3, 10.8)  # the skipped step's replay, between steps
+    waits += [
+        ledger.add_step(FinishedStep(11.0, 12.0)).data_wait_s,  # gap 0.8 s = replay 0.5 + wait 0.3
+        ledger.add_step(FinishedStep(12.5, 14.5, kind=EVALUATION, operation="eval")).data_wait_s,
+        ledger.add_step(FinishedStep(14.5, 15.5, kind=CHECKPOINT, operation="save")).data_wait_s,
+        ledger.add_step(FinishedStep(16.0, 17.0)).data_wait_s,
+    ]
+    assert waits == [None, approx(0.2), approx(2.0), approx(0.8), approx(0.5), approx(0.0), approx(0.5)]
+    closed = ledger.closed()
+    assert closed.wall_s == approx(17.0) and closed.productive_s == approx(4.0)
+    assert closed.badput == approx({"startup": 5.0, "data_wait": 0.2 + 2.0 + 0.3 + 0.5 + 0.5, "skipped_step": 1.0,
+                                    "forensics": 0.5, "checkpoint": 1.0, "evaluation": 2.0, "other": 0.0})
+    now = ledger.snapshot(now=18.0)  # one more second since the last step: data wait so far
+    assert now.wall_s == approx(18.0) and now.badput["data_wait"] == approx(4.5)
+    assert now.ratio == approx(4.0 / 18.0)
+    assert total(now) == approx(now.wall_s, abs=1e-12) and total(closed) == approx(closed.wall_s, abs=1e-12)
+    assert set(now.badput) == set(semconv.BADPUT_KINDS)
+    assert ledger.closed() == closed  # a snapshot changes nothing
+
+
+def test_before_the_first_step_everything_is_startup():
+    ledger = GoodputLedger(configured_at=10.0)
+    g = ledger.snapshot(now=12.5)
+    assert g.badput["startup"] == 2.5 and g.productive_s == 0.0 and g.ratio == 0.0
+    assert ledger.closed().wall_s == 0.0 and ledger.closed().ratio is None
+
+
+def test_other_operations_and_nested_steps():
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.add_step(FinishedStep(1.0, 2.0, kind=OTHER, operation="log"))
+    ledger.add_step(FinishedStep(3.0, 4.0, operation="inner"))  # nested in the next one
+    ledger.add_step(FinishedStep(2.5, 6.0, kind=EVALUATION, operation="outer"))
+    g = ledger.closed()
+    # [2, 2.5] wait; [2.5, 3] belongs to no finished step yet when counted: data wait;
+    # [3, 4] inner; [4, 6] outer's remainder. Nothing counted twice.
+    assert g.badput["other"] == 1.0 and g.badput["data_wait"] == approx(1.0) and g.productive_s == 1.0
+    assert g.badput["evaluation"] == approx(2.0) and g.wall_s == 6.0 and total(g) == approx(6.0)
+
+
+def test_a_replay_reported_late_is_taken_from_the_next_instants():
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.add_step(FinishedStep(0.0, 4.0, applied=False))
+    ledger.add_forensics(1.0, 3.0)  # inside the step already counted as skipped
+    before = ledger.closed()
+    assert before.badput["forensics"] == 0.0 and before.badput["skipped_step"] == 4.0
+    ledger.add_step(FinishedStep(4.5, 7.0))  # 0.5 s wait then 2.5 s productive: 2 s repaid from them
+    g = ledger.closed()
+    assert g.badput["forensics"] == approx(2.0) and total(g) == approx(g.wall_s)
+    assert g.badput["skipped_step"] == 4.0  # counts never go down
+    assert g.badput["data_wait"] + g.productive_s == approx(1.0)
+
+
+def test_replay_inside_a_step_reported_before_the_step_ends():
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.add_forensics(2.0, 3.0)
+    ledger.add_step(FinishedStep(1.0, 4.0, applied=False))
+    g = ledger.closed()
+    assert g.badput == approx({"startup": 1.0, "data_wait": 0.0, "skipped_step": 2.0, "forensics": 1.0,
+                               "checkpoint": 0.0, "evaluation": 0.0, "other": 0.0})
+
+
+def sweep(configured: int, steps: list[tuple[int, int, str]], replays: list[tuple[int, int]], now: int) -> dict:
+    """The reference: classify each tick of [configured, now) in a plain loop."""
+    counts = {k: 0 for k in ("productive", *semconv.BADPUT_KINDS)}
+    first = min(s for s, _, _ in steps)
+    for tick in range(configured, now):
+        if any(a <= tick < b for a, b in replays):
+            counts["forensics"] += 1
+        elif (cls := next((c for a, b, c in steps if a <= tick < b), None)) is not None:
+            counts[cls] += 1
+        else:
+            counts["startup" if tick < first else "data_wait"] += 1
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_random_timelines_against_a_tick_by_tick_sweep(seed):
+    rng = random.Random(seed)
+    t, steps, events = rng.randrange(0, 50), [], []
+    configured = rng.randrange(0, t + 1)
+    for _ in range(rng.randrange(1, 40)):
+        t += rng.randrange(0, 20)  # wait
+        start, t = t, t + rng.randrange(1, 30)
+        kind = rng.choice([TRAIN, TRAIN, TRAIN, CHECKPOINT, EVALUATION, OTHER])
+        applied = rng.random() < 0.8
+        cls = ("productive" if applied else "skipped_step") if kind == TRAIN else kind
+        replay = None
+        if rng.random() < 0.2 and t - start >= 2:  # a replay inside the step, reported before it ends
+            a = rng.randrange(start, t - 1)
+            replay = (a, rng.randrange(a + 1, t))
+            events.append(("replay", replay))
+        steps.append((start, t, cls))
+        events.append(("step", FinishedStep(start, t, applied=applied, kind=kind, operation=kind)))
+        if rng.random() < 0.2:  # a replay after the step, before the next one starts
+            a = t + rng.randrange(0, 3)
+            replay = (a, a + rng.randrange(1, 5))
+            events.append(("replay", replay))
+            t = replay[1] + rng.randrange(0, 3)
+    replays = [e[1] for e in events if e[0] == "replay"]
+    ledger = GoodputLedger(configured_at=configured)
+    for kind, event in events:
+        ledger.add_step(event) if kind == "step" else ledger.add_forensics(*event)
+    now = t + rng.randrange(0, 10)
+    expected = sweep(configured, steps, replays, now)
+    g = ledger.snapshot(now=now)
+    assert g.productive_s == approx(expected.pop("productive"), abs=1e-9)
+    assert g.badput == approx(expected, abs=1e-9)
+    assert g.wall_s == now - configured and total(g) == approx(g.wall_s, abs=1e-9)
+
+
+def test_closed_counts_only_grow_while_steps_arrive():
+    rng = random.Random(7)
+    ledger = GoodputLedger(configured_at=0.0)
+    t, last = 0.0, ledger.closed()
+    for i in range(300):
+        t += rng.expovariate(20)
+        start, t = t, t + rng.expovariate(10)
+        ledger.add_step(FinishedStep(start, t, applied=rng.random() < 0.9, kind=rng.choice([TRAIN, EVALUATION])))
+        if i % 17 == 0:
+            ledger.add_forensics(t - 0.01 * rng.random(), t + 0.02)  # partly late
+        g = ledger.closed()
+        assert g.productive_s >= last.productive_s
+        assert all(g.badput[k] >= last.badput[k] - 1e-12 for k in g.badput)
+        assert total(g) == approx(g.wall_s, abs=1e-9)
+        last = g
+
+
+def test_state_round_trip_restores_totals_and_baselines():
+    rules = RuleSettings(window=5, warmup_steps=0, min_baseline_windows=2, baseline_windows=4)
+    one = GoodputLedger(configured_at=0.0, peak_flops=1e6, rules=rules)
+    t = 1.0
+    for _ in range(30):
+        one.add_step(FinishedStep(t, t + 0.1, samples=8, tokens=256, flops=10_000))
+        t += 0.12
+    last_end = t - 0.02
+    one.add_forensics(t - 0.05, t + 0.01)  # partly counted already (a debt), partly still to come
+    state = json.loads(json.dumps(one.state_dict()))  # JSON-able
+    two = GoodputLedger(configured_at=last_end, rules=RuleSettings())  # a new process, resumed at once
+    two.load_state_dict(state)
+    assert two.closed() == one.closed() and two.rules == rules and two.peak_flops == 1e6
+    assert two.throughput("train_step") == one.throughput("train_step")
+    # the same steps from here on: the same findings, the same windows, the same totals
+    fresh = GoodputLedger(configured_at=last_end, rules=rules)
+    found = {}
+    for name, ledger in (("one", one), ("two", two), ("fresh", fresh)):
+        s, found[name] = t, []
+        for i in range(12):
+            step = FinishedStep(s, s + (0.1 if i < 2 else 0.3), samples=8, tokens=256, flops=10_000)
+            found[name] += [(i, f.kind) for f in ledger.add_step(step).findings]
+            s = step.end + 0.02
+    assert found["one"] == found["two"] == [(4, "throughput_drop"), (9, "throughput_drop")]
+    assert found["fresh"] == []  # without the restored baseline the drop is not seen
+    assert one.throughput("train_step") == two.throughput("train_step")
+    a, b = one.closed(), two.closed()
+    assert b.wall_s == approx(a.wall_s) and b.productive_s == approx(a.productive_s)
+    assert b.badput["forensics"] == approx(a.badput["forensics"]) == approx(0.06)
+
+
+def test_loading_into_a_ledger_that_already_counted_keeps_every_second():
+    saved = GoodputLedger(configured_at=0.0)
+    saved.add_step(FinishedStep(2.0, 5.0))
+    ledger = GoodputLedger(configured_at=100.0)
+    ledger.add_step(FinishedStep(101.0, 104.0, applied=False))
+    ledger.load_state_dict(saved.state_dict())
+    g = ledger.snapshot(now=106.0)
+    assert g.wall_s == 5.0 + 6.0 and total(g) == approx(g.wall_s)
+    assert (g.productive_s, g.badput["startup"], g.badput["skipped_step"], g.badput["data_wait"]) == (3.0, 3.0, 3.0, 2.0)
+
+
+def test_bad_state_and_bad_kind_are_refused():
+    ledger = GoodputLedger(configured_at=0.0)
+    with pytest.raises(ValueError, match="version"):
+        ledger.load_state_dict({"version": 99})
+    with pytest.raises(ValueError, match="kind='training'.*train, checkpoint, evaluation, other"):
+        ledger.add_step(FinishedStep(1.0, 2.0, kind="training"))
+
+
+@pytest.mark.parametrize("module", ["torchtrace.record.goodput", "torchtrace.record.throughput"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,147 @@
+"""How many samples and tokens a step processed, inferred from its arguments without a host read.
+
+Rules, in order (the first argument that gives an answer wins):
+
+1. keyword arguments that hold ``input_ids`` are read as one mapping (``step(input_ids=...,
+   attention_mask=...)``);
+2. then each positional argument, then each keyword value, skipping ``nn.Module`` and
+   ``Optimizer`` objects, numbers, strings, ``None`` and 0-d tensors:
+
+   - a tensor with at least one dimension: samples = its first dimension;
+   - a mapping (a ``dict`` or a transformers ``BatchEncoding``) with ``input_ids``:
+     samples = ``input_ids.shape[0]`` (1 for an unbatched 1-d sequence) and tokens =
+     ``input_ids.numel()``, or, with an ``attention_mask`` of the same shape, the number of
+     its non-zero entries, as a 0-d device tensor;
+   - any other mapping, tuple or list: the rules applied to its values, first answer wins
+     (``(inputs, labels)`` batches, ``{"x": ..., "y": ...}`` batches).
+
+Only shapes are read, which the host already knows. The masked token count is a device
+tensor (``torch.count_nonzero(mask)``): it is read to the host with the rest of the step's
+values, in the step's one read (:mod:`torchtrace.record.readout`), never here.
+
+>>> import torch
+>>> infer_batch((torch.zeros(32, 10), torch.zeros(32)), {})
+BatchSize(samples=32, tokens=None)
+>>> ids = torch.ones(2, 5, dtype=torch.long)
+>>> mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+>>> size = infer_batch(({"input_ids": ids, "attention_mask": mask},), {})
+>>> size.samples, int(size.tokens)
+(2, 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+#: How deep the rules look into nested tuples, lists and mappings.
+MAX_DEPTH = 3
+#: How many elements of one container the rules look at before giving up (a list of
+#: ten thousand strings must not cost ten thousand checks every step).
+MAX_ITEMS = 16
+#: Keys of a mapping batch that hold the token ids and the padding mask.
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+
+_SKIP = (torch.nn.Module, torch.optim.Optimizer, str, bytes, bytearray, int, float, complex, bool, type(None))
+
+
+@dataclass(frozen=True)
+class BatchSize:
+    """Samples and tokens of one step.
+
+    ``tokens`` is an ``int`` when the host knows it (a shape), a 0-d integer device tensor
+    when it is a count over an attention mask (read later, with the step's one host read),
+    or ``None`` when the batch says nothing about tokens.
+
+    >>> BatchSize(8, 1024).with_overrides(tokens=1000)
+    BatchSize(samples=8, tokens=1000)
+    """
+
+    samples: int | None = None
+    tokens: int | torch.Tensor | None = None
+
+    @property
+    def pending(self) -> bool:
+        """True when ``tokens`` is a device tensor still to be read to the host."""
+        return isinstance(self.tokens, torch.Tensor)
+
+    def with_overrides(self, samples: int | None = None, tokens: int | None = None) -> "BatchSize":
+        """This size with the values the user gave (``StepScope.record_batch``) in place of inferred ones."""
+        changes: dict[str, Any] = {}
+        if samples is not None:
+            changes["samples"] = samples
+        if tokens is not None:
+            changes["tokens"] = tokens
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+NOTHING = BatchSize()
+
+
+def infer_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchSize:
+    """Samples and tokens of a step called as ``fn(*args, **kwargs)``; see the module's rules.
+
+    Never reads a device value and never raises for an unusual batch: what it cannot read
+    gives ``BatchSize(None, None)``.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> infer_batch((model, torch.zeros(16, 4)), {"step": 3})
+    BatchSize(samples=16, tokens=None)
+    """
+    if INPUT_IDS in kwargs:
+        found = _from_mapping(kwargs, 0)
+        if found is not None:
+            return found
+    for value in args:
+        found = _infer(value, 0)
+        if found is not None:
+            return found
+    for value in kwargs.values():
+        found = _infer(value, 0)
+        if found is not None:
+            return found
+    return NOTHING
+
+
+def _infer(value: Any, depth: int) -> BatchSize | None:
+    if isinstance(value, torch.Tensor):
+        return BatchSize(samples=int(value.shape[0])) if value.dim() > 0 else None
+    if isinstance(value, _SKIP) or depth >= MAX_DEPTH:
+        return None
+    if isinstance(value, Mapping):
+        return _from_mapping(value, depth)
+    if isinstance(value, (tuple, list)):
+        for item in value[:MAX_ITEMS]:
+            found = _infer(item, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _from_mapping(batch: Mapping[str, Any], depth: int) -> BatchSize | None:
+    ids = batch.get(INPUT_IDS) if _has_key(batch, INPUT_IDS) else None
+    if isinstance(ids, torch.Tensor) and ids.dim() > 0:
+        samples = int(ids.shape[0]) if ids.dim() > 1 else 1
+        mask = batch.get(ATTENTION_MASK) if _has_key(batch, ATTENTION_MASK) else None
+        if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+            return BatchSize(samples=samples, tokens=torch.count_nonzero(mask.detach()))
+        return BatchSize(samples=samples, tokens=int(ids.numel()))
+    for index, item in enumerate(batch.values()):
+        if index >= MAX_ITEMS:
+            break
+        found = _infer(item, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _has_key(batch: Mapping[str, Any], key: str) -> bool:
+    try:
+        return key in batch
+    except TypeError:  # a mapping keyed by something unhashable with str
+        return False

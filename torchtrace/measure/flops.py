@@ -1,0 +1,144 @@
+"""Model FLOPs of a step, counted once per input shape, and the peak FLOP/s of known accelerators.
+
+A step's FLOPs are counted with :class:`torch.utils.flop_counter.FlopCounterMode` while the
+step runs (forward, backward and optimizer; the optimizer's element-wise ops have no FLOP
+formula and count zero). Counting slows that one step down, so it runs once per distinct
+input-shape key (:func:`shape_key`) and that step's time is left out of throughput.
+
+What FlopCounterMode cannot see is not counted: ops without a registered formula (only
+matrix products, convolutions and attention have one), custom kernels and extensions, and
+ops inside compiled regions it does not trace. Recomputation under activation checkpointing
+runs the forward again inside backward and is counted again: the count is what ran, not the
+model's nominal FLOPs. Under sharding (FSDP, tensor parallel) the count is this rank's.
+
+>>> import torch
+>>> cache = StepFlops()
+>>> model, x = torch.nn.Linear(64, 32), torch.randn(8, 64, requires_grad=True)
+>>> key = shape_key((x,), {})
+>>> with cache.counting(key):
+...     model(x).sum().backward()
+>>> cache.lookup(key) == 3 * 2 * 8 * 64 * 32
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Hashable, Iterator, Mapping
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from torchtrace.measure import peaks
+
+#: How many distinct shape keys one counter counts. Past it, a step with a new shape gets
+#: no FLOP count (its throughput still counts samples and tokens): a job whose every batch
+#: has a new shape must not pay for a counted step every step.
+DEFAULT_MAX_SHAPES = 32
+#: How deep and how wide :func:`shape_key` looks into nested arguments.
+KEY_MAX_DEPTH = 3
+KEY_MAX_ITEMS = 32
+
+peak_flops = peaks.peak_flops
+precision_key = peaks.precision_key
+
+
+def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
+    """A hashable key of the shapes and dtypes of the tensors in a step's arguments.
+
+    Values never enter the key (an integer step index does not make every step new); models
+    and optimizers are skipped. Cheap enough for every step: a few microseconds for a
+    batch of a handful of tensors.
+
+    >>> import torch
+    >>> shape_key((torch.zeros(4, 3), 7), {"mask": torch.ones(4, 3, dtype=torch.bool)})
+    ((torch.Size([4, 3]), torch.float32), <class 'int'>, ('mask', (torch.Size([4, 3]), torch.bool)))
+    >>> shape_key((torch.zeros(4, 3), 8), {}) == shape_key((torch.ones(4, 3), 9), {})
+    True
+    """
+    out: list[Hashable] = []
+    for value in args[:KEY_MAX_ITEMS]:
+        out.append(_key(value, 0))
+    for index, (name, value) in enumerate(kwargs.items()):
+        if index >= KEY_MAX_ITEMS:
+            break
+        out.append((name, _key(value, 0)))
+    return tuple(out)
+
+
+def _key(value: Any, depth: int) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype)
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or depth >= KEY_MAX_DEPTH:
+        return type(value)
+    if isinstance(value, Mapping):
+        return tuple((k if isinstance(k, Hashable) else type(k), _key(v, depth + 1))
+                     for k, v in list(value.items())[:KEY_MAX_ITEMS])
+    if isinstance(value, (tuple, list)):
+        return tuple(_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS])
+    return type(value)
+
+
+class StepFlops:
+    """FLOPs of a step per shape key: counted once each, at most ``max_shapes`` keys.
+
+    Key it by operation as well as shape (``(name, shape_key(args, kwargs))``) when several
+    operations share one counter. Not thread-safe: use one per step thread.
+
+    >>> cache = StepFlops(max_shapes=1)
+    >>> cache.needs_count("a"), cache.needs_count("b")
+    (True, True)
+    >>> cache.record("a", 100)
+    >>> cache.lookup("a"), cache.needs_count("b")
+    (100, False)
+    """
+
+    def __init__(self, max_shapes: int = DEFAULT_MAX_SHAPES) -> None:
+        if max_shapes < 1:
+            raise ValueError(f"max_shapes={max_shapes!r} is not valid; accepted values: an integer >= 1")
+        self.max_shapes = max_shapes
+        self._flops: dict[Hashable, int] = {}
+        self.counts = 0  # how many steps were counted
+
+    def lookup(self, key: Hashable) -> int | None:
+        """The FLOPs recorded for ``key``, or None."""
+        return self._flops.get(key)
+
+    def needs_count(self, key: Hashable) -> bool:
+        """True when ``key`` has no FLOPs yet and there is room to count it."""
+        return key not in self._flops and len(self._flops) < self.max_shapes
+
+    def record(self, key: Hashable, flops: int) -> None:
+        """Record FLOPs for ``key`` (a count, or FLOPs the user supplied); room permitting."""
+        if key in self._flops or len(self._flops) < self.max_shapes:
+            self._flops[key] = int(flops)
+
+    @contextlib.contextmanager
+    def counting(self, key: Hashable) -> Iterator[None]:
+        """Count the FLOPs of the code inside and record them for ``key``.
+
+        The count is recorded only when the code inside finishes without an exception: a
+        step that raised halfway would record a partial count for good.
+        """
+        mode = FlopCounterMode(display=False)
+        with mode:
+            yield
+        self.counts += 1
+        self.record(key, mode.get_total_flops())
+
+    def __len__(self) -> int:
+        return len(self._flops)
+
+
+def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+    """Run ``fn(*args, **kwargs)`` once under a FLOP counter: ``(its result, its FLOPs)``.
+
+    >>> import torch
+    >>> _, flops = count_flops(torch.mm, torch.ones(2, 3), torch.ones(3, 4))
+    >>> flops == 2 * 2 * 3 * 4
+    True
+    """
+    mode = FlopCounterMode(display=False)
+    with mode:
+        result = fn(*args, **kwargs)
+    return result, int(mode.get_total_flops())

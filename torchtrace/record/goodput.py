@@ -1,0 +1,265 @@
+"""Goodput: where a job's wall time went, step by step, and how fast its steps ran.
+
+Host-side bookkeeping; no torch, no telemetry. The step pipeline feeds one
+:class:`FinishedStep` per finished operation call and the seconds of each forensic replay;
+it reads back a :class:`Goodput` (the goodput ratio and badput seconds by kind), throughput
+windows with MFU, and the findings of the throughput_drop and data_stall rules.
+
+**The timeline.** Wall time runs from ``configured_at`` (``configure()``) to now, on one
+monotonic clock (``time.perf_counter()``) for every call. Each instant of it is counted
+once, in exactly one class, so that ``productive + sum(badput) == wall``:
+
+- *startup*: from configure to the start of the first step;
+- a step's own interval, by its operation kind: ``train`` with its update applied is
+  *productive*; ``train`` whose update was not applied (the guard skipped it) is
+  *skipped_step*; ``checkpoint``, ``evaluation`` and ``other`` operations are badput of the
+  same name. The FLOP-counting step made its update: it is productive (its slow-down
+  only leaves it out of throughput);
+- *data_wait*: every instant after the first step's start that no step covers (the input
+  pipeline, and everything else the loop does between steps);
+- *forensics*: the seconds of forensic replays, taken out of whatever class the instants
+  they covered would otherwise have been (a replay that ran between two steps is not data
+  wait). A replay reported after its instants were already counted (they cannot be
+  recounted: badput counters only grow) is taken out of the next instants counted.
+
+Overlapping steps (a step inside another) are not counted twice: a step's interval starts
+at the end of the time already counted. Two views: :meth:`GoodputLedger.closed` counts up
+to the end of the last finished step (final: export counters from its increases);
+:meth:`GoodputLedger.snapshot` counts up to ``now``, the open stretch since the last step
+as startup or data wait (for the goodput gauge; a step running now is counted when it ends).
+
+>>> ledger = GoodputLedger(configured_at=0.0)
+>>> _ = ledger.add_step(FinishedStep(start=10.0, end=12.0))                 # productive
+>>> _ = ledger.add_step(FinishedStep(start=13.0, end=14.0, applied=False))  # skipped
+>>> g = ledger.snapshot(now=16.0)
+>>> g.productive_s, g.badput["startup"], g.badput["skipped_step"], g.badput["data_wait"]
+(2.0, 10.0, 1.0, 3.0)
+>>> g.ratio
+0.125
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtrace import semconv
+from torchtrace.record.throughput import Finding, OperationWindow, RuleSettings, Throughput, settings_state
+
+TRAIN, CHECKPOINT, EVALUATION, OTHER = "train", "checkpoint", "evaluation", "other"
+OPERATION_KINDS = (TRAIN, CHECKPOINT, EVALUATION, OTHER)
+MAX_OPERATIONS = 32  # operations with their own throughput window; later ones share none
+MAX_PENDING_REPLAYS = 64
+_BADPUT_OF_KIND = {CHECKPOINT: "checkpoint", EVALUATION: "evaluation", OTHER: "other"}
+_PRODUCTIVE = "productive"
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FinishedStep:
+    """One finished operation call, as the step pipeline saw it (times in seconds, one clock).
+
+    ``applied``: the optimizer update was applied (False when the guard skipped it).
+    ``excluded``: left out of throughput (the step whose FLOPs were counted).
+    ``kind``: one of :data:`OPERATION_KINDS`.
+    """
+
+    start: float
+    end: float
+    applied: bool = True
+    excluded: bool = False
+    samples: int | None = None
+    tokens: int | None = None
+    flops: int | None = None
+    kind: str = TRAIN
+    operation: str = "train_step"
+
+
+@dataclass(frozen=True)
+class StepAccount:
+    """What the ledger made of one step: its data wait (None for the first) and findings."""
+
+    data_wait_s: float | None
+    findings: tuple[Finding, ...] = ()
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Wall time since configure split into productive time and badput by kind."""
+
+    wall_s: float
+    productive_s: float
+    badput: dict[str, float] = field(default_factory=dict)  # every kind of semconv.BADPUT_KINDS
+
+    @property
+    def ratio(self) -> float | None:
+        """Productive time over wall time; None before any wall time passed."""
+        return self.productive_s / self.wall_s if self.wall_s > 0 else None
+
+
+class GoodputLedger:
+    """Goodput accounting, throughput windows and their rules for one process.
+
+    Thread-safe: the step thread adds, an exporter thread may take snapshots.
+
+    >>> ledger = GoodputLedger(configured_at=100.0, peak_flops=1e9)
+    >>> for i in range(3):
+    ...     _ = ledger.add_step(FinishedStep(100.0 + i, 100.5 + i, samples=4, flops=10**8))
+    >>> tp = ledger.throughput("train_step")  # 3 steps of 0.5 s, 2 waits of 0.5 s
+    >>> tp.samples_per_s, tp.mfu, tp.data_wait_share
+    (4.8, 0.12, 0.4)
+    """
+
+    def __init__(self, configured_at: float, *, peak_flops: float | None = None,
+                 rules: RuleSettings | None = None) -> None:
+        self.configured_at = float(configured_at)
+        self.peak_flops = peak_flops
+        self.rules = rules or RuleSettings()
+        self._lock = threading.Lock()
+        self._cursor = self.configured_at  # everything before it is counted
+        self._started = False
+        self._last_end: float | None = None
+        self._last_operation: str | None = None
+        self._totals: dict[str, float] = {_PRODUCTIVE: 0.0, **{k: 0.0 for k in semconv.BADPUT_KINDS}}
+        self._prior_wall = 0.0  # wall time of a run restored with load_state_dict
+        self._replays: list[tuple[float, float]] = []  # forensic intervals not yet counted
+        self._debt = 0.0  # forensic seconds reported after their instants were counted
+        self._windows: dict[str, OperationWindow] = {}
+
+    # ------------------------------------------------------------ input
+    def add_step(self, step: FinishedStep) -> StepAccount:
+        """Count one finished step; returns its data wait and what the rules found."""
+        if step.kind not in OPERATION_KINDS:
+            raise ValueError(f"kind={step.kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
+        with self._lock:
+            start = max(step.start, self.configured_at)
+            end = max(step.end, start)
+            wait = None if self._last_end is None else max(0.0, start - self._last_end)
+            same_operation = self._last_operation == step.operation
+            if start > self._cursor:
+                self._count(self._cursor, start, "data_wait" if self._started else "startup")
+            if end > self._cursor:
+                self._count(max(start, self._cursor), end, _class_of(step))
+            self._started = True
+            self._last_end = end if self._last_end is None else max(end, self._last_end)
+            self._last_operation = step.operation
+            findings: list[Finding] = []
+            window = self._window(step.operation)
+            if window is not None and not step.excluded:
+                findings = window.add(end - start, wait if (same_operation and wait is not None) else 0.0,
+                                      step.samples, step.tokens, step.flops, rules=step.kind == TRAIN)
+            return StepAccount(wait, tuple(findings))
+
+    def add_forensics(self, start: float, end: float) -> None:
+        """Count a forensic replay that ran from ``start`` to ``end``."""
+        with self._lock:
+            start, end = max(start, self.configured_at), max(end, start)
+            if start < self._cursor:  # already counted as something else: repay later
+                self._debt += min(end, self._cursor) - start
+                start = self._cursor
+            if self._replays:
+                start = max(start, self._replays[-1][1])
+            if end > start:
+                if len(self._replays) >= MAX_PENDING_REPLAYS:
+                    self._debt += end - start
+                else:
+                    self._replays.append((start, end))
+
+    # ------------------------------------------------------------ output
+    def closed(self) -> Goodput:
+        """Accounting up to the end of the last finished step: final, every count only grows."""
+        with self._lock:
+            return self._goodput(self._totals, self._cursor)
+
+    def snapshot(self, now: float) -> Goodput:
+        """Accounting up to ``now``: the open stretch since the last step as startup or data wait."""
+        with self._lock:
+            totals = dict(self._totals)
+            if now > self._cursor:
+                kind = "data_wait" if self._started else "startup"
+                _, inside, repaid = _split(self._cursor, now, self._replays, self._debt)
+                totals[kind] += (now - self._cursor) - inside - repaid
+                totals["forensics"] += inside + repaid
+            return self._goodput(totals, max(now, self._cursor))
+
+    def throughput(self, operation: str) -> Throughput | None:
+        """The operation's throughput over its last ``rules.window`` steps; None before its first."""
+        with self._lock:
+            window = self._windows.get(operation)
+            return window.throughput(self.peak_flops) if window is not None else None
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Totals, rule settings and every operation's window and rule state (JSON-able).
+
+        Times are kept as durations (a replay not yet counted as its seconds): a ledger of a
+        new process restores the run's totals and baselines (see :meth:`load_state_dict`).
+        """
+        with self._lock:
+            wall = self._prior_wall + (self._cursor - self.configured_at)
+            debt = self._debt + sum(e - s for s, e in self._replays)  # replays still to count, as seconds
+            return {"version": STATE_VERSION, "wall_s": wall, "totals": dict(self._totals), "debt_s": debt,
+                    "rules": settings_state(self.rules), "peak_flops": self.peak_flops,
+                    "windows": {op: w.state_dict() for op, w in self._windows.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a run saved with :meth:`state_dict`, in this ledger's own timeline.
+
+        Restored: the totals (the saved wall time comes before this ledger's), the forensic
+        debt, the rule settings and every window. The time between the saved ledger's last
+        step and this ledger's configure is not known and not counted; the stretch from this
+        ledger's configure to its first step is startup (a restart's cost).
+        """
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"goodput state version {state.get('version')!r} is not valid; accepted values: "
+                             f"{STATE_VERSION}")
+        rules = RuleSettings(**state["rules"])
+        windows = {}
+        for op, ws in state["windows"].items():
+            windows[op] = OperationWindow(rules)
+            windows[op].load_state_dict(ws)
+        with self._lock:
+            self.rules = rules
+            self.peak_flops = state.get("peak_flops", self.peak_flops)
+            self._prior_wall += float(state["wall_s"])
+            self._totals = {k: float(state["totals"].get(k, 0.0)) + self._totals[k] for k in self._totals}
+            self._debt = float(state["debt_s"]) + self._debt
+            self._windows = windows
+
+    # ------------------------------------------------------------ internals
+    def _window(self, operation: str) -> OperationWindow | None:
+        window = self._windows.get(operation)
+        if window is None and len(self._windows) < MAX_OPERATIONS:
+            window = self._windows[operation] = OperationWindow(self.rules)
+        return window
+
+    def _count(self, a: float, b: float, kind: str) -> None:
+        """Count [a, b] as ``kind``, less the forensic seconds in it; advance the cursor."""
+        self._replays, inside, repaid = _split(a, b, self._replays, self._debt)
+        self._debt -= repaid
+        self._totals[kind] += (b - a) - inside - repaid
+        self._totals["forensics"] += inside + repaid
+        self._cursor = b
+
+    def _goodput(self, totals: dict[str, float], until: float) -> Goodput:
+        wall = self._prior_wall + (until - self.configured_at)
+        return Goodput(wall, totals[_PRODUCTIVE], {k: totals[k] for k in semconv.BADPUT_KINDS})
+
+
+def _class_of(step: FinishedStep) -> str:
+    if step.kind == TRAIN:
+        return _PRODUCTIVE if step.applied else "skipped_step"
+    return _BADPUT_OF_KIND[step.kind]
+
+
+def _split(a: float, b: float, replays: list[tuple[float, float]],
+           debt: float) -> tuple[list[tuple[float, float]], float, float]:
+    """Forensic seconds in [a, b]: ``(replays left after b, seconds replayed inside, debt repaid)``.
+
+    Replays do not overlap each other; the debt is repaid from what the replays leave of [a, b].
+    """
+    inside = sum(max(0.0, min(e, b) - max(s, a)) for s, e in replays)
+    rest = [(max(s, b), e) for s, e in replays if e > b]
+    repaid = min(debt, max(0.0, (b - a) - inside))
+    return rest, inside, repaid

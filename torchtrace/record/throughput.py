@@ -1,0 +1,226 @@
+"""Throughput windows of one operation, and the two rules that read them: throughput_drop, data_stall.
+
+Host values in (seconds, counts), findings out. Every step of an operation adds one entry:
+its *cycle* is its duration plus the data wait before it when the step before it was of the
+same operation (the wait before the first evaluation step after a stretch of training is
+the training, not the evaluation's input pipeline). The step whose FLOPs were counted is
+left out: the counter slowed it down.
+
+Rules (their settings are :class:`RuleSettings`; defaults are the constants below):
+
+- **throughput_drop**: the steps after the warm-up are cut into windows of ``window``
+  steps. A window's throughput is the *median* of its steps' rates (tokens/s if the batch
+  has tokens, else samples/s, else steps/s), so one slow step does not move it. It is a
+  drop when it is under ``drop_ratio`` times the baseline, the median of up to
+  ``baseline_windows`` earlier windows (at least ``min_baseline_windows`` of them). A 2x
+  slow-down is reported within ``2 * window`` steps; a lasting one becomes the new
+  baseline after about ``baseline_windows / 2`` windows.
+- **data_stall**: a step *waited* when its data wait is over ``stall_share`` of its cycle
+  or over ``stall_seconds``. A stall is at least ``stall_min_steps`` waiting steps among the
+  last ``stall_window``; it is reported at once, then not again for ``stall_window`` steps.
+  A loader that makes every step wait is reported within ``stall_window`` steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torchtrace import semconv
+
+WINDOW = 20  # steps per throughput window (MFU gauge, throughput_drop)
+WARMUP_STEPS = 20  # steps of an operation the drop rule ignores first (compilation, autotuning, caches)
+DROP_RATIO = 0.7  # a window under 0.7 x the baseline is a drop
+BASELINE_WINDOWS = 8  # earlier windows whose median is the baseline
+MIN_BASELINE_WINDOWS = 3  # windows needed before any drop is judged
+STALL_SHARE = 0.25  # data wait over 25 % of the step's cycle is waiting
+STALL_SECONDS = 5.0  # or data wait over 5 s, whatever the step time
+STALL_WINDOW = 10  # the last 10 steps ...
+STALL_MIN_STEPS = 8  # ... of which 8 waited: a data stall
+
+
+@dataclass(frozen=True)
+class RuleSettings:
+    """Settings of the throughput window and of the two rules; see the module's docstring.
+
+    Raises:
+        ValueError: a value out of range, naming the setting and the accepted values.
+
+    >>> RuleSettings(drop_ratio=0.5).window
+    20
+    """
+
+    window: int = WINDOW
+    warmup_steps: int = WARMUP_STEPS
+    drop_ratio: float = DROP_RATIO
+    baseline_windows: int = BASELINE_WINDOWS
+    min_baseline_windows: int = MIN_BASELINE_WINDOWS
+    stall_share: float = STALL_SHARE
+    stall_seconds: float = STALL_SECONDS
+    stall_window: int = STALL_WINDOW
+    stall_min_steps: int = STALL_MIN_STEPS
+
+    def __post_init__(self) -> None:
+        def bad(name: str, accepted: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is not valid; accepted values: {accepted}")
+
+        for name in ("window", "baseline_windows", "min_baseline_windows", "stall_window", "stall_min_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, "an integer >= 1")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise bad("warmup_steps", "an integer >= 0")
+        if not 0 < self.drop_ratio < 1:
+            raise bad("drop_ratio", "a number between 0 and 1, exclusive")
+        if not 0 < self.stall_share < 1:
+            raise bad("stall_share", "a number between 0 and 1, exclusive")
+        if not self.stall_seconds > 0:
+            raise bad("stall_seconds", "a positive number of seconds")
+        if self.min_baseline_windows > self.baseline_windows:
+            raise bad("min_baseline_windows", f"an integer <= baseline_windows ({self.baseline_windows})")
+        if self.stall_min_steps > self.stall_window:
+            raise bad("stall_min_steps", f"an integer <= stall_window ({self.stall_window})")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """An anomaly the rules found; the step pipeline makes it an ``Anomaly`` of its step."""
+
+    kind: str  # semconv.THROUGHPUT_DROP or semconv.DATA_STALL
+    detail: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Throughput of an operation over its last ``steps`` steps (``seconds`` of cycles).
+
+    A rate is None when no step of the window carried that quantity; ``mfu`` is None
+    without FLOPs or without a peak.
+    """
+
+    steps: int
+    seconds: float
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    flops_per_s: float | None
+    mfu: float | None
+    data_wait_share: float
+
+
+# One window entry: (cycle_s, wait_s, samples, tokens, flops).
+Entry = tuple[float, float, int | None, int | None, int | None]
+
+
+class OperationWindow:
+    """The throughput window of one operation and its two rules' state.
+
+    >>> w = OperationWindow(RuleSettings(window=2))
+    >>> _ = w.add(duration=0.5, wait=0.5, samples=10, tokens=None, flops=None)
+    >>> _ = w.add(duration=0.5, wait=0.5, samples=10, tokens=None, flops=None)
+    >>> w.throughput().samples_per_s, w.throughput().data_wait_share
+    (10.0, 0.5)
+    """
+
+    def __init__(self, settings: RuleSettings) -> None:
+        self.settings = settings
+        self.entries: collections.deque[Entry] = collections.deque(maxlen=settings.window)
+        self.seen = 0  # steps added (excluded ones not counted)
+        self.unit: str | None = None  # the drop rule's rate: tokens, samples or steps
+        self.rates: list[float] = []  # this window's per-step rates
+        self.baseline: collections.deque[float] = collections.deque(maxlen=settings.baseline_windows)
+        self.waited: collections.deque[bool] = collections.deque(maxlen=settings.stall_window)
+
+    def add(self, duration: float, wait: float, samples: int | None, tokens: int | None,
+            flops: int | None, rules: bool = True) -> list[Finding]:
+        """Add one step; with ``rules``, evaluate the rules on it. Returns what they found."""
+        duration, wait = max(0.0, duration), max(0.0, wait)
+        cycle = duration + wait
+        self.entries.append((cycle, wait, samples, tokens, flops))
+        self.seen += 1
+        if not rules:
+            return []
+        found = [f for f in (self._drop(cycle, samples, tokens), self._stall(cycle, wait)) if f is not None]
+        return found
+
+    # ------------------------------------------------------------ windows
+    def throughput(self, peak_flops: float | None = None) -> Throughput | None:
+        """Rates over the window; None before its first step."""
+        if not self.entries:
+            return None
+        seconds = sum(e[0] for e in self.entries)
+        waited = sum(e[1] for e in self.entries)
+
+        def rate(index: int) -> float | None:
+            known = [(e[0], e[index]) for e in self.entries if e[index] is not None]
+            time = sum(c for c, _ in known)
+            return sum(v for _, v in known) / time if known and time > 0 else None
+
+        flops_per_s = rate(4)
+        mfu = flops_per_s / peak_flops if flops_per_s is not None and peak_flops else None
+        return Throughput(len(self.entries), seconds, rate(2), rate(3), flops_per_s, mfu,
+                          waited / seconds if seconds > 0 else 0.0)
+
+    # ------------------------------------------------------------ rules
+    def _drop(self, cycle: float, samples: int | None, tokens: int | None) -> Finding | None:
+        s = self.settings
+        if self.seen <= s.warmup_steps or cycle <= 0:
+            return None
+        if self.unit is None:
+            self.unit = "tokens" if tokens is not None else "samples" if samples is not None else "steps"
+        amount = {"tokens": tokens, "samples": samples, "steps": 1}[self.unit]
+        if amount is None:
+            return None
+        self.rates.append(amount / cycle)
+        if len(self.rates) < s.window:
+            return None
+        current = statistics.median(self.rates)
+        self.rates = []
+        finding = None
+        if len(self.baseline) >= s.min_baseline_windows:
+            baseline = statistics.median(self.baseline)
+            if current < s.drop_ratio * baseline:
+                finding = Finding(semconv.THROUGHPUT_DROP,
+                                  f"throughput {current:.4g} {self.unit}/s over the last {s.window} steps is "
+                                  f"{current / baseline:.2f}x the baseline {baseline:.4g} {self.unit}/s "
+                                  f"(threshold {s.drop_ratio}x)",
+                                  {"rate": current, "baseline": baseline, "unit": self.unit,
+                                   "ratio": current / baseline, "threshold": s.drop_ratio, "window": s.window})
+        self.baseline.append(current)
+        return finding
+
+    def _stall(self, cycle: float, wait: float) -> Finding | None:
+        s = self.settings
+        self.waited.append(cycle > 0 and (wait > s.stall_share * cycle or wait > s.stall_seconds))
+        count = sum(self.waited)
+        if len(self.waited) < s.stall_window or count < s.stall_min_steps:
+            return None
+        recent = list(self.entries)[-s.stall_window:]
+        share = sum(e[1] for e in recent) / max(sum(e[0] for e in recent), 1e-12)
+        mean_wait = sum(e[1] for e in recent) / len(recent)
+        self.waited.clear()  # report once, then watch a fresh window
+        return Finding(semconv.DATA_STALL,
+                       f"{count} of the last {len(recent)} steps waited for data: {share:.0%} of their time, "
+                       f"{mean_wait * 1e3:.1f} ms per step (threshold {s.stall_share:.0%} or {s.stall_seconds:g} s)",
+                       {"waiting_steps": count, "steps": len(recent), "share": share, "mean_wait_s": mean_wait,
+                        "threshold_share": s.stall_share, "threshold_s": s.stall_seconds})
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"entries": [list(e) for e in self.entries], "seen": self.seen, "unit": self.unit,
+                "rates": list(self.rates), "baseline": list(self.baseline), "waited": list(self.waited)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = self.settings
+        self.entries = collections.deque((tuple(e) for e in state["entries"]), maxlen=s.window)  # type: ignore[misc]
+        self.seen = int(state["seen"])
+        self.unit = state["unit"]
+        self.rates = [float(r) for r in state["rates"]][: s.window]
+        self.baseline = collections.deque((float(b) for b in state["baseline"]), maxlen=s.baseline_windows)
+        self.waited = collections.deque((bool(w) for w in state["waited"]), maxlen=s.stall_window)
+
+
+def settings_state(settings: RuleSettings) -> dict[str, Any]:
+    return asdict(settings)
