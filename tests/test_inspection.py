@@ -27,7 +27,14 @@ def _ref_stats(t: torch.Tensor) -> dict:
 
 
 def _hook_count(model) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+    """Hooks on the model's layers. (The root carries the step-phase clock's two hooks while
+    torchtrace runs: counted by _root_hooks.)"""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               for name, m in model.named_modules() if name)
+
+
+def _root_hooks(model) -> int:
+    return len(model._forward_hooks) + len(model._forward_pre_hooks) + len(model._backward_hooks)
 
 
 def test_forward_stats_match_reference_and_nothing_left(tiny_model):
@@ -197,12 +204,16 @@ def test_kept_hooks_record_only_inside_steps_and_go_with_the_level(tiny_model, t
         tt.shutdown()
 
 
-def test_basic_level_installs_no_hooks(tt_runtime, tiny_model):
+def test_basic_level_installs_no_layer_hooks(tiny_model, tmp_path):
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False)
     seen = []
     with tt.debug_context("s", model=tiny_model) as step:
-        seen.append(_hook_count(tiny_model))
+        seen.append((_hook_count(tiny_model), _root_hooks(tiny_model)))
         tiny_model(torch.ones(1, 8)).sum().backward()
-    assert seen == [0] and step.record.activations is None
+    # Only the phase clock's pre- and post-forward hooks on the root, which shutdown removes.
+    assert seen == [(0, 2)] and step.record.activations is None and set(step.record.phases) == {"forward", "backward"}
+    tt.shutdown()
+    assert _root_hooks(tiny_model) == 0
 
 
 def test_an_operation_pinned_at_extreme_keeps_its_hooks_through_runtime_level_changes(tiny_model, tmp_path):

@@ -188,7 +188,7 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
                   optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                   level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
                   attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
-                  scaler: Any = None, kind: str = "train") -> StepScope:
+                  scaler: Any = None, kind: str = "train", inputs: Any = None) -> StepScope:
     """A ``with`` (or ``async with``) block that is one instrumented operation.
 
     Args:
@@ -205,6 +205,9 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
         scaler: the GradScaler in use: overflow steps under a finite loss are not anomalies.
         kind: ``train`` (default), ``evaluation``, ``checkpoint`` or ``other``: what the time of
             the block counts as in the goodput accounting.
+        inputs: the step's batch (a tensor, a dict such as a tokenizer's output, or a tuple),
+            to count samples and tokens and the FLOPs of its shapes, as the decorator does
+            with its arguments; ``step.record_batch(...)`` sets them instead.
 
     Raises:
         TypeError: a wrong type for an argument (a module where the name belongs, an
@@ -223,7 +226,8 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
     if isinstance(name, DebugLevel):  # the seeds' debug_context(DebugLevel.BASIC)
         level, name = name, "step"
     return StepScope(name, model=model, optimizer=optimizer, step=step, level=level, mode=mode,
-                     attributes=attributes, replay=replay, scaler=scaler, kind=kind)
+                     attributes=attributes, replay=replay, scaler=scaler, kind=kind,
+                     inputs=((inputs,), {}) if inputs is not None else None)
 
 
 def _resolve_model(model: Any, args: tuple) -> Any:
@@ -256,7 +260,8 @@ class _Operation:
     def scope(self, fn: Callable[..., Any] | None, args: tuple, kwargs: dict) -> StepScope:
         scope = StepScope(self.name, model=_resolve_model(self.model, args),
                           optimizer=_resolve_optimizer(self.optimizer, args, kwargs), level=self.level,
-                          mode=self.mode, attributes=self.attributes, scaler=self.scaler, kind=self.kind)
+                          mode=self.mode, attributes=self.attributes, scaler=self.scaler, kind=self.kind,
+                          inputs=(args, kwargs))
         if self.replay is not False:
             # Forensics replays the call with its optimizers' (and scalers') updates neutralised.
             scope.replay_owners = forensic_replay.find_side_effect_owners(args, kwargs)
@@ -312,20 +317,8 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
     ... def train_step(x):
     ...     return (x * 2).sum()
     """
-    checks.check_decorator_target(func)
-    checks.check_level(level)  # fail at decoration time, not in the loop
-    if mode is not None:
-        DebugMode.parse(mode, "mode")
-    where = "debug_operation"
-    checks.check_model(model, where)
-    checks.check_optimizer(optimizer, where)
-    checks.check_scaler(scaler, where)
-    if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise TypeError(f"{where}: name= must be a non-empty string, got {name!r}")
-    if replay is not None and replay is not False and not callable(replay):
-        raise TypeError(f"{where}: replay= must be a callable, False or None, got {type(replay).__name__}")
-    if kind not in checks.STEP_KINDS:
-        raise ValueError(f"{where}: kind={kind!r} is not valid; accepted values: {', '.join(checks.STEP_KINDS)}")
+    # Fail at decoration time, not in the loop.
+    checks.check_decorator_arguments(func, name, model, optimizer, level, mode, replay, scaler, kind)
 
     def decorate(fn):
         op = _Operation(name or getattr(fn, "__name__", "operation"), model, optimizer, level, mode, attributes,

@@ -70,11 +70,12 @@ class Features:
     profiling: bool = False
     memory_profiling: bool = False
     forensics: bool = True  # replay a non-finite step to find the producing module
+    throughput: bool = True  # batch size, FLOPs per input shape, learning rate, phases, goodput
 
     @staticmethod
     def for_level(level: DebugLevel, mode: DebugMode = DebugMode.NONE) -> "Features":
         if level is DebugLevel.OFF:
-            return Features(enabled=False, grad_stats=False, cuda_memory=False, forensics=False)
+            return Features(enabled=False, grad_stats=False, cuda_memory=False, forensics=False, throughput=False)
         adv = level in (DebugLevel.ADVANCED, DebugLevel.EXTREME)
         full = mode is DebugMode.FULL_DEBUG
         return Features(

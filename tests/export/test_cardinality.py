@@ -62,7 +62,7 @@ def test_operation_names_through_steps_are_capped(tt_runtime):
 
 
 def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
-    """docs/reliability.md: a BASIC CPU job with one operation exports 49 label sets per rank."""
+    """docs/reliability.md: a BASIC CPU job with one operation exports 55 label sets per rank."""
     rt = get_runtime()
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     for _ in range(3):
@@ -83,6 +83,8 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
                 "torchtrace_spans_dropped": 3, "torchtrace_overhead_seconds": 1, "torchtrace_build_info": 1,
                 "torchtrace_rank_step_skew": 1, "torchtrace_anomalies": len(semconv.ANOMALY_KINDS_ALL),
                 "torchtrace_skipped_steps": 1, "torchtrace_internal_errors": len(semconv.COMPONENTS),
-                "torchtrace_badput_seconds": len(semconv.BADPUT_KINDS)}
+                "torchtrace_badput_seconds": len(semconv.BADPUT_KINDS), "torchtrace_goodput_ratio": 1,
+                "torchtrace_learning_rate": 1, "torchtrace_data_wait_seconds": 1,
+                "torchtrace_step_phase_seconds": len(semconv.PHASES)}
     assert {k: v for k, v in seen.items() if v} == expected
-    assert sum(expected.values()) == 49
+    assert sum(expected.values()) == 55

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Exemplar
@@ -103,6 +103,7 @@ class StepMetrics:
         self._memory: dict[tuple[str, str], float] = {}  # (device, kind) -> bytes
         self._growth: dict[str, float] = {}  # device -> bytes per step
         self._goodput: float | None = None
+        self.goodput: Callable[[], float | None] | None = None  # the goodput ratio now, asked at scrape
         self._badput = dict.fromkeys(semconv.BADPUT_KINDS, 0.0)
         self._created = time.time()
 
@@ -208,6 +209,11 @@ class StepMetrics:
             memory = dict(self._memory)
             growth = dict(self._growth)
             goodput, badput = self._goodput, dict(self._badput)
+        if self.goodput is not None:
+            try:
+                goodput = self.goodput()
+            except Exception:  # a scrape must not fail for it
+                goodput = None
         base = [self.run_id, self.rank]
         yield from self._step_families(snapshot, base)
         yield from self._throughput_families(snapshot, base)

@@ -150,12 +150,12 @@ _DEVICES: dict[int, tuple[Any, bool]] = {}
 
 
 def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
-    """Per-tensor L2 norms of the gradients and their global norm, without a host read.
+    """Per-tensor L2 norms of the gradients, on the device, without a host read.
 
     For sharded (DTensor / FSDP2) gradients the local shard norms are combined across the
-    shard group (:func:`torchtrace.distributed.collectives.reduce_shard_norms`, one ``all_reduce``), so
-    every rank gets the norms of the whole tensors; every rank must call this at the same
-    point. DDP gradients are already reduced and need nothing.
+    shard group (:func:`torchtrace.distributed.collectives.reduce_shard_norms`, one
+    ``all_reduce``), so every rank gets the norms of the whole tensors; every rank must call
+    this at the same point. DDP gradients are already reduced and need nothing.
 
     Parameters without a gradient are left out. Low-precision gradients are reduced in
     float32 so a large finite fp16 gradient does not overflow its norm. Returns ``None`` when
@@ -176,8 +176,26 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
         grads.append(dense(g))
     if not grads:
         return None
-    # Group by (device, dtype): foreach kernels want uniform lists, and the output dtype
-    # follows the input's (complex -> real).
+    norms, order = _grouped_norms(grads)
+    if order is not None:
+        # Names follow the grouped order so no device-side permutation is needed.
+        names = [names[i] for i in order]
+        grads = [grads[i] for i in order]
+        keys = [keys[i] for i in order]
+    scope = "global"
+    if any(k is not None for k in keys):
+        # DTensor (FSDP2) gradients: the norms so far are of the local shards.
+        try:
+            norms, scope = collectives.reduce_shard_norms(norms, keys)
+        except Exception:  # already logged; collectives are off from now on
+            scope = "local"
+    return GradStats(names=names, norms=norms, grads=grads, scope=scope)
+
+
+def _grouped_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
+    """Norms of gradients of several dtypes or devices: one foreach kernel per (device, dtype)
+    group (foreach kernels want uniform lists), float64 when any gradient is. Returns the
+    norms in grouped order, and that order (None when there was one group)."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, g in enumerate(grads):
         groups.setdefault((g.device, g.dtype), []).append(i)
@@ -191,7 +209,7 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
         if dtype in _LOW_PRECISION:
             norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
         elif dtype.is_floating_point or dtype.is_complex:
-            norms = torch._foreach_norm(tensors, 2)
+            norms = torch._foreach_norm(tensors, 2)  # the output dtype follows the input's (complex -> real)
         else:  # integer gradients do not occur in autograd; be safe anyway
             norms = [torch.linalg.vector_norm(t.double()) for t in tensors]
         # One group's norms share a dtype: stack them, then convert once (not once per tensor).
@@ -202,20 +220,9 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
             stacked = stacked.to(home, non_blocking=True)
         pieces.append(stacked)
         order.extend(idx)
-    norms = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    if len(groups) > 1:
-        # Names follow the grouped order so no device-side permutation is needed.
-        names = [names[i] for i in order]
-        grads = [grads[i] for i in order]
-        keys = [keys[i] for i in order]
-    scope = "global"
-    if any(k is not None for k in keys):
-        # DTensor (FSDP2) gradients: the norms so far are of the local shards.
-        try:
-            norms, scope = collectives.reduce_shard_norms(norms, keys)
-        except Exception:  # already logged; collectives are off from now on
-            scope = "local"
-    return GradStats(names=names, norms=norms, grads=grads, scope=scope)
+    if len(pieces) == 1:
+        return pieces[0], None
+    return torch.cat(pieces), order
 
 
 def classify_infinite(grads: Iterable[torch.Tensor]) -> list[bool]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 from typing import Any
 
 from torchtrace import semconv
@@ -121,10 +122,12 @@ class ForensicsProbe(Probe):
             scalers.append(scope.scaler)
         rt = self.rt
         rt.replaying = True
+        t0 = time.perf_counter()
         try:
             report = replay.replay(scope.model, scope.replay, state.rng, opts, scalers, extract_loss)
         finally:
             rt.replaying = False
+            rt.throughput.replay(t0, time.perf_counter())  # badput: forensics
         report.update(step=scope.step, operation=scope.name, rank=rt.identity.rank, params_updated=params_updated,
                       replay_number=self.replays)
         return report

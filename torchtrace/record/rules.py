@@ -46,8 +46,13 @@ def evaluate_gradients(
         record.anomalies.append(Anomaly(semconv.NONFINITE_GRAD, detail, record.step, record.operation,
                                         {"count": len(bad), "params": _cap(bad), "with_nonfinite_elements": _cap(real)}))
         return
-    if total is None or not names:
-        return
+    if total is not None and names:
+        _size_rules(record, names, norms, total, explosion_threshold, vanishing_threshold, per_parameter)
+
+
+def _size_rules(record: StepRecord, names: Sequence[str], norms: Sequence[float], total: float,
+                explosion_threshold: float, vanishing_threshold: float, per_parameter: bool) -> None:
+    """Explosion and vanishing of finite gradients: the global norm, and per tensor at ADVANCED."""
     if per_parameter:
         # No tensor's norm exceeds the global norm, so a global norm under the threshold needs no scan.
         exploded = [n for n, v in zip(names, norms) if v > explosion_threshold] if total > explosion_threshold else []

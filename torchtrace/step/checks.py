@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchtrace.levels import DebugLevel
+from torchtrace.levels import DebugLevel, DebugMode
 
 STEP_KINDS = ("train", "evaluation", "checkpoint", "other")
 _EXAMPLE = 'debug_context("train_step", model=model, optimizer=optimizer)'
@@ -90,6 +90,25 @@ def check_decorator_target(func: Any) -> None:
                         "@debug_operation(name=\"train_step\", model=model)")
 
 
-def check_level(level: Any) -> None:
+def check_decorator_arguments(func: Any, name: Any, model: Any, optimizer: Any, level: Any, mode: Any, replay: Any,
+                              scaler: Any, kind: Any) -> None:
+    """``debug_operation``'s arguments, checked at decoration.
+
+    Raises:
+        TypeError / ValueError: naming the argument and showing the correct call.
+    """
+    where = "debug_operation"
+    check_decorator_target(func)
     if level is not None:
         DebugLevel.parse(level, "level")
+    if mode is not None:
+        DebugMode.parse(mode, "mode")
+    check_model(model, where)
+    check_optimizer(optimizer, where)
+    check_scaler(scaler, where)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise TypeError(f"{where}: name= must be a non-empty string, got {name!r}")
+    if replay is not None and replay is not False and not callable(replay):
+        raise TypeError(f"{where}: replay= must be a callable, False or None, got {_kind(replay)}")
+    if kind not in STEP_KINDS:
+        raise ValueError(f"{where}: kind={kind!r} is not valid; accepted values: {', '.join(STEP_KINDS)}")

@@ -51,6 +51,9 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
     if not record.param_checked and record.nonfinite and scope.features.param_stats:
         _check_parameters_now(rt, scope, record)
     rt.probes.finish(scope, states, record, plan, values)
+    if scope.features.throughput:
+        record.phases = scope.phases()
+        rt.throughput.account(scope, record)
     _apply_policy(rt, scope, record)
     export(rt, record, span, exc)
     scope.release()

@@ -29,7 +29,8 @@ from torchtrace.record.policy import GuardPolicy, agree_any
 class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
-    __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "_hook")
+    __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
+                 "_hook")
 
     def __init__(self, scope: Any, rt: Any) -> None:
         self.scope = scope
@@ -40,6 +41,7 @@ class GradientCheck:
         self.skipped = False
         self.peer_nonfinite = False
         self.update_before: tuple[list, list[torch.Tensor]] | None = None
+        self.optimizer: Any = None  # the optimizer whose update was checked
         self._hook = None
 
     def hook(self, optimizer: Any) -> None:
@@ -64,6 +66,7 @@ class GradientCheck:
             return
         t0 = time.perf_counter()
         self.fired = True
+        self.optimizer = optimizer
         rt = self.rt
         try:
             params = rt.params_for(scope.model, optimizer)

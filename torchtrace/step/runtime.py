@@ -33,6 +33,7 @@ from torchtrace.record.history import History
 from torchtrace.record.policy import GuardPolicy
 from torchtrace.record.step import StepRecord
 from torchtrace.step import finish, report, setup
+from torchtrace.step.throughput import RunThroughput
 
 logger = logging.getLogger("torchtrace")
 
@@ -85,10 +86,13 @@ class Runtime:
         self.probes = ProbeSet(self.errors)
         self.tracer_provider = tracer_provider(setup.resource(self))
         self.tracer = self.tracer_provider.get_tracer("torchtrace", __version__)
+        self.throughput = RunThroughput(self)
+        self.metrics.steps.goodput = self.throughput.goodput_now
         self.shared_step_trace = bool(settings.shared_step_trace)
         self.report_sections: dict[str, Callable[[], Any]] = {
             "distributed": lambda: setup.distributed_section(self),
             "guard": self._guard_section,
+            "throughput": self.throughput.section,
         }
         setup.run_files(self)
         setup.span_exporters(self)
@@ -306,6 +310,7 @@ class Runtime:
         except Exception as exc:
             self.errors.report("record", exc)
         self.probes.close()
+        self.throughput.close()
         self._write_report_safely()
         self._stop_exporters(deadline)
         self._write_report_safely()  # again, with the final export counts

@@ -28,6 +28,7 @@ from torchtrace.record.reads import ReadPlan
 from torchtrace.record.step import StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck
+from torchtrace.step.throughput import StepClock, batch_of, learning_rates
 
 logger = logging.getLogger("torchtrace")
 
@@ -45,7 +46,8 @@ class StepScope:
     """
 
     __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_owners", "on_guard_raise", "kind",
-                 "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s", "_step_arg", "_level_arg",
+                 "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
+                 "inputs", "clock", "started_at", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
                  "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
                  "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "__weakref__")
 
@@ -53,7 +55,7 @@ class StepScope:
                  optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                  level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
                  attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
-                 scaler: Any = None, kind: str = "train") -> None:
+                 scaler: Any = None, kind: str = "train", inputs: tuple[tuple, dict] | None = None) -> None:
         checks.check_scope_arguments(name, model, optimizer, scaler, replay, step, kind)
         self.name = name
         self.model = model
@@ -76,6 +78,9 @@ class StepScope:
         self.pending_error: NonFiniteError | None = None  # decided on the host record, raised at the step's end
         self.suppress = False  # an exception the guard absorbs (out of memory under "skip")
         self.duration_s = 0.0  # the step's wall time, once it has ended
+        self.inputs = inputs  # (args, kwargs) of the step: its batch and input shapes
+        self.clock: StepClock | None = None  # phase boundaries (forward, backward, optimizer)
+        self.started_at = 0.0  # perf_counter() when the step's body started
 
     # ------------------------------------------------------------ user API
     def record_loss(self, loss: Any) -> None:
@@ -94,14 +99,16 @@ class StepScope:
             return
         self._loss = value
 
-    def record_batch(self, samples: int | None = None, tokens: int | Any | None = None) -> None:
-        """Record the batch's size (items) and tokens; overrides what torchtrace infers.
+    def record_batch(self, samples: int | None = None, tokens: int | Any | None = None,
+                     flops: float | None = None) -> None:
+        """Record the batch's size (items), its tokens and the step's model FLOPs (forward +
+        backward); each given value overrides what torchtrace infers or counts.
 
         ``tokens`` may be a device tensor (a mask's sum): it is read with the step's one host read.
         """
         if not self._active:
             return
-        self._batch = (samples, tokens)
+        self._batch = (samples, tokens, flops)
 
     @property
     def span(self):
@@ -168,10 +175,14 @@ class StepScope:
         mode = self._mode_arg or rt.mode
         self.features = feats = rt.features if (level is rt.level and mode is rt.mode) else Features.for_level(level, mode)
         self.step = rt.step_number(self.name, self._step_arg)
+        outermost = current.step() is None
         self._loss = None
         self._batch = None
         self._states = None
         self._anomaly_cm = None
+        self._flops_counter = None
+        self._step_end = None
+        self.clock = None
         self._overhead = 0.0
         self.gradients = None
         self.raised = None
@@ -190,16 +201,20 @@ class StepScope:
         if feats.anomaly_mode:
             self._anomaly_cm = torch.autograd.detect_anomaly(check_nan=True)
             self._anomaly_cm.__enter__()
+        if feats.throughput:
+            self.clock, self._flops_counter = rt.throughput.begin(self, outermost)
         self._active = True
         self._states = rt.probes.enter(self)
         t1 = time.perf_counter()
         self._overhead += t1 - t0
-        self._t0 = t1
+        self._t0 = self.started_at = t1
 
     # ------------------------------------------------------------ exit
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self._active:
             return False
+        if self.clock is not None:
+            self._step_end = self.clock.mark()
         t0 = time.perf_counter()
         self.duration_s = duration = t0 - self._t0
         end_ns = time.time_ns()
@@ -241,6 +256,8 @@ class StepScope:
 
     def _finish(self, rt: Any, exc: BaseException | None, duration: float, end_ns: int, t0: float) -> None:
         self._restore()
+        flops, counted = rt.throughput.end(self, self._flops_counter, exc) if self.features.throughput else (None, False)
+        self._flops_counter = None
         plan = ReadPlan()
         loss = self._loss
         if loss is not None and loss.tensor is not None:
@@ -256,9 +273,9 @@ class StepScope:
             if stats is not None and grads.values is None:
                 plan.add("grads", stats.norms)
         rt.plan_parameter_check(self, plan)
-        batch = self._batch
-        if batch is not None and isinstance(batch[1], torch.Tensor):
-            plan.add("tokens", batch[1])
+        batch = batch_of(self.inputs, self._batch) if self.features.throughput else None
+        if batch is not None and isinstance(batch.tokens, torch.Tensor):
+            plan.add("tokens", batch.tokens.to(torch.float64))
         rt.probes.exit(self, self._states, exc, plan)
         pending = None
         try:
@@ -282,9 +299,15 @@ class StepScope:
         if loss is not None and loss.number is not None:
             record.loss = loss.number
         if batch is not None:
-            record.samples = batch[0]
-            if batch[1] is not None and not isinstance(batch[1], torch.Tensor):
-                record.tokens = int(batch[1])
+            record.samples = batch.samples
+            if batch.tokens is not None and not isinstance(batch.tokens, torch.Tensor):
+                record.tokens = int(batch.tokens)
+        if self.features.throughput:
+            given = self._batch[2] if self._batch is not None else None
+            record.flops = given if given is not None else flops
+            record.flops_counted = counted and given is None
+            record.lr = learning_rates(self.optimizer if self.optimizer is not None else
+                                       (grads.optimizer if grads is not None else None))
         ctx = self._span.get_span_context()
         record.trace_id = format(ctx.trace_id, "032x")
         record.span_id = format(ctx.span_id, "016x")
@@ -297,8 +320,15 @@ class StepScope:
         """What the runtime finishes a record with: the probe states and the overhead so far."""
         return self._states, self._overhead
 
+    def phases(self) -> dict[str, float] | None:
+        """Seconds per phase of the ended step (on CUDA once its events have completed)."""
+        return self.clock.phases(self._step_end) if self.clock is not None else None
+
     def release(self) -> None:
         """After the record is finished: drop every reference to tensors and callables."""
+        self.inputs = None
+        self.clock = None
+        self._step_end = None
         self._states = None
         self._loss = None
         self._batch = None

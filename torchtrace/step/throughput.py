@@ -1,0 +1,299 @@
+"""How fast a step ran: its batch (samples, tokens), FLOPs, learning rate and phases, and the
+run's goodput accounting.
+
+On the training thread a step pays for: reading the batch's shapes (no host read: a mask's
+token count rides in the step's one read), a dictionary lookup of the FLOPs of its input
+shapes (counted once per shape under ``FlopCounterMode``; that step is left out of
+throughput), the optimizer's learning rates, and four clock reads at the phase boundaries
+(forward, backward, optimizer; CUDA events on a GPU, read with the step's deferred read).
+:class:`RunThroughput` then books each finished record in the goodput ledger
+(:mod:`torchtrace.record.goodput`), which gives the data wait, MFU and the throughput rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import warnings
+import weakref
+from typing import Any, Hashable
+
+import torch
+
+from torchtrace import current
+from torchtrace.measure import peaks
+from torchtrace.measure.batch import BatchSize, infer_batch
+from torchtrace.measure.flops import StepFlops, shape_key
+from torchtrace.record.goodput import FinishedStep, GoodputLedger
+from torchtrace.record.step import Anomaly, StepRecord
+
+
+class StepClock:
+    """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
+
+    __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda")
+
+    def __init__(self, cuda: bool) -> None:
+        self.forward_start: Any = None
+        self.forward_end: Any = None
+        self.optimizer_start: Any = None
+        self.optimizer_end: Any = None
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def phases(self, step_end: Any) -> dict[str, float] | None:
+        """Seconds per phase; None when the forward was not seen. Backward runs from the end of
+        the forward to the optimizer's step (or to the end of the step without one)."""
+        if self.forward_start is None or self.forward_end is None:
+            return None
+        out = {"forward": self._between(self.forward_start, self.forward_end)}
+        if self.optimizer_start is not None and self.optimizer_end is not None:
+            out["backward"] = self._between(self.forward_end, self.optimizer_start)
+            out["optimizer"] = self._between(self.optimizer_start, self.optimizer_end)
+        elif step_end is not None:
+            out["backward"] = self._between(self.forward_end, step_end)
+        if any(v is None for v in out.values()):
+            return None
+        return out
+
+    def _between(self, a: Any, b: Any) -> float | None:
+        if self.cuda:
+            # Only events that completed (the record's read landed after them): no wait.
+            if not (a.query() and b.query()):
+                return None
+            return a.elapsed_time(b) / 1000.0
+        return max(0.0, b - a)
+
+
+class _ModelHooks:
+    """Forward pre/post hooks kept on a model: they mark the open step's forward phase."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    @staticmethod
+    def _clock() -> StepClock | None:
+        if _is_compiling():  # inside a torch.compile trace: stay out of the graph
+            return None
+        scope = current.step()
+        return scope.clock if scope is not None else None
+
+    def _pre(self, module: Any, args: Any) -> None:
+        clock = self._clock()
+        if clock is not None and clock.forward_start is None:
+            clock.forward_start = clock.mark()
+
+    def _post(self, module: Any, args: Any, output: Any) -> None:
+        clock = self._clock()
+        if clock is not None and clock.forward_start is not None and clock.optimizer_start is None:
+            clock.forward_end = clock.mark()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class _OptimizerHooks:
+    """Step pre/post hooks kept on an optimizer: they mark the open step's optimizer phase."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    @staticmethod
+    def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        scope = current.step()
+        if scope is not None and scope.clock is not None and scope.clock.optimizer_start is None:
+            scope.clock.optimizer_start = scope.clock.mark()
+
+    @staticmethod
+    def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        scope = current.step()
+        if scope is not None and scope.clock is not None and scope.clock.optimizer_start is not None:
+            scope.clock.optimizer_end = scope.clock.mark()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def learning_rates(optimizer: Any) -> list[float] | None:
+    """The learning rate of every parameter group (a tensor rate only when it is on the CPU)."""
+    if optimizer is None:
+        return None
+    out = []
+    for group in optimizer.param_groups:
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor):
+            if lr.device.type != "cpu" or lr.numel() != 1:
+                return None  # reading it would wait for the device
+            lr = lr.item()
+        if not isinstance(lr, (int, float)):
+            return None
+        out.append(float(lr))
+    return out or None
+
+
+def _eager_for_now() -> Any:
+    """``torch.compile``d code runs eagerly inside (no compilation, nothing cached)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    stance = getattr(dynamo, "set_stance", None) if dynamo is not None else None
+    if stance is None:
+        return contextlib.nullcontext()
+    return stance("force_eager")
+
+
+def _is_compiling() -> bool:
+    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(check()) if check is not None else False
+
+
+def _compiled(model: Any) -> bool:
+    return model is not None and hasattr(model, "_orig_mod")
+
+
+class RunThroughput:
+    """The runtime's side: FLOPs per input shape, phase hooks, peak FLOP/s and the goodput ledger."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.flops = StepFlops()
+        self.ledger = GoodputLedger(configured_at=time.perf_counter(), peak_flops=rt.settings.peak_flops)
+        self._models: "weakref.WeakKeyDictionary[Any, _ModelHooks]" = weakref.WeakKeyDictionary()
+        self._optimizers: "weakref.WeakKeyDictionary[Any, _OptimizerHooks]" = weakref.WeakKeyDictionary()
+        self._peaks: dict[str, float | None] = {}
+        self._badput_sent: dict[str, float] = {}
+
+    # ------------------------------------------------------------ step start and end
+    def begin(self, scope: Any, outermost: bool) -> tuple[StepClock | None, Any]:
+        """At a step's start: the phase clock, and the FLOP counter when this step counts."""
+        model, optimizer = scope.model, scope.optimizer
+        clock = None
+        if model is not None:
+            if model not in self._models:
+                self._models[model] = _ModelHooks(model)
+            if optimizer is not None and optimizer not in self._optimizers:
+                self._optimizers[optimizer] = _OptimizerHooks(optimizer)
+            clock = StepClock(cuda=_on_cuda(model))
+        counter = None
+        key = self.flops_key(scope)
+        if outermost and key is not None and self.flops.needs_count(key) and not _compiled(model):
+            counter = contextlib.ExitStack()
+            # A module compiled with torch.compile runs eagerly for this one step: first called
+            # under the FLOP counter's dispatch mode, torch would never compile it after.
+            counter.enter_context(_eager_for_now())
+            counter.enter_context(warnings.catch_warnings())
+            # The counter's module hooks are torchtrace's, not the user's: no warning about them.
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+            counter.enter_context(self.flops.counting(key))
+        return clock, counter
+
+    def flops_key(self, scope: Any) -> Hashable | None:
+        inputs = scope.inputs
+        if inputs is None:
+            return None
+        return (scope.name, shape_key(inputs[0], inputs[1]))
+
+    def end(self, scope: Any, counter: Any, exc: BaseException | None) -> tuple[float | None, bool]:
+        """At a step's end: (its FLOPs, whether they were counted in this step)."""
+        counted = False
+        if counter is not None:
+            try:
+                if exc is None:
+                    counter.__exit__(None, None, None)
+                    counted = True
+                else:
+                    counter.__exit__(type(exc), exc, None)
+            except Exception as err:
+                self.rt.errors.report("other", err)
+        key = self.flops_key(scope)
+        flops = self.flops.lookup(key) if key is not None else None
+        return flops, counted
+
+    # ------------------------------------------------------------ finished records
+    def account(self, scope: Any, record: StepRecord) -> None:
+        """Book the record in the goodput ledger: data wait, MFU, throughput anomalies."""
+        if record.flops is not None and self.ledger.peak_flops is None:
+            self.ledger.peak_flops = self._peak(scope)
+        start = scope.started_at
+        step = FinishedStep(start=start, end=start + record.duration_s,
+                            applied=not record.skipped and record.exception_type is None,
+                            excluded=record.flops_counted, samples=record.samples, tokens=record.tokens,
+                            flops=int(record.flops) if record.flops is not None else None, kind=record.kind,
+                            operation=record.operation)
+        account = self.ledger.add_step(step)
+        record.data_wait_s = account.data_wait_s
+        for finding in account.findings:
+            record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, record.operation,
+                                            dict(finding.data)))
+        tp = self.ledger.throughput(record.operation)
+        if tp is not None:
+            record.mfu = tp.mfu
+        closed = self.ledger.closed()
+        self.rt.metrics.set_run(badput=closed.badput)
+
+    def replay(self, start: float, end: float) -> None:
+        """A forensic replay ran from ``start`` to ``end`` (perf_counter seconds)."""
+        self.ledger.add_forensics(start, end)
+
+    def goodput_now(self) -> float | None:
+        return self.ledger.snapshot(time.perf_counter()).ratio
+
+    def _peak(self, scope: Any) -> float | None:
+        model = scope.model
+        if model is None:
+            return None
+        try:
+            param = next(model.parameters())
+        except StopIteration:
+            return None
+        dtype = torch.get_autocast_dtype(param.device.type) if torch.is_autocast_enabled(param.device.type) \
+            else param.dtype
+        key = f"{param.device}/{dtype}"
+        if key not in self._peaks:
+            self._peaks[key] = peaks.peak_flops(param.device, dtype)
+        return self._peaks[key]
+
+    def section(self) -> dict[str, Any]:
+        g = self.ledger.snapshot(time.perf_counter())
+        ops = {}
+        for name in list(self.rt.history.operations):
+            tp = self.ledger.throughput(name)
+            if tp is not None:
+                ops[name] = {"steps": tp.steps, "seconds": tp.seconds, "samples_per_s": tp.samples_per_s,
+                             "tokens_per_s": tp.tokens_per_s, "flops_per_s": tp.flops_per_s, "mfu": tp.mfu,
+                             "data_wait_share": tp.data_wait_share}
+        return {"wall_s": g.wall_s, "productive_s": g.productive_s, "goodput_ratio": g.ratio, "badput_s": g.badput,
+                "peak_flops": self.ledger.peak_flops, "flop_counted_shapes": len(self.flops), "operations": ops}
+
+    def close(self) -> None:
+        for hooks in list(self._models.values()) + list(self._optimizers.values()):
+            hooks.remove()
+        self._models.clear()
+        self._optimizers.clear()
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    try:
+        return next(model.parameters()).device.type == "cuda"
+    except StopIteration:
+        return False
+
+
+def batch_of(inputs: tuple | None, given: tuple | None) -> BatchSize | None:
+    """The step's batch: inferred from its inputs, with what ``record_batch`` gave in place."""
+    batch = infer_batch(inputs[0], inputs[1]) if inputs is not None else None
+    if given is not None:
+        batch = (batch or BatchSize()).with_overrides(samples=given[0], tokens=given[1])
+    return batch
+
+
+__all__ = ["RunThroughput", "StepClock", "batch_of", "learning_rates"]
