@@ -187,11 +187,10 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         """Export one batch (already counted in flight) and move it to exported or dropped."""
         self._export_started = time.monotonic()
         try:
-            counted = getattr(self.exporter, "export_counted", None)
-            if counted is not None:
-                written = counted(batch)
-            else:
-                written = len(batch) if self.exporter.export(batch) == SpanExportResult.SUCCESS else 0
+            if self.exporter.export(batch) == SpanExportResult.SUCCESS:
+                written = len(batch)
+            else:  # a file exporter says how many of a failed batch did reach the file
+                written = min(len(batch), max(0, int(getattr(self.exporter, "last_written", 0))))
         except Exception as exc:  # an exporter bug must not kill the worker
             (logger.debug if self.on_error else logger.warning)(
                 "span exporter %s raised %s; %d span(s) lost", type(self.exporter).__name__,
@@ -385,19 +384,20 @@ class JsonLinesSpanExporter(SpanExporter):
     """Appends finished spans to a JSON-lines file (the embedded default).
 
     Only whole lines reach the file (see :class:`~torchtrace.files.JsonLinesFile`), and
-    :meth:`export_counted` says how many of a batch did, so the processor counts exactly
-    the spans that are not in the file as lost.
+    :attr:`last_written` says how many of a failed batch did, so the processor counts
+    exactly the spans that are not in the file as lost.
     """
 
     def __init__(self, path: Path, max_bytes: int) -> None:
         self.file = JsonLinesFile(path, max_bytes)
-
-    def export_counted(self, spans: Sequence[ReadableSpan]) -> int:
-        """Write ``spans``; return how many are in the file (size cap and write errors keep the rest out)."""
-        return self.file.write_lines([span_line(s) for s in spans])
+        self.last_written = 0  # spans of the last batch that are in the file
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        return SpanExportResult.SUCCESS if self.export_counted(spans) == len(spans) else SpanExportResult.FAILURE
+        """Write ``spans``; FAILURE when the size cap or a write error kept any out, and then
+        :attr:`last_written` says how many are in the file."""
+        self.last_written = 0
+        self.last_written = self.file.write_lines([span_line(s) for s in spans])
+        return SpanExportResult.SUCCESS if self.last_written == len(spans) else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
         self.file.close()
