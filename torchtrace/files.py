@@ -153,6 +153,10 @@ def open_private(path: str | os.PathLike[str], append: bool = False, exclusive: 
 
     Raises:
         OSError: ``ELOOP`` when ``path`` is a symlink; ``EEXIST`` with ``exclusive`` when it exists.
+
+    >>> import tempfile
+    >>> fd = open_private(Path(tempfile.mkdtemp()) / "spans.jsonl", append=True)
+    >>> os.close(fd)
     """
     flags = os.O_WRONLY | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC
     flags |= os.O_APPEND if append else 0
@@ -164,7 +168,12 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically: a new private temp file beside it (``O_EXCL``,
     ``O_NOFOLLOW``, 0600), fsync, then rename over ``path``. A symlink at ``path`` is
     replaced, not followed. On any error (a full disk included) ``path`` keeps its old
-    content and no temp file is left."""
+    content and no temp file is left.
+
+    >>> import tempfile
+    >>> write_bytes_atomic(Path(tempfile.mkdtemp()) / "trace.json", b"{}").read_bytes()
+    b'{}'
+    """
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
     ensure_parent_dir(target)

@@ -385,7 +385,11 @@ def shrink(value: Any, depth: int = 0) -> Any:
 
 def bounded_json(value: Any, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
     """Strict JSON of ``value`` with lists and strings shrunk (:func:`shrink`), in at most
-    ``max_bytes``; a document still too large becomes a stub that says how large it was."""
+    ``max_bytes``; a document still too large becomes a stub that says how large it was.
+
+    >>> bounded_json({"step": 3, "note": "x" * 100}, 60)
+    b'{"truncated": true, "bytes": 123, "step": 3}'
+    """
     data = files.dumps(shrink(value)).encode()
     if len(data) <= max_bytes:
         return data

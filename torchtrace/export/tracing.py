@@ -12,7 +12,6 @@ import collections
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
@@ -25,6 +24,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import format_span_id, format_trace_id
 
 from torchtrace import files
+from torchtrace.export.http_session import HttpSpanExporter, abortable_session
 from torchtrace.files import JsonLinesFile
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if isinstance(self.exporter, JsonLinesSpanExporter):
             return "file"
         module = type(self.exporter).__module__
-        if module.startswith("opentelemetry.exporter.otlp") or isinstance(self.exporter, _HttpSpanExporter):
+        if module.startswith("opentelemetry.exporter.otlp") or isinstance(self.exporter, HttpSpanExporter):
             return "otlp_grpc" if ".grpc" in module else "otlp_http"
         return type(self.exporter).__name__
 
@@ -433,104 +433,9 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=N
     if not url.endswith("/v1/traces"):
         url += "/v1/traces"
     pinned = ca_file if url.startswith("https://") and ca_file else None
-    session = _abortable_session(pinned)
-    return _HttpSpanExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None,
+    session = abortable_session(pinned)
+    return HttpSpanExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None,
                              certificate_file=pinned, session=session)
-
-
-def _http_exporter_base():
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter
-
-
-class _HttpSpanExporter(SpanExporter):
-    """The SDK's OTLP/HTTP span exporter, whose ``shutdown`` also aborts a request in flight.
-
-    The SDK's own shutdown closes the requests session, which closes idle pooled
-    connections only: a request waiting on a collector that never answers went on until
-    its timeout, and its batch was neither exported nor dropped when the report was written.
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        self._session = kwargs["session"]
-        self._inner = _http_exporter_base()(**kwargs)
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        return self._inner.export(spans)
-
-    def shutdown(self) -> None:
-        try:
-            self._inner.shutdown()  # sets the exporter's stop flag: no retry after this
-        finally:
-            self._session.abort()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
-
-def _abortable_session(ca_file: str | None = None):
-    """A requests session whose :meth:`abort` shuts every connection it opened, busy or idle,
-    and refuses new ones. With ``ca_file`` it verifies with that CA even when
-    REQUESTS_CA_BUNDLE is set (requests lets that variable override a session's ``verify``)."""
-    import weakref
-
-    import requests
-    from requests.adapters import HTTPAdapter
-    from urllib3.connection import HTTPConnection, HTTPSConnection
-    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
-
-    live: "weakref.WeakSet[Any]" = weakref.WeakSet()
-    aborted = threading.Event()
-
-    def tracked(base):
-        class Tracked(base):  # type: ignore[misc, valid-type]
-            def connect(self):
-                if aborted.is_set():
-                    raise ConnectionAbortedError("torchtrace exporter shut down")
-                live.add(self)
-                return super().connect()
-
-        return Tracked
-
-    class HttpPool(HTTPConnectionPool):
-        ConnectionCls = tracked(HTTPConnection)
-
-    class HttpsPool(HTTPSConnectionPool):
-        ConnectionCls = tracked(HTTPSConnection)
-
-    class Adapter(HTTPAdapter):
-        def init_poolmanager(self, *args, **kwargs):
-            super().init_poolmanager(*args, **kwargs)
-            self.poolmanager.pool_classes_by_scheme = {"http": HttpPool, "https": HttpsPool}
-
-    class AbortableSession(requests.Session):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mount("http://", Adapter())
-            self.mount("https://", Adapter())
-
-        def merge_environment_settings(self, url, proxies, stream, verify, cert):
-            merged = super().merge_environment_settings(url, proxies, stream, verify, cert)
-            if ca_file:
-                merged["verify"] = ca_file
-            return merged
-
-        def abort(self) -> None:
-            aborted.set()
-            for conn in list(live):
-                sock = getattr(conn, "sock", None)
-                if sock is None:
-                    continue
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    session = AbortableSession()
-    if ca_file:
-        session.verify = ca_file
-    return session
 
 
 def tracer_provider(resource: Resource) -> TracerProvider:
