@@ -187,6 +187,14 @@ def test_well_typed_argument_is_kept(setting, given, expected):
     assert getattr(Settings.resolve({setting: given}, environ={}), setting) == expected
 
 
+def test_numpy_numbers_are_typed_like_python_ones():
+    np = pytest.importorskip("numpy")
+    assert Settings.resolve({"span_queue_size": np.int64(8)}, environ={}).span_queue_size == 8
+    for setting in ("span_queue_size", "export_timeout_s"):
+        with pytest.raises(ValueError, match=setting):
+            Settings.resolve({setting: np.True_}, environ={})
+
+
 def test_bad_host_in_the_environment_is_logged_and_replaced(caplog):
     with caplog.at_level(logging.WARNING):
         s = Settings.resolve({}, environ={"TORCHTRACE_PROMETHEUS_HOST": "not a host"})

@@ -219,13 +219,18 @@ def _port(value: Any, setting: str) -> int | None:
     return number
 
 
+def _is_bool(value: Any) -> bool:
+    """A Python or numpy bool (numpy's is not a subclass of ``bool``)."""
+    return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")
+
+
 def _as_int(value: Any) -> int | None:
     """``value`` as an int when it is one (an int, a numpy integer, a string of digits), else None.
 
     A bool is not an integer here (``span_queue_size=True`` is a mistake, not 1), and neither
     is a float, even an integral one: an integer setting is a count.
     """
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if _is_bool(value):
         return None
     if isinstance(value, str):
         text = value.strip()
@@ -243,7 +248,7 @@ def _as_int(value: Any) -> int | None:
 
 def _positive_float(value: Any, setting: str) -> float:
     accepted = "accepted values: a positive finite number"
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if _is_bool(value):
         raise ValueError(f"{setting}={value!r} is not valid; {accepted}")
     try:
         number = float(value.strip() if isinstance(value, str) else value)
