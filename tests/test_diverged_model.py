@@ -125,7 +125,12 @@ def test_a_diverged_5000_tensor_model_keeps_telemetry_bounded(tmp_path, monkeypa
           f"{p * 1e3:.1f} ms with one (ratio {p / q:.3f}); slowest polled step {max(polled) * 1e3:.0f} ms; "
           f"block medians (polled, ms) {medians}")
     assert len(json.loads(steps_body)["steps"]) > 0
-    assert len(steps_body) < 2 * 10 ** 6
-    assert p <= 1.10 * q
-    assert shutdown_s < 2.0
-    assert report_bytes is not None and report_bytes < 5 * 10 ** 6
+    # Every acceptance criterion is checked, and all that fail are named together.
+    failed = [name for name, ok in [
+        (f"/debug/steps?limit=500 is {len(steps_body)} bytes, not under 2 MB", len(steps_body) < 2 * 10 ** 6),
+        (f"shutdown took {shutdown_s:.2f} s, not under 2 s", shutdown_s < 2.0),
+        (f"report.json is {report_bytes} bytes, not under 5 MB", report_bytes is not None
+         and report_bytes < 5 * 10 ** 6),
+        (f"median polled step {p * 1e3:.1f} ms is over 110 % of the quiet {q * 1e3:.1f} ms", p <= 1.10 * q),
+    ] if not ok]
+    assert not failed, failed

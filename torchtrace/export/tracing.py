@@ -135,8 +135,6 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         return None
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self._shutdown and os.getpid() != self._pid:
-            return  # a forked child's span: the parent's books are not this process's
         reason = None
         inline = False
         with self._cond:
