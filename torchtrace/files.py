@@ -260,9 +260,16 @@ def claim_file(path: str | os.PathLike[str]) -> Path:
 
 
 def release_file(path: str | os.PathLike[str]) -> None:
-    """Give up a claim made with :func:`claim_file` (a no-op for a path never claimed)."""
+    """Give up a claim made with :func:`claim_file`, named by the path asked for or the one
+    returned (a no-op for a path never claimed)."""
+    key = str(Path(path))
     with _claims_lock:
-        held = _claims.pop(str(Path(path)), None)
+        held = _claims.pop(key, None)
+        if held is None:
+            for asked, (fd, claimed) in list(_claims.items()):
+                if str(claimed) == key:
+                    held = _claims.pop(asked)
+                    break
     if held is not None:
         os.close(held[0])
 

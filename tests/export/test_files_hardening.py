@@ -202,6 +202,17 @@ def test_two_processes_with_the_same_run_id_get_their_own_file_names(tmp_path):
         assert lines == [{"tag": tag, "i": i} for i in range(200)]
 
 
+def test_a_claim_is_released_by_either_name(tmp_path):
+    first = files.claim_file(tmp_path / "report.json")
+    assert files.claim_file(tmp_path / "report.json") == first  # a second claim in one process
+    files.release_file(first)
+    script = "import sys; from torchtrace import files; print(files.claim_file(sys.argv[1]).name)"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    other = subprocess.run([sys.executable, "-c", script, str(tmp_path / "report.json")], env=env,
+                           capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    assert other == "report.json"  # released: another process gets the plain name
+
+
 def test_a_claim_is_freed_when_its_process_ends(tmp_path):
     """A job restarted with the same run id (torchrun's restarts) writes the plain names again."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
