@@ -91,3 +91,128 @@ def test_failed_configure_keeps_previous_setup(tmp_path):
     from torchtrace.api import get_runtime
 
     assert get_runtime(create=False).settings.run_id == r.run_id
+
+
+# ---------------------------------------------------------------- endpoints (issue 22, item 3)
+def _clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_")):
+            monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("env_name", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                                      "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"])
+@pytest.mark.parametrize("raw", ["http://[::1", "http://127.0.0.1:notaport", "http://127.0.0.1:99999",
+                                 "http://:4318", "http://host name:4318", "https://[1.2.3]:1"])
+def test_malformed_endpoint_in_the_environment_is_logged_and_replaced(tmp_path, monkeypatch, caplog, env_name, raw):
+    _clean_env(monkeypatch)
+    monkeypatch.setenv(env_name, raw)
+    with caplog.at_level(logging.WARNING):
+        result = tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    try:
+        assert result.enabled
+        assert result.settings.otlp_endpoint is None and result.settings.otlp_metrics_endpoint is None
+        assert env_name in caplog.text
+    finally:
+        tt.shutdown()
+    assert result.report_path.exists()
+
+
+def test_malformed_endpoint_in_the_environment_does_not_turn_auto_configuration_off(tmp_path, monkeypatch):
+    from torchtrace import current
+    from torchtrace.api import get_runtime
+
+    _clean_env(monkeypatch)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://[::1")
+    monkeypatch.setenv("TORCHTRACE_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHTRACE_PROMETHEUS_PORT", "off")
+    tt.shutdown()
+    current.set_disabled(False)
+    with tt.debug_context("train_step") as step:
+        step.record_loss(1.0)
+    rt = get_runtime(create=False)
+    assert rt is not None and rt.history.totals["steps"] == 1
+
+
+@pytest.mark.parametrize("setting", ["otlp_endpoint", "otlp_metrics_endpoint"])
+@pytest.mark.parametrize("bad", ["http://127.0.0.1:notaport", "http://[::1", "http://127.0.0.1:70000", "http://",
+                                 "http://a b:1", "http://127.0.0.1:4318\n", "ftp://127.0.0.1", 4318])
+def test_malformed_endpoint_argument_raises_naming_it_and_leaves_no_run_directory(tmp_path, monkeypatch, setting,
+                                                                                  bad):
+    _clean_env(monkeypatch)
+    runs = tmp_path / "runs"
+    with pytest.raises(ValueError) as err:
+        tt.configure(prometheus_port="off", run_dir=str(runs), register_atexit=False, **{setting: bad})
+    assert setting in str(err.value) and "http://" in str(err.value)
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize("good", ["http://127.0.0.1:4318", "https://collector.example:443/otlp", "http://[::1]:4317",
+                                  "http://localhost", "HTTP://Collector.Example:4318/"])
+def test_well_formed_endpoints_are_kept_with_the_scheme_in_lower_case(good):
+    s = Settings.resolve({"otlp_endpoint": good, "otlp_metrics_endpoint": good}, environ={})
+    expected = good.replace("HTTP://", "http://")
+    assert s.otlp_endpoint == expected and s.otlp_metrics_endpoint == expected
+
+
+def test_summary_and_report_work_with_every_accepted_endpoint(tmp_path, monkeypatch):
+    from torchtrace.api import get_runtime
+
+    _clean_env(monkeypatch)
+    result = tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True,
+                          otlp_endpoint="http://[::1]:9", export_timeout_s=0.2)
+    assert "::1" in get_runtime().summary()["telemetry"]["otlp_endpoint"]
+    tt.shutdown()
+    assert result.report_path.exists()
+
+
+# ---------------------------------------------------------------- strict types (issue 22, item 7)
+@pytest.mark.parametrize("setting, bad", [
+    ("span_queue_size", True), ("span_queue_size", False), ("span_queue_size", 2.5), ("span_queue_size", "many"),
+    ("history_size", True), ("max_file_bytes", True), ("param_check_interval", True),
+    ("update_ratio_interval", True), ("forensics_max_replays", True), ("leak_window", True),
+    ("max_consecutive_bad_steps", True), ("rank_skew_interval", True),
+    ("export_timeout_s", True), ("shutdown_timeout_s", False), ("grad_explosion_threshold", True),
+    ("metrics_export_interval_s", True), ("prometheus_port", True),
+    ("write_files", 1), ("write_files", "maybe"), ("strict", 0), ("debug_api", "sometimes"),
+    ("prometheus_host", "not a host"), ("prometheus_host", "127.0.0.1:9464"), ("prometheus_host", "http://x"),
+    ("prometheus_host", "-bad-.example"), ("prometheus_host", 127), ("prometheus_host", "a" * 300),
+])
+def test_wrongly_typed_argument_is_refused_at_configure(tmp_path, setting, bad):
+    with pytest.raises(ValueError) as err:
+        Settings.resolve({setting: bad}, environ={})
+    assert setting in str(err.value) and "accepted values" in str(err.value)
+
+
+@pytest.mark.parametrize("setting, given, expected", [
+    ("span_queue_size", 8, 8), ("span_queue_size", "16", 16), ("write_files", "off", False),
+    ("write_files", True, True), ("prometheus_host", "0.0.0.0", "0.0.0.0"), ("prometheus_host", "::1", "::1"),
+    ("prometheus_host", "localhost", "localhost"), ("prometheus_host", "node-3.cluster.local", "node-3.cluster.local"),
+    ("prometheus_host", "[::1]", "::1"), ("export_timeout_s", 2, 2.0),
+])
+def test_well_typed_argument_is_kept(setting, given, expected):
+    assert getattr(Settings.resolve({setting: given}, environ={}), setting) == expected
+
+
+def test_numpy_numbers_are_typed_like_python_ones():
+    np = pytest.importorskip("numpy")
+    assert Settings.resolve({"span_queue_size": np.int64(8)}, environ={}).span_queue_size == 8
+    for setting in ("span_queue_size", "export_timeout_s"):
+        with pytest.raises(ValueError, match=setting):
+            Settings.resolve({setting: np.True_}, environ={})
+
+
+def test_bad_host_in_the_environment_is_logged_and_replaced(caplog):
+    with caplog.at_level(logging.WARNING):
+        s = Settings.resolve({}, environ={"TORCHTRACE_PROMETHEUS_HOST": "not a host"})
+    assert s.prometheus_host == "127.0.0.1" and "TORCHTRACE_PROMETHEUS_HOST" in caplog.text
+
+
+def test_a_bad_host_argument_is_refused_before_anything_is_created(tmp_path, monkeypatch):
+    _clean_env(monkeypatch)
+    with pytest.raises(ValueError, match="prometheus_host"):
+        tt.configure(prometheus_host="not a host", prometheus_port=0, run_dir=str(tmp_path / "r"),
+                     register_atexit=False)
+    assert not (tmp_path / "r").exists()

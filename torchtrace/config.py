@@ -8,13 +8,17 @@ must not kill a three-week job at start-up, but a typo in code should be fixed a
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
+import operator
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
 
 from torchtrace.levels import DebugLevel, DebugMode
 
@@ -173,10 +177,6 @@ class Settings:
             elastic = env.get("TORCHELASTIC_RUN_ID", "")
             values["run_id"] = elastic if elastic and elastic != "none" else new_run_id()
         _check_run_id(values["run_id"], "run_id")
-        if "otlp_endpoint" in values and values["otlp_endpoint"] is not None:
-            _check_endpoint(values["otlp_endpoint"], "otlp_endpoint")
-        if values.get("otlp_metrics_endpoint") is not None:
-            _check_endpoint(values["otlp_metrics_endpoint"], "otlp_metrics_endpoint")
         values.setdefault("otlp_protocol", "http/protobuf")
         return cls(**values)
 
@@ -208,41 +208,63 @@ def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
 
 
 def _port(value: Any, setting: str) -> int | None:
+    accepted = "accepted values: an integer 0-65535 (0 = any free port) or 'off'"
     if isinstance(value, str):
         key = value.strip().lower()
         if key in ("off", "none", "disabled", "false"):
             return None
-        try:
-            value = int(key)
-        except ValueError:
-            raise ValueError(
-                f"{setting}={value!r} is not valid; accepted values: an integer 0-65535 (0 = any free port) or 'off'"
-            ) from None
-    if value is False:
+        if not key.isdigit():
+            raise ValueError(f"{setting}={value!r} is not valid; {accepted}")
+        value = int(key)
+    number = _as_int(value)
+    if number is None or not 0 <= number <= 65535:
+        raise ValueError(f"{setting}={value!r} is not valid; {accepted}")
+    return number
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python or numpy bool (numpy's is not a subclass of ``bool``)."""
+    return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int when it is one (an int, a numpy integer, a string of digits), else None.
+
+    A bool is not an integer here (``span_queue_size=True`` is a mistake, not 1), and neither
+    is a float, even an integral one: an integer setting is a count.
+    """
+    if _is_bool(value):
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ValueError(
-            f"{setting}={value!r} is not valid; accepted values: an integer 0-65535 (0 = any free port) or 'off'"
-        )
-    return value
+    if isinstance(value, str):
+        text = value.strip()
+        digits = text[1:] if text[:1] in "+-" else text
+        if not digits.isdigit() or len(digits) > 18:
+            return None
+        return int(text)
+    if isinstance(value, float):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _positive_float(value: Any, setting: str) -> float:
+    accepted = "accepted values: a positive finite number"
+    if _is_bool(value):
+        raise ValueError(f"{setting}={value!r} is not valid; {accepted}")
     try:
-        number = float(value)
+        number = float(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError):
-        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a positive finite number") from None
+        raise ValueError(f"{setting}={value!r} is not valid; {accepted}") from None
     if not (number > 0 and number != float("inf")):
-        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a positive finite number")
+        raise ValueError(f"{setting}={value!r} is not valid; {accepted}")
     return number
 
 
 def _positive_int(value: Any, setting: str) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a positive integer") from None
-    if isinstance(value, float) and value != number or number <= 0:
+    number = _as_int(value)
+    if number is None or number <= 0:
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: a positive integer")
     return number
 
@@ -254,11 +276,8 @@ def _optional_positive_int(value: Any, setting: str) -> int | None:
 
 
 def _non_negative_int(value: Any, setting: str) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= 0") from None
-    if isinstance(value, bool) or isinstance(value, float) and value != number or number < 0:
+    number = _as_int(value)
+    if number is None or number < 0:
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= 0")
     return number
 
@@ -278,10 +297,78 @@ def _check_run_id(value: str, setting: str) -> str:
     return value
 
 
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\Z")
+
+
+def valid_host(host: str) -> bool:
+    """True for an IPv4 or IPv6 address or a DNS name (labels of letters, digits, ``-``, ``_``).
+
+    >>> valid_host("127.0.0.1"), valid_host("::1"), valid_host("node-3.cluster"), valid_host("not a host")
+    (True, True, True, False)
+    """
+    if not isinstance(host, str) or not host:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host
+    if not name or len(name) > 253:
+        return False
+    return all(_HOST_LABEL.match(label) and not label.startswith("-") for label in name.split("."))
+
+
+def _host(value: Any, setting: str) -> str:
+    text = value.strip() if isinstance(value, str) else None
+    if text and text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    if text is None or not valid_host(text):
+        raise ValueError(f"{setting}={value!r} is not valid; accepted values: an IP address (127.0.0.1, ::1, "
+                         "0.0.0.0) or a host name, without a port")
+    return text
+
+
 def _check_endpoint(value: Any, setting: str) -> str:
-    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
-        raise ValueError(f"{setting}={value!r} is not valid; accepted values: a URL starting with http:// or https://")
-    return value
+    """A collector URL parsed completely now, so nothing about it can fail later: scheme
+    http or https, a valid host, a port 1-65535 if one is given, no query or fragment, no
+    whitespace. The scheme is returned in lower case."""
+    accepted = ("accepted values: a URL starting with http:// or https://, with a valid host, an optional port "
+                "1-65535 and an optional path (e.g. http://127.0.0.1:4318)")
+    shown = "<not a string>" if not isinstance(value, str) else repr(_without_credentials(value)[:200])
+    bad = ValueError(f"{setting}={shown} is not valid; {accepted}")
+    if not isinstance(value, str) or not value.isprintable() or any(c.isspace() for c in value):
+        raise bad
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+        host = parts.hostname
+    except ValueError:
+        raise bad from None
+    if parts.scheme.lower() not in ("http", "https") or not value[:len(parts.scheme) + 3].lower().endswith("://"):
+        raise bad
+    if not host or parts.query or parts.fragment or value.endswith(("?", "#")):
+        raise bad
+    hostport = parts.netloc.rpartition("@")[2]
+    if hostport.startswith("["):
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad from None
+    elif not valid_host(host):
+        raise bad
+    if port is not None and not 1 <= port <= 65535 or hostport.endswith(":"):
+        raise bad
+    return parts.scheme.lower() + value[len(parts.scheme):]
+
+
+def _without_credentials(url: str) -> str:
+    """``url`` with any ``user:password@`` part removed, for error messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    return scheme + sep + netloc.rpartition("@")[2] + slash + path
 
 
 def _path(value: Any, setting: str) -> Path:
@@ -317,7 +404,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "mode": lambda v, s: DebugMode.parse(v, s),
     "run_dir": _path,
     "write_files": _bool,
-    "prometheus_host": _nonempty_str,
+    "prometheus_host": _host,
     "prometheus_port": _port,
     "port_policy": _choice(PORT_POLICIES),
     "otlp_endpoint": _check_endpoint,
@@ -362,7 +449,7 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "level": ((ENV_LEVEL,), lambda v, s: DebugLevel.parse(v, s)),
     "mode": ((ENV_MODE,), lambda v, s: DebugMode.parse(v, s)),
     "run_dir": ((ENV_RUN_DIR,), _path),
-    "prometheus_host": ((ENV_PROMETHEUS_HOST,), _nonempty_str),
+    "prometheus_host": ((ENV_PROMETHEUS_HOST,), _host),
     "prometheus_port": ((ENV_PROMETHEUS_PORT,), _port),
     "port_policy": ((ENV_PORT_POLICY,), _choice(PORT_POLICIES)),
     "otlp_endpoint": ((ENV_OTLP_TRACES_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),

@@ -140,7 +140,7 @@ def test_read_routes(api):
     assert [s["step"] for s in get_json(port, "/debug/steps?limit=2")["steps"]] == [3, 4]
     events = get_json(port, "/debug/events?since=0")
     assert [e["data"]["step"] for e in events["events"] if e["type"] == "anomaly"] == [3]
-    assert get_json(port, f"/debug/events?since={events['last_seq']}") == {"events": [],
+    assert get_json(port, f"/debug/events?since={events['last_seq']}") == {"events": [], "more": False,
                                                                           "last_seq": events["last_seq"]}
     # localhost and [::1] Host headers are loopback too; HEAD answers without a body
     assert call(port, "GET", "/debug/summary", host=f"localhost:{port}")[0] == 200

@@ -8,8 +8,10 @@ Routes (all served by the runtime's :class:`~torchtrace.export.server.TelemetryS
 ``GET /healthz``           ``{"status": "ok"}`` while the process serves
 ``GET /debug/summary``     :meth:`Runtime.summary` plus the pending-change count
 ``GET /debug/training/summary``  steps, anomaly steps and rates by kind (:func:`history_training_summary`)
-``GET /debug/steps``       recent step summaries (``?limit=``, default 500)
-``GET /debug/events``      timeline events with ``seq > since`` (``?since=``)
+``GET /debug/steps``       recent step summaries, newest page first (``?limit=``, default 500;
+                           ``?before=`` the ``next_before`` of the previous page)
+``GET /debug/events``      timeline events with ``seq > since``, oldest first (``?since=``,
+                           ``?limit=``, default 500); ``more`` says whether another page waits
 ``POST /debug/level/{l}``  queue a debug-level change (off, basic, advanced, extreme)
 ``POST /debug/clear``      queue clearing the history
 =========================  ======================================================================
@@ -28,13 +30,21 @@ Safety rules, in the order they are checked:
 
 A change is never applied on the server thread: it is queued with :meth:`Runtime.request`
 and the training thread applies it when the next step starts.
+
+Every response is bounded in bytes, whatever the model: every list in a response keeps
+:data:`MAX_LIST_ITEMS` entries and states how many it left out (``<key>_omitted``); one step or event is at most :data:`MAX_ITEM_BYTES`; a page stops at
+:data:`MAX_RESPONSE_BYTES` (``omitted_by_size`` counts what the limit left for the next page).
+Each step and event is serialised once and the bytes reused by later polls, so a client
+polling the live page costs the training thread next to nothing.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import operator
 import secrets
+import threading
 import time
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -47,8 +57,16 @@ logger = logging.getLogger("torchtrace")
 MAX_BODY_BYTES = 4096
 """Largest request body accepted; the API's POSTs need no body at all."""
 MAX_STEPS_RETURNED = 2000
+MAX_RESPONSE_BYTES = 1024 * 1024
+"""Largest body of any debug API response."""
+MAX_ITEM_BYTES = 16 * 1024
+"""Largest serialised step summary or event; a larger one is replaced by a stub naming it."""
+MAX_LIST_ITEMS = 20
+"""Entries kept of any list in a served document (parameter names, ...); the rest are counted."""
+MAX_STRING_CHARS = 1024
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "localhost.localdomain"})
 _JSON = "application/json"
+_EVENT_DICT = operator.methodcaller("as_dict")
 _TEXT = "text/plain; charset=utf-8"
 
 
@@ -132,6 +150,7 @@ class DebugAPI:
         self.token_from_settings = token is not None
         self.training_summary: Callable[[Any], dict[str, Any]] = history_training_summary
         self.refused = 0
+        self._cache = _ItemCache()
 
     # ------------------------------------------------------------ set-up
     def install(self) -> "DebugAPI":
@@ -213,7 +232,7 @@ class DebugAPI:
 
     # ------------------------------------------------------------ GET handlers
     def _json(self, value: Any, status: int = 200):
-        return status, _JSON, files.dumps(value).encode(), {}
+        return status, _JSON, bounded_json(value), {}
 
     def _healthz(self, request):
         return self._json({"status": "ok", "run_id": self.runtime.settings.run_id})
@@ -232,17 +251,61 @@ class DebugAPI:
         limit = _int_arg(query, "limit", 500)
         if limit is None or not 1 <= limit <= MAX_STEPS_RETURNED:
             return self._refuse(400, f"limit must be an integer 1-{MAX_STEPS_RETURNED}")
-        steps = self.runtime.history.steps()[-limit:]
-        return self._json({"steps": steps})
+        before = _int_arg(query, "before", 0)
+        if before is None or before < 0:
+            return self._refuse(400, "before must be a non-negative integer (0: the newest steps)")
+        steps, first = self._numbered_steps()
+        # Step i of the list is the (first + i)-th step recorded since the history began.
+        end = len(steps) if not before else max(0, min(len(steps), before - first))
+        items: list[bytes] = []
+        size = 0
+        i = end - 1
+        while i >= 0 and len(items) < limit:
+            item = self._cache.item(("step", first + i), steps[i])
+            if size + len(item) + 2 > MAX_RESPONSE_BYTES - 256:
+                break
+            items.append(item)
+            size += len(item) + 2
+            i -= 1
+        start = i + 1
+        omitted = min(limit, end) - len(items)
+        tail = {"next_before": first + start if start > 0 else None, "total": first + len(steps) - 1,
+                "omitted_by_size": omitted}
+        self._cache.prune("step", first)
+        return 200, _JSON, _page_json("steps", reversed(items), tail), {}
+
+    def _numbered_steps(self) -> tuple[list[dict[str, Any]], int]:
+        """The retained steps and the number of the first (1 = the first step ever recorded)."""
+        h = self.runtime.history
+        for _ in range(5):
+            total = h.totals.get("steps", 0)
+            steps = h.steps()
+            if h.totals.get("steps", 0) == total:
+                break
+        return steps, total - len(steps) + 1
 
     def _events(self, request):
         query = parse_qs(urlsplit(request.path).query)
         since = _int_arg(query, "since", 0)
         if since is None or since < 0:
             return self._refuse(400, "since must be a non-negative integer")
-        events = [e.as_dict() for e in self.runtime.history.events(since)]
-        last = events[-1]["seq"] if events else since
-        return self._json({"events": events, "last_seq": last})
+        limit = _int_arg(query, "limit", 500)
+        if limit is None or not 1 <= limit <= MAX_STEPS_RETURNED:
+            return self._refuse(400, f"limit must be an integer 1-{MAX_STEPS_RETURNED}")
+        events = self.runtime.history.events(since)
+        items: list[bytes] = []
+        size = 0
+        last = since
+        for event in events[:limit]:
+            item = self._cache.item(("event", event.seq), event, _EVENT_DICT)
+            if size + len(item) + 2 > MAX_RESPONSE_BYTES - 256:
+                break
+            items.append(item)
+            size += len(item) + 2
+            last = event.seq
+        if events:
+            self._cache.prune("event", events[0].seq)
+        return 200, _JSON, _page_json("events", items, {"last_seq": last, "more": len(items) < len(events)}), {}
 
     def _page(self, request):
         from torchtrace.reporting.page import live_page
@@ -271,6 +334,77 @@ class DebugAPI:
 
         rt.request(clear)
         return self._json({"accepted": True, "applies": "at the next step"}, 202)
+
+
+class _ItemCache:
+    """Serialised steps and events by number: each is shrunk and encoded once, then its bytes
+    are reused by every later poll. Entries older than the history's window are pruned."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[tuple[str, int], tuple[Any, bytes]] = {}
+
+    def item(self, key: tuple[str, int], obj: Any, convert: Callable[[Any], Any] | None = None) -> bytes:
+        hit = self._items.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        data = bounded_json(convert(obj) if convert else obj, MAX_ITEM_BYTES)
+        with self._lock:
+            self._items[key] = (obj, data)
+        return data
+
+    def prune(self, kind: str, first: int) -> None:
+        with self._lock:
+            for key in [k for k in self._items if k[0] == kind and k[1] < first]:
+                del self._items[key]
+
+
+def shrink(value: Any, depth: int = 0) -> Any:
+    """``value`` with every list cut to :data:`MAX_LIST_ITEMS` entries (a ``<key>_omitted``
+    count beside it in a dict) and every string to :data:`MAX_STRING_CHARS` characters.
+
+    >>> shrink({"names": [str(i) for i in range(25)]})["names_omitted"]
+    5
+    """
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            key = str(key)[:MAX_STRING_CHARS]
+            if isinstance(item, (list, tuple)) and len(item) > MAX_LIST_ITEMS and depth < 8:
+                out[key] = [shrink(v, depth + 1) for v in item[:MAX_LIST_ITEMS]]
+                out[key + "_omitted"] = len(item) - MAX_LIST_ITEMS
+            else:
+                out[key] = shrink(item, depth + 1) if depth < 8 else None
+        return out
+    if isinstance(value, (list, tuple)):
+        return [shrink(v, depth + 1) for v in value[:MAX_LIST_ITEMS]] if depth < 8 else None
+    if isinstance(value, str) and len(value) > MAX_STRING_CHARS:
+        return value[:MAX_STRING_CHARS]
+    return value
+
+
+def bounded_json(value: Any, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
+    """Strict JSON of ``value`` with lists and strings shrunk (:func:`shrink`), in at most
+    ``max_bytes``; a document still too large becomes a stub that says how large it was.
+
+    >>> bounded_json({"step": 3, "note": "x" * 100}, 60)
+    b'{"truncated": true, "bytes": 123, "step": 3}'
+    """
+    data = files.dumps(shrink(value)).encode()
+    if len(data) <= max_bytes:
+        return data
+    stub: dict[str, Any] = {"truncated": True, "bytes": len(data)}
+    if isinstance(value, dict):
+        stub.update({k: value[k] for k in ("seq", "step", "operation", "type") if isinstance(value.get(k), (int, str))})
+    for doc in (stub, {"truncated": True}, {}):
+        out = files.dumps(shrink(doc)).encode()
+        if len(out) <= max_bytes:
+            return out
+    return b"{}"
+
+
+def _page_json(key: str, items, tail: dict[str, Any]) -> bytes:
+    return b'{"' + key.encode() + b'": [' + b", ".join(items) + b"], " + files.dumps(tail).encode()[1:]
 
 
 def _int_arg(query: dict[str, list[str]], name: str, default: int) -> int | None:

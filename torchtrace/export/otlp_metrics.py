@@ -23,6 +23,7 @@ import ssl
 import threading
 import time
 import urllib.request
+from urllib.parse import urlsplit
 import weakref
 from typing import Any, Mapping
 
@@ -132,7 +133,7 @@ class _GrpcSender:
         import grpc
         from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
 
-        target = endpoint.split("://", 1)[1].rstrip("/")
+        target = urlsplit(endpoint).netloc.rpartition("@")[2]  # gRPC takes host:port; a path means nothing
         if endpoint.startswith("https://"):
             root = open(ca_file, "rb").read() if ca_file else None
             self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root))

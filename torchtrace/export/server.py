@@ -1,7 +1,10 @@
 """The HTTP server beside the training job: ``/metrics`` and any routes added to it.
 
 It binds 127.0.0.1 unless told otherwise, warns on a wildcard bind, handles a port in use
-by policy, and runs in daemon threads that never touch training state.
+by policy, and runs in daemon threads that never touch training state. Any local client can
+connect without a token, so what one can make the process hold is bounded: request heads
+(:data:`MAX_HEAD_BYTES`, :data:`MAX_HEADER_LINES`), connections (:data:`MAX_CONNECTIONS`),
+and time (:data:`IDLE_TIMEOUT_S`, :data:`HEAD_DEADLINE_S`), besides the accept pace.
 """
 
 from __future__ import annotations
@@ -35,6 +38,57 @@ class Route:
     handler: Handler
 
 
+MAX_HEAD_BYTES = 16 * 1024
+"""Largest request head (request line and headers) read from a client; more: 431 and close."""
+MAX_HEADER_LINES = 64
+"""Most header lines in one request; more: 431 and close."""
+MAX_CONNECTIONS = 32
+"""Connections served at once. A new one beyond this replaces the connection that has waited
+longest for its request head (a slow or idle client); when every connection is busy with a
+request, the new one gets 503 and is closed without a thread."""
+IDLE_TIMEOUT_S = 5.0
+"""A connection that sends nothing for this long is closed (between requests, or mid-head)."""
+HEAD_DEADLINE_S = 10.0
+"""A request head not complete after this long is cut, however slowly it trickles in."""
+_EVICT_AFTER_S = 0.5  # a connection younger than this is never replaced by a newcomer
+
+
+class _HeadTooLarge(Exception):
+    """The request head went over a byte, line or time limit."""
+
+
+class _LimitedReader:
+    """The connection's buffered reader, with the request head's budget on ``readline``.
+
+    ``http.server`` reads the request line and each header with ``readline`` (up to 64 KB a
+    line and 100 lines: 6.4 MB a request, held at once by the header parser). Here the whole
+    head may use :data:`MAX_HEAD_BYTES` and :data:`MAX_HEADER_LINES`; bodies are read with
+    ``read`` by the routes, which bound them themselves.
+    """
+
+    def __init__(self, raw) -> None:
+        self._raw = raw
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes_left = MAX_HEAD_BYTES
+        self.lines_left = MAX_HEADER_LINES + 2  # the request line and the blank line that ends the head
+
+    def readline(self, size: int = -1) -> bytes:
+        if self.lines_left <= 0:
+            raise _HeadTooLarge("too many header lines")
+        limit = self.bytes_left + 1 if size is None or size < 0 else min(size, self.bytes_left + 1)
+        line = self._raw.readline(limit)
+        self.lines_left -= 1
+        self.bytes_left -= len(line)
+        if self.bytes_left < 0:
+            raise _HeadTooLarge("request head too large")
+        return line
+
+    def __getattr__(self, name: str):
+        return getattr(self._raw, name)
+
+
 class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     # On POSIX, SO_REUSEADDR lets a restarted server bind over connections still in
@@ -48,7 +102,19 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     # every step. Past the pace, connections wait in the kernel's backlog. A scraper or a
     # person uses a handful a minute.
     max_accept_rate = 100.0
+    max_connections = MAX_CONNECTIONS
     _next_accept = 0.0
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._conn_lock = threading.Lock()
+        # Open connections: socket -> [phase, since]; phase "head" (waiting for a request
+        # head) or "busy" (serving one). Stopping the server also ends keep-alive connections:
+        # a scraper must not go on reading a stopped run's registry through one.
+        self._conns: dict[socket.socket, list] = {}
+        self.refused = 0
+        self.evicted = 0
+        self.reaped = 0
 
     def get_request(self):
         now = time.monotonic()
@@ -62,40 +128,115 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         # A client that hangs up or sends garbage is not worth a traceback on stderr.
         logger.debug("telemetry server: error serving a request", exc_info=True)
 
-    # Open connections are tracked so that stopping the server also ends keep-alive
-    # connections: a scraper must not go on reading a stopped run's registry through one.
     def process_request(self, request, client_address) -> None:
-        with _conn_lock:
-            self.__dict__.setdefault("_conns", set()).add(request)
+        now = time.monotonic()
+        victim = None
+        with self._conn_lock:
+            if len(self._conns) >= self.max_connections:
+                waiting = [(state[1], sock) for sock, state in self._conns.items()
+                           if state[0] == "head" and now - state[1] >= _EVICT_AFTER_S]
+                if not waiting:
+                    self.refused += 1
+                    full = True
+                else:
+                    full = False
+                    victim = min(waiting, key=lambda item: item[0])[1]
+                    del self._conns[victim]
+                    self.evicted += 1
+            else:
+                full = False
+            if not full:
+                self._conns[request] = ["head", now]
+        if victim is not None:
+            _hang_up(victim)
+        if full:
+            _send_and_close(request, b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                     b"Connection: close\r\nRetry-After: 1\r\n\r\n")
+            return
         super().process_request(request, client_address)
 
+    def set_phase(self, request, phase: str) -> None:
+        with self._conn_lock:
+            state = self._conns.get(request)
+            if state is not None:
+                state[0], state[1] = phase, time.monotonic()
+
+    def service_actions(self) -> None:
+        """Called by ``serve_forever`` between polls: cut request heads past their deadline."""
+        now = time.monotonic()
+        with self._conn_lock:
+            late = [sock for sock, (phase, since) in self._conns.items()
+                    if phase == "head" and now - since > HEAD_DEADLINE_S]
+        for sock in late:
+            self.reaped += 1
+            _hang_up(sock)
+
     def shutdown_request(self, request) -> None:
-        with _conn_lock:
-            self.__dict__.setdefault("_conns", set()).discard(request)
+        with self._conn_lock:
+            self._conns.pop(request, None)
         super().shutdown_request(request)
 
+    def open_connections(self) -> int:
+        with self._conn_lock:
+            return len(self._conns)
+
     def close_connections(self) -> None:
-        with _conn_lock:
-            conns = list(self.__dict__.get("_conns", ()))
+        with self._conn_lock:
+            conns = list(self._conns)
         for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _hang_up(conn)
 
 
-_conn_lock = threading.Lock()
+def _hang_up(sock: socket.socket) -> None:
+    """End a connection from any thread: its handler's next read sees end of file."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _send_and_close(sock: socket.socket, data: bytes) -> None:
+    """Answer without a thread: one non-blocking send (a short answer fits the socket
+    buffer; a client that does not read loses it), then close."""
+    try:
+        sock.setblocking(False)
+        sock.send(data)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 def _make_handler(server: "TelemetryServer"):
     class RequestHandler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
-        timeout = 10  # a slow client holds only its own thread, and only this long
+        timeout = IDLE_TIMEOUT_S  # a silent client holds only its own thread, and only this long
+
+        def setup(self) -> None:
+            super().setup()
+            self.rfile = _LimitedReader(self.rfile)
+
+        def handle_one_request(self) -> None:
+            self.rfile.reset()
+            self.server.set_phase(self.connection, "head")
+            try:
+                super().handle_one_request()
+            except _HeadTooLarge as exc:
+                self.close_connection = True
+                logger.debug("telemetry server: %s; connection closed", exc)
+                try:
+                    self.wfile.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
+                                     b"Connection: close\r\n\r\n")
+                except OSError:
+                    pass
 
         def log_message(self, fmt, *args):  # quiet: no per-request logging
             return
 
         def _dispatch(self, method: str) -> None:
+            self.server.set_phase(self.connection, "busy")
             try:
                 status, ctype, body, headers = server.handle(method, self)
             except Exception:

@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import format_span_id, format_trace_id
 
 from torchtrace import files
+from torchtrace.export.http_session import HttpSpanExporter, abortable_session
 from torchtrace.files import JsonLinesFile
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,15 @@ DropCallback = Callable[[str, int], None]
 
 
 class BoundedBatchSpanProcessor(SpanProcessor):
-    """Batches finished spans to one exporter from a background thread.
+    """Batches finished spans to one exporter from a background thread, and accounts for each.
+
+    Every span handed to :meth:`on_end` is, at any moment, in exactly one of: exported
+    (the exporter acknowledged it), dropped (by reason), queued, or in flight (inside an
+    export call): ``emitted == exported + sum(dropped.values()) + queued + in_flight``.
+    :meth:`accounting` returns the five numbers as one consistent snapshot. After
+    :meth:`shutdown` nothing is queued or in flight: a call still unanswered at the deadline
+    is cancelled (or abandoned) and its spans are counted dropped, and a late answer changes
+    nothing.
 
     Args:
         exporter: where batches go.
@@ -41,6 +50,11 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             shutdown).
         schedule_delay_s: the longest a span waits before its batch is sent.
         max_batch: spans per export call.
+
+    >>> from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    >>> proc = BoundedBatchSpanProcessor(InMemorySpanExporter())
+    >>> proc.accounting()["emitted"], proc.accounting()["queued"]
+    (0, 0)
     """
 
     def __init__(self, exporter: SpanExporter, max_queue: int = 4096, on_drop: DropCallback | None = None,
@@ -51,8 +65,10 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.schedule_delay_s = schedule_delay_s
         self._on_drop = on_drop or (lambda reason, n: None)
         self.on_error: Callable[[BaseException], None] | None = None
+        self.emitted = 0
         self.exported = 0
         self.dropped: collections.Counter[str] = collections.Counter()
+        self.answered_after_abandon = 0  # spans of abandoned calls that the exporter later acknowledged
         self._init_state()
         self._pid = os.getpid()
         ref = weakref.ref(self)
@@ -65,6 +81,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._shutdown = False
         self._flush_requests = 0
         self._in_flight = 0
+        self._abandoned = False  # the in-flight call was given up at shutdown and counted dropped
         self._exiting = False
         self._failing = False  # the last export failed: a flush at shutdown would only wait
         self._export_started: float | None = None
@@ -76,10 +93,38 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._shutdown = True
         self._pid = os.getpid()
 
-    def _drop(self, reason: str, count: int) -> None:
+    @property
+    def exporter_kind(self) -> str:
+        """``file``, ``otlp_grpc``, ``otlp_http`` or the exporter's class name."""
+        if isinstance(self.exporter, JsonLinesSpanExporter):
+            return "file"
+        module = type(self.exporter).__module__
+        if module.startswith("opentelemetry.exporter.otlp") or isinstance(self.exporter, HttpSpanExporter):
+            return "otlp_grpc" if ".grpc" in module else "otlp_http"
+        return type(self.exporter).__name__
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def accounting(self) -> dict[str, Any]:
+        """One consistent snapshot: emitted, exported, dropped by reason, queued, in flight.
+
+        ``emitted == exported + sum(dropped.values()) + queued + in_flight`` always holds.
+        """
+        with self._cond:
+            return {"exporter": self.exporter_kind, "emitted": self.emitted, "exported": self.exported,
+                    "dropped": {k: v for k, v in self.dropped.items() if v}, "queued": len(self._queue),
+                    "in_flight": self._in_flight}
+
+    def _notify_drop(self, reason: str, count: int) -> None:
+        """Tell the drop callback (the metric); called without the lock held."""
         if count <= 0:
             return
-        self.dropped[reason] += count
         try:
             self._on_drop(reason, count)
         except Exception:  # the drop counter must never raise into on_end
@@ -90,29 +135,32 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         return None
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self._shutdown:
-            if os.getpid() == self._pid:
-                self._drop("shutdown", 1)
-            return
+        reason = None
+        inline = False
         with self._cond:
-            if len(self._queue) >= self.max_queue:
-                full = True
+            self.emitted += 1
+            if self._shutdown:
+                reason = "shutdown"
+            elif self._worker is None and self._exiting:  # at interpreter exit no thread is started
+                if isinstance(self.exporter, JsonLinesSpanExporter):
+                    inline = True
+                    self._in_flight += 1
+                else:
+                    reason = "shutdown"
+            elif len(self._queue) >= self.max_queue:
+                reason = "queue_full"
             else:
-                full = False
                 self._queue.append(span)
                 if self._worker is None:
-                    if self._exiting:  # at interpreter exit no thread is started
-                        self._queue.pop()
-                        full = True
-                    else:
-                        self._start_worker()
+                    self._start_worker()
                 if len(self._queue) >= self.max_batch:
                     self._cond.notify()
-        if full:
-            if self._exiting and self._worker is None:
-                self._export_inline_or_drop([span])
-            else:
-                self._drop("queue_full", 1)
+            if reason is not None:
+                self.dropped[reason] += 1
+        if reason is not None:
+            self._notify_drop(reason, 1)
+        elif inline:
+            self._export([span])
 
     def _start_worker(self) -> None:
         self._worker = threading.Thread(target=self._run, name="torchtrace-span-export", daemon=True)
@@ -126,37 +174,46 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 if self._shutdown and not self._queue:
                     return
                 batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
-                self._in_flight = len(batch)
+                self._in_flight += len(batch)
                 if not self._queue:
                     self._flush_requests = 0
                     self._cond.notify_all()
             if batch:
                 self._export(batch)
-            with self._cond:
-                self._in_flight = 0
-                self._cond.notify_all()
 
     def _export(self, batch: list[ReadableSpan]) -> None:
+        """Export one batch (already counted in flight) and move it to exported or dropped."""
         self._export_started = time.monotonic()
         try:
-            result = self.exporter.export(batch)
+            if self.exporter.export(batch) == SpanExportResult.SUCCESS:
+                written = len(batch)
+            else:  # a file exporter says how many of a failed batch did reach the file
+                written = min(len(batch), max(0, int(getattr(self.exporter, "last_written", 0))))
         except Exception as exc:  # an exporter bug must not kill the worker
             (logger.debug if self.on_error else logger.warning)(
                 "span exporter %s raised %s; %d span(s) lost", type(self.exporter).__name__,
-                           type(exc).__name__, len(batch))
-            result = SpanExportResult.FAILURE
+                type(exc).__name__, len(batch))
+            written = 0
             if self.on_error is not None:
                 try:
                     self.on_error(exc)
                 except Exception:
                     pass
         self._export_started = None
-        if result == SpanExportResult.SUCCESS:
-            self.exported += len(batch)
-            self._failing = False
-        else:
-            self._failing = True
-            self._drop("export_failed", len(batch))
+        lost = len(batch) - written
+        with self._cond:
+            if self._abandoned:
+                # Counted dropped (shutdown) when it was given up; a late answer changes nothing.
+                self._abandoned = False
+                self.answered_after_abandon += written
+                lost = 0
+            else:
+                self._in_flight -= len(batch)
+                self.exported += written
+                self.dropped["export_failed"] += lost
+                self._failing = lost > 0
+            self._cond.notify_all()
+        self._notify_drop("export_failed", lost)
 
     def collector_unhealthy(self, stuck_after_s: float = 0.5) -> bool:
         """The last export failed, or the current one has hung for ``stuck_after_s``."""
@@ -167,12 +224,6 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         """Interpreter exit: from now on no thread is started; a processor without a worker
         writes local (file) exports inline and drops network ones as ``shutdown``."""
         self._exiting = True
-
-    def _export_inline_or_drop(self, batch: list[ReadableSpan]) -> None:
-        if isinstance(self.exporter, JsonLinesSpanExporter):
-            self._export(batch)
-        else:
-            self._drop("shutdown", len(batch))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000.0
@@ -189,43 +240,65 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         return True
 
     def shutdown(self, timeout_s: float = 3.0) -> None:  # type: ignore[override]
-        """Flush what fits in ``timeout_s``, count the rest as dropped, stop the exporter."""
+        """Flush what fits in ``timeout_s``, count the rest as dropped, stop the exporter.
+
+        On return nothing is queued or in flight: a call the exporter's shutdown did not end
+        in time is abandoned (its daemon thread may linger) and its spans counted ``shutdown``.
+        """
         if self._shutdown:
             return
         deadline = time.monotonic() + timeout_s
-        if self.collector_unhealthy():
-            flush_s = min(0.05, timeout_s * 0.7)  # waiting on a dead collector only delays exit
-        else:
-            flush_s = timeout_s * 0.7
-        flush_deadline = time.monotonic() + max(0.0, flush_s)
-        while True:
-            # Flush in short slices; give up early once the collector looks dead or stuck.
-            left = flush_deadline - time.monotonic()
-            if self.force_flush(int(max(0.0, min(0.05, left)) * 1000)) or left <= 0:
-                break
-            if self.collector_unhealthy(stuck_after_s=0.3):
-                break
+        self._flush_until(deadline, timeout_s)
         with self._cond:
             self._shutdown = True
             left = len(self._queue)
             self._queue.clear()
+            self.dropped["shutdown"] += left
             self._cond.notify_all()
-        self._drop("shutdown", left)
+        self._notify_drop("shutdown", left)
         worker = self._worker
         if worker is not None:
-            # A worker stuck in a network call is abandoned (it is a daemon thread).
-            join_s = deadline - time.monotonic()
-            if self.collector_unhealthy():
+            # An idle worker exits at once; a healthy call in flight may finish, keeping time
+            # to cancel it if it does not; a stuck one is cancelled now.
+            reserve = min(0.25, timeout_s * 0.25)
+            join_s = deadline - time.monotonic() - reserve
+            if self.collector_unhealthy(stuck_after_s=0.3):
                 join_s = min(join_s, 0.05)
             worker.join(max(0.0, join_s))
         if self._exiting:
             # No new thread at exit: stop the exporter inline. The SDK's exporters only set a
             # flag and close their channel or session here, which also cancels a stuck call.
             self._stop_exporter()
-            return
-        stopper = threading.Thread(target=self._stop_exporter, name="torchtrace-exporter-stop", daemon=True)
-        stopper.start()
-        stopper.join(max(0.05, deadline - time.monotonic()))
+        else:
+            stopper = threading.Thread(target=self._stop_exporter, name="torchtrace-exporter-stop", daemon=True)
+            stopper.start()
+            stopper.join(max(0.05, deadline - time.monotonic()))
+        if worker is not None and worker.is_alive():
+            # A cancelled call returns within milliseconds: let it be counted as what it was.
+            worker.join(max(0.0, deadline - time.monotonic()))
+        self._abandon_in_flight()
+
+    def _flush_until(self, deadline: float, timeout_s: float) -> None:
+        """Flush in short slices; give up early once the collector looks dead or stuck."""
+        flush_s = min(0.05, timeout_s * 0.7) if self.collector_unhealthy() else timeout_s * 0.7
+        flush_deadline = min(deadline, time.monotonic() + max(0.0, flush_s))
+        while True:
+            left = flush_deadline - time.monotonic()
+            if self.force_flush(int(max(0.0, min(0.05, left)) * 1000)) or left <= 0:
+                return
+            if self.collector_unhealthy(stuck_after_s=0.3):
+                return
+
+    def _abandon_in_flight(self) -> None:
+        with self._cond:
+            n = self._in_flight
+            if n:
+                self._in_flight = 0
+                self._abandoned = True
+                self.dropped["shutdown"] += n
+        if n:
+            logger.debug("span export still in flight at the shutdown deadline: %d span(s) counted dropped", n)
+            self._notify_drop("shutdown", n)
 
     def _stop_exporter(self) -> None:
         try:
@@ -306,14 +379,23 @@ def span_line(span: ReadableSpan) -> bytes:
 
 
 class JsonLinesSpanExporter(SpanExporter):
-    """Appends finished spans to a JSON-lines file (the embedded default)."""
+    """Appends finished spans to a JSON-lines file (the embedded default).
+
+    Only whole lines reach the file (see :class:`~torchtrace.files.JsonLinesFile`), and
+    :attr:`last_written` says how many of a failed batch did, so the processor counts
+    exactly the spans that are not in the file as lost.
+    """
 
     def __init__(self, path: Path, max_bytes: int) -> None:
         self.file = JsonLinesFile(path, max_bytes)
+        self.last_written = 0  # spans of the last batch that are in the file
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        written = self.file.write_lines([span_line(s) for s in spans])
-        return SpanExportResult.SUCCESS if written == len(spans) else SpanExportResult.FAILURE
+        """Write ``spans``; FAILURE when the size cap or a write error kept any out, and then
+        :attr:`last_written` says how many are in the file."""
+        self.last_written = 0
+        self.last_written = self.file.write_lines([span_line(s) for s in spans])
+        return SpanExportResult.SUCCESS if self.last_written == len(spans) else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
         self.file.close()
@@ -326,10 +408,12 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=N
                        ca_file: str | None = None) -> SpanExporter:
     """The SDK's OTLP exporter for ``protocol`` ("grpc" or "http/protobuf").
 
-    ``endpoint`` is the base endpoint, as in ``OTEL_EXPORTER_OTLP_ENDPOINT``; for HTTP,
-    ``/v1/traces`` is appended unless the path already ends with it. TLS follows the scheme:
-    https uses TLS (``ca_file``, or ``OTEL_EXPORTER_OTLP_CERTIFICATE``, names a CA file),
-    http does not.
+    ``endpoint`` is the base endpoint, as in ``OTEL_EXPORTER_OTLP_ENDPOINT`` (already parsed
+    by the settings); for HTTP, ``/v1/traces`` is appended unless the path already ends with
+    it. TLS follows the scheme: https uses TLS (``ca_file``, or
+    ``OTEL_EXPORTER_OTLP_CERTIFICATE``, names a CA file), http does not. Both exporters'
+    ``shutdown()`` ends a call in flight at once: the gRPC one by closing its channel, the
+    HTTP one by closing the connections its session holds, idle or busy.
     """
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
@@ -343,32 +427,13 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=N
                 credentials = grpc.ssl_channel_credentials(root_certificates=fh.read())
         return GrpcExporter(endpoint=endpoint, insecure=insecure, credentials=credentials, timeout=timeout_s,
                             headers=dict(headers) if headers else None)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
     url = endpoint.rstrip("/")
     if not url.endswith("/v1/traces"):
         url += "/v1/traces"
-    session = None
-    if url.startswith("https://") and ca_file:
-        session = _pinned_ca_session(ca_file)
-    return HttpExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None,
-                        certificate_file=ca_file if session is not None else None, session=session)
-
-
-def _pinned_ca_session(ca_file: str):
-    """A requests session that verifies with ``ca_file`` even when REQUESTS_CA_BUNDLE is set
-    (requests lets that variable override a session's own ``verify``)."""
-    import requests
-
-    class PinnedSession(requests.Session):
-        def merge_environment_settings(self, url, proxies, stream, verify, cert):
-            merged = super().merge_environment_settings(url, proxies, stream, verify, cert)
-            merged["verify"] = ca_file
-            return merged
-
-    session = PinnedSession()
-    session.verify = ca_file
-    return session
+    pinned = ca_file if url.startswith("https://") and ca_file else None
+    session = abortable_session(pinned)
+    return HttpSpanExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None,
+                             certificate_file=pinned, session=session)
 
 
 def tracer_provider(resource: Resource) -> TracerProvider:

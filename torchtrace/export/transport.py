@@ -29,10 +29,14 @@ def warn_if_plaintext(endpoint: str, setting: str) -> bool:
     Returns True when a warning was given. Only scheme, host and port are logged: never a
     path, query or credentials.
     """
-    parts = urlsplit(endpoint)
+    try:  # configure has parsed the endpoint already; this never raises whatever it is given
+        parts = urlsplit(endpoint)
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        logger.debug("torchtrace %s is not a URL; no transport check", setting)
+        return False
     if parts.scheme != "http" or is_loopback_host(parts.hostname):
         return False
-    port = f":{parts.port}" if parts.port else ""
     logger.warning("torchtrace %s is plaintext http to %s%s: telemetry and headers travel unencrypted; "
                    "use https:// (with otlp_certificate for a private CA)", setting, parts.hostname, port)
     return True

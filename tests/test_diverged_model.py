@@ -1,0 +1,136 @@
+"""Acceptance: a diverged large model does not swamp torchtrace's own telemetry.
+
+5,000 parameter tensors whose gradients are all NaN, 200 steps at BASIC: the report stays
+under 5 MB, ``/debug/steps?limit=500`` under 2 MB, shutdown under 2 s, and a client polling
+the live page's endpoints leaves the median step within 10 % of the median without it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace.api import get_runtime
+from torchtrace.reporting.page import POLL_MS
+
+TENSORS = 5000
+STEPS = 200
+BLOCKS = 10  # alternating blocks without and with the poller
+POLLER = r"""
+import http.client, json, sys, time
+port, interval = int(sys.argv[1]), float(sys.argv[2])
+conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+since, polls = 0, 0
+print("ready", flush=True)
+while True:
+    for path in ("/debug/summary", "/debug/training/summary", "/debug/steps?limit=500",
+                 f"/debug/events?since={since}"):
+        conn.request("GET", path, headers={"Host": f"127.0.0.1:{port}"})
+        body = conn.getresponse().read()
+        if path.startswith("/debug/events"):
+            since = json.loads(body)["last_seq"]
+    polls += 1
+    time.sleep(interval)
+"""
+
+
+class ManyTensors(torch.nn.Module):
+    """5,000 small parameter tensors; the loss is NaN, so every gradient is all NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(4)) for _ in range(TENSORS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p for p in self.blocks]) * x
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _step(model, opt, x) -> float:
+    t0 = time.perf_counter()
+    with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+        loss = (model(x) * float("nan")).sum()
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        step.record_loss(loss)
+        opt.step()
+    return time.perf_counter() - t0
+
+
+@pytest.mark.slow
+def test_a_diverged_5000_tensor_model_keeps_telemetry_bounded(tmp_path, monkeypatch, one_thread):
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_")):
+            monkeypatch.delenv(name)
+    result = tt.configure(level="basic", prometheus_port=0, run_dir=str(tmp_path), register_atexit=False)
+    rt = get_runtime()
+    port = rt.server.port
+    torch.manual_seed(0)
+    model = ManyTensors()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.ones(TENSORS * 4)
+    quiet: list[float] = []
+    polled: list[float] = []
+    per_block = STEPS // BLOCKS
+    medians: list[tuple[bool, float]] = []
+    for block in range(BLOCKS):
+        poller = None
+        if block % 2:
+            # the live page's four requests at the live page's pace
+            poller = subprocess.Popen([sys.executable, "-c", POLLER, str(port), str(POLL_MS / 1000)],
+                                      stdout=subprocess.PIPE, text=True)
+            assert poller.stdout.readline().strip() == "ready"
+            time.sleep(0.3)
+        try:
+            times = [_step(model, opt, x) for _ in range(per_block)]
+        finally:
+            if poller is not None:
+                assert poller.poll() is None, "the poller died"
+                poller.kill()
+                poller.wait(5)
+        # the first block warms up; every later one is measured
+        if block:
+            (polled if poller is not None else quiet).extend(times)
+            medians.append((poller is not None, round(statistics.median(times) * 1e3, 1)))
+    assert rt.history.totals["steps"] == STEPS
+    assert rt.history.last_record.grad_nonfinite_params and len(rt.history.last_record.grad_names) == TENSORS
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/debug/steps?limit=500", headers={"Host": f"127.0.0.1:{port}"})
+    steps_body = conn.getresponse().read()
+    conn.close()
+    t0 = time.monotonic()
+    tt.shutdown()
+    shutdown_s = time.monotonic() - t0
+    report_bytes = result.report_path.stat().st_size if result.report_path.exists() else None
+    q, p = statistics.median(quiet), statistics.median(polled)
+    print(f"\ndiverged {TENSORS}-tensor model, {STEPS} steps: report {report_bytes} bytes; /debug/steps?limit=500 "
+          f"{len(steps_body)} bytes; shutdown {shutdown_s:.2f} s; median step {q * 1e3:.1f} ms without a poller, "
+          f"{p * 1e3:.1f} ms with one (ratio {p / q:.3f}); slowest polled step {max(polled) * 1e3:.0f} ms; "
+          f"block medians (polled, ms) {medians}")
+    assert len(json.loads(steps_body)["steps"]) > 0
+    # Every acceptance criterion is checked, and all that fail are named together.
+    failed = [name for name, ok in [
+        (f"/debug/steps?limit=500 is {len(steps_body)} bytes, not under 2 MB", len(steps_body) < 2 * 10 ** 6),
+        (f"shutdown took {shutdown_s:.2f} s, not under 2 s", shutdown_s < 2.0),
+        (f"report.json is {report_bytes} bytes, not under 5 MB", report_bytes is not None
+         and report_bytes < 5 * 10 ** 6),
+        (f"median polled step {p * 1e3:.1f} ms is over 110 % of the quiet {q * 1e3:.1f} ms", p <= 1.10 * q),
+    ] if not ok]
+    assert not failed, failed
