@@ -51,7 +51,10 @@ def test_explosion_vanishing_names_and_nonfinite():
     m[0].weight.grad[0, 0] = float("nan")
     rep = dbg.check_gradients(m)
     assert rep["nonfinite_params"] == ["0.weight"] and math.isnan(float(rep))
-    assert "0.weight" in dbg.check_gradient_explosion(m, threshold=1e9)
+    # NaN/Inf is non-finite, never "over the threshold" (before: listed as exploded at any threshold).
+    assert dbg.check_gradient_explosion(m, threshold=1e-9) == [n for n in norms if n != "0.weight"]
+    last = dbg.timeline.events()[-1]
+    assert last["event_type"] == "nonfinite_gradient" and last["data"]["params"] == ["0.weight"]
 
 
 def test_analyze_tensor_matches_reference():
@@ -114,12 +117,12 @@ def test_summary_report_and_clear(tmp_path, caplog):
     dbg = tt.create_pytorch_debugger()
     with caplog.at_level(logging.WARNING, logger="torchtrace.debugger"):
         dbg.check_gradients(m)
-    assert "gradient_anomaly" in caplog.text
+    assert "nonfinite_gradient: NaN/Inf gradients in 0.weight" in caplog.text
     summary = dbg.get_debug_summary()
     assert summary["total_anomalies"] >= 1
     path = dbg.save_debug_report(tmp_path / "r.json")
     data = json.loads(open(path).read(), parse_constant=lambda c: pytest.fail("bare NaN"))
-    assert data["events"][0]["type"] == "gradient_anomaly"
+    assert data["events"][0]["type"] == data["events"][0]["event_type"] == "nonfinite_gradient"
     dbg.clear_debug_data()
     assert dbg.get_debug_summary()["total_events"] == 0
 
