@@ -47,15 +47,15 @@ def _split_positional(first: Any, second: Any) -> tuple[Any, Any, Any]:
     torchtrace's own ``PyTorchDebugger(config, logger)``.
     """
     config = log = mode = None
-    for value in (first, second):
+    for slot, value in enumerate((first, second)):
         if value is None:
             continue
         if isinstance(value, bool) or isinstance(value, DebugMode):
             mode = value
         elif isinstance(value, (DebugConfig, DebugLevel, str)) and config is None:
             config = value
-        elif is_logger(value) and log is None:
-            log = value
+        elif (is_logger(value) or slot == 1) and log is None:
+            log = value  # the logger slot: an unusable logger is refused by name when it is wrapped
         else:
             raise TypeError(f"PyTorchDebugger: a positional argument of type {type(value).__name__} is not accepted; "
                             "accepted: a DebugConfig or DebugLevel, a logger, debug_mode (bool or DebugMode)")
@@ -229,8 +229,8 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         """A ``torch.profiler`` window over the block, written as a Chrome trace.
 
         ``output_file`` relative (or None) goes under ``log_dir`` (default
-        ``profile_<n>.json``); shapes, memory and stacks are recorded unless ``options`` say
-        otherwise (they are :func:`torchtrace.profiling`'s). ``enabled`` None follows the
+        ``profile_<n>.json``); shapes and memory are recorded unless ``options`` say otherwise,
+        Python stacks with ``with_stack=True`` (which slows profiling down); ``options`` are :func:`torchtrace.profiling`'s. ``enabled`` None follows the
         settings; off, nothing is profiled and ``result["path"]`` is None.
         """
         if isinstance(enabled, (str, os.PathLike)) and output_file is None:  # profiling("trace.json")
@@ -242,7 +242,7 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
             yield {"path": None, "windows": [], "enabled": False}
             return
         path = self._path(output_file, f"profile_{len(self.profiles_written)}.json")
-        for key in ("record_shapes", "profile_memory", "with_stack"):
+        for key in ("record_shapes", "profile_memory"):
             options.setdefault(key, True)
         self._log("profiling", f"profiling to {path}", {"path": str(path)}, logging.DEBUG)
         self._active["profiling"] += 1
