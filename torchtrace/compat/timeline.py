@@ -66,8 +66,10 @@ def make_sink(obj: Any, setting: str = "logger") -> Callable[[int, str, str, dic
     if all(callable(getattr(obj, n, None)) for n in ("log_info", "log_warning", "log_error")):
         return lambda level, kind, message, data: _seed_style(obj, level, f"Debug event: {message}")
     if callable(getattr(obj, "log_training_event", None)):
-        return lambda level, kind, message, data: obj.log_training_event(
-            kind, message, level=logging.getLevelName(level), **{"data": data})
+        def training_event(level: int, kind: str, message: str, data: dict[str, Any]) -> None:
+            if level >= logging.INFO:  # a product's training log gets no debug chatter
+                obj.log_training_event(kind, message, level=logging.getLevelName(level), data=data)
+        return training_event
     raise TypeError(f"{setting}= must be a logging.Logger, an object with log_info/log_warning/log_error, or one "
                     f"with log_training_event; got {type(obj).__name__}")
 
