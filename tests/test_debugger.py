@@ -155,3 +155,63 @@ def test_public_names_import():
         assert getattr(tt, name) is not None, name
     assert tt.DebugLevel.ADVANCED.value == "advanced" and tt.OptimizationMode.AMP.value == "amp"
     assert tt.DebugMode.FULL_DEBUG.value == "full_debug"
+
+
+def test_one_default_per_threshold():
+    """Issue 19, item 5: the explosion threshold was 1.0, 10.0 or 1e3 depending on the API."""
+    from torchtrace import config
+    from torchtrace.compat import PyTorchDebugConfig, TrainingDebugger
+
+    explode, vanish = config.DEFAULT_GRAD_EXPLOSION_THRESHOLD, config.DEFAULT_GRAD_VANISHING_THRESHOLD
+    settings = tt.Settings.resolve({}, environ={})
+    assert (settings.grad_explosion_threshold, settings.grad_vanishing_threshold) == (explode, vanish)
+    cfg = tt.create_pytorch_debugger().config
+    assert (cfg.explosion_threshold, cfg.vanishing_threshold) == (explode, vanish)
+    assert (tt.TrainingMonitor().explosion_threshold, tt.TrainingMonitor().vanishing_threshold) == (explode, vanish)
+    assert TrainingDebugger().explosion_threshold == explode
+    assert PyTorchDebugConfig().gradient_norm_threshold == explode
+    # Every API judges a gradient at the default the same way: norms 5, 50, 5e3 and 1e-8.
+    m = torch.nn.Linear(1, 4)
+    m.weight.grad = torch.tensor([[5.0], [0.0], [0.0], [0.0]])
+    m.bias.grad = torch.zeros(4)
+    dbg = tt.PyTorchDebugger()
+    for norm, exploded in ((5.0, False), (50.0, False), (5e3, True)):
+        m.weight.grad[0, 0] = norm
+        assert (dbg.check_gradient_explosion(m) == ["weight"]) is exploded
+        assert ("grad_explosion" in [a["kind"] for a in dbg.check_gradients(m)["anomalies"]]) is exploded
+        assert ("grad_explosion" in tt.TrainingMonitor().monitor_training_step(m, 1.0)["anomalies"]) is exploded
+    for norm, vanished in ((1e-8, True), (1e-6, False)):  # around the vanishing default 1e-7
+        m.weight.grad[0, 0] = norm
+        assert ("grad_vanishing" in tt.TrainingMonitor().monitor_training_step(m, 1.0)["anomalies"]) is vanished
+        assert ("grad_vanishing" in [a["kind"] for a in dbg.check_gradients(m)["anomalies"]]) is vanished
+
+
+def test_check_gradients_forms_by_type_and_keyword():
+    """Issue 20: check_gradients(model, step) and (model, loss) took the second argument as the threshold."""
+    m = grads_model()
+    dbg = tt.PyTorchDebugger()
+    ref = math.sqrt(sum(ref_norm(p.grad) ** 2 for p in m.parameters()))
+    at_step0 = dbg.check_gradients(m, 0)
+    assert at_step0["step"] == 0 and at_step0["threshold"] == 1e3 and at_step0["anomalies"] == []
+    with_loss = dbg.check_gradients(m, torch.tensor(0.25))
+    assert with_loss["loss"] == 0.25 and with_loss["threshold"] == 1e3
+    assert [a["kind"] for a in dbg.check_gradients(m, ref / 2)["anomalies"]] == ["grad_explosion"]
+    assert [a["kind"] for a in dbg.check_gradients(m, gradient_threshold=ref / 2)["anomalies"]] == ["grad_explosion"]
+    with pytest.raises(TypeError, match="is a bool"):
+        dbg.check_gradients(m, True)
+    with pytest.raises(TypeError, match="is not a number"):
+        dbg.check_gradients(m, gradient_threshold=torch.tensor(1.0))
+    with pytest.raises(TypeError, match="given twice"):
+        dbg.check_gradients(m, 0.5, gradient_threshold=1.0)
+    with pytest.raises(ValueError, match="gradient_threshold=-1"):
+        dbg.check_gradients(m, gradient_threshold=-1)
+
+
+def test_gradient_report_compares_as_its_norm_and_reads_as_attributes():
+    m = grads_model()
+    report = tt.PyTorchDebugger().check_gradients(m)
+    ref = math.sqrt(sum(ref_norm(p.grad) ** 2 for p in m.parameters()))
+    assert (report > ref / 2, report < ref / 2, report >= ref * 2, report <= ref * 2) == (True, False, False, True)
+    assert report.global_norm == report["gradient_norm"] == float(report)
+    with pytest.raises(TypeError):
+        report > "1.0"

@@ -25,6 +25,10 @@ from torchtrace.record import readout
 _W = len(tensor_measure.STAT_NAMES)
 
 
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    return g.to_dense() if g.is_sparse else g
+
+
 def _read(stacked: torch.Tensor) -> list[float]:
     flat = stacked.reshape(-1)
     return readout.read(flat.cpu() if flat.device.type != "cpu" else flat)
@@ -38,7 +42,7 @@ def gradient_table(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     dev = refs[0].param.grad.device
     rows = torch.stack([
         torch.cat([tensor_measure.tensor_stats(r.param.grad),
-                   torch.linalg.vector_norm(grad_measure._dense(r.param.grad).to(torch.float64)).reshape(1)]).to(dev)
+                   torch.linalg.vector_norm(_dense(r.param.grad).to(torch.float64)).reshape(1)]).to(dev)
         for r in refs])
     values = _read(rows)
     out = {}
@@ -113,12 +117,13 @@ def analyze_tensor(t: torch.Tensor, name: str = "tensor") -> Result:
     gradient's norm when the tensor has one (``grad_norm``)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"analyze_tensor expects a torch.Tensor, got {type(t).__name__}")
+    grad = t.grad if t.is_leaf else None  # a non-leaf's .grad is never filled (and warns)
     pieces = [tensor_measure.tensor_stats(t)]
-    if t.grad is not None:
-        pieces.append(torch.linalg.vector_norm(t.grad.detach().to(torch.float64)).reshape(1).to(pieces[0].device))
+    if grad is not None:
+        pieces.append(torch.linalg.vector_norm(grad.detach().to(torch.float64)).reshape(1).to(pieces[0].device))
     values = _read(torch.cat(pieces))
     info = tensor_info(tensor_measure.describe(t, values[:_W], name))
-    info["grad_norm"] = values[_W] if t.grad is not None else None
+    info["grad_norm"] = values[_W] if grad is not None else None
     info["is_leaf"] = bool(t.is_leaf)
     return info
 
@@ -154,8 +159,8 @@ def gradient_flow(model: torch.nn.Module) -> Result:
     layers = []
     if with_grad:
         dev = with_grad[0].param.grad.device
-        vals = torch.stack([torch.stack([grad_measure._dense(r.param.grad).abs().to(torch.float64).mean(),
-                                         grad_measure._dense(r.param.grad).abs().to(torch.float64).max()]).to(dev)
+        vals = torch.stack([torch.stack([_dense(r.param.grad).abs().to(torch.float64).mean(),
+                                         _dense(r.param.grad).abs().to(torch.float64).max()]).to(dev)
                             for r in with_grad])
         flat = _read(vals)
         for i, r in enumerate(with_grad):

@@ -125,8 +125,9 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         self._active: collections.Counter[str] = collections.Counter()
         self._open_metrics: list[DebugMetrics] = []
         self._profiles = 0
-        self._growth = GrowthTracker(window=8, threshold=DEFAULT_THRESHOLD, warmup=0)
+        self._growth = GrowthTracker(window=8, threshold=DEFAULT_THRESHOLD, warmup=8)
         self._leak_seq = 0
+        self._leaking = False
         self._reset_counts()
 
     # ------------------------------------------------------------ settings and events

@@ -17,7 +17,7 @@ from torchtrace.compat import checks, steps
 from torchtrace.compat.results import GradientReport, ParameterAnalysis, Result
 from torchtrace.compat.settings import check_arguments, positive
 from torchtrace.errors import NonFiniteError
-from torchtrace.levels import DebugLevel
+from torchtrace.measure import memory as mem_measure
 from torchtrace.record.growth import GrowthTracker
 from torchtrace.tools import inspection, memory
 
@@ -267,8 +267,11 @@ class CheckingMixin:
         self._profiles += 1
         out["memory_leaks"] = self._memory_leaks(out["rss_bytes"])
         self._snapshot(out["name"], out)
-        for leak in out["memory_leaks"]:
-            self._log("memory_leak", leak, {"name": out["name"]}, logging.WARNING)
+        leaking = bool(out["memory_leaks"])
+        if leaking and not self._leaking:  # one event when a leak is first seen, not one per call
+            for leak in out["memory_leaks"]:
+                self._log("memory_leak", leak, {"name": out["name"]}, logging.WARNING)
+        self._leaking = leaking
         return out
 
     def profile_memory_usage(self, model: torch.nn.Module | None = None) -> Result:
@@ -276,11 +279,17 @@ class CheckingMixin:
         return self.profile_memory(model)
 
     def _memory_leaks(self, rss: int) -> list[str]:
+        """Sustained growth over this debugger's recent calls, by the leak detector's rule
+        (:class:`~torchtrace.record.growth.GrowthTracker`: robust slope over a window, after a
+        window of warm-up), of the bytes malloc has handed out (glibc; RSS elsewhere): unlike
+        RSS it falls when memory is freed, so an allocator keeping pages is not a leak."""
+        heap = mem_measure.heap_in_use_bytes()
         tracker: GrowthTracker = self._growth
-        tracker.add(self._profiles, rss)
+        tracker.add(self._profiles, heap if heap is not None else rss)
         leaks = []
         if tracker.sustained():
-            leaks.append(f"process memory grew {tracker.slope / 2 ** 20:.2f} MB per call over the last "
+            what = "heap in use" if heap is not None else "process memory"
+            leaks.append(f"{what} grew {tracker.slope / 2 ** 20:.2f} MB per call over the last "
                          f"{tracker.window} profile_memory calls")
         leaks.extend(self._run_leaks())
         return leaks
