@@ -55,8 +55,8 @@ class DebugConfig:
     monitoring" example (``debug_mode=False`` with both on) needs. ``enable_anomaly_detection``
     and ``enable_profiling``: ``None`` (default) means available when asked for
     (``with debugger.profiling():``), ``True`` also turns them on for a whole
-    :func:`debug_training_session` and every ``debug_context`` block, ``False`` makes the
-    contexts do nothing. Thresholds default to the one default per threshold
+    :func:`debug_training_session` (and anomaly detection for every ``debug_context``
+    block), ``False`` makes the contexts do nothing. Thresholds default to the one default per threshold
     (:data:`torchtrace.config.DEFAULT_GRAD_EXPLOSION_THRESHOLD`, ``..._VANISHING_...``).
 
     Raises:
