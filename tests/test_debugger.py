@@ -215,3 +215,26 @@ def test_gradient_report_compares_as_its_norm_and_reads_as_attributes():
     assert report.global_norm == report["gradient_norm"] == float(report)
     with pytest.raises(TypeError):
         report > "1.0"
+
+
+def test_constructor_forms_level_and_error_system(tt_runtime):
+    from tests.helpers import read_spans
+
+    seed000 = tt.PyTorchDebugger(logging.getLogger("x"), False)  # (logger, debug_mode)
+    assert seed000.config.debug_mode is False and seed000.logger.name == "x"
+    seed003 = tt.PyTorchDebugger(debug_mode=tt.DebugMode.ANOMALY_DETECTION)
+    assert seed003.mode is tt.DebugMode.ANOMALY_DETECTION and seed003.config.enable_anomaly_detection
+    with pytest.raises(ValueError, match="debug_mode=False contradicts mode='profiling'"):
+        tt.PyTorchDebugger(debug_mode=False, mode="profiling")
+    with pytest.raises(TypeError, match="error_system= must have"):
+        tt.PyTorchDebugger(error_system=object())
+    m = grads_model()
+    off = tt.PyTorchDebugger(tt.DebugLevel.OFF)
+    assert off.check_gradients(m)["enabled"] is False and off.check_gradients(m)["disabled_by"] == "level=off"
+    advanced = tt.PyTorchDebugger(tt.DebugLevel.ADVANCED)
+    basic = tt.PyTorchDebugger(tt.DebugLevel.BASIC)
+    x, y = torch.randn(4, 6), torch.randn(4, 2)
+    for dbg in (basic, advanced):
+        dbg.debug_training_step(m, x, y, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.0))
+    steps = [s for s in read_spans(tt_runtime.spans_path) if s["name"] == "debug_training_step"]
+    assert [s["attributes"]["torchtrace.level"] for s in steps] == ["basic", "advanced"]  # the step's level

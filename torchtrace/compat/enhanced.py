@@ -66,6 +66,9 @@ class EnhancedTrainingOptimizer:
         flag(enable_profiling, "enable_profiling")
         if enable_profiling and not enable_pytorch_debugging:
             raise ValueError("enable_profiling=True needs enable_pytorch_debugging=True (profiling is one of its tools)")
+        if debugger_settings and not enable_pytorch_debugging:
+            raise ValueError(f"{', '.join(sorted(debugger_settings))} configure the debugger, which "
+                             "enable_pytorch_debugging=False turns off")
         if isinstance(max_epochs, bool) or not isinstance(max_epochs, int) or max_epochs < 1:
             raise ValueError(f"max_epochs={max_epochs!r} is not valid; accepted values: a positive integer")
         if optimizer is not None and learning_rate is not None:

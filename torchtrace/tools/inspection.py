@@ -39,6 +39,33 @@ def _display(name: str, model: torch.nn.Module, childless: bool) -> str:
     return type(model).__name__ if childless else "(root)"
 
 
+def _layer_rows(rows: list[dict[str, Any]], model: torch.nn.Module,
+                leaves_only: bool) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Label every call (``name#n`` for repeats) and pick the listed layers: leaves and modules
+    computing in their own forward (or every module but the root); the root's row apart."""
+    childless = next(iter(model.children()), None) is None
+    counts: dict[str, int] = {}
+    layers: list[dict[str, Any]] = []
+    root_row = None
+    for r in rows:
+        name = _display(r["module"], model, childless)
+        n = counts.get(name, 0)
+        counts[name] = n + 1
+        r["label"] = name if n == 0 else f"{name}#{n}"
+        if r["module"] == "":
+            root_row = r
+        listed = (r["is_leaf"] or r["own_compute"]) if leaves_only else True
+        if r["module"] == "" and not childless:
+            listed = False
+        if listed and r["shape"] is not None:
+            layers.append({"name": r["label"], "module": r["type"], "shape": r["shape"], "dtype": r["dtype"],
+                           "device": r["device"], "mean": r["mean"], "std": r["std"], "min": r["min"],
+                           "max": r["max"], "nan_count": r["nan_count"], "inf_count": r["inf_count"],
+                           "nonfinite_count": r["nan_count"] + r["inf_count"], "time_s": r["time_s"],
+                           "own_compute": bool(r["own_compute"] and not r["is_leaf"])})
+    return layers, root_row
+
+
 def debug_forward_pass(model: torch.nn.Module, inputs: Any, layer_hooks: bool = True,
                        leaves_only: bool = True) -> dict[str, Any]:
     """Run ``model(inputs)`` and report each layer's output shape, dtype, statistics and time,
@@ -77,27 +104,7 @@ def debug_forward_pass(model: torch.nn.Module, inputs: Any, layer_hooks: bool = 
     total = time.perf_counter() - t0
     rows = calls.host_rows(calls.values_read())
     calls.calls = []  # nothing derived from the activations stays referenced
-    childless = next(iter(model.children()), None) is None
-    counts: dict[str, int] = {}
-    layers: list[dict[str, Any]] = []
-    root_row = None
-    for r in rows:
-        name = _display(r["module"], model, childless)
-        n = counts.get(name, 0)
-        counts[name] = n + 1
-        label = name if n == 0 else f"{name}#{n}"
-        r["label"] = label
-        if r["module"] == "":
-            root_row = r
-        listed = (r["is_leaf"] or r["own_compute"]) if leaves_only else True
-        if r["module"] == "" and not childless:
-            listed = False
-        if listed and r["shape"] is not None:
-            layers.append({"name": label, "module": r["type"], "shape": r["shape"], "dtype": r["dtype"],
-                           "device": r["device"], "mean": r["mean"], "std": r["std"], "min": r["min"],
-                           "max": r["max"], "nan_count": r["nan_count"], "inf_count": r["inf_count"],
-                           "nonfinite_count": r["nan_count"] + r["inf_count"], "time_s": r["time_s"],
-                           "own_compute": bool(r["own_compute"] and not r["is_leaf"])})
+    layers, root_row = _layer_rows(rows, model, leaves_only)
     origin = localise(rows)
     blamed = rows[origin["index"]] if origin["cause"] == "forward" else None
     bad = [layer["name"] for layer in layers if layer["nonfinite_count"]]
