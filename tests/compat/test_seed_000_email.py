@@ -164,7 +164,7 @@ def test_debug_training_step_signature_and_sgd_reference(setup):
     out = debugger.debug_training_step(model, inputs, targets, loss_fn, optimizer, gradient_threshold=1.0)
     ref_loss = loss_fn(reference(inputs), targets)
     ref_loss.backward()
-    assert out["loss"] == pytest.approx(float(ref_loss), rel=1e-6) and out["optimizer_stepped"]
+    assert out["loss"] == pytest.approx(ref_loss.item(), rel=1e-6) and out["optimizer_stepped"]
     assert float(out["gradient_check"]) == pytest.approx(ref_norm(p.grad for p in reference.parameters()), rel=1e-6)
     for p, r in zip(model.parameters(), reference.parameters()):
         expected = r.detach().double() - 0.1 * r.grad.double()
