@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

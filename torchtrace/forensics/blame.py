@@ -17,7 +17,7 @@ activation); :func:`localise` applies the rule to the host values.
 >>> import torch
 >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
 >>> with torch.no_grad():
-...     m[0].bias.fill_(float("inf"))
+...     _ = m[0].bias.fill_(float("inf"))
 >>> calls = ModuleCalls(m)
 >>> with calls:
 ...     _ = m(torch.ones(1, 2))
