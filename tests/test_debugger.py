@@ -51,7 +51,10 @@ def test_explosion_vanishing_names_and_nonfinite():
     m[0].weight.grad[0, 0] = float("nan")
     rep = dbg.check_gradients(m)
     assert rep["nonfinite_params"] == ["0.weight"] and math.isnan(float(rep))
-    assert "0.weight" in dbg.check_gradient_explosion(m, threshold=1e9)
+    # NaN/Inf is non-finite, never "over the threshold" (before: listed as exploded at any threshold).
+    assert dbg.check_gradient_explosion(m, threshold=1e-9) == [n for n in norms if n != "0.weight"]
+    last = dbg.timeline.events()[-1]
+    assert last["event_type"] == "nonfinite_gradient" and last["data"]["params"] == ["0.weight"]
 
 
 def test_analyze_tensor_matches_reference():
@@ -114,12 +117,12 @@ def test_summary_report_and_clear(tmp_path, caplog):
     dbg = tt.create_pytorch_debugger()
     with caplog.at_level(logging.WARNING, logger="torchtrace.debugger"):
         dbg.check_gradients(m)
-    assert "gradient_anomaly" in caplog.text
+    assert "nonfinite_gradient: NaN/Inf gradients in 0.weight" in caplog.text
     summary = dbg.get_debug_summary()
     assert summary["total_anomalies"] >= 1
     path = dbg.save_debug_report(tmp_path / "r.json")
     data = json.loads(open(path).read(), parse_constant=lambda c: pytest.fail("bare NaN"))
-    assert data["events"][0]["type"] == "gradient_anomaly"
+    assert data["events"][0]["type"] == data["events"][0]["event_type"] == "nonfinite_gradient"
     dbg.clear_debug_data()
     assert dbg.get_debug_summary()["total_events"] == 0
 
@@ -152,3 +155,86 @@ def test_public_names_import():
         assert getattr(tt, name) is not None, name
     assert tt.DebugLevel.ADVANCED.value == "advanced" and tt.OptimizationMode.AMP.value == "amp"
     assert tt.DebugMode.FULL_DEBUG.value == "full_debug"
+
+
+def test_one_default_per_threshold():
+    """Issue 19, item 5: the explosion threshold was 1.0, 10.0 or 1e3 depending on the API."""
+    from torchtrace import config
+    from torchtrace.compat import PyTorchDebugConfig, TrainingDebugger
+
+    explode, vanish = config.DEFAULT_GRAD_EXPLOSION_THRESHOLD, config.DEFAULT_GRAD_VANISHING_THRESHOLD
+    settings = tt.Settings.resolve({}, environ={})
+    assert (settings.grad_explosion_threshold, settings.grad_vanishing_threshold) == (explode, vanish)
+    cfg = tt.create_pytorch_debugger().config
+    assert (cfg.explosion_threshold, cfg.vanishing_threshold) == (explode, vanish)
+    assert (tt.TrainingMonitor().explosion_threshold, tt.TrainingMonitor().vanishing_threshold) == (explode, vanish)
+    assert TrainingDebugger().explosion_threshold == explode
+    assert PyTorchDebugConfig().gradient_norm_threshold == explode
+    # Every API judges a gradient at the default the same way: norms 5, 50, 5e3 and 1e-8.
+    m = torch.nn.Linear(1, 4)
+    m.weight.grad = torch.tensor([[5.0], [0.0], [0.0], [0.0]])
+    m.bias.grad = torch.zeros(4)
+    dbg = tt.PyTorchDebugger()
+    for norm, exploded in ((5.0, False), (50.0, False), (5e3, True)):
+        m.weight.grad[0, 0] = norm
+        assert (dbg.check_gradient_explosion(m) == ["weight"]) is exploded
+        assert ("grad_explosion" in [a["kind"] for a in dbg.check_gradients(m)["anomalies"]]) is exploded
+        assert ("grad_explosion" in tt.TrainingMonitor().monitor_training_step(m, 1.0)["anomalies"]) is exploded
+    for norm, vanished in ((1e-8, True), (1e-6, False)):  # around the vanishing default 1e-7
+        m.weight.grad[0, 0] = norm
+        assert ("grad_vanishing" in tt.TrainingMonitor().monitor_training_step(m, 1.0)["anomalies"]) is vanished
+        assert ("grad_vanishing" in [a["kind"] for a in dbg.check_gradients(m)["anomalies"]]) is vanished
+
+
+def test_check_gradients_forms_by_type_and_keyword():
+    """Issue 20: check_gradients(model, step) and (model, loss) took the second argument as the threshold."""
+    m = grads_model()
+    dbg = tt.PyTorchDebugger()
+    ref = math.sqrt(sum(ref_norm(p.grad) ** 2 for p in m.parameters()))
+    at_step0 = dbg.check_gradients(m, 0)
+    assert at_step0["step"] == 0 and at_step0["threshold"] == 1e3 and at_step0["anomalies"] == []
+    with_loss = dbg.check_gradients(m, torch.tensor(0.25))
+    assert with_loss["loss"] == 0.25 and with_loss["threshold"] == 1e3
+    assert [a["kind"] for a in dbg.check_gradients(m, ref / 2)["anomalies"]] == ["grad_explosion"]
+    assert [a["kind"] for a in dbg.check_gradients(m, gradient_threshold=ref / 2)["anomalies"]] == ["grad_explosion"]
+    with pytest.raises(TypeError, match="is a bool"):
+        dbg.check_gradients(m, True)
+    with pytest.raises(TypeError, match="is not a number"):
+        dbg.check_gradients(m, gradient_threshold=torch.tensor(1.0))
+    with pytest.raises(TypeError, match="given twice"):
+        dbg.check_gradients(m, 0.5, gradient_threshold=1.0)
+    with pytest.raises(ValueError, match="gradient_threshold=-1"):
+        dbg.check_gradients(m, gradient_threshold=-1)
+
+
+def test_gradient_report_compares_as_its_norm_and_reads_as_attributes():
+    m = grads_model()
+    report = tt.PyTorchDebugger().check_gradients(m)
+    ref = math.sqrt(sum(ref_norm(p.grad) ** 2 for p in m.parameters()))
+    assert (report > ref / 2, report < ref / 2, report >= ref * 2, report <= ref * 2) == (True, False, False, True)
+    assert report.global_norm == report["gradient_norm"] == float(report)
+    with pytest.raises(TypeError):
+        report > "1.0"
+
+
+def test_constructor_forms_level_and_error_system(tt_runtime):
+    from tests.helpers import read_spans
+
+    seed000 = tt.PyTorchDebugger(logging.getLogger("x"), False)  # (logger, debug_mode)
+    assert seed000.config.debug_mode is False and seed000.logger.name == "x"
+    seed003 = tt.PyTorchDebugger(debug_mode=tt.DebugMode.ANOMALY_DETECTION)
+    assert seed003.mode is tt.DebugMode.ANOMALY_DETECTION and seed003.config.enable_anomaly_detection
+    with pytest.raises(ValueError, match="debug_mode=False contradicts mode='profiling'"):
+        tt.PyTorchDebugger(debug_mode=False, mode="profiling")
+    with pytest.raises(TypeError, match="error_system= must have"):
+        tt.PyTorchDebugger(error_system=object())
+    m = grads_model()
+    off = tt.PyTorchDebugger(tt.DebugLevel.OFF)
+    assert off.check_gradients(m)["enabled"] is False and off.check_gradients(m)["disabled_by"] == "level=off"
+    advanced = tt.PyTorchDebugger(tt.DebugLevel.ADVANCED)
+    basic = tt.PyTorchDebugger(tt.DebugLevel.BASIC)
+    x, y = torch.randn(4, 6), torch.randn(4, 2)
+    for dbg in (basic, advanced):
+        dbg.debug_training_step(m, x, y, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.0))
+    steps = [s for s in read_spans(tt_runtime.spans_path) if s["name"] == "debug_training_step"]
+    assert [s["attributes"]["torchtrace.level"] for s in steps] == ["basic", "advanced"]  # the step's level

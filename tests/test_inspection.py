@@ -8,6 +8,7 @@ import json
 import math
 import weakref
 
+import pytest
 import torch
 
 import torchtrace as tt
@@ -238,3 +239,64 @@ def test_an_operation_pinned_at_extreme_keeps_its_hooks_through_runtime_level_ch
     finally:
         tt.shutdown()
     assert _hook_count(tiny_model) == 0
+
+
+# ---------------------------------------------------------------- issue 19, item 2: the forensics rule
+def _plain_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    """softmax(QK^T/sqrt(d) + mask) V, the textbook attention: a row whose keys are all masked is
+    softmax over -inf only, which is NaN (PyTorch >= 2.5's CPU kernels return zeros for it instead;
+    older releases and other kernels return NaN, which is what this reproduces)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def test_nan_born_in_attention_is_blamed_on_self_attn_not_dropout1(monkeypatch):
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _plain_attention)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
+    x = torch.randn(3, 5, 8)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, :] = True  # a fully padded row
+    out = tt.debug_forward_pass(layer, {"src": x, "src_key_padding_mask": mask})
+    assert torch.isnan(out["output"][1]).all() and not torch.isnan(out["output"][[0, 2]]).any()
+    # Before: only leaves were hooked, and the first non-finite leaf output was dropout1's.
+    assert out["first_nonfinite_layer"] == "self_attn"
+    assert out["nonfinite_origin"] == {"cause": "forward", "module": "self_attn", "module_type": "MultiheadAttention"}
+    names = [layer_row["name"] for layer_row in out["layers"]]
+    assert names[:2] == ["self_attn", "dropout1"]  # the attention module is in the layer list
+    attn = out["layers"][0]
+    assert attn["own_compute"] and attn["nan_count"] == 5 * 8  # the padded sequence's 5 positions
+    # Its statistics against a reference computed another way: the module called directly.
+    direct = layer.self_attn(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+    finite = direct[[0, 2]].detach().double()
+    assert attn["mean"] == pytest.approx(float(finite.mean()), rel=1e-6)
+    assert _hook_count(layer) == 0
+
+
+def test_the_rule_shared_with_replay_ignores_minus_inf_masks_only():
+    from torchtrace.forensics import blame
+
+    mask = torch.tensor([0.0, float("-inf")])
+    assert bool(blame.inputs_ok([mask])) and not bool(blame.outputs_ok([mask]))
+    assert not bool(blame.inputs_ok([torch.tensor([float("inf")])]))
+    assert not bool(blame.inputs_ok([torch.tensor([float("nan"), 0.0])]))
+    # A model input holding NaN is the input's fault, not the first module's.
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    out = tt.debug_forward_pass(model, torch.tensor([[float("nan"), 1.0]]))
+    assert out["nonfinite_origin"]["cause"] == "input" and out["first_nonfinite_layer"] == "0"
+
+
+def test_root_computing_in_its_own_forward_is_blamed():
+    class Divide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x) / 0.0  # born in the root's own code
+
+    out = tt.debug_forward_pass(Divide(), torch.ones(1, 2))
+    assert out["first_nonfinite_layer"] == "(root)" and out["nonfinite_origin"]["cause"] == "forward"
+    assert out["layers"][0]["name"] == "lin" and out["layers"][0]["nonfinite_count"] == 0

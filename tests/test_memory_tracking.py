@@ -86,3 +86,34 @@ def test_public_names_import():
                  "clear_memory", "debug_forward_pass", "debug_backward_pass", "inspect_model", "debug_training_step",
                  "MemorySnapshot", "MemoryTracker"):
         assert name in tt.__all__ and getattr(tt, name) is not None
+
+
+def test_memory_tracking_enabled_false_records_nothing(tt_runtime, tiny_model):
+    trk = MemoryTracker()
+    with tt.memory_tracking(trk, enabled=False):
+        with tt.debug_context("train_step", model=tiny_model):
+            pass
+    assert trk.snapshots == {} and len(trk.samples) == 0
+    with tt.memory_tracking(trk, True):  # the seeds' positional enabled
+        with tt.debug_context("train_step", model=tiny_model):
+            pass
+    assert list(trk.snapshots) == ["start", "end"]
+
+
+def test_model_bytes_and_memory_profile_against_a_plain_count():
+    from torchtrace.tools.memory import memory_profile, model_bytes
+
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(shared, torch.nn.BatchNorm1d(4), shared)  # tied: counted once
+    model(torch.randn(3, 4)).sum().backward()
+    params = {id(p): p for p in model.parameters()}.values()
+    p_bytes = sum(p.numel() * p.element_size() for p in params)
+    b_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert model_bytes(model) == {"parameters": p_bytes, "gradients": p_bytes, "buffers": b_bytes,
+                                  "total": 2 * p_bytes + b_bytes}
+    prof = memory_profile(model)
+    import psutil
+
+    assert prof["total"] == 2 * p_bytes + b_bytes
+    assert prof["cpu_memory"] == 100.0 * prof["rss_bytes"] / psutil.virtual_memory().total
+    assert prof["gpu_memory"] is None or prof["gpu_memory"] == prof["cuda_allocated_bytes"] / 2 ** 20

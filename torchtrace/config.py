@@ -76,6 +76,17 @@ ENV_OTLP_TRACES_CERTIFICATE = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"
 ENV_PEAK_FLOPS = "TORCHTRACE_PEAK_FLOPS"
 """Peak FLOP/s of one device for MFU (e.g. 989e12), instead of the table of known accelerators."""
 
+# ---------------------------------------------------------------- one default per threshold
+DEFAULT_GRAD_EXPLOSION_THRESHOLD = 1e3
+"""Global (and per-tensor) L2 gradient norm above which a step is a ``grad_explosion``.
+
+The one default of every API that judges explosion (``configure``, ``TrainingMonitor``,
+``PyTorchDebugger.check_gradients``, ``check_gradient_explosion``, ``PyTorchDebugConfig``);
+docs/seed-api.md says why this value.
+"""
+DEFAULT_GRAD_VANISHING_THRESHOLD = 1e-7
+"""Global L2 gradient norm below which a step is ``grad_vanishing`` (the one default, as above)."""
+
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 GUARD_POLICIES = ("warn", "skip", "raise")
 PORT_POLICIES = ("next", "ephemeral", "off")
@@ -111,8 +122,8 @@ class Settings:
     otlp_endpoint: str | None = None
     otlp_protocol: str = "http/protobuf"
     otlp_headers: Mapping[str, str] | None = field(default=None, repr=False)
-    grad_explosion_threshold: float = 1e3
-    grad_vanishing_threshold: float = 1e-7
+    grad_explosion_threshold: float = DEFAULT_GRAD_EXPLOSION_THRESHOLD
+    grad_vanishing_threshold: float = DEFAULT_GRAD_VANISHING_THRESHOLD
     guard: str = "warn"
     max_consecutive_bad_steps: int | None = None
     span_queue_size: int = 4096

@@ -7,4 +7,4 @@ NEW = ["TrainingMonitor", "TrainingDebugger", "validate_model_input", "detect_mo
 def test_new_public_names_are_exported():
     for name in NEW:
         assert name in tt.__all__ and getattr(tt, name) is not None
-    assert tt.TrainingDebugger is tt.TrainingMonitor
+    assert issubclass(tt.TrainingDebugger, tt.TrainingMonitor)  # the seeds' monitor: steps are torchtrace steps

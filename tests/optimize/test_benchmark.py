@@ -177,3 +177,23 @@ def test_cuda_benchmark_with_float16_amp_and_compilation():  # pragma: no cover 
     assert res["amp"].applied == ["amp"] and res["amp"].memory_kind == "cuda_peak_allocated"
     assert all(r.ok for r in res.results.values()), buf.getvalue()
     assert res["amp"].max_abs_loss_diff < 0.05
+
+
+def test_results_are_a_mapping_with_the_seeds_keys():
+    """Issue 20: .items() on benchmark_optimizations' result raised AttributeError."""
+    model = nn.Linear(8, 4)
+    res = tt.benchmark_optimizations(model, batches(2), lambda p: torch.optim.SGD(p, lr=0.1), F.mse_loss,
+                                     modes=["amp"], warmup=1, steps=3, print_table=False)
+    assert [m for m, _ in res.items()] == ["none", "amp"] and list(res) == res.keys() and len(res) == 2
+    for mode, result in res.items():
+        assert "error" not in result
+        assert result["total_time"] == pytest.approx(sum(res[mode].step_times_s))
+        assert result["speedup_factor"] == res[mode].speedup and result["memory_savings"] == res[mode].memory_saving
+    assert "amp" in res and "compilation" not in res and "turbo" not in res
+    def broken_loss(out, y):
+        raise RuntimeError("loss failed")
+
+    failing = tt.benchmark_optimizations(model, batches(1), lambda p: torch.optim.SGD(p, lr=0.1), broken_loss,
+                                         modes=["amp"], warmup=0, steps=1, print_table=False)
+    for _, result in failing.items():  # a failed mode never wins min(results.items(), key=total_time)
+        assert "loss failed" in result["error"] and result["total_time"] == float("inf")

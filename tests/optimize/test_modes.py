@@ -284,3 +284,18 @@ def test_state_dict_keys_are_the_models():
     model = DeepMLP(depth=2)
     om = tt.optimize_model(model, M.FULL_OPTIMIZATION, compile_backend="eager")
     assert list(om.state_dict()) == list(model.state_dict())
+
+
+def test_optimization_mode_is_the_seeds_name_for_mode():
+    """Issue 20: @optimize_model(optimization_mode=...) raised TypeError."""
+    @tt.optimize_model(optimization_mode=tt.OptimizationMode.AMP)
+    def predict(model, x):
+        return model(x)
+
+    assert predict(nn.Linear(3, 2), torch.randn(4, 3)).dtype == torch.bfloat16
+    assert tt.optimize_model(nn.Linear(3, 2), optimization_mode="none").report.mode is tt.OptimizationMode.NONE
+    assert tt.optimize_model(nn.Linear(3, 2), mode="amp", optimization_mode="amp").report.applied == ["amp"]
+    with pytest.raises(ValueError, match="contradicts"):
+        tt.optimize_model(nn.Linear(3, 2), mode="amp", optimization_mode="none")
+    with pytest.raises(ValueError, match="optimization_mode='turbo'"):
+        tt.optimize_model(optimization_mode="turbo")

@@ -38,10 +38,12 @@ def test_summary_rates_equal_hand_counts_on_a_scripted_run():
         out = mon.monitor_training_step(model, torch.tensor(loss), step)
         assert out["step"] == step
     s = mon.get_training_summary()
-    total, spikes, explosions, vanishing, loss_anoms, anomaly_steps = 10, 1, 2, 2, 2, 5
-    assert (s["total_steps"], s["loss_spikes"], s["gradient_explosions"], s["gradient_vanishing"],
-            s["loss_anomalies"], s["anomaly_steps"]) == (total, spikes, explosions, vanishing, loss_anoms,
-                                                          anomaly_steps)
+    # The NaN gradient is non-finite, never an explosion.
+    total, spikes, explosions, nonfinite, vanishing, loss_anoms, anomaly_steps = 10, 1, 1, 1, 2, 2, 5
+    assert (s["total_steps"], s["loss_spikes"], s["gradient_explosions"], s["nonfinite_gradients"],
+            s["gradient_vanishing"], s["loss_anomalies"], s["anomaly_steps"]) == (
+        total, spikes, explosions, nonfinite, vanishing, loss_anoms, anomaly_steps)
+    assert s["nonfinite_gradient_rate"] == nonfinite / total
     assert s["anomaly_rate"] == anomaly_steps / total
     assert s["gradient_explosion_rate"] == explosions / total
     assert s["gradient_vanishing_rate"] == vanishing / total

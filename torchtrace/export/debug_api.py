@@ -104,6 +104,12 @@ def history_training_summary(runtime) -> dict[str, Any]:
         "loss_anomaly_rate": rate(by_kind.get("nonfinite_loss", 0) + by_kind.get("loss_spike", 0)),
         "explosion_rate": rate(by_kind.get("grad_explosion", 0)),
         "vanishing_rate": rate(by_kind.get("grad_vanishing", 0)),
+        # Seed 001's keys (steps with the kind, and per step); a NaN/Inf gradient is not an explosion.
+        "gradient_explosions": by_kind.get("grad_explosion", 0),
+        "gradient_vanishing": by_kind.get("grad_vanishing", 0),
+        "loss_anomalies": by_kind.get("nonfinite_loss", 0) + by_kind.get("loss_spike", 0),
+        "gradient_explosion_rate": rate(by_kind.get("grad_explosion", 0)),
+        "gradient_vanishing_rate": rate(by_kind.get("grad_vanishing", 0)),
         "recent": {
             "steps": len(recent),
             "last_loss": recent[-1].get("loss") if recent else None,
@@ -163,6 +169,24 @@ class DebugAPI:
         add("GET", "/debug/events", self._guarded(self._events))
         add("POST", "/debug/level/", self._guarded(self._level, mutating=True))
         add("POST", "/debug/clear", self._guarded(self._clear, mutating=True))
+        # Seed 001's routes (/training-logs/debug/...): aliases of the four above, same handlers
+        # and the same safety checks; the handlers see the path without the prefix.
+        seed_prefix = "/training-logs"
+
+        class _Unprefixed:
+            def __init__(self, request) -> None:
+                self._request = request
+                self.path = request.path[len(seed_prefix):]
+
+            def __getattr__(self, name: str):
+                return getattr(self._request, name)
+
+        for method, path, handler, mutating in (("GET", "/debug/summary", self._summary, False),
+                                                ("GET", "/debug/training/summary", self._training, False),
+                                                ("POST", "/debug/level/", self._level, True),
+                                                ("POST", "/debug/clear", self._clear, True)):
+            add(method, seed_prefix + path,
+                self._guarded(lambda request, h=handler: h(_Unprefixed(request)), mutating=mutating))
         return self
 
     def announce(self) -> None:

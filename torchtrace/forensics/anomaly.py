@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -17,8 +17,13 @@ ANOMALY_MODES = ("detect", "warn", "raise")
 
 
 @contextlib.contextmanager
-def anomaly_detection(mode: str = "detect", check_nan: bool = True) -> Iterator[None]:
+def anomaly_detection(mode: str = "detect", check_nan: bool = True, enabled: bool = True,
+                      on_anomaly: Callable[[BaseException, str], None] | None = None) -> Iterator[None]:
     """Run the block under ``torch.autograd.detect_anomaly``; restore the previous state after.
+
+    ``enabled=False`` runs the block untouched (the seeds' ``anomaly_detection(enabled=...)``).
+    ``on_anomaly(error, mode)`` is called for every anomaly caught, in every mode (a
+    debugger's timeline); its own failure is logged, never raised.
 
     Modes, when autograd reports an anomaly (a ``RuntimeError`` from a backward function):
     ``detect`` records it (run history, ``torchtrace_anomalies_total{kind="nonfinite_grad"}``)
@@ -29,7 +34,7 @@ def anomaly_detection(mode: str = "detect", check_nan: bool = True) -> Iterator[
     gives the same answer at no cost on healthy steps).
 
     Raises:
-        ValueError: an unknown mode, at once.
+        ValueError: an unknown mode, or an ``enabled`` that is not a bool, at once.
 
     >>> import torch, torchtrace as tt
     >>> with tt.anomaly_detection("detect"):
@@ -39,12 +44,22 @@ def anomaly_detection(mode: str = "detect", check_nan: bool = True) -> Iterator[
     """
     if mode not in ANOMALY_MODES:
         raise ValueError(f"mode={mode!r} is not valid; accepted values: {', '.join(ANOMALY_MODES)}")
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled={enabled!r} is not valid; accepted values: True, False")
+    if not enabled:
+        yield
+        return
     prev = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
     torch.set_anomaly_enabled(True, check_nan)
     try:
         yield
     except RuntimeError as exc:
         _record(exc, mode)
+        if on_anomaly is not None:
+            try:
+                on_anomaly(exc, mode)
+            except Exception as err:  # a caller's callback must not replace the anomaly
+                logger.warning("on_anomaly callback failed (%s: %s)", type(err).__name__, err)
         if mode == "warn":
             warnings.warn(f"autograd anomaly: {exc}", RuntimeWarning, stacklevel=3)
             return

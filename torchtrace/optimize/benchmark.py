@@ -56,10 +56,42 @@ class ModeResult:
         d["losses"] = list(self.losses)
         return d
 
+    # The seeds read a mode's result as a dict: result["total_time"], "error" in result.
+    def seed_view(self) -> dict[str, Any]:
+        """The seeds' keys: ``total_time`` (seconds of the timed steps; ``inf`` for a failed mode,
+        so ``min(results.items(), key=...)`` never picks it), ``speedup_factor``,
+        ``memory_savings``, ``median_step_time``, ``memory_bytes``, ``max_abs_loss_diff``,
+        ``applied``, ``skipped``, ``mode``; ``error`` only for a mode that failed."""
+        d: dict[str, Any] = {"mode": self.mode.value,
+                             "total_time": math.fsum(self.step_times_s) if self.ok else math.inf,
+                             "speedup_factor": self.speedup, "memory_savings": self.memory_saving,
+                             "median_step_time": self.median_s, "memory_bytes": self.memory_bytes,
+                             "max_abs_loss_diff": self.max_abs_loss_diff, "applied": list(self.applied),
+                             "skipped": dict(self.skipped)}
+        if not self.ok:
+            d["error"] = self.error
+        return d
+
+    def __getitem__(self, key: str) -> Any:
+        return self.seed_view()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.seed_view()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.seed_view().get(key, default)
+
+    def keys(self):
+        return self.seed_view().keys()
+
 
 @dataclass
 class BenchmarkResults:
-    """All modes' results (``results[mode]``), the device, and the table as text."""
+    """All modes' results (``results[mode]``), the device, and the table as text.
+
+    Also a mapping of mode value (``"amp"``) to :class:`ModeResult`: ``items()``, ``keys()``,
+    ``values()``, ``len()``, ``in`` (the seeds' ``for mode, result in results.items()``).
+    """
 
     device: str
     warmup: int
@@ -68,6 +100,28 @@ class BenchmarkResults:
 
     def __getitem__(self, mode: OptimizationMode | str) -> ModeResult:
         return self.results[OptimizationMode.parse(mode, "mode")]
+
+    # Mapping of mode value ("amp") -> ModeResult, as the seeds iterate it.
+    def items(self):
+        return [(m.value, r) for m, r in self.results.items()]
+
+    def keys(self):
+        return [m.value for m in self.results]
+
+    def values(self):
+        return list(self.results.values())
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __contains__(self, mode: object) -> bool:
+        try:
+            return OptimizationMode.parse(mode, "mode") in self.results  # type: ignore[arg-type]
+        except ValueError:
+            return False
 
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "warmup": self.warmup, "steps": self.steps,

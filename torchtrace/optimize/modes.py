@@ -265,9 +265,9 @@ def _traced(mode: OptimizationMode, build: Callable[[], OptimizedModel]) -> Opti
         return result
 
 
-def optimize_model(model: nn.Module | None = None, mode: OptimizationMode | str = OptimizationMode.FULL_OPTIMIZATION,
+def optimize_model(model: nn.Module | None = None, mode: OptimizationMode | str | None = None,
                    *, amp_dtype: str | torch.dtype | None = None, compile_backend: str | Callable = "inductor",
-                   compile_options: dict | None = None):
+                   compile_options: dict | None = None, optimization_mode: OptimizationMode | str | None = None):
     """Apply an optimization mode to a model, or decorate a function taking one.
 
     Args:
@@ -281,9 +281,12 @@ def optimize_model(model: nn.Module | None = None, mode: OptimizationMode | str 
         compile_backend: ``torch.compile`` backend ("inductor", "aot_eager", "eager", or a
             backend callable).
         compile_options: further keyword arguments for ``torch.compile``.
+        optimization_mode: the seeds' name for ``mode`` (``@optimize_model(optimization_mode=
+            OptimizationMode.AMP)``); give one of the two. Default FULL_OPTIMIZATION.
 
     Raises:
-        ValueError: a mode or amp_dtype that does not exist (at decoration time).
+        ValueError: a mode or amp_dtype that does not exist, or ``mode`` and
+            ``optimization_mode`` that disagree (at decoration time).
 
     >>> net = optimize_model(torch.nn.Linear(4, 2), "amp")
     >>> net(torch.randn(3, 4)).dtype
@@ -292,7 +295,7 @@ def optimize_model(model: nn.Module | None = None, mode: OptimizationMode | str 
     ... def predict(model, x):
     ...     return model(x)
     """
-    mode = OptimizationMode.parse(mode, "mode")
+    mode = _one_mode(mode, optimization_mode)
     if amp_dtype is not None and not isinstance(amp_dtype, torch.dtype) and str(amp_dtype).lower() not in _DTYPES:
         raise ValueError(f"amp_dtype={amp_dtype!r} is not valid; accepted values: bfloat16, float16")
     opts = dict(amp_dtype=amp_dtype, compile_backend=compile_backend, compile_options=compile_options)
@@ -303,6 +306,15 @@ def optimize_model(model: nn.Module | None = None, mode: OptimizationMode | str 
     if model is not None:
         raise TypeError(f"optimize_model expects an nn.Module or a function, got {type(model).__name__}")
     return _decorator(mode, opts)
+
+
+def _one_mode(mode: Any, optimization_mode: Any) -> OptimizationMode:
+    """``mode`` or its seed name ``optimization_mode``; both only when they agree."""
+    a = OptimizationMode.parse(mode, "mode") if mode is not None else None
+    b = OptimizationMode.parse(optimization_mode, "optimization_mode") if optimization_mode is not None else None
+    if a is not None and b is not None and a is not b:
+        raise ValueError(f"mode={a.value!r} contradicts optimization_mode={b.value!r}; give one of them")
+    return a or b or OptimizationMode.FULL_OPTIMIZATION
 
 
 def _decorator(mode: OptimizationMode, opts: dict) -> Callable[[Callable], Callable]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from torchtrace import current, semconv
+from torchtrace.config import DEFAULT_GRAD_EXPLOSION_THRESHOLD, DEFAULT_GRAD_VANISHING_THRESHOLD
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.record import readout
 
@@ -28,14 +29,17 @@ class TrainingMonitor:
         spike_factor: a loss above ``mean + spike_factor * std`` of the window is a spike
             (the std is floored at ``1e-3 * |mean| + 1e-12`` so a flat window still works).
         min_history: losses needed in the window before spikes are judged.
-        explosion_threshold / vanishing_threshold: global gradient norm bounds.
+        explosion_threshold / vanishing_threshold: global gradient norm bounds (defaults:
+            :data:`torchtrace.config.DEFAULT_GRAD_EXPLOSION_THRESHOLD` and
+            :data:`~torchtrace.config.DEFAULT_GRAD_VANISHING_THRESHOLD`).
 
     Summary keys (:meth:`get_training_summary`): ``total_steps``, ``anomaly_steps`` (steps
-    with at least one anomaly), ``gradient_explosions`` (norm above the threshold or
-    non-finite), ``gradient_vanishing`` (finite norm below the threshold),
-    ``loss_anomalies`` (non-finite loss or spike), ``loss_spikes``, and their rates
-    (count / total_steps): ``anomaly_rate``, ``gradient_explosion_rate``,
-    ``gradient_vanishing_rate``, ``loss_anomaly_rate``, ``loss_spike_rate``.
+    with at least one anomaly), ``gradient_explosions`` (finite norm above the threshold),
+    ``gradient_vanishing`` (finite norm below the threshold), ``nonfinite_gradients`` (a NaN
+    or Inf gradient: never counted as an explosion), ``loss_anomalies`` (non-finite loss or
+    spike), ``loss_spikes``, and their rates (count / total_steps): ``anomaly_rate``,
+    ``gradient_explosion_rate``, ``gradient_vanishing_rate``, ``nonfinite_gradient_rate``,
+    ``loss_anomaly_rate``, ``loss_spike_rate``.
 
     >>> import torch, torchtrace as tt
     >>> mon = tt.TrainingMonitor(window=10)
@@ -47,7 +51,8 @@ class TrainingMonitor:
     """
 
     def __init__(self, window: int = 50, spike_factor: float = 3.0, min_history: int = 5,
-                 explosion_threshold: float = 1e3, vanishing_threshold: float = 1e-7) -> None:
+                 explosion_threshold: float = DEFAULT_GRAD_EXPLOSION_THRESHOLD,
+                 vanishing_threshold: float = DEFAULT_GRAD_VANISHING_THRESHOLD) -> None:
         for name, value in (("window", window), ("min_history", min_history)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} is not valid; accepted values: a positive integer")
@@ -83,6 +88,10 @@ class TrainingMonitor:
         else:
             loss_value = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
         grad_norm = values[0] if stats is not None else None
+        return self.record_step(loss_value, grad_norm, step)
+
+    def record_step(self, loss_value: float | None, grad_norm: float | None, step: int | None = None) -> dict[str, Any]:
+        """Judge and count one step from numbers already on the host (no read)."""
         step = self.counts["total_steps"] if step is None else step
         anomalies = self._judge(loss_value, grad_norm)
         self.counts["total_steps"] += 1
@@ -90,8 +99,12 @@ class TrainingMonitor:
             self.counts["anomaly_steps"] += 1
         self.last = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "anomalies": anomalies}
         if anomalies:
-            _record(anomalies, step, loss_value, grad_norm)
+            self._report(anomalies, step, loss_value, grad_norm)
         return dict(self.last)
+
+    def _report(self, kinds: list[str], step: int, loss: float | None, grad_norm: float | None) -> None:
+        """Where a step's anomalies go: the configured run (a subclass inside a step counts less)."""
+        record_anomalies(kinds, step, loss, grad_norm)
 
     def _judge(self, loss: float | None, grad_norm: float | None) -> list[str]:
         kinds: list[str] = []
@@ -106,8 +119,11 @@ class TrainingMonitor:
                     self.counts["loss_spikes"] += 1
                 self.losses.append(loss)
         if grad_norm is not None:
-            if not math.isfinite(grad_norm) or grad_norm > self.explosion_threshold:
-                kinds.append(semconv.NONFINITE_GRAD if not math.isfinite(grad_norm) else semconv.GRAD_EXPLOSION)
+            if not math.isfinite(grad_norm):
+                kinds.append(semconv.NONFINITE_GRAD)
+                self.counts["nonfinite_gradients"] += 1
+            elif grad_norm > self.explosion_threshold:
+                kinds.append(semconv.GRAD_EXPLOSION)
                 self.counts["gradient_explosions"] += 1
             elif grad_norm < self.vanishing_threshold:
                 kinds.append(semconv.GRAD_VANISHING)
@@ -154,15 +170,19 @@ class TrainingMonitor:
 
 
 _RATES = (("anomaly_steps", "anomaly_rate"), ("gradient_explosions", "gradient_explosion_rate"),
-          ("gradient_vanishing", "gradient_vanishing_rate"), ("loss_anomalies", "loss_anomaly_rate"),
-          ("loss_spikes", "loss_spike_rate"))
-
-TrainingDebugger = TrainingMonitor  # the seeds' name
+          ("gradient_vanishing", "gradient_vanishing_rate"), ("nonfinite_gradients", "nonfinite_gradient_rate"),
+          ("loss_anomalies", "loss_anomaly_rate"), ("loss_spikes", "loss_spike_rate"))
 
 
-def _record(kinds: list[str], step: int, loss: float | None, grad_norm: float | None,
-            operation: str = "training_monitor") -> None:
-    """Count anomalies on the configured runtime (metrics, run history, log)."""
+def record_anomalies(kinds: list[str], step: int | None, loss: float | None, grad_norm: float | None,
+                     operation: str = "training_monitor", data: dict[str, Any] | None = None,
+                     count: bool = True) -> None:
+    """Record anomalies on the configured runtime: the log, the counter
+    ``torchtrace_anomalies_total{operation, kind}`` (unless ``count`` is False) and an
+    ``anomaly`` event in the run history.
+
+    ``count=False`` is for a check made inside an open step whose own record counts the same
+    kinds (the loss and gradients it was given), so that no anomaly is counted twice."""
     rt = current.runtime(create=False)
     for kind in kinds:
         logger.warning("step %s: %s (loss %s, grad norm %s)", step, kind, loss, grad_norm)
@@ -170,10 +190,12 @@ def _record(kinds: list[str], step: int, loss: float | None, grad_norm: float | 
         return
     try:
         for kind in kinds:
-            rt.metrics.count_anomaly(operation, kind)
-            rt.history.add_event("anomaly", f"{kind} at step {step}",
-                                 {"kind": kind, "step": step, "operation": operation, "loss": _json(loss),
-                                  "grad_norm": _json(grad_norm)})
+            if count:
+                rt.metrics.count_anomaly(operation, kind)
+            event = {"kind": kind, "step": step, "operation": operation, "loss": _json(loss),
+                     "grad_norm": _json(grad_norm)}
+            event.update(data or {})
+            rt.history.add_event("anomaly", f"{kind} at step {step}", event)
     except Exception as exc:
         rt.errors.report("record", exc)
 

@@ -14,7 +14,7 @@ import torch
 from torchtrace import semconv
 from torchtrace.measure import tensors as tensor_measure
 from torchtrace.record import readout
-from torchtrace.record.monitor import _record
+from torchtrace.record.monitor import record_anomalies
 
 
 def _stats(t: torch.Tensor) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def validate_model_input(x: torch.Tensor, *, expected_dims: int | Sequence[int] 
         x_stats = x
     info = _stats(x_stats)
     if not allow_nonfinite and (info["nan_count"] or info["inf_count"]):
-        _record([semconv.NONFINITE_INPUT], -1, None, None, operation="validate_model_input")
+        record_anomalies([semconv.NONFINITE_INPUT], -1, None, None, operation="validate_model_input")
         raise ValueError(f"{name} holds {info['nan_count']} NaN and {info['inf_count']} Inf value(s) "
                          f"out of {info['numel']} (shape {tuple(x.shape)})")
     if min_value is not None and info["min"] is not None and info["min"] < min_value:
@@ -97,5 +97,5 @@ def detect_model_anomalies(model: torch.nn.Module, x: Any, *, value_range: tuple
         anomalies.append(semconv.UNIFORM_OUTPUT)
         details[semconv.UNIFORM_OUTPUT] = {"max_difference": values[-1], "batch": int(o.shape[0])}
     if anomalies:
-        _record(anomalies, -1, None, None, operation="detect_model_anomalies")
+        record_anomalies(anomalies, -1, None, None, operation="detect_model_anomalies")
     return {"ok": not anomalies, "anomalies": anomalies, "output": info, "details": details}

@@ -20,7 +20,8 @@ import torch
 
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure import tensors as tensor_measure
-from torchtrace.measure.activations import LayerHooks, first_tensor, layer_modules
+from torchtrace.forensics.blame import ModuleCalls, localise
+from torchtrace.measure.activations import first_tensor, layer_modules
 from torchtrace.record import readout
 
 
@@ -32,41 +33,94 @@ def _call(model: torch.nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def _display(name: str, model: torch.nn.Module, childless: bool) -> str:
+    if name:
+        return name
+    return type(model).__name__ if childless else "(root)"
+
+
+def _layer_rows(rows: list[dict[str, Any]], model: torch.nn.Module,
+                leaves_only: bool) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Label every call (``name#n`` for repeats) and pick the listed layers: leaves and modules
+    computing in their own forward (or every module but the root); the root's row apart."""
+    childless = next(iter(model.children()), None) is None
+    counts: dict[str, int] = {}
+    layers: list[dict[str, Any]] = []
+    root_row = None
+    for r in rows:
+        name = _display(r["module"], model, childless)
+        n = counts.get(name, 0)
+        counts[name] = n + 1
+        r["label"] = name if n == 0 else f"{name}#{n}"
+        if r["module"] == "":
+            root_row = r
+        listed = (r["is_leaf"] or r["own_compute"]) if leaves_only else True
+        if r["module"] == "" and not childless:
+            listed = False
+        if listed and r["shape"] is not None:
+            layers.append({"name": r["label"], "module": r["type"], "shape": r["shape"], "dtype": r["dtype"],
+                           "device": r["device"], "mean": r["mean"], "std": r["std"], "min": r["min"],
+                           "max": r["max"], "nan_count": r["nan_count"], "inf_count": r["inf_count"],
+                           "nonfinite_count": r["nan_count"] + r["inf_count"], "time_s": r["time_s"],
+                           "own_compute": bool(r["own_compute"] and not r["is_leaf"])})
+    return layers, root_row
+
+
 def debug_forward_pass(model: torch.nn.Module, inputs: Any, layer_hooks: bool = True,
                        leaves_only: bool = True) -> dict[str, Any]:
-    """Run ``model(inputs)`` and report each layer's output shape, dtype, statistics and time.
+    """Run ``model(inputs)`` and report each layer's output shape, dtype, statistics and time,
+    and which module made a NaN/Inf, by the forensics rule (:mod:`torchtrace.forensics.blame`).
 
-    Returns ``{"output": ..., "layers": [{name, module, shape, dtype, device, mean, std, min, max,
-    nan_count, inf_count, nonfinite_count, time_s}], "nonfinite_layers": [...], "first_nonfinite_layer",
-    "time_s"}``. Statistics are over finite values (float64). ``time_s`` per layer is host wall
-    time (on CUDA it is launch time unless the device is synchronised).
+    Every module is watched. The ``layers`` list holds the leaves and every module with
+    children that computes in its own ``forward`` (its output is none of its children's
+    outputs: ``nn.MultiheadAttention`` inside ``nn.TransformerEncoderLayer``), in completion
+    order; ``leaves_only=False`` lists every module but the root. A repeated call of one
+    module is listed as ``name#1``, ``name#2``...
+
+    Returns ``{"output": ..., "layers": [{name, module, shape, dtype, device, mean, std, min,
+    max, nan_count, inf_count, nonfinite_count, time_s, own_compute}], "nonfinite_layers": [...],
+    "first_nonfinite_layer", "nonfinite_origin": {cause, module, module_type}, "time_s",
+    "output_stats"}``. ``first_nonfinite_layer`` is the module the rule blames: the first,
+    innermost first, whose output is non-finite while its inputs are finite (cause
+    ``"forward"``); when the model's own input is non-finite (cause ``"input"``) it is the
+    first listed layer with a non-finite output. Statistics are over finite values (float64);
+    ``time_s`` per layer is host wall time (on CUDA, launch time unless synchronised). One host
+    read for everything.
+
+    >>> import torch, torchtrace as tt
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    >>> tt.debug_forward_pass(m, torch.ones(2, 4))["first_nonfinite_layer"] is None
+    True
     """
-    hooks = LayerHooks(model, leaves_only=leaves_only, timing=True) if layer_hooks else None
-    t0 = time.perf_counter()
-    try:
+    if not layer_hooks:
+        t0 = time.perf_counter()
         output = _call(model, inputs)
-    finally:
-        if hooks is not None:
-            hooks.remove()
+        return {"output": output, "layers": [], "nonfinite_layers": [], "first_nonfinite_layer": None,
+                "nonfinite_origin": None, "time_s": time.perf_counter() - t0}
+    calls = ModuleCalls(model, timing=True)
+    t0 = time.perf_counter()
+    with calls:
+        output = _call(model, inputs)
     total = time.perf_counter() - t0
-    layers: list[dict[str, Any]] = []
-    out_t = first_tensor(output)
-    pieces = []
-    if hooks is not None and hooks.stats:
-        pieces.append(hooks.stacked().reshape(-1))
-    if out_t is not None:
-        pieces.append(tensor_measure.tensor_stats(out_t).to(pieces[0].device if pieces else out_t.device))
-    values = readout.read(torch.cat(pieces).cpu()) if pieces else []
-    if hooks is not None and hooks.stats:
-        layers = hooks.rows(values)
-    result: dict[str, Any] = {"output": output, "layers": layers, "time_s": total}
-    if out_t is not None:
-        result["output_stats"] = tensor_measure.describe(out_t, values[-len(tensor_measure.STAT_NAMES):], "output")
-    bad = [l["name"] for l in layers if l["nonfinite_count"]]
-    result["nonfinite_layers"] = bad
-    result["first_nonfinite_layer"] = bad[0] if bad else None
-    if hooks is not None:
-        hooks.stats = []  # nothing derived from the activations stays referenced
+    rows = calls.host_rows(calls.values_read())
+    calls.calls = []  # nothing derived from the activations stays referenced
+    layers, root_row = _layer_rows(rows, model, leaves_only)
+    origin = localise(rows)
+    blamed = rows[origin["index"]] if origin["cause"] == "forward" else None
+    bad = [layer["name"] for layer in layers if layer["nonfinite_count"]]
+    first = blamed["label"] if blamed is not None else (bad[0] if bad else None)
+    if first is not None and first not in bad:
+        bad.insert(0, first)  # a blamed module not in the list: the root computing in its own forward
+    result: dict[str, Any] = {"output": output, "layers": layers, "time_s": total, "nonfinite_layers": bad,
+                              "first_nonfinite_layer": first, "nonfinite_origin": None}
+    if origin["cause"] is not None:
+        result["nonfinite_origin"] = {"cause": origin["cause"], "module": rows[origin["index"]]["label"],
+                                      "module_type": origin["module_type"]}
+    if root_row is not None and root_row["shape"] is not None:
+        result["output_stats"] = {"name": "output", "shape": root_row["shape"], "dtype": root_row["dtype"],
+                                  "device": root_row["device"],
+                                  **{k: root_row[k] for k in ("mean", "std", "min", "max", "nan_count", "inf_count")},
+                                  "has_nan": root_row["nan_count"] > 0, "has_inf": root_row["inf_count"] > 0}
     return result
 
 
@@ -202,12 +256,26 @@ def _validate_forward(model, shape, dtype, device) -> dict[str, Any]:
 
 
 def debug_training_step(model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., torch.Tensor],
-                        optimizer: torch.optim.Optimizer | None = None, layer_hooks: bool = True) -> dict[str, Any]:
+                        optimizer: torch.optim.Optimizer | None = None, layer_hooks: bool = True, *,
+                        backward_stats: bool = True, before_step: Callable[[], Any] | None = None,
+                        on_loss: Callable[[torch.Tensor], Any] | None = None) -> dict[str, Any]:
     """One training step, fully inspected: forward layer statistics, loss, backward gradient
-    statistics, then ``optimizer.step()`` (skipped when gradients are non-finite).
+    statistics, then ``optimizer.step()`` (skipped when the loss or a gradient is non-finite).
+
+    Args:
+        layer_hooks / backward_stats: False runs that half plainly (no statistics).
+        before_step: called after backward and before the optimizer step; its result is
+            returned under ``"before_step"`` (a gradient check, a clip).
+        on_loss: called with the loss tensor before backward (hand it to an open step).
 
     Returns ``{"forward", "loss", "backward", "optimizer_stepped", "time_s"}``; the forward
     report has no ``output`` key (the output is not retained).
+
+    >>> import torch, torchtrace as tt
+    >>> m = torch.nn.Linear(3, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    >>> out = tt.debug_training_step(m, torch.ones(4, 3), torch.zeros(4, 1), torch.nn.functional.mse_loss, opt)
+    >>> out["optimizer_stepped"]
+    True
     """
     t0 = time.perf_counter()
     if optimizer is not None:
@@ -217,14 +285,30 @@ def debug_training_step(model: torch.nn.Module, inputs: Any, targets: Any, loss_
     loss = loss_fn(output, targets)
     del output
     loss_value = readout.read(loss.detach().reshape(-1)[:1].to(torch.float64).cpu())[0]
-    bwd = debug_backward_pass(loss, model=model)
+    if on_loss is not None:
+        on_loss(loss)
+    if backward_stats:
+        bwd = debug_backward_pass(loss, model=model)
+        finite_grads = not bwd["nonfinite_params"]
+    else:
+        t1 = time.perf_counter()
+        loss.backward()
+        bwd = {"time_s": time.perf_counter() - t1}
+        finite_grads = True
     del loss
+    out: dict[str, Any] = {"forward": fwd, "loss": loss_value, "backward": bwd}
+    if before_step is not None:
+        out["before_step"] = before_step()
+        check = out["before_step"]
+        if isinstance(check, dict) and check.get("nonfinite_params"):
+            finite_grads = False
     stepped = False
-    if optimizer is not None and not bwd["nonfinite_params"] and math.isfinite(loss_value):
+    if optimizer is not None and finite_grads and math.isfinite(loss_value):
         optimizer.step()
         stepped = True
-    return {"forward": fwd, "loss": loss_value, "backward": bwd, "optimizer_stepped": stepped,
-            "time_s": time.perf_counter() - t0}
+    out["optimizer_stepped"] = stepped
+    out["time_s"] = time.perf_counter() - t0
+    return out
 
 
 __all__ = ["debug_forward_pass", "debug_backward_pass", "inspect_model", "debug_training_step", "layer_modules"]

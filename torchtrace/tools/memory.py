@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Iterator
+from typing import Any, Iterator
 
+import psutil
 import torch
 
 from torchtrace.measure import memory as mem_measure
@@ -47,14 +48,73 @@ def clear_memory() -> dict[str, int | None]:
     return out
 
 
+def model_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of a model's own tensors: parameters, their gradients, buffers, and the total.
+
+    A tensor shared by two modules (tied weights) is counted once.
+
+    >>> model_bytes(torch.nn.Linear(3, 2))["total"]
+    32
+    """
+    seen: set[tuple] = set()
+
+    def size(ts) -> int:
+        n = 0
+        for t in ts:
+            ptr = t.data_ptr() if t.device.type != "meta" else 0
+            key = (ptr, t.numel(), t.element_size()) if ptr else ("id", id(t))
+            if key in seen:
+                continue
+            seen.add(key)
+            n += t.numel() * t.element_size()
+        return n
+
+    params = list(model.parameters())
+    p = size(params)
+    g = size(q.grad for q in params if q.grad is not None)
+    b = size(model.buffers())
+    return {"parameters": p, "gradients": g, "buffers": b, "total": p + g + b}
+
+
+def memory_profile(model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Memory now: process RSS (bytes and percent of physical memory), system memory percent,
+    CUDA allocator counters (bytes and MB; None without CUDA), and with ``model`` the bytes of
+    its parameters, gradients and buffers (``total`` is their sum).
+
+    >>> "cpu_memory" in memory_profile()
+    True
+    """
+    sample = mem_measure.sample()
+    vm = psutil.virtual_memory()
+    out: dict[str, Any] = sample.as_dict()
+    out["cpu_memory"] = 100.0 * sample.rss / vm.total if vm.total else None  # process, percent
+    out["system_memory_percent"] = float(vm.percent)
+    alloc = sample.cuda_allocated
+    out["gpu_memory"] = alloc / 2 ** 20 if alloc is not None else None  # MB
+    out["gpu_memory_reserved"] = sample.cuda_reserved / 2 ** 20 if sample.cuda_reserved is not None else None
+    if model is not None:
+        sizes = model_bytes(model)
+        out.update({f"{k}_bytes": v for k, v in sizes.items() if k != "total"})
+        out["total"] = sizes["total"]
+    return out
+
+
 @contextlib.contextmanager
-def memory_tracking(tracker_: MemoryTracker | None = None) -> Iterator[MemoryTracker]:
+def memory_tracking(tracker_: MemoryTracker | None = None, enabled: bool = True) -> Iterator[MemoryTracker]:
     """Record a memory sample for every instrumented step inside the block.
 
     ``DebugMode.MEMORY_PROFILING`` does the same for the whole run. Snapshots ``start`` and
-    ``end`` are taken around the block.
+    ``end`` are taken around the block. ``enabled=False`` takes no snapshot and records
+    nothing (the seeds' ``memory_tracking(enabled=...)``).
     """
+    if isinstance(tracker_, bool):  # memory_tracking(True): the seeds' positional ``enabled``
+        tracker_, enabled = None, tracker_
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled={enabled!r} is not valid; accepted values: True, False")
     trk = tracker_ or _TRACKER
+    if not enabled:
+        yield trk
+        return
     was = trk.active
     trk.active = True
     trk.take_snapshot("start")

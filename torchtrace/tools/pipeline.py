@@ -11,18 +11,33 @@ from opentelemetry import trace
 from torchtrace import current, semconv
 from torchtrace.measure import tensors as tensor_measure
 from torchtrace.record import readout
-from torchtrace.record.monitor import _record
+from torchtrace.record.monitor import record_anomalies
 
 
 def _components(obj: Any) -> dict[str, torch.nn.Module]:
+    """The modules of a pipeline-like object, by name.
+
+    A dict or list of modules; a module's children; otherwise the object's module attributes
+    together with the modules of its ``components`` dict when it has one (a diffusers pipeline
+    lists its parts there), each module once, under its first name.
+    """
     if isinstance(obj, dict):
-        items = obj.items()
+        items = list(obj.items())
     elif isinstance(obj, (list, tuple)):
-        items = ((str(i), v) for i, v in enumerate(obj))
+        items = [(str(i), v) for i, v in enumerate(obj)]
     elif isinstance(obj, torch.nn.Module):
-        items = obj.named_children()
+        items = list(obj.named_children())
     else:
-        items = vars(obj).items()
+        items = list(getattr(obj, "__dict__", {}).items())
+        extra = getattr(obj, "components", None)
+        if isinstance(extra, dict):
+            items.extend(extra.items())
+        unique, seen = [], set()
+        for k, v in items:
+            if isinstance(v, torch.nn.Module) and id(v) not in seen:
+                seen.add(id(v))
+                unique.append((k, v))
+        items = unique
     return {str(k): v for k, v in items if isinstance(v, torch.nn.Module)}
 
 
@@ -98,5 +113,5 @@ def monitor_loop_step(name: str, step: int, tensor: torch.Tensor) -> dict[str, A
         except Exception as exc:
             rt.errors.report("tracing", exc)
     if nonfinite:
-        _record([semconv.NONFINITE_OUTPUT], step, None, None, operation=name)
+        record_anomalies([semconv.NONFINITE_OUTPUT], step, None, None, operation=name)
     return {"name": name, "step": step, "nonfinite": nonfinite, **stats}

@@ -21,8 +21,11 @@ from torchtrace.probes.profiler import ProfilerProbe, ProfileSchedule, Window, c
 @contextlib.contextmanager
 def profiling(output_file: str | os.PathLike[str] | None = None, schedule: ProfileSchedule | None = None, *,
               record_shapes: bool = False, profile_memory: bool = False, with_stack: bool = False,
-              max_trace_bytes: int = 64 * 1024 * 1024) -> Iterator[dict[str, Any]]:
+              max_trace_bytes: int = 64 * 1024 * 1024, enabled: bool = True) -> Iterator[dict[str, Any]]:
     """Profile inside the block.
+
+    ``enabled=False`` runs the block unprofiled and writes nothing (``result["path"]`` stays
+    None): the seeds' ``profiling(enabled=...)``.
 
     Without ``schedule``: one ``torch.profiler`` window over the whole block, written as a
     Chrome trace to ``output_file`` (default ``<run_dir>/profiles/trace-block.json``); every
@@ -37,8 +40,13 @@ def profiling(output_file: str | os.PathLike[str] | None = None, schedule: Profi
     >>> os.path.exists(result["path"])
     True
     """
-    probe = _probe(current.runtime())
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled={enabled!r} is not valid; accepted values: True, False")
     result: dict[str, Any] = {"path": None, "windows": []}
+    if not enabled:
+        yield result
+        return
+    probe = _probe(current.runtime())
     if schedule is not None:
         if probe is None:
             raise RuntimeError("profiling(schedule=...) needs a configured torchtrace runtime")

@@ -1,0 +1,310 @@
+"""``PyTorchDebugger``: the seeds' debugger (000, 001, 003) as one facade over the core.
+
+Interactive checks read their results to the host once each; training steps it monitors are
+torchtrace steps (spans, metrics, report entries), opened with the public step API.
+
+>>> import torch, torchtrace as tt
+>>> dbg = tt.create_pytorch_debugger()
+>>> model = torch.nn.Linear(4, 2); model(torch.ones(3, 4)).sum().backward()
+>>> dbg.check_gradients(model, gradient_threshold=1e3) > 0
+True
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from torchtrace import current
+from torchtrace.compat import resources
+from torchtrace.compat.inspecting import CheckingMixin
+from torchtrace.compat.operations import OperationsMixin
+from torchtrace.compat.records import DebugMetrics, OptimizationMetrics
+from torchtrace.compat.results import Result
+from torchtrace.compat.settings import DebugConfig, build_config, debug_mode_setting, flag, is_logger
+from torchtrace.compat.timeline import Timeline, iso, make_sink
+from torchtrace.errors import NonFiniteError
+from torchtrace.forensics.anomaly import anomaly_detection as core_anomaly_detection
+from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.record.growth import DEFAULT_THRESHOLD, GrowthTracker
+from torchtrace.tools import memory as memory_tools
+from torchtrace.tools.profiling import profiling as core_profiling
+
+logger = logging.getLogger("torchtrace.debugger")
+
+
+def _split_positional(first: Any, second: Any) -> tuple[Any, Any, Any]:
+    """``(config, logger, debug_mode)`` from the two positional slots, by type.
+
+    Seed 000 is ``PyTorchDebugger(logger, debug_mode)``, seed 001 ``PyTorchDebugger(level)``,
+    torchtrace's own ``PyTorchDebugger(config, logger)``.
+    """
+    config = log = mode = None
+    for slot, value in enumerate((first, second)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or isinstance(value, DebugMode):
+            mode = value
+        elif isinstance(value, (DebugConfig, DebugLevel, str)) and config is None:
+            config = value
+        elif (is_logger(value) or slot == 1) and log is None:
+            log = value  # the logger slot: an unusable logger is refused by name when it is wrapped
+        else:
+            raise TypeError(f"PyTorchDebugger: a positional argument of type {type(value).__name__} is not accepted; "
+                            "accepted: a DebugConfig or DebugLevel, a logger, debug_mode (bool or DebugMode)")
+    return config, log, mode
+
+
+def _error_tracker(error_system: Any) -> Any:
+    if error_system is None:
+        return None
+    for obj in (getattr(error_system, "error_tracker", None), error_system):
+        if obj is not None and callable(getattr(obj, "track_error", None)):
+            return obj.track_error
+    raise TypeError(f"error_system= must have error_tracker.track_error or track_error; got "
+                    f"{type(error_system).__name__}")
+
+
+class PyTorchDebugger(CheckingMixin, OperationsMixin):
+    """Gradient, parameter, tensor and memory checks, autograd anomaly detection, profiling and
+    memory tracking, with a bounded event timeline written to your logger.
+
+    Construction (every seed's form): ``PyTorchDebugger()``, ``PyTorchDebugger(DebugLevel.ADVANCED)``,
+    ``PyTorchDebugger(logger, debug_mode=True, enable_profiling=True, log_dir="debug_logs")``,
+    ``PyTorchDebugger(error_system=..., training_logger=..., debug_mode=DebugMode.FULL_DEBUG)``.
+    Keywords are :class:`~torchtrace.compat.settings.DebugConfig` fields (and the seed aliases
+    ``gradient_threshold``, ``gradient_norm_threshold``). ``debug_mode`` takes a bool or a
+    DebugMode; ``logger`` and ``training_logger`` take a ``logging.Logger`` or a seed-style
+    logger (``log_info``/``log_warning``/``log_error``); events go to both. ``error_system``
+    (an object with ``error_tracker.track_error`` or ``track_error``) receives every ERROR
+    event as a :class:`~torchtrace.NonFiniteError` (NaN/Inf gradients, parameters, losses).
+
+    Raises:
+        TypeError: an unknown setting or an unusable logger/error_system, naming it.
+        ValueError: a bad value or a contradiction, naming the setting and the accepted values.
+    """
+
+    def __init__(self, config: DebugConfig | DebugLevel | str | Any = None, logger: Any = None, *,
+                 debug_mode: bool | DebugMode | str | None = None, error_system: Any = None,
+                 training_logger: Any = None, **settings: Any) -> None:
+        config, logger, positional_mode = _split_positional(config, logger)
+        if positional_mode is not None and debug_mode is not None:
+            raise TypeError("PyTorchDebugger: debug_mode was given twice")
+        on, mode = debug_mode_setting(positional_mode if debug_mode is None else debug_mode)
+        if on is not None:
+            settings["debug_mode"] = on
+        if mode is not None:
+            if "mode" in settings and DebugMode.parse(settings["mode"], "mode") is not mode:
+                raise ValueError(f"debug_mode={mode.value!r} contradicts mode={settings['mode']!r}")
+            settings["mode"] = mode
+        if isinstance(config, (DebugLevel, str)):
+            settings.setdefault("level", config)
+        self.config = build_config(config if isinstance(config, DebugConfig) else None, settings)
+        self.logger = logger if logger is not None else logging.getLogger("torchtrace.debugger")
+        sinks = [make_sink(self.logger)]
+        if training_logger is not None:
+            sinks.append(make_sink(training_logger, "training_logger"))
+        self.training_logger = training_logger
+        self.error_system = error_system
+        self._track_error = _error_tracker(error_system)
+        self.timeline = Timeline(self.config.max_events, sinks)
+        self.history = self.timeline.history
+        self.debug_metrics: list[DebugMetrics] = []
+        self.optimization_metrics: list[OptimizationMetrics] = []
+        self.memory_snapshots: list[dict[str, Any]] = []
+        self.profiles_written: list[str] = []
+        self.last_forward_pass: Result | None = None
+        self._violations: collections.Counter[str] = collections.Counter()
+        self._active: collections.Counter[str] = collections.Counter()
+        self._open_metrics: list[DebugMetrics] = []
+        self._profiles = 0
+        self._growth = GrowthTracker(window=8, threshold=DEFAULT_THRESHOLD, warmup=8)
+        self._leak_seq = 0
+        self._leaking = False
+        self._reset_counts()
+
+    # ------------------------------------------------------------ settings and events
+    @property
+    def level(self) -> DebugLevel | None:
+        return self.config.level
+
+    @property
+    def mode(self) -> DebugMode:
+        return self.config.mode
+
+    def _off(self, feature: str) -> str:
+        """Why ``feature`` is off ("" when on): level OFF, ``debug_mode=False``, or its own switch."""
+        if self.config.level is DebugLevel.OFF:
+            return "level=off"
+        if feature in ("debug_mode", "enable_anomaly_detection", "enable_profiling") and not self.config.debug_mode:
+            return "debug_mode=False"
+        if feature != "debug_mode" and getattr(self.config, feature) is False:
+            return f"{feature}=False"
+        return ""
+
+    def _log(self, event_type: str, message: str, data: dict[str, Any] | None = None,
+             level: int = logging.INFO) -> None:
+        """Add an event to the timeline and the loggers; ERROR events also go to the error system."""
+        self.timeline.log(event_type, message, data, level)
+        if level >= logging.ERROR and self._track_error is not None:
+            try:
+                self._track_error(error=NonFiniteError(f"{event_type}: {message}"), context={
+                    "event_type": event_type, "source": "torchtrace", **(data or {})})
+            except Exception as exc:  # the user's error system must not break the caller
+                logger.warning("error_system.track_error failed (%s: %s)", type(exc).__name__, exc)
+
+    def _log_debug_event(self, event_type: str, message: str, data: dict[str, Any] | None = None,
+                         level: int = logging.INFO) -> None:
+        """Seed 000's name: add your own event (``debugger._log_debug_event("custom_error", str(e))``)."""
+        self._log(event_type, message, data, level)
+
+    log_event = _log_debug_event
+
+    def _note_anomalies(self, sentences: list[str]) -> None:
+        if self._open_metrics and sentences:
+            self._open_metrics[-1].gradient_anomalies.extend(sentences)
+
+    def _snapshot(self, name: str, profile: dict[str, Any]) -> dict[str, Any]:
+        """Keep a snapshot in seed 000's shape (percent, CUDA bytes, ISO timestamp)."""
+        snap = {"name": name, "timestamp": iso(time.time()), "cpu_memory_percent": profile.get("cpu_memory"),
+                "rss_bytes": profile.get("rss_bytes"), "cuda_allocated": profile.get("cuda_allocated_bytes"),
+                "cuda_reserved": profile.get("cuda_reserved_bytes")}
+        self.memory_snapshots.append(snap)
+        del self.memory_snapshots[:-self.config.max_events]
+        return snap
+
+    def _run_leaks(self) -> list[str]:
+        """``memory_leak`` anomalies the configured run recorded since the last look."""
+        rt = current.runtime(create=False)
+        if rt is None:
+            return []
+        events = rt.history.events(self._leak_seq)
+        if events:
+            self._leak_seq = events[-1].seq
+        return [e.message for e in events if e.event_type == "anomaly" and e.data.get("kind") == "memory_leak"]
+
+    def _path(self, name: str | os.PathLike[str] | None, default: str) -> Path:
+        """A relative name goes under ``log_dir``; None gets ``default`` there."""
+        path = Path(name) if name is not None else Path(default)
+        return path if path.is_absolute() else Path(self.config.log_dir) / path
+
+    # ------------------------------------------------------------ the three contexts
+    @contextlib.contextmanager
+    def anomaly_detection(self, enabled: bool | None = None, mode: str | None = None) -> Iterator[None]:
+        """``torch.autograd.detect_anomaly`` over the block (``mode``: detect, warn, raise; default
+        the config's ``anomaly_mode``). ``raise`` raises :class:`~torchtrace.NonFiniteError` from
+        autograd's error. ``enabled`` None follows the settings (off with
+        ``enable_anomaly_detection=False`` or ``debug_mode=False``); True/False decide here."""
+        if isinstance(enabled, str) and mode is None:  # anomaly_detection("warn"): the mode, positionally
+            enabled, mode = None, enabled
+        on = not self._off("enable_anomaly_detection") if enabled is None else flag(enabled, "enabled")
+        mode = mode or self.config.anomaly_mode
+        if not on:
+            self._log("anomaly_detection_skipped", f"anomaly detection off ({self._off('enable_anomaly_detection') or 'enabled=False'})",
+                      level=logging.DEBUG)
+        else:
+            self._log("anomaly_detection", f"Anomaly detection enabled (mode {mode})", {"mode": mode})
+        self._active["anomaly_detection"] += on
+        try:
+            with core_anomaly_detection(mode=mode, enabled=on, on_anomaly=self._autograd_anomaly):
+                yield
+        finally:
+            self._active["anomaly_detection"] -= on
+
+    def _autograd_anomaly(self, exc: BaseException, mode: str) -> None:
+        self._log("autograd_anomaly", f"{type(exc).__name__} under anomaly detection: {str(exc).splitlines()[0][:200]}",
+                  {"mode": mode, "error": str(exc)[:500]}, logging.ERROR)
+
+    autograd_anomaly_detection = anomaly_detection
+
+    @contextlib.contextmanager
+    def profiling(self, enabled: bool | None = None, output_file: str | os.PathLike[str] | None = None,
+                  **options: Any) -> Iterator[dict[str, Any]]:
+        """A ``torch.profiler`` window over the block, written as a Chrome trace.
+
+        ``output_file`` relative (or None) goes under ``log_dir`` (default
+        ``profile_<n>.json``); shapes and memory are recorded unless ``options`` say otherwise,
+        Python stacks with ``with_stack=True`` (which slows profiling down); ``options`` are :func:`torchtrace.profiling`'s. ``enabled`` None follows the
+        settings; off, nothing is profiled and ``result["path"]`` is None.
+        """
+        if isinstance(enabled, (str, os.PathLike)) and output_file is None:  # profiling("trace.json")
+            enabled, output_file = None, enabled
+        on = not self._off("enable_profiling") if enabled is None else flag(enabled, "enabled")
+        if not on:
+            self._log("profiling_skipped", f"profiling off ({self._off('enable_profiling') or 'enabled=False'}); "
+                      "nothing is profiled", level=logging.INFO)
+            yield {"path": None, "windows": [], "enabled": False}
+            return
+        path = self._path(output_file, f"profile_{len(self.profiles_written)}.json")
+        for key in ("record_shapes", "profile_memory"):
+            options.setdefault(key, True)
+        self._log("profiling", f"profiling to {path}", {"path": str(path)}, logging.DEBUG)
+        self._active["profiling"] += 1
+        try:
+            with core_profiling(path, **options) as result:
+                yield result
+        finally:
+            self._active["profiling"] -= 1
+        self.profiles_written.append(str(result.get("path") or path))
+        self._log("profile_written", f"profile written to {result.get('path') or path}", {"path": str(path)})
+
+    @contextlib.contextmanager
+    def memory_tracking(self, enabled: bool | None = None) -> Iterator[Any]:
+        """Memory snapshots at the start and end of the block, a sample for every torchtrace step
+        inside it, and a ``memory_tracking`` event with the difference and the leaks found."""
+        on = not self._off("enable_memory_tracking") if enabled is None else flag(enabled, "enabled")
+        if not on:
+            self._log("memory_tracking_skipped", f"memory tracking off ({self._off('enable_memory_tracking') or 'enabled=False'})",
+                      level=logging.DEBUG)
+            yield None
+            return
+        start = self.profile_memory("memory_tracking_start")
+        self._active["memory_tracking"] += 1
+        try:
+            with memory_tools.memory_tracking(enabled=True) as tracker:
+                yield tracker
+        finally:
+            self._active["memory_tracking"] -= 1
+            end = self.profile_memory("memory_tracking_end")
+            delta = end["rss_bytes"] - start["rss_bytes"]
+            self._log("memory_tracking", f"process memory changed by {delta / 2 ** 20:+.2f} MB",
+                      {"rss_delta_bytes": delta, "cuda_allocated_delta_bytes": None if end["cuda_allocated_bytes"] is None
+                       else end["cuda_allocated_bytes"] - (start["cuda_allocated_bytes"] or 0),
+                       "memory_leaks": end["memory_leaks"]})
+
+    # ------------------------------------------------------------ memory tools
+    def take_memory_snapshot(self, name: str | None = None, census: bool = False) -> Any:
+        """A named snapshot (``snapshot.compare(earlier)`` gives the differences); also kept in
+        :attr:`memory_snapshots` in seed 000's shape."""
+        snap = memory_tools.take_memory_snapshot(name, census)
+        self._snapshot(snap.name, memory_tools.memory_profile())
+        self._log("memory_snapshot", f"snapshot {snap.name}", snap.as_dict(), logging.DEBUG)
+        return snap
+
+    def compare_memory_snapshots(self, before: Any, after: Any) -> dict[str, Any]:
+        return after.compare(before)
+
+    def track_tensor(self, tensor: torch.Tensor, name: str) -> None:
+        """Watch ``tensor`` by weak reference (never keeps it alive)."""
+        memory_tools.track_tensor(tensor, name)
+
+    def clear_memory(self) -> dict[str, Any]:
+        """``gc.collect()`` and CUDA ``empty_cache()``; returns the bytes released."""
+        freed = memory_tools.clear_memory()
+        self._log("memory_cleared", f"released {freed}", freed, logging.DEBUG)
+        return freed
+
+    def monitor_resources(self, **thresholds: Any) -> Result:
+        """CPU %, memory % and GPU utilisation/memory now; see :func:`torchtrace.compat.monitor_resources`."""
+        out = resources.monitor_resources(logger=None, **thresholds)
+        for warning in out["warnings"]:
+            self._log("resource_warning", warning, {k: out[k] for k in ("cpu_percent", "memory_percent")},
+                      logging.WARNING)
+        return out

@@ -1,0 +1,104 @@
+"""How seed-style calls feed the telemetry: through the public step API only.
+
+A training step that a seed class monitors is opened with :func:`torchtrace.debug_context`
+(one span, the step metrics, a report entry, exactly as ``@debug_operation`` would make);
+a check made inside an open step hands the step its loss and model (``record_loss``, the
+public ``model`` attribute) so that the step's record holds them; anomalies found outside a
+step are counted with :func:`torchtrace.record.monitor.record_anomalies`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from torchtrace import api, current, semconv
+from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.record import readout
+from torchtrace.record.monitor import record_anomalies
+
+STEP_KINDS = frozenset({semconv.NONFINITE_LOSS, semconv.NONFINITE_GRAD, semconv.GRAD_EXPLOSION,
+                        semconv.GRAD_VANISHING})
+"""Kinds a step's own record judges from the loss and gradients it holds."""
+
+
+def open_step(name: str, *, model: torch.nn.Module | None = None, optimizer: Any = None, step: int | None = None,
+              level: DebugLevel | None = None, mode: DebugMode | None = None) -> api.StepScope:
+    """A step scope, as ``torchtrace.debug_context`` makes it (use with ``with``).
+
+    A level or mode the seed object was given applies to this step only; ``None`` leaves the
+    run's. Inside a step of another seed object (nested), no second step is opened: the
+    returned scope is inert and the outer one records the step.
+    """
+    outer = current.step()
+    if outer is not None and getattr(outer, "active", False):
+        return api.StepScope(name, level=DebugLevel.OFF)  # records nothing
+    return api.debug_context(name, model=model, optimizer=optimizer, step=step, level=level,
+                             mode=None if mode in (None, DebugMode.NONE) else mode)
+
+
+def active_step() -> api.StepScope | None:
+    scope = api.current_step()
+    return scope if scope is not None and scope.active else None
+
+
+def share_with_step(model: torch.nn.Module | None = None, loss: Any = None) -> bool:
+    """Give the open step the model whose gradients were checked and the loss, when it lacks
+    them. True when a step is open (it then counts the loss and gradient anomalies itself)."""
+    scope = active_step()
+    if scope is None:
+        return False
+    try:
+        if model is not None and scope.model is None:
+            scope.model = model
+        if loss is not None:
+            scope.record_loss(loss)
+    except Exception as exc:  # torchtrace's own failure never reaches the caller
+        rt = current.runtime(create=False)
+        if rt is not None:
+            rt.errors.report("step", exc)
+    return True
+
+
+def report(kinds: list[str], operation: str, *, step: int | None = None, loss: float | None = None,
+           grad_norm: float | None = None, in_step: bool = False, data: dict[str, Any] | None = None) -> None:
+    """Record anomalies a seed check found. With ``in_step`` (the open step holds the loss and
+    model) the kinds the step judges itself are not counted a second time."""
+    if not kinds:
+        return
+    counted = [k for k in kinds if not (in_step and k in STEP_KINDS)]
+    shared = [k for k in kinds if k not in counted]
+    if counted:
+        record_anomalies(counted, step, _finite_or_none(loss), _finite_or_none(grad_norm), operation, data)
+    if shared:
+        record_anomalies(shared, step, _finite_or_none(loss), _finite_or_none(grad_norm), operation, data,
+                         count=False)
+
+
+def _finite_or_none(v: Any) -> float | None:
+    if v is None:
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def loss_value(loss: Any) -> float | None:
+    """A loss as a Python float (one host read for a tensor), or None."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() == 0:
+            return None
+        return readout.read(loss.detach().reshape(-1)[:1].to(torch.float64).cpu())[0]
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return float(loss)
+    return None
+
+
+def nonfinite(value: float | None) -> bool:
+    return value is not None and not math.isfinite(value)
+
+
+__all__ = ["STEP_KINDS", "active_step", "loss_value", "nonfinite", "open_step", "report", "share_with_step"]
