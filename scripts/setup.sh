@@ -23,13 +23,22 @@ if [ "${TORCHTRACE_SETUP_FORCE:-0}" != "1" ] && [ -f "$STAMP" ] && [ "$(cat "$ST
   exit 0  # nothing changed since the last install
 fi
 
-echo "setup: installing torch==$TORCH_PIN and torchtrace[dev] into .venv (first time: a minute or two)" >&2
+LOG=.venv/setup.log
+echo "setup: installing torch==$TORCH_PIN and torchtrace[dev] into .venv (first time: a minute or more; log: $LOG)" >&2
 rm -f "$STAMP"
-. .venv/bin/activate
-python -m pip install -q --upgrade pip
-python - "$TORCH_PIN" <<'EOF' 2>/dev/null || python -m pip install -q "torch==$TORCH_PIN"
+: > "$LOG"
+pip_quiet() {
+  if ! .venv/bin/python -m pip install -q "$@" >>"$LOG" 2>&1; then
+    tail -n 40 "$LOG" >&2
+    echo "setup: pip install $* failed; the whole log is in $LOG" >&2
+    exit 1
+  fi
+}
+pip_quiet --upgrade pip
+.venv/bin/python - "$TORCH_PIN" <<'EOF' 2>/dev/null || pip_quiet "torch==$TORCH_PIN"
 import sys, torch
 sys.exit(0 if torch.__version__.split("+")[0] == sys.argv[1] else 1)
 EOF
-python -m pip install -q -e ".[dev]"
+pip_quiet -e ".[dev]"
 echo "$want" > "$STAMP"
+echo "setup: done" >&2

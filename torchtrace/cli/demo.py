@@ -87,9 +87,9 @@ class InputNorm(torch.nn.Module):
 
 
 class DemoNet(torch.nn.Module):
-    """``norm`` -> two GELU layers of 512 -> ``head`` (10 classes); about 300 k parameters."""
+    """``norm`` -> two GELU layers of 256 -> ``head`` (10 classes); about 85 k parameters."""
 
-    def __init__(self, d_in: int = 64, hidden: int = 512, classes: int = 10) -> None:
+    def __init__(self, d_in: int = 64, hidden: int = 256, classes: int = 10) -> None:
         super().__init__()
         self.norm = InputNorm()
         self.body = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.GELU(),
@@ -104,7 +104,7 @@ def make_model() -> torch.nn.Module:
     return DemoNet()
 
 
-def make_batch(teacher: torch.nn.Module, fault: str | None, batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(teacher: torch.nn.Module, fault: str | None, batch: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of synthetic data labelled by ``teacher``, with ``fault`` planted in it."""
     x = torch.randn(batch, teacher.in_features)
     with torch.no_grad():

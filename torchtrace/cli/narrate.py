@@ -45,7 +45,7 @@ def header(console: Console, steps: int, settings, faults, fault_text: dict[str,
            page: tuple[str, str | None] | None, result) -> None:
     """What runs, what is measured, what was planted, and where to watch it."""
     level = settings.level.value if hasattr(settings.level, "value") else str(settings.level)
-    console.line(f"torchtrace demo: {steps} training steps of a 300 k-parameter MLP on synthetic data, "
+    console.line(f"torchtrace demo: {steps} training steps of an 85 k-parameter MLP on synthetic data, "
                  f"level {level}, guard {settings.guard}")
     for line in _wrap("measured every step: " + MEASURED.get(level, MEASURED["basic"])
                       + ". Each step is one span (spans.jsonl), Prometheus metrics and a line in the run report.",
