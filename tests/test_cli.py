@@ -89,6 +89,17 @@ def test_demo_names_an_input_nan_as_a_data_problem(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_demo_under_guard_raise_stops_and_still_names_the_producer(tmp_path):
+    proc = demo(tmp_path, "--steps", "15", "--inject", "nan@5", "--guard", "raise", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.replace("\n     ", " ")
+    assert "step 5: NaN found. Forensic replay: born in layer `norm` (InputNorm)" in out
+    assert ">> step 5: training stopped by guard raise: " in out and "; stopped at step 5\n" in out
+    report = json.loads((only_run(tmp_path) / "report.json").read_text())
+    assert report["totals"]["steps"] == 6 and report["forensics"]["replays"] == 1
+
+
+@pytest.mark.timeout(120)
 def test_demo_in_a_terminal_keeps_log_lines_off_the_bar(tmp_path):
     """A real pseudo-terminal: every log or event line starts on a cleared line and ends whole."""
     master, slave = pty.openpty()

@@ -184,7 +184,17 @@ def _train(model, opt, teacher, faults: dict[int, str], steps: int, console: Con
                 step.record_loss(loss)
                 opt.step()
         except NonFiniteError as exc:  # guard="raise"
-            narrate.stopped(console, i, exc)
+            console.end_progress()
+            if getattr(exc, "report", None):
+                state.replays += 1
+                for line in narrate.forensic_lines(exc.report):
+                    console.line(line)
+            narrate.stopped(console, i, f"training stopped by guard raise: {exc}")
+            state.stopped_at = i
+            return
+        except KeyboardInterrupt:
+            console.end_progress()
+            narrate.stopped(console, i, "interrupted (Ctrl-C); the run's files are written all the same")
             state.stopped_at = i
             return
         narrate.after_step(console, i, step.record, state)

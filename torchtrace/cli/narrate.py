@@ -126,8 +126,8 @@ def forensic_lines(report: dict[str, Any]) -> list[str]:
                          f"module, in {ms:.0f} ms; the training result is unchanged.)", " " * len(EVENT))
 
 
-def stopped(console: Console, i: int, exc: Exception) -> None:
-    console.line(f"{EVENT}step {i}: training stopped by guard raise: {exc}")
+def stopped(console: Console, i: int, why: str) -> None:
+    console.line(f"{EVENT}step {i}: {why}")
 
 
 def summary(console: Console, summary: dict[str, Any], state, settings, steps: int) -> None:
