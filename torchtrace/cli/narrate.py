@@ -44,6 +44,10 @@ def _rel(path: Any) -> str:
 def header(console: Console, steps: int, settings, faults, fault_text: dict[str, str],
            page: tuple[str, str | None] | None, result) -> None:
     """What runs, what is measured, what was planted, and where to watch it."""
+    if settings is None:  # TORCHTRACE_DISABLED / OTEL_SDK_DISABLED
+        console.line(f"torchtrace demo: {steps} training steps; torchtrace is disabled by the environment, "
+                     "so nothing is measured")
+        return
     level = settings.level.value if hasattr(settings.level, "value") else str(settings.level)
     console.line(f"torchtrace demo: {steps} training steps of an 85 k-parameter MLP on synthetic data, "
                  f"level {level}, guard {settings.guard}")
