@@ -1,61 +1,196 @@
-"""The demo command, as a user runs it: a real subprocess."""
+"""The demo command, as a user runs it: a real subprocess, in a pipe and in a pseudo-terminal."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import os
+import pty
+import re
+import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from torchtrace.cli import main as cli_main
+from torchtrace.cli.console import CLEAR_LINE, Console, logs_through
+from torchtrace.cli.demo import Fault, check_faults, parse_fault
 
-@pytest.mark.timeout(120)
-def test_demo_with_injected_nan_and_explosion(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchtrace.cli", "demo", "--steps", "120", "--inject", "nan@50",
-         "--inject", "explode@80", "--port", "0", "--run-dir", str(tmp_path), "--no-progress"],
-        capture_output=True, text=True, timeout=110)
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def demo(tmp_path, *args: str, timeout: float = 110) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torchtrace.cli", "demo", "--port", "0", "--run-dir",
+                           str(tmp_path / "runs"), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp_path, env=ENV)
+
+
+def only_run(tmp_path) -> Path:
+    (run,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    return run
+
+
+@pytest.mark.timeout(150)
+def test_demo_tells_the_story_in_a_pipe(tmp_path):
+    proc = demo(tmp_path, "--steps", "120", "--inject", "nan@50", "--inject", "explode@80")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "metrics:  http://127.0.0.1:" in out and "summary" in out
-    assert "skipped updates       1" in out
-    report = json.loads(next(tmp_path.glob("*/report.json")).read_text())
-    assert report["totals"]["steps"] == 120
-    assert report["totals"]["skipped_steps"] == 1
-    assert report["anomalies_by_kind"]["nonfinite_loss"] == 1
+    assert "\r" not in out and "\x1b" not in out  # no bar drawn into a pipe
+    # what is measured, and where to watch, before the first step
+    assert "measured every step: the loss; the global and per-tensor gradient norms" in out
+    page = re.search(r"live page:  (http://127\.0\.0\.1:\d+/)\n  token:      (\S+)", out)
+    assert page and len(page.group(2)) >= 32, out
+    assert out.index("token:") < out.index("step 20/120")
+    # the NaN: found at its step, its producer named, the update skipped, training recovering, in that order
+    lines = out.splitlines()
+    found = next(i for i, l in enumerate(lines) if "step 50: NaN found. Forensic replay: born in layer `norm` "
+                                                     "(InputNorm)" in l)
+    skipped = next(i for i, l in enumerate(lines) if "step 50: update skipped (guard skip)" in l)
+    recovered = next(i for i, l in enumerate(lines) if re.search(r">> step 51: training recovered: loss \d", l))
+    progress_before = next(i for i, l in enumerate(lines) if l.startswith("  step 40/120"))
+    progress_after = next(i for i, l in enumerate(lines) if l.startswith("  step 60/120"))
+    assert progress_before < found < skipped < recovered < progress_after  # each event when it happens
+    assert "nonfinite_loss" in out and "grad_explosion" in out  # torchtrace's own log lines, whole
+    # the summary: anomaly kinds on their own row
+    assert re.search(r"\n  anomalies by kind  grad_explosion \d+, .*nonfinite_loss 1", out)
+    assert "\n  forensic replays   1 (budget 3)\n" in out and "\n  skipped updates    1\n" in out
+    # where to look next: a report command that works as printed
+    cmd = re.search(r"HTML report:  (.+)\n", out).group(1)
+    assert cmd.endswith(" --html report.html") and only_run(tmp_path).name in cmd
+    rep = subprocess.run(shlex.split(cmd), cwd=tmp_path, capture_output=True, text=True, timeout=60, env=ENV)
+    assert rep.returncode == 0, rep.stderr
+    assert "forensic reports: 1" in rep.stdout and (tmp_path / "report.html").stat().st_size > 10_000
+    # the files agree
+    report = json.loads((only_run(tmp_path) / "report.json").read_text())
+    assert report["totals"]["steps"] == 120 and report["totals"]["skipped_steps"] == 1
+    assert report["forensics"]["replays"] == 1
+    (f,) = report["forensics"]["reports"]
+    assert (f["step"], f["cause"], f["module"], f["module_type"]) == (50, "forward", "norm", "InputNorm")
     assert report["anomalies_by_kind"]["grad_explosion"] >= 1
-    spans = [json.loads(l) for l in next(tmp_path.glob("*/spans.jsonl")).read_text().splitlines()]
+    spans = [json.loads(l) for l in (only_run(tmp_path) / "spans.jsonl").read_text().splitlines()]
     assert len(spans) == 120
     assert [s["attributes"]["torchtrace.step"] for s in spans if s["status"] == "ERROR"] == [50]
 
 
-def test_demo_rejects_bad_injection(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torchtrace.cli", "demo", "--inject", "boom@3", "--port", "off",
-                           "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "nan@STEP, explode@STEP" in proc.stderr
+@pytest.mark.timeout(120)
+def test_demo_names_an_input_nan_as_a_data_problem(tmp_path):
+    proc = demo(tmp_path, "--steps", "12", "--inject", "nan-input@5", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "step 5: NaN found. Forensic replay: it came in with the input batch (1 NaN/Inf value(s)), " \
+           "before any layer ran" in proc.stdout.replace("\n     ", " ")
+    assert "step 6/12" not in proc.stdout  # --no-progress
+    report = json.loads((only_run(tmp_path) / "report.json").read_text())
+    assert [r["cause"] for r in report["forensics"]["reports"]] == ["input"]
+
+
+@pytest.mark.timeout(120)
+def test_demo_under_guard_raise_stops_and_still_names_the_producer(tmp_path):
+    proc = demo(tmp_path, "--steps", "15", "--inject", "nan@5", "--guard", "raise", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.replace("\n     ", " ")
+    assert "step 5: NaN found. Forensic replay: born in layer `norm` (InputNorm)" in out
+    assert ">> step 5: training stopped by guard raise: " in out and "; stopped at step 5\n" in out
+    report = json.loads((only_run(tmp_path) / "report.json").read_text())
+    assert report["totals"]["steps"] == 6 and report["forensics"]["replays"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_demo_in_a_terminal_keeps_log_lines_off_the_bar(tmp_path):
+    """A real pseudo-terminal: every log or event line starts on a cleared line and ends whole."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "torchtrace.cli", "demo", "--steps", "60", "--inject", "nan@30",
+                             "--port", "off", "--run-dir", str(tmp_path / "runs"), "--hold", "0"],
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=tmp_path, env=ENV)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(10) == 0
+    raw = b"".join(chunks).decode().replace("\r\n", "\n")
+    assert "[" + "#" * 30 + "] 60/60" in raw  # the bar was drawn, and its last state kept
+    for marker in ("WARNING torchtrace: step 30", "  >> step 30: NaN found", "  >> step 30: update skipped"):
+        assert marker in raw, raw
+        for m in re.finditer(re.escape(marker), raw):
+            before = raw[max(0, m.start() - len(CLEAR_LINE)):m.start()]
+            assert before == CLEAR_LINE or raw[m.start() - 1] == "\n", repr(raw[m.start() - 80:m.end()])
+    # no bar text directly followed by a log line on the same line
+    assert not re.search(r"loss +[-\d.na]+(WARNING|ERROR|  >>)", raw)
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_console_redraws_the_bar_under_a_log_record():
+    out = FakeTerminal()
+    console = Console(out, bar=True, min_interval_s=0)
+    with logs_through(console):
+        console.progress("[##..] 2/4")
+        logging.getLogger("torchtrace.forensics").error("step %s: born in %s", 2, "norm")
+        logging.getLogger("torchtrace").info("not shown: below WARNING")
+    console.end_progress()
+    assert out.getvalue() == (CLEAR_LINE + "[##..] 2/4" + CLEAR_LINE + "ERROR torchtrace.forensics: step 2: born in "
+                              "norm\n" + "[##..] 2/4" + "\n")
+    assert logging.getLogger("torchtrace").propagate is True  # restored
+
+
+def test_console_in_a_pipe_writes_whole_lines_only():
+    out = io.StringIO()
+    console = Console(out, bar=False)
+    console.progress("[##..] 2/4")
+    console.line("event")
+    console.end_progress()
+    assert out.getvalue() == "event\n"
+
+
+def test_parse_fault_refuses_what_would_never_fire():
+    assert parse_fault("nan@120", 300) == Fault("nan", 120)
+    assert parse_fault("nan-input@0", 1) == Fault("nan-input", 0)
+    with pytest.raises(ValueError, match=r"step 500 is never reached with --steps 20 \(steps are numbered 0 to 19\)"):
+        parse_fault("nan@500", 20)
+    with pytest.raises(ValueError, match="step 20 is never reached"):
+        parse_fault("explode@20", 20)
+    for bad in ("boom@3", "nan", "nan@", "nan@-1", "nan@1.5", "@3"):
+        with pytest.raises(ValueError, match="accepted values: nan@STEP, nan-input@STEP, explode@STEP"):
+            parse_fault(bad, 300)
+    with pytest.raises(ValueError, match="two faults at step 7"):
+        check_faults([Fault("nan", 7), Fault("explode", 7)])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--inject", "boom@3"], "nan@STEP, nan-input@STEP, explode@STEP"),
+    (["--steps", "20", "--inject", "nan@500"], "step 500 is never reached with --steps 20"),
+    (["--inject", "nan@5", "--inject", "explode@5"], "two faults at step 5"),
+    (["--steps", "0"], "--steps=0 is not valid; accepted values: a positive integer"),
+    (["--hold", "-1"], "--hold=-1.0 is not valid"),
+    (["--level", "loud"], "level='loud' is not valid; accepted values: off, basic, advanced, extreme"),
+    (["--guard", "maybe"], "guard='maybe' is not valid; accepted values:"),
+])
+def test_demo_refuses_bad_arguments(tmp_path, args, message, capsys):
+    """The command's own entry point, in this process: exit status 2, one line naming the setting."""
+    status = cli_main(["demo", "--port", "off", "--run-dir", str(tmp_path / "runs"), *args])
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "runs").exists()  # refused before any run started
 
 
 def test_quickstart_example_runs(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "examples" / "quickstart.py")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(next(tmp_path.glob("torchtrace-runs/*/report.json")).read_text())
     assert report["totals"]["steps"] == 100 and report["operations"] == {"train_step": 100}
-
-
-def test_report_command_on_a_demo_run(tmp_path):
-    demo = subprocess.run([sys.executable, "-m", "torchtrace.cli", "demo", "--steps", "30", "--inject", "nan@10",
-                           "--port", "off", "--run-dir", str(tmp_path), "--no-progress"],
-                          capture_output=True, text=True, timeout=110)
-    assert demo.returncode == 0, demo.stderr
-    run = next(p for p in tmp_path.iterdir() if p.is_dir())
-    out = tmp_path / "out.html"
-    proc = subprocess.run([sys.executable, "-m", "torchtrace.cli", "report", str(run), "--html", str(out)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert "nonfinite_loss" in proc.stdout and run.name in proc.stdout
-    html = out.read_text()
-    assert "<script" in html and "http://" not in html.split("<body", 1)[1].split("</body>")[0].replace(
-        "http://127.0.0.1", "")

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from torchtrace.reporting.htmlreport import write_html_report
+from torchtrace.reporting.terminal import terminal_report
 
 from ..conftest import require_binary
 from ..export.debug_helpers import Trainer, runtime
-from .run_fixture import NAN_STEP, STEPS, make_run
+from .run_fixture import BAD_STEPS, INPUT_NAN_STEP, NAN_STEP, STEPS, make_run
 
 pytestmark = pytest.mark.realserver
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,20 +84,97 @@ def test_live_page_in_chromium_while_training(tt_runtime, tiny_model, tmp_path):
     print(f"\nlive page screenshot: {shot} ({n} steps drawn, {state['renders']} renders)")
 
 
-def test_html_report_in_chromium(tmp_path, tiny_model):
+def render(binary: str, html_file: Path, tmp_path: Path, shot: Path | None = None) -> str:
+    """The DOM of ``html_file`` after headless Chromium ran its scripts."""
+    shot = shot or tmp_path / "shot.png"
+    proc = chromium(binary, html_file.resolve().as_uri(), shot, tmp_path / f"profile-{html_file.stem}")
+    dom, _ = proc.communicate(timeout=60)
+    return dom
+
+
+def canvas_attrs(dom: str, chart: str) -> dict[str, str]:
+    m = re.search(rf'<canvas id="chart-{chart}"([^>]*)>', dom)
+    assert m, chart
+    return dict(re.findall(r'(data-[a-z]+)="([^"]*)"', m.group(1)))
+
+
+def assert_round_ticks(ticks: list[int], first: int, last: int) -> None:
+    """Ticks at multiples of 1, 2 or 5 times a power of ten, inside the steps, 3 to 10 of them."""
+    assert 3 <= len(ticks) <= 10, ticks
+    gaps = {b - a for a, b in zip(ticks, ticks[1:])}
+    assert len(gaps) == 1, ticks
+    gap = gaps.pop()
+    assert gap > 0 and int(str(gap).rstrip("0") or "0") in (1, 2, 5), ticks
+    assert all(t % gap == 0 for t in ticks) and first <= ticks[0] < first + gap and last - gap < ticks[-1] <= last
+
+
+def test_html_report_in_chromium(tmp_path):
     binary = require_binary("chromium")
-    run_dir, _ = make_run(tmp_path, tiny_model)
+    run_dir, _ = make_run(tmp_path)
     out = artifacts_dir() / "report.html"
     write_html_report(run_dir, out)
     shot = artifacts_dir() / "report.png"
     shot.unlink(missing_ok=True)
-    proc = chromium(binary, out.resolve().as_uri(), shot, tmp_path / "profile")
-    dom, _ = proc.communicate(timeout=60)
+    dom = render(binary, out, tmp_path, shot)
     state = page_state(dom)
+    good = STEPS - len(BAD_STEPS)
     assert state["steps"] == STEPS
-    assert state["charts"] == {"loss": STEPS - 1, "grad_norm": STEPS - 1, "step_time": STEPS, "memory": STEPS}
+    assert state["charts"] == {"loss": good, "grad_norm": good, "step_time": STEPS, "memory": STEPS}
     assert canvas_points(dom) == state["charts"]
-    assert state["anomalies"] == [{"step": NAN_STEP, "kind": "nonfinite_loss"}]
-    assert "service_name" in dom and "report-test" in dom  # the configuration table
+    # one entry per replay, the same count as the terminal report
+    assert state["forensics"] == [
+        {"step": NAN_STEP, "operation": "train_step", "cause": "forward", "module": "norm"},
+        {"step": INPUT_NAN_STEP, "operation": "train_step", "cause": "input", "module": ""}]
+    assert len(re.findall(r'<div class="forensic" id="forensic-\d+"', dom)) == 2
+    assert "  forensic reports: 2 " in terminal_report(run_dir)
+    assert re.search(r"<b>2</b><span>forensic replays</span>", dom)
+    assert len(re.findall(r'<a href="#forensic-7"', dom)) == 1  # linked once, not under every row
+    # skipped updates: on every chart, and on each anomaly row of those steps
+    assert state["skipped"] == list(BAD_STEPS)
+    for chart in ("loss", "grad_norm", "step_time", "memory"):
+        attrs = canvas_attrs(dom, chart)
+        assert attrs["data-skipped"] == ",".join(map(str, BAD_STEPS))
+        assert attrs["data-xlabel"] == "step"
+        assert_round_ticks([int(t) for t in attrs["data-xticks"].split(",")], 0, STEPS - 1)
+        assert state["axes"][chart]["xticks"] == attrs["data-xticks"]
+    assert {c: canvas_attrs(dom, c)["data-ylabel"] for c in state["axes"]} == {
+        "loss": "loss", "grad_norm": "L2 norm", "step_time": "ms", "memory": "MiB"}
+    rows = re.findall(r'<tr class="anomaly" data-kind="([a-z_]+)" data-step="(\d+)" data-skipped="([01])">', dom)
+    assert rows and all((int(step) in BAD_STEPS) == (flag == "1") for _, step, flag in rows)
+    assert dom.count('<span class="badge skip">skipped</span>') == len(rows)
+    # the configuration is there, folded
+    assert re.search(r'<details class="config" id="tt-config"><summary>', dom)
+    assert "service_name" in dom and "report-test" in dom
     assert shot.exists() and shot.stat().st_size > 10_000
     print(f"\nHTML report screenshot: {shot}")
+
+
+def _memory_run(path: Path, rss_mib: list[float]) -> Path:
+    """A run directory whose spans hold only steps and their RSS."""
+    path.mkdir()
+    lines = []
+    for i, mib in enumerate(rss_mib):
+        start = 1_000_000_000 * (i + 1)
+        lines.append(json.dumps({"name": "train_step", "start_unix_ns": start, "end_unix_ns": start + 5_000_000,
+                                 "attributes": {"torchtrace.step": i, "torchtrace.operation": "train_step",
+                                                "torchtrace.loss": 1.0 / (i + 1),
+                                                "torchtrace.memory.rss_bytes": int(mib * 2**20)}, "events": []}))
+    (path / "spans.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_memory_axis_keeps_noise_flat_and_shows_a_leak(tmp_path):
+    """Allocator noise of 0.8 MiB fills a twentieth of the axis at most; a 100 MiB climb fills most of it."""
+    binary = require_binary("chromium")
+    noise = [300 + 0.8 * ((i * 7919) % 13) / 12 for i in range(200)]
+    leak = [300 + 0.5 * i for i in range(200)]
+    for name, series, low, high in (("noise", noise, 0.0, 0.05), ("leak", leak, 0.5, 1.0)):
+        run = _memory_run(tmp_path / name, series)
+        out = tmp_path / f"{name}.html"
+        write_html_report(run, out)
+        attrs = canvas_attrs(render(binary, out, tmp_path), "memory")
+        ylo, yhi = map(float, attrs["data-yrange"].split(","))
+        assert ylo <= min(series) and max(series) <= yhi, (name, attrs)
+        share = (max(series) - min(series)) / (yhi - ylo)
+        assert low <= share <= high, (name, share, attrs)
+        assert_round_ticks([int(t) for t in attrs["data-xticks"].split(",")], 0, 199)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from torchtrace.reporting.cli import main as report_main
 from torchtrace.reporting.runfiles import chart_steps, load_run
 from torchtrace.reporting.terminal import sparkline
 
-from .run_fixture import NAN_STEP, STEPS, make_run
+from .run_fixture import BAD_STEPS, INPUT_NAN_STEP, NAN_STEP, STEPS, make_run
 
 
 def _embedded(html: str) -> dict:
@@ -26,8 +27,8 @@ def _embedded(html: str) -> dict:
 
 
 @pytest.fixture
-def run(tmp_path, tiny_model):
-    return make_run(tmp_path, tiny_model)
+def run(tmp_path):
+    return make_run(tmp_path)
 
 
 def test_load_run_steps_match_history(run):
@@ -35,15 +36,56 @@ def test_load_run_steps_match_history(run):
     data = load_run(run_dir)
     assert [s["step"] for s in data.steps] == list(range(STEPS))
     for mine, ref in zip(data.steps, history_steps):
-        if ref["step"] == NAN_STEP:
-            assert math.isnan(mine["loss"]) and mine["anomalies"] == ["nonfinite_loss"]
+        if ref["step"] in BAD_STEPS:
+            assert math.isnan(mine["loss"]) and not math.isfinite(mine["grad_norm"])
         else:
             assert mine["loss"] == ref["loss"] and mine["grad_norm"] == ref["grad_norm"]
-            assert mine["anomalies"] == []
+        assert sorted(mine["anomalies"]) == sorted(ref["anomalies"])
+        assert mine["skipped"] is ref["skipped"] is (ref["step"] in BAD_STEPS)
         assert mine["memory"]["rss_bytes"] == ref["memory"]["rss_bytes"]
-    anomalies = [e for e in data.events if e["type"] == "anomaly"]
-    assert [(e["data"]["step"], e["data"]["kind"]) for e in anomalies] == [(NAN_STEP, "nonfinite_loss")]
+    anomalies = [(e["data"]["step"], e["data"]["kind"]) for e in data.events if e["type"] == "anomaly"]
+    expected = [(s["step"], k) for s in history_steps for k in s["anomalies"]]
+    assert sorted(anomalies) == sorted(expected) and {s for s, _ in anomalies} == set(BAD_STEPS)
+    assert [(f["step"], f["cause"], f["module"]) for f in data.forensics] == [
+        (NAN_STEP, "forward", "norm"), (INPUT_NAN_STEP, "input", "")]
     assert data.problems == []
+
+
+def _three_sources(run_dir) -> tuple[list, list, list]:
+    report = json.loads((run_dir / "report.json").read_text())
+    section = report["forensics"]["reports"]
+    timeline = [e for e in report["events"] if e["type"] == "forensics"]
+    spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
+    events = [ev for sp in spans for ev in sp["events"] if ev["name"] == "torchtrace.forensics"]
+    return section, timeline, events
+
+
+def test_each_replay_is_one_entry_though_the_files_tell_it_three_times(run):
+    run_dir, _ = run
+    section, timeline, span_events = _three_sources(run_dir)
+    assert len(section) == len(timeline) == len(span_events) == 2  # what the reports must not add up
+    data = load_run(run_dir)
+    assert [f["step"] for f in data.forensics] == list(BAD_STEPS)
+    assert [e["data"]["step"] for e in _embedded(html_report(run_dir))["events"] if e["type"] == "forensics"] == \
+        list(BAD_STEPS)
+    text = terminal_report(run_dir)
+    assert "  forensic reports: 2 (one per replayed step" in text
+    assert f"    step {NAN_STEP} train_step: forward: born in norm (_Norm); input finite, output 8 NaN/Inf\n" in text
+    assert f"    step {INPUT_NAN_STEP} train_step: input: born in the model's root module (Normalised); " \
+           f"the input held 1 NaN/Inf\n" in text
+
+
+def test_forensics_read_back_from_the_spans_alone(run):
+    run_dir, _ = run
+    section, _, _ = _three_sources(run_dir)
+    (run_dir / "report.json").unlink()
+    data = load_run(run_dir)
+    assert len(data.forensics) == 2
+    for mine, ref in zip(data.forensics, section):
+        for key in ("step", "operation", "cause", "module", "module_type", "kind", "inputs", "outputs",
+                    "nonfinite_grads"):
+            assert mine[key] == ref[key], key
+    assert "  forensic reports: 2 " in terminal_report(run_dir)
 
 
 def test_terminal_report(run):
@@ -54,10 +96,13 @@ def test_terminal_report(run):
     durations = sorted(s["duration_s"] for s in load_run(run_dir).steps)
     assert f"median {statistics.median(durations) * 1e3:.2f} ms" in text
     first, last = history_steps[0]["loss"], history_steps[-1]["loss"]
-    finite = [s["loss"] for s in history_steps if s["step"] != NAN_STEP]
+    finite = [s["loss"] for s in history_steps if s["step"] not in BAD_STEPS]
     assert f"  loss: first {first:.4g}, last {last:.4g}, min {min(finite):.4g}, max {max(finite):.4g}, " \
-           f"non-finite at 1 step(s)" in text
-    assert f"  anomalies: 1 step(s), rate {100 / STEPS:.2f} %: nonfinite_loss 1" in text
+           f"non-finite at 2 step(s)" in text
+    kinds = collections.Counter(k for s in history_steps for k in s["anomalies"])
+    assert f"  anomalies: 2 step(s), rate {200 / STEPS:.2f} %: " \
+           + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) in text
+    assert f"  skipped updates: 2 (step {NAN_STEP}, {INPUT_NAN_STEP})\n" in text
     assert f"    step {NAN_STEP} train_step: nonfinite_loss: loss is nan" in text
     assert f"  telemetry: {STEPS} spans exported, 0 dropped, internal errors none" in text
 
@@ -67,19 +112,22 @@ def test_html_report_is_self_contained_and_holds_the_run(run):
     html = html_report(run_dir)
     assert html.startswith("<!DOCTYPE html>")
     # nothing is fetched from anywhere: no external scripts, styles, images or fonts
-    assert not re.search(r'(src|href)\s*=', html)
+    assert not re.search(r'(src|href)\s*=\s*"(?!#)', html)
     assert "@import" not in html and "url(" not in html
     data = _embedded(html)
     assert [s["step"] for s in data["steps"]] == list(range(STEPS))
     assert [s["loss"] for s in data["steps"]] == [
-        "NaN" if s["step"] == NAN_STEP else s["loss"] for s in history_steps]
+        "NaN" if s["step"] in BAD_STEPS else s["loss"] for s in history_steps]
+    assert [s["step"] for s in data["steps"] if s["skipped"]] == list(BAD_STEPS)
     assert data["summary"]["run_id"] == run_dir.name
     assert data["summary"]["totals"]["steps"] == STEPS
-    assert data["training"]["anomaly_steps"] == 1 and data["training"]["anomaly_rate"] == 1 / STEPS
+    assert data["training"]["anomaly_steps"] == 2 and data["training"]["anomaly_rate"] == 2 / STEPS
     assert data["settings"]["service_name"] == "report-test"
     assert data["settings"]["debug_token"] is None
-    assert [(e["data"]["step"], e["data"]["kind"]) for e in data["events"] if e["type"] == "anomaly"] == [
-        (NAN_STEP, "nonfinite_loss")]
+    assert {e["data"]["step"] for e in data["events"] if e["type"] == "anomaly"} == set(BAD_STEPS)
+    # the configuration is folded away, its size on the fold
+    assert re.search(r'<details class="config" id="tt-config"><summary>Configuration: '
+                     rf'<span id="tt-settings-count">{len(data["settings"])}</span> settings', html)
 
 
 def test_html_report_escapes_hostile_names(tmp_path):

@@ -18,8 +18,8 @@ _SCRIPT = """
 
 
 def html_report(run_dir: str | Path, rank: int | None = None) -> str:
-    """The report as an HTML string: the live page's charts, anomalies with their forensic
-    reports, the summary and the configuration, with the data embedded as JSON.
+    """The report as an HTML string: the live page's charts, the anomalies, one entry per
+    forensic replay, the summary and the configuration (folded), with the data embedded as JSON.
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a torchtrace run directory.
@@ -36,8 +36,11 @@ def html_report(run_dir: str | Path, rank: int | None = None) -> str:
     notes = ""
     if run.problems:
         notes = "<p class=\"kind\">" + "; ".join(escape(p) for p in run.problems) + "</p>"
-    extra = (f"<section class=\"card wide\"><h2>Configuration <span>{escape(str(run.run_dir))}</span></h2>"
-             f"{notes}<div id=\"tt-settings\"></div></section>"
+    n_settings = len(run.settings or {})
+    extra = (f"<section class=\"card wide\">{notes}<details class=\"config\" id=\"tt-config\">"
+             f"<summary>Configuration: <span id=\"tt-settings-count\">{n_settings}</span> settings "
+             f"<span class=\"muted\">({escape(str(run.run_dir))})</span></summary>"
+             f"<div id=\"tt-settings\"></div></details></section>"
              f"<script type=\"application/json\" id=\"tt-data\">{embed_json(data)}</script>")
     status = f"finished · {run.total_steps} steps"
     if len(data["steps"]) < run.total_steps:

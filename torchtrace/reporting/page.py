@@ -45,8 +45,9 @@ _LIVE_JS = """
 
 _HELP = """
 <section class="card wide"><h2>Changing the run</h2>
-<p class="muted">Changes need the token logged at start (or the <code>debug_token</code> setting) and are applied
-by the training thread at the next step:
+<p class="muted">Changes need the debug API token. <code>torchtrace demo</code> prints it at start; a training job
+logs it once at INFO level on the <code>torchtrace</code> logger, or you choose it with the <code>debug_token</code>
+setting (<code>TORCHTRACE_DEBUG_TOKEN</code>). The training thread applies a change at its next step:
 <code>curl -X POST -H "Authorization: Bearer $TOKEN" http://127.0.0.1:PORT/debug/level/advanced</code>,
 <code>curl -X POST -H "Authorization: Bearer $TOKEN" http://127.0.0.1:PORT/debug/clear</code>.</p></section>
 """

@@ -2,7 +2,9 @@
 
 Steps come from the spans file when there is one (it holds every step, the report only the
 last ``history_size``); anomalies come from the spans' anomaly events, joined with the
-report's timeline for their data and forensic reports.
+report's timeline for their data. A forensic replay is told of up to three times (the
+report's ``forensics`` section, its timeline, and the step span's ``torchtrace.forensics``
+event); :attr:`RunData.forensics` holds it once, and the timeline holds one event per replay.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ class RunData:
     @property
     def settings(self) -> dict[str, Any] | None:
         return (self.report or {}).get("settings")
+
+    @property
+    def forensics(self) -> list[dict[str, Any]]:
+        """One forensic report per replayed step, in time order."""
+        return [e["data"] for e in self.events if e.get("type") == "forensics"]
 
 
 def _number(value: Any) -> float | None:
@@ -84,7 +91,7 @@ def _step_from_span(span: dict[str, Any]) -> dict[str, Any] | None:
             ea = event.get("attributes") or {}
             anomalies.append({"kind": ea.get(semconv.EVENT_ANOMALY_KIND), "detail": ea.get(semconv.EVENT_ANOMALY_DETAIL),
                               "time_unix_ns": event.get("time_unix_ns")})
-    forensics = [e for e in span.get("events") or [] if e.get("name") == semconv.EVENT_FORENSICS]
+    forensics = [_forensic_from_event(e) for e in span.get("events") or [] if e.get("name") == semconv.EVENT_FORENSICS]
     return {
         "operation": attrs.get(semconv.OPERATION, span.get("name")),
         "step": attrs.get(semconv.STEP),
@@ -94,11 +101,31 @@ def _step_from_span(span: dict[str, Any]) -> dict[str, Any] | None:
         "grad_norm": _number(attrs.get(semconv.GRAD_NORM)),
         "memory": memory,
         "anomalies": [a["kind"] for a in anomalies],
+        "skipped": bool(attrs.get(semconv.STEP_SKIPPED, False)),
         "_anomaly_events": anomalies,
         "_forensics": forensics,
         "trace_id": span.get("trace_id"),
         "status": span.get("status"),
     }
+
+
+def _forensic_from_event(event: dict[str, Any]) -> dict[str, Any]:
+    """A span's forensics event back into the report dict it was flattened from."""
+    report: dict[str, Any] = {}
+    for name, value in (event.get("attributes") or {}).items():
+        key = name[len(semconv.FORENSICS_PREFIX):] if name.startswith(semconv.FORENSICS_PREFIX) else name
+        if isinstance(value, str) and value[:1] in "[{":
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass  # capped JSON: keep the text
+        report[key] = value
+    report["_time_unix_ns"] = event.get("time_unix_ns")
+    return report
+
+
+def _forensic_key(report: dict[str, Any]) -> tuple[Any, Any]:
+    return report.get("operation"), report.get("step")
 
 
 def load_run(run_dir: str | Path, rank: int | None = None) -> RunData:
@@ -140,11 +167,21 @@ def load_run(run_dir: str | Path, rank: int | None = None) -> RunData:
 
 
 def _events(data: RunData) -> list[dict[str, Any]]:
-    """The timeline: the report's events, plus anomaly and forensic events only the spans hold."""
-    report_events = list((data.report or {}).get("events", []))
+    """The timeline: the report's events, plus anomaly and forensic events only the spans hold.
+
+    Forensic reports are kept once per (operation, step), the report's own copy first.
+    """
+    report = data.report or {}
+    report_events = list(report.get("events", []))
     seen = {(e.get("data", {}).get("step"), e.get("data", {}).get("operation"), e.get("data", {}).get("kind"))
             for e in report_events if e.get("type") == "anomaly"}
+    replayed = {_forensic_key(e.get("data") or {}) for e in report_events if e.get("type") == "forensics"}
     extra: list[dict[str, Any]] = []
+    for f in (report.get("forensics") or {}).get("reports") or []:  # older than the timeline's window
+        if _forensic_key(f) not in replayed:
+            replayed.add(_forensic_key(f))
+            extra.append({"seq": None, "timestamp": _step_time(data, f), "type": "forensics",
+                          "message": "forensic report", "data": f})
     for s in data.steps:
         for a in s.pop("_anomaly_events", []):
             key = (s["step"], s["operation"], a["kind"])
@@ -156,13 +193,24 @@ def _events(data: RunData) -> list[dict[str, Any]]:
                           "data": {"kind": a["kind"], "detail": a.get("detail"), "step": s["step"],
                                    "operation": s["operation"]}})
         for f in s.pop("_forensics", []):
-            attrs = dict(f.get("attributes") or {})
-            attrs.setdefault("step", s["step"])
-            extra.append({"seq": None, "timestamp": (f.get("time_unix_ns") or s["start_unix_ns"]) / 1e9,
-                          "type": "forensics", "message": "forensic report", "data": attrs})
+            when = f.pop("_time_unix_ns", None) or s["start_unix_ns"]
+            f.setdefault("step", s["step"])
+            f.setdefault("operation", s["operation"])
+            if _forensic_key(f) in replayed:
+                continue
+            replayed.add(_forensic_key(f))
+            extra.append({"seq": None, "timestamp": when / 1e9, "type": "forensics",
+                          "message": "forensic report", "data": f})
     events = extra + report_events
     events.sort(key=lambda e: e.get("timestamp") or 0)
     return events
+
+
+def _step_time(data: RunData, report: dict[str, Any]) -> float:
+    for s in data.steps:
+        if (s.get("operation"), s.get("step")) == _forensic_key(report):
+            return s["start_unix_ns"] / 1e9
+    return 0.0
 
 
 def chart_steps(steps: list[dict[str, Any]], limit: int = MAX_CHART_STEPS) -> list[dict[str, Any]]:

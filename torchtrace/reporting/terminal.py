@@ -52,6 +52,38 @@ def _mib(v: Any) -> str:
     return f"{v / 2**20:.1f} MiB" if isinstance(v, (int, float)) else "-"
 
 
+def forensic_sentence(report: dict[str, Any]) -> str:
+    """One forensic report in a line: its step, cause and the module that produced the value.
+
+    >>> forensic_sentence({"step": 7, "operation": "train_step", "cause": "forward", "module": "norm",
+    ...                    "module_type": "InputNorm", "outputs": {"nan_count": 64, "inf_count": 0}})
+    'step 7 train_step: forward: born in norm (InputNorm); input finite, output 64 NaN/Inf'
+    """
+    module = report.get("module")
+    where = "the model's root module" if module == "" else (module or "?")
+    text = f"step {report.get('step')} {report.get('operation')}: {report.get('cause', 'unknown')}: born in {where}"
+    if report.get("module_type"):
+        text += f" ({report['module_type']})"
+    outs, ins = report.get("outputs") or {}, report.get("inputs") or {}
+    if report.get("cause") == "forward":
+        text += f"; input finite, output {(outs.get('nan_count') or 0) + (outs.get('inf_count') or 0)} NaN/Inf"
+    elif report.get("cause") == "input":
+        text += f"; the input held {(ins.get('nan_count') or 0) + (ins.get('inf_count') or 0)} NaN/Inf"
+    if report.get("op"):
+        text += f"; backward op {report['op']}"
+    return text
+
+
+def _forensic_lines(reports: list[dict[str, Any]]) -> list[str]:
+    if not reports:
+        return []
+    lines = [f"  forensic reports: {len(reports)} (one per replayed step; the HTML report has them in full)"]
+    lines += [f"    {forensic_sentence(r)}" for r in reports[:MAX_ANOMALY_LINES]]
+    if len(reports) > MAX_ANOMALY_LINES:
+        lines.append(f"    ... {len(reports) - MAX_ANOMALY_LINES} more")
+    return lines
+
+
 def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
     """The run's summary as text: totals, series with sparklines, anomalies, telemetry health.
 
@@ -99,6 +131,10 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
     lines.append(f"  anomalies: {tr['anomaly_steps']} step(s), rate {tr['anomaly_rate'] * 100:.2f} %"
                  + (": " + ", ".join(f"{k} {v}" for k, v in sorted(tr["anomalies_by_kind"].items()))
                     if tr["anomalies_by_kind"] else ""))
+    skipped = [st.get("step") for st in steps if st.get("skipped")]
+    if skipped:
+        shown = ", ".join(str(x) for x in skipped[:MAX_ANOMALY_LINES]) + (" ..." if len(skipped) > MAX_ANOMALY_LINES else "")
+        lines.append(f"  skipped updates: {len(skipped)} (step {shown})")
     anomaly_events = [e for e in run.events if e.get("type") == "anomaly"]
     for e in anomaly_events[:MAX_ANOMALY_LINES]:
         d = e.get("data") or {}
@@ -106,9 +142,7 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
         lines.append(f"    step {d.get('step')} {d.get('operation')}: {d.get('kind')}: {detail}")
     if len(anomaly_events) > MAX_ANOMALY_LINES:
         lines.append(f"    ... {len(anomaly_events) - MAX_ANOMALY_LINES} more")
-    forensics = [e for e in run.events if "forensic" in str(e.get("type"))]
-    if forensics:
-        lines.append(f"  forensic reports: {len(forensics)} (see the HTML report for details)")
+    lines.extend(_forensic_lines(run.forensics))
     tel = s.get("telemetry") or {}
     if tel:
         dropped = sum((tel.get("spans_dropped") or {}).values())
