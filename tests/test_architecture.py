@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("torchtrace.probes", "torchtrace.export"),
     ("torchtrace.step",),
     ("torchtrace.api", "torchtrace.tools", "torchtrace.optimize"),
-    ("torchtrace.compat", "torchtrace.debugger", "torchtrace.integrations"),
+    ("torchtrace.compat", "torchtrace.integrations"),
     ("torchtrace",),  # the facade: public names only
     ("torchtrace.cli",),  # the command line, a user of the facade
 ]

@@ -120,7 +120,7 @@ def test_warmup_steps_are_not_judged():
 
 
 @pytest.mark.parametrize("unit", ["tokens", "samples", "steps"])
-def test_a_two_times_slowdown_is_reported_within_two_windows(unit):
+def test_a_two_times_slowdown_is_reported_within_three_windows(unit):
     rng = random.Random(3)
     start = 600
     durations, waits = noisy(rng, 800)
@@ -128,7 +128,7 @@ def test_a_two_times_slowdown_is_reported_within_two_windows(unit):
     fields = {"tokens": {"samples": 8, "tokens": 4096}, "samples": {"samples": 8}, "steps": {}}[unit]
     found = run(GoodputLedger(0.0), durations, waits, **fields)
     drops = [i for i, kind in found if kind == semconv.THROUGHPUT_DROP]
-    assert drops and drops[0] >= start and drops[0] - start < 2 * WINDOW
+    assert drops and drops[0] >= start and drops[0] - start < (RuleSettings().drop_windows + 1) * WINDOW
     assert all(kind == semconv.THROUGHPUT_DROP for _, kind in found)
 
 
@@ -225,3 +225,9 @@ def test_real_loader_with_a_planted_sleep_measures_the_wait_and_reports_a_stall(
 def test_bad_rule_settings_name_the_setting(kwargs, name, accepted):
     with pytest.raises(ValueError, match=f"{name}=.*{accepted}"):
         RuleSettings(**kwargs)
+
+
+def test_one_slow_window_is_not_a_drop():
+    """A shared machine's load spike slows one window; the next is back to pace: no drop."""
+    durations = [0.1] * 300 + [0.3] * WINDOW + [0.1] * 200
+    assert run(GoodputLedger(0.0), durations, [0.0] * len(durations), samples=8) == []

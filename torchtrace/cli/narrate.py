@@ -77,7 +77,7 @@ def after_step(console: Console, i: int, record, state) -> None:
     loss = record.loss
     if loss is not None:
         state.losses.append(loss)
-    report = record.extra.get("forensics") if record.extra else None
+    report = record.forensics
     if report is not None:
         state.replays += 1
         for line in forensic_lines(report):

@@ -396,7 +396,11 @@ def shrink(value: Any, depth: int = 0) -> Any:
             key = str(key)[:MAX_STRING_CHARS]
             if isinstance(item, (list, tuple)) and len(item) > MAX_LIST_ITEMS and depth < 8:
                 out[key] = [shrink(v, depth + 1) for v in item[:MAX_LIST_ITEMS]]
-                out[key + "_omitted"] = len(item) - MAX_LIST_ITEMS
+                # A list the record already capped says how many it left out: add to that.
+                earlier = value.get(key + "_omitted")
+                out[key + "_omitted"] = len(item) - MAX_LIST_ITEMS + (earlier if isinstance(earlier, int) else 0)
+            elif key.endswith("_omitted") and key in out:
+                continue  # already summed with its list
             else:
                 out[key] = shrink(item, depth + 1) if depth < 8 else None
         return out

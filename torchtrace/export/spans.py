@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import DEFAULT_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
@@ -199,25 +198,6 @@ def readable(span: Any) -> ReadableSpan:
                         events=[Event(e.name, e.attributes, e.timestamp) for e in span.events],
                         status=span.status, start_time=span.start_time, end_time=span.end_time,
                         instrumentation_scope=span.instrumentation_scope)
-
-
-class ReadableSpans(SpanExporter):
-    """Wraps an SDK exporter: step spans are converted to ``ReadableSpan`` on the exporter thread."""
-
-    def __init__(self, inner: SpanExporter) -> None:
-        self.inner = inner
-
-    def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        return self.inner.export([readable(s) for s in spans])
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 # ---------------------------------------------------------------- record -> span

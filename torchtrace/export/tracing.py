@@ -25,6 +25,7 @@ from opentelemetry.trace import format_span_id, format_trace_id
 
 from torchtrace import files
 from torchtrace.export.http_session import HttpSpanExporter, abortable_session
+from torchtrace.export.spans import readable
 from torchtrace.files import JsonLinesFile
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,10 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         """Export one batch (already counted in flight) and move it to exported or dropped."""
         self._export_started = time.monotonic()
         try:
+            if not isinstance(self.exporter, JsonLinesSpanExporter):
+                # Step spans become the SDK's ReadableSpan here, on the exporter thread
+                # (spans.jsonl is written from them directly).
+                batch = [readable(s) for s in batch]
             if self.exporter.export(batch) == SpanExportResult.SUCCESS:
                 written = len(batch)
             else:  # a file exporter says how many of a failed batch did reach the file

@@ -7,11 +7,20 @@ import re
 from typing import Sequence
 
 from torchtrace import semconv
-from torchtrace.record.step import Anomaly, StepRecord
+from torchtrace.record.step import MAX_NAMES, Anomaly, StepRecord, capped
 
 
 def _cap(names: Sequence[str]) -> list[str]:
-    return list(names[: semconv.MAX_NAMES_PER_ATTRIBUTE])
+    return capped(names)
+
+
+def _left_out(names: Sequence[str]) -> int:
+    return max(0, len(names) - MAX_NAMES)
+
+
+def _more(names: Sequence[str]) -> str:
+    n = _left_out(names)
+    return f" and {n} more" if n else ""
 
 
 def evaluate_gradients(
@@ -40,11 +49,12 @@ def evaluate_gradients(
     record.grad_nonfinite_params = bad
     if bad:
         real = [n for n in bad if n not in overflow_only]
-        detail = f"{len(bad)} gradient tensor(s) non-finite: {', '.join(_cap(bad))}"
+        detail = f"{len(bad)} gradient tensor(s) non-finite: {', '.join(_cap(bad))}" + _more(bad)
         if overflow_only:
             detail += f" (norm overflow with finite elements: {', '.join(_cap(overflow_only))})"
         record.anomalies.append(Anomaly(semconv.NONFINITE_GRAD, detail, record.step, record.operation,
-                                        {"count": len(bad), "params": _cap(bad), "with_nonfinite_elements": _cap(real)}))
+                                        {"count": len(bad), "params": _cap(bad), "params_omitted": _left_out(bad),
+                                         "with_nonfinite_elements": _cap(real)}))
         return
     if total is not None and names:
         _size_rules(record, names, norms, total, explosion_threshold, vanishing_threshold, per_parameter)

@@ -121,6 +121,7 @@ class StepRecord:
             "grad_norm": self.grad_norm,
             "grad_nonfinite_count": len(bad),
             "grad_nonfinite_params": capped(bad),
+            "grad_nonfinite_params_omitted": max(0, len(bad) - MAX_NAMES),
             "update_ratio": self.update_ratio,
             "anomalies": self.anomaly_kinds,
             "memory": self.memory,

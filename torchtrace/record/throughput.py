@@ -12,11 +12,14 @@ Rules (their settings are :class:`RuleSettings`; defaults are the constants belo
   steps. A window's throughput is the *median* of its steps' rates (tokens/s if the batch
   has tokens, else samples/s, else steps/s), so one slow step does not move it. It is a
   drop when it is under ``drop_ratio`` times the baseline, the median of up to
-  ``baseline_windows`` earlier windows (at least ``min_baseline_windows`` of them). A 2x
-  slow-down is reported within ``2 * window`` steps; a lasting one becomes the new
-  baseline after about ``baseline_windows / 2`` windows.
+  ``baseline_windows`` earlier windows (at least ``min_baseline_windows`` of them), for
+  ``drop_windows`` windows in a row (one slow window on a shared machine is noise); it is
+  reported once per such stretch. A 2x slow-down is reported within
+  ``(drop_windows + 1) * window`` steps; a lasting one becomes the new baseline after about
+  ``baseline_windows / 2`` windows.
 - **data_stall**: a step *waited* when its data wait is over ``stall_share`` of its cycle
-  or over ``stall_seconds``. A stall is at least ``stall_min_steps`` waiting steps among the
+  (and at least ``stall_min_wait_s``: the loop's own work between tiny steps is no stall) or
+  over ``stall_seconds``. A stall is at least ``stall_min_steps`` waiting steps among the
   last ``stall_window``; it is reported at once, then not again for ``stall_window`` steps.
   A loader that makes every step wait is reported within ``stall_window`` steps.
 """
@@ -32,11 +35,13 @@ from torchtrace import semconv
 
 WINDOW = 20  # steps per throughput window (MFU gauge, throughput_drop)
 WARMUP_STEPS = 20  # steps of an operation the drop rule ignores first (compilation, autotuning, caches)
-DROP_RATIO = 0.7  # a window under 0.7 x the baseline is a drop
+DROP_RATIO = 0.7  # a window under 0.7 x the baseline is low
+DROP_WINDOWS = 2  # and this many low windows in a row are a drop (one slow window is noise)
 BASELINE_WINDOWS = 8  # earlier windows whose median is the baseline
 MIN_BASELINE_WINDOWS = 3  # windows needed before any drop is judged
 STALL_SHARE = 0.25  # data wait over 25 % of the step's cycle is waiting
 STALL_SECONDS = 5.0  # or data wait over 5 s, whatever the step time
+STALL_MIN_WAIT_S = 0.01  # a wait under 10 ms is the loop's own bookkeeping, never a stall
 STALL_WINDOW = 10  # the last 10 steps ...
 STALL_MIN_STEPS = 8  # ... of which 8 waited: a data stall
 
@@ -55,18 +60,21 @@ class RuleSettings:
     window: int = WINDOW
     warmup_steps: int = WARMUP_STEPS
     drop_ratio: float = DROP_RATIO
+    drop_windows: int = DROP_WINDOWS
     baseline_windows: int = BASELINE_WINDOWS
     min_baseline_windows: int = MIN_BASELINE_WINDOWS
     stall_share: float = STALL_SHARE
     stall_seconds: float = STALL_SECONDS
     stall_window: int = STALL_WINDOW
     stall_min_steps: int = STALL_MIN_STEPS
+    stall_min_wait_s: float = STALL_MIN_WAIT_S
 
     def __post_init__(self) -> None:
         def bad(name: str, accepted: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r} is not valid; accepted values: {accepted}")
 
-        for name in ("window", "baseline_windows", "min_baseline_windows", "stall_window", "stall_min_steps"):
+        for name in ("window", "baseline_windows", "min_baseline_windows", "stall_window", "stall_min_steps",
+                     "drop_windows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, "an integer >= 1")
@@ -78,6 +86,8 @@ class RuleSettings:
             raise bad("stall_share", "a number between 0 and 1, exclusive")
         if not self.stall_seconds > 0:
             raise bad("stall_seconds", "a positive number of seconds")
+        if not 0 <= self.stall_min_wait_s < self.stall_seconds:
+            raise bad("stall_min_wait_s", f"a number of seconds >= 0 and under stall_seconds ({self.stall_seconds})")
         if self.min_baseline_windows > self.baseline_windows:
             raise bad("min_baseline_windows", f"an integer <= baseline_windows ({self.baseline_windows})")
         if self.stall_min_steps > self.stall_window:
@@ -131,6 +141,7 @@ class OperationWindow:
         self.unit: str | None = None  # the drop rule's rate: tokens, samples or steps
         self.rates: list[float] = []  # this window's per-step rates
         self.baseline: collections.deque[float] = collections.deque(maxlen=settings.baseline_windows)
+        self.low = 0  # low windows in a row
         self.waited: collections.deque[bool] = collections.deque(maxlen=settings.stall_window)
 
     def add(self, duration: float, wait: float, samples: int | None, tokens: int | None,
@@ -181,7 +192,8 @@ class OperationWindow:
         finding = None
         if len(self.baseline) >= s.min_baseline_windows:
             baseline = statistics.median(self.baseline)
-            if current < s.drop_ratio * baseline:
+            self.low = self.low + 1 if current < s.drop_ratio * baseline else 0
+            if self.low == s.drop_windows:
                 finding = Finding(semconv.THROUGHPUT_DROP,
                                   f"throughput {current:.4g} {self.unit}/s over the last {s.window} steps is "
                                   f"{current / baseline:.2f}x the baseline {baseline:.4g} {self.unit}/s "
@@ -193,7 +205,8 @@ class OperationWindow:
 
     def _stall(self, cycle: float, wait: float) -> Finding | None:
         s = self.settings
-        self.waited.append(cycle > 0 and (wait > s.stall_share * cycle or wait > s.stall_seconds))
+        self.waited.append(cycle > 0 and (wait > s.stall_share * cycle and wait >= s.stall_min_wait_s
+                                          or wait > s.stall_seconds))
         count = sum(self.waited)
         if len(self.waited) < s.stall_window or count < s.stall_min_steps:
             return None
@@ -210,7 +223,8 @@ class OperationWindow:
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {"entries": [list(e) for e in self.entries], "seen": self.seen, "unit": self.unit,
-                "rates": list(self.rates), "baseline": list(self.baseline), "waited": list(self.waited)}
+                "rates": list(self.rates), "baseline": list(self.baseline), "waited": list(self.waited),
+                "low": self.low}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s = self.settings
@@ -219,6 +233,7 @@ class OperationWindow:
         self.unit = state["unit"]
         self.rates = [float(r) for r in state["rates"]][: s.window]
         self.baseline = collections.deque((float(b) for b in state["baseline"]), maxlen=s.baseline_windows)
+        self.low = int(state.get("low", 0))
         self.waited = collections.deque((bool(w) for w in state["waited"]), maxlen=s.stall_window)
 
 

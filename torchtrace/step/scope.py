@@ -263,6 +263,9 @@ class StepScope:
         if loss is not None and loss.tensor is not None:
             plan.add("loss", loss.tensor)
         grads = self.gradients
+        if grads is None and self.model is not None and self.features.grad_stats:
+            # The model was handed over inside the step (a framework hook, a seed-style check).
+            grads = self.gradients = GradientCheck(self, rt)
         if grads is not None:
             if not grads.fired:
                 try:

@@ -15,7 +15,6 @@ from torchtrace.distributed import rank_file_name
 from torchtrace.distributed.collectives import STATE as COLLECTIVES
 from torchtrace.export import transport
 from torchtrace.export.server import TelemetryServer
-from torchtrace.export.spans import ReadableSpans
 from torchtrace.export.tracing import BoundedBatchSpanProcessor, JsonLinesSpanExporter, otlp_span_exporter
 from torchtrace.probes.activations import ActivationProbe
 from torchtrace.probes.forensics import ForensicsProbe
@@ -69,8 +68,8 @@ def span_exporters(rt: Any) -> None:
         exporters.append(JsonLinesSpanExporter(rt.spans_path, s.max_file_bytes))
     if s.otlp_endpoint:
         transport.warn_if_plaintext(s.otlp_endpoint, "otlp_endpoint")
-        exporters.append(ReadableSpans(otlp_span_exporter(s.otlp_endpoint, s.otlp_protocol, s.export_timeout_s,
-                                                          s.otlp_headers, s.otlp_certificate)))
+        exporters.append(otlp_span_exporter(s.otlp_endpoint, s.otlp_protocol, s.export_timeout_s, s.otlp_headers,
+                                            s.otlp_certificate))
     for exporter in exporters:
         proc = BoundedBatchSpanProcessor(exporter, s.span_queue_size, rt.metrics.drop_spans)
         proc.on_error = rt.exporter_error
