@@ -157,6 +157,7 @@ class Trainer:
                 self.opt.zero_grad()
                 loss.backward()
                 step.record_loss(loss)
+                step.record_batch(tokens=8 * 16)  # each sample a sequence of 16 values
                 self.opt.step()
                 if pause:
                     time.sleep(pause)  # the step's compute, not a loader stall
@@ -273,6 +274,7 @@ def check_throughput_series(prom: str, run: str) -> None:
     forward + backward, the first layer's input needing no gradient), learning rate 0.01."""
     sel = f'{{run_id="{run}"}}'
     assert value_of(prom, f"torchtrace_samples_total{sel} - 8 * torchtrace_steps_total{sel}") == [0.0]
+    assert value_of(prom, f"torchtrace_tokens_total{sel} - 128 * torchtrace_steps_total{sel}") == [0.0]
     assert value_of(prom, f"torchtrace_flops_total{sel} - 22528 * torchtrace_steps_total{sel}") == [0.0]
     mfu = value_of(prom, f"torchtrace_mfu_ratio{sel}")
     assert len(mfu) == 1 and 0 < mfu[0] < 1
