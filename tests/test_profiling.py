@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +174,27 @@ def test_nested_step_is_part_of_the_profiled_step(tt_runtime, tiny_model, tmp_pa
                 tiny_model(torch.ones(1, 8))
     assert _profiler_steps(res["path"]) == ["ProfilerStep#0"]
     assert res["windows"][0]["steps"] == [0]
+
+
+def test_a_user_chosen_trace_directory_keeps_its_permissions(tt_runtime, tmp_path):
+    shared = tmp_path / "shared-traces"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with tt.profiling(shared / "block.json") as res:
+        with tt.debug_context("train_step"):
+            torch.ones(4).sum()
+    assert (shared.stat().st_mode & 0o777) == 0o755
+    assert (Path(res["path"]).stat().st_mode & 0o777) == 0o600
+    assert not [p for p in shared.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_symlink_at_the_trace_path_is_replaced_not_followed(tt_runtime, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "traces"
+    out.mkdir()
+    (out / "block.json").symlink_to(victim)
+    with tt.profiling(out / "block.json"):
+        torch.ones(4).sum()
+    assert victim.read_text() == "keep me"
+    assert not (out / "block.json").is_symlink()

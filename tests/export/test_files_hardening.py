@@ -222,8 +222,6 @@ def test_a_claim_is_freed_when_its_process_ends(tmp_path):
     assert names == ["report.json", "report.json"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs Runtime._setup_files to name its files with files.claim_file "
-                                       "(torchtrace/step/runtime.py)")
 def test_two_configured_processes_with_the_same_run_id_keep_both_reports(tmp_path):
     code = textwrap.dedent("""
         import sys, torchtrace as tt

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,8 +103,12 @@ class ProfileSchedule:
 
 
 class Window:
-    def __init__(self, path: Path, reason: str, first_step: int, n_steps: int, prof) -> None:
+    """One profiled stretch of steps and where its trace goes (``private``: into torchtrace's
+    own directory, else into one the user named)."""
+
+    def __init__(self, path: Path, reason: str, first_step: int, n_steps: int, prof, private: bool = True) -> None:
         self.path = path
+        self.private = private
         self.reason = reason
         self.first_step = first_step
         self.n_steps = n_steps
@@ -154,10 +159,27 @@ def cap_trace(path: Path, max_bytes: int) -> int:
     dropped = len(events) - len(keep)
     base["traceEvents"] = keep
     base["torchtrace_dropped_events"] = dropped
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(base, fh)
-    os.replace(tmp, path)
+    files.write_bytes_atomic(path, json.dumps(base).encode("utf-8"))
+    return dropped
+
+
+def write_trace(prof: Any, path: Path, max_bytes: int, private: bool = True) -> int:
+    """Write the profiler's Chrome trace to ``path``, capped at ``max_bytes``; returns the events
+    dropped to fit. torch writes it into a new private temp file beside ``path`` that is then
+    renamed over it, so a symlink planted at ``path`` is replaced, never followed. ``private``:
+    the directory is torchtrace's own (made 0700); else the user's, created if missing and
+    otherwise left as it is."""
+    directory = files.ensure_private_dir(path.parent) if private else files.ensure_parent_dir(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(directory))
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        os.chmod(tmp, 0o600)
+        dropped = cap_trace(Path(tmp), max_bytes)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return dropped
 
 
@@ -244,7 +266,7 @@ class ProfilerProbe(Probe):
         prof.__enter__()
         self.last_start_step = scope.step
         self.last_start_time = time.monotonic()
-        return Window(path, reason, scope.step, n, prof)
+        return Window(path, reason, scope.step, n, prof, private=self.output is None)
 
     def exit(self, scope, w: "Window | None", exc) -> None:
         if w is None or w is not self.window:
@@ -277,11 +299,8 @@ class ProfilerProbe(Probe):
                 w.rec.__exit__(None, None, None)
                 w.rec = None
             w.prof.__exit__(None, None, None)
-            files.ensure_private_dir(w.path.parent)
-            w.prof.export_chrome_trace(str(w.path))
-            os.chmod(w.path, 0o600)
             sched = self.schedule or ProfileSchedule.default()
-            w.truncated = cap_trace(w.path, sched.max_trace_bytes)
+            w.truncated = write_trace(w.prof, w.path, sched.max_trace_bytes, private=w.private)
             w.top_ops = top_ops(w.prof)
         finally:
             w.prof = None

@@ -67,6 +67,7 @@ def telemetry(rt: Any) -> dict[str, Any]:
         "otlp_endpoint": redact_url(rt.settings.otlp_endpoint),
         "spans_exported": exported,
         "spans_dropped": dict(dropped),
+        "span_exporters": [proc.accounting() for proc in rt.processors],
         "internal_errors": dict(rt.errors.by_component),
         "metrics_pushes": pusher.pushes if pusher else None,
         "metrics_push_failures": pusher.failures if pusher else None,
@@ -91,11 +92,17 @@ def write(rt: Any, path: str | os.PathLike[str] | None = None) -> Path | None:
 
 
 def redact_url(url: str | None) -> str | None:
-    """Scheme, host, port and path only: no credentials, query or fragment."""
+    """Scheme, host, port and path only: no credentials, query or fragment.
+
+    >>> redact_url("http://user:secret@[::1]:4318/v1/traces?k=v")
+    'http://[::1]:4318/v1/traces'
+    """
     if not url:
         return url
     parts = urlsplit(url)
     host = parts.hostname or ""
+    if ":" in host:  # an IPv6 address keeps its brackets
+        host = f"[{host}]"
     netloc = host + (f":{parts.port}" if parts.port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 

@@ -16,7 +16,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-from torchtrace import semconv
+from torchtrace import files, semconv
 from torchtrace._version import __version__
 from torchtrace.config import Settings
 from torchtrace.distributed import Identity, identity
@@ -314,6 +314,9 @@ class Runtime:
         self._write_report_safely()
         self._stop_exporters(deadline)
         self._write_report_safely()  # again, with the final export counts
+        for path in (self.spans_path, self.report_path):
+            if path is not None:
+                files.release_file(path)
 
     def _write_report_safely(self) -> None:
         try:

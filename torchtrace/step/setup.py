@@ -53,8 +53,9 @@ def run_files(rt: Any) -> None:
         return
     try:
         rt.run_path = files.ensure_private_dir(Path(rt.settings.run_dir) / rt.settings.run_id)
-        rt.spans_path = rt.run_path / rank_file_name("spans", ".jsonl", rt.identity)
-        rt.report_path = rt.run_path / rank_file_name("report", ".json", rt.identity)
+        # A second live process with the same run id and rank gets file names of its own.
+        rt.spans_path = files.claim_file(rt.run_path / rank_file_name("spans", ".jsonl", rt.identity))
+        rt.report_path = files.claim_file(rt.run_path / rank_file_name("report", ".json", rt.identity))
     except OSError as exc:
         rt.errors.report("files", exc)
         rt.run_path = rt.spans_path = rt.report_path = None

@@ -14,8 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from torchtrace import current
-from torchtrace.files import ensure_private_dir
-from torchtrace.probes.profiler import ProfilerProbe, ProfileSchedule, Window, cap_trace, top_ops
+from torchtrace.probes.profiler import ProfilerProbe, ProfileSchedule, Window, top_ops, write_trace
 
 
 @contextlib.contextmanager
@@ -73,7 +72,7 @@ def profiling(output_file: str | os.PathLike[str] | None = None, schedule: Profi
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities, record_shapes=record_shapes, profile_memory=profile_memory,
                    with_stack=with_stack)
-    window = Window(path, "manual", -1, 10 ** 9, prof)
+    window = Window(path, "manual", -1, 10 ** 9, prof, private=output_file is None)
     saved = probe.open_block(window, sched) if probe is not None else None
     prof.__enter__()
     try:
@@ -86,9 +85,7 @@ def profiling(output_file: str | os.PathLike[str] | None = None, schedule: Profi
             result["windows"] = probe.windows[-1:]
         else:
             prof.__exit__(None, None, None)
-            ensure_private_dir(path.parent)
-            prof.export_chrome_trace(str(path))
-            cap_trace(path, max_trace_bytes)
+            write_trace(prof, path, max_trace_bytes, private=output_file is None)
             result["windows"] = [{"path": str(path), "reason": "manual", "top_ops": top_ops(prof)[:5]}]
         result["path"] = str(path)
 
