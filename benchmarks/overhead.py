@@ -367,7 +367,6 @@ def fmt_table(name: str, wl: Workload, times) -> str:
     wall = {v: [t[0] for t in ts] for v, ts in times.items()}
     cpu = {v: [t[1] for t in ts] for v, ts in times.items()}
     bg = {v: [t[2] for t in ts] for v, ts in times.items()}
-    base = statistics.median(wall["bare"])
     rounds = len(wall["bare"])
     has_floor = "floor" in wall
     lines = [f"\n{name}: {wl.n_params / 1e6:.2f}M parameters in {wl.n_tensors} tensors ({rounds} rounds)",

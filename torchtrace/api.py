@@ -18,7 +18,7 @@ from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
 from torchtrace.forensics import replay as forensic_replay
-from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss
 from torchtrace.step import checks, clipping
 from torchtrace.step.scope import StepScope
@@ -294,7 +294,7 @@ def debug_operation(func: None = None, *, name: str | None = None, model: torch.
 
 
 def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=None, mode=None, attributes=None,
-                    replay=None, scaler=None, kind="train"):
+                    replay=None, scaler=None, kind="train", debug_mode=None):
     """Decorate a training step (plain, ``async def`` or a method): each call is one operation.
 
     The loss is taken from the return value (a scalar tensor, a Python number, a dict's
@@ -308,9 +308,13 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
     re-runnable (no side effect but the optimizer step). ``replay=`` gives another callable
     (forward + loss), ``replay=False`` turns replay off; ``scaler=`` names a GradScaler.
 
+    ``debug_mode=`` is the seeds' spelling: a ``DebugMode`` is the operation's ``mode``,
+    ``False`` turns the operation's instrumentation off, ``True`` keeps the run's settings.
+
     Raises:
         TypeError: at decoration, for a module passed where the function belongs
             (``@debug_operation(model)``) or a wrong type for ``model=``/``optimizer=``/``scaler=``.
+        ValueError: an invalid level, mode or kind, or both ``debug_mode=`` and ``mode=``.
 
     >>> import torchtrace as tt
     >>> @tt.debug_operation
@@ -319,6 +323,13 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
     """
     # Fail at decoration time, not in the loop.
     checks.check_decorator_arguments(func, name, model, optimizer, level, mode, replay, scaler, kind)
+    on, seed_mode = debug_mode_setting(debug_mode)
+    if seed_mode is not None and seed_mode is not DebugMode.NONE:
+        if mode is not None:
+            raise ValueError("debug_operation: give debug_mode= or mode=, not both")
+        mode = seed_mode
+    elif on is False and level is None:
+        level = DebugLevel.OFF
 
     def decorate(fn):
         op = _Operation(name or getattr(fn, "__name__", "operation"), model, optimizer, level, mode, attributes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 
 class _ParseEnum(str, enum.Enum):
@@ -87,3 +88,21 @@ class Features:
             profiling=full or mode is DebugMode.PROFILING,
             memory_profiling=full or mode is DebugMode.MEMORY_PROFILING,
         )
+
+
+def debug_mode_setting(value: Any) -> tuple[bool | None, DebugMode | None]:
+    """``debug_mode=`` by type: a bool (seed 000) or a DebugMode / its name (seed 003).
+    Returns (on, mode); ``DebugMode.NONE`` ("no debugging") is ``debug_mode=False``.
+
+    >>> debug_mode_setting(True), debug_mode_setting("anomaly_detection")
+    ((True, None), (True, <DebugMode.ANOMALY_DETECTION: 'anomaly_detection'>))
+    """
+    if value is None:
+        return None, None
+    if isinstance(value, bool):
+        return value, None
+    if isinstance(value, (DebugMode, str)):
+        mode = DebugMode.parse(value, "debug_mode")
+        return mode is not DebugMode.NONE, mode
+    raise ValueError(f"debug_mode={value!r} is not valid; accepted values: True, False, or a DebugMode "
+                     f"({', '.join(m.value for m in DebugMode)})")

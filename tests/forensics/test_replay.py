@@ -376,3 +376,39 @@ def test_nested_scopes_record_nothing_during_the_replay(tmp_path):
     rt = get_runtime()
     assert rt.forensics.replays == 1
     assert dict(rt.history.operations) == {"forward": 1, "train_step": 1}
+
+
+def test_replay_blames_attention_like_debug_forward_pass(tmp_path, monkeypatch):
+    """The forensics rule and debug_forward_pass agree: a NaN born in self-attention (a fully
+    padded row) is blamed on ``self_attn``, not on the next leaf or the whole layer."""
+    import math as _math
+
+    def plain_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        scores = q @ k.transpose(-2, -1) / _math.sqrt(q.shape[-1])
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                else scores + attn_mask
+        return torch.softmax(scores, dim=-1) @ v
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", plain_attention)
+    _configure(tmp_path, guard="skip")
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True, dropout=0.0)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(3, 5, 8)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, :] = True
+
+    @tt.debug_operation(model=layer, optimizer=opt)
+    def train_step(x, mask):
+        opt.zero_grad()
+        loss = layer(x, src_key_padding_mask=mask).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    train_step(x, mask)
+    report = get_runtime().history.last_record.forensics
+    assert report["cause"] == "forward" and report["module"] == "self_attn"
+    assert report["module_type"] == "MultiheadAttention"
+    assert tt.debug_forward_pass(layer, {"src": x, "src_key_padding_mask": mask})["first_nonfinite_layer"] == "self_attn"

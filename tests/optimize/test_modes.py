@@ -14,7 +14,7 @@ from torchtrace import semconv
 from torchtrace.measure.saved import SavedTensorMeter
 from torchtrace.optimize import modes as modes_mod
 from tests.helpers import read_spans
-from tests.optimize.models import Block, DeepMLP, batches
+from tests.optimize.models import DeepMLP, batches
 
 M = tt.OptimizationMode
 

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from torchtrace import api, current
 from torchtrace.compat.debugger import PyTorchDebugger
-from torchtrace.compat.settings import debug_mode_setting
-from torchtrace.levels import DebugLevel
 
 
 def create_pytorch_debugger(logger: Any = None, debug_mode: Any = True, **settings: Any) -> PyTorchDebugger:
@@ -83,27 +81,8 @@ def _finish_session(debugger: PyTorchDebugger, model: torch.nn.Module) -> None:
                    "gradient_norm": None if grads is None else grads["global_norm"]}, logging.INFO)
 
 
-def debug_operation(func: Callable[..., Any] | None = None, *, debug_mode: Any = None, **kwargs: Any) -> Any:
-    """:func:`torchtrace.debug_operation` with seed 003's ``debug_mode=`` keyword.
-
-    ``debug_mode=DebugMode.ANOMALY_DETECTION`` (or any DebugMode) is the operation's
-    ``mode``; ``debug_mode=False`` turns the operation's instrumentation off (level OFF),
-    ``True`` leaves the run's settings. Other keywords are the core decorator's.
-
-    >>> from torchtrace.levels import DebugMode
-    >>> @debug_operation(debug_mode=DebugMode.ANOMALY_DETECTION)
-    ... def step(x):
-    ...     return x.sum()
-    """
-    if debug_mode is not None:
-        on, mode = debug_mode_setting(debug_mode)
-        if mode is not None:
-            if kwargs.get("mode") is not None:
-                raise ValueError("debug_operation: give debug_mode= or mode=, not both")
-            kwargs["mode"] = mode
-        elif not on:
-            kwargs.setdefault("level", DebugLevel.OFF)
-    return api.debug_operation(func, **kwargs)
+# The seeds' decorator (``debug_mode=`` included) is the core one.
+debug_operation = api.debug_operation
 
 
 __all__ = ["create_pytorch_debugger", "debug_operation", "debug_training_session"]

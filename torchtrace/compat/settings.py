@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from torchtrace.config import DEFAULT_GRAD_EXPLOSION_THRESHOLD, DEFAULT_GRAD_VANISHING_THRESHOLD
-from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 
 ANOMALY_MODES = ("detect", "warn", "raise")
 ALIASES = {
@@ -144,22 +144,6 @@ def build_config(base: DebugConfig | None, overrides: dict[str, Any]) -> DebugCo
             raise TypeError(f"unknown debugger setting {key!r}; known: {', '.join(sorted(known | set(ALIASES)))}")
         setattr(config, target, value)
     return config.validate()
-
-
-def debug_mode_setting(value: Any) -> tuple[bool | None, DebugMode | None]:
-    """``debug_mode=`` by type: a bool (seed 000) or a DebugMode / its name (seed 003).
-
-    ``DebugMode.NONE`` ("no debugging") is ``debug_mode=False``.
-    """
-    if value is None:
-        return None, None
-    if isinstance(value, bool):
-        return value, None
-    if isinstance(value, (DebugMode, str)):
-        mode = DebugMode.parse(value, "debug_mode")
-        return mode is not DebugMode.NONE, mode
-    raise ValueError(f"debug_mode={value!r} is not valid; accepted values: True, False, or a DebugMode "
-                     f"({', '.join(m.value for m in DebugMode)})")
 
 
 def is_logger(obj: Any) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Exemplar

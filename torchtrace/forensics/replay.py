@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from torchtrace import semconv
+from torchtrace.forensics import blame
 from torchtrace.measure import tensors as tensor_measure
 from torchtrace.record import readout
 
@@ -159,7 +160,7 @@ class _Recorder:
         ins = list(_tensors(args)) + list(_tensors(kwargs))
         self.order += 1
         self._stack.append({"module": name, "type": type(module).__name__, "call": self.order,
-                            "in_finite": _all_finite(ins), "in_stats": _stats(ins), "has_in": bool(ins)})
+                            "in_finite": blame.inputs_ok(ins), "in_stats": _stats(ins), "has_in": bool(ins)})
         if torch.is_grad_enabled():
             for t in ins:
                 if t.requires_grad:
@@ -306,14 +307,14 @@ def _analyse(report, rec: _Recorder, loss_value, grad_bad, bad_params, module_na
         cause = "parameter"
         producer = {"module": _owner(bad_params[0], module_names), "type": None}
     else:
-        first_in = next((c for c in calls if c["has_in"] and not c["in_ok"]), None)
-        born = [c for c in done if c["in_ok"] and not c["out_ok"]]
-        if born:
-            cause = "forward"
-            producer = born[0]
-        elif first_in is not None:
-            cause = "input"
-            producer = first_in
+        # The rule debug_forward_pass follows too (forensics/blame.py): the innermost module
+        # whose output went non-finite from finite inputs, else the first given a bad input.
+        rows = [{"module": c["module"], "type": c["type"], "order": c["call"], "has_inputs": c["has_in"],
+                 "in_ok": c["in_ok"], "out_ok": c["out_ok"]} for c in done]
+        found = blame.localise(rows)
+        if found["cause"] is not None:
+            cause = found["cause"]
+            producer = done[found["index"]]
         elif loss_value is not None and not math.isfinite(loss_value):
             cause = "loss"
             producer = {"module": "<loss>", "type": None}
