@@ -17,14 +17,33 @@ from torchtrace.record.step import Anomaly
 HEAP_FREE_S = 100e-6  # a heap sample this cheap is taken every step
 HEAP_BUDGET = 0.005  # otherwise at most this share of the step time goes to heap samples
 HEAP_MAX_GAP = 64  # and at least one sample every this many steps
+BACKOFF_MAX = 5  # a growth that stays is investigated again after window * 2**k steps, k <= this
+
+
+def heap_gap(cost_s: float, step_s: float) -> int:
+    """Steps between two CPU heap samples: 1 while a sample costs under ``HEAP_FREE_S``, else
+    the fewest steps that keep samples under ``HEAP_BUDGET`` of the step time, at most
+    ``HEAP_MAX_GAP``.
+
+    >>> heap_gap(20e-6, 0.01), heap_gap(1e-3, 0.03), heap_gap(1.5e-3, 0.001)
+    (1, 7, 64)
+    """
+    if cost_s <= HEAP_FREE_S:
+        return 1
+    return min(HEAP_MAX_GAP, max(1, math.ceil(cost_s / (HEAP_BUDGET * max(step_s, 1e-6)))))
 
 
 class LeakProbe:
     """The leak detector: robust slope per device each step; an investigation when it is sustained.
 
-    Cheap per step (host floats only). After a sustained slope, the slow path runs for
-    ``confirm_steps`` steps and then a ``memory_leak`` anomaly is added with the report; the
-    slope windows then start afresh.
+    Cheap per step (host floats only). Samples are placed on the probe's own count of recorded
+    steps (every operation's), so interleaved operations with their own step numbers share one
+    axis. When a device's growth is suspected the CPU heap is sampled every step until the
+    rule in :mod:`torchtrace.record.growth` settles it; a sustained slope starts the slow path
+    for ``confirm_steps`` steps, then a ``memory_leak`` anomaly is added with the report, the
+    slope windows start afresh, and the next investigation waits ``window * 2**k`` steps
+    (k counts investigations in a row, up to ``BACKOFF_MAX``; it falls back to 0 after a calm
+    window).
     """
 
     def __init__(self, runtime, use_tracemalloc: bool = True) -> None:
@@ -41,11 +60,16 @@ class LeakProbe:
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
         self.flagged = 0
         self.investigations = 0  # slow paths started (each runs confirm_steps steps)
+        self.ticks = 0  # steps this probe has recorded: the x axis of every slope
         self.heap_every = 1  # the CPU heap is sampled every this many steps (see _sample_heap)
+        self.heap_extra_samples = 0  # samples taken before their turn because growth was suspected
         self._heap_wait = 0
         self._heap_cost: float | None = None  # seconds per mallinfo2 call, smoothed
         self._step_s: float | None = None  # step wall time, smoothed
         self._heap_available = True
+        self._dense_run = 0  # extra samples in a row; a suspicion gets at most 2 windows of them
+        self._quiet_until = 0  # no investigation starts before this tick
+        self._backoff = 0
         runtime.report_sections["memory_leaks"] = self.section
 
     def configure(self, window: int | None = None, threshold: float | None = None,
@@ -60,7 +84,7 @@ class LeakProbe:
 
     def section(self) -> dict[str, Any]:
         return {"flagged": self.flagged, "investigations": self.investigations, "threshold_bytes_per_step": self.threshold, "window": self.window,
-                "heap_sampled_every_steps": self.heap_every,
+                "heap_sampled_every_steps": self.heap_every, "heap_extra_samples": self.heap_extra_samples,
                 "slopes": {d: t.slope for d, t in self.trackers.items()}, "reports": list(self.reports)}
 
     def enter(self, scope) -> None:
@@ -77,19 +101,21 @@ class LeakProbe:
             self.investigation.stop()
             self.investigation = None
 
-    def _sample_heap(self, step_s: float) -> int | None:
+    def _sample_heap(self, step_s: float, extra: bool = False) -> int | None:
         """The CPU heap in use, on the steps it is sampled; None on the others.
 
         glibc's ``mallinfo2`` walks the allocator's free lists, so its cost grows with
         fragmentation: a few microseconds in a fresh process, over a millisecond after heavy
-        churn. It runs every step while it costs under ``HEAP_FREE_S``; past that, every N steps
-        with N chosen so it takes at most ``HEAP_BUDGET`` of the step time (N at most
-        ``HEAP_MAX_GAP``). The slope stays in bytes per step, as the samples carry their steps.
+        churn. It runs every ``heap_gap(cost, step time)`` steps, and also now when ``extra``
+        (growth is suspected: the slope needs samples sooner than the budget gives). The
+        slope stays in bytes per step, as the samples carry their steps.
         """
         self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
-        if self._heap_wait > 0:
+        if self._heap_wait > 0 and not extra:
             self._heap_wait -= 1
             return None
+        if self._heap_wait > 0:
+            self.heap_extra_samples += 1
         if self._heap_cost is None:
             mem_measure.heap_in_use_bytes()  # the first call loads the C library: not a sample's cost
         t0 = time.perf_counter()
@@ -99,12 +125,8 @@ class LeakProbe:
             self._heap_available = False
             return None
         self._heap_cost = cost if self._heap_cost is None else 0.7 * self._heap_cost + 0.3 * cost
-        if self._heap_cost <= HEAP_FREE_S:
-            gap = 1
-        else:
-            gap = min(HEAP_MAX_GAP, max(1, math.ceil(self._heap_cost / (HEAP_BUDGET * max(self._step_s, 1e-6)))))
-        self.heap_every = gap
-        self._heap_wait = gap - 1
+        self.heap_every = heap_gap(self._heap_cost, self._step_s)
+        self._heap_wait = self.heap_every - 1
         return heap
 
     def _tracker(self, device: str) -> growth.GrowthTracker:
@@ -113,6 +135,18 @@ class LeakProbe:
             t = self.trackers[device] = growth.GrowthTracker(self.window, self.threshold)
         return t
 
+    def _wants_heap(self, tick: int) -> bool:
+        """Sample the heap out of turn: no investigation is running or due to wait, and the CPU
+        tracker needs its first sample after the warm-up or suspects growth (at most two
+        windows of extra samples in a row)."""
+        if self.investigation is not None or tick < self._quiet_until:
+            return False
+        if not self._tracker("cpu").wants_samples(tick):
+            self._dense_run = 0
+            return False
+        self._dense_run += 1
+        return self._dense_run <= 2 * self.window
+
     def finalize(self, scope, record, span) -> None:
         feats = scope._features if scope is not None else self.rt.features
         if not feats.leak_detector:
@@ -120,11 +154,15 @@ class LeakProbe:
                 self.investigation.stop()
                 self.investigation = None
             return
+        tick = self.ticks
+        self.ticks += 1
+        if self.investigation is None and self._backoff and tick > self._quiet_until + self.window:
+            self._backoff = 0  # a calm window after the wait: the next growth is a new one
         mem = record.memory
         points = []
         if mem.get("cuda_allocated_bytes") is not None:
             points.append((mem.get("device") or "cuda", mem["cuda_allocated_bytes"]))
-        heap = self._sample_heap(record.duration_s)
+        heap = self._sample_heap(record.duration_s, self._heap_available and self._wants_heap(tick))
         if heap is not None:
             points.append(("cpu", heap))
         elif not self._heap_available and mem.get("rss_bytes") is not None:
@@ -132,12 +170,12 @@ class LeakProbe:
         worst = None
         for device, value in points:
             tr = self._tracker(device)
-            slope = tr.add(record.step, value)
+            slope = tr.add(tick, value)
             if slope is not None:
                 self.rt.metrics.set_memory_growth(device, slope)
                 if device == points[0][0]:
                     span.set_attribute(semconv.MEMORY_GROWTH_BYTES_PER_STEP, slope)
-                if tr.sustained() and worst is None:
+                if worst is None and self.investigation is None and tick >= self._quiet_until and tr.sustained():
                     worst = (device, tr)
         if not points:  # the heap was not sampled this step: the span carries the last slope
             tr = self.trackers.get("cpu")
@@ -157,17 +195,18 @@ class LeakProbe:
         """Flag when the slow path accounts for the growth, or when growth nothing accounts for
         is seen in two windows in a row (a leak outside tensors and Python objects)."""
         inv, self.investigation = self.investigation, None
-        report = inv.finish(record.step)
+        report = inv.finish(record.step, steps=inv.steps)
         device = self.investigated_device or "cpu"
         tr = self.trackers.get(device)
-        slope = tr.slope if tr is not None else None
+        slope = tr.rate() if tr is not None else None
         for t in self.trackers.values():
             t.reset()  # a fresh window, free of the slow path's own allocations
+        self._quiet_until = self.ticks + self.window * 2 ** self._backoff
+        self._backoff = min(self._backoff + 1, BACKOFF_MAX)
         if slope is None or slope <= self.threshold:
             self.unattributed = 0
             return
-        steps = max(report["end_step"] - report["start_step"], 1)
-        if census.attributed_bytes(report) < 0.25 * slope * steps:
+        if census.attributed_bytes(report) < 0.25 * slope * report["steps"]:
             self.unattributed += 1
             if self.unattributed < 2:
                 return
