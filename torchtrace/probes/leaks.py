@@ -17,6 +17,7 @@ from torchtrace.record.step import Anomaly
 HEAP_FREE_S = 100e-6  # a heap sample this cheap is taken every step
 HEAP_BUDGET = 0.005  # otherwise at most this share of the step time goes to heap samples
 HEAP_MAX_GAP = 64  # and at least one sample every this many steps
+EXTRA_SAMPLES = 2 * growth.MIN_SAMPLES  # out-of-turn heap samples between two regular ones, at most
 BACKOFF_MAX = 5  # a growth that stays is investigated again after window * 2**k steps, k <= this
 
 
@@ -38,8 +39,10 @@ class LeakProbe:
 
     Cheap per step (host floats only). Samples are placed on the probe's own count of recorded
     steps (every operation's), so interleaved operations with their own step numbers share one
-    axis. When a device's growth is suspected the CPU heap is sampled every step until the
-    rule in :mod:`torchtrace.record.growth` settles it; a sustained slope starts the slow path
+    axis. When a device's growth is suspected the CPU heap is sampled every
+    ``GrowthTracker.stride()`` steps (1 to a few) until the rule in
+    :mod:`torchtrace.record.growth` settles it, with at most ``EXTRA_SAMPLES`` out-of-turn
+    samples between two regular ones; a sustained slope starts the slow path
     for ``confirm_steps`` steps, then a ``memory_leak`` anomaly is added with the report, the
     slope windows start afresh, and the next investigation waits ``window * 2**k`` steps
     (k counts investigations in a row, up to ``BACKOFF_MAX``; it falls back to 0 after a calm
@@ -67,7 +70,7 @@ class LeakProbe:
         self._heap_cost: float | None = None  # seconds per mallinfo2 call, smoothed
         self._step_s: float | None = None  # step wall time, smoothed
         self._heap_available = True
-        self._dense_run = 0  # extra samples in a row; a suspicion gets at most 2 windows of them
+        self._extra_run = 0  # out-of-turn samples since the last regular one
         self._quiet_until = 0  # no investigation starts before this tick
         self._backoff = 0
         runtime.report_sections["memory_leaks"] = self.section
@@ -115,7 +118,10 @@ class LeakProbe:
             self._heap_wait -= 1
             return None
         if self._heap_wait > 0:
+            self._extra_run += 1
             self.heap_extra_samples += 1
+        else:
+            self._extra_run = 0
         if self._heap_cost is None:
             mem_measure.heap_in_use_bytes()  # the first call loads the C library: not a sample's cost
         t0 = time.perf_counter()
@@ -136,16 +142,12 @@ class LeakProbe:
         return t
 
     def _wants_heap(self, tick: int) -> bool:
-        """Sample the heap out of turn: no investigation is running or due to wait, and the CPU
-        tracker needs its first sample after the warm-up or suspects growth (at most two
-        windows of extra samples in a row)."""
-        if self.investigation is not None or tick < self._quiet_until:
+        """Sample the heap out of turn: no investigation is running or due to wait, the CPU
+        tracker needs its first sample after the warm-up or suspects growth, and fewer than
+        ``EXTRA_SAMPLES`` were taken out of turn since the last regular sample."""
+        if self.investigation is not None or tick < self._quiet_until or self._extra_run >= EXTRA_SAMPLES:
             return False
-        if not self._tracker("cpu").wants_samples(tick):
-            self._dense_run = 0
-            return False
-        self._dense_run += 1
-        return self._dense_run <= 2 * self.window
+        return self._tracker("cpu").wants_samples(tick)
 
     def finalize(self, scope, record, span) -> None:
         feats = scope._features if scope is not None else self.rt.features
@@ -170,7 +172,7 @@ class LeakProbe:
         worst = None
         for device, value in points:
             tr = self._tracker(device)
-            slope = tr.add(tick, value)
+            slope = tr.add(tick, value, refresh=self.investigation is None)
             if slope is not None:
                 self.rt.metrics.set_memory_growth(device, slope)
                 if device == points[0][0]:

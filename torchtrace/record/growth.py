@@ -6,20 +6,27 @@ The rule, for samples ``(step, bytes)`` taken every step or every few steps:
 - the first ``warmup`` steps are ignored (optimizer state, caches and loader queues fill then);
 - the window holds the samples of the last ``window`` steps, and never fewer than
   ``MIN_SAMPLES`` however far apart the samples are;
-- growth is *sustained* when the window's Theil-Sen slope is above the threshold, each third
-  of the window climbs at half the threshold or more (one or two jumps are not a leak), the net change
-  covers half of what the slope predicts, the window spans ``window // 4`` steps or more, and
-  the growth the slope predicts over the window, ``slope * span``, reaches the bytes a leak at
-  exactly the threshold would take in a whole window, ``threshold * window``.
+- growth is *sustained* when a stretch of the window ending at the latest sample (the last
+  ``window // 4`` steps, twice that, ..., the whole window) holds ``MIN_SAMPLES`` samples and:
+  its Theil-Sen slope is above the threshold; the growth that slope predicts over the
+  stretch, ``slope * span``, reaches ``threshold * window`` (what a leak at exactly the
+  threshold takes in a whole window); each third of the stretch climbs at half the threshold
+  or more (one or two jumps are not a leak); the net change covers half the prediction; and
+  the prediction is ``NOISE_FACTOR`` times the median step-to-step scatter around the slope.
 
-The last condition makes the time to detection fall as the leak grows: a leak at twice the
-threshold needs half a window of evidence, one at ten times the threshold the minimum span.
+The evidence condition makes the time to detection fall as the leak grows: a leak at twice
+the threshold needs half a window of steps, one at four times or more the minimum stretch.
+
+While growth is *suspected* (the last two samples or the window climb faster than the
+threshold) a caller that samples sparsely should sample every ``stride()`` steps: about
+``MIN_SAMPLES`` samples over the steps the suspected rate needs.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import math
 from typing import Any
 
 DEFAULT_WINDOW = 32  # steps
@@ -101,8 +108,9 @@ class GrowthTracker:
     def in_warmup(self, step: int) -> bool:
         return self.first_step is None or step - self.first_step < self.warmup
 
-    def add(self, step: int, value: int) -> float | None:
-        """One sample; returns the window's slope (None until there is one)."""
+    def add(self, step: int, value: int, refresh: bool = True) -> float | None:
+        """One sample; returns the window's slope (None until there is one). ``refresh=False``
+        keeps the last slope (no fit: the slow path's tracing makes a fit slow)."""
         value = int(value)
         if self.first_step is None:
             self.first_step = step
@@ -117,7 +125,7 @@ class GrowthTracker:
         while len(self.samples) > self.min_samples and step - self.samples[0][0] > self.window:
             self.samples.popleft()
         self._stale += 1
-        if self._stale >= max(1, len(self.samples) // 8) or self.suspected():
+        if refresh and self._stale >= max(1, len(self.samples) // 8):
             self.refresh()
         return self.slope
 
@@ -134,8 +142,27 @@ class GrowthTracker:
 
     def wants_samples(self, step: int) -> bool:
         """A sample at ``step`` would help decide: the warm-up is over and there is no sample
-        after it yet, or growth is suspected."""
-        return not self.in_warmup(step) and (not self.samples or self.suspected())
+        after it yet, or growth is suspected and ``stride()`` steps have passed since the last."""
+        if self.in_warmup(step):
+            return False
+        if not self.samples:
+            return True
+        return self.suspected() and step - self.samples[-1][0] >= self.stride()
+
+    def stride(self) -> int:
+        """Steps between samples while growth is suspected: ``MIN_SAMPLES`` samples over the span
+        the suspected rate needs to reach the evidence (``min_span`` at least), so a large leak
+        is sampled every step or two and a small one every few steps.
+
+        >>> tr = GrowthTracker(window=32, threshold=1000)
+        >>> tr.pair_slope = 10_000; tr.stride()     # 10x: 8 steps of evidence, 5 samples
+        2
+        >>> tr.pair_slope = 2_000; tr.stride()      # 2x: 16 steps
+        4
+        """
+        rate = max(self.pair_slope or 0.0, self.slope or 0.0, self.threshold)
+        span = max(self.min_span, self.evidence_bytes / rate)
+        return max(1, math.ceil(span / (self.min_samples - 1)))
 
     def sustained(self) -> bool:
         """The rule in the module docstring, on the window and on its recent stretches (the last
