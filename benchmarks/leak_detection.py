@@ -11,9 +11,14 @@ more than the budget allows. The tables print the steps from the leak's first st
 step that carries the ``memory_leak`` anomaly (the slow path's ``leak_confirm_steps``
 included).
 
-The second table starts the leak at the phase the detector finds hardest: the heap sample
-after the onset sees growth just under the threshold, so the suspicion waits one more
-interval. A case stops when flagged, after ``--max-steps`` steps, or when the kept list
+The second table starts the leak after 120 clean steps, and at heap gaps over 1 at two
+phases of the heap samples: (a) the leak's first step is the one right after a sample, so
+no sample sees it for a whole interval unless the resident size gives it away; (u) the next
+sample sees growth just under the threshold over its interval. That table is printed twice:
+with every case in one process (its heap holds the memory earlier cases freed, so a leak
+reuses free pages and the resident size does not show it, as on a fragmented heap), and with
+each case in a new process (the resident size grows with the leak and prompts an early heap
+sample). A case stops when flagged, after ``--max-steps`` steps, or when the kept list
 passes ``--max-bytes``.
 
 The last table is the detector's own time per step (its ``finalize`` less the heap samples
@@ -29,8 +34,10 @@ import argparse
 import gc
 import importlib
 import logging
+import math
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -115,17 +122,17 @@ class Case:
         self.i += 1
         return semconv.MEMORY_LEAK in step.record.anomaly_kinds
 
-    def run(self, multiple: float, clean: int, worst_phase: bool, max_steps: int, max_bytes: float):
+    def run(self, multiple: float, clean: int, phase: str, max_steps: int, max_bytes: float):
         rows = max(1, round(16 * multiple))
         x, y = torch.randn(rows, 16), torch.randn(rows, 4)
         for _ in range(clean):
             if self.step(x, y, None):
                 return None, "false alarm"
-        if worst_phase and self.gap > 1:
-            # the next sample is due gap steps after the last; it sees the leak of the steps
-            # from the onset to its own: floor(gap / multiple) of them is growth just under
-            # the threshold over the interval
-            lead = max(1, int(self.gap // multiple))
+        if self.gap > 1 and phase != "none":
+            # "after": the leak's first step is the one after a heap sample, so no sample sees
+            # it for a whole interval; "under": the next sample sees ceil(gap / multiple) - 1
+            # leaked steps, growth just under the threshold over the interval
+            lead = self.gap if phase == "after" else max(1, math.ceil(self.gap / multiple) - 1)
             while self.i != self.sampled_at[-1] + self.gap - lead + 1:
                 if self.step(x, y, None):
                     return None, "false alarm"
@@ -139,19 +146,31 @@ class Case:
         return None, f"> {max_steps}"
 
 
-def detection_table(multiples, gaps, clean: int, worst_phase: bool, args, run_dir: str) -> list[str]:
+def one_case(gap: int, multiple: float, clean: int, phase: str, args, run_dir: str) -> str:
+    """Steps to detection of one case, or why there is none, as a table cell."""
+    if args.fresh:  # in a new process: a young heap, nothing freed before the leak
+        cmd = [sys.executable, __file__, "--one", f"{gap},{multiple},{clean},{phase}", "--max-steps",
+               str(args.max_steps), "--max-bytes", str(args.max_bytes)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return out.strip().splitlines()[-1]
+    case = Case(gap, run_dir)
+    try:
+        steps, note = case.run(multiple, clean, phase, args.max_steps, args.max_bytes)
+    finally:
+        case.close()
+        gc.collect()
+    return str(steps) if steps is not None else note
+
+
+def detection_table(multiples, gaps, clean: int, args, run_dir: str) -> list[str]:
+    """Steps to detection; after clean steps, at gaps over 1, "a / u" for the two phases."""
     lines = ["| leak (x threshold) | MB/step | " + " | ".join(f"gap {g}" for g in gaps) + " |",
              "|---|---|" + "---|" * len(gaps)]
     for m in multiples:
         cells = []
         for g in gaps:
-            case = Case(g, run_dir)
-            try:
-                steps, note = case.run(m, clean, worst_phase, args.max_steps, args.max_bytes)
-            finally:
-                case.close()
-                gc.collect()
-            cells.append(str(steps) if steps is not None else note)
+            phases = ("none",) if clean == 0 or g == 1 else ("after", "under")
+            cells.append(" / ".join(one_case(g, m, clean, phase, args, run_dir) for phase in phases))
         mb = round(16 * m) * WIDTH * 4 / 1e6
         lines.append(f"| {m:g} | {mb:.2f} | " + " | ".join(cells) + " |")
     return lines
@@ -188,24 +207,36 @@ def main() -> None:
     parser.add_argument("--gaps", default="1,11,64")
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--max-bytes", type=float, default=1.5 * 2 ** 30)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # gap,multiple,clean,phase: one case, one cell
     args = parser.parse_args()
+    args.fresh = False
     multiples = [float(v) for v in args.multiples.split(",")]
     gaps = [int(v) for v in args.gaps.split(",")]
     logging.getLogger("torchtrace").setLevel(logging.ERROR)  # the anomaly's warning per case
     torch.set_num_threads(1)
+    if args.one:
+        gap, multiple, clean, phase = args.one.split(",")
+        with tempfile.TemporaryDirectory() as run_dir:
+            print(one_case(int(gap), float(multiple), int(clean), phase, args, run_dir))
+        return
     from torchtrace.record import growth
 
     print(f"# leak detection benchmark: torch {torch.__version__}, python {platform.python_version()}, "
           f"{platform.machine()}, torch threads {torch.get_num_threads()}")
     print(f"# defaults: threshold {growth.DEFAULT_THRESHOLD} bytes/step, window {growth.DEFAULT_WINDOW}; "
           f"steps from the leak's first step to the memory_leak anomaly")
+    mid = ("leak from a step after 120 clean steps; at gaps over 1, a / u: its first step right after a heap "
+           "sample / the next sample sees growth just under the threshold")
     with tempfile.TemporaryDirectory() as run_dir:
         print("\nthe detector's own time per step (LeakProbe.finalize less its heap samples, median):")
         print("\n".join(cost_table(gaps, args, run_dir)))
-        print("\nleak from the first step:")
-        print("\n".join(detection_table(multiples, gaps, 0, False, args, run_dir)))
-        print("\nleak from a step after 120 clean steps, at the hardest phase of the heap samples:")
-        print("\n".join(detection_table(multiples, gaps, 120, True, args, run_dir)))
+        print("\nleak from the first step (all cases in one process):")
+        print("\n".join(detection_table(multiples, gaps, 0, args, run_dir)))
+        print(f"\n{mid}; all cases in one process, whose heap holds what earlier cases freed:")
+        print("\n".join(detection_table(multiples, gaps, 120, args, run_dir)))
+        args.fresh = True
+        print(f"\n{mid}; each case in a new process:")
+        print("\n".join(detection_table(multiples, gaps, 120, args, run_dir)))
 
 
 if __name__ == "__main__":

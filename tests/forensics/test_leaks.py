@@ -128,6 +128,26 @@ def test_one_or_two_jumps_anywhere_are_not_a_leak_noise_neither():
     assert abs(noisy.slope) < threshold
 
 
+def test_suspicion_and_the_stride_of_extra_samples():
+    threshold = 1000
+    tr = leaks.GrowthTracker(window=32, threshold=threshold, warmup=0)
+    for step in range(0, 64 * 6, 64):  # sparse samples of a flat heap
+        tr.add(step, 10 ** 6)
+    assert not tr.suspected() and not tr.wants_samples(64 * 6)
+    tr.add(64 * 6, 10 ** 6 + 9 * threshold)  # a quarter window's evidence (8000) beyond the trend
+    assert tr.suspected() and tr.pair_slope < threshold
+    assert tr.stride() == 8  # suspected at the threshold's rate: 32 steps of evidence, 5 samples
+    assert not tr.wants_samples(64 * 6 + 7) and tr.wants_samples(64 * 6 + 8)
+    tr.add(64 * 6 + 2, 10 ** 6 + 9 * threshold + 20 * threshold)  # 10x over two steps
+    assert tr.suspected() and tr.stride() == 2
+    drift = leaks.GrowthTracker(window=32, threshold=threshold, warmup=0)
+    for step in range(0, 64 * 12, 64):  # a steady half-threshold drift, sampled every 64 steps
+        drift.add(step, 10 ** 6 + 500 * step)
+    drift.refresh()
+    drift.add(64 * 12, 10 ** 6 + 500 * 64 * 12)
+    assert drift.pair_excess == pytest.approx(0) and not drift.suspected()
+
+
 def test_window_spans_steps_and_keeps_five_samples_however_sparse():
     tr = leaks.GrowthTracker(window=32, threshold=100, warmup=0)
     for step in range(0, 64 * 10, 64):  # one sample every 64 steps

@@ -71,6 +71,7 @@ class LeakProbe:
         self._step_s: float | None = None  # step wall time, smoothed
         self._heap_available = True
         self._extra_run = 0  # out-of-turn samples since the last regular one
+        self._rss_ref: tuple[int, int] | None = None  # (tick, resident bytes) at the last heap sample
         self._quiet_until = 0  # no investigation starts before this tick
         self._backoff = 0
         runtime.report_sections["memory_leaks"] = self.section
@@ -141,13 +142,21 @@ class LeakProbe:
             t = self.trackers[device] = growth.GrowthTracker(self.window, self.threshold)
         return t
 
-    def _wants_heap(self, tick: int) -> bool:
-        """Sample the heap out of turn: no investigation is running or due to wait, the CPU
-        tracker needs its first sample after the warm-up or suspects growth, and fewer than
-        ``EXTRA_SAMPLES`` were taken out of turn since the last regular sample."""
+    def _wants_heap(self, tick: int, rss: int | None) -> bool:
+        """Sample the heap out of turn: no investigation is running or due to wait, fewer than
+        ``EXTRA_SAMPLES`` were taken out of turn since the last regular sample, and the CPU
+        tracker needs its first sample after the warm-up or suspects growth, or the resident
+        size (read every step anyway) rose since the last heap sample by a quarter window's
+        evidence, faster than the threshold."""
         if self.investigation is not None or tick < self._quiet_until or self._extra_run >= EXTRA_SAMPLES:
             return False
-        return self._tracker("cpu").wants_samples(tick)
+        tr = self._tracker("cpu")
+        if tr.wants_samples(tick):
+            return True
+        if rss is None or self._rss_ref is None or tr.in_warmup(tick):
+            return False
+        rose = rss - self._rss_ref[1]
+        return rose >= 0.25 * tr.evidence_bytes and rose > self.threshold * (tick - self._rss_ref[0])
 
     def finalize(self, scope, record, span) -> None:
         feats = scope._features if scope is not None else self.rt.features
@@ -164,9 +173,11 @@ class LeakProbe:
         points = []
         if mem.get("cuda_allocated_bytes") is not None:
             points.append((mem.get("device") or "cuda", mem["cuda_allocated_bytes"]))
-        heap = self._sample_heap(record.duration_s, self._heap_available and self._wants_heap(tick))
+        rss = mem.get("rss_bytes")
+        heap = self._sample_heap(record.duration_s, self._heap_available and self._wants_heap(tick, rss))
         if heap is not None:
             points.append(("cpu", heap))
+            self._rss_ref = (tick, rss) if rss is not None else None
         elif not self._heap_available and mem.get("rss_bytes") is not None:
             points.append(("cpu", mem["rss_bytes"]))  # no glibc: RSS, already sampled
         worst = None

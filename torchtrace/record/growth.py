@@ -18,7 +18,7 @@ The evidence condition makes the time to detection fall as the leak grows: a lea
 the threshold needs half a window of steps, one at four times or more the minimum stretch.
 
 While growth is *suspected* (the last two samples or the window climb faster than the
-threshold) a caller that samples sparsely should sample every ``stride()`` steps: about
+threshold, or the last change is a quarter window's evidence beyond the trend) a caller that samples sparsely should sample every ``stride()`` steps: about
 ``MIN_SAMPLES`` samples over the steps the suspected rate needs.
 """
 
@@ -90,6 +90,7 @@ class GrowthTracker:
         self.first_step: int | None = None
         self.last: tuple[int, int] | None = None  # the latest sample, warm-up included
         self.pair_slope: float | None = None  # between the latest two samples
+        self.pair_excess = 0.0  # their change beyond what the window's slope predicts, bytes
         self.samples: collections.deque[tuple[int, int]] = collections.deque()
         self.slope: float | None = None
         self.since: int | None = None  # first step of the stretch last called sustained
@@ -116,6 +117,7 @@ class GrowthTracker:
             self.first_step = step
         if self.last is not None and step > self.last[0]:
             self.pair_slope = (value - self.last[1]) / (step - self.last[0])
+            self.pair_excess = value - self.last[1] - max(self.slope or 0.0, 0.0) * (step - self.last[0])
         self.last = (step, value)
         if self.in_warmup(step):
             return self.slope
@@ -135,10 +137,13 @@ class GrowthTracker:
         return self.slope
 
     def suspected(self) -> bool:
-        """The last two samples, or the window, climb faster than the threshold: samples are
-        worth taking more often until the question is settled."""
+        """The last two samples or the window climb faster than the threshold, or the last
+        change is a quarter window's evidence beyond the window's trend (a leak that began a
+        few steps before a sparse sample): samples are worth taking more often until the
+        question is settled."""
         return ((self.pair_slope is not None and self.pair_slope > self.threshold)
-                or (self.slope is not None and self.slope > self.threshold))
+                or (self.slope is not None and self.slope > self.threshold)
+                or self.pair_excess >= 0.25 * self.evidence_bytes)
 
     def wants_samples(self, step: int) -> bool:
         """A sample at ``step`` would help decide: the warm-up is over and there is no sample
@@ -172,6 +177,9 @@ class GrowthTracker:
         n = len(self.samples)
         if n < self.min_samples:
             return False
+        last_value = self.samples[-1][1]
+        if last_value - min(v for _, v in self.samples) < 0.5 * self.evidence_bytes:
+            return False  # no stretch has grown enough to pass (see below): the usual case, O(n)
         ordered = list(self.samples)
         last_step, last_value = ordered[-1]
         for i in self._starts([st for st, _ in ordered]):
@@ -223,6 +231,7 @@ class GrowthTracker:
         self.samples.clear()
         self.slope = None
         self.pair_slope = None
+        self.pair_excess = 0.0
         self.since = None
         self._stale = 0
 
@@ -230,7 +239,7 @@ class GrowthTracker:
         return {"window": self.window, "threshold": self.threshold, "warmup": self.warmup,
                 "min_samples": self.min_samples, "first_step": self.first_step,
                 "last": list(self.last) if self.last is not None else None, "pair_slope": self.pair_slope,
-                "since": self.since, "samples": [list(s) for s in self.samples]}
+                "pair_excess": self.pair_excess, "since": self.since, "samples": [list(s) for s in self.samples]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window = int(state["window"])
@@ -241,6 +250,7 @@ class GrowthTracker:
         last = state.get("last")
         self.last = (int(last[0]), int(last[1])) if last is not None else None
         self.pair_slope = state.get("pair_slope")
+        self.pair_excess = float(state.get("pair_excess", 0.0))
         self.since = state.get("since")
         self.samples = collections.deque(tuple(s) for s in state["samples"])
         self.refresh()
