@@ -207,6 +207,7 @@ def main() -> None:
     parser.add_argument("--gaps", default="1,11,64")
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--max-bytes", type=float, default=1.5 * 2 ** 30)
+    parser.add_argument("--no-fresh", action="store_true", help="skip the table with a new process per case")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # gap,multiple,clean,phase: one case, one cell
     args = parser.parse_args()
     args.fresh = False
@@ -234,9 +235,10 @@ def main() -> None:
         print("\n".join(detection_table(multiples, gaps, 0, args, run_dir)))
         print(f"\n{mid}; all cases in one process, whose heap holds what earlier cases freed:")
         print("\n".join(detection_table(multiples, gaps, 120, args, run_dir)))
-        args.fresh = True
-        print(f"\n{mid}; each case in a new process:")
-        print("\n".join(detection_table(multiples, gaps, 120, args, run_dir)))
+        if not args.no_fresh:
+            args.fresh = True
+            print(f"\n{mid}; each case in a new process:")
+            print("\n".join(detection_table(multiples, gaps, 120, args, run_dir)))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ class LeakProbe:
         self._heap_available = True
         self._extra_run = 0  # out-of-turn samples since the last regular one
         self._rss_ref: tuple[int, int] | None = None  # (tick, resident bytes) at the last heap sample
+        self._heap_due: int | None = None  # tick from which the CPU tracker wants a sample out of turn
         self._quiet_until = 0  # no investigation starts before this tick
         self._backoff = 0
         runtime.report_sections["memory_leaks"] = self.section
@@ -85,6 +86,7 @@ class LeakProbe:
         if confirm_steps is not None:
             self.confirm_steps = confirm_steps
         self.trackers.clear()
+        self._heap_due = self._rss_ref = None
 
     def section(self) -> dict[str, Any]:
         return {"flagged": self.flagged, "investigations": self.investigations, "threshold_bytes_per_step": self.threshold, "window": self.window,
@@ -150,13 +152,14 @@ class LeakProbe:
         evidence, faster than the threshold."""
         if self.investigation is not None or tick < self._quiet_until or self._extra_run >= EXTRA_SAMPLES:
             return False
-        tr = self._tracker("cpu")
-        if tr.wants_samples(tick):
+        due = self._heap_due  # planned when the last CPU sample was added: a few comparisons a step
+        if due is not None and tick >= due:
             return True
-        if rss is None or self._rss_ref is None or tr.in_warmup(tick):
+        ref = self._rss_ref
+        if rss is None or ref is None:
             return False
-        rose = rss - self._rss_ref[1]
-        return rose >= 0.25 * tr.evidence_bytes and rose > self.threshold * (tick - self._rss_ref[0])
+        rose = rss - ref[1]
+        return rose >= 0.25 * self.threshold * self.window and rose > self.threshold * (tick - ref[0])
 
     def finalize(self, scope, record, span) -> None:
         feats = scope._features if scope is not None else self.rt.features
@@ -177,13 +180,15 @@ class LeakProbe:
         heap = self._sample_heap(record.duration_s, self._heap_available and self._wants_heap(tick, rss))
         if heap is not None:
             points.append(("cpu", heap))
-            self._rss_ref = (tick, rss) if rss is not None else None
         elif not self._heap_available and mem.get("rss_bytes") is not None:
             points.append(("cpu", mem["rss_bytes"]))  # no glibc: RSS, already sampled
         worst = None
         for device, value in points:
             tr = self._tracker(device)
             slope = tr.add(tick, value, refresh=self.investigation is None)
+            if device == "cpu" and heap is not None:
+                self._heap_due = tr.sample_due()
+                self._rss_ref = (tick, rss) if rss is not None and not tr.in_warmup(tick) else None
             if slope is not None:
                 self.rt.metrics.set_memory_growth(device, slope)
                 if device == points[0][0]:
@@ -214,6 +219,7 @@ class LeakProbe:
         slope = tr.rate() if tr is not None else None
         for t in self.trackers.values():
             t.reset()  # a fresh window, free of the slow path's own allocations
+        self._heap_due = self.ticks  # and a first sample for it as soon as the wait allows
         self._quiet_until = self.ticks + self.window * 2 ** self._backoff
         self._backoff = min(self._backoff + 1, BACKOFF_MAX)
         if slope is None or slope <= self.threshold:

@@ -145,14 +145,20 @@ class GrowthTracker:
                 or (self.slope is not None and self.slope > self.threshold)
                 or self.pair_excess >= 0.25 * self.evidence_bytes)
 
-    def wants_samples(self, step: int) -> bool:
-        """A sample at ``step`` would help decide: the warm-up is over and there is no sample
-        after it yet, or growth is suspected and ``stride()`` steps have passed since the last."""
-        if self.in_warmup(step):
-            return False
+    def sample_due(self) -> int | None:
+        """The step from which another sample would help decide: the end of the warm-up while
+        there is no sample after it, or ``stride()`` steps after the last while growth is
+        suspected; None otherwise. It changes only when a sample is added."""
+        if self.first_step is None:
+            return None
         if not self.samples:
-            return True
-        return self.suspected() and step - self.samples[-1][0] >= self.stride()
+            return self.first_step + self.warmup
+        return self.samples[-1][0] + self.stride() if self.suspected() else None
+
+    def wants_samples(self, step: int) -> bool:
+        """A sample at ``step`` would help decide (see ``sample_due``)."""
+        due = self.sample_due()
+        return due is not None and step >= due
 
     def stride(self) -> int:
         """Steps between samples while growth is suspected: ``MIN_SAMPLES`` samples over the span
