@@ -33,7 +33,7 @@ DEFAULT_WINDOW = 32  # steps
 DEFAULT_THRESHOLD = 256 * 1024  # bytes per step
 MIN_SAMPLES = 5  # fewest samples a window holds, and the fewest that can call growth sustained
 NOISE_FACTOR = 8  # the growth over a stretch must be this many times its step-to-step scatter
-PARTS = 3  # every third of the window must climb: one or two jumps are not a leak
+PARTS = 3  # every third of a stretch must climb: one or two jumps are not a leak
 _MAX_FIT = 64  # the slope is fitted on at most this many samples of the window (evenly spread)
 
 
@@ -70,7 +70,8 @@ class GrowthTracker:
 
     Steps are the x axis: samples may come every step or every few steps, and the slope is in
     bytes per step either way. ``add`` is O(1) on most calls (the slope is refreshed every
-    few samples, and on every sample while growth is suspected).
+    ``len(window) // 8`` samples); ``sustained`` is O(window) and fits slopes only when the
+    net change already looks like a leak.
 
     >>> tr = GrowthTracker(window=32, threshold=1000)
     >>> for step in range(48):
