@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import math
+import random
 import statistics
 
 import pytest
@@ -45,12 +47,117 @@ def test_growth_tracker_sustained_and_round_trip():
     clone = leaks.GrowthTracker(window=4)
     clone.load_state_dict(json.loads(json.dumps(tr.state_dict())))
     assert clone.state_dict() == tr.state_dict() and clone.slope == tr.slope and clone.sustained()
+    for step in range(10, 40):  # both go on alike after the round trip: same slopes, same verdicts
+        value = 1000 * step if step < 20 else 20_000
+        assert (clone.add(step, value), clone.sustained()) == (tr.add(step, value), tr.sustained())
+    assert not tr.sustained() and tr.slope == 0
     flat = leaks.GrowthTracker(window=8, threshold=100, warmup=0)
     for step in range(8):
         flat.add(step, 5000 if step == 4 else 0)  # one jump, no trend
     assert not flat.sustained()
     with pytest.raises(ValueError, match="window"):
         leaks.GrowthTracker(window=2)
+
+
+@pytest.mark.parametrize("multiple", [1.5, 2, 4, 10, 26])
+def test_time_to_sustained_falls_as_the_leak_grows(multiple):
+    # Sampled every step, default window (32 steps) and warm-up (32 steps): a leak at m times
+    # the threshold has taken the bytes of a whole window at the threshold after 32/m steps;
+    # never fewer than a quarter window (8 steps) of evidence.
+    threshold = leaks.DEFAULT_THRESHOLD
+    tr = leaks.GrowthTracker(threshold=threshold)
+    found = None
+    for step in range(200):
+        tr.add(step, 10 ** 8 + int(multiple * threshold * step) + (step % 3) * 4096)
+        if tr.sustained():
+            found = step
+            break
+    expected = 32 + max(8, math.ceil(32 / multiple))
+    assert found is not None and abs(found - expected) <= 1, (multiple, found, expected)
+    assert tr.slope == pytest.approx(multiple * threshold, rel=0.02)
+
+
+def test_a_leak_that_starts_mid_window_is_called_on_its_own_evidence():
+    # After 100 flat steps the window is full of flat samples; the leak's own recent stretch
+    # decides, so the time still falls as the leak grows, and the rate is the leak's own.
+    threshold = leaks.DEFAULT_THRESHOLD
+    delays = {}
+    for multiple in (1.5, 2, 4, 10, 26):
+        tr = leaks.GrowthTracker(threshold=threshold)
+        for step in range(300):
+            tr.add(step, 10 ** 8 + (int(multiple * threshold * (step - 100)) if step >= 100 else 0))
+            if tr.sustained():
+                delays[multiple] = step - 100
+                break
+        assert 0 < delays[multiple] <= max(8, math.ceil(32 / multiple)) + 5, delays
+        assert tr.rate() == pytest.approx(multiple * threshold, rel=0.02)
+        assert tr.slope <= tr.rate()  # the window's slope may still be diluted by the flat steps
+    assert list(delays.values()) == sorted(delays.values(), reverse=True), delays
+
+
+def test_a_leak_in_chunks_or_under_noise_is_still_called():
+    threshold = leaks.DEFAULT_THRESHOLD
+    rng = random.Random(0)
+    chunky = leaks.GrowthTracker(threshold=threshold)  # 50x every 5th step: 10x on average
+    noisy = leaks.GrowthTracker(threshold=threshold)  # 2x under +-1 MB of scatter
+    found: dict[str, int] = {}
+    for step in range(200):
+        chunky.add(step, 10 ** 8 + 50 * threshold * (step // 5))
+        noisy.add(step, 10 ** 8 + 2 * threshold * step + rng.randint(-4 * threshold, 4 * threshold))
+        for name, tr in (("chunky", chunky), ("noisy", noisy)):
+            if name not in found and tr.sustained():
+                found[name] = step
+    assert found["chunky"] <= 32 + 25 and found["noisy"] <= 32 + 32, found
+
+
+def test_one_or_two_jumps_anywhere_are_not_a_leak_noise_neither():
+    threshold = leaks.DEFAULT_THRESHOLD
+    rng = random.Random(0)
+    for size in (4, 32, 2000):  # Adam's state for a 16 MB model is a jump of 32x the threshold
+        for first in range(30, 110, 3):
+            for second in (None, first + 2, first + 9):
+                tr = leaks.GrowthTracker(threshold=threshold)
+                for step in range(140):
+                    jumps = (step >= first) + (second is not None and step >= second)
+                    tr.add(step, 10 ** 8 + jumps * size * threshold + rng.randint(-20_000, 20_000))
+                    assert not tr.sustained(), (size, first, second, step)
+    noisy = leaks.GrowthTracker(threshold=threshold)
+    for step in range(5000):  # i.i.d. scatter of +-8x the threshold (+-2 MB) around a flat heap
+        noisy.add(step, 10 ** 8 + rng.randint(-8 * threshold, 8 * threshold))
+        assert not noisy.sustained(), step
+    assert abs(noisy.slope) < threshold
+
+
+def test_suspicion_and_the_stride_of_extra_samples():
+    threshold = 1000
+    tr = leaks.GrowthTracker(window=32, threshold=threshold, warmup=0)
+    for step in range(0, 64 * 6, 64):  # sparse samples of a flat heap
+        tr.add(step, 10 ** 6)
+    assert not tr.suspected() and not tr.wants_samples(64 * 6)
+    tr.add(64 * 6, 10 ** 6 + 9 * threshold)  # a quarter window's evidence (8000) beyond the trend
+    assert tr.suspected() and tr.pair_slope < threshold
+    assert tr.stride() == 8  # suspected at the threshold's rate: 32 steps of evidence, 5 samples
+    assert not tr.wants_samples(64 * 6 + 7) and tr.wants_samples(64 * 6 + 8)
+    tr.add(64 * 6 + 2, 10 ** 6 + 9 * threshold + 20 * threshold)  # 10x over two steps
+    assert tr.suspected() and tr.stride() == 2
+    drift = leaks.GrowthTracker(window=32, threshold=threshold, warmup=0)
+    for step in range(0, 64 * 12, 64):  # a steady half-threshold drift, sampled every 64 steps
+        drift.add(step, 10 ** 6 + 500 * step)
+    drift.refresh()
+    drift.add(64 * 12, 10 ** 6 + 500 * 64 * 12)
+    assert drift.pair_excess == pytest.approx(0) and not drift.suspected()
+
+
+def test_window_spans_steps_and_keeps_five_samples_however_sparse():
+    tr = leaks.GrowthTracker(window=32, threshold=100, warmup=0)
+    for step in range(0, 64 * 10, 64):  # one sample every 64 steps
+        tr.add(step, 1000 * step)
+    assert [s for s, _ in tr.samples] == [64 * k for k in range(5, 10)]
+    assert tr.slope == 1000 and tr.sustained()
+    dense = leaks.GrowthTracker(window=32, threshold=100, warmup=0)
+    for step in range(100):
+        dense.add(step, 0)
+    assert [s for s, _ in dense.samples] == list(range(99 - 32, 100))  # the last 32 steps
 
 
 @pytest.fixture(autouse=True)

@@ -229,10 +229,14 @@ class Investigation:
                 logger.debug("CUDA memory history unavailable", exc_info=True)
         return inv
 
-    def finish(self, step: int) -> dict[str, Any]:
-        """Second census, allocation sites; always stops what :meth:`begin` started."""
-        steps = max(step - self.start_step, 1)
-        report: dict[str, Any] = {"start_step": self.start_step, "end_step": step}
+    def finish(self, step: int, steps: int | None = None) -> dict[str, Any]:
+        """Second census, allocation sites; always stops what :meth:`begin` started.
+
+        ``steps``: the steps recorded since :meth:`begin` (default ``step - start_step``,
+        which is wrong when other operations' steps came in between).
+        """
+        steps = max(step - self.start_step if steps is None else steps, 1)
+        report: dict[str, Any] = {"start_step": self.start_step, "end_step": step, "steps": steps}
         before = self.census
         try:
             if self.started_tracemalloc or tracemalloc.is_tracing():

@@ -18,15 +18,37 @@ from torchtrace.record.step import Anomaly
 HEAP_FREE_S = 100e-6  # a heap sample this cheap is taken every step
 HEAP_BUDGET = 0.005  # otherwise at most this share of the step time goes to heap samples
 HEAP_MAX_GAP = 64  # and at least one sample every this many steps
+EXTRA_SAMPLES = 2 * growth.MIN_SAMPLES  # out-of-turn heap samples between two regular ones, at most
+BACKOFF_MAX = 5  # a growth that stays is investigated again after window * 2**k steps, k <= this
+
+
+def heap_gap(cost_s: float, step_s: float) -> int:
+    """Steps between two CPU heap samples: 1 while a sample costs under ``HEAP_FREE_S``, else
+    the fewest steps that keep samples under ``HEAP_BUDGET`` of the step time, at most
+    ``HEAP_MAX_GAP``.
+
+    >>> heap_gap(20e-6, 0.01), heap_gap(1e-3, 0.03), heap_gap(1.5e-3, 0.001)
+    (1, 7, 64)
+    """
+    if cost_s <= HEAP_FREE_S:
+        return 1
+    return min(HEAP_MAX_GAP, max(1, math.ceil(cost_s / (HEAP_BUDGET * max(step_s, 1e-6)))))
 
 
 class LeakProbe(Probe):
     """The leak detector: robust slope per device each step; an investigation when it is sustained.
 
-    Cheap per step (host floats only). After a sustained slope, the slow path runs for
-    ``confirm_steps`` steps and then a ``memory_leak`` anomaly is added with the report; the
-    slope windows then start afresh. The slope goes to ``record.memory_growth``; the report of a
-    flagged leak to ``record.leak``.
+    Cheap per step (host floats only). Samples are placed on the probe's own count of recorded
+    steps (every operation's), so interleaved operations with their own step numbers share one
+    axis. When a device's growth is suspected the CPU heap is sampled every
+    ``GrowthTracker.stride()`` steps (1 to a few) until the rule in
+    :mod:`torchtrace.record.growth` settles it, with at most ``EXTRA_SAMPLES`` out-of-turn
+    samples between two regular ones; a sustained slope starts the slow path
+    for ``confirm_steps`` steps, then a ``memory_leak`` anomaly is added with the report, the
+    slope windows start afresh, and the next investigation waits ``window * 2**k`` steps
+    (k counts investigations in a row, up to ``BACKOFF_MAX``; it falls back to 0 after a calm
+    window). The slope goes to ``record.memory_growth``; the report of a flagged leak to
+    ``record.leak``.
     """
 
     name = "memory_leaks"
@@ -46,11 +68,18 @@ class LeakProbe(Probe):
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
         self.flagged = 0
         self.investigations = 0  # slow paths started (each runs confirm_steps steps)
+        self.ticks = 0  # steps this probe has recorded: the x axis of every slope
         self.heap_every = 1  # the CPU heap is sampled every this many steps (see _sample_heap)
+        self.heap_extra_samples = 0  # samples taken before their turn because growth was suspected
         self._heap_wait = 0
         self._heap_cost: float | None = None  # seconds per mallinfo2 call, smoothed
         self._step_s: float | None = None  # step wall time, smoothed
         self._heap_available = True
+        self._extra_run = 0  # out-of-turn samples since the last regular one
+        self._rss_ref: tuple[int, int] | None = None  # (tick, resident bytes) at the last heap sample
+        self._heap_due: int | None = None  # tick from which the CPU tracker wants a sample out of turn
+        self._quiet_until = 0  # no investigation starts before this tick
+        self._backoff = 0
 
     def configure(self, window: int | None = None, threshold: float | None = None,
                   confirm_steps: int | None = None) -> None:
@@ -61,10 +90,11 @@ class LeakProbe(Probe):
         if confirm_steps is not None:
             self.confirm_steps = confirm_steps
         self.trackers.clear()
+        self._heap_due = self._rss_ref = None
 
     def section(self) -> dict[str, Any]:
         return {"flagged": self.flagged, "investigations": self.investigations, "threshold_bytes_per_step": self.threshold, "window": self.window,
-                "heap_sampled_every_steps": self.heap_every,
+                "heap_sampled_every_steps": self.heap_every, "heap_extra_samples": self.heap_extra_samples,
                 "slopes": {d: t.slope for d, t in self.trackers.items()}, "reports": list(self.reports)}
 
     def on_level(self, features) -> None:
@@ -75,19 +105,24 @@ class LeakProbe(Probe):
             self.investigation.stop()
             self.investigation = None
 
-    def _sample_heap(self, step_s: float) -> int | None:
+    def _sample_heap(self, step_s: float, extra: bool = False) -> int | None:
         """The CPU heap in use, on the steps it is sampled; None on the others.
 
         glibc's ``mallinfo2`` walks the allocator's free lists, so its cost grows with
         fragmentation: a few microseconds in a fresh process, over a millisecond after heavy
-        churn. It runs every step while it costs under ``HEAP_FREE_S``; past that, every N steps
-        with N chosen so it takes at most ``HEAP_BUDGET`` of the step time (N at most
-        ``HEAP_MAX_GAP``). The slope stays in bytes per step, as the samples carry their steps.
+        churn. It runs every ``heap_gap(cost, step time)`` steps, and also now when ``extra``
+        (growth is suspected: the slope needs samples sooner than the budget gives). The
+        slope stays in bytes per step, as the samples carry their steps.
         """
         self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
-        if self._heap_wait > 0:
+        if self._heap_wait > 0 and not extra:
             self._heap_wait -= 1
             return None
+        if self._heap_wait > 0:
+            self._extra_run += 1
+            self.heap_extra_samples += 1
+        else:
+            self._extra_run = 0
         if self._heap_cost is None:
             mem_measure.heap_in_use_bytes()  # the first call loads the C library: not a sample's cost
         t0 = time.perf_counter()
@@ -97,12 +132,8 @@ class LeakProbe(Probe):
             self._heap_available = False
             return None
         self._heap_cost = cost if self._heap_cost is None else 0.7 * self._heap_cost + 0.3 * cost
-        if self._heap_cost <= HEAP_FREE_S:
-            gap = 1
-        else:
-            gap = min(HEAP_MAX_GAP, max(1, math.ceil(self._heap_cost / (HEAP_BUDGET * max(self._step_s, 1e-6)))))
-        self.heap_every = gap
-        self._heap_wait = gap - 1
+        self.heap_every = heap_gap(self._heap_cost, self._step_s)
+        self._heap_wait = self.heap_every - 1
         return heap
 
     def _tracker(self, device: str) -> growth.GrowthTracker:
@@ -111,17 +142,39 @@ class LeakProbe(Probe):
             t = self.trackers[device] = growth.GrowthTracker(self.window, self.threshold)
         return t
 
+    def _wants_heap(self, tick: int, rss: int | None) -> bool:
+        """Sample the heap out of turn: no investigation is running or due to wait, fewer than
+        ``EXTRA_SAMPLES`` were taken out of turn since the last regular sample, and the CPU
+        tracker needs its first sample after the warm-up or suspects growth, or the resident
+        size (read every step anyway) rose since the last heap sample by a quarter window's
+        evidence, faster than the threshold."""
+        if self.investigation is not None or tick < self._quiet_until or self._extra_run >= EXTRA_SAMPLES:
+            return False
+        due = self._heap_due  # planned when the last CPU sample was added: a few comparisons a step
+        if due is not None and tick >= due:
+            return True
+        ref = self._rss_ref
+        if rss is None or ref is None:
+            return False
+        rose = rss - ref[1]
+        return rose >= 0.25 * self.threshold * self.window and rose > self.threshold * (tick - ref[0])
+
     def finish(self, scope, state, record, values) -> None:
         if not scope.features.leak_detector:
             if self.investigation is not None:
                 self.investigation.stop()
                 self.investigation = None
             return
+        tick = self.ticks
+        self.ticks += 1
+        if self.investigation is None and self._backoff and tick > self._quiet_until + self.window:
+            self._backoff = 0  # a calm window after the wait: the next growth is a new one
         mem = record.memory
         points = []
         if mem.get("cuda_allocated_bytes") is not None:
             points.append((mem.get("device") or "cuda", mem["cuda_allocated_bytes"]))
-        heap = self._sample_heap(record.duration_s)
+        rss = mem.get("rss_bytes")
+        heap = self._sample_heap(record.duration_s, self._heap_available and self._wants_heap(tick, rss))
         if heap is not None:
             points.append(("cpu", heap))
         elif not self._heap_available and mem.get("rss_bytes") is not None:
@@ -129,14 +182,17 @@ class LeakProbe(Probe):
         worst = None
         for device, value in points:
             tr = self._tracker(device)
-            slope = tr.add(record.step, value)
+            slope = tr.add(tick, value, refresh=self.investigation is None)
+            if device == "cpu" and heap is not None:
+                self._heap_due = tr.sample_due()
+                self._rss_ref = (tick, rss) if rss is not None and not tr.in_warmup(tick) else None
             if slope is not None:
                 if record.memory_slopes is None:
                     record.memory_slopes = {}
                 record.memory_slopes[device] = slope
                 if device == points[0][0]:
                     record.memory_growth = slope
-                if tr.sustained() and worst is None:
+                if worst is None and self.investigation is None and tick >= self._quiet_until and tr.sustained():
                     worst = (device, tr)
         if not points:  # the heap was not sampled this step: the span carries the last slope
             tr = self.trackers.get("cpu")
@@ -156,17 +212,19 @@ class LeakProbe(Probe):
         """Flag when the slow path accounts for the growth, or when growth nothing accounts for
         is seen in two windows in a row (a leak outside tensors and Python objects)."""
         inv, self.investigation = self.investigation, None
-        report = inv.finish(record.step)
+        report = inv.finish(record.step, steps=inv.steps)
         device = self.investigated_device or "cpu"
         tr = self.trackers.get(device)
-        slope = tr.slope if tr is not None else None
+        slope = tr.rate() if tr is not None else None
         for t in self.trackers.values():
             t.reset()  # a fresh window, free of the slow path's own allocations
+        self._heap_due = self.ticks  # and a first sample for it as soon as the wait allows
+        self._quiet_until = self.ticks + self.window * 2 ** self._backoff
+        self._backoff = min(self._backoff + 1, BACKOFF_MAX)
         if slope is None or slope <= self.threshold:
             self.unattributed = 0
             return
-        steps = max(report["end_step"] - report["start_step"], 1)
-        if census.attributed_bytes(report) < 0.25 * slope * steps:
+        if census.attributed_bytes(report) < 0.25 * slope * report["steps"]:
             self.unattributed += 1
             if self.unattributed < 2:
                 return
