@@ -249,6 +249,11 @@ def claim_file(path: str | os.PathLike[str]) -> Path:
             except BaseException:
                 os.close(fd)
                 raise
+            if not _still_linked(fd, lock_path):
+                # A releasing process removed the lock file between our open and our lock:
+                # the claim on an unlinked file is worth nothing; try this name again.
+                os.close(fd)
+                return claim_file(path) if candidate == target else _retry_alternative(target, alternative)
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             _claims[str(target)] = (fd, candidate)
@@ -271,7 +276,27 @@ def release_file(path: str | os.PathLike[str]) -> None:
                     held = _claims.pop(asked)
                     break
     if held is not None:
-        os.close(held[0])
+        fd, claimed = held
+        lock_path = claimed.with_name(f".{claimed.name}.lock")
+        try:  # remove the lock file while still holding the lock (claimers check it is linked)
+            if _still_linked(fd, lock_path):
+                os.unlink(lock_path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    """The open file ``fd`` is still the one named ``path``."""
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _retry_alternative(target: Path, alternative: Path) -> Path:
+    raise PermissionError(f"torchtrace could not claim {target} or {alternative.name} (lock files changing)")
 
 
 # ---------------------------------------------------------------- JSON lines

@@ -342,3 +342,13 @@ def test_a_simulated_full_disk_keeps_whole_lines(tmp_path, monkeypatch):
     out.close()
     monkeypatch.setattr(files.os, "write", real_write)
     assert _check_whole_lines(tmp_path / "spans.jsonl") == written + 3
+
+
+def test_a_released_claim_leaves_no_lock_file_and_the_name_can_be_claimed_again(tmp_path):
+    first = files.claim_file(tmp_path / "report.json")
+    assert first.name == "report.json" and (tmp_path / ".report.json.lock").exists()
+    files.release_file(first)
+    assert list(tmp_path.iterdir()) == []
+    again = files.claim_file(tmp_path / "report.json")
+    assert again.name == "report.json"
+    files.release_file(again)

@@ -41,8 +41,7 @@ def test_report_and_spans_are_strict_json_private_and_atomic(tmp_path, monkeypat
     for path in (result.report_path, result.spans_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(result.run_dir.stat().st_mode) == 0o700
-    # no temp files left (the per-process claims on the file names stay, as empty .lock files)
-    assert [p.name for p in result.run_dir.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")] == []
+    assert [p.name for p in result.run_dir.iterdir() if p.name.startswith(".")] == []  # no temp or lock files left
 
 
 def test_failed_atomic_write_keeps_the_previous_file(tmp_path, monkeypatch):
