@@ -17,7 +17,6 @@ import torch
 from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
-from torchtrace.forensics import replay as forensic_replay
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss
 from torchtrace.step import checks, clipping
@@ -263,12 +262,11 @@ class _Operation:
                           mode=self.mode, attributes=self.attributes, scaler=self.scaler, kind=self.kind,
                           inputs=(args, kwargs))
         if self.replay is not False:
-            # Forensics replays the call with its optimizers' (and scalers') updates neutralised.
-            scope.replay_owners = forensic_replay.find_side_effect_owners(args, kwargs)
+            # Forensics replays the call (with its optimizers' and scalers' updates neutralised).
             if callable(self.replay):
                 scope.replay = self.replay
             elif fn is not None:
-                scope.replay = forensic_replay.default_replay(fn, args, kwargs)
+                scope.replay_fn = fn
         return scope
 
 

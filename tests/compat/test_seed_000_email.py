@@ -95,7 +95,9 @@ def test_memory_tracking_example_sees_what_the_block_keeps():
     kept = []
 
     def train_model():
-        kept.append(torch.ones(8 * 2 ** 20))  # 32 MiB, written, so resident
+        # 64 MiB, written, so resident: above glibc's largest mmap threshold (32 MiB), so fresh
+        # pages whatever earlier tests freed (a 32 MiB block could reuse resident heap)
+        kept.append(torch.ones(16 * 2 ** 20))
 
     with debugger.memory_tracking():
         train_model()

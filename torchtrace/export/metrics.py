@@ -120,10 +120,6 @@ class Metrics:
     def set_rank_skew(self, skew: float) -> None:
         self.rank_skew.labels(self.run_id, self.rank).set(skew)
 
-    def set_run(self, goodput: float | None = None, badput: dict[str, float] | None = None) -> None:
-        """Run-level throughput accounting: the goodput ratio and badput seconds by kind."""
-        self.steps.set_run(goodput, badput)
-
     def set_optimization(self, mode: str, median_s: float | None, speedup: float | None,
                          memory_bytes: float | None) -> None:
         """Publish one benchmarked mode; a value that was not measured leaves its series alone."""

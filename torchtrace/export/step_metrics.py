@@ -64,7 +64,7 @@ class _Operation:
     """Everything one operation label holds."""
 
     __slots__ = ("label", "created", "steps", "duration", "loss", "grad_norm", "grad_nonfinite", "last_ts", "skipped",
-                 "anomalies", "samples", "tokens", "flops", "mfu", "lr", "data_wait", "phases", "rank_step_seconds")
+                 "anomalies", "samples", "tokens", "flops", "lr", "data_wait", "phases", "rank_step_seconds")
 
     def __init__(self, label: str, kinds: tuple[str, ...]) -> None:
         self.label = label
@@ -80,7 +80,6 @@ class _Operation:
         self.samples: int | None = None
         self.tokens: int | None = None
         self.flops: float | None = None
-        self.mfu: float | None = None
         self.lr: list[float] | None = None
         self.data_wait: _Histogram | None = None
         self.phases: dict[str, _Histogram] | None = None
@@ -102,9 +101,8 @@ class StepMetrics:
         self._by_name: dict[str, _Operation] = {}  # by the operation's own name (cache)
         self._memory: dict[tuple[str, str], float] = {}  # (device, kind) -> bytes
         self._growth: dict[str, float] = {}  # device -> bytes per step
-        self._goodput: float | None = None
-        self.goodput: Callable[[], float | None] | None = None  # the goodput ratio now, asked at scrape
-        self._badput = dict.fromkeys(semconv.BADPUT_KINDS, 0.0)
+        # Asked at scrape: (the goodput ratio now, badput seconds by kind, MFU by operation name).
+        self.run_source: Callable[[], tuple[float | None, dict[str, float], dict[str, float]]] | None = None
         self._created = time.time()
 
     # ------------------------------------------------------------ updates
@@ -164,8 +162,6 @@ class StepMetrics:
             op.tokens = (op.tokens or 0) + record.tokens
         if record.flops is not None:
             op.flops = (op.flops or 0.0) + record.flops
-        if record.mfu is not None:
-            op.mfu = record.mfu
         if record.lr:
             op.lr = list(record.lr)
         if record.data_wait_s is not None:
@@ -186,15 +182,6 @@ class StepMetrics:
             label = self._kind(kind)
             op.anomalies[label] = op.anomalies.get(label, 0) + n
 
-    def set_run(self, goodput: float | None, badput: dict[str, float] | None) -> None:
-        with self._lock:
-            if goodput is not None:
-                self._goodput = goodput
-            if badput:
-                for kind, seconds in badput.items():
-                    if kind in self._badput:
-                        self._badput[kind] = seconds
-
     # ------------------------------------------------------------ scrape
     def describe(self) -> list[Metric]:
         return []  # families are built at collect; nothing to check at registration
@@ -208,15 +195,16 @@ class StepMetrics:
                          list(o.lr) if o.lr else None) for o in ops]
             memory = dict(self._memory)
             growth = dict(self._growth)
-            goodput, badput = self._goodput, dict(self._badput)
-        if self.goodput is not None:
+        goodput, badput, mfu = None, dict.fromkeys(semconv.BADPUT_KINDS, 0.0), {}
+        if self.run_source is not None:
             try:
-                goodput = self.goodput()
+                goodput, badput, by_name = self.run_source()
+                mfu = {self._operation(name): value for name, value in by_name.items()}
             except Exception:  # a scrape must not fail for it
-                goodput = None
+                pass
         base = [self.run_id, self.rank]
         yield from self._step_families(snapshot, base)
-        yield from self._throughput_families(snapshot, base)
+        yield from self._throughput_families(snapshot, base, mfu)
         mem = GaugeMetricFamily(semconv.M_MEMORY, "Memory in bytes, by device and kind.",
                                 labels=semconv.COMMON_LABELS + ("device", "kind"))
         for (device, kind), value in memory.items():
@@ -274,7 +262,7 @@ class StepMetrics:
                 rank_step.add_metric(lv, op.rank_step_seconds)
         yield from (steps, duration, loss, grad, nonfinite, anomalies, skipped, last, rank_step)
 
-    def _throughput_families(self, snapshot: list, base: list[str]) -> Iterator[Metric]:
+    def _throughput_families(self, snapshot: list, base: list[str], by_label: dict[str, float]) -> Iterator[Metric]:
         labels = semconv.COMMON_LABELS + ("operation",)
         samples = CounterMetricFamily(_base(semconv.M_SAMPLES), "Samples processed (batch items).", labels=labels)
         tokens = CounterMetricFamily(_base(semconv.M_TOKENS), "Tokens processed (non-padding where a mask says so).",
@@ -295,8 +283,8 @@ class StepMetrics:
                 tokens.add_metric(lv, op.tokens, created=op.created)
             if op.flops is not None:
                 flops.add_metric(lv, op.flops, created=op.created)
-            if op.mfu is not None:
-                mfu.add_metric(lv, op.mfu)
+            if op.label in by_label:
+                mfu.add_metric(lv, by_label[op.label])
             if rates:
                 for i, rate in enumerate(rates[: semconv.MAX_LR_GROUPS + 1]):
                     lr.add_metric(lv + [str(i) if i < semconv.MAX_LR_GROUPS else _LR_GROUP_CAP], rate)

@@ -41,7 +41,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------- RNG and state capture
 def capture_rng() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """The CPU and CUDA generator states (host-side: no device synchronisation)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
 
 
@@ -111,20 +111,20 @@ def neutralised(optimizers: list[Any], scalers: list[Any]) -> Iterator[None]:
                     pass
 
 
-def default_replay(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], Any]:
-    """The decorator's replay: call the undecorated step function again with the same arguments."""
-    return lambda: fn(*args, **kwargs)
-
-
 def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[Any]]:
     """Optimizers and GradScalers passed to the step function (their updates are neutralised)."""
     opts, scalers = [], []
-    for value in list(args) + list(kwargs.values()):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _PLAIN):  # the common arguments: nothing to neutralise (and cheap to tell)
+            continue
         if isinstance(value, torch.optim.Optimizer):
             opts.append(value)
         elif hasattr(value, "_scale") and hasattr(value, "unscale_"):
             scalers.append(value)
     return opts, scalers
+
+
+_PLAIN = (torch.Tensor, torch.nn.Module, int, float, str, bytes, bool, type(None), tuple, list, dict)
 
 
 # ---------------------------------------------------------------- the replay

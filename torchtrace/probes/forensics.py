@@ -55,7 +55,8 @@ class ForensicsProbe(Probe):
 
     # ------------------------------------------------------------ policy helpers
     def replayable(self, scope: Any) -> bool:
-        return bool(self.rt.settings.forensics and scope.features.forensics and scope.replay is not None)
+        return bool(self.rt.settings.forensics and scope.features.forensics
+                    and (scope.replay is not None or scope.replay_fn is not None))
 
     def budget_left(self) -> bool:
         return self.replays < self.rt.settings.forensics_max_replays
@@ -113,18 +114,12 @@ class ForensicsProbe(Probe):
     def _replay(self, scope: Any, state: _State, params_updated: bool) -> dict[str, Any]:
         self.replays += 1
         self.incidents += 1
-        opts, scalers = scope.replay_owners
-        opts = list(opts)
-        if scope.optimizer is not None and scope.optimizer not in opts:
-            opts.append(scope.optimizer)
-        scalers = list(scalers)
-        if scope.scaler is not None and scope.scaler not in scalers:
-            scalers.append(scope.scaler)
+        opts, scalers = scope.side_effect_owners()
         rt = self.rt
         rt.replaying = True
         t0 = time.perf_counter()
         try:
-            report = replay.replay(scope.model, scope.replay, state.rng, opts, scalers, extract_loss)
+            report = replay.replay(scope.model, scope.replayer(), state.rng, opts, scalers, extract_loss)
         finally:
             rt.replaying = False
             rt.throughput.replay(t0, time.perf_counter())  # badput: forensics
@@ -153,9 +148,11 @@ class ForensicsProbe(Probe):
     # ------------------------------------------------------------ helpers
     def _scaler_overflow(self, scope: Any, record: StepRecord) -> None:
         """With a GradScaler, Inf/NaN gradients under a finite loss are the scaler's business."""
-        if scope.scaler is None and not scope.replay_owners[1]:
+        if not any(a.kind == semconv.NONFINITE_GRAD for a in record.anomalies):
             return
         if record.loss is not None and not math.isfinite(record.loss):
+            return
+        if scope.scaler is None and not scope.side_effect_owners()[1]:
             return
         before = len(record.anomalies)
         record.anomalies = [a for a in record.anomalies if a.kind != semconv.NONFINITE_GRAD]

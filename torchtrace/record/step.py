@@ -91,7 +91,6 @@ class StepRecord:
     tokens: int | None = None
     flops: float | None = None  # model FLOPs of the step (forward + backward)
     flops_counted: bool = False  # this step ran under the FLOP counter: its time is not throughput
-    mfu: float | None = None  # achieved FLOP/s over peak, over the recent window (None: peak unknown)
     lr: list[float] | None = None  # learning rate per parameter group
     data_wait_s: float | None = None
     phases: dict[str, float] | None = None  # forward, backward, optimizer seconds

@@ -87,7 +87,7 @@ class Runtime:
         self.tracer_provider = tracer_provider(setup.resource(self))
         self.tracer = self.tracer_provider.get_tracer("torchtrace", __version__)
         self.throughput = RunThroughput(self)
-        self.metrics.steps.goodput = self.throughput.goodput_now
+        self.metrics.steps.run_source = self.throughput.scrape
         self.shared_step_trace = bool(settings.shared_step_trace)
         self.report_sections: dict[str, Callable[[], Any]] = {
             "distributed": lambda: setup.distributed_section(self),

@@ -21,6 +21,7 @@ from opentelemetry import trace
 from torchtrace import current
 from torchtrace.errors import NonFiniteError
 from torchtrace.export.spans import clean_attributes
+from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.loss import LossValue, classify_loss
@@ -28,7 +29,7 @@ from torchtrace.record.reads import ReadPlan
 from torchtrace.record.step import StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck
-from torchtrace.step.throughput import StepClock, batch_of, learning_rates
+from torchtrace.step.throughput import StepClock, learning_rates
 
 logger = logging.getLogger("torchtrace")
 
@@ -45,9 +46,9 @@ class StepScope:
     scope's own.
     """
 
-    __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_owners", "on_guard_raise", "kind",
+    __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind",
                  "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
-                 "inputs", "clock", "started_at", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
+                 "inputs", "flops_key", "clock", "started_at", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
                  "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
                  "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "__weakref__")
 
@@ -62,7 +63,7 @@ class StepScope:
         self.optimizer = optimizer
         self.scaler = scaler
         self.replay = replay
-        self.replay_owners: tuple[list, list] = ([], [])
+        self.replay_fn: Callable[..., Any] | None = None  # the decorated function: replayed with ``inputs``
         self.on_guard_raise: Callable[[BaseException], Any] | None = None  # a framework callback ends its span
         self.kind = kind
         self._step_arg = step
@@ -79,6 +80,7 @@ class StepScope:
         self.suppress = False  # an exception the guard absorbs (out of memory under "skip")
         self.duration_s = 0.0  # the step's wall time, once it has ended
         self.inputs = inputs  # (args, kwargs) of the step: its batch and input shapes
+        self.flops_key: Any = None  # the FLOP table's key: the operation and its inputs' shapes
         self.clock: StepClock | None = None  # phase boundaries (forward, backward, optimizer)
         self.started_at = 0.0  # perf_counter() when the step's body started
 
@@ -202,6 +204,7 @@ class StepScope:
             self._anomaly_cm = torch.autograd.detect_anomaly(check_nan=True)
             self._anomaly_cm.__enter__()
         if feats.throughput:
+            self.flops_key = rt.throughput.key_of(self.name, self.inputs)
             self.clock, self._flops_counter = rt.throughput.begin(self, outermost)
         self._active = True
         self._states = rt.probes.enter(self)
@@ -276,7 +279,7 @@ class StepScope:
             if stats is not None and grads.values is None:
                 plan.add("grads", stats.norms)
         rt.plan_parameter_check(self, plan)
-        batch = batch_of(self.inputs, self._batch) if self.features.throughput else None
+        batch = rt.throughput.batch(self, self._batch) if self.features.throughput else None
         if batch is not None and isinstance(batch.tokens, torch.Tensor):
             plan.add("tokens", batch.tokens.to(torch.float64))
         rt.probes.exit(self, self._states, exc, plan)
@@ -323,6 +326,26 @@ class StepScope:
         """What the runtime finishes a record with: the probe states and the overhead so far."""
         return self._states, self._overhead
 
+    def replayer(self) -> Callable[[], Any] | None:
+        """What forensics calls to run the step again: ``replay=``, or the decorated function
+        with the same arguments (built only when a replay happens)."""
+        if self.replay is not None:
+            return self.replay
+        if self.replay_fn is not None and self.inputs is not None:
+            fn, (args, kwargs) = self.replay_fn, self.inputs
+            return lambda: fn(*args, **kwargs)
+        return None
+
+    def side_effect_owners(self) -> tuple[list, list]:
+        """Optimizers and GradScalers among the step's arguments (their updates are neutralised
+        in a replay), and the scope's own."""
+        opts, scalers = find_side_effect_owners(*self.inputs) if self.inputs is not None else ([], [])
+        if self.optimizer is not None and self.optimizer not in opts:
+            opts.append(self.optimizer)
+        if self.scaler is not None and self.scaler not in scalers:
+            scalers.append(self.scaler)
+        return opts, scalers
+
     def phases(self) -> dict[str, float] | None:
         """Seconds per phase of the ended step (on CUDA once its events have completed)."""
         return self.clock.phases(self._step_end) if self.clock is not None else None
@@ -337,7 +360,7 @@ class StepScope:
         self._batch = None
         self.gradients = None
         self.replay = None
-        self.replay_owners = ([], [])
+        self.replay_fn = None
 
     # ------------------------------------------------------------ async
     async def __aenter__(self) -> "StepScope":

@@ -77,6 +77,12 @@ class _ModelHooks:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        # A parameter to ask where the model lives now (a model moved with .to() keeps its parameters).
+        self.first = next(model.parameters(), None)
+
+    @property
+    def cuda(self) -> bool:
+        return self.first is not None and self.first.is_cuda
 
     @staticmethod
     def _clock() -> StepClock | None:
@@ -170,21 +176,43 @@ class RunThroughput:
         self._models: "weakref.WeakKeyDictionary[Any, _ModelHooks]" = weakref.WeakKeyDictionary()
         self._optimizers: "weakref.WeakKeyDictionary[Any, _OptimizerHooks]" = weakref.WeakKeyDictionary()
         self._peaks: dict[str, float | None] = {}
-        self._badput_sent: dict[str, float] = {}
+        self._peak_known = False
+        self._batches: dict[Hashable, BatchSize] = {}
 
     # ------------------------------------------------------------ step start and end
+    def batch(self, scope: Any, given: tuple | None) -> BatchSize | None:
+        """The step's batch (see :func:`batch_of`). Inputs of one shape key have one batch size
+        unless a mask is counted, so what was inferred is kept per key."""
+        key = scope.flops_key
+        if key is None:
+            return batch_of(scope.inputs, given)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = infer_batch(*scope.inputs)
+            if not batch.pending and len(self._batches) < 256:
+                self._batches[key] = batch
+        if given is not None:
+            batch = batch.with_overrides(samples=given[0], tokens=given[1])
+        return batch
+
+    @staticmethod
+    def key_of(name: str, inputs: tuple | None) -> Hashable | None:
+        """The FLOP table's key of a step: its operation and its inputs' shapes."""
+        return (name, shape_key(inputs[0], inputs[1])) if inputs is not None else None
+
     def begin(self, scope: Any, outermost: bool) -> tuple[StepClock | None, Any]:
         """At a step's start: the phase clock, and the FLOP counter when this step counts."""
         model, optimizer = scope.model, scope.optimizer
         clock = None
         if model is not None:
-            if model not in self._models:
-                self._models[model] = _ModelHooks(model)
+            hooks = self._models.get(model)
+            if hooks is None:
+                hooks = self._models[model] = _ModelHooks(model)
             if optimizer is not None and optimizer not in self._optimizers:
                 self._optimizers[optimizer] = _OptimizerHooks(optimizer)
-            clock = StepClock(cuda=_on_cuda(model))
+            clock = StepClock(cuda=hooks.cuda)
         counter = None
-        key = self.flops_key(scope)
+        key = scope.flops_key
         if outermost and key is not None and self.flops.needs_count(key) and not _compiled(model):
             counter = contextlib.ExitStack()
             # A module compiled with torch.compile runs eagerly for this one step: first called
@@ -195,12 +223,6 @@ class RunThroughput:
             warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
             counter.enter_context(self.flops.counting(key))
         return clock, counter
-
-    def flops_key(self, scope: Any) -> Hashable | None:
-        inputs = scope.inputs
-        if inputs is None:
-            return None
-        return (scope.name, shape_key(inputs[0], inputs[1]))
 
     def end(self, scope: Any, counter: Any, exc: BaseException | None) -> tuple[float | None, bool]:
         """At a step's end: (its FLOPs, whether they were counted in this step)."""
@@ -214,15 +236,18 @@ class RunThroughput:
                     counter.__exit__(type(exc), exc, None)
             except Exception as err:
                 self.rt.errors.report("other", err)
-        key = self.flops_key(scope)
+        key = scope.flops_key
         flops = self.flops.lookup(key) if key is not None else None
         return flops, counted
 
     # ------------------------------------------------------------ finished records
     def account(self, scope: Any, record: StepRecord) -> None:
-        """Book the record in the goodput ledger: data wait, MFU, throughput anomalies."""
-        if record.flops is not None and self.ledger.peak_flops is None:
-            self.ledger.peak_flops = self._peak(scope)
+        """Book the record in the goodput ledger: its data wait, and the throughput rules'
+        anomalies. (MFU, goodput and badput are read from the ledger when metrics are scraped.)"""
+        if record.flops is not None and not self._peak_known:
+            self._peak_known = True
+            if self.ledger.peak_flops is None:
+                self.ledger.peak_flops = self._peak(scope)
         start = scope.started_at
         step = FinishedStep(start=start, end=start + record.duration_s,
                             applied=not record.skipped and record.exception_type is None,
@@ -234,18 +259,20 @@ class RunThroughput:
         for finding in account.findings:
             record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, record.operation,
                                             dict(finding.data)))
-        tp = self.ledger.throughput(record.operation)
-        if tp is not None:
-            record.mfu = tp.mfu
-        closed = self.ledger.closed()
-        self.rt.metrics.set_run(badput=closed.badput)
 
     def replay(self, start: float, end: float) -> None:
         """A forensic replay ran from ``start`` to ``end`` (perf_counter seconds)."""
         self.ledger.add_forensics(start, end)
 
-    def goodput_now(self) -> float | None:
-        return self.ledger.snapshot(time.perf_counter()).ratio
+    def scrape(self) -> tuple[float | None, dict[str, float], dict[str, float | None]]:
+        """For ``/metrics``: the goodput ratio now, badput seconds by kind (final counts: they
+        only grow), and each operation's MFU over its last window."""
+        mfu = {}
+        for name in list(self.rt.history.operations):
+            tp = self.ledger.throughput(name)
+            if tp is not None and tp.mfu is not None:
+                mfu[name] = tp.mfu
+        return self.ledger.snapshot(time.perf_counter()).ratio, self.ledger.closed().badput, mfu
 
     def _peak(self, scope: Any) -> float | None:
         model = scope.model
@@ -279,13 +306,6 @@ class RunThroughput:
             hooks.remove()
         self._models.clear()
         self._optimizers.clear()
-
-
-def _on_cuda(model: torch.nn.Module) -> bool:
-    try:
-        return next(model.parameters()).device.type == "cuda"
-    except StopIteration:
-        return False
 
 
 def batch_of(inputs: tuple | None, given: tuple | None) -> BatchSize | None:
