@@ -16,11 +16,12 @@ Variants:
   floor      the plain step plus the least any per-step gradient check costs: one fused norm
              over the gradients (before the update) and one host read of the norms and loss
   off        decorated with @debug_operation, torchtrace configured with level=off
-  basic / advanced / extreme   decorated, at that level. extreme trains an identical copy of
-             the model (same weights, own optimizer): its activation hooks stay registered on
-             that copy between rounds, as in a job that stays at EXTREME, while the other
-             variants' model carries none (a level change removes the hooks, and the rounds
-             change the level every few steps)
+  basic / advanced / extreme   decorated, at that level; basic-nothr is BASIC with the
+             throughput features (batch size, FLOPs, learning rate, phases, goodput) off.
+             extreme trains an identical copy of the model (same weights, own optimizer):
+             its activation hooks stay registered on that copy between rounds, as in a job
+             that stays at EXTREME, while the other variants' model carries none (a level
+             change removes the hooks, and the rounds change the level every few steps)
   seed       the per-parameter checks a hand-written monitor does: isnan/isinf/norm().item()
              per gradient and mean/std/norm .item() per parameter
   anomaly    the plain step inside torch.autograd.detect_anomaly() always on
@@ -52,7 +53,7 @@ from torchtrace.levels import DebugLevel  # noqa: E402
 from torchtrace.record import readout  # noqa: E402
 from torchtrace.record.step import StepRecord  # noqa: E402
 
-VARIANTS = ("bare", "floor", "off", "basic", "advanced", "extreme", "seed", "anomaly")
+VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "advanced", "extreme", "seed", "anomaly")
 
 
 # ---------------------------------------------------------------- workloads
@@ -221,10 +222,13 @@ def make_runner(variant: str, wl: Workload):
         pinned = tt.debug_operation(name="train_step", model=model, optimizer=optimizer, level="extreme")(step)
         return lambda: pinned(model, batch)
     decorated = tt.debug_operation(name="train_step", model=model, optimizer=optimizer)(step)
+    throughput = not level.endswith("-nothr")  # basic-nothr: BASIC without the throughput features
+    level = level.split("-")[0]
 
     def instrumented():
         rt = tt_api.get_runtime()
-        if rt.level.value != level:
+        if rt.level.value != level or rt.settings.throughput != throughput:
+            rt.settings = rt.settings.replace(throughput=throughput)
             rt.set_level(level)
         return decorated(model, batch)
     return instrumented
@@ -363,7 +367,8 @@ def fmt_table(name: str, wl: Workload, times) -> str:
     over rounds of the round's variant/bare ratio: drift that hits a whole round cancels), and
     the cost beyond the floor, paired the same way: the median over rounds of
     (variant - floor), in µs per step and as a share of the bare step. Then the training
-    thread's CPU time (paired ratio) and the CPU time of torchtrace's background threads."""
+    thread's CPU time (paired ratio) and the CPU time of torchtrace's background threads per
+    step (a mean: the span exporter works in bursts, once a second)."""
     wall = {v: [t[0] for t in ts] for v, ts in times.items()}
     cpu = {v: [t[1] for t in ts] for v, ts in times.items()}
     bg = {v: [t[2] for t in ts] for v, ts in times.items()}

@@ -75,6 +75,8 @@ ENV_OTLP_CERTIFICATE = "OTEL_EXPORTER_OTLP_CERTIFICATE"
 ENV_OTLP_TRACES_CERTIFICATE = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"
 ENV_PEAK_FLOPS = "TORCHTRACE_PEAK_FLOPS"
 """Peak FLOP/s of one device for MFU (e.g. 989e12), instead of the table of known accelerators."""
+ENV_THROUGHPUT = "TORCHTRACE_THROUGHPUT"
+"""``0``/``false``: no batch sizes, FLOP counts, learning rates, phases or goodput per step (default on)."""
 
 # ---------------------------------------------------------------- one default per threshold
 DEFAULT_GRAD_EXPLOSION_THRESHOLD = 1e3
@@ -151,6 +153,7 @@ class Settings:
     otlp_metrics_endpoint: str | None = None
     otlp_certificate: str | None = None
     peak_flops: float | None = None  # FLOP/s of one device for MFU; None: the table of known accelerators
+    throughput: bool = True  # samples, tokens, FLOPs, learning rate, phases and goodput at every level but OFF
 
     # ------------------------------------------------------------ resolution
     @classmethod
@@ -450,6 +453,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "otlp_metrics_endpoint": _check_endpoint,
     "otlp_certificate": _readable_file,
     "peak_flops": _positive_float,
+    "throughput": _bool,
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -480,6 +484,7 @@ _ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "otlp_metrics_endpoint": ((ENV_OTLP_METRICS_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),
     "otlp_certificate": ((ENV_OTLP_TRACES_CERTIFICATE, ENV_OTLP_CERTIFICATE), _readable_file),
     "peak_flops": ((ENV_PEAK_FLOPS,), _positive_float),
+    "throughput": ((ENV_THROUGHPUT,), _bool),
 }
 
 

@@ -74,7 +74,7 @@ class Features:
     throughput: bool = True  # batch size, FLOPs per input shape, learning rate, phases, goodput
 
     @staticmethod
-    def for_level(level: DebugLevel, mode: DebugMode = DebugMode.NONE) -> "Features":
+    def for_level(level: DebugLevel, mode: DebugMode = DebugMode.NONE, throughput: bool = True) -> "Features":
         if level is DebugLevel.OFF:
             return Features(enabled=False, grad_stats=False, cuda_memory=False, forensics=False, throughput=False)
         adv = level in (DebugLevel.ADVANCED, DebugLevel.EXTREME)
@@ -87,6 +87,7 @@ class Features:
             anomaly_mode=full or mode is DebugMode.ANOMALY_DETECTION,
             profiling=full or mode is DebugMode.PROFILING,
             memory_profiling=full or mode is DebugMode.MEMORY_PROFILING,
+            throughput=throughput,
         )
 
 

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
-@dataclass(frozen=True)
 class LossValue:
     """A loss ready for the record: a device tensor to read, or a host number, or why it is neither."""
 
-    tensor: torch.Tensor | None = None  # 1 element, floating point, detached
-    number: float | None = None
-    problem: str | None = None  # why it is not recorded (said once per operation)
+    __slots__ = ("tensor", "number", "problem")
+
+    def __init__(self, tensor: torch.Tensor | None = None, number: float | None = None,
+                 problem: str | None = None) -> None:
+        self.tensor = tensor  # 1 element, floating point (the read detaches it)
+        self.number = number
+        self.problem = problem  # why it is not recorded (said once per operation)
+
+
+_FLOATS = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -35,18 +40,17 @@ def classify_loss(loss: Any) -> LossValue:
     >>> classify_loss(torch.tensor(True)).problem
     'a loss of dtype torch.bool is not a number; record a floating-point loss'
     """
+    if type(loss) is torch.Tensor and loss.dtype in _FLOATS and loss.device.type != "meta" and loss.numel() == 1:
+        return LossValue(tensor=loss)  # the common case, cheaply (a plain tensor is never fake)
     if isinstance(loss, torch.Tensor):
-        if loss.dtype is torch.bool or not (loss.is_floating_point() or loss.is_complex()):
+        if loss.dtype is torch.bool or not (loss.dtype.is_floating_point or loss.dtype.is_complex):
             return LossValue(problem=f"a loss of dtype {loss.dtype} is not a number; record a floating-point loss")
         if loss.numel() != 1:
             return LossValue(problem=f"a loss of shape {list(loss.shape)} is not a scalar; record loss.mean() or "
                                      "loss.sum()")
         if _is_fake(loss):
             return LossValue(problem=f"a loss on the {loss.device.type} device holds no value")
-        value = loss.detach().reshape(1)
-        if value.is_complex():
-            value = value.real
-        return LossValue(tensor=value)
+        return LossValue(tensor=loss.detach().real if loss.dtype.is_complex else loss)
     if isinstance(loss, bool):
         return LossValue(problem="a loss of type bool is not a number")
     if isinstance(loss, numbers.Real):  # int, float, NumPy scalars

@@ -56,7 +56,7 @@ _PRODUCTIVE = "productive"
 STATE_VERSION = 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class FinishedStep:
     """One finished operation call, as the step pipeline saw it (times in seconds, one clock).
 

@@ -45,7 +45,9 @@ class ReadPlan:
         names of the values, say). No host read happens here."""
         if label is not None:
             self._labels[key] = label
-        flat = tensor.detach().reshape(-1)
+        flat = tensor.detach() if tensor.requires_grad else tensor
+        if flat.dim() != 1:
+            flat = flat.reshape(-1)
         if flat.device.type == "meta":  # a model on the meta device has no values to read
             return
         if self.home is None:

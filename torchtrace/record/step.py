@@ -106,7 +106,8 @@ class StepRecord:
 
     @property
     def nonfinite(self) -> bool:
-        return any(a.kind in NONFINITE_KINDS for a in self.anomalies)
+        anomalies = self.anomalies
+        return bool(anomalies) and any(a.kind in NONFINITE_KINDS for a in anomalies)
 
     def summary(self) -> dict[str, Any]:
         """A compact, JSON-ready view, bounded in size whatever the model (names capped)."""

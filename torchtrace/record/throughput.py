@@ -207,8 +207,10 @@ class OperationWindow:
         s = self.settings
         self.waited.append(cycle > 0 and (wait > s.stall_share * cycle and wait >= s.stall_min_wait_s
                                           or wait > s.stall_seconds))
+        if len(self.waited) < s.stall_window or not self.waited[-1]:
+            return None  # a stall is reported on a step that waited, once the window is full
         count = sum(self.waited)
-        if len(self.waited) < s.stall_window or count < s.stall_min_steps:
+        if count < s.stall_min_steps:
             return None
         recent = list(self.entries)[-s.stall_window:]
         share = sum(e[1] for e in recent) / max(sum(e[0] for e in recent), 1e-12)

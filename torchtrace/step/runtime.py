@@ -58,7 +58,7 @@ class Runtime:
         self.identity: Identity = identity()
         self.level: DebugLevel = settings.level
         self.mode: DebugMode = settings.mode
-        self.features = Features.for_level(self.level, self.mode)
+        self.features = Features.for_level(self.level, self.mode, settings.throughput)
         self.guard = GuardPolicy.parse(settings.guard, "guard")
         self.history = History(settings.history_size)
         self.started_unix = time.time()
@@ -215,7 +215,7 @@ class Runtime:
         self.level = DebugLevel.parse(level, "level")
         if mode is not None:
             self.mode = DebugMode.parse(mode, "mode")
-        self.features = Features.for_level(self.level, self.mode)
+        self.features = Features.for_level(self.level, self.mode, self.settings.throughput)
         self.probes.on_level(self.features)  # a probe whose feature just went off releases what it holds now
         self.metrics.set_level(self.level.value)
         self.history.add_event("level_changed", f"debug level set to {self.level.value}",

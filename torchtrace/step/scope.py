@@ -175,7 +175,10 @@ class StepScope:
         rt.at_step_boundary()
         self._rt = rt
         mode = self._mode_arg or rt.mode
-        self.features = feats = rt.features if (level is rt.level and mode is rt.mode) else Features.for_level(level, mode)
+        if level is rt.level and mode is rt.mode:
+            self.features = feats = rt.features
+        else:  # an operation pinned at its own level or mode
+            self.features = feats = Features.for_level(level, mode, rt.settings.throughput)
         self.step = rt.step_number(self.name, self._step_arg)
         outermost = current.step() is None
         self._loss = None
