@@ -70,6 +70,13 @@ def report(kinds: list[str], operation: str, *, step: int | None = None, loss: f
         return
     counted = [k for k in kinds if not (in_step and k in STEP_KINDS)]
     shared = [k for k in kinds if k not in counted]
+    scope = active_step() if in_step else None
+    if scope is not None and counted:
+        # The open step's record takes what only this check judges (a loss spike): counted
+        # once, with the step's span and history event.
+        for kind in counted:
+            scope.add_anomaly(kind, f"{kind} at step {step}", {**(data or {}), "source": operation})
+        counted = []
     if counted:
         record_anomalies(counted, step, _finite_or_none(loss), _finite_or_none(grad_norm), operation, data)
     if shared:

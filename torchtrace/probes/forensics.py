@@ -163,7 +163,8 @@ class ForensicsProbe(Probe):
         kind = report.get("kind")
         text = sentence(report)
         if kind and kind not in record.anomaly_kinds:
-            record.anomalies.append(Anomaly(kind, text, record.step, record.operation,
+            # The anomaly's own detail: its step and operation are said where it is shown.
+            record.anomalies.append(Anomaly(kind, sentence(report, where_only=True), record.step, record.operation,
                                             {"module": report.get("module"), "cause": report.get("cause")}))
         record.forensics = report
         self.reports.append(report)
@@ -176,11 +177,12 @@ class ForensicsProbe(Probe):
                 "reports": list(self.reports), "ooms": list(self.ooms)}
 
 
-def sentence(report: dict[str, Any]) -> str:
-    """One line saying where the non-finite value was born."""
+def sentence(report: dict[str, Any], where_only: bool = False) -> str:
+    """One line saying where the non-finite value was born (``where_only``: without the step,
+    operation and rank it begins with)."""
     where = report.get("module")
     cause = report.get("cause")
-    head = f"step {report.get('step')} of {report.get('operation')} (rank {report.get('rank')}): "
+    head = "" if where_only else f"step {report.get('step')} of {report.get('operation')} (rank {report.get('rank')}): "
     if cause == "input":
         target = "the model" if where in ("", None) else where
         text = head + f"non-finite value in the input of {target}"

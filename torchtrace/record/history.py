@@ -23,7 +23,7 @@ class DebugEvent:
 
     def as_dict(self) -> dict[str, Any]:
         return {"seq": self.seq, "timestamp": self.timestamp, "type": self.event_type,
-                "message": self.message, "data": self.data}
+                "event_type": self.event_type, "message": self.message, "data": self.data}
 
 
 class History:

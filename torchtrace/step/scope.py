@@ -18,7 +18,7 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from torchtrace import current
+from torchtrace import current, semconv
 from torchtrace.errors import NonFiniteError
 from torchtrace.export.spans import clean_attributes
 from torchtrace.forensics.replay import find_side_effect_owners
@@ -26,7 +26,7 @@ from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.loss import LossValue, classify_loss
 from torchtrace.record.reads import ReadPlan
-from torchtrace.record.step import StepRecord
+from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck
 from torchtrace.step.throughput import StepClock, learning_rates
@@ -50,7 +50,7 @@ class StepScope:
                  "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
                  "inputs", "flops_key", "clock", "started_at", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
                  "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
-                 "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "__weakref__")
+                 "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
 
     def __init__(self, name: str = "step", *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
@@ -111,6 +111,21 @@ class StepScope:
         if not self._active:
             return
         self._batch = (samples, tokens, flops)
+
+    def add_anomaly(self, kind: str, detail: str, data: dict[str, Any] | None = None) -> None:
+        """Add an anomaly the caller found (a loss spike a monitor judged, say) to this step's
+        record: it is counted, put on the span and in the history like torchtrace's own.
+
+        Raises:
+            ValueError: ``kind`` is not one of the anomaly kinds (``torchtrace.semconv.ANOMALY_KINDS_ALL``).
+        """
+        if kind not in semconv.ANOMALY_KINDS_ALL:
+            raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(semconv.ANOMALY_KINDS_ALL)}")
+        if not self._active:
+            return
+        if self._anomalies is None:
+            self._anomalies = []
+        self._anomalies.append((kind, str(detail), dict(data or {})))
 
     @property
     def span(self):
@@ -184,6 +199,7 @@ class StepScope:
         self._loss = None
         self._batch = None
         self._states = None
+        self._anomalies = None
         self._anomaly_cm = None
         self._flops_counter = None
         self._step_end = None
@@ -305,6 +321,8 @@ class StepScope:
                             exception_type=type(exc).__qualname__ if exc is not None else None, kind=self.kind)
         if grads is not None:
             record.guard_peer_nonfinite = grads.peer_nonfinite
+        if self._anomalies:
+            record.anomalies.extend(Anomaly(k, d, record.step, record.operation, x) for k, d, x in self._anomalies)
         if loss is not None and loss.number is not None:
             record.loss = loss.number
         if batch is not None:
