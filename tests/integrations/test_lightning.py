@@ -202,3 +202,15 @@ def test_torchtrace_failure_is_counted_and_training_goes_on(tmp_path, monkeypatc
     assert get_runtime().errors.by_component["gradients"] == 5
     for a, b in zip(plain.parameters(), traced.parameters()):
         assert torch.equal(a, b)
+
+
+def test_samples_and_learning_rate_come_from_the_framework(tmp_path):
+    """Each training batch's samples (4 rows; the last is short) and the optimizer's rate."""
+    result = configure(tmp_path)
+    fit(Module(), [TorchtraceCallback()], steps=10, val=False)
+    train = [s for s in read_spans(result.spans_path) if s["name"] == "train_step"]
+    assert [s["attributes"][semconv.SAMPLES] for s in train] == [4] * 10  # 40 rows in batches of 4
+    assert all(s["attributes"][semconv.LR] == 0.01 for s in train)  # Module's Adam(lr=0.01)
+    samples = scrape(result.metrics_url)
+    assert value(samples, "torchtrace_samples_total", operation="train_step") == 40
+    assert value(samples, "torchtrace_learning_rate", operation="train_step", group="0") == 0.01

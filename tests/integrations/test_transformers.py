@@ -218,3 +218,34 @@ def test_custom_compute_loss_records_its_loss(tmp_path):
     Custom(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[TorchtraceCallback()]).train()
     spans = read_spans(result.spans_path)
     assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx(seen, rel=1e-6)
+
+
+class PaddedData(Data):
+    """Sequences of 8 token ids with an attention mask: row i has 3 + i % 6 real tokens."""
+
+    def __getitem__(self, i):
+        mask = torch.zeros(8, dtype=torch.long)
+        mask[: 3 + i % 6] = 1
+        return {"input_ids": self.ids[i], "attention_mask": mask, "labels": self.labels[i]}
+
+
+def test_samples_and_non_padding_tokens_over_accumulated_micro_batches(tmp_path):
+    result = configure(tmp_path)
+    steps, batch, accumulate = 3, 4, 2
+    args = dict(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=batch, report_to=[],
+                use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, max_grad_norm=0.0,
+                seed=0, data_seed=0, gradient_accumulation_steps=accumulate, learning_rate=3e-4)
+    seen: list[int] = []  # the rows the Trainer fed, from a spy on the model's inputs
+
+    model = tiny_bert()
+    model.register_forward_hook(lambda m, a, kw, out: seen.extend(kw["attention_mask"].sum(dim=1).tolist())
+                                if m.training else None, with_kwargs=True)
+    transformers.Trainer(model=model, args=transformers.TrainingArguments(**args), train_dataset=PaddedData(),
+                         callbacks=[TorchtraceCallback()]).train()
+    spans = read_spans(result.spans_path)
+    assert len(spans) == steps and len(seen) == steps * batch * accumulate
+    per_step = batch * accumulate
+    for i, span in enumerate(spans):
+        assert span["attributes"][semconv.SAMPLES] == per_step
+        assert span["attributes"][semconv.TOKENS] == sum(seen[i * per_step:(i + 1) * per_step])  # a plain count
+        assert span["attributes"][semconv.LR] == pytest.approx(3e-4 * (1 - i / steps), rel=1e-6)  # linear decay

@@ -16,6 +16,7 @@ import torch
 
 from torchtrace import api
 from torchtrace.errors import NonFiniteError
+from torchtrace.measure.batch import infer_batch
 from torchtrace.record.step import StepRecord
 
 
@@ -34,24 +35,30 @@ class StepDriver:
         self.name = name
         self.scope: api.StepScope | None = None
         self._losses: list[torch.Tensor] = []
+        self._samples: int | None = None
+        self._tokens: Any = None
 
     @property
     def active(self) -> bool:
         return self.scope is not None and self.scope.active
 
-    def begin(self, model: torch.nn.Module | None) -> None:
+    def begin(self, model: torch.nn.Module | None, batch: Any = None) -> None:
+        """Open the step; ``batch`` (when the framework hands it over) gives its samples,
+        tokens and input shapes (FLOPs counted once per shape)."""
         self.abort(None)  # a scope left open by an interrupted step ends here
         rt = api.get_runtime()
         if rt is None or rt.off:
             return
         # No optimizer on the scope: its pre-hook would fire at the wrong moment (see module doc).
-        scope = api.StepScope(self.name, model=model)
+        scope = api.StepScope(self.name, model=model, inputs=((batch,), {}) if batch is not None else None)
         scope.__enter__()
         # A guard="raise" decided inside the framework's own clip_grad_norm_ call (torchtrace
         # measures there, before clipping) must end this span as measure() does.
         scope.on_guard_raise = self.end
         self.scope = scope
         self._losses = []
+        self._samples: int | None = None
+        self._tokens: Any = None
 
     def measure(self, model: torch.nn.Module | None, optimizer) -> None:
         """Gradient statistics and the guard policy, right before the optimizer's update.
@@ -71,6 +78,16 @@ class StepDriver:
             self.end(exc)
             raise
 
+    def add_batch(self, args: tuple, kwargs: dict) -> None:
+        """Count a micro-batch's samples and tokens (a mask's count stays on the device)."""
+        if not self.active:
+            return
+        batch = infer_batch(args, kwargs)
+        if batch.samples is not None:
+            self._samples = (self._samples or 0) + batch.samples
+        if batch.tokens is not None:
+            self._tokens = batch.tokens if self._tokens is None else self._tokens + batch.tokens
+
     def add_loss(self, loss: Any) -> None:
         """Collect a micro-batch loss (device tensor, no host read); averaged at the end."""
         if self.active and isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -88,6 +105,9 @@ class StepDriver:
                 scope.record_loss(losses[0] if len(losses) == 1 else torch.stack(
                     [t.to(losses[0].device, torch.float32) for t in losses]).mean())
             self._losses = []
+            if self._samples is not None or self._tokens is not None:
+                scope.record_batch(samples=self._samples, tokens=self._tokens)
+            self._samples = self._tokens = None
             scope.__exit__(type(exc) if exc is not None else None, exc, None)
         return scope.record
 

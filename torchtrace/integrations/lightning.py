@@ -55,8 +55,9 @@ class TorchtraceCallback(_pl.Callback):
     # ------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         # The module joins the scope in on_before_optimizer_step: a batch that only
-        # accumulates gradients gets no gradient statistics of partial sums.
-        self._train.begin(None)
+        # accumulates gradients gets no gradient statistics of partial sums. The batch gives
+        # the step's samples and tokens; the optimizer, its learning rates.
+        self._train.begin(None, batch)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._train.measure(pl_module, optimizer)
@@ -68,7 +69,7 @@ class TorchtraceCallback(_pl.Callback):
     def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         if self._val is not None and not trainer.sanity_checking:
-            self._val.begin(None)
+            self._val.begin(None, batch)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:

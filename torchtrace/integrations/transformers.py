@@ -64,7 +64,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and self._handle is None:
-            self._handle = model.register_forward_hook(self._on_forward)
+            self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._driver.abort(None)
@@ -85,6 +85,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self._driver.end(None)
 
-    def _on_forward(self, module, inputs, output) -> None:
+    def _on_forward(self, module, args, kwargs, output) -> None:
         if self._driver.active and module.training:
             self._driver.add_loss(_output_loss(output))
+            self._driver.add_batch(args, kwargs)  # samples and non-padding tokens of the micro-batch

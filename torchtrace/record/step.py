@@ -133,6 +133,10 @@ class StepRecord:
             out["samples"] = self.samples
         if self.tokens is not None:
             out["tokens"] = self.tokens
+        if self.flops is not None:
+            out["flops"] = self.flops
         if self.data_wait_s is not None:
             out["data_wait_s"] = self.data_wait_s
+        if self.phases:
+            out["phases"] = self.phases
         return out

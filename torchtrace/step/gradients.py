@@ -24,13 +24,14 @@ from torchtrace.errors import NonFiniteError
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.record import readout
 from torchtrace.record.policy import GuardPolicy, agree_any
+from torchtrace.step.throughput import learning_rates
 
 
 class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
-                 "_hook")
+                 "lr", "_hook")
 
     def __init__(self, scope: Any, rt: Any) -> None:
         self.scope = scope
@@ -42,6 +43,7 @@ class GradientCheck:
         self.peer_nonfinite = False
         self.update_before: tuple[list, list[torch.Tensor]] | None = None
         self.optimizer: Any = None  # the optimizer whose update was checked
+        self.lr: list[float] | None = None  # its learning rates for this update (before a scheduler steps)
         self._hook = None
 
     def hook(self, optimizer: Any) -> None:
@@ -67,6 +69,8 @@ class GradientCheck:
         t0 = time.perf_counter()
         self.fired = True
         self.optimizer = optimizer
+        if scope.features.throughput:
+            self.lr = learning_rates(optimizer)
         rt = self.rt
         try:
             params = rt.params_for(scope.model, optimizer)

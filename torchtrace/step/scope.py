@@ -164,6 +164,11 @@ class StepScope:
         try:
             if self.gradients is None:
                 self.gradients = GradientCheck(self, self._rt)
+            elif self.gradients.fired:  # measured already (at a clip call): the optimizer is news
+                if self.gradients.optimizer is None and optimizer is not None:
+                    self.gradients.optimizer = optimizer
+                    self.gradients.lr = learning_rates(optimizer) if self.features.throughput else None
+                return
             self.gradients.before_update(optimizer)
         except NonFiniteError as exc:
             if self.on_guard_raise is not None:
@@ -333,8 +338,9 @@ class StepScope:
             given = self._batch[2] if self._batch is not None else None
             record.flops = given if given is not None else flops
             record.flops_counted = counted and given is None
-            record.lr = learning_rates(self.optimizer if self.optimizer is not None else
-                                       (grads.optimizer if grads is not None else None))
+            # The rates of this step's update, read when it was about to happen (a scheduler may
+            # have stepped since); else the optimizer's rates now.
+            record.lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(self.optimizer)
         ctx = self._span.get_span_context()
         record.trace_id = format(ctx.trace_id, "032x")
         record.span_id = format(ctx.span_id, "016x")

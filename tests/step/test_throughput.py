@@ -1,0 +1,189 @@
+"""Throughput through the step pipeline, each number against a reference computed another way."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import torchtrace as tt
+from torchtrace import semconv
+from torchtrace.api import get_runtime
+
+
+def _configure(tmp_path, **kw):
+    return tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, **kw)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def test_samples_and_tokens_against_a_plain_count(tmp_path):
+    _configure(tmp_path)
+    try:
+        emb = torch.nn.Embedding(50, 8)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+        @tt.debug_operation(model=emb, optimizer=opt)
+        def train_step(batch):
+            opt.zero_grad()
+            out = emb(batch["input_ids"]) * batch["attention_mask"].unsqueeze(-1)
+            loss = out.pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        g = torch.Generator().manual_seed(3)
+        expected = []
+        for rows in (4, 7, 2):
+            lengths = torch.randint(1, 9, (rows,), generator=g)
+            mask = (torch.arange(8).unsqueeze(0) < lengths.unsqueeze(1)).long()
+            train_step({"input_ids": torch.randint(0, 50, (rows, 8), generator=g), "attention_mask": mask})
+            expected.append((rows, int(sum(int(n) for n in lengths))))  # a plain count over the rows
+        records = [s for s in get_runtime().history.steps()]
+        assert [(s["samples"], s["tokens"]) for s in records] == expected
+    finally:
+        tt.shutdown()
+
+
+def test_record_batch_overrides_what_is_inferred(tmp_path):
+    _configure(tmp_path)
+    try:
+        with tt.debug_context("train_step", inputs=torch.zeros(8, 3)) as step:
+            step.record_batch(samples=5, tokens=torch.tensor(40), flops=1e6)
+        assert (step.record.samples, step.record.tokens, step.record.flops) == (5, 40, 1e6)
+        with tt.debug_context("train_step", inputs=torch.zeros(8, 3)) as step:
+            pass
+        assert step.record.samples == 8 and step.record.tokens is None
+    finally:
+        tt.shutdown()
+
+
+def test_learning_rate_of_each_group_under_a_scheduler(tmp_path):
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                               {"params": model[2].parameters(), "lr": 0.01}])
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        seen = []
+        for _ in range(5):
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                seen.append([g["lr"] for g in opt.param_groups])  # the rates this update uses
+                opt.zero_grad()
+                model(torch.randn(4, 16)).pow(2).mean().backward()
+                opt.step()
+                sched.step()
+            assert step.record.lr == seen[-1]
+        assert seen[-1] == [0.025, 0.0025]
+        lr = get_runtime().metrics.value("torchtrace_learning_rate", {"operation": "train_step", "group": "1"})
+        assert lr == 0.0025
+    finally:
+        tt.shutdown()
+
+
+def test_flops_are_counted_once_per_shape_and_match_the_flop_counter(tmp_path):
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def body(x):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+        train_step = tt.debug_operation(model=model, optimizer=opt)(body)
+        for batch in (8, 8, 8, 16, 16):
+            train_step(torch.randn(batch, 16))
+        steps = get_runtime().history.steps()
+        counter = get_runtime().throughput.flops
+        assert counter.counts == 2 and len(counter) == 2  # one count per input shape
+        for rows in (8, 16):
+            with FlopCounterMode(display=False) as ref:  # the same model and step, counted independently
+                body(torch.randn(rows, 16))
+            got = [s for s in steps if s["samples"] == rows]
+            assert got and all(abs(s["flops"] / ref.get_total_flops() - 1) < 0.10 for s in got)
+        last = get_runtime().history.last_record
+        assert last.flops_counted is False and last.flops == steps[-1]["flops"]
+    finally:
+        tt.shutdown()
+
+
+def test_data_wait_against_planted_sleeps(tmp_path):
+    _configure(tmp_path)
+    try:
+        sleeps = [0.0, 0.03, 0.06, 0.0, 0.09]
+        waits = []
+        for pause in sleeps:
+            time.sleep(pause)  # the loader
+            with tt.debug_context("train_step") as step:
+                pass
+            waits.append(step.record.data_wait_s)
+        assert waits[0] is None  # nothing before the first step
+        for wait, pause in zip(waits[1:], sleeps[1:]):
+            assert pause <= wait < pause + 0.02
+    finally:
+        tt.shutdown()
+
+
+def test_goodput_against_a_hand_computed_timeline(tmp_path):
+    """configure, a slow first batch, three steps (the second's update skipped by the guard),
+    a slow loader between them: productive time is the two applied steps, and every second of
+    wall time is productive or counted as one kind of badput."""
+    _configure(tmp_path, guard="skip")
+    try:
+        rt = get_runtime()
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        plan = [(0.05, False), (0.02, True), (0.08, False)]  # (loader sleep before the step, NaN?)
+        durations, skipped = [], []
+        for pause, nan in plan:
+            time.sleep(pause)
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                opt.zero_grad()
+                loss = model(torch.randn(4, 16)).pow(2).mean() * (float("nan") if nan else 1.0)
+                loss.backward()
+                time.sleep(0.04)  # the step's compute
+                opt.step()
+            durations.append(step.record.duration_s)
+            skipped.append(step.record.skipped)
+        assert skipped == [False, True, False]
+        section = rt.summary()["throughput"]
+        productive = durations[0] + durations[2]
+        assert section["productive_s"] == pytest.approx(productive, abs=0.005)
+        assert section["badput_s"]["skipped_step"] == pytest.approx(durations[1], abs=0.005)
+        assert section["badput_s"]["data_wait"] >= 0.02 + 0.08 - 0.005
+        assert section["productive_s"] + sum(section["badput_s"].values()) == pytest.approx(section["wall_s"], rel=1e-9)
+        assert section["goodput_ratio"] == pytest.approx(section["productive_s"] / section["wall_s"], rel=1e-9)
+    finally:
+        tt.shutdown()
+
+
+def test_mfu_against_flops_and_time_with_a_configured_peak(tmp_path):
+    _configure(tmp_path, peak_flops=1e9)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+        for _ in range(12):
+            train_step(torch.randn(8, 16))
+        rt = get_runtime()
+        tp = rt.throughput.ledger.throughput("train_step")
+        steps = rt.history.steps()[1:]  # the counting step is left out of throughput
+        flops = steps[-1]["flops"]
+        assert tp.flops_per_s == pytest.approx(flops * tp.steps / tp.seconds, rel=1e-9)
+        assert tp.mfu == pytest.approx(tp.flops_per_s / 1e9, rel=1e-9)
+        assert rt.metrics.value(semconv.M_MFU, {"operation": "train_step"}) == pytest.approx(tp.mfu, rel=0.5)
+    finally:
+        tt.shutdown()
