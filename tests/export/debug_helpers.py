@@ -45,7 +45,7 @@ class Trainer:
         self.i = 0
 
     def step(self) -> None:
-        with tt.debug_context("train_step", model=self.model, optimizer=self.opt) as scope:
+        with tt.debug_context("train_step", model=self.model, optimizer=self.opt, inputs=self.x) as scope:
             loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
             if self.i in self.nan_at:
                 loss = loss * float("nan")

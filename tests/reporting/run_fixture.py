@@ -63,7 +63,7 @@ def make_run(tmp_path) -> tuple[object, list[dict]]:
         def forward_and_loss(x=x, y=y):
             return torch.nn.functional.mse_loss(model(x), y)
 
-        with tt.debug_context("train_step", model=model, optimizer=opt, replay=forward_and_loss) as step:
+        with tt.debug_context("train_step", model=model, optimizer=opt, replay=forward_and_loss, inputs=x) as step:
             loss = forward_and_loss()
             opt.zero_grad()
             loss.backward()

@@ -76,8 +76,9 @@ def test_live_page_in_chromium_while_training(tt_runtime, tiny_model, tmp_path):
     n = state["steps"]
     assert STEPS <= n <= trainer.i
     # every chart drew every step it was given; the NaN step is a marker, not a point
-    assert state["charts"] == {"loss": n - 1, "grad_norm": n - 1, "step_time": n, "memory": n}
+    assert state["charts"] == {"loss": n - 1, "grad_norm": n - 1, "step_time": n, "memory": n, "throughput": n}
     assert canvas_points(dom) == state["charts"]
+    assert state["goodput"] >= 2  # productive time and at least one kind of badput (startup)
     assert {"step": NAN_STEP, "kind": "nonfinite_loss"} in state["anomalies"]
     assert 'data-kind="nonfinite_loss"' in dom and "loss is nan" in dom
     assert shot.exists() and shot.stat().st_size > 10_000
@@ -119,7 +120,8 @@ def test_html_report_in_chromium(tmp_path):
     state = page_state(dom)
     good = STEPS - len(BAD_STEPS)
     assert state["steps"] == STEPS
-    assert state["charts"] == {"loss": good, "grad_norm": good, "step_time": STEPS, "memory": STEPS}
+    assert state["charts"] == {"loss": good, "grad_norm": good, "step_time": STEPS, "memory": STEPS,
+                               "throughput": STEPS}
     assert canvas_points(dom) == state["charts"]
     # one entry per replay, the same count as the terminal report
     assert state["forensics"] == [
@@ -131,14 +133,20 @@ def test_html_report_in_chromium(tmp_path):
     assert len(re.findall(r'<a href="#forensic-7"', dom)) == 1  # linked once, not under every row
     # skipped updates: on every chart, and on each anomaly row of those steps
     assert state["skipped"] == list(BAD_STEPS)
-    for chart in ("loss", "grad_norm", "step_time", "memory"):
+    for chart in ("loss", "grad_norm", "step_time", "memory", "throughput"):
         attrs = canvas_attrs(dom, chart)
         assert attrs["data-skipped"] == ",".join(map(str, BAD_STEPS))
         assert attrs["data-xlabel"] == "step"
         assert_round_ticks([int(t) for t in attrs["data-xticks"].split(",")], 0, STEPS - 1)
         assert state["axes"][chart]["xticks"] == attrs["data-xticks"]
     assert {c: canvas_attrs(dom, c)["data-ylabel"] for c in state["axes"]} == {
-        "loss": "loss", "grad_norm": "L2 norm", "step_time": "ms", "memory": "MiB"}
+        "loss": "loss", "grad_norm": "L2 norm", "step_time": "ms", "memory": "MiB", "throughput": "per s"}
+    # the goodput bar: productive time, and each kind of badput this run had (skipped updates
+    # included), its segments' widths adding up to the whole wall time
+    kinds = re.findall(r'<span class="gseg g-([a-z_]+)" data-kind="[a-z_]+"', dom)
+    assert kinds[0] == "productive" and "skipped_step" in kinds and state["goodput"] == len(kinds)
+    widths = [float(w) for w in re.findall(r'class="gseg[^"]*"[^>]*style="width: ([0-9.]+)%', dom)]
+    assert len(widths) == len(kinds) and abs(sum(widths) - 100) < 0.5
     rows = re.findall(r'<tr class="anomaly" data-kind="([a-z_]+)" data-step="(\d+)" data-skipped="([01])">', dom)
     assert rows and all((int(step) in BAD_STEPS) == (flag == "1") for _, step, flag in rows)
     assert dom.count('<span class="badge skip">skipped</span>') == len(rows)

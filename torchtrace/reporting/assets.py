@@ -24,6 +24,10 @@ header h1 { font-size:18px; margin:0; }
 header .meta { color:#cbd5e1; font-size:13px; }
 .badge { display:inline-block; padding:1px 8px; border-radius:10px; background:#374151; color:#fff; font-size:12px; }
 .badge.ok { background:#15803d; } .badge.bad { background:var(--bad); } .badge.skip { background:#ea580c; }
+.gbar { display:flex; height:18px; border-radius:4px; overflow:hidden; background:#e5e7eb; margin:6px 0; }
+.gseg { display:block; height:100%; background:#9ca3af; } .g-productive { background:#15803d; }
+.g-data_wait { background:#ca8a04; } .g-skipped_step { background:#ea580c; } .g-forensics { background:#b91c1c; }
+.g-startup { background:#6b7280; }
 main { padding:16px 20px; display:grid; grid-template-columns: repeat(2, minmax(0, 1fr)); gap:14px; }
 .card { background:var(--card); border-radius:8px; padding:10px 14px; box-shadow:0 1px 2px rgba(0,0,0,.08); min-width:0; }
 .card h2 { font-size:14px; margin:0 0 6px 0; display:flex; justify-content:space-between; }
@@ -78,8 +82,33 @@ JS = r"""
       var v = num(m.cuda_allocated_bytes); if (v === null) v = num(m.rss_bytes);
       return v === null ? null : v / MIB; }, unit: " MiB",
      /* at least 16 MiB or a tenth of the level: allocator noise stays flat */
-     minSpan: function (top) { return Math.max(16, 0.1 * Math.abs(top)); }}
+     minSpan: function (top) { return Math.max(16, 0.1 * Math.abs(top)); }},
+    /* tokens (else samples) per second of the step's cycle: its time plus the wait before it */
+    {id: "throughput", axis: "per s", get: function (s) {
+      var n = num(s.tokens); if (n === null) n = num(s.samples);
+      var d = num(s.duration_s); if (n === null || d === null) return null;
+      var w = num(s.data_wait_s) || 0; return d + w > 0 ? n / (d + w) : null; }, unit: "/s"}
   ];
+
+  /* Where the wall time went: productive steps and each kind of badput, as one bar. */
+  function renderGoodput(box, tp) {
+    if (!box) return 0;
+    box.textContent = "";
+    if (!tp || !tp.wall_s) { box.appendChild(el("p", {"class": "muted"}, "No throughput accounting in this run.")); return 0; }
+    var parts = [["productive", tp.productive_s || 0]], bad = tp.badput_s || {};
+    Object.keys(bad).sort().forEach(function (k) { if (bad[k] > 0) parts.push([k, bad[k]]); });
+    var bar = el("div", {"class": "gbar", "id": "tt-goodput-bar"});
+    parts.forEach(function (p) {
+      var seg = el("span", {"class": "gseg g-" + p[0], "data-kind": p[0], "title": p[0] + " " + fmt(p[1], 3) + " s"});
+      seg.style.width = (100 * p[1] / tp.wall_s).toFixed(2) + "%"; bar.appendChild(seg);
+    });
+    box.appendChild(bar);
+    var legend = el("p", null, "goodput " + (tp.goodput_ratio === null || tp.goodput_ratio === undefined ? "–" :
+      (100 * tp.goodput_ratio).toFixed(1) + " %") + " of " + fmt(tp.wall_s, 3) + " s: ");
+    parts.forEach(function (p) { legend.appendChild(el("span", {"class": "badge"}, p[0] + " " + fmt(p[1], 3) + " s")); });
+    box.appendChild(legend);
+    return parts.length;
+  }
 
   function key(d) { return String(d.operation) + "#" + String(d.step); }
 
@@ -236,12 +265,14 @@ JS = r"""
     renderForensics(document.getElementById("tt-forensics"), reports);
     renderSummary(document.getElementById("tt-summary"), data, reports.length);
     renderSettings(document.getElementById("tt-settings"), data.settings);
+    var goodputParts = renderGoodput(document.getElementById("tt-goodput"), s.throughput);
     var state = document.getElementById("tt-state");
     var prev = {}; try { prev = JSON.parse(state.textContent || "{}"); } catch (e) { prev = {}; }
     state.textContent = JSON.stringify({
       renders: (prev.renders || 0) + 1, steps: steps.length, charts: counts, axes: axes, level: s.level,
       anomalies: rows.map(function (r) { return {step: r.step, kind: r.kind}; }),
       skipped: steps.filter(function (x) { return x.skipped; }).map(function (x) { return x.step; }),
+      goodput: goodputParts,
       forensics: reports.map(function (f) { return {step: f.step, operation: f.operation, cause: f.cause, module: f.module}; })
     });
     document.body.setAttribute("data-tt-ready", "1");
@@ -264,6 +295,8 @@ BODY = """
   <section class="card"><h2>Gradient norm <span id="last-grad_norm"></span></h2><canvas id="chart-grad_norm"></canvas></section>
   <section class="card"><h2>Step time <span id="last-step_time"></span></h2><canvas id="chart-step_time"></canvas></section>
   <section class="card"><h2>Memory <span id="last-memory"></span></h2><canvas id="chart-memory"></canvas></section>
+  <section class="card"><h2>Throughput <span id="last-throughput"></span></h2><canvas id="chart-throughput"></canvas></section>
+  <section class="card"><h2>Goodput <span>where the wall time went</span></h2><div id="tt-goodput"></div></section>
   {extra}
 </main>
 <pre id="tt-state" hidden>{{}}</pre>
