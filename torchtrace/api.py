@@ -269,6 +269,36 @@ class _Operation:
                 scope.replay_fn = fn
         return scope
 
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as an instrumented operation: one step per call (uninstrumented when off)."""
+        op, level = self, self.level
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def async_wrapper(*args, **kwargs):
+                rt = current.runtime()
+                if rt is None or (level is None and rt.off):
+                    return await fn(*args, **kwargs)
+                result = None  # stays None when the guard absorbs the step's exception (out of memory)
+                with op.scope(None, args, kwargs) as scope:
+                    result = await fn(*args, **kwargs)
+                    _take_returned_loss(scope, result)
+                return result
+
+            return async_wrapper
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            rt = current.runtime()
+            if rt is None or (level is None and rt.off):
+                return fn(*args, **kwargs)
+            result = None  # stays None when the guard absorbs the step's exception (out of memory)
+            with op.scope(fn, args, kwargs) as scope:
+                result = fn(*args, **kwargs)
+                _take_returned_loss(scope, result)
+            return result
+
+        return wrapper
+
 
 def _take_returned_loss(scope: StepScope, result: Any) -> None:
     """The loss from the step's return value; an odd object's failing ``.loss`` is ours to absorb."""
@@ -330,34 +360,8 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
         level = DebugLevel.OFF
 
     def decorate(fn):
-        op = _Operation(name or getattr(fn, "__name__", "operation"), model, optimizer, level, mode, attributes,
-                        replay, scaler, kind)
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def async_wrapper(*args, **kwargs):
-                rt = current.runtime()
-                if rt is None or (level is None and rt.off):
-                    return await fn(*args, **kwargs)
-                result = None  # stays None when the guard absorbs the step's exception (out of memory)
-                with op.scope(None, args, kwargs) as scope:
-                    result = await fn(*args, **kwargs)
-                    _take_returned_loss(scope, result)
-                return result
-
-            return async_wrapper
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            rt = current.runtime()
-            if rt is None or (level is None and rt.off):
-                return fn(*args, **kwargs)
-            result = None  # stays None when the guard absorbs the step's exception (out of memory)
-            with op.scope(fn, args, kwargs) as scope:
-                result = fn(*args, **kwargs)
-                _take_returned_loss(scope, result)
-            return result
-
-        return wrapper
+        return _Operation(name or getattr(fn, "__name__", "operation"), model, optimizer, level, mode, attributes,
+                          replay, scaler, kind).wrap(fn)
 
     if func is not None:
         return decorate(func)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
+import gc
 import json
 import logging
 import math
@@ -95,10 +96,12 @@ def test_memory_tracking_example_sees_what_the_block_keeps():
     kept = []
 
     def train_model():
-        # 64 MiB, written, so resident: above glibc's largest mmap threshold (32 MiB), so fresh
-        # pages whatever earlier tests freed (a 32 MiB block could reuse resident heap)
-        kept.append(torch.ones(16 * 2 ** 20))
+        # 256 MiB, written, so resident: above glibc's largest mmap threshold (32 MiB), so fresh
+        # pages whatever earlier tests freed (a 32 MiB block could reuse resident heap); large
+        # beside what other threads of a long test process free or take meanwhile
+        kept.append(torch.ones(64 * 2 ** 20))
 
+    gc.collect()  # earlier tests' garbage is not freed inside the block
     with debugger.memory_tracking():
         train_model()
     event = [e for e in debugger.timeline.events() if e["event_type"] == "memory_tracking"][-1]

@@ -106,7 +106,9 @@ def test_zoo_through_debug_context_with_replay_closure_and_no_optimizer(tmp_path
 
 
 def test_no_false_report_over_500_clean_steps(tmp_path):
-    _configure(tmp_path, guard="warn")
+    # Throughput off: a busy machine (another process on the cores) slows these 0.1 ms steps
+    # several-fold, which the throughput rule rightly reports; this test is about health anomalies.
+    _configure(tmp_path, guard="warn", throughput=False)
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -29,7 +29,7 @@ from torchtrace.record.reads import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck
-from torchtrace.step.throughput import StepClock, learning_rates
+from torchtrace.step.throughput import StepClock, fill_throughput, learning_rates
 
 logger = logging.getLogger("torchtrace")
 
@@ -289,19 +289,7 @@ class StepScope:
         loss = self._loss
         if loss is not None and loss.tensor is not None:
             plan.add("loss", loss.tensor)
-        grads = self.gradients
-        if grads is None and self.model is not None and self.features.grad_stats:
-            # The model was handed over inside the step (a framework hook, a seed-style check).
-            grads = self.gradients = GradientCheck(self, rt)
-        if grads is not None:
-            if not grads.fired:
-                try:
-                    grads.measure_at_end()
-                except Exception as gerr:
-                    rt.errors.report("gradients", gerr)
-            stats = grads.stats
-            if stats is not None and grads.values is None:
-                plan.add("grads", stats.norms)
+        grads = self._plan_gradients(rt, plan)
         rt.plan_parameter_check(self, plan)
         batch = rt.throughput.batch(self, self._batch) if self.features.throughput else None
         if batch is not None and isinstance(batch.tokens, torch.Tensor):
@@ -330,17 +318,10 @@ class StepScope:
             record.anomalies.extend(Anomaly(k, d, record.step, record.operation, x) for k, d, x in self._anomalies)
         if loss is not None and loss.number is not None:
             record.loss = loss.number
-        if batch is not None:
-            record.samples = batch.samples
-            if batch.tokens is not None and not isinstance(batch.tokens, torch.Tensor):
-                record.tokens = int(batch.tokens)
         if self.features.throughput:
             given = self._batch[2] if self._batch is not None else None
-            record.flops = given if given is not None else flops
-            record.flops_counted = counted and given is None
-            # The rates of this step's update, read when it was about to happen (a scheduler may
-            # have stepped since); else the optimizer's rates now.
-            record.lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(self.optimizer)
+            fill_throughput(record, batch, given, flops, counted, grads.lr if grads is not None else None,
+                            self.optimizer)
         ctx = self._span.get_span_context()
         record.trace_id = format(ctx.trace_id, "032x")
         record.span_id = format(ctx.span_id, "016x")
@@ -348,6 +329,24 @@ class StepScope:
         self._overhead += time.perf_counter() - t0
         record.overhead_s = self._overhead
         rt.submit(self, record, plan, pending, self._span, exc)
+
+    def _plan_gradients(self, rt: Any, plan: ReadPlan) -> GradientCheck | None:
+        """Measure the gradients if no hook did, and add their norms to the step's one read."""
+        grads = self.gradients
+        if grads is None and self.model is not None and self.features.grad_stats:
+            # The model was handed over inside the step (a framework hook, a seed-style check).
+            grads = self.gradients = GradientCheck(self, rt)
+        if grads is None:
+            return None
+        if not grads.fired:
+            try:
+                grads.measure_at_end()
+            except Exception as gerr:
+                rt.errors.report("gradients", gerr)
+        stats = grads.stats
+        if stats is not None and grads.values is None:
+            plan.add("grads", stats.norms)
+        return grads
 
     def hand_over(self) -> tuple[Any, float]:
         """What the runtime finishes a record with: the probe states and the overhead so far."""

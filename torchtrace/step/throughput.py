@@ -316,4 +316,21 @@ def batch_of(inputs: tuple | None, given: tuple | None) -> BatchSize | None:
     return batch
 
 
-__all__ = ["RunThroughput", "StepClock", "batch_of", "learning_rates"]
+def fill_throughput(record: Any, batch: Any, given_flops: float | None, counted_flops: float | None,
+                    counted: bool, lr: Any, optimizer: Any) -> None:
+    """A step's samples, tokens, FLOPs and learning rates on its record.
+
+    ``given_flops`` is what ``record_batch(flops=)`` said (it wins over the counted ones);
+    ``lr`` the rates read when the update was about to happen (a scheduler may have stepped
+    since), else the optimizer's rates now.
+    """
+    if batch is not None:
+        record.samples = batch.samples
+        if batch.tokens is not None and not isinstance(batch.tokens, torch.Tensor):
+            record.tokens = int(batch.tokens)
+    record.flops = given_flops if given_flops is not None else counted_flops
+    record.flops_counted = counted and given_flops is None
+    record.lr = lr if lr is not None else learning_rates(optimizer)
+
+
+__all__ = ["RunThroughput", "StepClock", "batch_of", "fill_throughput", "learning_rates"]
