@@ -62,7 +62,8 @@ def test_operation_names_through_steps_are_capped(tt_runtime):
 
 
 def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
-    """docs/reliability.md: a BASIC CPU job with one operation exports 55 label sets per rank."""
+    """docs/reliability.md: a BASIC CPU job with one operation exports 55 label sets per rank, and each
+    further operation 27."""
     rt = get_runtime()
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     for _ in range(3):
@@ -88,3 +89,13 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
                 "torchtrace_step_phase_seconds": len(semconv.PHASES)}
     assert {k: v for k, v in seen.items() if v} == expected
     assert sum(expected.values()) == 55
+    # docs/reliability.md: each extra operation adds 27 (6 gauges and histograms, every anomaly
+    # kind, skipped, learning rate, data wait, 3 phases).
+    with tt.debug_context("finetune_step", model=tiny_model, optimizer=opt) as step:
+        loss = tiny_model(torch.ones(4, 8)).pow(2).mean()
+        loss.backward()
+        step.record_loss(loss)
+        opt.step()
+    rt.finish_deferred(block=True)
+    added = sum(_series_per_family(rt.metrics.registry).values()) - 55
+    assert added == 6 + len(semconv.ANOMALY_KINDS_ALL) + 1 + 1 + 1 + len(semconv.PHASES) == 27
