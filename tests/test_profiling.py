@@ -198,3 +198,55 @@ def test_a_symlink_at_the_trace_path_is_replaced_not_followed(tt_runtime, tmp_pa
         torch.ones(4).sum()
     assert victim.read_text() == "keep me"
     assert not (out / "block.json").is_symlink()
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_an_exception_in_the_block_passes_through_and_the_trace_is_still_written(tt_runtime, tiny_model, tmp_path):
+    probe = find_probe(get_runtime(), ProfilerProbe)
+    before = (probe.schedule, probe.output, probe.window)
+    boom = _Boom("user's own")
+    out = tmp_path / "b.json"
+    with pytest.raises(_Boom) as caught:
+        with tt.profiling(out) as res:
+            _train(tiny_model, 1)
+            raise boom
+    assert caught.value is boom
+    assert res["path"] == str(out) and _profiler_steps(out) == ["ProfilerStep#0"]
+    assert (probe.schedule, probe.output, probe.window) == before
+
+
+def test_an_exception_in_a_scheduled_block_passes_through_and_the_probe_is_restored(tt_runtime, tiny_model, tmp_path):
+    probe = find_probe(get_runtime(), ProfilerProbe)
+    before = (probe.schedule, probe.output, probe.window)
+    boom = _Boom("user's own")
+    with pytest.raises(_Boom) as caught:
+        with tt.profiling(tmp_path / "s" / "x.json", ProfileSchedule(steps=[1], active=5)) as res:
+            _train(tiny_model, 3)
+            raise boom
+    assert caught.value is boom
+    assert [w["steps"] for w in res["windows"]] == [[1, 2]]
+    assert res["path"] == res["windows"][0]["path"] and Path(res["path"]).exists()
+    assert (probe.schedule, probe.output, probe.window) == before
+
+
+def test_an_exception_in_a_block_without_runtime_passes_through_and_the_trace_is_still_written(tmp_path):
+    tt.configure(disabled=True)
+    boom = _Boom("user's own")
+    with pytest.raises(_Boom) as caught:
+        with tt.profiling(tmp_path / "n.json") as res:
+            torch.ones(3).sum()
+            raise boom
+    assert caught.value is boom
+    assert json.loads(open(res["path"]).read())["traceEvents"]
+
+
+def test_a_schedule_without_runtime_fails_before_the_block_runs(tmp_path):
+    tt.configure(disabled=True)
+    ran = []
+    with pytest.raises(RuntimeError, match="configured torchtrace runtime"):
+        with tt.profiling(tmp_path / "x.json", ProfileSchedule(steps=[0], active=1)):
+            ran.append(1)
+    assert ran == []

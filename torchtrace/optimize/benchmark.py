@@ -1,10 +1,12 @@
-"""``benchmark_optimizations``: what each mode buys on this model, measured, and a runner.
+"""``benchmark_optimizations``: what each mode buys on this model, measured.
 
 Every mode trains a fresh deep copy of the same starting model, with a fresh optimizer
 loaded from the same state, on the same batches, from the same random seed: nothing one
 mode does leaks into the next, and the loss difference against NONE is numerical agreement
 and not a different experiment. Times are per step (CUDA synchronised at each step
 boundary), warm-up steps excluded; a mode slower or hungrier than NONE is reported so.
+The results are in :mod:`torchtrace.optimize.results`; the runner, ``optimize_training_loop``,
+in :mod:`torchtrace.optimize.training` (both importable from here too).
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import inspect
 import math
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence, TextIO
+from typing import Callable, Iterable, Sequence, TextIO
 
 import torch
 from torch import nn
@@ -23,139 +24,14 @@ from torch import nn
 from torchtrace import current, semconv
 from torchtrace.levels import OptimizationMode
 from torchtrace.measure.saved import SavedTensorMeter
-from torchtrace.optimize.modes import OptimizedModel, amp_step, failure_reason, model_device, optimize_model
+from torchtrace.optimize.modes import OptimizedModel, failure_reason, model_device, optimize_model
+from torchtrace.optimize.results import BenchmarkResults, ModeResult
+from torchtrace.optimize.training import _move, _null, _sync, _train_step, optimize_training_loop
+
+__all__ = ["BenchmarkResults", "ModeResult", "benchmark_optimizations", "optimize_training_loop"]
 
 ALL_MODES = tuple(OptimizationMode)
 OptimizerLike = "torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]"
-
-
-@dataclass
-class ModeResult:
-    """One mode's measurements. Times in seconds, memory in bytes; None when not measured."""
-
-    mode: OptimizationMode
-    ok: bool = True
-    error: str | None = None
-    step_times_s: list[float] = field(default_factory=list)
-    median_s: float | None = None
-    iqr_s: float | None = None  # 75th minus 25th percentile of the timed steps
-    memory_bytes: int | None = None
-    memory_kind: str = ""
-    speedup: float | None = None  # NONE's median / this median: < 1 means slower
-    memory_saving: float | None = None  # 1 - memory / NONE's memory: < 0 means more memory
-    max_abs_loss_diff: float | None = None  # against NONE, step by step
-    losses: list[float] = field(default_factory=list)
-    applied: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in ("ok", "error", "median_s", "iqr_s", "memory_bytes", "memory_kind",
-                                           "speedup", "memory_saving", "max_abs_loss_diff", "applied", "skipped")}
-        d["mode"] = self.mode.value
-        d["step_times_s"] = list(self.step_times_s)
-        d["losses"] = list(self.losses)
-        return d
-
-    # The seeds read a mode's result as a dict: result["total_time"], "error" in result.
-    def seed_view(self) -> dict[str, Any]:
-        """The seeds' keys: ``total_time`` (seconds of the timed steps; ``inf`` for a failed mode,
-        so ``min(results.items(), key=...)`` never picks it), ``speedup_factor``,
-        ``memory_savings``, ``median_step_time``, ``memory_bytes``, ``max_abs_loss_diff``,
-        ``applied``, ``skipped``, ``mode``; ``error`` only for a mode that failed."""
-        d: dict[str, Any] = {"mode": self.mode.value,
-                             "total_time": math.fsum(self.step_times_s) if self.ok else math.inf,
-                             "speedup_factor": self.speedup, "memory_savings": self.memory_saving,
-                             "median_step_time": self.median_s, "memory_bytes": self.memory_bytes,
-                             "max_abs_loss_diff": self.max_abs_loss_diff, "applied": list(self.applied),
-                             "skipped": dict(self.skipped)}
-        if not self.ok:
-            d["error"] = self.error
-        return d
-
-    def __getitem__(self, key: str) -> Any:
-        return self.seed_view()[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.seed_view()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.seed_view().get(key, default)
-
-    def keys(self):
-        return self.seed_view().keys()
-
-
-@dataclass
-class BenchmarkResults:
-    """All modes' results (``results[mode]``), the device, and the table as text.
-
-    Also a mapping of mode value (``"amp"``) to :class:`ModeResult`: ``items()``, ``keys()``,
-    ``values()``, ``len()``, ``in`` (the seeds' ``for mode, result in results.items()``).
-    """
-
-    device: str
-    warmup: int
-    steps: int
-    results: dict[OptimizationMode, ModeResult] = field(default_factory=dict)
-
-    def __getitem__(self, mode: OptimizationMode | str) -> ModeResult:
-        return self.results[OptimizationMode.parse(mode, "mode")]
-
-    # Mapping of mode value ("amp") -> ModeResult, as the seeds iterate it.
-    def items(self):
-        return [(m.value, r) for m, r in self.results.items()]
-
-    def keys(self):
-        return [m.value for m in self.results]
-
-    def values(self):
-        return list(self.results.values())
-
-    def __iter__(self):
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self.results)
-
-    def __contains__(self, mode: object) -> bool:
-        try:
-            return OptimizationMode.parse(mode, "mode") in self.results  # type: ignore[arg-type]
-        except ValueError:
-            return False
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "warmup": self.warmup, "steps": self.steps,
-                "modes": {m.value: r.as_dict() for m, r in self.results.items()}}
-
-    def table(self) -> str:
-        """A fixed-width table; speedups are NONE's printed median over each printed median."""
-        kinds = {r.memory_kind for r in self.results.values() if r.memory_kind}
-        mem_head = "memory MB" + (f" ({kinds.pop()})" if len(kinds) == 1 else "")
-        head = ["mode", "status", "median ms", "IQR ms", "speedup", mem_head, "mem saving", "max |dloss|", "notes"]
-        rows = [head]
-        for r in self.results.values():
-            notes = r.error if not r.ok else ", ".join(r.applied) or "-"
-            if r.ok and r.skipped:
-                notes += "; not applied: " + ", ".join(f"{k} ({v})" for k, v in r.skipped.items())
-            rows.append([
-                r.mode.value, "ok" if r.ok else "FAILED",
-                _fmt(r.median_s, 1e3, "{:.4f}"), _fmt(r.iqr_s, 1e3, "{:.4f}"),
-                "-" if r.speedup is None else f"{r.speedup:.3f}x",
-                _fmt(r.memory_bytes, 1 / 2**20, "{:.3f}"),
-                "-" if r.memory_saving is None else f"{100 * r.memory_saving:+.1f}%",
-                _fmt(r.max_abs_loss_diff, 1, "{:.2e}"), (notes or "")[:160],
-            ])
-        widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
-        lines = []
-        for n, row in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
-            if n == 0:
-                lines.append("-" * len(lines[0]))
-        return "\n".join(lines) + f"\n({self.device}; {self.warmup} warm-up + {self.steps} timed steps per mode)"
-
-
-def _fmt(value, scale, pattern) -> str:
-    return "-" if value is None else pattern.format(value * scale)
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -186,32 +62,10 @@ def _make_optimizer(optimizer, model: nn.Module, names: dict[int, str]) -> torch
     return fresh
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _seed(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.manual_seed_all(seed)
-
-
-def _move(batch, device):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_move(b, device) for b in batch)
-    return batch
-
-
-def _train_step(om: OptimizedModel, opt, loss_fn, batch) -> torch.Tensor:
-    x, y = batch
-    opt.zero_grad(set_to_none=True)
-    with om.context():
-        loss = loss_fn(om(x), y)
-    amp_step(loss, opt, om.amp.scaler if om.amp is not None else None)
-    return loss.detach()
 
 
 def _measure_memory(om: OptimizedModel, loss_fn, batch, device) -> tuple[int, str]:
@@ -282,8 +136,7 @@ def benchmark_optimizations(model: nn.Module, batches: Iterable, optimizer, loss
     ``benchmark_optimizations`` with one ``benchmark_optimizations.mode`` child per mode;
     metrics ``torchtrace_optimization_{step_seconds,speedup,memory_bytes}{mode}``.
     """
-    wanted = [OptimizationMode.parse(m, "modes") for m in (modes if modes is not None else ALL_MODES)]
-    order = [OptimizationMode.NONE] + [m for m in dict.fromkeys(wanted) if m is not OptimizationMode.NONE]
+    order = _mode_order(modes)
     if warmup < 0 or steps < 1:
         raise ValueError(f"warmup={warmup}, steps={steps}: need warmup >= 0 and steps >= 1")
     device = model_device(model)
@@ -299,38 +152,43 @@ def benchmark_optimizations(model: nn.Module, batches: Iterable, optimizer, loss
     outer = tracer.start_as_current_span("benchmark_optimizations") if tracer else _null()
     with outer:
         for mode in order:
-            span_cm = (tracer.start_as_current_span("benchmark_optimizations.mode",
-                                                    attributes={semconv.OPT_MODE: mode.value},
-                                                    record_exception=False, set_status_on_exception=False)
-                       if tracer else _null())
-            with span_cm as span:
-                try:
-                    res = _run_mode(snapshot, names, optimizer, loss_fn, batches, mode, warmup, steps, seed, device,
-                                    measure_memory, opts)
-                except Exception as exc:  # noqa: BLE001 - a failing mode is a result, not a crash
-                    res = ModeResult(mode=mode, ok=False, error=failure_reason(exc))
-                    if span is not None:
-                        span.record_exception(exc)
-                _compare(res, out.results.get(OptimizationMode.NONE))
-                out.results[mode] = res
-                if span is not None:
-                    _annotate(span, res, rt)
-            if rt is not None and not rt.off and res.ok:
-                try:
-                    rt.metrics.set_optimization(mode.value, res.median_s, res.speedup, res.memory_bytes)
-                except Exception as exc:  # noqa: BLE001
-                    rt.errors.report("metrics", exc)
+            _benchmark_mode(mode, out, rt, tracer,
+                            lambda m: _run_mode(snapshot, names, optimizer, loss_fn, batches, m, warmup, steps, seed,
+                                                device, measure_memory, opts))
     if print_table:
         (file or sys.stdout).write(out.table() + "\n")
     return out
 
 
-class _null:
-    def __enter__(self):
-        return None
+def _mode_order(modes: Iterable[OptimizationMode | str] | None) -> list[OptimizationMode]:
+    """The modes to run, parsed and without repeats; NONE first, as the reference."""
+    wanted = [OptimizationMode.parse(m, "modes") for m in (modes if modes is not None else ALL_MODES)]
+    return [OptimizationMode.NONE] + [m for m in dict.fromkeys(wanted) if m is not OptimizationMode.NONE]
 
-    def __exit__(self, *exc):
-        return False
+
+def _benchmark_mode(mode: OptimizationMode, out: BenchmarkResults, rt, tracer,
+                    run: Callable[[OptimizationMode], ModeResult]) -> None:
+    """Run one mode in its span, compare it with NONE, add it to ``out`` and to the metrics."""
+    span_cm = (tracer.start_as_current_span("benchmark_optimizations.mode",
+                                            attributes={semconv.OPT_MODE: mode.value},
+                                            record_exception=False, set_status_on_exception=False)
+               if tracer else _null())
+    with span_cm as span:
+        try:
+            res = run(mode)
+        except Exception as exc:  # noqa: BLE001 - a failing mode is a result, not a crash
+            res = ModeResult(mode=mode, ok=False, error=failure_reason(exc))
+            if span is not None:
+                span.record_exception(exc)
+        _compare(res, out.results.get(OptimizationMode.NONE))
+        out.results[mode] = res
+        if span is not None:
+            _annotate(span, res, rt)
+    if rt is not None and not rt.off and res.ok:
+        try:
+            rt.metrics.set_optimization(mode.value, res.median_s, res.speedup, res.memory_bytes)
+        except Exception as exc:  # noqa: BLE001
+            rt.errors.report("metrics", exc)
 
 
 def _compare(res: ModeResult, base: ModeResult | None) -> None:
@@ -367,45 +225,3 @@ def _annotate(span, res: ModeResult, rt) -> None:
         span.set_attributes(attrs)
     except Exception as exc:  # noqa: BLE001
         rt.errors.report("tracing", exc)
-
-
-def optimize_training_loop(model: nn.Module, dataloader: Iterable, optimizer: torch.optim.Optimizer,
-                           loss_fn: Callable, epochs: int = 1, mode: OptimizationMode | str = OptimizationMode.NONE,
-                           **options: Any) -> dict[str, Any]:
-    """Train ``model`` in place under ``mode``; return total time and what was measured.
-
-    The optimizer must hold ``model``'s parameters (the optimized wrapper shares them).
-    Losses are read to the host once per epoch. Returns ``total_time_s``, ``steps``,
-    ``epoch_mean_loss`` (one per epoch), ``final_loss``, ``optimization`` (what was applied
-    and skipped) and ``mode``. Options are those of :func:`optimize_model`.
-    """
-    mode = OptimizationMode.parse(mode, "mode")
-    if epochs < 1:
-        raise ValueError(f"epochs={epochs}: need epochs >= 1")
-    device = model_device(model)
-    om = optimize_model(model, mode, **options)
-    om.train()
-    rt = current.runtime()
-    tracer = rt.tracer if rt is not None and not rt.off else None
-    span_cm = tracer.start_as_current_span("optimize_training_loop", attributes={semconv.OPT_MODE: mode.value}) \
-        if tracer else _null()
-    epoch_means: list[float] = []
-    steps = 0
-    final = None
-    with span_cm as span:
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(epochs):
-            losses = [_train_step(om, optimizer, loss_fn, _move(batch, device)) for batch in dataloader]
-            steps += len(losses)
-            if losses:
-                values = torch.stack([l.float() for l in losses]).double().cpu()  # one host read per epoch
-                epoch_means.append(float(values.mean()))
-                final = float(values[-1])
-        _sync(device)
-        total = time.perf_counter() - t0
-        if span is not None:
-            span.set_attributes({**om.report.span_attributes(), semconv.TRAIN_TOTAL_S: total,
-                                 semconv.TRAIN_STEPS: steps})
-    return {"mode": mode.value, "total_time_s": total, "steps": steps, "epochs": epochs,
-            "epoch_mean_loss": epoch_means, "final_loss": final, "optimization": om.report.as_dict()}

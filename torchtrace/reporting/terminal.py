@@ -91,10 +91,21 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
         FileNotFoundError: ``run_dir`` is not a torchtrace run directory.
     """
     run = load_run(run_dir, rank)
-    s = run.summary
-    steps = run.steps
-    tr = training_summary_from_steps(steps)
-    lines = [f"torchtrace run {s.get('run_id', run.run_dir.name)}"
+    summary = run.summary
+    lines = _header_lines(summary, run.steps, run.run_dir)
+    lines += _series_lines(run.steps)
+    lines += _anomaly_lines(run.steps, run.events)
+    lines.extend(_forensic_lines(run.forensics))
+    lines += _telemetry_lines(summary.get("telemetry") or {})
+    for problem in run.problems:
+        lines.append(f"  warning: {problem}")
+    lines.append(f"  files: {run.run_dir}")
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(s: dict[str, Any], steps: list[dict[str, Any]], run_dir: Path) -> list[str]:
+    """The run's identity, its step count and wall time, and the step-time quantiles."""
+    lines = [f"torchtrace run {s.get('run_id', run_dir.name)}"
              f"  service {s.get('service_name', '?')}  rank {s.get('rank', 0)}/{s.get('world_size', 1)}"
              f"  level {s.get('level', '?')}"]
     ops = s.get("operations") or {}
@@ -109,6 +120,12 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
         p95 = q[min(len(q) - 1, int(0.95 * len(q)))]
         lines.append(f"  step time: median {statistics.median(q) * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, "
                      f"max {q[-1] * 1e3:.2f} ms")
+    return lines
+
+
+def _series_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """Loss and gradient norm (first, last, range, non-finite count, sparkline), then RSS."""
+    lines: list[str] = []
     for label, key in (("loss", "loss"), ("grad norm", "grad_norm")):
         series = [st.get(key) for st in steps]
         ok = finite(series)
@@ -128,28 +145,34 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
     rss_ok = finite(rss)
     if rss_ok:
         lines.append(f"  memory (rss): first {_mib(rss_ok[0])}, last {_mib(rss_ok[-1])}, max {_mib(max(rss_ok))}")
-    lines.append(f"  anomalies: {tr['anomaly_steps']} step(s), rate {tr['anomaly_rate'] * 100:.2f} %"
-                 + (": " + ", ".join(f"{k} {v}" for k, v in sorted(tr["anomalies_by_kind"].items()))
-                    if tr["anomalies_by_kind"] else ""))
+    return lines
+
+
+def _anomaly_lines(steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[str]:
+    """The anomaly totals by kind, the skipped updates, and the first anomaly events."""
+    tr = training_summary_from_steps(steps)
+    lines = [f"  anomalies: {tr['anomaly_steps']} step(s), rate {tr['anomaly_rate'] * 100:.2f} %"
+             + (": " + ", ".join(f"{k} {v}" for k, v in sorted(tr["anomalies_by_kind"].items()))
+                if tr["anomalies_by_kind"] else "")]
     skipped = [st.get("step") for st in steps if st.get("skipped")]
     if skipped:
         shown = ", ".join(str(x) for x in skipped[:MAX_ANOMALY_LINES]) + (" ..." if len(skipped) > MAX_ANOMALY_LINES else "")
         lines.append(f"  skipped updates: {len(skipped)} (step {shown})")
-    anomaly_events = [e for e in run.events if e.get("type") == "anomaly"]
+    anomaly_events = [e for e in events if e.get("type") == "anomaly"]
     for e in anomaly_events[:MAX_ANOMALY_LINES]:
         d = e.get("data") or {}
         detail = d.get("detail") or e.get("message")
         lines.append(f"    step {d.get('step')} {d.get('operation')}: {d.get('kind')}: {detail}")
     if len(anomaly_events) > MAX_ANOMALY_LINES:
         lines.append(f"    ... {len(anomaly_events) - MAX_ANOMALY_LINES} more")
-    lines.extend(_forensic_lines(run.forensics))
-    tel = s.get("telemetry") or {}
-    if tel:
-        dropped = sum((tel.get("spans_dropped") or {}).values())
-        errors = tel.get("internal_errors") or {}
-        lines.append(f"  telemetry: {tel.get('spans_exported', 0)} spans exported, {dropped} dropped, internal errors "
-                     + (", ".join(f"{k} {v}" for k, v in sorted(errors.items())) if errors else "none"))
-    for problem in run.problems:
-        lines.append(f"  warning: {problem}")
-    lines.append(f"  files: {run.run_dir}")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _telemetry_lines(tel: dict[str, Any]) -> list[str]:
+    """Spans exported and dropped, and torchtrace's own errors; nothing without telemetry totals."""
+    if not tel:
+        return []
+    dropped = sum((tel.get("spans_dropped") or {}).values())
+    errors = tel.get("internal_errors") or {}
+    return [f"  telemetry: {tel.get('spans_exported', 0)} spans exported, {dropped} dropped, internal errors "
+            + (", ".join(f"{k} {v}" for k, v in sorted(errors.items())) if errors else "none")]

@@ -47,47 +47,70 @@ def profiling(output_file: str | os.PathLike[str] | None = None, schedule: Profi
         return
     probe = _probe(current.runtime())
     if schedule is not None:
-        if probe is None:
-            raise RuntimeError("profiling(schedule=...) needs a configured torchtrace runtime")
-        schedule.record_shapes = schedule.record_shapes or record_shapes
-        schedule.profile_memory = schedule.profile_memory or profile_memory
-        schedule.with_stack = schedule.with_stack or with_stack
-        saved = probe.open_schedule(schedule, Path(output_file).parent if output_file else None)
+        saved = _open_schedule(probe, schedule, output_file, record_shapes, profile_memory, with_stack)
         before = len(probe.windows)
         try:
             yield result
         finally:
-            probe.close()
-            probe.restore(saved)
-            result["windows"] = probe.windows[before:]
-            result["path"] = result["windows"][-1]["path"] if result["windows"] else None
+            _close_schedule(probe, saved, before, result)
         return
     path = Path(output_file) if output_file else (
         (probe.directory() if probe is not None else Path("torchtrace-profiles")) / "trace-block.json")
     sched = ProfileSchedule(every=1, active=10 ** 9, max_window_steps=10 ** 9, max_windows=10 ** 9,
                             record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
                             max_trace_bytes=max_trace_bytes)
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities, record_shapes=record_shapes, profile_memory=profile_memory,
-                   with_stack=with_stack)
+    prof = _block_profiler(record_shapes, profile_memory, with_stack)
     window = Window(path, "manual", -1, 10 ** 9, prof, private=output_file is None)
     saved = probe.open_block(window, sched) if probe is not None else None
     prof.__enter__()
     try:
         yield result
     finally:
-        if probe is not None:
-            probe.open_block(window, sched)  # the block's window, whatever steps did inside
-            probe.close_window()
-            probe.restore(saved)
-            result["windows"] = probe.windows[-1:]
-        else:
-            prof.__exit__(None, None, None)
-            write_trace(prof, path, max_trace_bytes, private=output_file is None)
-            result["windows"] = [{"path": str(path), "reason": "manual", "top_ops": top_ops(prof)[:5]}]
-        result["path"] = str(path)
+        _close_block(probe, window, sched, saved, prof, path, max_trace_bytes, output_file is None, result)
+
+
+def _open_schedule(probe: ProfilerProbe | None, schedule: ProfileSchedule,
+                   output_file: str | os.PathLike[str] | None, record_shapes: bool, profile_memory: bool,
+                   with_stack: bool) -> Any:
+    """Hand ``schedule`` (with the block's options added) to the probe; return what to restore."""
+    if probe is None:
+        raise RuntimeError("profiling(schedule=...) needs a configured torchtrace runtime")
+    schedule.record_shapes = schedule.record_shapes or record_shapes
+    schedule.profile_memory = schedule.profile_memory or profile_memory
+    schedule.with_stack = schedule.with_stack or with_stack
+    return probe.open_schedule(schedule, Path(output_file).parent if output_file else None)
+
+
+def _close_schedule(probe: ProfilerProbe, saved: Any, before: int, result: dict[str, Any]) -> None:
+    """Close the scheduled windows, restore the probe, and put the block's windows in ``result``."""
+    probe.close()
+    probe.restore(saved)
+    result["windows"] = probe.windows[before:]
+    result["path"] = result["windows"][-1]["path"] if result["windows"] else None
+
+
+def _block_profiler(record_shapes: bool, profile_memory: bool, with_stack: bool) -> Any:
+    """A ``torch.profiler.profile`` over the CPU, and CUDA when there is one; not started."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=activities, record_shapes=record_shapes, profile_memory=profile_memory,
+                   with_stack=with_stack)
+
+
+def _close_block(probe: ProfilerProbe | None, window: Window, sched: ProfileSchedule, saved: Any, prof: Any,
+                 path: Path, max_trace_bytes: int, private: bool, result: dict[str, Any]) -> None:
+    """End the block's window: through the probe when there is one, else write the trace here."""
+    if probe is not None:
+        probe.open_block(window, sched)  # the block's window, whatever steps did inside
+        probe.close_window()
+        probe.restore(saved)
+        result["windows"] = probe.windows[-1:]
+    else:
+        prof.__exit__(None, None, None)
+        write_trace(prof, path, max_trace_bytes, private=private)
+        result["windows"] = [{"path": str(path), "reason": "manual", "top_ops": top_ops(prof)[:5]}]
+    result["path"] = str(path)
 
 
 def _probe(rt) -> ProfilerProbe | None:
