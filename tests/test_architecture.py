@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "torchtrace"
 # Lowest first. A module may import modules of its own layer's package and of lower layers.
 LAYERS: list[tuple[str, ...]] = [
     ("torchtrace._version", "torchtrace.semconv", "torchtrace.levels", "torchtrace.errors", "torchtrace.config",
-     "torchtrace.current", "torchtrace.files"),
+     "torchtrace.config_env", "torchtrace.config_parsers", "torchtrace.current", "torchtrace.files",
+     "torchtrace.strict_json", "torchtrace.private_files", "torchtrace.file_claims", "torchtrace.json_lines"),
     ("torchtrace.distributed",),
     ("torchtrace.measure",),
     ("torchtrace.record",),

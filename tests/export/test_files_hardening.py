@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import secrets
 import stat
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def test_a_symlink_at_report_json_is_replaced_not_followed(tmp_path, monkeypatch
 def test_atomic_writes_never_open_a_planted_temp_name(tmp_path, monkeypatch):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
-    monkeypatch.setattr(files.secrets, "token_hex", lambda n: "fixed")
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "fixed")
     (tmp_path / ".report.json.fixed.tmp").symlink_to(victim)
     with pytest.raises(FileExistsError):
         files.write_json_atomic(tmp_path / "report.json", {"a": 1})
@@ -333,14 +334,14 @@ def test_a_simulated_full_disk_keeps_whole_lines(tmp_path, monkeypatch):
 
     out = files.JsonLinesFile(tmp_path / "spans.jsonl", 1 << 20)
     lines = [(json.dumps({"i": i, "pad": "x" * 80}) + "\n").encode() for i in range(30)]
-    monkeypatch.setattr(files.os, "write", write)
+    monkeypatch.setattr(os, "write", write)
     written = out.write_lines(lines)
     assert written == 1000 // len(lines[0]) and out.lost == 30 - written
     assert out.write_lines(lines[:3]) == 0 and out.lost == 33 - written
     budget["left"] = 10 ** 6
     assert out.write_lines(lines[:3]) == 3
     out.close()
-    monkeypatch.setattr(files.os, "write", real_write)
+    monkeypatch.setattr(os, "write", real_write)
     assert _check_whole_lines(tmp_path / "spans.jsonl") == written + 3
 
 

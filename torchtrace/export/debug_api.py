@@ -44,90 +44,36 @@ import hmac
 import logging
 import operator
 import secrets
-import threading
-import time
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from torchtrace import files
+from torchtrace.export.bounded_json import (
+    MAX_ITEM_BYTES,
+    MAX_LIST_ITEMS,
+    MAX_RESPONSE_BYTES,
+    MAX_STRING_CHARS,
+    ItemCache,
+    bounded_json,
+    page_json,
+    shrink,
+)
+from torchtrace.export.debug_summary import history_training_summary, retry_copy
 from torchtrace.levels import DebugLevel
+
+__all__ = ["DebugAPI", "LOOPBACK_HOSTS", "MAX_BODY_BYTES", "MAX_ITEM_BYTES", "MAX_LIST_ITEMS", "MAX_RESPONSE_BYTES",
+           "MAX_STEPS_RETURNED", "MAX_STRING_CHARS", "bounded_json", "history_training_summary", "install_debug_api",
+           "shrink"]
 
 logger = logging.getLogger("torchtrace")
 
 MAX_BODY_BYTES = 4096
 """Largest request body accepted; the API's POSTs need no body at all."""
 MAX_STEPS_RETURNED = 2000
-MAX_RESPONSE_BYTES = 1024 * 1024
-"""Largest body of any debug API response."""
-MAX_ITEM_BYTES = 16 * 1024
-"""Largest serialised step summary or event; a larger one is replaced by a stub naming it."""
-MAX_LIST_ITEMS = 20
-"""Entries kept of any list in a served document (parameter names, ...); the rest are counted."""
-MAX_STRING_CHARS = 1024
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "localhost.localdomain"})
 _JSON = "application/json"
 _EVENT_DICT = operator.methodcaller("as_dict")
 _TEXT = "text/plain; charset=utf-8"
-
-
-def history_training_summary(runtime) -> dict[str, Any]:
-    """The training monitor's summary computed from the runtime's history.
-
-    Rates are per completed step: ``anomaly_rate`` = steps with any anomaly / steps;
-    ``rates_by_kind[k]`` = steps with anomaly kind ``k`` / steps; the seeds' named rates
-    (``loss_anomaly_rate``: nonfinite_loss or loss_spike, ``explosion_rate``,
-    ``vanishing_rate``) are included. The ``recent`` block describes the retained window.
-    """
-    h = runtime.history
-    totals = _retry_copy(lambda: dict(h.totals))
-    by_kind = _retry_copy(lambda: dict(h.anomaly_counts))
-    steps = totals.get("steps", 0)
-    anomaly_steps = totals.get("anomaly_steps", 0)
-
-    def rate(n: int) -> float:
-        return n / steps if steps else 0.0
-
-    recent = h.steps()
-    losses = [s["loss"] for s in recent if isinstance(s.get("loss"), float) and s["loss"] == s["loss"]
-              and abs(s["loss"]) != float("inf")]
-    durations = [s["duration_s"] for s in recent if isinstance(s.get("duration_s"), (int, float))]
-    return {
-        "source": "history",
-        "total_steps": steps,
-        "anomaly_steps": anomaly_steps,
-        "nonfinite_steps": totals.get("nonfinite_steps", 0),
-        "skipped_steps": totals.get("skipped_steps", 0),
-        "failed_steps": totals.get("failed_steps", 0),
-        "anomaly_rate": rate(anomaly_steps),
-        "anomalies_by_kind": by_kind,
-        "rates_by_kind": {k: rate(v) for k, v in sorted(by_kind.items())},
-        "loss_anomaly_rate": rate(by_kind.get("nonfinite_loss", 0) + by_kind.get("loss_spike", 0)),
-        "explosion_rate": rate(by_kind.get("grad_explosion", 0)),
-        "vanishing_rate": rate(by_kind.get("grad_vanishing", 0)),
-        # Seed 001's keys (steps with the kind, and per step); a NaN/Inf gradient is not an explosion.
-        "gradient_explosions": by_kind.get("grad_explosion", 0),
-        "gradient_vanishing": by_kind.get("grad_vanishing", 0),
-        "loss_anomalies": by_kind.get("nonfinite_loss", 0) + by_kind.get("loss_spike", 0),
-        "gradient_explosion_rate": rate(by_kind.get("grad_explosion", 0)),
-        "gradient_vanishing_rate": rate(by_kind.get("grad_vanishing", 0)),
-        "recent": {
-            "steps": len(recent),
-            "last_loss": recent[-1].get("loss") if recent else None,
-            "mean_loss": sum(losses) / len(losses) if losses else None,
-            "mean_step_seconds": sum(durations) / len(durations) if durations else None,
-        },
-        "level": runtime.level.value,
-    }
-
-
-def _retry_copy(fn: Callable[[], Any], tries: int = 5) -> Any:
-    """Copy a structure the training thread may be growing (a dict resize raises RuntimeError)."""
-    for _ in range(tries - 1):
-        try:
-            return fn()
-        except RuntimeError:
-            time.sleep(0)
-    return fn()
 
 
 def _host_name(host_header: str) -> str:
@@ -156,7 +102,7 @@ class DebugAPI:
         self.token_from_settings = token is not None
         self.training_summary: Callable[[Any], dict[str, Any]] = history_training_summary
         self.refused = 0
-        self._cache = _ItemCache()
+        self._cache = ItemCache()
 
     # ------------------------------------------------------------ set-up
     def install(self) -> "DebugAPI":
@@ -263,7 +209,7 @@ class DebugAPI:
 
     def _summary(self, request):
         rt = self.runtime
-        out = _retry_copy(rt.summary)
+        out = retry_copy(rt.summary)
         out["pending_changes"] = rt.pending_changes
         return self._json(out)
 
@@ -296,7 +242,7 @@ class DebugAPI:
         tail = {"next_before": first + start if start > 0 else None, "total": first + len(steps) - 1,
                 "omitted_by_size": omitted}
         self._cache.prune("step", first)
-        return 200, _JSON, _page_json("steps", reversed(items), tail), {}
+        return 200, _JSON, page_json("steps", reversed(items), tail), {}
 
     def _numbered_steps(self) -> tuple[list[dict[str, Any]], int]:
         """The retained steps and the number of the first (1 = the first step ever recorded)."""
@@ -329,7 +275,7 @@ class DebugAPI:
             last = event.seq
         if events:
             self._cache.prune("event", events[0].seq)
-        return 200, _JSON, _page_json("events", items, {"last_seq": last, "more": len(items) < len(events)}), {}
+        return 200, _JSON, page_json("events", items, {"last_seq": last, "more": len(items) < len(events)}), {}
 
     def _page(self, request):
         from torchtrace.reporting.page import live_page
@@ -358,81 +304,6 @@ class DebugAPI:
 
         rt.request(clear)
         return self._json({"accepted": True, "applies": "at the next step"}, 202)
-
-
-class _ItemCache:
-    """Serialised steps and events by number: each is shrunk and encoded once, then its bytes
-    are reused by every later poll. Entries older than the history's window are pruned."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._items: dict[tuple[str, int], tuple[Any, bytes]] = {}
-
-    def item(self, key: tuple[str, int], obj: Any, convert: Callable[[Any], Any] | None = None) -> bytes:
-        hit = self._items.get(key)
-        if hit is not None and hit[0] is obj:
-            return hit[1]
-        data = bounded_json(convert(obj) if convert else obj, MAX_ITEM_BYTES)
-        with self._lock:
-            self._items[key] = (obj, data)
-        return data
-
-    def prune(self, kind: str, first: int) -> None:
-        with self._lock:
-            for key in [k for k in self._items if k[0] == kind and k[1] < first]:
-                del self._items[key]
-
-
-def shrink(value: Any, depth: int = 0) -> Any:
-    """``value`` with every list cut to :data:`MAX_LIST_ITEMS` entries (a ``<key>_omitted``
-    count beside it in a dict) and every string to :data:`MAX_STRING_CHARS` characters.
-
-    >>> shrink({"names": [str(i) for i in range(25)]})["names_omitted"]
-    5
-    """
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            key = str(key)[:MAX_STRING_CHARS]
-            if isinstance(item, (list, tuple)) and len(item) > MAX_LIST_ITEMS and depth < 8:
-                out[key] = [shrink(v, depth + 1) for v in item[:MAX_LIST_ITEMS]]
-                # A list the record already capped says how many it left out: add to that.
-                earlier = value.get(key + "_omitted")
-                out[key + "_omitted"] = len(item) - MAX_LIST_ITEMS + (earlier if isinstance(earlier, int) else 0)
-            elif key.endswith("_omitted") and key in out:
-                continue  # already summed with its list
-            else:
-                out[key] = shrink(item, depth + 1) if depth < 8 else None
-        return out
-    if isinstance(value, (list, tuple)):
-        return [shrink(v, depth + 1) for v in value[:MAX_LIST_ITEMS]] if depth < 8 else None
-    if isinstance(value, str) and len(value) > MAX_STRING_CHARS:
-        return value[:MAX_STRING_CHARS]
-    return value
-
-
-def bounded_json(value: Any, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
-    """Strict JSON of ``value`` with lists and strings shrunk (:func:`shrink`), in at most
-    ``max_bytes``; a document still too large becomes a stub that says how large it was.
-
-    >>> bounded_json({"step": 3, "note": "x" * 100}, 60)
-    b'{"truncated": true, "bytes": 123, "step": 3}'
-    """
-    data = files.dumps(shrink(value)).encode()
-    if len(data) <= max_bytes:
-        return data
-    stub: dict[str, Any] = {"truncated": True, "bytes": len(data)}
-    if isinstance(value, dict):
-        stub.update({k: value[k] for k in ("seq", "step", "operation", "type") if isinstance(value.get(k), (int, str))})
-    for doc in (stub, {"truncated": True}, {}):
-        out = files.dumps(shrink(doc)).encode()
-        if len(out) <= max_bytes:
-            return out
-    return b"{}"
-
-
-def _page_json(key: str, items, tail: dict[str, Any]) -> bytes:
-    return b'{"' + key.encode() + b'": [' + b", ".join(items) + b"], " + files.dumps(tail).encode()[1:]
 
 
 def _int_arg(query: dict[str, list[str]], name: str, default: int) -> int | None:

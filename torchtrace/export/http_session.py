@@ -60,39 +60,16 @@ def abortable_session(ca_file: str | None = None):
     import weakref
 
     import requests
-    from requests.adapters import HTTPAdapter
-    from urllib3.connection import HTTPConnection, HTTPSConnection
-    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
     live: "weakref.WeakSet[Any]" = weakref.WeakSet()
     aborted = threading.Event()
-
-    def tracked(base):
-        class Tracked(base):  # type: ignore[misc, valid-type]
-            def connect(self):
-                if aborted.is_set():
-                    raise ConnectionAbortedError("torchtrace exporter shut down")
-                live.add(self)
-                return super().connect()
-
-        return Tracked
-
-    class HttpPool(HTTPConnectionPool):
-        ConnectionCls = tracked(HTTPConnection)
-
-    class HttpsPool(HTTPSConnectionPool):
-        ConnectionCls = tracked(HTTPSConnection)
-
-    class Adapter(HTTPAdapter):
-        def init_poolmanager(self, *args, **kwargs):
-            super().init_poolmanager(*args, **kwargs)
-            self.poolmanager.pool_classes_by_scheme = {"http": HttpPool, "https": HttpsPool}
+    adapter = _tracking_adapter(live, aborted)
 
     class AbortableSession(requests.Session):
         def __init__(self) -> None:
             super().__init__()
-            self.mount("http://", Adapter())
-            self.mount("https://", Adapter())
+            self.mount("http://", adapter())
+            self.mount("https://", adapter())
 
         def merge_environment_settings(self, url, proxies, stream, verify, cert):
             merged = super().merge_environment_settings(url, proxies, stream, verify, cert)
@@ -115,3 +92,34 @@ def abortable_session(ca_file: str | None = None):
     if ca_file:
         session.verify = ca_file
     return session
+
+
+def _tracking_adapter(live, aborted: threading.Event):
+    """A requests adapter class whose connection pools add every connection they open to
+    ``live`` and refuse to open one once ``aborted`` is set."""
+    from requests.adapters import HTTPAdapter
+    from urllib3.connection import HTTPConnection, HTTPSConnection
+    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+    def tracked(base):
+        class Tracked(base):  # type: ignore[misc, valid-type]
+            def connect(self):
+                if aborted.is_set():
+                    raise ConnectionAbortedError("torchtrace exporter shut down")
+                live.add(self)
+                return super().connect()
+
+        return Tracked
+
+    class HttpPool(HTTPConnectionPool):
+        ConnectionCls = tracked(HTTPConnection)
+
+    class HttpsPool(HTTPSConnectionPool):
+        ConnectionCls = tracked(HTTPSConnection)
+
+    class Adapter(HTTPAdapter):
+        def init_poolmanager(self, *args, **kwargs):
+            super().init_poolmanager(*args, **kwargs)
+            self.poolmanager.pool_classes_by_scheme = {"http": HttpPool, "https": HttpsPool}
+
+    return Adapter

@@ -70,62 +70,77 @@ def registry_to_request(registry: CollectorRegistry, resource: Mapping[str, Any]
     now = now_unix_ns if now_unix_ns is not None else time.time_ns()
     out: list[metrics_pb2.Metric] = []
     for family in registry.collect():
-        created: dict[tuple, int] = {}
-        for s in family.samples:
-            if s.name.endswith("_created"):
-                created[_key(s.labels)] = int(s.value * 1e9)
-        if family.type == "counter":
-            points = [metrics_pb2.NumberDataPoint(
-                attributes=_attrs(s.labels), start_time_unix_nano=created.get(_key(s.labels), start_unix_ns),
-                time_unix_nano=now, as_double=float(s.value))
-                for s in family.samples if s.name == family.name + "_total"]
-            if points:
-                out.append(metrics_pb2.Metric(name=family.name, description=family.documentation,
-                                              unit=_unit(family.name),
-                                              sum=metrics_pb2.Sum(data_points=points, is_monotonic=True,
-                                                                  aggregation_temporality=_CUMULATIVE)))
-        elif family.type == "gauge":
-            points = [metrics_pb2.NumberDataPoint(attributes=_attrs(s.labels), time_unix_nano=now,
-                                                  as_double=float(s.value))
-                      for s in family.samples if s.name == family.name]
-            if points:
-                out.append(metrics_pb2.Metric(name=family.name, description=family.documentation,
-                                              unit=_unit(family.name), gauge=metrics_pb2.Gauge(data_points=points)))
-        elif family.type == "histogram":
-            series: dict[tuple, dict[str, Any]] = {}
-            for s in family.samples:
-                if s.name.endswith("_created"):
-                    continue
-                key = _key(s.labels, drop="le")
-                entry = series.setdefault(key, {"labels": {k: v for k, v in s.labels.items() if k != "le"},
-                                                "buckets": [], "count": 0.0, "sum": 0.0})
-                if s.name == family.name + "_bucket":
-                    entry["buckets"].append((float(s.labels["le"]), s.value))
-                elif s.name == family.name + "_count":
-                    entry["count"] = s.value
-                elif s.name == family.name + "_sum":
-                    entry["sum"] = s.value
-            points = []
-            for key, entry in series.items():
-                buckets = sorted(entry["buckets"])
-                bounds = [b for b, _ in buckets if b != float("inf")]
-                counts, previous = [], 0.0
-                for _, cumulative in buckets:
-                    counts.append(int(cumulative - previous))
-                    previous = cumulative
-                points.append(metrics_pb2.HistogramDataPoint(
-                    attributes=_attrs(entry["labels"]), start_time_unix_nano=created.get(key, start_unix_ns),
-                    time_unix_nano=now, count=int(entry["count"]), sum=float(entry["sum"]),
-                    bucket_counts=counts, explicit_bounds=bounds))
-            if points:
-                out.append(metrics_pb2.Metric(name=family.name, description=family.documentation,
-                                              unit=_unit(family.name),
-                                              histogram=metrics_pb2.Histogram(data_points=points,
-                                                                              aggregation_temporality=_CUMULATIVE)))
+        metric = _family_metric(family, start_unix_ns, now)
+        if metric is not None:
+            out.append(metric)
     scope = metrics_pb2.ScopeMetrics(scope=common_pb2.InstrumentationScope(name="torchtrace"), metrics=out)
     rm = metrics_pb2.ResourceMetrics(resource=resource_pb2.Resource(attributes=_attrs(resource)),
                                      scope_metrics=[scope])
     return metrics_service_pb2.ExportMetricsServiceRequest(resource_metrics=[rm])
+
+
+def _family_metric(family, start_unix_ns: int, now: int) -> metrics_pb2.Metric | None:
+    """One metric family as an OTLP metric; None for a family without points or of another type."""
+    created: dict[tuple, int] = {}
+    for s in family.samples:
+        if s.name.endswith("_created"):
+            created[_key(s.labels)] = int(s.value * 1e9)
+    if family.type == "counter":
+        points = [metrics_pb2.NumberDataPoint(
+            attributes=_attrs(s.labels), start_time_unix_nano=created.get(_key(s.labels), start_unix_ns),
+            time_unix_nano=now, as_double=float(s.value))
+            for s in family.samples if s.name == family.name + "_total"]
+        if points:
+            return metrics_pb2.Metric(name=family.name, description=family.documentation,
+                                      unit=_unit(family.name),
+                                      sum=metrics_pb2.Sum(data_points=points, is_monotonic=True,
+                                                          aggregation_temporality=_CUMULATIVE))
+    elif family.type == "gauge":
+        points = [metrics_pb2.NumberDataPoint(attributes=_attrs(s.labels), time_unix_nano=now,
+                                              as_double=float(s.value))
+                  for s in family.samples if s.name == family.name]
+        if points:
+            return metrics_pb2.Metric(name=family.name, description=family.documentation,
+                                      unit=_unit(family.name), gauge=metrics_pb2.Gauge(data_points=points))
+    elif family.type == "histogram":
+        points = _histogram_points(family, created, start_unix_ns, now)
+        if points:
+            return metrics_pb2.Metric(name=family.name, description=family.documentation,
+                                      unit=_unit(family.name),
+                                      histogram=metrics_pb2.Histogram(data_points=points,
+                                                                      aggregation_temporality=_CUMULATIVE))
+    return None
+
+
+def _histogram_points(family, created: dict[tuple, int], start_unix_ns: int,
+                      now: int) -> list[metrics_pb2.HistogramDataPoint]:
+    """A histogram family's series as data points (bucket counts per bucket, not cumulative)."""
+    series: dict[tuple, dict[str, Any]] = {}
+    for s in family.samples:
+        if s.name.endswith("_created"):
+            continue
+        key = _key(s.labels, drop="le")
+        entry = series.setdefault(key, {"labels": {k: v for k, v in s.labels.items() if k != "le"},
+                                        "buckets": [], "count": 0.0, "sum": 0.0})
+        if s.name == family.name + "_bucket":
+            entry["buckets"].append((float(s.labels["le"]), s.value))
+        elif s.name == family.name + "_count":
+            entry["count"] = s.value
+        elif s.name == family.name + "_sum":
+            entry["sum"] = s.value
+    points = []
+    for key, entry in series.items():
+        buckets = sorted(entry["buckets"])
+        bounds = [b for b, _ in buckets if b != float("inf")]
+        counts, previous = [], 0.0
+        for _, cumulative in buckets:
+            counts.append(int(cumulative - previous))
+            previous = cumulative
+        points.append(metrics_pb2.HistogramDataPoint(
+            attributes=_attrs(entry["labels"]), start_time_unix_nano=created.get(key, start_unix_ns),
+            time_unix_nano=now, count=int(entry["count"]), sum=float(entry["sum"]),
+            bucket_counts=counts, explicit_bounds=bounds))
+    return points
 
 
 class _GrpcSender:

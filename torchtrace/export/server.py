@@ -224,13 +224,7 @@ def _make_handler(server: "TelemetryServer"):
             try:
                 super().handle_one_request()
             except _HeadTooLarge as exc:
-                self.close_connection = True
-                logger.debug("telemetry server: %s; connection closed", exc)
-                try:
-                    self.wfile.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
-                                     b"Connection: close\r\n\r\n")
-                except OSError:
-                    pass
+                _refuse_head(self, exc)
 
         def log_message(self, fmt, *args):  # quiet: no per-request logging
             return
@@ -242,16 +236,7 @@ def _make_handler(server: "TelemetryServer"):
             except Exception:
                 logger.debug("telemetry server route failed", exc_info=True)
                 status, ctype, body, headers = 500, "text/plain; charset=utf-8", b"internal error\n", {}
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            for k, v in headers.items():
-                self.send_header(k, v)
-            self.end_headers()
-            if method != "HEAD":
-                self.wfile.write(body)
+            _respond(self, method, status, ctype, body, headers)
 
         def do_GET(self):
             self._dispatch("GET")
@@ -275,6 +260,32 @@ def _make_handler(server: "TelemetryServer"):
             self._dispatch("OPTIONS")
 
     return RequestHandler
+
+
+def _refuse_head(handler: http.server.BaseHTTPRequestHandler, exc: Exception) -> None:
+    """A request head over a limit: answer 431 and close the connection."""
+    handler.close_connection = True
+    logger.debug("telemetry server: %s; connection closed", exc)
+    try:
+        handler.wfile.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
+                            b"Connection: close\r\n\r\n")
+    except OSError:
+        pass
+
+
+def _respond(handler: http.server.BaseHTTPRequestHandler, method: str, status: int, ctype: str, body: bytes,
+             headers: dict[str, str]) -> None:
+    """Send a route's answer: status, the common headers, the route's headers, the body (none to HEAD)."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", ctype)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.send_header("Cache-Control", "no-store")
+    handler.send_header("X-Content-Type-Options", "nosniff")
+    for k, v in headers.items():
+        handler.send_header(k, v)
+    handler.end_headers()
+    if method != "HEAD":
+        handler.wfile.write(body)
 
 
 class TelemetryServer:
