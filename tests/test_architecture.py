@@ -16,8 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "torchtrace"
 # Lowest first. A module may import modules of its own layer's package and of lower layers.
 LAYERS: list[tuple[str, ...]] = [
     ("torchtrace._version", "torchtrace.semconv", "torchtrace.levels", "torchtrace.errors", "torchtrace.config",
-     "torchtrace.config_env", "torchtrace.config_parsers", "torchtrace.current", "torchtrace.files",
-     "torchtrace.strict_json", "torchtrace.private_files", "torchtrace.file_claims", "torchtrace.json_lines"),
+     "torchtrace.current", "torchtrace.files"),
     ("torchtrace.distributed",),
     ("torchtrace.measure",),
     ("torchtrace.record",),
@@ -177,3 +176,36 @@ def test_the_checker_sees_a_violation(tmp_path):
     found = imports_of(path, tmp_path / "torchtrace")
     assert {"torchtrace.api", "torchtrace.export.metrics"} <= found
     assert owner("torchtrace.record.history")[0] < owner("torchtrace.export.metrics")[0]
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def oversized(root: Path) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines and functions (nested ones included) over MAX_FUNCTION_LINES."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text()
+        lines = len(source.splitlines())
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{path.relative_to(root)}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root)}: {node.name} {length} lines")
+    return found
+
+
+def test_modules_and_functions_stay_small():
+    """One concept per module (under 400 lines), one job per function (under 60)."""
+    assert oversized(PACKAGE) == []
+
+
+def test_the_size_check_sees_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text("def long():\n" + body)
+    (tmp_path / "short.py").write_text("def short():\n" + body[: -len(f"    x{MAX_FUNCTION_LINES - 1} = 59\n")])
+    (tmp_path / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert oversized(tmp_path) == ["big.py: 401 lines", "long.py: long 61 lines"]

@@ -50,7 +50,6 @@ def test_local_links_point_at_files():
             if "://" in target:
                 continue
             path = (page.parent / target).resolve()
-            rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
             if not path.exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken

@@ -108,7 +108,6 @@ def test_port_in_use_moves_to_next_port(tmp_path):
     try:
         r = tt.configure(prometheus_port=taken, run_dir=str(tmp_path), register_atexit=False)
         assert r.prometheus_port not in (None, taken)
-        r2 = None
     finally:
         tt.shutdown()
         blocker.close()

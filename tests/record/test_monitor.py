@@ -130,7 +130,7 @@ def test_analyze_pipeline_counts_per_component():
 
 
 def test_monitor_loop_step_span_events(tt_runtime):
-    with tt.debug_context("sample") as step:
+    with tt.debug_context("sample"):
         for i in range(3):
             t = torch.full((4,), float(i))
             if i == 2:

@@ -10,7 +10,7 @@ import os
 import threading
 from pathlib import Path
 
-from torchtrace.private_files import O_CLOEXEC, O_NOFOLLOW
+from torchtrace.files.private import O_CLOEXEC, O_NOFOLLOW
 
 logger = logging.getLogger("torchtrace.files")
 

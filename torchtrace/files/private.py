@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from torchtrace.strict_json import dumps
+from torchtrace.files.strict_json import dumps
 
 logger = logging.getLogger("torchtrace.files")
 

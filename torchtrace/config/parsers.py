@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
-from torchtrace.config_env import (
+from torchtrace.config.env import (
     ENV_DEBUG_API,
     ENV_DEBUG_TOKEN,
     ENV_DISABLED,

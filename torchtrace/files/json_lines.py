@@ -13,8 +13,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from torchtrace.private_files import ensure_parent_dir, open_private
-from torchtrace.strict_json import dumps
+from torchtrace.files.private import ensure_parent_dir, open_private
+from torchtrace.files.strict_json import dumps
 
 logger = logging.getLogger("torchtrace.files")
 

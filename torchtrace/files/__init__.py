@@ -6,17 +6,17 @@ its name is refused, never written through) and created with mode 0600. The run 
 symlink or belongs to another user is refused. :func:`claim_file` gives a second process with
 the same run id its own file names instead of letting both write the same files.
 
-The code lives in four modules, re-exported here: :mod:`torchtrace.strict_json` (strict JSON
-text), :mod:`torchtrace.private_files` (directories, atomic whole files),
-:mod:`torchtrace.file_claims` (one writer per file name) and :mod:`torchtrace.json_lines`
+The code lives in four modules, re-exported here: :mod:`torchtrace.files.strict_json` (strict JSON
+text), :mod:`torchtrace.files.private` (directories, atomic whole files),
+:mod:`torchtrace.files.claims` (one writer per file name) and :mod:`torchtrace.files.json_lines`
 (the capped JSON-lines file).
 """
 
 from __future__ import annotations
 
-from torchtrace.file_claims import claim_file, release_file
-from torchtrace.json_lines import JsonLinesFile, read_json_lines
-from torchtrace.private_files import (
+from torchtrace.files.claims import claim_file, release_file
+from torchtrace.files.json_lines import JsonLinesFile, read_json_lines
+from torchtrace.files.private import (
     O_CLOEXEC,
     O_NOFOLLOW,
     ensure_parent_dir,
@@ -25,7 +25,7 @@ from torchtrace.private_files import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from torchtrace.strict_json import dumps, to_strict
+from torchtrace.files.strict_json import dumps, to_strict
 
 __all__ = [
     "O_CLOEXEC", "O_NOFOLLOW", "JsonLinesFile", "claim_file", "dumps", "ensure_parent_dir", "ensure_private_dir",

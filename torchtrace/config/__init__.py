@@ -4,8 +4,8 @@ A bad argument raises ``ValueError`` at configure time, naming the setting and t
 values. A bad environment value is logged and replaced by the default: an environment typo
 must not kill a three-week job at start-up, but a typo in code should be fixed at once.
 
-The environment variables are in :mod:`torchtrace.config_env` and the parsers of every
-setting in :mod:`torchtrace.config_parsers`; their public names are importable from here.
+The environment variables are in :mod:`torchtrace.config.env` and the parsers of every
+setting in :mod:`torchtrace.config.parsers`; their public names are importable from here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from torchtrace.config_env import (
+from torchtrace.config.env import (
     ENV_DEBUG_API,
     ENV_DEBUG_TOKEN,
     ENV_DISABLED,
@@ -53,7 +53,7 @@ from torchtrace.config_env import (
     ENV_UPDATE_RATIO_INTERVAL,
     disabled_by_environment,
 )
-from torchtrace.config_parsers import (
+from torchtrace.config.parsers import (
     ENV_SOURCES,
     GUARD_POLICIES,
     METRICS_EXPORTERS,
