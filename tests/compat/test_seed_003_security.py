@@ -302,6 +302,9 @@ def test_benchmarking_example_and_best_mode(env):
     assert best_mode == min(results.keys(), key=lambda m: results[m]["total_time"])
 
 
+# The seed uses torch.cuda.amp.autocast, which torch deprecates and disables without CUDA.
+@pytest.mark.filterwarnings("ignore:.*torch.cuda.amp.autocast:FutureWarning")
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")
 def test_amp_compilation_and_memory_efficient_examples(env):
     model, train_loader, data, target, criterion = env
     debugger, _, _ = make_debugger()
