@@ -3,7 +3,7 @@ import torch
 
 import torchtrace as tt
 
-tt.configure(service_name="quickstart", prometheus_port=0)  # optional; 0 = any free port
+run = tt.configure(service_name="quickstart", prometheus_port=0)  # optional; 0 = any free port
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
@@ -21,3 +21,5 @@ for _ in range(100):
     x = torch.randn(32, 16)
     train_step(x, x.sum(dim=1, keepdim=True))
 tt.shutdown()  # writes torchtrace-runs/<run_id>/report.json; spans are in spans.jsonl
+print(f"100 steps recorded in {run.report_path.parent}/; see them with:\n"
+      f"  torchtrace report {run.report_path.parent} --html report.html")

@@ -194,3 +194,5 @@ def test_quickstart_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(next(tmp_path.glob("torchtrace-runs/*/report.json")).read_text())
     assert report["totals"]["steps"] == 100 and report["operations"] == {"train_step": 100}
+    run_dir = next(tmp_path.glob("torchtrace-runs/*"))
+    assert f"torchtrace report {run_dir.relative_to(tmp_path)} --html report.html" in proc.stdout, proc.stdout
