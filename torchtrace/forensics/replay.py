@@ -52,21 +52,6 @@ def restore_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Floating-point tensors inside args/kwargs/outputs (tuples, lists, dicts, dataclass-like .loss)."""
-    if depth > 4:
-        return
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() or obj.is_complex():
-            yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item, depth + 1)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item, depth + 1)
-
-
 def _all_finite(ts: list[torch.Tensor]) -> torch.Tensor:
     if not ts:
         return torch.ones((), dtype=torch.bool)
@@ -157,7 +142,7 @@ class _Recorder:
 
     def _pre(self, module, args, kwargs):
         name = self.names.get(module, "?")
-        ins = list(_tensors(args)) + list(_tensors(kwargs))
+        ins = list(blame.floating_tensors(args)) + list(blame.floating_tensors(kwargs))
         self.order += 1
         self._stack.append({"module": name, "type": type(module).__name__, "call": self.order,
                             "in_finite": blame.inputs_ok(ins), "in_stats": _stats(ins), "has_in": bool(ins)})
@@ -171,7 +156,7 @@ class _Recorder:
         entry = self._stack.pop() if self._stack else {"module": self.names.get(module, "?"), "type": type(module).__name__,
                                                         "call": 0, "in_finite": torch.ones((), dtype=torch.bool),
                                                         "in_stats": _NAN6, "has_in": False}
-        outs = list(_tensors(output))
+        outs = list(blame.floating_tensors(output))
         entry["out_finite"] = _all_finite(outs)
         entry["out_stats"] = _stats(outs)
         entry["out_dtype"] = str(outs[0].dtype).replace("torch.", "") if outs else None
