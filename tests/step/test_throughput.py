@@ -187,3 +187,96 @@ def test_mfu_against_flops_and_time_with_a_configured_peak(tmp_path):
         assert rt.metrics.value(semconv.M_MFU, {"operation": "train_step"}) == pytest.approx(tp.mfu, rel=0.5)
     finally:
         tt.shutdown()
+
+
+class _Slow(torch.autograd.Function):
+    """Identity that sleeps in forward and in backward: planted phase times."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds * 2)
+        return grad, None
+
+
+class _SlowModel(torch.nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Slow.apply(self.lin(x), self.seconds)
+
+
+def test_phases_against_planted_sleeps(tmp_path):
+    """Forward sleeps 30 ms (20 in the model, 10 in a forward pre-hook of the user's), backward
+    40 ms, the optimizer 30 ms (a step pre-hook of the user's): each phase is measured within
+    the sleep plus a few ms of the step's own work."""
+    _configure(tmp_path)
+    try:
+        model = _SlowModel(0.02)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt.register_step_pre_hook(lambda *a: time.sleep(0.03))
+        model.register_forward_pre_hook(lambda *a: time.sleep(0.01))
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+
+        for _ in range(4):
+            train_step(torch.randn(2, 4))
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        for row in rt.history.steps()[1:]:  # the first step counted FLOPs
+            phases = row["phases"]
+            assert 0.03 <= phases["forward"] < 0.03 + 0.015
+            assert 0.04 <= phases["backward"] < 0.04 + 0.015
+            # The user's pre-hook was registered before torchtrace's (on the first step), and
+            # torchtrace's start mark still runs first: the hook's sleep is optimizer time.
+            assert 0.03 <= phases["optimizer"] < 0.03 + 0.015
+            total = sum(phases.values())
+            assert total <= row["duration_s"] + 1e-9
+    finally:
+        tt.shutdown()
+
+
+def test_level_off_takes_the_phase_hooks_off_the_model(tmp_path):
+    """At OFF (and with throughput off) the model's forward runs PyTorch's hook-free path;
+    the next step that measures throughput puts the hooks back."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+
+        user_hook = model.register_forward_hook(lambda *a: None)
+        train_step(torch.randn(8, 16))
+        assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 2
+        assert len(opt._optimizer_step_pre_hooks) >= 1
+        rt = get_runtime()
+        rt.set_level("off")
+        assert len(model._forward_pre_hooks) == 0 and len(model._forward_hooks) == 1  # the user's stays
+        assert len(opt._optimizer_step_pre_hooks) == 0 and len(opt._optimizer_step_post_hooks) == 0
+        train_step(torch.randn(8, 16))
+        assert len(model._forward_pre_hooks) == 0
+        rt.set_level("basic")
+        train_step(torch.randn(8, 16))
+        assert len(model._forward_pre_hooks) == 1
+        rt.finish_deferred(block=True)
+        assert set(rt.history.steps()[-1]["phases"]) == {"forward", "backward", "optimizer"}
+        user_hook.remove()
+    finally:
+        tt.shutdown()

@@ -69,13 +69,16 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
 def _key(value: Any, depth: int) -> Hashable:
     if isinstance(value, torch.Tensor):
         return (value.shape, value.dtype)
+    kind = type(value)
+    if (kind is tuple or kind is list) and depth < KEY_MAX_DEPTH:  # the usual batch: checked first
+        return tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]])
     if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or depth >= KEY_MAX_DEPTH:
-        return type(value)
+        return kind
     if isinstance(value, Mapping):
         return tuple((k if isinstance(k, Hashable) else type(k), _key(v, depth + 1))
                      for k, v in list(value.items())[:KEY_MAX_ITEMS])
     if isinstance(value, (tuple, list)):
-        return tuple(_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS])
+        return tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]])
     return type(value)
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torchtrace import semconv
 from torchtrace.record.throughput import Finding, OperationWindow, RuleSettings, Throughput, settings_state
@@ -76,8 +76,7 @@ class FinishedStep:
     operation: str = "train_step"
 
 
-@dataclass(frozen=True)
-class StepAccount:
+class StepAccount(NamedTuple):
     """What the ledger made of one step: its data wait (None for the first) and findings."""
 
     data_wait_s: float | None
@@ -236,6 +235,10 @@ class GoodputLedger:
 
     def _count(self, a: float, b: float, kind: str) -> None:
         """Count [a, b] as ``kind``, less the forensic seconds in it; advance the cursor."""
+        if not self._replays and not self._debt:  # the common case: no replay to take out
+            self._totals[kind] += b - a
+            self._cursor = b
+            return
         self._replays, inside, repaid = _split(a, b, self._replays, self._debt)
         self._debt -= repaid
         self._totals[kind] += (b - a) - inside - repaid

@@ -153,8 +153,10 @@ class OperationWindow:
         self.seen += 1
         if not rules:
             return []
-        found = [f for f in (self._drop(cycle, samples, tokens), self._stall(cycle, wait)) if f is not None]
-        return found
+        drop, stall = self._drop(cycle, samples, tokens), self._stall(cycle, wait)
+        if drop is None and stall is None:
+            return []
+        return [f for f in (drop, stall) if f is not None]
 
     # ------------------------------------------------------------ windows
     def throughput(self, peak_flops: float | None = None) -> Throughput | None:
@@ -181,7 +183,7 @@ class OperationWindow:
             return None
         if self.unit is None:
             self.unit = "tokens" if tokens is not None else "samples" if samples is not None else "steps"
-        amount = {"tokens": tokens, "samples": samples, "steps": 1}[self.unit]
+        amount = tokens if self.unit == "tokens" else samples if self.unit == "samples" else 1
         if amount is None:
             return None
         self.rates.append(amount / cycle)

@@ -217,6 +217,8 @@ class Runtime:
             self.mode = DebugMode.parse(mode, "mode")
         self.features = Features.for_level(self.level, self.mode, self.settings.throughput)
         self.probes.on_level(self.features)  # a probe whose feature just went off releases what it holds now
+        if not self.features.throughput:
+            self.throughput.release()
         self.metrics.set_level(self.level.value)
         self.history.add_event("level_changed", f"debug level set to {self.level.value}",
                                {"level": self.level.value, "mode": self.mode.value})

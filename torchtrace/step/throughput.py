@@ -76,7 +76,9 @@ class _ModelHooks:
     """Forward pre/post hooks kept on a model: they mark the open step's forward phase."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        # The start mark runs before the user's pre-hooks, the end mark after their hooks: the
+        # forward phase is the whole call.
+        self.handles = [model.register_forward_pre_hook(self._pre, prepend=True), model.register_forward_hook(self._post)]
         # A parameter to ask where the model lives now (a model moved with .to() keeps its parameters).
         self.first = next(model.parameters(), None)
 
@@ -112,6 +114,11 @@ class _OptimizerHooks:
 
     def __init__(self, optimizer: Any) -> None:
         self.handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+        # The start mark first, before pre-hooks the user registered earlier (a pre-hook's time is
+        # the optimizer's, not the backward's). The hooks live in an ordered dict keyed by handle id.
+        pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        if hasattr(pre, "move_to_end") and self.handles[0].id in pre:
+            pre.move_to_end(self.handles[0].id, last=False)
 
     @staticmethod
     def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -300,6 +307,12 @@ class RunThroughput:
                              "data_wait_share": tp.data_wait_share}
         return {"wall_s": g.wall_s, "productive_s": g.productive_s, "goodput_ratio": g.ratio, "badput_s": g.badput,
                 "peak_flops": self.ledger.peak_flops, "flop_counted_shapes": len(self.flops), "operations": ops}
+
+    def release(self) -> None:
+        """Remove the phase hooks (throughput went off): a model called at level OFF, or with
+        ``throughput=False``, takes PyTorch's hook-free path. The next step that measures
+        throughput puts them back."""
+        self.close()
 
     def close(self) -> None:
         for hooks in list(self._models.values()) + list(self._optimizers.values()):
