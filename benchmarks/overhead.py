@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -396,9 +397,31 @@ def fmt_table(name: str, wl: Workload, times, background: float = 0.0) -> str:
             extra = f"{'':>10} {'':>9}"
         lines.append(f"{v:<10} {med * 1e3:9.3f} {min(wall[v]) * 1e3:9.3f} {max(wall[v]) * 1e3:9.3f} {paired:7.3f} "
                      f"{extra} {cpaired:8.3f}")
+    if "basic" in wall and "basic-nothr" in wall:
+        diffs = [a - b for a, b in zip(wall["basic"], wall["basic-nothr"])]
+        shares = [(a - b) / c for a, b, c in zip(wall["basic"], wall["basic-nothr"], wall["bare"])]
+        lo, hi = median_interval(diffs)
+        verdict = "within noise (the interval holds 0)" if lo <= 0 <= hi else "above noise"
+        lines.append(f"throughput features (basic - basic-nothr, paired per round): {statistics.median(diffs) * 1e6:+.1f} us "
+                     f"({statistics.median(shares) * 100:+.2f} % of bare), 95 % interval of the median "
+                     f"[{lo * 1e6:+.1f}, {hi * 1e6:+.1f}] us: {verdict}")
     lines.append(f"torchtrace's background threads (span export, HTTP): {background * 1e6:.1f} us CPU per "
                  f"instrumented step")
     return "\n".join(lines)
+
+
+def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap interval of the median of ``values`` (seeded: the same rounds give the same
+    interval). When it holds 0, the rounds cannot tell the difference from the machine's noise.
+
+    >>> median_interval([1.0] * 10)
+    (1.0, 1.0)
+    """
+    rng = random.Random(0)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 def main(argv=None) -> int:

@@ -27,3 +27,23 @@ def test_quick_benchmark_prints_the_table(tmp_path):
         assert any(line.split()[:1] == [variant] for line in out.splitlines()), f"no {variant} row:\n{out}"
     assert "OFF decorated call" in out
     assert "torchtrace_overhead_seconds_total" in out
+    assert "throughput features (basic - basic-nothr, paired per round)" in out
+
+
+def test_median_interval_holds_the_true_median_and_tells_a_shift_from_noise():
+    """The bootstrap interval against the normal theory's one for the median of N(0, 1)
+    samples: half-width 1.96 * 1.2533 / sqrt(n)."""
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("overhead_bench", ROOT / "benchmarks" / "overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = random.Random(7)
+    values = [rng.gauss(0.0, 1.0) for _ in range(400)]
+    lo, hi = bench.median_interval(values)
+    assert lo <= 0.0 <= hi
+    theory = 1.96 * 1.2533 / 400 ** 0.5
+    assert 0.6 * theory < (hi - lo) / 2 < 1.5 * theory
+    lo, hi = bench.median_interval([v + 0.5 for v in values])
+    assert lo > 0.0

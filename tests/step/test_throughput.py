@@ -248,9 +248,9 @@ def test_phases_against_planted_sleeps(tmp_path):
         tt.shutdown()
 
 
-def test_level_off_takes_the_phase_hooks_off_the_model(tmp_path):
-    """At OFF (and with throughput off) the model's forward runs PyTorch's hook-free path;
-    the next step that measures throughput puts the hooks back."""
+def test_level_off_takes_the_phase_marks_off_the_model(tmp_path):
+    """At OFF (and with throughput off) the model's call is PyTorch's own again; the next step
+    that measures throughput puts the marks back. The user's hooks are left alone."""
     _configure(tmp_path)
     try:
         model = _mlp()
@@ -264,19 +264,82 @@ def test_level_off_takes_the_phase_hooks_off_the_model(tmp_path):
 
         user_hook = model.register_forward_hook(lambda *a: None)
         train_step(torch.randn(8, 16))
-        assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 2
+        # A plain module: the call-through seam, no hooks of torchtrace's.
+        assert model.__dict__.get("_compiled_call_impl") is not None
+        assert len(model._forward_pre_hooks) == 0 and len(model._forward_hooks) == 1
         assert len(opt._optimizer_step_pre_hooks) >= 1
         rt = get_runtime()
         rt.set_level("off")
-        assert len(model._forward_pre_hooks) == 0 and len(model._forward_hooks) == 1  # the user's stays
+        assert "_compiled_call_impl" not in model.__dict__ and len(model._forward_hooks) == 1  # the user's stays
         assert len(opt._optimizer_step_pre_hooks) == 0 and len(opt._optimizer_step_post_hooks) == 0
         train_step(torch.randn(8, 16))
-        assert len(model._forward_pre_hooks) == 0
+        assert "_compiled_call_impl" not in model.__dict__
         rt.set_level("basic")
         train_step(torch.randn(8, 16))
-        assert len(model._forward_pre_hooks) == 1
+        assert model.__dict__.get("_compiled_call_impl") is not None
         rt.finish_deferred(block=True)
         assert set(rt.history.steps()[-1]["phases"]) == {"forward", "backward", "optimizer"}
         user_hook.remove()
+    finally:
+        tt.shutdown()
+    assert "_compiled_call_impl" not in model.__dict__  # shutdown gives the model back as it was
+
+
+class _OwnCall(torch.nn.Linear):
+    def __call__(self, *args, **kwargs):  # a class that routes its own calls
+        return super().__call__(*args, **kwargs)
+
+
+def test_a_module_with_its_own_call_gets_hooks_and_the_same_phases(tmp_path):
+    _configure(tmp_path)
+    try:
+        model = _OwnCall(16, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+
+        train_step(torch.randn(8, 16))
+        train_step(torch.randn(8, 16))
+        assert "_compiled_call_impl" not in model.__dict__
+        assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        assert set(rt.history.steps()[-1]["phases"]) == {"forward", "backward", "optimizer"}
+    finally:
+        tt.shutdown()
+    assert len(model._forward_pre_hooks) == 0 and len(model._forward_hooks) == 0
+
+
+def test_a_watched_model_pickles_and_copies_without_torchtrace(tmp_path):
+    """``torch.save`` of the whole module and ``copy.deepcopy`` while torchtrace watches it:
+    the copies compute the same and carry nothing of torchtrace's."""
+    import copy
+    import io
+
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+
+        train_step(torch.randn(8, 16))
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        copied = copy.deepcopy(model)
+        x = torch.randn(3, 16)
+        for other in (loaded, copied):
+            assert "_compiled_call_impl" not in other.__dict__
+            assert torch.equal(other(x), model(x))
     finally:
         tt.shutdown()

@@ -129,26 +129,34 @@ class GoodputLedger:
     # ------------------------------------------------------------ input
     def add_step(self, step: FinishedStep) -> StepAccount:
         """Count one finished step; returns its data wait and what the rules found."""
-        if step.kind not in OPERATION_KINDS:
-            raise ValueError(f"kind={step.kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
+        return self.add(step.start, step.end, step.applied, step.excluded, step.samples, step.tokens, step.flops,
+                        step.kind, step.operation)
+
+    def add(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
+            tokens: int | None, flops: int | None, kind: str, operation: str) -> StepAccount:
+        """:meth:`add_step` with the step's fields as arguments (the step pipeline's call: no
+        object built per step)."""
+        if kind not in OPERATION_KINDS:
+            raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
         with self._lock:
-            start = max(step.start, self.configured_at)
-            end = max(step.end, start)
+            start = max(start, self.configured_at)
+            end = max(end, start)
             wait = None if self._last_end is None else max(0.0, start - self._last_end)
-            same_operation = self._last_operation == step.operation
+            same_operation = self._last_operation == operation
             if start > self._cursor:
                 self._count(self._cursor, start, "data_wait" if self._started else "startup")
             if end > self._cursor:
-                self._count(max(start, self._cursor), end, _class_of(step))
+                self._count(max(start, self._cursor), end,
+                            (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind])
             self._started = True
             self._last_end = end if self._last_end is None else max(end, self._last_end)
-            self._last_operation = step.operation
-            findings: list[Finding] = []
-            window = self._window(step.operation)
-            if window is not None and not step.excluded:
-                findings = window.add(end - start, wait if (same_operation and wait is not None) else 0.0,
-                                      step.samples, step.tokens, step.flops, rules=step.kind == TRAIN)
-            return StepAccount(wait, tuple(findings))
+            self._last_operation = operation
+            window = self._windows.get(operation) or self._window(operation)
+            if window is None or excluded:
+                return StepAccount(wait, ())
+            findings = window.add(end - start, wait if (same_operation and wait is not None) else 0.0,
+                                  samples, tokens, flops, rules=kind == TRAIN)
+            return StepAccount(wait, tuple(findings) if findings else ())
 
     def add_forensics(self, start: float, end: float) -> None:
         """Count a forensic replay that ran from ``start`` to ``end``."""
@@ -248,12 +256,6 @@ class GoodputLedger:
     def _goodput(self, totals: dict[str, float], until: float) -> Goodput:
         wall = self._prior_wall + (until - self.configured_at)
         return Goodput(wall, totals[_PRODUCTIVE], {k: totals[k] for k in semconv.BADPUT_KINDS})
-
-
-def _class_of(step: FinishedStep) -> str:
-    if step.kind == TRAIN:
-        return _PRODUCTIVE if step.applied else "skipped_step"
-    return _BADPUT_OF_KIND[step.kind]
 
 
 def _split(a: float, b: float, replays: list[tuple[float, float]],

@@ -25,7 +25,7 @@ from torchtrace import current
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import BatchSize, infer_batch
 from torchtrace.measure.flops import StepFlops, shape_key
-from torchtrace.record.goodput import FinishedStep, GoodputLedger
+from torchtrace.record.goodput import GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
 
 
@@ -53,6 +53,13 @@ class StepClock:
         the forward to the optimizer's step (or to the end of the step without one)."""
         if self.forward_start is None or self.forward_end is None:
             return None
+        if not self.cuda:  # host times: plain differences (the common case, kept short)
+            f0, f1, o0, o1 = self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end
+            if o0 is not None and o1 is not None:
+                return {"forward": max(0.0, f1 - f0), "backward": max(0.0, o0 - f1), "optimizer": max(0.0, o1 - o0)}
+            if step_end is None:
+                return {"forward": max(0.0, f1 - f0)}
+            return {"forward": max(0.0, f1 - f0), "backward": max(0.0, step_end - f1)}
         out = {"forward": self._between(self.forward_start, self.forward_end)}
         if self.optimizer_start is not None and self.optimizer_end is not None:
             out["backward"] = self._between(self.forward_end, self.optimizer_start)
@@ -73,12 +80,26 @@ class StepClock:
 
 
 class _ModelHooks:
-    """Forward pre/post hooks kept on a model: they mark the open step's forward phase."""
+    """The marks of the open step's forward phase, kept on a model.
+
+    A plain module gets a call-through in ``_compiled_call_impl``: PyTorch's own per-instance
+    seam in ``Module.__call__`` (what ``Module.compile()`` fills), which keeps the module on its
+    hook-free path. Forward pre/post hooks cost about three times as much per step (every
+    hook sends the call down the slow path). Any other module (one with that seam taken, a
+    class with its own ``__call__``, a ``torch.compile`` wrapper) gets the hooks.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        # The start mark runs before the user's pre-hooks, the end mark after their hooks: the
-        # forward phase is the whole call.
-        self.handles = [model.register_forward_pre_hook(self._pre, prepend=True), model.register_forward_hook(self._post)]
+        self.handles: list[Any] = []
+        self.model = weakref.ref(model)  # weak: this object is the value of a dict keyed by the model
+        self.wrapped = _seam_free(model)
+        if self.wrapped:
+            model._compiled_call_impl = _call_with_marks(model)
+        else:
+            # The start mark runs before the user's pre-hooks, the end mark after their hooks:
+            # the forward phase is the whole call.
+            self.handles = [model.register_forward_pre_hook(self._pre, prepend=True),
+                            model.register_forward_hook(self._post)]
         # A parameter to ask where the model lives now (a model moved with .to() keeps its parameters).
         self.first = next(model.parameters(), None)
 
@@ -88,7 +109,7 @@ class _ModelHooks:
 
     @staticmethod
     def _clock() -> StepClock | None:
-        if _is_compiling():  # inside a torch.compile trace: stay out of the graph
+        if _COMPILING is not None and _COMPILING():  # inside a torch.compile trace: stay out of the graph
             return None
         scope = current.step()
         return scope.clock if scope is not None else None
@@ -107,6 +128,44 @@ class _ModelHooks:
         for h in self.handles:
             h.remove()
         self.handles = []
+        model = self.model()
+        if self.wrapped and model is not None:
+            if getattr(model.__dict__.get("_compiled_call_impl"), _MARKS, False):  # still ours
+                del model.__dict__["_compiled_call_impl"]
+        self.wrapped = False
+
+
+_MARKS = "__torchtrace_phase_marks__"
+
+
+def _seam_free(model: Any) -> bool:
+    """True when the module's call goes through ``Module.__call__`` and its seam is free."""
+    return (isinstance(model, torch.nn.Module) and "_compiled_call_impl" in vars(torch.nn.Module)
+            and type(model).__call__ is torch.nn.Module.__call__
+            and model.__dict__.get("_compiled_call_impl") is None)
+
+
+def _call_with_marks(model: torch.nn.Module) -> Any:
+    """``model``'s own call (hooks and all) between the forward phase's two marks.
+
+    Held only by the model itself (a cycle the garbage collector takes with it); pickling and
+    ``copy.deepcopy`` leave it out (``Module.__getstate__`` drops the seam).
+    """
+    call = model._call_impl
+
+    def call_with_marks(*args: Any, **kwargs: Any) -> Any:
+        clock = _ModelHooks._clock()
+        if clock is None:
+            return call(*args, **kwargs)
+        if clock.forward_start is None:
+            clock.forward_start = clock.mark()
+        out = call(*args, **kwargs)
+        if clock.optimizer_start is None:
+            clock.forward_end = clock.mark()
+        return out
+
+    setattr(call_with_marks, _MARKS, True)
+    return call_with_marks
 
 
 class _OptimizerHooks:
@@ -164,9 +223,11 @@ def _eager_for_now() -> Any:
     return stance("force_eager")
 
 
+_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def _is_compiling() -> bool:
-    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(check()) if check is not None else False
+    return bool(_COMPILING()) if _COMPILING is not None else False
 
 
 def _compiled(model: Any) -> bool:
@@ -256,12 +317,11 @@ class RunThroughput:
             if self.ledger.peak_flops is None:
                 self.ledger.peak_flops = self._peak(scope)
         start = scope.started_at
-        step = FinishedStep(start=start, end=start + record.duration_s,
-                            applied=not record.skipped and record.exception_type is None,
-                            excluded=record.flops_counted, samples=record.samples, tokens=record.tokens,
-                            flops=int(record.flops) if record.flops is not None else None, kind=record.kind,
-                            operation=record.operation)
-        account = self.ledger.add_step(step)
+        flops = record.flops
+        account = self.ledger.add(start, start + record.duration_s,
+                                  not record.skipped and record.exception_type is None, record.flops_counted,
+                                  record.samples, record.tokens, int(flops) if flops is not None else None,
+                                  record.kind, record.operation)
         record.data_wait_s = account.data_wait_s
         for finding in account.findings:
             record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, record.operation,
