@@ -108,3 +108,27 @@ def test_clip_wrapper_adds_no_graph_break():
         total = torch.compile(f, backend="eager")()
         breaks[name] = (_breaks(), float(total))
     assert breaks["torchtrace"] == breaks["torch"]
+
+
+def test_model_compile_after_torchtrace_watched_it(tt_runtime):
+    """``model.compile()`` on a module whose call seam holds torchtrace's forward marks: the
+    user's compiled call wins, training goes on with the same losses as without torchtrace
+    (strict mode: an internal error would raise), and shutdown leaves the compiled call alone."""
+    x = torch.randn(4, 8)
+    losses = {}
+    for instrument in (False, True):
+        dynamo.reset()
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        first = _run(model, opt, x, 2, instrument)
+        if instrument:
+            assert getattr(model.__dict__.get("_compiled_call_impl"), "__torchtrace_phase_marks__", False)
+        model.compile(backend="eager")
+        theirs = model.__dict__["_compiled_call_impl"]
+        assert not getattr(theirs, "__torchtrace_phase_marks__", False)
+        losses[instrument] = torch.cat([first, _run(model, opt, x, 3, instrument)])
+        if instrument:
+            api.get_runtime().set_level("off")  # takes torchtrace's marks off: none are left to take
+            assert model.__dict__["_compiled_call_impl"] is theirs
+    assert torch.equal(losses[False], losses[True])

@@ -250,7 +250,8 @@ def test_phases_against_planted_sleeps(tmp_path):
 
 def test_level_off_takes_the_phase_marks_off_the_model(tmp_path):
     """At OFF (and with throughput off) the model's call is PyTorch's own again; the next step
-    that measures throughput puts the marks back. The user's hooks are left alone."""
+    that measures throughput puts the marks back. The user's hooks are left alone; shutdown
+    takes torchtrace's optimizer hooks off too."""
     _configure(tmp_path)
     try:
         model = _mlp()
@@ -271,7 +272,6 @@ def test_level_off_takes_the_phase_marks_off_the_model(tmp_path):
         rt = get_runtime()
         rt.set_level("off")
         assert "_compiled_call_impl" not in model.__dict__ and len(model._forward_hooks) == 1  # the user's stays
-        assert len(opt._optimizer_step_pre_hooks) == 0 and len(opt._optimizer_step_post_hooks) == 0
         train_step(torch.randn(8, 16))
         assert "_compiled_call_impl" not in model.__dict__
         rt.set_level("basic")
@@ -283,6 +283,7 @@ def test_level_off_takes_the_phase_marks_off_the_model(tmp_path):
     finally:
         tt.shutdown()
     assert "_compiled_call_impl" not in model.__dict__  # shutdown gives the model back as it was
+    assert len(opt._optimizer_step_pre_hooks) == 0 and len(opt._optimizer_step_post_hooks) == 0
 
 
 class _OwnCall(torch.nn.Linear):
@@ -341,5 +342,41 @@ def test_a_watched_model_pickles_and_copies_without_torchtrace(tmp_path):
         for other in (loaded, copied):
             assert "_compiled_call_impl" not in other.__dict__
             assert torch.equal(other(x), model(x))
+    finally:
+        tt.shutdown()
+
+
+@pytest.mark.parametrize("level", ["basic", "advanced", "extreme"])
+def test_a_watched_model_is_freed_as_soon_as_the_user_drops_it(tmp_path, level):
+    """Nothing of torchtrace's keeps a dropped model: no reference cycle through the forward
+    marks, no cache holding its parameters. With the garbage collector off, the model and its
+    parameters' memory go when the user's last reference does."""
+    import gc
+    import weakref
+
+    _configure(tmp_path, level=level)
+    try:
+        def train_and_drop():
+            model = _mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+            @tt.debug_operation(model=model, optimizer=opt)
+            def train_step(x):
+                opt.zero_grad()
+                model(x).sum().backward()
+                opt.step()
+
+            for _ in range(3):
+                train_step(torch.randn(8, 16))
+            get_runtime().finish_deferred(block=True)
+            assert model.__dict__.get("_compiled_call_impl") is not None
+            return weakref.ref(model), weakref.ref(next(model.parameters()))
+
+        gc.disable()
+        try:
+            gone, param = train_and_drop()  # every reference of the user's dropped on return
+            assert gone() is None and param() is None
+        finally:
+            gc.enable()
     finally:
         tt.shutdown()

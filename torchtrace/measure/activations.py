@@ -90,18 +90,24 @@ class LayerHooks:
             self.remove()
             raise
 
+    # The hooks close over the module's id, not the module: a module would hold a hook holding
+    # itself, a cycle that keeps a dropped model's memory until a full garbage collection.
     def _pre(self, mod):
+        key = id(mod)
+
         def hook(_module, _inputs):
-            self._starts.setdefault(id(mod), []).append(time.perf_counter())
+            self._starts.setdefault(key, []).append(time.perf_counter())
         return hook
 
     def _post(self, name: str, mod):
+        key = id(mod)
+
         def hook(_module, _inputs, output):
             if not self.active:
                 return None
             elapsed = None
             if self.timing:
-                starts = self._starts.get(id(mod))
+                starts = self._starts.get(key)
                 if starts:
                     elapsed = time.perf_counter() - starts.pop()
             if len(self.stats) >= MAX_LAYER_CALLS:

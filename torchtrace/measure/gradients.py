@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
+import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -75,7 +76,7 @@ def named_params(model: torch.nn.Module | None = None, optimizer: torch.optim.Op
     if model is not None:
         for name, p in model.named_parameters(remove_duplicate=True):
             names.setdefault(id(p), name)
-    refs: list[ParamRef] = []
+    refs: list[ParamRef] = ParamList()
     seen: set[int] = set()
     if optimizer is not None:
         for gi, group in enumerate(optimizer.param_groups):
@@ -134,19 +135,31 @@ def _uniform_dense(params: Sequence[ParamRef]) -> GradStats | None:
 
 
 def _mixed_devices(params: Sequence[ParamRef], device: torch.device) -> bool:
-    """Whether the parameters live on more than one device (checked once per parameter list)."""
+    """Whether the parameters live on more than one device (checked once per parameter list
+    that :func:`named_params` made; other sequences every time)."""
     key = id(params)
     hit = _DEVICES.get(key)
-    if hit is not None and hit[0] is params:
+    if hit is not None and hit[0]() is params:
         return hit[1]
     mixed = any(ref.param.device != device for ref in params)
+    try:
+        # Weakly: the cache must not keep a dropped model's parameters (its memory) alive.
+        entry = (weakref.ref(params), mixed)
+    except TypeError:  # a plain list: no weak reference, no caching
+        return mixed
     if len(_DEVICES) > 64:
         _DEVICES.clear()
-    _DEVICES[key] = (params, mixed)
+    _DEVICES[key] = entry
     return mixed
 
 
 _DEVICES: dict[int, tuple[Any, bool]] = {}
+
+
+class ParamList(list):
+    """The list :func:`named_params` returns: a list that can be referenced weakly."""
+
+    __slots__ = ("__weakref__",)
 
 
 def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:

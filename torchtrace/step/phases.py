@@ -1,0 +1,207 @@
+"""The phase clock of a step: forward, backward and optimizer boundaries.
+
+The marks are host times, or CUDA events when the model is on a GPU (read with the step's
+deferred read, never waited for). The forward marks sit in a plain module's call seam, or in
+forward hooks on any other module (:class:`ModelMarks`); the optimizer's in its step pre- and
+post-hooks (:class:`OptimizerMarks`). Both find the open step through :mod:`torchtrace.current`.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from torchtrace import current
+
+_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
+class StepClock:
+    """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
+
+    __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda")
+
+    def __init__(self, cuda: bool) -> None:
+        self.forward_start: Any = None
+        self.forward_end: Any = None
+        self.optimizer_start: Any = None
+        self.optimizer_end: Any = None
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def phases(self, step_end: Any) -> dict[str, float] | None:
+        """Seconds per phase; None when the forward was not seen. Backward runs from the end of
+        the forward to the optimizer's step (or to the end of the step without one)."""
+        if self.forward_start is None or self.forward_end is None:
+            return None
+        if not self.cuda:  # host times: plain differences (the common case, kept short)
+            f0, f1, o0, o1 = self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end
+            if o0 is not None and o1 is not None:
+                return {"forward": max(0.0, f1 - f0), "backward": max(0.0, o0 - f1), "optimizer": max(0.0, o1 - o0)}
+            if step_end is None:
+                return {"forward": max(0.0, f1 - f0)}
+            return {"forward": max(0.0, f1 - f0), "backward": max(0.0, step_end - f1)}
+        out = {"forward": self._between(self.forward_start, self.forward_end)}
+        if self.optimizer_start is not None and self.optimizer_end is not None:
+            out["backward"] = self._between(self.forward_end, self.optimizer_start)
+            out["optimizer"] = self._between(self.optimizer_start, self.optimizer_end)
+        elif step_end is not None:
+            out["backward"] = self._between(self.forward_end, step_end)
+        if any(v is None for v in out.values()):
+            return None
+        return out
+
+    def _between(self, a: Any, b: Any) -> float | None:
+        if self.cuda:
+            # Only events that completed (the record's read landed after them): no wait.
+            if not (a.query() and b.query()):
+                return None
+            return a.elapsed_time(b) / 1000.0
+        return max(0.0, b - a)
+
+
+class ModelMarks:
+    """The marks of the open step's forward phase, kept on a model.
+
+    A plain module gets a call-through in ``_compiled_call_impl``: PyTorch's own per-instance
+    seam in ``Module.__call__`` (what ``Module.compile()`` fills), which keeps the module on its
+    hook-free path. Forward pre/post hooks cost about three times as much per step (every
+    hook sends the call down the slow path). Any other module (one with that seam taken, a
+    class with its own ``__call__``, a ``torch.compile`` wrapper) gets the hooks.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.handles: list[Any] = []
+        self.model = weakref.ref(model)  # weak: this object is the value of a dict keyed by the model
+        self.seam = False  # the marks sit in the seam (else in hooks)
+        self.attached = False
+        # A parameter to ask where the model lives now (a model moved with .to() keeps its
+        # parameters); weak, like the model.
+        first = next(model.parameters(), None)
+        self.first = weakref.ref(first) if first is not None else none_ref
+        self.attach(model)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Put the marks on the model (again, after :meth:`detach`)."""
+        if _seam_free(model):
+            model.__dict__["_compiled_call_impl"] = _call_with_marks(model)  # past any __setattr__ of the class
+            self.seam = True
+        else:
+            # The start mark runs before the user's pre-hooks, the end mark after their hooks:
+            # the forward phase is the whole call.
+            self.handles = [model.register_forward_pre_hook(self._pre, prepend=True),
+                            model.register_forward_hook(self._post)]
+        self.attached = True
+
+    def detach(self) -> None:
+        """Take the marks off: the model's call is PyTorch's own again."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        model = self.model()
+        if self.seam and model is not None:
+            if getattr(model.__dict__.get("_compiled_call_impl"), _MARKS, False):  # still ours
+                del model.__dict__["_compiled_call_impl"]
+        self.seam = self.attached = False
+
+    @property
+    def cuda(self) -> bool:
+        first = self.first()
+        return first is not None and first.is_cuda
+
+    @staticmethod
+    def _clock() -> StepClock | None:
+        if _COMPILING is not None and _COMPILING():  # inside a torch.compile trace: stay out of the graph
+            return None
+        scope = current.step()
+        return scope.clock if scope is not None else None
+
+    def _pre(self, module: Any, args: Any) -> None:
+        clock = self._clock()
+        if clock is not None and clock.forward_start is None:
+            clock.forward_start = clock.mark()
+
+    def _post(self, module: Any, args: Any, output: Any) -> None:
+        clock = self._clock()
+        if clock is not None and clock.forward_start is not None and clock.optimizer_start is None:
+            clock.forward_end = clock.mark()
+
+    remove = detach
+
+
+_MARKS = "__torchtrace_phase_marks__"
+
+
+def _seam_free(model: Any) -> bool:
+    """True when the module's call goes through ``Module.__call__`` and its seam is free."""
+    return (isinstance(model, torch.nn.Module) and "_compiled_call_impl" in vars(torch.nn.Module)
+            and type(model).__call__ is torch.nn.Module.__call__
+            and model.__dict__.get("_compiled_call_impl") is None)
+
+
+def _call_with_marks(model: torch.nn.Module) -> Any:
+    """``model``'s own call (hooks and all) between the forward phase's two marks.
+
+    It holds the model weakly: the model holds it, and a cycle would keep a deleted model's
+    memory (a GPU's worth) until a full garbage collection. Pickling and ``copy.deepcopy``
+    leave it out (``Module.__getstate__`` drops the seam).
+    """
+    ref = weakref.ref(model)
+    impl = type(model)._call_impl
+
+    def call_with_marks(*args: Any, **kwargs: Any) -> Any:
+        clock = ModelMarks._clock()
+        if clock is None:
+            return impl(ref(), *args, **kwargs)
+        if clock.forward_start is None:
+            clock.forward_start = clock.mark()
+        out = impl(ref(), *args, **kwargs)
+        if clock.optimizer_start is None:
+            clock.forward_end = clock.mark()
+        return out
+
+    setattr(call_with_marks, _MARKS, True)
+    return call_with_marks
+
+
+class OptimizerMarks:
+    """Step pre/post hooks kept on an optimizer: they mark the open step's optimizer phase."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+        # The start mark first, before pre-hooks the user registered earlier (a pre-hook's time is
+        # the optimizer's, not the backward's). The hooks live in an ordered dict keyed by handle id.
+        pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        if hasattr(pre, "move_to_end") and self.handles[0].id in pre:
+            pre.move_to_end(self.handles[0].id, last=False)
+
+    @staticmethod
+    def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        scope = current.step()
+        if scope is not None and scope.clock is not None and scope.clock.optimizer_start is None:
+            scope.clock.optimizer_start = scope.clock.mark()
+
+    @staticmethod
+    def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        scope = current.step()
+        if scope is not None and scope.clock is not None and scope.clock.optimizer_start is not None:
+            scope.clock.optimizer_end = scope.clock.mark()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def none_ref() -> None:
+    """What a weak reference to ``None`` would be: called, it gives ``None``."""
+    return None
