@@ -17,7 +17,9 @@ Variants:
              over the gradients (before the update) and one host read of the norms and loss
   off        decorated with @debug_operation, torchtrace configured with level=off
   basic / advanced / extreme   decorated, at that level; basic-nothr is BASIC with the
-             throughput features (batch size, FLOPs, learning rate, phases, goodput) off.
+             throughput features (batch size, FLOPs, learning rate, phases, goodput) off;
+             basic-aa is BASIC again (a step of its own): basic - basic-aa is an A/A pair,
+             the machine's own noise, that basic - basic-nothr is judged against.
              extreme trains an identical copy of the model (same weights, own optimizer):
              its activation hooks stay registered on that copy between rounds, as in a job
              that stays at EXTREME, while the other variants' model carries none (a level
@@ -54,7 +56,7 @@ from torchtrace.levels import DebugLevel  # noqa: E402
 from torchtrace.record import readout  # noqa: E402
 from torchtrace.record.step import StepRecord  # noqa: E402
 
-VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "advanced", "extreme", "seed", "anomaly")
+VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "advanced", "extreme", "seed", "anomaly")
 
 
 # ---------------------------------------------------------------- workloads
@@ -398,16 +400,38 @@ def fmt_table(name: str, wl: Workload, times, background: float = 0.0) -> str:
         lines.append(f"{v:<10} {med * 1e3:9.3f} {min(wall[v]) * 1e3:9.3f} {max(wall[v]) * 1e3:9.3f} {paired:7.3f} "
                      f"{extra} {cpaired:8.3f}")
     if "basic" in wall and "basic-nothr" in wall:
-        diffs = [a - b for a, b in zip(wall["basic"], wall["basic-nothr"])]
-        shares = [(a - b) / c for a, b, c in zip(wall["basic"], wall["basic-nothr"], wall["bare"])]
-        lo, hi = median_interval(diffs)
-        verdict = "within noise (the interval holds 0)" if lo <= 0 <= hi else "above noise"
-        lines.append(f"throughput features (basic - basic-nothr, paired per round): {statistics.median(diffs) * 1e6:+.1f} us "
-                     f"({statistics.median(shares) * 100:+.2f} % of bare), 95 % interval of the median "
-                     f"[{lo * 1e6:+.1f}, {hi * 1e6:+.1f}] us: {verdict}")
+        lines.extend(throughput_verdict(wall))
     lines.append(f"torchtrace's background threads (span export, HTTP): {background * 1e6:.1f} us CPU per "
                  f"instrumented step")
     return "\n".join(lines)
+
+
+def throughput_verdict(wall: dict[str, list[float]]) -> list[str]:
+    """What the throughput features cost at BASIC (basic - basic-nothr, paired per round), and
+    whether that is within noise: its 95 % interval holds 0, or it is no larger than the
+    difference the A/A pair (basic - basic-aa, the same thing twice) shows in the same run."""
+    def summary(a: str, b: str) -> tuple[float, float, float, float]:
+        diffs = [x - y for x, y in zip(wall[a], wall[b])]
+        share = statistics.median((x - y) / z for x, y, z in zip(wall[a], wall[b], wall["bare"]))
+        return (statistics.median(diffs), share, *median_interval(diffs))
+
+    med, share, lo, hi = summary("basic", "basic-nothr")
+    lines = [f"throughput features (basic - basic-nothr, paired per round): {med * 1e6:+.1f} us ({share * 100:+.2f} % "
+             f"of bare), 95 % interval of the median [{lo * 1e6:+.1f}, {hi * 1e6:+.1f}] us"]
+    noise = None
+    if "basic-aa" in wall:
+        amed, ashare, alo, ahi = summary("basic", "basic-aa")
+        noise = max(abs(alo), abs(ahi))
+        lines.append(f"A/A (basic - basic-aa, the same step twice): {amed * 1e6:+.1f} us ({ashare * 100:+.2f} % of bare), "
+                     f"95 % interval [{alo * 1e6:+.1f}, {ahi * 1e6:+.1f}] us")
+    if lo <= 0 <= hi:
+        verdict = "within noise (the interval holds 0)"
+    elif noise is not None and abs(med) <= noise:
+        verdict = "within noise (no larger than the A/A pair's own difference)"
+    else:
+        verdict = "above noise"
+    lines.append(f"throughput features: {verdict}")
+    return lines
 
 
 def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:

@@ -28,6 +28,7 @@ def test_quick_benchmark_prints_the_table(tmp_path):
     assert "OFF decorated call" in out
     assert "torchtrace_overhead_seconds_total" in out
     assert "throughput features (basic - basic-nothr, paired per round)" in out
+    assert "A/A (basic - basic-aa, the same step twice)" in out and "throughput features: " in out
 
 
 def test_median_interval_holds_the_true_median_and_tells_a_shift_from_noise():
