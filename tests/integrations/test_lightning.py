@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -214,3 +215,43 @@ def test_samples_and_learning_rate_come_from_the_framework(tmp_path):
     samples = scrape(result.metrics_url)
     assert value(samples, "torchtrace_samples_total", operation="train_step") == 40
     assert value(samples, "torchtrace_learning_rate", operation="train_step", group="0") == 0.01
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.04)
+        return grad
+
+
+class SlowModule(Module):
+    """Planted phase times: 20 ms in the forward, 40 ms in the backward, 30 ms in the optimizer."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.02)
+        x, y = batch
+        return torch.nn.functional.mse_loss(_SlowBackward.apply(self.net(x)), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        opt.register_step_post_hook(lambda *a: time.sleep(0.03))
+        return opt
+
+
+def test_phases_come_from_lightnings_hooks(tmp_path):
+    """The module joins the scope late, so the forward, backward and optimizer marks are
+    Lightning's hooks; each phase holds its planted sleep and little else."""
+    result = configure(tmp_path)
+    fit(SlowModule(), [TorchtraceCallback()], steps=4, val=False)
+    train = [s["attributes"] for s in read_spans(result.spans_path) if s["name"] == "train_step"]
+    assert len(train) == 4
+    for a in train[1:]:  # the first step also counted FLOPs
+        assert 0.02 <= a[semconv.PHASE_FORWARD_S] < 0.02 + 0.025
+        assert 0.04 <= a[semconv.PHASE_BACKWARD_S] < 0.04 + 0.025
+        assert 0.03 <= a[semconv.PHASE_OPTIMIZER_S] < 0.03 + 0.025
+    samples = scrape(result.metrics_url)
+    assert value(samples, "torchtrace_step_phase_seconds_count", operation="train_step", phase="optimizer") == 4

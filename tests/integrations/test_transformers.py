@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import os
 
 import pytest
@@ -249,3 +250,26 @@ def test_samples_and_non_padding_tokens_over_accumulated_micro_batches(tmp_path)
         assert span["attributes"][semconv.SAMPLES] == per_step
         assert span["attributes"][semconv.TOKENS] == sum(seen[i * per_step:(i + 1) * per_step])  # a plain count
         assert span["attributes"][semconv.LR] == pytest.approx(3e-4 * (1 - i / steps), rel=1e-6)  # linear decay
+
+
+class SlowOptimizer(transformers.TrainerCallback):
+    """Plants 30 ms in every optimizer step (a post-hook on the torch optimizer)."""
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.register_step_post_hook(lambda *a: time.sleep(0.03))
+
+
+def test_phases_of_a_trainer_step(tmp_path):
+    """Forward and backward from the model's own marks, the optimizer from the Trainer's
+    optimizer hooks: its planted 30 ms land in the optimizer phase, not in backward."""
+    result = configure(tmp_path)
+    train(tmp_path, [SlowOptimizer(), TorchtraceCallback()], steps=4)
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 4
+    for span in spans:
+        a = span["attributes"]
+        assert 0.03 <= a[semconv.PHASE_OPTIMIZER_S] < 0.03 + 0.025
+        assert 0 < a[semconv.PHASE_FORWARD_S] and 0 < a[semconv.PHASE_BACKWARD_S]
+        phases = a[semconv.PHASE_FORWARD_S] + a[semconv.PHASE_BACKWARD_S] + a[semconv.PHASE_OPTIMIZER_S]
+        assert phases <= (span["end_unix_ns"] - span["start_unix_ns"]) / 1e9

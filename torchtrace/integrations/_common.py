@@ -18,6 +18,7 @@ from torchtrace import api
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure.batch import infer_batch
 from torchtrace.record.step import StepRecord
+from torchtrace.step.phases import StepClock
 
 
 def require(module: str, extra: str, what: str):
@@ -77,6 +78,21 @@ class StepDriver:
         except NonFiniteError as exc:
             self.end(exc)
             raise
+
+    def mark(self, point: str, cuda: bool = False) -> None:
+        """A phase boundary the framework's hooks see and the model's own marks cannot (the
+        model joins the scope late, or the optimizer is not the scope's): ``forward_start``,
+        ``forward_end``, ``optimizer_start`` or ``optimizer_end``. ``cuda``: the model is on a
+        GPU (the clock then records CUDA events), for a scope that has no clock yet."""
+        scope = self.scope
+        if scope is None or not scope.active or not scope.features.throughput:
+            return
+        try:
+            if scope.clock is None:
+                scope.clock = StepClock(cuda=cuda)
+            scope.clock.announce(point)
+        except Exception as exc:
+            api.get_runtime().errors.report("other", exc)
 
     def add_batch(self, args: tuple, kwargs: dict) -> None:
         """Count a micro-batch's samples and tokens (a mask's count stays on the device)."""

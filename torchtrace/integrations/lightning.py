@@ -58,11 +58,19 @@ class TorchtraceCallback(_pl.Callback):
         # accumulates gradients gets no gradient statistics of partial sums. The batch gives
         # the step's samples and tokens; the optimizer, its learning rates.
         self._train.begin(None, batch)
+        # The phases come from Lightning's hooks: forward to on_before_backward, backward to
+        # on_before_optimizer_step, optimizer to the batch's end (its update, zero_grad, scheduler).
+        self._train.mark("forward_start", cuda=getattr(pl_module.device, "type", None) == "cuda")
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._train.mark("forward_end")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._train.mark("optimizer_start")
         self._train.measure(pl_module, optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._train.mark("optimizer_end")
         self._train.end(None, extract_loss(outputs))
 
     # ------------------------------------------------------------ validation

@@ -77,10 +77,14 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        self._driver.mark("optimizer_start")  # the forward marks are the model's own
         self._driver.measure(model, inner)
         if self._max_grad_norm is not None and model is not None:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                            self._max_grad_norm, foreach=True)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._driver.mark("optimizer_end")
 
     def on_step_end(self, args, state, control, **kwargs):
         self._driver.end(None)

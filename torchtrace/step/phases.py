@@ -38,6 +38,27 @@ class StepClock:
             return event
         return time.perf_counter()
 
+    def announce(self, point: str) -> None:
+        """A boundary a framework hook announces (``forward_start``, ``forward_end``,
+        ``optimizer_start``, ``optimizer_end``), by the rules the model and optimizer marks
+        follow: the first forward start and optimizer start count, a forward end only before
+        the optimizer started, an optimizer end only after it did."""
+        if point == "forward_start":
+            if self.forward_start is None:
+                self.forward_start = self.mark()
+        elif point == "forward_end":
+            if self.forward_start is not None and self.optimizer_start is None:
+                self.forward_end = self.mark()
+        elif point == "optimizer_start":
+            if self.optimizer_start is None:
+                self.optimizer_start = self.mark()
+        elif point == "optimizer_end":
+            if self.optimizer_start is not None:
+                self.optimizer_end = self.mark()
+        else:
+            raise ValueError(f"point={point!r} is not valid; accepted values: forward_start, forward_end, "
+                             "optimizer_start, optimizer_end")
+
     def phases(self, step_end: Any) -> dict[str, float] | None:
         """Seconds per phase; None when the forward was not seen. Backward runs from the end of
         the forward to the optimizer's step (or to the end of the step without one)."""
