@@ -380,3 +380,27 @@ def test_a_watched_model_is_freed_as_soon_as_the_user_drops_it(tmp_path, level):
             gc.enable()
     finally:
         tt.shutdown()
+
+
+def test_an_evaluation_under_no_grad_has_no_backward_phase(tmp_path):
+    """The metric computation after an evaluation's forward is not a backward pass."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+
+        @tt.debug_operation(name="eval_step", model=model, kind="evaluation")
+        def eval_step(x):
+            with torch.no_grad():
+                out = model(x)
+            time.sleep(0.01)  # the metrics after the forward
+            return float(out.sum())
+
+        for _ in range(3):
+            eval_step(torch.randn(8, 16))
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        rows = rt.history.steps()
+        assert all(set(row["phases"]) == {"forward"} for row in rows)
+        assert all(row["phases"]["forward"] < 0.01 for row in rows[1:])  # the first counted FLOPs
+    finally:
+        tt.shutdown()

@@ -22,7 +22,7 @@ _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 class StepClock:
     """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
 
-    __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda")
+    __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda", "graph")
 
     def __init__(self, cuda: bool) -> None:
         self.forward_start: Any = None
@@ -30,6 +30,7 @@ class StepClock:
         self.optimizer_start: Any = None
         self.optimizer_end: Any = None
         self.cuda = cuda
+        self.graph = True  # the forward ran with autograd on (without it, no backward can follow)
 
     def mark(self) -> Any:
         if self.cuda:
@@ -48,7 +49,7 @@ class StepClock:
                 self.forward_start = self.mark()
         elif point == "forward_end":
             if self.forward_start is not None and self.optimizer_start is None:
-                self.forward_end = self.mark()
+                self.end_forward()
         elif point == "optimizer_start":
             if self.optimizer_start is None:
                 self.optimizer_start = self.mark()
@@ -59,11 +60,19 @@ class StepClock:
             raise ValueError(f"point={point!r} is not valid; accepted values: forward_start, forward_end, "
                              "optimizer_start, optimizer_end")
 
+    def end_forward(self) -> None:
+        """Mark the end of the forward (and whether it built an autograd graph)."""
+        self.forward_end = self.mark()
+        self.graph = torch.is_grad_enabled()
+
     def phases(self, step_end: Any) -> dict[str, float] | None:
         """Seconds per phase; None when the forward was not seen. Backward runs from the end of
-        the forward to the optimizer's step (or to the end of the step without one)."""
+        the forward to the optimizer's step, or to the end of the step without one; a forward
+        run without autograd (an evaluation under ``no_grad``) has no backward."""
         if self.forward_start is None or self.forward_end is None:
             return None
+        if step_end is not None and not self.graph:
+            step_end = None
         if not self.cuda:  # host times: plain differences (the common case, kept short)
             f0, f1, o0, o1 = self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end
             if o0 is not None and o1 is not None:
@@ -154,7 +163,7 @@ class ModelMarks:
     def _post(self, module: Any, args: Any, output: Any) -> None:
         clock = self._clock()
         if clock is not None and clock.forward_start is not None and clock.optimizer_start is None:
-            clock.forward_end = clock.mark()
+            clock.end_forward()
 
     remove = detach
 
@@ -187,7 +196,7 @@ def _call_with_marks(model: torch.nn.Module) -> Any:
             clock.forward_start = clock.mark()
         out = impl(ref(), *args, **kwargs)
         if clock.optimizer_start is None:
-            clock.forward_end = clock.mark()
+            clock.end_forward()
         return out
 
     setattr(call_with_marks, _MARKS, True)
