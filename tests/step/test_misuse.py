@@ -109,3 +109,41 @@ def test_a_guard_with_an_optimizer_does_not_warn(tmp_path, tiny_model, caplog):
         assert get_runtime().summary()["guard"]["not_applied"] == {}
     finally:
         tt.shutdown()
+
+
+@pytest.mark.parametrize("given,name", [
+    (dict(samples="8"), "samples"), (dict(samples=-1), "samples"), (dict(samples=2.5), "samples"),
+    (dict(samples=True), "samples"), (dict(tokens=torch.tensor([1, 2])), "tokens"), (dict(tokens=float("nan")), "tokens"),
+    (dict(tokens=-3), "tokens"), (dict(flops="x"), "flops"), (dict(flops=-5), "flops"), (dict(flops=float("inf")), "flops"),
+])
+def test_bad_record_batch_values_are_left_out_with_a_warning(tt_runtime, model_and_opt, caplog, given, name):
+    """Inside the step nothing raises: the bad value is named in a warning and left out, what
+    torchtrace infers stands in for it, the counters stay numbers that only grow, and no
+    internal error is counted (strict mode would raise one)."""
+    from tests.helpers import scrape, value
+
+    model, opt = model_and_opt
+
+    @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+    def train_step(x):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        tt.current_step().record_batch(**given)
+
+    with caplog.at_level(logging.WARNING, logger="torchtrace"):
+        for _ in range(2):
+            train_step(torch.randn(4, 8))
+    rt = get_runtime()
+    rt.finish_deferred(block=True)
+    warned = [r.getMessage() for r in caplog.records if "record_batch" in r.getMessage()]
+    assert len(warned) == 1 and f"{name}=" in warned[0] and "accepted values" in warned[0]
+    row = rt.history.steps()[-1]
+    assert row["samples"] == 4  # inferred from the input, the bad value left out
+    if name == "tokens":
+        assert "tokens" not in row
+    if name == "flops":
+        assert row["flops"] == rt.throughput.flops.lookup(("train_step", ((torch.Size([4, 8]), torch.float32),)))
+    samples = scrape(tt_runtime.metrics_url)
+    assert value(samples, "torchtrace_samples_total", operation="train_step") == 8
+    assert rt.errors.total == 0

@@ -32,6 +32,8 @@ BatchSize(samples=32, tokens=None)
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -145,3 +147,51 @@ def _has_key(batch: Mapping[str, Any], key: str) -> bool:
         return key in batch
     except TypeError:  # a mapping keyed by something unhashable with str
         return False
+
+
+def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None) -> tuple[tuple, str | None]:
+    """What ``StepScope.record_batch`` was given, each value that is not valid left out (so
+    that what torchtrace infers or counts stands in for it), and a message naming every such
+    argument with its accepted values (None when all were valid). Never raises: it runs
+    inside the user's step. Counters only grow, so a negative count is not valid.
+
+    >>> checked_overrides(samples=8, tokens="512")
+    ((8, None, None), "tokens='512' ignored; accepted values: an integer >= 0 or a one-element device tensor")
+    """
+    problems = []
+    if samples is not None:
+        if _is_count(samples):
+            samples = int(samples)
+        else:
+            problems.append(f"samples={samples!r} ignored; accepted values: an integer >= 0")
+            samples = None
+    if tokens is not None:
+        if isinstance(tokens, torch.Tensor):
+            if tokens.numel() != 1 or tokens.is_complex():
+                problems.append(f"tokens=<tensor of shape {tuple(tokens.shape)}> ignored; accepted values: an "
+                                "integer >= 0 or a one-element device tensor")
+                tokens = None
+            else:
+                tokens = tokens.detach().reshape(())  # read with the step's one read, checked then
+        elif _is_count(tokens):
+            tokens = int(tokens)
+        else:
+            problems.append(f"tokens={tokens!r} ignored; accepted values: an integer >= 0 or a one-element device "
+                            "tensor")
+            tokens = None
+    if flops is not None:
+        if isinstance(flops, numbers.Real) and not isinstance(flops, bool) and math.isfinite(flops) and flops >= 0:
+            flops = float(flops)
+        else:
+            problems.append(f"flops={flops!r} ignored; accepted values: a finite number >= 0")
+            flops = None
+    return (samples, tokens, flops), "; ".join(problems) or None
+
+
+def token_count(value: float) -> int | None:
+    """A device token count as read to the host: None when it is no count (NaN, Inf, negative)."""
+    return int(value) if math.isfinite(value) and value >= 0 else None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0

@@ -17,6 +17,7 @@ import torch
 from torchtrace import semconv
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import gradients as grad_measure
+from torchtrace.measure.batch import token_count
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import StepRecord
 from torchtrace.export.spans import apply_record
@@ -41,7 +42,7 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
         _evaluate_parameters(rt, scope, record, plan, values)
         tokens = plan.first("tokens", values)
         if tokens is not None:
-            record.tokens = int(tokens)
+            record.tokens = token_count(tokens)
     check = scope.gradients
     if check is not None and check.values is not None and check.stats is not None:
         _evaluate_grads(rt, scope, record, check.values)

@@ -10,7 +10,6 @@ it on to export. One scope serves ``with``, ``async with`` and the decorators.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable
 
@@ -24,14 +23,13 @@ from torchtrace.export.spans import clean_attributes
 from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import memory as mem_measure
+from torchtrace.measure.batch import checked_overrides
 from torchtrace.measure.loss import LossValue, classify_loss
 from torchtrace.record.reads import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck
 from torchtrace.step.throughput import StepClock, fill_throughput, learning_rates
-
-logger = logging.getLogger("torchtrace")
 
 STEP_KINDS = checks.STEP_KINDS
 
@@ -107,10 +105,12 @@ class StepScope:
         backward); each given value overrides what torchtrace infers or counts.
 
         ``tokens`` may be a device tensor (a mask's sum): it is read with the step's one host read.
+        A value that is not valid is left out, with a warning that names it (once per message).
         """
-        if not self._active:
-            return
-        self._batch = (samples, tokens, flops)
+        if self._active:
+            self._batch, problem = checked_overrides(samples, tokens, flops)
+            if problem is not None:
+                self._rt.warn_once(("batch", problem), "torchtrace: %s: record_batch: %s", self.name, problem)
 
     def add_anomaly(self, kind: str, detail: str, data: dict[str, Any] | None = None) -> None:
         """Add an anomaly the caller found (a loss spike a monitor judged, say) to this step's
