@@ -126,6 +126,11 @@ def test_cuda_loop_runs_under_sync_debug_error(tt_runtime, level):
     assert readout.reads() - before == 5
     rt.flush(5.0)
     assert rt.history.last_record.grad_norm is not None
+    # The phases are device times from CUDA events (recorded in the model's call seam and the
+    # optimizer's hooks), read once the step's copy landed: no sync, and every phase measured.
+    phases = rt.history.steps()[-1].get("phases")
+    assert phases is not None and set(phases) == {"forward", "backward", "optimizer"}
+    assert all(v > 0 for v in phases.values())
 
 
 def test_peek_cpu_refuses_anything_but_cpu_tensors():
