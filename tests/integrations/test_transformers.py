@@ -210,6 +210,7 @@ def test_custom_compute_loss_records_its_loss(tmp_path):
             logits = model(**inputs).logits  # no labels: the output carries no loss
             loss = torch.nn.functional.cross_entropy(logits, labels) * 3.0
             tt.current_step().record_loss(loss)
+            tt.current_step().record_batch(flops=1234)  # the user's own FLOPs win over the estimate
             seen.append(float(loss.detach().double()))
             return loss
 
@@ -219,6 +220,8 @@ def test_custom_compute_loss_records_its_loss(tmp_path):
     Custom(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[TorchtraceCallback()]).train()
     spans = read_spans(result.spans_path)
     assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx(seen, rel=1e-6)
+    assert [s["attributes"][semconv.FLOPS] for s in spans] == [1234] * 3
+    assert [s["attributes"][semconv.SAMPLES] for s in spans] == [4] * 3  # the framework's, where the user gave none
 
 
 class PaddedData(Data):
@@ -273,3 +276,24 @@ def test_phases_of_a_trainer_step(tmp_path):
         assert 0 < a[semconv.PHASE_FORWARD_S] and 0 < a[semconv.PHASE_BACKWARD_S]
         phases = a[semconv.PHASE_FORWARD_S] + a[semconv.PHASE_BACKWARD_S] + a[semconv.PHASE_OPTIMIZER_S]
         assert phases <= (span["end_unix_ns"] - span["start_unix_ns"]) / 1e9
+
+
+def _params_outside_embeddings(model) -> int:
+    embeddings = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)}
+    return sum(p.numel() for name, p in model.named_parameters() if name not in embeddings)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_flops_are_the_trainers_estimate_and_give_mfu(tmp_path, accumulation):
+    """Each step's FLOPs: 6 x tokens x parameters outside the embeddings, over its
+    micro-batches (the Trainer's own total_flos formula), against a plain count of the
+    model's parameters; with a configured peak, the MFU gauge follows."""
+    result = configure(tmp_path, peak_flops=1e9)
+    model = tiny_bert()
+    train(tmp_path, [TorchtraceCallback()], steps=4, model=model, gradient_accumulation_steps=accumulation)
+    spans = read_spans(result.spans_path)
+    expected = 6 * (4 * 8 * accumulation) * _params_outside_embeddings(model)
+    assert [s["attributes"][semconv.FLOPS] for s in spans] == [expected] * 4
+    samples = scrape(result.metrics_url)
+    assert value(samples, "torchtrace_flops_total", operation="train_step") == 4 * expected
+    assert value(samples, "torchtrace_mfu_ratio", operation="train_step") > 0

@@ -38,6 +38,7 @@ class StepDriver:
         self._losses: list[torch.Tensor] = []
         self._samples: int | None = None
         self._tokens: Any = None
+        self._flops: int | None = None
 
     @property
     def active(self) -> bool:
@@ -58,8 +59,9 @@ class StepDriver:
         scope.on_guard_raise = self.end
         self.scope = scope
         self._losses = []
-        self._samples: int | None = None
-        self._tokens: Any = None
+        self._samples = None
+        self._tokens = None
+        self._flops = None
 
     def measure(self, model: torch.nn.Module | None, optimizer) -> None:
         """Gradient statistics and the guard policy, right before the optimizer's update.
@@ -104,6 +106,11 @@ class StepDriver:
         if batch.tokens is not None:
             self._tokens = batch.tokens if self._tokens is None else self._tokens + batch.tokens
 
+    def add_flops(self, flops: int | None) -> None:
+        """Add a micro-batch's model FLOPs (the framework's estimate) to the step's."""
+        if self.active and flops is not None:
+            self._flops = (self._flops or 0) + flops
+
     def add_loss(self, loss: Any) -> None:
         """Collect a micro-batch loss (device tensor, no host read); averaged at the end."""
         if self.active and isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -121,9 +128,12 @@ class StepDriver:
                 scope.record_loss(losses[0] if len(losses) == 1 else torch.stack(
                     [t.to(losses[0].device, torch.float32) for t in losses]).mean())
             self._losses = []
-            if self._samples is not None or self._tokens is not None:
-                scope.record_batch(samples=self._samples, tokens=self._tokens)
-            self._samples = self._tokens = None
+            if self._samples is not None or self._tokens is not None or self._flops is not None:
+                # What the user gave with record_batch inside the step wins over the framework's.
+                user = scope._batch or (None, None, None)
+                scope.record_batch(*(mine if theirs is None else theirs
+                                     for mine, theirs in zip((self._samples, self._tokens, self._flops), user)))
+            self._samples = self._tokens = self._flops = None
             scope.__exit__(type(exc) if exc is not None else None, exc, None)
         return scope.record
 

@@ -46,6 +46,10 @@ class TorchtraceCallback(_tf.TrainerCallback):
       output's ``loss`` while a step is open, as a device tensor (no host read); the
       micro-batch losses are averaged. A custom ``compute_loss`` whose loss is not the
       model output's can call ``torchtrace.current_step().record_loss(loss)`` instead.
+    - FLOPs: the Trainer's own estimate (what it adds to ``total_flos``), six times the
+      main input's elements times the parameters outside the embeddings, summed over the
+      micro-batches: the step's batch is not known when it starts, so torchtrace's own
+      FLOP count cannot run.
 
     Args:
         name: the span's name (the ``operation`` label).
@@ -61,8 +65,10 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._driver = StepDriver(name)
         self._max_grad_norm = max_grad_norm
         self._handle = None
+        self._params: int | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._params = None  # parameters outside the embeddings, counted at the first forward
         if model is not None and self._handle is None:
             self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
@@ -93,3 +99,14 @@ class TorchtraceCallback(_tf.TrainerCallback):
         if self._driver.active and module.training:
             self._driver.add_loss(_output_loss(output))
             self._driver.add_batch(args, kwargs)  # samples and non-padding tokens of the micro-batch
+            self._driver.add_flops(self._flops_of(module, kwargs))
+
+    def _flops_of(self, model: Any, kwargs: Mapping[str, Any]) -> int | None:
+        """The Trainer's estimate of a micro-batch's FLOPs (``Trainer.floating_point_ops``):
+        6 x the main input's elements x the parameters outside the embeddings (counted once)."""
+        ids = kwargs.get(getattr(model, "main_input_name", "input_ids"))
+        if not isinstance(ids, torch.Tensor) or not callable(getattr(model, "num_parameters", None)):
+            return None
+        if self._params is None:
+            self._params = int(model.num_parameters(exclude_embeddings=True))
+        return 6 * ids.numel() * self._params
