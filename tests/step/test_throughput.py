@@ -392,7 +392,7 @@ def test_an_evaluation_under_no_grad_has_no_backward_phase(tmp_path):
         def eval_step(x):
             with torch.no_grad():
                 out = model(x)
-            time.sleep(0.01)  # the metrics after the forward
+            time.sleep(0.05)  # the metrics after the forward
             return float(out.sum())
 
         for _ in range(3):
@@ -400,7 +400,8 @@ def test_an_evaluation_under_no_grad_has_no_backward_phase(tmp_path):
         rt = get_runtime()
         rt.finish_deferred(block=True)
         rows = rt.history.steps()
-        assert all(set(row["phases"]) == {"forward"} for row in rows)
-        assert all(row["phases"]["forward"] < 0.01 for row in rows[1:])  # the first counted FLOPs
+        assert all(set(row["phases"]) == {"forward"} for row in rows), [row["phases"] for row in rows]
+        # The forward is a few µs; the 50 ms after it are not in it (the first step counted FLOPs).
+        assert all(row["phases"]["forward"] < 0.05 for row in rows[1:]), [row["phases"] for row in rows]
     finally:
         tt.shutdown()
