@@ -250,8 +250,9 @@ def test_phases_come_from_lightnings_hooks(tmp_path):
     train = [s["attributes"] for s in read_spans(result.spans_path) if s["name"] == "train_step"]
     assert len(train) == 4
     for a in train[1:]:  # the first step also counted FLOPs
-        assert 0.02 <= a[semconv.PHASE_FORWARD_S] < 0.02 + 0.025
+        # Upper bounds short of the next phase's sleep: a mark in the wrong place shows.
+        assert 0.02 <= a[semconv.PHASE_FORWARD_S] < 0.02 + 0.035
         assert 0.04 <= a[semconv.PHASE_BACKWARD_S] < 0.04 + 0.025
-        assert 0.03 <= a[semconv.PHASE_OPTIMIZER_S] < 0.03 + 0.025
+        assert 0.03 <= a[semconv.PHASE_OPTIMIZER_S] < 0.03 + 0.035
     samples = scrape(result.metrics_url)
     assert value(samples, "torchtrace_step_phase_seconds_count", operation="train_step", phase="optimizer") == 4

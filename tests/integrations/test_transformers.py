@@ -272,7 +272,7 @@ def test_phases_of_a_trainer_step(tmp_path):
     assert len(spans) == 4
     for span in spans:
         a = span["attributes"]
-        assert 0.03 <= a[semconv.PHASE_OPTIMIZER_S] < 0.03 + 0.025
+        assert a[semconv.PHASE_OPTIMIZER_S] >= 0.03  # the planted sleep is optimizer time
         assert 0 < a[semconv.PHASE_FORWARD_S] and 0 < a[semconv.PHASE_BACKWARD_S]
         phases = a[semconv.PHASE_FORWARD_S] + a[semconv.PHASE_BACKWARD_S] + a[semconv.PHASE_OPTIMIZER_S]
         assert phases <= (span["end_unix_ns"] - span["start_unix_ns"]) / 1e9

@@ -237,11 +237,13 @@ def test_phases_against_planted_sleeps(tmp_path):
         rt.finish_deferred(block=True)
         for row in rt.history.steps()[1:]:  # the first step counted FLOPs
             phases = row["phases"]
-            assert 0.03 <= phases["forward"] < 0.03 + 0.015
-            assert 0.04 <= phases["backward"] < 0.04 + 0.015
+            # Upper bounds: short of the next phase's sleep, so a mark in the wrong place shows,
+            # with room for this shared machine's hiccups.
+            assert 0.03 <= phases["forward"] < 0.03 + 0.035
+            assert 0.04 <= phases["backward"] < 0.04 + 0.025
             # The user's pre-hook was registered before torchtrace's (on the first step), and
             # torchtrace's start mark still runs first: the hook's sleep is optimizer time.
-            assert 0.03 <= phases["optimizer"] < 0.03 + 0.015
+            assert 0.03 <= phases["optimizer"] < 0.03 + 0.035
             total = sum(phases.values())
             assert total <= row["duration_s"] + 1e-9
     finally:
