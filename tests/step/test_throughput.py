@@ -407,3 +407,43 @@ def test_an_evaluation_under_no_grad_has_no_backward_phase(tmp_path):
         assert all(row["phases"]["forward"] < 0.05 for row in rows[1:]), [row["phases"] for row in rows]
     finally:
         tt.shutdown()
+
+
+class _Tagged(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 4)
+        self.tag = "original"
+
+    def forward(self, x):
+        return self.lin(x), self.tag
+
+
+def test_a_copy_of_the_models_dict_calls_itself_not_the_model(tmp_path):
+    """DataParallel makes its replicas by copying the module's ``__dict__``, torchtrace's
+    forward marks included: a replica's call must run the replica (its own parameters and
+    attributes, on its own device), never the model the marks were made for."""
+    _configure(tmp_path)
+    try:
+        model = _Tagged()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            model(x)[0].sum().backward()
+            opt.step()
+
+        train_step(torch.randn(8, 16))
+        assert model.__dict__.get("_compiled_call_impl") is not None
+        replica = model._replicate_for_data_parallel()  # what torch.nn.parallel.replicate does per module
+        replica.tag = "replica"
+        x = torch.randn(2, 16)
+        assert replica(x)[1] == "replica" and model(x)[1] == "original"
+        with tt.debug_context("inner", model=model, optimizer=opt):  # inside a step, too
+            assert replica(x)[1] == "replica"
+        train_step(torch.randn(8, 16))
+        get_runtime().finish_deferred(block=True)
+        assert set(get_runtime().history.steps()[-1]["phases"]) == {"forward", "backward", "optimizer"}
+    finally:
+        tt.shutdown()

@@ -8,6 +8,7 @@ post-hooks (:class:`OptimizerMarks`). Both find the open step through :mod:`torc
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 from torchtrace import current
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+# The frame that calls the seam: PyTorch's Module.__call__ (``_wrapped_call_impl``).
+_SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
 
 
 class StepClock:
@@ -174,6 +177,7 @@ _MARKS = "__torchtrace_phase_marks__"
 def _seam_free(model: Any) -> bool:
     """True when the module's call goes through ``Module.__call__`` and its seam is free."""
     return (isinstance(model, torch.nn.Module) and "_compiled_call_impl" in vars(torch.nn.Module)
+            and _SEAM_CODE is not None
             and type(model).__call__ is torch.nn.Module.__call__
             and model.__dict__.get("_compiled_call_impl") is None)
 
@@ -183,18 +187,28 @@ def _call_with_marks(model: torch.nn.Module) -> Any:
 
     It holds the model weakly: the model holds it, and a cycle would keep a deleted model's
     memory (a GPU's worth) until a full garbage collection. Pickling and ``copy.deepcopy``
-    leave it out (``Module.__getstate__`` drops the seam).
+    leave it out (``Module.__getstate__`` drops the seam). A copy of the model's ``__dict__``
+    carries it along (``DataParallel``'s replicas are made so): it calls the module that
+    called it, found in PyTorch's ``Module.__call__`` frame, and marks only for the model.
     """
     ref = weakref.ref(model)
     impl = type(model)._call_impl
 
     def call_with_marks(*args: Any, **kwargs: Any) -> Any:
-        clock = ModelMarks._clock()
-        if clock is None:
+        if _COMPILING is not None and _COMPILING():  # traced by torch.compile: no frames, no marks
             return impl(ref(), *args, **kwargs)
+        caller = sys._getframe(1)
+        module = caller.f_locals.get("self") if caller.f_code is _SEAM_CODE else None
+        target = ref()
+        if module is not None and module is not target:  # a copy (a replica): its own call, no marks
+            return type(module)._call_impl(module, *args, **kwargs)
+        scope = current.step()
+        clock = scope.clock if scope is not None else None
+        if clock is None:
+            return impl(target, *args, **kwargs)
         if clock.forward_start is None:
             clock.forward_start = clock.mark()
-        out = impl(ref(), *args, **kwargs)
+        out = impl(target, *args, **kwargs)
         if clock.optimizer_start is None:
             clock.end_forward()
         return out
