@@ -17,6 +17,21 @@ def _configure(tmp_path, **kw):
     return tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, **kw)
 
 
+def _watched(model):
+    """An SGD optimizer for ``model`` and a decorated step that trains it on one batch (the
+    model's output, or the first of the outputs it returns, summed as the loss)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(x):
+        opt.zero_grad()
+        out = model(x)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+        opt.step()
+
+    return opt, train_step
+
+
 def _mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -257,13 +272,7 @@ def test_level_off_takes_the_phase_marks_off_the_model(tmp_path):
     _configure(tmp_path)
     try:
         model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(x):
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+        opt, train_step = _watched(model)
 
         user_hook = model.register_forward_hook(lambda *a: None)
         train_step(torch.randn(8, 16))
@@ -297,13 +306,7 @@ def test_a_module_with_its_own_call_gets_hooks_and_the_same_phases(tmp_path):
     _configure(tmp_path)
     try:
         model = _OwnCall(16, 4)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(x):
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+        _, train_step = _watched(model)
 
         train_step(torch.randn(8, 16))
         train_step(torch.randn(8, 16))
@@ -326,13 +329,7 @@ def test_a_watched_model_pickles_and_copies_without_torchtrace(tmp_path):
     _configure(tmp_path)
     try:
         model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(x):
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+        _, train_step = _watched(model)
 
         train_step(torch.randn(8, 16))
         buf = io.BytesIO()
@@ -360,13 +357,7 @@ def test_a_watched_model_is_freed_as_soon_as_the_user_drops_it(tmp_path, level):
     try:
         def train_and_drop():
             model = _mlp()
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-            @tt.debug_operation(model=model, optimizer=opt)
-            def train_step(x):
-                opt.zero_grad()
-                model(x).sum().backward()
-                opt.step()
+            _, train_step = _watched(model)
 
             for _ in range(3):
                 train_step(torch.randn(8, 16))
@@ -426,13 +417,7 @@ def test_a_copy_of_the_models_dict_calls_itself_not_the_model(tmp_path):
     _configure(tmp_path)
     try:
         model = _Tagged()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(x):
-            opt.zero_grad()
-            model(x)[0].sum().backward()
-            opt.step()
+        opt, train_step = _watched(model)
 
         train_step(torch.randn(8, 16))
         assert model.__dict__.get("_compiled_call_impl") is not None
