@@ -217,3 +217,76 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
+
+
+def _random_run(seed: int, n: int = 600) -> list[tuple]:
+    """Steps of two training operations and an evaluation, with a slow-down, loader stalls,
+    overlaps and steps left out of throughput: ``(start, end, applied, excluded, samples,
+    tokens, flops, kind, operation)``."""
+    rng = random.Random(seed)
+    t, out = 0.5, []
+    for i in range(n):
+        operation, kind = rng.choice([("train_step", TRAIN)] * 6 + [("aux_step", TRAIN), ("eval", EVALUATION)])
+        slow = 3.0 if 200 <= i < 320 else 1.0
+        wait = rng.choice([0.0, 0.001, 0.002]) if not 400 <= i < 460 else rng.choice([0.05, 0.001])
+        start = t + wait
+        end = start + slow * rng.uniform(0.01, 0.012)
+        if rng.random() < 0.02:
+            start -= 0.005  # overlaps the step before
+        out.append((start, end, rng.random() < 0.95, rng.random() < 0.01, 8, rng.choice([None, 512]),
+                    10**6, kind, operation))
+        t = end
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_posted_steps_find_what_booking_each_at_once_finds_on_the_same_steps(seed):
+    """The step pipeline's ``post`` books steps in batches: the same findings on the same steps,
+    the same data waits, totals and windows as booking every step at once, with reads (a
+    scrape) at random points in between."""
+    rules = RuleSettings(window=5, warmup_steps=3, min_baseline_windows=2, stall_window=6, stall_min_steps=4)
+    at_once, posted = GoodputLedger(0.0, rules=rules), GoodputLedger(0.0, rules=rules)
+    rng = random.Random(seed + 100)
+    expect, got = [], []
+    for i, step in enumerate(_random_run(seed)):
+        a = at_once.add(*step)
+        expect.append((a.data_wait_s, [f.kind for f in a.findings]))
+        wait, findings = posted.post(*step)
+        got.append((wait, [f.kind for f in findings]))
+        if rng.random() < 0.05:
+            posted.snapshot(step[1] + 0.001)
+    kinds = [k for _, found in expect for k in found]
+    assert semconv.THROUGHPUT_DROP in kinds and semconv.DATA_STALL in kinds  # the run exercises both rules
+    assert got == expect
+    assert posted.closed() == at_once.closed()
+    for operation in ("train_step", "aux_step", "eval"):
+        assert posted.throughput(operation) == at_once.throughput(operation)
+    assert posted.state_dict() == at_once.state_dict()
+
+
+def test_posted_steps_with_a_scraping_thread_lose_nothing():
+    """A scrape on another thread books posted steps while the step thread posts more: every
+    finding still comes back with its own step, and the totals match booking at once."""
+    import threading
+
+    rules = RuleSettings(window=5, warmup_steps=3, min_baseline_windows=2, stall_window=6, stall_min_steps=4)
+    at_once, posted = GoodputLedger(0.0, rules=rules), GoodputLedger(0.0, rules=rules)
+    run = _random_run(7, n=3000)
+    expect = [[f.kind for f in at_once.add(*step).findings] for step in run]
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            posted.snapshot(1e9)
+            posted.throughput("train_step")
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        got = [[f.kind for f in posted.post(*step)[1]] for step in run]
+    finally:
+        stop.set()
+        scraper.join()
+    assert sum(map(len, expect)) >= 5
+    assert got == expect
+    assert posted.closed() == at_once.closed()

@@ -40,6 +40,7 @@ as startup or data wait (for the goodput gauge; a step running now is counted wh
 
 from __future__ import annotations
 
+import collections
 import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -51,6 +52,8 @@ TRAIN, CHECKPOINT, EVALUATION, OTHER = "train", "checkpoint", "evaluation", "oth
 OPERATION_KINDS = (TRAIN, CHECKPOINT, EVALUATION, OTHER)
 MAX_OPERATIONS = 32  # operations with their own throughput window; later ones share none
 MAX_PENDING_REPLAYS = 64
+WINDOWLESS_DUE = 64  # an operation without a window (past MAX_OPERATIONS): its steps are booked every 64
+_KINDS = frozenset(OPERATION_KINDS)
 _BADPUT_OF_KIND = {CHECKPOINT: "checkpoint", EVALUATION: "evaluation", OTHER: "other"}
 _PRODUCTIVE = "productive"
 STATE_VERSION = 1
@@ -118,13 +121,17 @@ class GoodputLedger:
         self._lock = threading.Lock()
         self._cursor = self.configured_at  # everything before it is counted
         self._started = False
-        self._last_end: float | None = None
         self._last_operation: str | None = None
         self._totals: dict[str, float] = {_PRODUCTIVE: 0.0, **{k: 0.0 for k in semconv.BADPUT_KINDS}}
         self._prior_wall = 0.0  # wall time of a run restored with load_state_dict
         self._replays: list[tuple[float, float]] = []  # forensic intervals not yet counted
         self._debt = 0.0  # forensic seconds reported after their instants were counted
         self._windows: dict[str, OperationWindow] = {}
+        # Posted steps not yet booked; the step thread appends, whoever holds the lock books them.
+        self._pending: collections.deque[tuple] = collections.deque()
+        self._posted_end: float | None = None  # the latest end of a posted step (data wait's origin)
+        self._due: dict[str, int] = {}  # operation -> posts before its rules could next report anything
+        self._found: list[Finding] = []  # booked findings not yet handed to the step thread
 
     # ------------------------------------------------------------ input
     def add_step(self, step: FinishedStep) -> StepAccount:
@@ -134,33 +141,57 @@ class GoodputLedger:
 
     def add(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
             tokens: int | None, flops: int | None, kind: str, operation: str) -> StepAccount:
-        """:meth:`add_step` with the step's fields as arguments (the step pipeline's call: no
-        object built per step)."""
-        if kind not in OPERATION_KINDS:
-            raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
+        """:meth:`add_step` with the step's fields as arguments, booked at once."""
+        wait, found = self.post(start, end, applied, excluded, samples, tokens, flops, kind, operation)
         with self._lock:
-            start = max(start, self.configured_at)
-            end = max(end, start)
-            wait = None if self._last_end is None else max(0.0, start - self._last_end)
-            same_operation = self._last_operation == operation
-            if start > self._cursor:
-                self._count(self._cursor, start, "data_wait" if self._started else "startup")
-            if end > self._cursor:
-                self._count(max(start, self._cursor), end,
-                            (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind])
-            self._started = True
-            self._last_end = end if self._last_end is None else max(end, self._last_end)
-            self._last_operation = operation
-            window = self._windows.get(operation) or self._window(operation)
-            if window is None or excluded:
-                return StepAccount(wait, ())
-            findings = window.add(end - start, wait if (same_operation and wait is not None) else 0.0,
-                                  samples, tokens, flops, rules=kind == TRAIN)
-            return StepAccount(wait, tuple(findings) if findings else ())
+            self._book_pending()
+            rest, self._found = self._found, []
+        return StepAccount(wait, found + tuple(rest))
+
+    def post(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
+             tokens: int | None, flops: int | None, kind: str, operation: str) -> tuple[float | None, tuple]:
+        """The step pipeline's call (from one step thread): ``(the step's data wait, what the
+        rules found on it)``.
+
+        The booking itself waits: posted steps are booked together when a step comes that the
+        rules could report on (one that waited at least ``stall_min_wait_s``, or one that may
+        complete its operation's throughput window), and before anything is read. A finding
+        therefore comes back with the step it belongs to, and a step in between costs an append.
+        """
+        if kind not in _KINDS:
+            raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
+        if start < self.configured_at:
+            start = self.configured_at
+        if end < start:
+            end = start
+        last = self._posted_end
+        if last is None:
+            wait = None
+            self._posted_end = end
+        else:
+            wait = start - last if start > last else 0.0
+            if end > last:
+                self._posted_end = end
+        self._pending.append((start, end, applied, excluded, samples, tokens, flops, kind, operation, wait))
+        due = self._due.get(operation, 0) - 1
+        if due > 0 and (wait is None or wait < self.rules.stall_min_wait_s):
+            self._due[operation] = due
+            return wait, ()
+        with self._lock:
+            self._book_pending()
+            found, self._found = self._found, []
+            window = self._windows.get(operation)
+            if len(self._due) >= 4 * MAX_OPERATIONS:
+                self._due.clear()
+            # The drop rule judges once per ``window`` rates, one rate at most per step.
+            self._due[operation] = window.settings.window - len(window.rates) if window is not None \
+                else WINDOWLESS_DUE
+        return wait, tuple(found)
 
     def add_forensics(self, start: float, end: float) -> None:
         """Count a forensic replay that ran from ``start`` to ``end``."""
         with self._lock:
+            self._book_pending()
             start, end = max(start, self.configured_at), max(end, start)
             if start < self._cursor:  # already counted as something else: repay later
                 self._debt += min(end, self._cursor) - start
@@ -177,11 +208,13 @@ class GoodputLedger:
     def closed(self) -> Goodput:
         """Accounting up to the end of the last finished step: final, every count only grows."""
         with self._lock:
+            self._book_pending()
             return self._goodput(self._totals, self._cursor)
 
     def snapshot(self, now: float) -> Goodput:
         """Accounting up to ``now``: the open stretch since the last step as startup or data wait."""
         with self._lock:
+            self._book_pending()
             totals = dict(self._totals)
             if now > self._cursor:
                 kind = "data_wait" if self._started else "startup"
@@ -193,6 +226,7 @@ class GoodputLedger:
     def throughput(self, operation: str) -> Throughput | None:
         """The operation's throughput over its last ``rules.window`` steps; None before its first."""
         with self._lock:
+            self._book_pending()
             window = self._windows.get(operation)
             return window.throughput(self.peak_flops) if window is not None else None
 
@@ -204,6 +238,7 @@ class GoodputLedger:
         new process restores the run's totals and baselines (see :meth:`load_state_dict`).
         """
         with self._lock:
+            self._book_pending()
             wall = self._prior_wall + (self._cursor - self.configured_at)
             debt = self._debt + sum(e - s for s, e in self._replays)  # replays still to count, as seconds
             return {"version": STATE_VERSION, "wall_s": wall, "totals": dict(self._totals), "debt_s": debt,
@@ -227,14 +262,44 @@ class GoodputLedger:
             windows[op] = OperationWindow(rules)
             windows[op].load_state_dict(ws)
         with self._lock:
+            self._book_pending()
             self.rules = rules
             self.peak_flops = state.get("peak_flops", self.peak_flops)
             self._prior_wall += float(state["wall_s"])
             self._totals = {k: float(state["totals"].get(k, 0.0)) + self._totals[k] for k in self._totals}
             self._debt = float(state["debt_s"]) + self._debt
             self._windows = windows
+            self._due.clear()
 
     # ------------------------------------------------------------ internals
+    def _book_pending(self) -> None:
+        """Book every posted step, in order (the lock is held)."""
+        pending = self._pending
+        while pending:
+            try:
+                entry = pending.popleft()
+            except IndexError:  # pragma: no cover - only this method pops, under the lock
+                break
+            self._book(*entry)
+
+    def _book(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
+              tokens: int | None, flops: int | None, kind: str, operation: str, wait: float | None) -> None:
+        same_operation = self._last_operation == operation
+        if start > self._cursor:
+            self._count(self._cursor, start, "data_wait" if self._started else "startup")
+        if end > self._cursor:
+            self._count(max(start, self._cursor), end,
+                        (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind])
+        self._started = True
+        self._last_operation = operation
+        window = self._windows.get(operation) or self._window(operation)
+        if window is None or excluded:
+            return
+        findings = window.add(end - start, wait if (same_operation and wait is not None) else 0.0,
+                              samples, tokens, flops, rules=kind == TRAIN)
+        if findings:
+            self._found.extend(findings)
+
     def _window(self, operation: str) -> OperationWindow | None:
         window = self._windows.get(operation)
         if window is None and len(self._windows) < MAX_OPERATIONS:

@@ -37,6 +37,9 @@ def learning_rates(optimizer: Any) -> list[float] | None:
     out = []
     for group in optimizer.param_groups:
         lr = group.get("lr")
+        if type(lr) is float:  # the usual case, checked first: every step pays for this
+            out.append(lr)
+            continue
         if isinstance(lr, torch.Tensor):
             if lr.device.type != "cpu" or lr.numel() != 1:
                 return None  # reading it would wait for the device
@@ -159,12 +162,11 @@ class RunThroughput:
                 self.ledger.peak_flops = self._peak(scope)
         start = scope.started_at
         flops = record.flops
-        account = self.ledger.add(start, start + record.duration_s,
-                                  not record.skipped and record.exception_type is None, record.flops_counted,
-                                  record.samples, record.tokens, int(flops) if flops is not None else None,
-                                  record.kind, record.operation)
-        record.data_wait_s = account.data_wait_s
-        for finding in account.findings:
+        record.data_wait_s, findings = self.ledger.post(
+            start, start + record.duration_s, not record.skipped and record.exception_type is None,
+            record.flops_counted, record.samples, record.tokens, int(flops) if flops is not None else None,
+            record.kind, record.operation)
+        for finding in findings:
             record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, record.operation,
                                             dict(finding.data)))
 
