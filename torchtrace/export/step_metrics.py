@@ -22,6 +22,7 @@ from torchtrace.export.labels import MAX_DEVICE_VALUES, MAX_LABEL_VALUES, OVERFL
 from torchtrace.record.step import StepRecord
 
 _LR_GROUP_CAP = f"{semconv.MAX_LR_GROUPS}+"
+FOLD_EVERY = 64  # data waits and phase times kept before they are bucketed without a scrape
 
 
 def _base(name: str) -> str:
@@ -64,7 +65,7 @@ class _Operation:
     """Everything one operation label holds."""
 
     __slots__ = ("label", "created", "steps", "duration", "loss", "grad_norm", "grad_nonfinite", "last_ts", "skipped",
-                 "anomalies", "samples", "tokens", "flops", "lr", "data_wait", "phases", "rank_step_seconds")
+                 "anomalies", "samples", "tokens", "flops", "lr", "data_wait", "phases", "rank_step_seconds", "unfolded")
 
     def __init__(self, label: str, kinds: tuple[str, ...]) -> None:
         self.label = label
@@ -84,6 +85,23 @@ class _Operation:
         self.data_wait: _Histogram | None = None
         self.phases: dict[str, _Histogram] | None = None
         self.rank_step_seconds: float | None = None
+        self.unfolded: list[tuple[float | None, dict[str, float] | None]] = []  # (data wait, phases) to bucket
+
+    def fold(self) -> None:
+        """Bucket the data waits and phase times kept since the last fold (the lock is held)."""
+        for wait, phases in self.unfolded:
+            if wait is not None:
+                if self.data_wait is None:
+                    self.data_wait = _Histogram(semconv.DATA_WAIT_BUCKETS)
+                self.data_wait.observe(wait)
+            if phases:
+                if self.phases is None:
+                    self.phases = {p: _Histogram(semconv.DATA_WAIT_BUCKETS) for p in semconv.PHASES}
+                for phase, seconds in phases.items():
+                    hist = self.phases.get(phase)
+                    if hist is not None:
+                        hist.observe(seconds)
+        self.unfolded = []
 
 
 class StepMetrics:
@@ -163,18 +181,13 @@ class StepMetrics:
         if record.flops is not None:
             op.flops = (op.flops or 0.0) + record.flops
         if record.lr:
-            op.lr = list(record.lr)
-        if record.data_wait_s is not None:
-            if op.data_wait is None:
-                op.data_wait = _Histogram(semconv.DATA_WAIT_BUCKETS)
-            op.data_wait.observe(record.data_wait_s)
-        if record.phases:
-            if op.phases is None:
-                op.phases = {p: _Histogram(semconv.DATA_WAIT_BUCKETS) for p in semconv.PHASES}
-            for phase, seconds in record.phases.items():
-                hist = op.phases.get(phase)
-                if hist is not None:
-                    hist.observe(seconds)
+            op.lr = record.lr  # a record's values are not changed after it is finished
+        wait, phases = record.data_wait_s, record.phases
+        if wait is not None or phases:
+            # Bucketed at the next scrape, or every FOLD_EVERY steps: a step pays an append.
+            op.unfolded.append((wait, phases))
+            if len(op.unfolded) >= FOLD_EVERY:
+                op.fold()
 
     def count_anomaly(self, operation: str, kind: str, n: int = 1) -> None:
         with self._lock:
@@ -189,8 +202,11 @@ class StepMetrics:
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             ops = list(self._ops.values())
+            for o in ops:
+                if o.unfolded:
+                    o.fold()
             snapshot = [(o, o.duration.buckets(), o.duration.total, dict(o.anomalies),
-                         o.data_wait.buckets() if o.data_wait else None,
+                         (o.data_wait.buckets(), o.data_wait.total) if o.data_wait else None,
                          {p: (h.buckets(), h.total) for p, h in o.phases.items()} if o.phases else None,
                          list(o.lr) if o.lr else None) for o in ops]
             memory = dict(self._memory)
@@ -289,7 +305,7 @@ class StepMetrics:
                 for i, rate in enumerate(rates[: semconv.MAX_LR_GROUPS + 1]):
                     lr.add_metric(lv + [str(i) if i < semconv.MAX_LR_GROUPS else _LR_GROUP_CAP], rate)
             if wait_buckets is not None:
-                wait.add_metric(lv, wait_buckets, op.data_wait.total)
+                wait.add_metric(lv, *wait_buckets)
             if phases:
                 for name, (buckets, total) in phases.items():
                     phase.add_metric(lv + [name], buckets, total)
