@@ -56,23 +56,29 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     >>> shape_key((torch.zeros(4, 3), 8), {}) == shape_key((torch.ones(4, 3), 9), {})
     True
     """
-    out: list[Hashable] = []
-    for value in args[:KEY_MAX_ITEMS]:
-        out.append(_key(value, 0))
-    for index, (name, value) in enumerate(kwargs.items()):
-        if index >= KEY_MAX_ITEMS:
-            break
-        out.append((name, _key(value, 0)))
+    out = [_key(value, 0) for value in args[:KEY_MAX_ITEMS]]
+    if kwargs:
+        for index, (name, value) in enumerate(kwargs.items()):
+            if index >= KEY_MAX_ITEMS:
+                break
+            out.append((name, _key(value, 0)))
     return tuple(out)
 
 
+_TENSOR = torch.Tensor
+
+
 def _key(value: Any, depth: int) -> Hashable:
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype)
     kind = type(value)
-    if (kind is tuple or kind is list) and depth < KEY_MAX_DEPTH:  # the usual batch: checked first
-        return tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]])
-    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or depth >= KEY_MAX_DEPTH:
+    if kind is _TENSOR:  # the usual batch, checked first by identity: every step pays for this
+        return (value.shape, value.dtype)
+    if kind is tuple or kind is list:
+        return tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]]) if depth < KEY_MAX_DEPTH else kind
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        return kind
+    if isinstance(value, _TENSOR):  # a Parameter, a tensor subclass
+        return (value.shape, value.dtype)
+    if depth >= KEY_MAX_DEPTH:
         return kind
     if isinstance(value, Mapping):
         return tuple((k if isinstance(k, Hashable) else type(k), _key(v, depth + 1))
