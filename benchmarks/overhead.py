@@ -1,7 +1,8 @@
 """What torchtrace costs per training step, next to the alternatives users would reach for.
 
 Variants run interleaved in one process (round-robin, so drift in the machine hits them all
-alike), each round timing ``--steps`` steps per variant. For each workload the table shows
+alike), each round timing ``--steps`` steps per variant after one untimed step (the switch
+from the variant before is not part of any variant's cost). For each workload the table shows
 the median ms/step over rounds, the min-max spread, the paired ratio to the bare loop, and
 each level's cost beyond the floor (paired: the median over rounds of variant - floor), in µs
 per step and as a share of the bare step; then the training thread's CPU time and the CPU
@@ -286,6 +287,11 @@ def run_workload(wl: Workload, variants, rounds: int, steps: int, warmup: int, d
     for r in range(rounds):
         order = list(variants) if r % 2 == 0 else list(reversed(variants))
         for v in order:
+            # One step untimed first: it pays for the switch from the variant before (a level or
+            # setting change, code and data the other variant pushed out of the caches), which a
+            # job running one variant all along never pays. Without it the A/A pair read 11 to
+            # 26 us apart on the toy model, by position in the round alone.
+            runners[v]()
             times[v].append(time_steps(runners[v], steps, device))
         if time.perf_counter() - t_start > budget_s and r >= 2:
             break
