@@ -109,6 +109,17 @@ def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[
     return opts, scalers
 
 
+def side_effect_owners(scope: Any) -> tuple[list[Any], list[Any]]:
+    """Optimizers and GradScalers among a step scope's arguments (their updates are neutralised
+    in a replay), and the scope's own."""
+    opts, scalers = find_side_effect_owners(*scope.inputs) if scope.inputs is not None else ([], [])
+    if scope.optimizer is not None and scope.optimizer not in opts:
+        opts.append(scope.optimizer)
+    if scope.scaler is not None and scope.scaler not in scalers:
+        scalers.append(scope.scaler)
+    return opts, scalers
+
+
 _PLAIN = (torch.Tensor, torch.nn.Module, int, float, str, bytes, bool, type(None), tuple, list, dict)
 
 

@@ -95,24 +95,27 @@ def infer_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchSize:
     >>> infer_batch((model, torch.zeros(16, 4)), {"step": 3})
     BatchSize(samples=16, tokens=None)
     """
-    if INPUT_IDS in kwargs:
-        found = _from_mapping(kwargs, 0)
-        if found is not None:
-            return found
-    for value in args:
-        found = _infer(value, 0)
-        if found is not None:
-            return found
-    for value in kwargs.values():
-        found = _infer(value, 0)
-        if found is not None:
-            return found
+    try:
+        if INPUT_IDS in kwargs:
+            found = _from_mapping(kwargs, 0)
+            if found is not None:
+                return found
+        for value in args:
+            found = _infer(value, 0)
+            if found is not None:
+                return found
+        for value in kwargs.values():
+            found = _infer(value, 0)
+            if found is not None:
+                return found
+    except Exception:  # a tensor whose shape cannot be read, a mapping whose lookups raise
+        pass
     return NOTHING
 
 
 def _infer(value: Any, depth: int) -> BatchSize | None:
-    if isinstance(value, torch.Tensor):
-        return BatchSize(samples=int(value.shape[0])) if value.dim() > 0 else None
+    if isinstance(value, torch.Tensor):  # size(0): a nested tensor's number of components too
+        return BatchSize(samples=int(value.size(0))) if value.dim() > 0 else None
     if isinstance(value, _SKIP) or depth >= MAX_DEPTH:
         return None
     if isinstance(value, Mapping):

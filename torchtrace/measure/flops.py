@@ -68,16 +68,49 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
 _TENSOR = torch.Tensor
 
 
+class _Nested:
+    """Stands for a nested tensor in a shape key (with its dtype, dimensions and number of
+    components). ``FlopCounterMode`` fails on nested tensors' ops (torch 2.13, both layouts):
+    a step with one among its inputs is not counted (:func:`countable`)."""
+
+    def __repr__(self) -> str:
+        return "nested"
+
+
+NESTED = _Nested()
+
+
+def _nested_key(value: torch.Tensor) -> Hashable:
+    return (NESTED, value.dtype, value.dim(), value.size(0))
+
+
+def countable(key: Hashable) -> bool:
+    """False when the key holds a nested tensor (see :data:`NESTED`): its step is not counted.
+
+    >>> import torch
+    >>> countable(shape_key((torch.zeros(2, 3),), {}))
+    True
+    >>> countable(shape_key(([torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged)],), {}))
+    False
+    """
+    if key is NESTED:
+        return False
+    return all(countable(k) for k in key) if isinstance(key, tuple) else True
+
+
 def _key(value: Any, depth: int) -> Hashable:
     kind = type(value)
     if kind is _TENSOR:  # the usual batch, checked first by identity: every step pays for this
-        return (value.shape, value.dtype)
+        try:
+            return (value.shape, value.dtype)
+        except RuntimeError:  # a nested tensor of the strided layout has no sizes
+            return _nested_key(value)
     if kind is tuple or kind is list:
         return tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]]) if depth < KEY_MAX_DEPTH else kind
     if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
         return kind
     if isinstance(value, _TENSOR):  # a Parameter, a tensor subclass
-        return (value.shape, value.dtype)
+        return _nested_key(value) if value.is_nested else (value.shape, value.dtype)
     if depth >= KEY_MAX_DEPTH:
         return kind
     if isinstance(value, Mapping):
@@ -106,7 +139,7 @@ class StepFlops:
         if max_shapes < 1:
             raise ValueError(f"max_shapes={max_shapes!r} is not valid; accepted values: an integer >= 1")
         self.max_shapes = max_shapes
-        self._flops: dict[Hashable, int] = {}
+        self._flops: dict[Hashable, int | None] = {}  # None: a key that is never counted
         self.counts = 0  # how many steps were counted
 
     def lookup(self, key: Hashable) -> int | None:
@@ -116,6 +149,11 @@ class StepFlops:
     def needs_count(self, key: Hashable) -> bool:
         """True when ``key`` has no FLOPs yet and there is room to count it."""
         return key not in self._flops and len(self._flops) < self.max_shapes
+
+    def skip(self, key: Hashable) -> None:
+        """Never count ``key`` (its lookups give None); room permitting, like a count."""
+        if key not in self._flops and len(self._flops) < self.max_shapes:
+            self._flops[key] = None
 
     def record(self, key: Hashable, flops: int) -> None:
         """Record FLOPs for ``key`` (a count, or FLOPs the user supplied); room permitting."""
@@ -127,13 +165,19 @@ class StepFlops:
         """Count the FLOPs of the code inside and record them for ``key``.
 
         The count is recorded only when the code inside finishes without an exception: a
-        step that raised halfway would record a partial count for good.
+        step that raised halfway would record a partial count for good. A count of zero is no
+        count: the work ran in kernels the counter has no formula for (the fused inference path
+        of ``nn.TransformerEncoder``, custom extensions), and the key gets no FLOPs.
         """
         mode = FlopCounterMode(display=False)
         with mode:
             yield
         self.counts += 1
-        self.record(key, mode.get_total_flops())
+        total = mode.get_total_flops()
+        if total > 0:
+            self.record(key, total)
+        else:
+            self.skip(key)
 
     def __len__(self) -> int:
         return len(self._flops)

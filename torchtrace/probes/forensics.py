@@ -114,7 +114,7 @@ class ForensicsProbe(Probe):
     def _replay(self, scope: Any, state: _State, params_updated: bool) -> dict[str, Any]:
         self.replays += 1
         self.incidents += 1
-        opts, scalers = scope.side_effect_owners()
+        opts, scalers = replay.side_effect_owners(scope)
         rt = self.rt
         rt.replaying = True
         t0 = time.perf_counter()
@@ -152,7 +152,7 @@ class ForensicsProbe(Probe):
             return
         if record.loss is not None and not math.isfinite(record.loss):
             return
-        if scope.scaler is None and not scope.side_effect_owners()[1]:
+        if scope.scaler is None and not replay.side_effect_owners(scope)[1]:
             return
         before = len(record.anomalies)
         record.anomalies = [a for a in record.anomalies if a.kind != semconv.NONFINITE_GRAD]

@@ -20,7 +20,6 @@ from opentelemetry import trace
 from torchtrace import current, semconv
 from torchtrace.errors import NonFiniteError
 from torchtrace.export.spans import clean_attributes
-from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.batch import checked_overrides
@@ -29,7 +28,7 @@ from torchtrace.record.reads import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck
-from torchtrace.step.throughput import StepClock, fill_throughput, learning_rates
+from torchtrace.step.throughput import StepClock, drop_counter, fill_throughput, learning_rates
 
 STEP_KINDS = checks.STEP_KINDS
 
@@ -189,9 +188,11 @@ class StepScope:
         except Exception as exc:
             self._active = False
             rt.errors.report("step", exc)
+            self._abandon()  # a half-begun step leaves no span, context or hook behind for the next
         return self
 
     def _begin(self, rt: Any, level: DebugLevel, t0: float) -> None:
+        self._span = self._token = self._ctx_token = None
         rt.at_step_boundary()
         self._rt = rt
         mode = self._mode_arg or rt.mode
@@ -228,8 +229,7 @@ class StepScope:
             self._anomaly_cm = torch.autograd.detect_anomaly(check_nan=True)
             self._anomaly_cm.__enter__()
         if feats.throughput:
-            self.flops_key = rt.throughput.key_of(self.name, self.inputs)
-            self.clock, self._flops_counter = rt.throughput.begin(self, outermost)
+            self.flops_key, self.clock, self._flops_counter = rt.throughput.start(self, outermost)
         self._active = True
         self._states = rt.probes.enter(self)
         t1 = time.perf_counter()
@@ -260,17 +260,18 @@ class StepScope:
         return bool(exc is not None and self.suppress)
 
     def _abandon(self) -> None:
-        """After an internal error in ``_finish``: restore every global and end the span."""
-        for undo in (lambda: self._anomaly_cm is not None and self._anomaly_cm.__exit__(None, None, None),
+        """After an internal error in ``_begin`` or ``_finish``: restore every global, end the span."""
+        for undo in (lambda: self._flops_counter is not None and drop_counter(self._flops_counter),
+                     lambda: self._anomaly_cm is not None and self._anomaly_cm.__exit__(None, None, None),
                      lambda: self.gradients is not None and self.gradients.unhook(),
                      lambda: self._ctx_token is not None and current.leave_step(self._ctx_token),
                      lambda: self._token is not None and otel_context.detach(self._token),
-                     lambda: self._span.end()):
+                     lambda: self._span is not None and self._span.end()):
             try:
                 undo()
             except Exception:
                 pass
-        self._anomaly_cm = self._ctx_token = self._token = None
+        self._anomaly_cm = self._ctx_token = self._token = self._flops_counter = None
 
     def _restore(self) -> None:
         if self._anomaly_cm is not None:
@@ -361,16 +362,6 @@ class StepScope:
             fn, (args, kwargs) = self.replay_fn, self.inputs
             return lambda: fn(*args, **kwargs)
         return None
-
-    def side_effect_owners(self) -> tuple[list, list]:
-        """Optimizers and GradScalers among the step's arguments (their updates are neutralised
-        in a replay), and the scope's own."""
-        opts, scalers = find_side_effect_owners(*self.inputs) if self.inputs is not None else ([], [])
-        if self.optimizer is not None and self.optimizer not in opts:
-            opts.append(self.optimizer)
-        if self.scaler is not None and self.scaler not in scalers:
-            scalers.append(self.scaler)
-        return opts, scalers
 
     def phases(self) -> dict[str, float] | None:
         """Seconds per phase of the ended step (on CUDA once its events have completed)."""

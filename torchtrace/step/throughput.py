@@ -24,7 +24,7 @@ import torch
 
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import BatchSize, infer_batch
-from torchtrace.measure.flops import StepFlops, shape_key
+from torchtrace.measure.flops import StepFlops, countable, shape_key
 from torchtrace.record.goodput import GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.phases import ModelMarks, OptimizerMarks, StepClock, none_ref
@@ -57,6 +57,22 @@ def _eager_for_now() -> Any:
     if stance is None:
         return contextlib.nullcontext()
     return stance("force_eager")
+
+
+def _counter_failed(exc: BaseException) -> bool:
+    """True when ``exc`` came out of ``FlopCounterMode`` (its frames, or its name in the message
+    of a dispatch that every handler declined)."""
+    if "FlopCounterMode" in str(exc):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(_FLOP_COUNTER_FILE):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_FLOP_COUNTER_FILE = "flop_counter.py"
 
 
 def _compiled(model: Any) -> bool:
@@ -98,6 +114,16 @@ class RunThroughput:
         """The FLOP table's key of a step: its operation and its inputs' shapes."""
         return (name, shape_key(inputs[0], inputs[1])) if inputs is not None else None
 
+    def start(self, scope: Any, outermost: bool) -> tuple[Hashable | None, StepClock | None, Any]:
+        """At a step's start: its FLOP key, phase clock and FLOP counter (see :meth:`begin`). A
+        failure here costs the step its throughput figures, never its record."""
+        try:
+            scope.flops_key = key = self.key_of(scope.name, scope.inputs)
+            return (key, *self.begin(scope, outermost))
+        except Exception as exc:
+            self.rt.errors.report("step", exc)
+            return None, None, None
+
     def begin(self, scope: Any, outermost: bool) -> tuple[StepClock | None, Any]:
         """At a step's start: the phase clock, and the FLOP counter when this step counts."""
         model, optimizer = scope.model, scope.optimizer
@@ -111,16 +137,29 @@ class RunThroughput:
             clock = StepClock(cuda=hooks.cuda)
         counter = None
         key = scope.flops_key
-        if outermost and key is not None and self.flops.needs_count(key) and not _compiled(model):
+        if outermost and key is not None and self.flops.needs_count(key) and not _compiled(model) \
+                and not self._skipped(key):
             counter = contextlib.ExitStack()
-            # A module compiled with torch.compile runs eagerly for this one step: first called
-            # under the FLOP counter's dispatch mode, torch would never compile it after.
-            counter.enter_context(_eager_for_now())
-            counter.enter_context(warnings.catch_warnings())
-            # The counter's module hooks are torchtrace's, not the user's: no warning about them.
-            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-            counter.enter_context(self.flops.counting(key))
+            try:
+                # A module compiled with torch.compile runs eagerly for this one step: first called
+                # under the FLOP counter's dispatch mode, torch would never compile it after.
+                counter.enter_context(_eager_for_now())
+                counter.enter_context(warnings.catch_warnings())
+                # The counter's module hooks are torchtrace's, not the user's: no warning about them.
+                warnings.filterwarnings("ignore",
+                                        message=r"Using `torch.compile\(module\)` when there are global hooks")
+                counter.enter_context(self.flops.counting(key))
+            except BaseException:
+                counter.close()
+                raise
         return clock, counter
+
+    def _skipped(self, key: Hashable) -> bool:
+        """True (and the key is never counted) when the counter cannot run on the step's inputs."""
+        if countable(key):
+            return False
+        self.flops.skip(key)
+        return True
 
     def _hooks_for(self, model: Any, optimizer: Any) -> ModelMarks:
         hooks = self._models.get(model)
@@ -139,6 +178,7 @@ class RunThroughput:
     def end(self, scope: Any, counter: Any, exc: BaseException | None) -> tuple[float | None, bool]:
         """At a step's end: (its FLOPs, whether they were counted in this step)."""
         counted = False
+        key = scope.flops_key
         if counter is not None:
             try:
                 if exc is None:
@@ -146,11 +186,21 @@ class RunThroughput:
                     counted = True
                 else:
                     counter.__exit__(type(exc), exc, None)
+                    if _counter_failed(exc):
+                        self._counter_failed(scope, key, exc)
             except Exception as err:
                 self.rt.errors.report("other", err)
-        key = scope.flops_key
         flops = self.flops.lookup(key) if key is not None else None
         return flops, counted
+
+    def _counter_failed(self, scope: Any, key: Hashable, exc: BaseException) -> None:
+        """The step raised inside the FLOP counter's own code: that key is never counted again,
+        so the user's next try runs without it."""
+        self.flops.skip(key)
+        self.rt.warn_once(("flops", scope.name),
+                          "torchtrace: %s: counting FLOPs failed on this step's ops (%s: %s); its FLOPs are not "
+                          "counted for these input shapes again (record_batch(flops=...) gives them)", scope.name,
+                          type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
 
     # ------------------------------------------------------------ finished records
     def account(self, scope: Any, record: StepRecord) -> None:
@@ -227,6 +277,13 @@ class RunThroughput:
         self._optimizers.clear()
 
 
+def drop_counter(counter: Any) -> None:
+    """Leave a step's FLOP counter without recording its count (the step was abandoned: what
+    it counted so far is part of a step)."""
+    abandoned = RuntimeError("torchtrace: step abandoned")
+    counter.__exit__(RuntimeError, abandoned, None)
+
+
 def batch_of(inputs: tuple | None, given: tuple | None) -> BatchSize | None:
     """The step's batch: inferred from its inputs, with what ``record_batch`` gave in place."""
     batch = infer_batch(inputs[0], inputs[1]) if inputs is not None else None
@@ -252,4 +309,4 @@ def fill_throughput(record: Any, batch: Any, given_flops: float | None, counted_
     record.lr = lr if lr is not None else learning_rates(optimizer)
 
 
-__all__ = ["RunThroughput", "StepClock", "batch_of", "fill_throughput", "learning_rates"]
+__all__ = ["RunThroughput", "StepClock", "batch_of", "drop_counter", "fill_throughput", "learning_rates"]
