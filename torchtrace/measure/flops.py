@@ -27,6 +27,8 @@ import contextlib
 from typing import Any, Hashable, Iterator, Mapping
 
 import torch
+from torch.utils import flop_counter
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure import peaks
@@ -141,6 +143,7 @@ class StepFlops:
         self.max_shapes = max_shapes
         self._flops: dict[Hashable, int | None] = {}  # None: a key that is never counted
         self.counts = 0  # how many steps were counted
+        self.failures = 0  # steps that raised in an op under the counter (their keys are skipped)
 
     def lookup(self, key: Hashable) -> int | None:
         """The FLOPs recorded for ``key``, or None."""
@@ -169,18 +172,67 @@ class StepFlops:
         count: the work ran in kernels the counter has no formula for (the fused inference path
         of ``nn.TransformerEncoder``, custom extensions), and the key gets no FLOPs.
         """
-        mode = FlopCounterMode(display=False)
-        with mode:
-            yield
+        mode = _Counter(display=False)
+        try:
+            with mode:
+                yield
+        except BaseException:
+            if mode.failed:  # an op raised under the counter: never run it there again
+                self.skip(key)
+                self.failures += 1
+            raise
         self.counts += 1
         total = mode.get_total_flops()
-        if total > 0:
+        if total > 0 and not mode.incomplete:
             self.record(key, total)
         else:
             self.skip(key)
 
     def __len__(self) -> int:
         return len(self._flops)
+
+
+_INNER = getattr(flop_counter, "_FlopCounterMode", None)  # the dispatch mode FlopCounterMode pushes
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def _nested_among(args: Any, kwargs: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and leaf.is_nested for leaf in tree_leaves((args, kwargs)))
+
+
+if _INNER is not None:
+    class _Declining(_INNER):  # type: ignore[misc, valid-type]
+        """FlopCounterMode's dispatch mode, except that an op on a nested tensor runs uncounted
+        (torch's own mode fails those ops, and the user's step with them) and marks the
+        count incomplete."""
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if _nested_among(args, kwargs):
+                self.counter.incomplete = True
+                return func(*args, **(kwargs or {}))
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            except _OUT_OF_MEMORY:
+                raise  # the step's own size, not the counter
+            except Exception:
+                self.counter.failed = True  # the op itself, or the counter's code around it
+                raise
+else:  # pragma: no cover - a torch without it: nested tensors made inside a step fail the count
+    _Declining = None
+
+
+class _Counter(FlopCounterMode):
+    """A FlopCounterMode that lets ops on nested tensors run (``incomplete`` says it saw some)
+    and notes an op that raised under it (``failed``)."""
+
+    incomplete = False
+    failed = False
+
+    def __enter__(self) -> "_Counter":
+        super().__enter__()
+        if _Declining is not None and type(getattr(self, "mode", None)) is _INNER:
+            self.mode.__class__ = _Declining  # the pushed mode itself: no torch internals re-done
+        return self
 
 
 def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:

@@ -59,22 +59,6 @@ def _eager_for_now() -> Any:
     return stance("force_eager")
 
 
-def _counter_failed(exc: BaseException) -> bool:
-    """True when ``exc`` came out of ``FlopCounterMode`` (its frames, or its name in the message
-    of a dispatch that every handler declined)."""
-    if "FlopCounterMode" in str(exc):
-        return True
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(_FLOP_COUNTER_FILE):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-_FLOP_COUNTER_FILE = "flop_counter.py"
-
-
 def _compiled(model: Any) -> bool:
     return model is not None and hasattr(model, "_orig_mod")
 
@@ -185,21 +169,22 @@ class RunThroughput:
                     counter.__exit__(None, None, None)
                     counted = True
                 else:
+                    failures = self.flops.failures
                     counter.__exit__(type(exc), exc, None)
-                    if _counter_failed(exc):
-                        self._counter_failed(scope, key, exc)
+                    if self.flops.failures > failures:
+                        self._counter_failed(scope, exc)
             except Exception as err:
                 self.rt.errors.report("other", err)
         flops = self.flops.lookup(key) if key is not None else None
         return flops, counted
 
-    def _counter_failed(self, scope: Any, key: Hashable, exc: BaseException) -> None:
-        """The step raised inside the FLOP counter's own code: that key is never counted again,
-        so the user's next try runs without it."""
-        self.flops.skip(key)
+    def _counter_failed(self, scope: Any, exc: BaseException) -> None:
+        """An op of the step raised under the FLOP counter: that key is never counted again (so
+        the user's next try runs without the counter); say so once."""
         self.rt.warn_once(("flops", scope.name),
-                          "torchtrace: %s: counting FLOPs failed on this step's ops (%s: %s); its FLOPs are not "
-                          "counted for these input shapes again (record_batch(flops=...) gives them)", scope.name,
+                          "torchtrace: %s: an op raised while the step's FLOPs were being counted (%s: %s); "
+                          "steps with these input shapes are not counted again (record_batch(flops=...) gives "
+                          "their FLOPs)", scope.name,
                           type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
 
     # ------------------------------------------------------------ finished records
