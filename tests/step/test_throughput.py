@@ -101,6 +101,30 @@ def test_learning_rate_of_each_group_under_a_scheduler(tmp_path):
         tt.shutdown()
 
 
+@pytest.mark.parametrize("rate, expected", [
+    (0.5, [0.5]), (2, [2.0]), (torch.tensor(0.25), [0.25]), ("0.1", None), (True, None), (None, None),
+    (torch.tensor([0.1, 0.2]), None),
+])
+def test_learning_rates_of_odd_rate_types(rate, expected):
+    """What a config or a scheduler may leave in ``param_groups``: a number of any real type
+    (a NumPy float from a YAML or an array) is a rate; a string, a bool or a tensor of many
+    values is none, and the step has no learning rate rather than a wrong one."""
+    from torchtrace.step.throughput import learning_rates
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    opt.param_groups[0]["lr"] = rate
+    assert learning_rates(opt) == expected
+
+
+def test_learning_rate_of_a_numpy_float(tmp_path):
+    numpy = pytest.importorskip("numpy")
+    from torchtrace.step.throughput import learning_rates
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    opt.param_groups[0]["lr"] = numpy.float32(0.125)
+    assert learning_rates(opt) == [0.125]
+
+
 def test_flops_are_counted_once_per_shape_and_match_the_flop_counter(tmp_path):
     _configure(tmp_path)
     try:

@@ -14,6 +14,7 @@ read).
 from __future__ import annotations
 
 import contextlib
+import numbers
 import sys
 import time
 import warnings
@@ -44,7 +45,7 @@ def learning_rates(optimizer: Any) -> list[float] | None:
             if lr.device.type != "cpu" or lr.numel() != 1:
                 return None  # reading it would wait for the device
             lr = lr.item()
-        if not isinstance(lr, (int, float)):
+        if not isinstance(lr, numbers.Real) or isinstance(lr, bool):  # a NumPy float is a rate too
             return None
         out.append(float(lr))
     return out or None
