@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import torchtrace as tt
 from torchtrace import semconv
 from torchtrace.api import get_runtime
+from torchtrace.record import readout
 
 
 def _configure(tmp_path, **kw):
@@ -123,6 +124,63 @@ def test_learning_rate_of_a_numpy_float(tmp_path):
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     opt.param_groups[0]["lr"] = numpy.float32(0.125)
     assert learning_rates(opt) == [0.125]
+
+
+@pytest.mark.parametrize("update_inside", [True, False])
+def test_gradscaler_overflow_steps_are_skipped_steps_in_goodput(tmp_path, update_inside):
+    """Mixed precision's loss scaler skips the optimizer's update on a step whose scaled
+    gradients overflow (a run's first steps, while the scale backs off from its start). Those
+    steps made no progress: goodput counts them as skipped_step, the rest as productive,
+    whether ``scaler.update()`` runs inside the step or after it. Reference: the scaler's own
+    scale, which drops exactly on the steps it skipped. Before, all were productive."""
+    _configure(tmp_path)
+    try:
+        rt = get_runtime()
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1000)
+        overflowed, durations = [], []
+        reads = readout.reads()
+        for _ in range(16):
+            scale = scaler.get_scale()
+            with tt.debug_context("train_step", model=model, optimizer=opt, scaler=scaler) as step:
+                opt.zero_grad()
+                loss = model(torch.randn(4, 16)).pow(2).mean() * 1e4
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                if update_inside:
+                    scaler.update()
+            if not update_inside:
+                scaler.update()
+            overflowed.append(scaler.get_scale() < scale)
+            durations.append(step.record.duration_s)
+        assert readout.reads() - reads == 16  # the scaler's sign rode in each step's one read
+        assert 0 < sum(overflowed) < len(overflowed)  # the run has both kinds of step
+        section = rt.summary()["throughput"]
+        skipped = sum(d for d, o in zip(durations, overflowed) if o)
+        productive = sum(d for d, o in zip(durations, overflowed) if not o)
+        assert section["badput_s"]["skipped_step"] == pytest.approx(skipped, abs=1e-3)
+        assert section["productive_s"] == pytest.approx(productive, abs=1e-3)
+    finally:
+        tt.shutdown()
+
+
+def test_a_disabled_gradscaler_skips_nothing(tmp_path):
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        for _ in range(3):
+            with tt.debug_context("train_step", model=model, optimizer=opt, scaler=scaler):
+                opt.zero_grad()
+                scaler.scale(model(torch.randn(4, 16)).pow(2).mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+        section = get_runtime().summary()["throughput"]
+        assert section["badput_s"]["skipped_step"] == 0 and section["productive_s"] > 0
+    finally:
+        tt.shutdown()
 
 
 def test_flops_are_counted_once_per_shape_and_match_the_flop_counter(tmp_path):

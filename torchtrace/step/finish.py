@@ -43,6 +43,8 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
         tokens = plan.first("tokens", values)
         if tokens is not None:
             record.tokens = token_count(tokens)
+        if (plan.first("scaler_skipped", values) or 0.0) > 0:  # the loss scaler skipped the update
+            record.scaler_overflow = True
     check = scope.gradients
     if check is not None and check.values is not None and check.stats is not None:
         _evaluate_grads(rt, scope, record, check.values)

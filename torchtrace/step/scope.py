@@ -45,7 +45,7 @@ class StepScope:
 
     __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind",
                  "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
-                 "inputs", "flops_key", "clock", "started_at", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
+                 "inputs", "flops_key", "clock", "started_at", "scale_before", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
                  "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
                  "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
 
@@ -80,6 +80,7 @@ class StepScope:
         self.flops_key: Any = None  # the FLOP table's key: the operation and its inputs' shapes
         self.clock: StepClock | None = None  # phase boundaries (forward, backward, optimizer)
         self.started_at = 0.0  # perf_counter() when the step's body started
+        self.scale_before: Any = None  # the GradScaler's scale at the start (throughput: skipped updates)
 
     # ------------------------------------------------------------ user API
     def record_loss(self, loss: Any) -> None:
@@ -292,9 +293,7 @@ class StepScope:
             plan.add("loss", loss.tensor)
         grads = self._plan_gradients(rt, plan)
         rt.plan_parameter_check(self, plan)
-        batch = rt.throughput.batch(self, self._batch) if self.features.throughput else None
-        if batch is not None and isinstance(batch.tokens, torch.Tensor):
-            plan.add("tokens", batch.tokens.to(torch.float64))
+        batch = rt.throughput.plan(self, self._batch, plan) if self.features.throughput else None
         rt.probes.exit(self, self._states, exc, plan)
         pending = None
         try:

@@ -26,6 +26,7 @@ import torch
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import BatchSize, infer_batch
 from torchtrace.measure.flops import StepFlops, countable, shape_key
+from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.phases import ModelMarks, OptimizerMarks, StepClock, none_ref
@@ -94,6 +95,21 @@ class RunThroughput:
             batch = batch.with_overrides(samples=given[0], tokens=given[1])
         return batch
 
+    def plan(self, scope: Any, given: tuple | None, plan: Any) -> BatchSize | None:
+        """At a step's end: its batch (:meth:`batch`), and into the step's one read the device
+        values throughput needs (a mask's token count; whether a GradScaler skipped the update)."""
+        batch = self.batch(scope, given)
+        if batch is not None and isinstance(batch.tokens, torch.Tensor):
+            plan.add("tokens", batch.tokens.to(torch.float64))
+        if scope.scaler is not None:
+            try:
+                skipped = skipped_update(scope.scaler, scope.optimizer, scope.scale_before)
+                if skipped is not None:
+                    plan.add("scaler_skipped", skipped)
+            except Exception as exc:
+                self.rt.errors.report("step", exc)
+        return batch
+
     @staticmethod
     def key_of(name: str, inputs: tuple | None) -> Hashable | None:
         """The FLOP table's key of a step: its operation and its inputs' shapes."""
@@ -104,6 +120,7 @@ class RunThroughput:
         failure here costs the step its throughput figures, never its record."""
         try:
             scope.flops_key = key = self.key_of(scope.name, scope.inputs)
+            scope.scale_before = scale_at_start(scope.scaler) if scope.scaler is not None else None
             return (key, *self.begin(scope, outermost))
         except Exception as exc:
             self.rt.errors.report("step", exc)
@@ -199,7 +216,8 @@ class RunThroughput:
         start = scope.started_at
         flops = record.flops
         record.data_wait_s, findings = self.ledger.post(
-            start, start + record.duration_s, not record.skipped and record.exception_type is None,
+            start, start + record.duration_s,
+            not (record.skipped or record.scaler_overflow) and record.exception_type is None,  # update applied
             record.flops_counted, record.samples, record.tokens, int(flops) if flops is not None else None,
             record.kind, record.operation)
         for finding in findings:

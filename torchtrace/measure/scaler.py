@@ -1,0 +1,73 @@
+"""Whether a mixed-precision loss scaler (``torch.amp.GradScaler``) skipped a step's optimizer
+update, as a device value read with the step's one host read.
+
+A scaler skips the update of a step whose scaled gradients overflowed, and then halves its
+scale: a run's first steps do so while the scale backs off from its start, and any step
+later can. Such a step made no progress, which goodput counts as ``skipped_step``. Two signs,
+both on the device and never waited for here:
+
+- the scaler's record of infinities found for the optimizer in this step, while it still
+  holds it (the user calls ``scaler.update()`` after the step);
+- otherwise its scale now below the scale at the step's start (``update()`` ran inside it;
+  ``update()`` lowers the scale exactly when it found infinities).
+
+Before the scaler's first ``scale()`` call it has no scale yet: the scale at the start of
+that step is the one it starts from (``init_scale``). The scaler's own attributes are read
+(``_scale``, ``_init_scale``, ``_per_optimizer_states``); a scaler without them gives no sign.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def scale_at_start(scaler: Any) -> torch.Tensor | float | None:
+    """A copy of the scaler's scale now (a device op); before its first ``scale()`` call, the
+    scale it will start from (a number); None without either."""
+    if scaler is None or not _enabled(scaler):
+        return None
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().clone()
+    initial = getattr(scaler, "_init_scale", None)
+    return float(initial) if isinstance(initial, (int, float)) else None
+
+
+def skipped_update(scaler: Any, optimizer: Any, before: torch.Tensor | float | None) -> torch.Tensor | None:
+    """A 0-d float64 device tensor, above 0 when the scaler skipped this step's update; None
+    when there is no sign to read.
+
+    >>> scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    >>> _ = scaler.scale(torch.ones(()))
+    >>> before = scale_at_start(scaler)
+    >>> scaler.update(new_scale=2.0)
+    >>> float(skipped_update(scaler, None, before))
+    1.0
+    """
+    if scaler is None or not _enabled(scaler):
+        return None
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if optimizer is not None and isinstance(states, dict) and id(optimizer) in states:
+        found = states[id(optimizer)].get("found_inf_per_device")
+        if found:
+            values = list(found.values())
+            first = values[0]
+            total = sum((v.to(first.device, non_blocking=True) for v in values[1:]), first)
+            return total.detach().to(torch.float64).reshape(())
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, torch.Tensor) and (isinstance(before, float) or (isinstance(before, torch.Tensor)
+                                                                            and scale.device == before.device)):
+        return (scale.detach() < before).to(torch.float64).reshape(())
+    return None
+
+
+def _enabled(scaler: Any) -> bool:
+    try:
+        return bool(scaler.is_enabled())
+    except Exception:
+        return False
+
+
+__all__ = ["scale_at_start", "skipped_update"]
