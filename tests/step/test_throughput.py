@@ -165,6 +165,35 @@ def test_gradscaler_overflow_steps_are_skipped_steps_in_goodput(tmp_path, update
         tt.shutdown()
 
 
+def test_a_gradscaler_passed_to_the_step_function_is_found(tmp_path):
+    """The decorator form with the scaler among the step's arguments, no ``scaler=``."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1000)
+
+        @tt.debug_operation
+        def amp_step(model, batch, opt, scaler):
+            opt.zero_grad()
+            scaler.scale(model(batch).pow(2).mean() * 1e4).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        overflowed, durations = [], []
+        for _ in range(16):
+            scale = scaler.get_scale()
+            amp_step(model, torch.randn(4, 16), opt, scaler=scaler)
+            overflowed.append(scaler.get_scale() < scale)
+            durations.append(get_runtime().history.steps()[-1]["duration_s"])
+        assert 0 < sum(overflowed) < len(overflowed)
+        section = get_runtime().summary()["throughput"]
+        assert section["badput_s"]["skipped_step"] == pytest.approx(
+            sum(d for d, o in zip(durations, overflowed) if o), abs=1e-3)
+    finally:
+        tt.shutdown()
+
+
 def test_a_disabled_gradscaler_skips_nothing(tmp_path):
     _configure(tmp_path)
     try:

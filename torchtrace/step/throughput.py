@@ -61,6 +61,24 @@ def _eager_for_now() -> Any:
     return stance("force_eager")
 
 
+_GRAD_SCALER = getattr(torch.amp, "GradScaler", None)
+
+
+def _scaler_among(inputs: tuple) -> Any:
+    """The first GradScaler among a step's arguments (not looked for inside containers)."""
+    if _GRAD_SCALER is None:
+        return None
+    args, kwargs = inputs
+    for value in args:
+        if isinstance(value, _GRAD_SCALER):
+            return value
+    if kwargs:
+        for value in kwargs.values():
+            if isinstance(value, _GRAD_SCALER):
+                return value
+    return None
+
+
 def _compiled(model: Any) -> bool:
     return model is not None and hasattr(model, "_orig_mod")
 
@@ -120,6 +138,8 @@ class RunThroughput:
         failure here costs the step its throughput figures, never its record."""
         try:
             scope.flops_key = key = self.key_of(scope.name, scope.inputs)
+            if scope.scaler is None and scope.inputs is not None:
+                scope.scaler = _scaler_among(scope.inputs)  # a scaler passed to the step function
             scope.scale_before = scale_at_start(scope.scaler) if scope.scaler is not None else None
             return (key, *self.begin(scope, outermost))
         except Exception as exc:
