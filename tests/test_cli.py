@@ -75,6 +75,19 @@ def test_demo_tells_the_story_in_a_pipe(tmp_path):
     spans = [json.loads(l) for l in (only_run(tmp_path) / "spans.jsonl").read_text().splitlines()]
     assert len(spans) == 120
     assert [s["attributes"]["torchtrace.step"] for s in spans if s["status"] == "ERROR"] == [50]
+    # the summary's throughput row: the run's own window, against a plain count over its last 20 spans
+    row = re.search(r"\n  throughput +([\d,]+) samples/s, [\d.,]+ GFLOP/s, no MFU \(this device's peak is unknown",
+                    out)
+    tp = report["throughput"]["operations"]["train_step"]
+    assert row and int(row.group(1).replace(",", "")) == round(tp["samples_per_s"]), out
+    last = spans[-20:]
+    cycles = sum((s["end_unix_ns"] - s["start_unix_ns"]) / 1e9 + s["attributes"]["torchtrace.data_wait_s"]
+                 for s in last)
+    assert tp["samples_per_s"] == pytest.approx(sum(s["attributes"]["torchtrace.samples"] for s in last) / cycles,
+                                                 rel=0.03)
+    # ... and where the wall time went: the skipped update and the replay among the rest
+    assert re.search(r"\n  goodput +\d+% of wall time in applied updates; the rest: startup .*forensics", out)
+    assert "skipped_step" in re.search(r"\n  goodput .*\n", out).group(0)
 
 
 @pytest.mark.timeout(120)

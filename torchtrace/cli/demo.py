@@ -177,7 +177,7 @@ def _train(model, opt, teacher, faults: dict[int, str], steps: int, console: Con
 
         try:
             with tt.debug_context("train_step", model=model, optimizer=opt, step=i,
-                                  replay=forward_and_loss) as step:
+                                  replay=forward_and_loss, inputs=(x, y)) as step:
                 loss = forward_and_loss()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
