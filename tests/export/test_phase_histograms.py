@@ -47,7 +47,9 @@ def test_wait_and_phase_histograms_hold_every_step(scrape_at):
         rec = StepRecord(operation="train_step", step=i, level="basic", start_unix_ns=1, end_unix_ns=2,
                          duration_s=0.01, memory={})
         if i:  # the first step has no data wait
-            rec.data_wait_s = rng.choice([0.0, rng.uniform(0, 0.003), rng.uniform(0.01, 3.0)])
+            # exact bucket bounds too: a value equal to a bound belongs to that bound's bucket
+            rec.data_wait_s = rng.choice([0.0, rng.uniform(0, 0.003), rng.uniform(0.01, 3.0),
+                                          rng.choice(semconv.DATA_WAIT_BUCKETS)])
             waits.append(rec.data_wait_s)
         if i % 7:  # some steps without phases (the forward was not seen)
             rec.phases = {p: rng.uniform(0, 0.2) for p in semconv.PHASES if not (p == "optimizer" and i % 5 == 0)}

@@ -284,6 +284,10 @@ def _health(attrs: dict[str, Any], record: StepRecord) -> None:
     attrs[semconv.OVERHEAD_SECONDS] = record.overhead_s
 
 
+_PHASE_ATTRIBUTES = dict(zip(semconv.PHASES, (semconv.PHASE_FORWARD_S, semconv.PHASE_BACKWARD_S,
+                                               semconv.PHASE_OPTIMIZER_S)))
+
+
 def _throughput(attrs: dict[str, Any], record: StepRecord) -> None:
     if record.samples is not None:
         attrs[semconv.SAMPLES] = record.samples
@@ -297,10 +301,10 @@ def _throughput(attrs: dict[str, Any], record: StepRecord) -> None:
         attrs[semconv.DATA_WAIT_S] = record.data_wait_s
     phases = record.phases
     if phases:
-        for phase, key in ((semconv.PHASES[0], semconv.PHASE_FORWARD_S), (semconv.PHASES[1], semconv.PHASE_BACKWARD_S),
-                           (semconv.PHASES[2], semconv.PHASE_OPTIMIZER_S)):
-            if phase in phases:
-                attrs[key] = phases[phase]
+        for phase, seconds in phases.items():
+            key = _PHASE_ATTRIBUTES.get(phase)
+            if key is not None:
+                attrs[key] = seconds
 
 
 def _probe_events(found: list, attrs: dict[str, Any], record: StepRecord) -> None:

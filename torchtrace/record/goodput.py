@@ -285,11 +285,23 @@ class GoodputLedger:
     def _book(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
               tokens: int | None, flops: int | None, kind: str, operation: str, wait: float | None) -> None:
         same_operation = self._last_operation == operation
-        if start > self._cursor:
-            self._count(self._cursor, start, "data_wait" if self._started else "startup")
-        if end > self._cursor:
-            self._count(max(start, self._cursor), end,
-                        (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind])
+        cursor = self._cursor
+        if not self._replays and not self._debt:  # the common case: no replay to take out
+            totals = self._totals
+            if start > cursor:
+                totals["data_wait" if self._started else "startup"] += start - cursor
+                cursor = start
+            if end > cursor:
+                totals[(_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind]] \
+                    += end - cursor
+                cursor = end
+            self._cursor = cursor
+        else:
+            if start > cursor:
+                self._count(cursor, start, "data_wait" if self._started else "startup")
+            if end > self._cursor:
+                self._count(max(start, self._cursor), end,
+                            (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind])
         self._started = True
         self._last_operation = operation
         window = self._windows.get(operation) or self._window(operation)
@@ -308,10 +320,6 @@ class GoodputLedger:
 
     def _count(self, a: float, b: float, kind: str) -> None:
         """Count [a, b] as ``kind``, less the forensic seconds in it; advance the cursor."""
-        if not self._replays and not self._debt:  # the common case: no replay to take out
-            self._totals[kind] += b - a
-            self._cursor = b
-            return
         self._replays, inside, repaid = _split(a, b, self._replays, self._debt)
         self._debt -= repaid
         self._totals[kind] += (b - a) - inside - repaid

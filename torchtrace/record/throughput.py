@@ -147,7 +147,10 @@ class OperationWindow:
     def add(self, duration: float, wait: float, samples: int | None, tokens: int | None,
             flops: int | None, rules: bool = True) -> list[Finding]:
         """Add one step; with ``rules``, evaluate the rules on it. Returns what they found."""
-        duration, wait = max(0.0, duration), max(0.0, wait)
+        if duration < 0.0:
+            duration = 0.0
+        if wait < 0.0:
+            wait = 0.0
         cycle = duration + wait
         self.entries.append((cycle, wait, samples, tokens, flops))
         self.seen += 1

@@ -95,6 +95,7 @@ class RunThroughput:
         self._peaks: dict[str, float | None] = {}
         self._peak_known = False
         self._batches: dict[Hashable, BatchSize] = {}
+        self._no_scaler: set[str] = set()  # operations whose arguments hold no GradScaler
         self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
 
     # ------------------------------------------------------------ step start and end
@@ -138,8 +139,12 @@ class RunThroughput:
         failure here costs the step its throughput figures, never its record."""
         try:
             scope.flops_key = key = self.key_of(scope.name, scope.inputs)
-            if scope.scaler is None and scope.inputs is not None:
-                scope.scaler = _scaler_among(scope.inputs)  # a scaler passed to the step function
+            if scope.scaler is None and scope.inputs is not None and scope.name not in self._no_scaler:
+                # A scaler passed to the step function; an operation whose first step had none
+                # is not searched again.
+                scope.scaler = _scaler_among(scope.inputs)
+                if scope.scaler is None and len(self._no_scaler) < 1024:
+                    self._no_scaler.add(scope.name)
             scope.scale_before = scale_at_start(scope.scaler) if scope.scaler is not None else None
             return (key, *self.begin(scope, outermost))
         except Exception as exc:
