@@ -57,9 +57,9 @@ def set_auto_configure(fn: Callable[[], Any]) -> None:
     _auto_configure = fn
 
 
-def step() -> Any:
-    """The innermost open step scope of this thread or task, or None."""
-    return _step.get()
+# step(): the innermost open step scope of this thread or task, or None. The context
+# variable's own getter (a C call): the phase marks ask it on every forward and optimizer step.
+step: Callable[[], Any] = _step.get
 
 
 def enter_step(scope: Any) -> contextvars.Token:

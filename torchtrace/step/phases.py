@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,10 +22,16 @@ _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
 
 
+def _recorded_event() -> Any:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class StepClock:
     """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
 
-    __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda", "graph")
+    __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda", "graph", "mark")
 
     def __init__(self, cuda: bool) -> None:
         self.forward_start: Any = None
@@ -34,13 +40,9 @@ class StepClock:
         self.optimizer_end: Any = None
         self.cuda = cuda
         self.graph = True  # the forward ran with autograd on (without it, no backward can follow)
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        # mark(): a boundary now, a host time or a recorded CUDA event (the clock itself when
+        # on the host: one C call per mark).
+        self.mark: Callable[[], Any] = _recorded_event if cuda else time.perf_counter
 
     def announce(self, point: str) -> None:
         """A boundary a framework hook announces (``forward_start``, ``forward_end``,
