@@ -116,6 +116,18 @@ def test_a_rank_that_raises_does_not_hang_the_other(worker):
 
 
 @pytest.mark.timeout(200)
+def _ddp_example_flops() -> int:
+    """FLOPs of one step of examples/ddp_train.py's model and batch, counted the reference way."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    x = torch.randn(32, 16)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
+    return counter.get_total_flops()
+
+
 def test_example_ddp_train_under_torchrun(tmp_path):
     base = _free_port()
     blocker = socket.socket()
@@ -149,6 +161,15 @@ def test_example_ddp_train_under_torchrun(tmp_path):
         traces[r] = {s["attributes"]["torchtrace.step"]: s["trace_id"] for s in spans}
         ids = {s["resource"]["service.instance.id"] for s in spans}
         assert len(ids) == 1
+        # throughput on every rank: this rank's batch, FLOPs counted once (against FlopCounterMode
+        # on the same model outside DDP), the three phases, and goodput in the report
+        assert all(s["attributes"]["torchtrace.samples"] == 32 for s in spans)
+        assert {s["attributes"]["torchtrace.flops"] for s in spans} == {_ddp_example_flops()}
+        assert all(s["attributes"]["torchtrace.phase.optimizer_s"] > 0 and s["attributes"]["torchtrace.phase.forward_s"]
+                   > 0 and s["attributes"]["torchtrace.phase.backward_s"] > 0 for s in spans)
+        section = report["throughput"]
+        assert 0 < section["goodput_ratio"] < 1 and section["operations"]["train_step"]["samples_per_s"] > 0
+        assert section["productive_s"] + sum(section["badput_s"].values()) == pytest.approx(section["wall_s"])
     assert ports[1] == base + 1 and ports[0] == base + 2  # base + local rank; fallback strides by 2
     assert traces[0] == traces[1] and len(set(traces[0].values())) == 10  # one trace per step, all ranks
     assert sorted(p.name for p in run.iterdir()) == ["report.rank0.json", "report.rank1.json",
