@@ -91,13 +91,20 @@ def scenario_shard(out: str, rank: int, world: int) -> dict:
         configure(out)
         half = x.shape[0] // world
         xs, ys = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
-        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+        # inputs=: this step is also the one whose FLOPs are counted, under FSDP2's collectives
+        with tt.debug_context("train_step", model=model, optimizer=opt, inputs=(xs, ys)) as step:
             loss = torch.nn.functional.mse_loss(model(xs), ys)
             loss.backward()
             step.record_loss(loss)
             opt.step()
         tt.flush()
         rec = step.record
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:  # the reference: an unsharded copy, same batch
+            torch.nn.functional.mse_loss(Net().double()(xs), ys).backward()
+        result["fsdp_flops"], result["fsdp_flops_ref"] = rec.flops, counter.get_total_flops()
+        result["fsdp_samples"] = rec.samples
         result["fsdp_total"] = rec.grad_norm
         result["fsdp_scope"] = rec.grad_norm_scope
         result["fsdp_names"] = rec.grad_names

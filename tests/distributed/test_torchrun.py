@@ -75,6 +75,8 @@ def test_global_grad_norm_fsdp2_and_dtensor_match_single_process(worker):
         for got, want in zip(res["fsdp_per"], ref_per):
             assert abs(got - want) / want < 1e-5
         assert res["fsdp_names"] == ["encoder.weight", "encoder.bias", "head.weight", "head.bias"]
+        # FLOPs counted on the FSDP2 step: this rank's batch through the whole model
+        assert res["fsdp_samples"] == 6 and res["fsdp_flops"] == res["fsdp_flops_ref"] > 0
         # One all_reduce per recorded step: one for the direct DTensor call, one for the FSDP step.
         assert res["collectives"] == {"grad_norm": 2}
 
