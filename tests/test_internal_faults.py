@@ -16,6 +16,7 @@ import torchtrace as tt
 from tests.conftest import TinyNet
 from torchtrace.probes.base import Probe
 from torchtrace.step import runtime as runtime_mod
+from torchtrace.step import throughput as throughput_mod
 from torchtrace.api import get_runtime
 from torchtrace import files
 from torchtrace.export import metrics, tracing
@@ -56,6 +57,8 @@ FAULTS = {
     "gradient_norms": (gradients, "gradient_norms", {"gradients"}),
     "host_readout": (readout, "start", {"record"}),
     "span_start": (runtime_mod.Runtime, "at_step_boundary", {"step"}),
+    "throughput_start": (throughput_mod.RunThroughput, "begin", {"step"}),
+    "throughput_end": (throughput_mod.RunThroughput, "account", {"record"}),
     "history": (history.History, "add_step", {"record"}),
     "loss_rule": (rules, "evaluate_loss", {"record"}),
     "probe_enter": None,
@@ -120,6 +123,10 @@ def test_injected_fault_is_counted_and_training_is_unchanged(fault, tmp_path, mo
     for component in expected:
         value = rt.metrics.internal_errors.labels(rt.settings.run_id, "0", component)._value.get()
         assert value == counted[component] >= 1
+    # Every step is still recorded (its start failing loses that step's record, by design; a
+    # failing history cannot hold them), whatever else the fault cost.
+    if fault not in ("span_start", "history"):
+        assert rt.history.totals.get("steps") == STEPS, rt.history.totals
     # Logged once per (component, exception type), not once per step.
     internal = [r for r in caplog.records if "internal error" in r.getMessage()]
     assert 1 <= len(internal) <= len({(c, "RuntimeError") for c in counted}) + 1

@@ -112,13 +112,19 @@ def test_a_step_whose_start_fails_leaves_no_span_context_or_counter_behind(tmp_p
     assert rt.errors.by_component == {"step": 1}
 
 
-def test_a_throughput_failure_at_the_start_costs_only_the_throughput_figures(tmp_path, tiny_model, monkeypatch):
+@pytest.mark.parametrize("where", ["start", "end"])
+def test_a_throughput_failure_costs_only_the_throughput_figures(tmp_path, tiny_model, monkeypatch, where):
+    """At the step's start (its shape key) or its end (the goodput booking): the step's record
+    is still there, with its loss. Before, a failure at the end lost the whole record."""
     _configure(tmp_path, strict=False)
 
-    def boom(name, inputs):
+    def boom(*args):
         raise RuntimeError("planted")
 
-    monkeypatch.setattr(RunThroughput, "key_of", staticmethod(boom))
+    if where == "start":
+        monkeypatch.setattr(RunThroughput, "key_of", staticmethod(boom))
+    else:
+        monkeypatch.setattr(RunThroughput, "account", boom)
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.01)
 
     @tt.debug_operation(name="train_step", model=tiny_model, optimizer=opt)
@@ -132,8 +138,9 @@ def test_a_throughput_failure_at_the_start_costs_only_the_throughput_figures(tmp
     losses = [step(torch.ones(4, 8)).item() for _ in range(2)]
     records = _records("train_step")
     assert [r["loss"] for r in records] == pytest.approx(losses)
-    assert all(r.get("flops") is None and r.get("phases") is None for r in records)
-    assert get_runtime().errors.by_component == {"step": 2}
+    if where == "start":
+        assert all(r.get("flops") is None and r.get("phases") is None for r in records)
+    assert get_runtime().errors.by_component == {"step" if where == "start" else "record": 2}
 
 
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])

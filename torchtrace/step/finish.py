@@ -30,8 +30,32 @@ _LOG_EVERY = 100
 
 def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float] | None, span: Any,
            exc: BaseException | None) -> None:
-    """Turn host values into the record's fields, anomalies, policy decisions and telemetry."""
+    """Turn host values into the record's fields, anomalies, policy decisions and telemetry.
+
+    Each stage is guarded on its own: an internal error costs the record that stage's part
+    (counted under ``record``), never the whole record, which is exported all the same.
+    """
     states, _ = scope.hand_over()
+    _guarded(rt, _fill, rt, scope, record, plan, values)
+    _guarded(rt, _judge, rt, scope, record, exc)
+    _guarded(rt, rt.probes.finish, scope, states, record, plan, values)
+    if scope.features.throughput:
+        _guarded(rt, _throughput, rt, scope, record)
+    _guarded(rt, _apply_policy, rt, scope, record)
+    export(rt, record, span, exc)
+    scope.release()
+
+
+def _guarded(rt: Any, stage: Any, *args: Any) -> None:
+    try:
+        stage(*args)
+    except Exception as err:
+        rt.errors.report("record", err)
+
+
+def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float] | None) -> None:
+    """The host values of the step's one read into the record: loss, gradients, parameters,
+    tokens, the loss scaler's skipped update."""
     if values is not None:
         loss = plan.first("loss", values)
         if loss is not None:
@@ -48,18 +72,20 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
     check = scope.gradients
     if check is not None and check.values is not None and check.stats is not None:
         _evaluate_grads(rt, scope, record, check.values)
+
+
+def _judge(rt: Any, scope: Any, record: StepRecord, exc: BaseException | None) -> None:
+    """The rules on the filled record (loss, exception), and the parameters of a bad step."""
     rules.evaluate_loss(record)
     if exc is not None:
         rules.evaluate_exception(record, exc, scope.features.anomaly_mode)
     if not record.param_checked and record.nonfinite and scope.features.param_stats:
         _check_parameters_now(rt, scope, record)
-    rt.probes.finish(scope, states, record, plan, values)
-    if scope.features.throughput:
-        record.phases = scope.phases()
-        rt.throughput.account(scope, record)
-    _apply_policy(rt, scope, record)
-    export(rt, record, span, exc)
-    scope.release()
+
+
+def _throughput(rt: Any, scope: Any, record: StepRecord) -> None:
+    record.phases = scope.phases()
+    rt.throughput.account(scope, record)
 
 
 def export(rt: Any, record: StepRecord, span: Any, exc: BaseException | None) -> None:
