@@ -29,6 +29,21 @@ def _records(name):
     return [s for s in rt.history.steps() if s["operation"] == name]
 
 
+def _train_step(model):
+    """A decorated SGD step named train_step on ``model``, returning the loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 def _nested(layout):
     torch.manual_seed(3)
     return torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(5, 4)], layout=layout)
@@ -89,15 +104,7 @@ def test_a_step_whose_start_fails_leaves_no_span_context_or_counter_behind(tmp_p
         return enter(scope)
 
     monkeypatch.setattr(rt.probes, "enter", failing_once)
-    opt = torch.optim.SGD(tiny_model.parameters(), lr=0.01)
-
-    @tt.debug_operation(name="train_step", model=tiny_model, optimizer=opt)
-    def step(x):
-        opt.zero_grad()
-        loss = tiny_model(x).sum()
-        loss.backward()
-        opt.step()
-        return loss
+    step = _train_step(tiny_model)
 
     x = torch.randn(4, 8)
     for _ in range(3):
@@ -125,15 +132,7 @@ def test_a_throughput_failure_costs_only_the_throughput_figures(tmp_path, tiny_m
         monkeypatch.setattr(RunThroughput, "key_of", staticmethod(boom))
     else:
         monkeypatch.setattr(RunThroughput, "account", boom)
-    opt = torch.optim.SGD(tiny_model.parameters(), lr=0.01)
-
-    @tt.debug_operation(name="train_step", model=tiny_model, optimizer=opt)
-    def step(x):
-        opt.zero_grad()
-        loss = tiny_model(x).sum()
-        loss.backward()
-        opt.step()
-        return loss
+    step = _train_step(tiny_model)
 
     losses = [step(torch.ones(4, 8)).item() for _ in range(2)]
     records = _records("train_step")
@@ -190,16 +189,7 @@ def test_a_flop_count_that_breaks_the_step_is_not_tried_again(tmp_path, tiny_mod
 
     monkeypatch.setattr(FlopCounterMode, "_count_flops", planted)
     _configure(tmp_path)
-    opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
-
-    @tt.debug_operation(name="train_step", model=tiny_model, optimizer=opt)
-    def step(x):
-        opt.zero_grad()
-        loss = tiny_model(x).sum()
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = _train_step(tiny_model)
     caplog.set_level(logging.WARNING, logger="torchtrace")
     with pytest.raises(error, match="planted counter failure"):
         step(torch.randn(4, 8))

@@ -126,16 +126,36 @@ def test_learning_rate_of_a_numpy_float(tmp_path):
     assert learning_rates(opt) == [0.125]
 
 
-@pytest.mark.parametrize("update_inside", [True, False])
-def test_gradscaler_overflow_steps_are_skipped_steps_in_goodput(tmp_path, update_inside):
+def _amp_step(model, opt, scaler, form: str) -> float:
+    """One step of a scaled loss (large enough to overflow while the scale is high), in one of
+    the forms a user writes it; returns the step's duration."""
+    def body(model, batch, opt, scaler):
+        opt.zero_grad()
+        scaler.scale(model(batch).pow(2).mean() * 1e4).backward()
+        scaler.step(opt)
+        if form != "update after the step":
+            scaler.update()
+
+    if form == "scaler as an argument":  # the decorator, no scaler=: found among the arguments
+        tt.debug_operation(name="train_step")(body)(model, torch.randn(4, 16), opt, scaler=scaler)
+        return get_runtime().history.steps()[-1]["duration_s"]
+    with tt.debug_context("train_step", model=model, optimizer=opt, scaler=scaler) as step:
+        body(model, torch.randn(4, 16), opt, scaler)
+    if form == "update after the step":
+        scaler.update()
+    return step.record.duration_s
+
+
+@pytest.mark.parametrize("form", ["update inside the step", "update after the step", "scaler as an argument"])
+def test_gradscaler_overflow_steps_are_skipped_steps_in_goodput(tmp_path, form):
     """Mixed precision's loss scaler skips the optimizer's update on a step whose scaled
     gradients overflow (a run's first steps, while the scale backs off from its start). Those
     steps made no progress: goodput counts them as skipped_step, the rest as productive,
-    whether ``scaler.update()`` runs inside the step or after it. Reference: the scaler's own
-    scale, which drops exactly on the steps it skipped. Before, all were productive."""
+    whether ``scaler.update()`` runs inside the step or after it, and with the scaler passed
+    to a decorated step. Reference: the scaler's own scale, which drops exactly on the steps
+    it skipped. Before, all were productive."""
     _configure(tmp_path)
     try:
-        rt = get_runtime()
         model = _mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1000)
@@ -143,53 +163,15 @@ def test_gradscaler_overflow_steps_are_skipped_steps_in_goodput(tmp_path, update
         reads = readout.reads()
         for _ in range(16):
             scale = scaler.get_scale()
-            with tt.debug_context("train_step", model=model, optimizer=opt, scaler=scaler) as step:
-                opt.zero_grad()
-                loss = model(torch.randn(4, 16)).pow(2).mean() * 1e4
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                if update_inside:
-                    scaler.update()
-            if not update_inside:
-                scaler.update()
+            durations.append(_amp_step(model, opt, scaler, form))
             overflowed.append(scaler.get_scale() < scale)
-            durations.append(step.record.duration_s)
         assert readout.reads() - reads == 16  # the scaler's sign rode in each step's one read
         assert 0 < sum(overflowed) < len(overflowed)  # the run has both kinds of step
-        section = rt.summary()["throughput"]
+        section = get_runtime().summary()["throughput"]
         skipped = sum(d for d, o in zip(durations, overflowed) if o)
         productive = sum(d for d, o in zip(durations, overflowed) if not o)
         assert section["badput_s"]["skipped_step"] == pytest.approx(skipped, abs=1e-3)
         assert section["productive_s"] == pytest.approx(productive, abs=1e-3)
-    finally:
-        tt.shutdown()
-
-
-def test_a_gradscaler_passed_to_the_step_function_is_found(tmp_path):
-    """The decorator form with the scaler among the step's arguments, no ``scaler=``."""
-    _configure(tmp_path)
-    try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1000)
-
-        @tt.debug_operation
-        def amp_step(model, batch, opt, scaler):
-            opt.zero_grad()
-            scaler.scale(model(batch).pow(2).mean() * 1e4).backward()
-            scaler.step(opt)
-            scaler.update()
-
-        overflowed, durations = [], []
-        for _ in range(16):
-            scale = scaler.get_scale()
-            amp_step(model, torch.randn(4, 16), opt, scaler=scaler)
-            overflowed.append(scaler.get_scale() < scale)
-            durations.append(get_runtime().history.steps()[-1]["duration_s"])
-        assert 0 < sum(overflowed) < len(overflowed)
-        section = get_runtime().summary()["throughput"]
-        assert section["badput_s"]["skipped_step"] == pytest.approx(
-            sum(d for d, o in zip(durations, overflowed) if o), abs=1e-3)
     finally:
         tt.shutdown()
 

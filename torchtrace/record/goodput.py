@@ -286,22 +286,22 @@ class GoodputLedger:
               tokens: int | None, flops: int | None, kind: str, operation: str, wait: float | None) -> None:
         same_operation = self._last_operation == operation
         cursor = self._cursor
+        gap = "data_wait" if self._started else "startup"
+        own = (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind]
         if not self._replays and not self._debt:  # the common case: no replay to take out
             totals = self._totals
             if start > cursor:
-                totals["data_wait" if self._started else "startup"] += start - cursor
+                totals[gap] += start - cursor
                 cursor = start
             if end > cursor:
-                totals[(_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind]] \
-                    += end - cursor
+                totals[own] += end - cursor
                 cursor = end
             self._cursor = cursor
         else:
             if start > cursor:
-                self._count(cursor, start, "data_wait" if self._started else "startup")
+                self._count(cursor, start, gap)
             if end > self._cursor:
-                self._count(max(start, self._cursor), end,
-                            (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind])
+                self._count(max(start, self._cursor), end, own)
         self._started = True
         self._last_operation = operation
         window = self._windows.get(operation) or self._window(operation)

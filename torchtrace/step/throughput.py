@@ -23,6 +23,7 @@ from typing import Any, Hashable
 
 import torch
 
+from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import BatchSize, infer_batch
 from torchtrace.measure.flops import StepFlops, countable, shape_key
@@ -59,24 +60,6 @@ def _eager_for_now() -> Any:
     if stance is None:
         return contextlib.nullcontext()
     return stance("force_eager")
-
-
-_GRAD_SCALER = getattr(torch.amp, "GradScaler", None)
-
-
-def _scaler_among(inputs: tuple) -> Any:
-    """The first GradScaler among a step's arguments (not looked for inside containers)."""
-    if _GRAD_SCALER is None:
-        return None
-    args, kwargs = inputs
-    for value in args:
-        if isinstance(value, _GRAD_SCALER):
-            return value
-    if kwargs:
-        for value in kwargs.values():
-            if isinstance(value, _GRAD_SCALER):
-                return value
-    return None
 
 
 def _compiled(model: Any) -> bool:
@@ -142,7 +125,8 @@ class RunThroughput:
             if scope.scaler is None and scope.inputs is not None and scope.name not in self._no_scaler:
                 # A scaler passed to the step function; an operation whose first step had none
                 # is not searched again.
-                scope.scaler = _scaler_among(scope.inputs)
+                scalers = find_side_effect_owners(*scope.inputs)[1]
+                scope.scaler = scalers[0] if scalers else None
                 if scope.scaler is None and len(self._no_scaler) < 1024:
                     self._no_scaler.add(scope.name)
             scope.scale_before = scale_at_start(scope.scaler) if scope.scaler is not None else None
