@@ -25,6 +25,12 @@ Variants:
              its activation hooks stay registered on that copy between rounds, as in a job
              that stays at EXTREME, while the other variants' model carries none (a level
              change removes the hooks, and the rounds change the level every few steps)
+  marks      the floor plus the least any step-phase timing costs, on an identical copy of the
+             model (its own optimizer): a call-through in the model's call seam reads the clock
+             around the forward, the optimizer's step pre/post hooks read it around the update,
+             and each step keeps its start and end times, its four phase marks and its batch's
+             first dimension in a bounded deque; nothing is processed or exported. marks - floor
+             is what the throughput features cannot go below with phases timed on the host
   seed       the per-parameter checks a hand-written monitor does: isnan/isinf/norm().item()
              per gradient and mean/std/norm .item() per parameter
   anomaly    the plain step inside torch.autograd.detect_anomaly() always on
@@ -33,6 +39,7 @@ Variants:
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import logging
 import math
@@ -57,7 +64,8 @@ from torchtrace.levels import DebugLevel  # noqa: E402
 from torchtrace.record import readout  # noqa: E402
 from torchtrace.record.step import StepRecord  # noqa: E402
 
-VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "advanced", "extreme", "seed", "anomaly")
+VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "advanced", "extreme", "marks", "seed",
+            "anomaly")
 
 
 # ---------------------------------------------------------------- workloads
@@ -118,15 +126,16 @@ class Workload:
         self.optimizer.step()
         return loss
 
-    def floor_step(self, model, batch):
+    def floor_step(self, model, batch, optimizer=None):
         """``step`` plus one fused gradient norm pass and one host read (the ``floor`` variant)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer = optimizer or self.optimizer
+        optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(model, batch)
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
         torch.cat([loss.detach().reshape(1).to(torch.float64), norms]).tolist()
-        self.optimizer.step()
+        optimizer.step()
         return loss
 
 
@@ -189,9 +198,40 @@ def seed_checks(model: torch.nn.Module) -> dict:
     return out
 
 
+def marks_runner(wl: Workload):
+    """The ``marks`` variant: the floor step on a copy of the model, with the raw clock reads
+    and batch size any phase timing needs kept per step, and nothing else."""
+    model = copy.deepcopy(wl.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=wl.optimizer.param_groups[0]["lr"])
+    clock, impl, batch = time.perf_counter, type(model)._call_impl, wl.batch
+    marks: list[float] = []
+    kept: collections.deque = collections.deque(maxlen=1024)
+
+    def seam(*args, **kwargs):
+        marks.append(clock())
+        out = impl(model, *args, **kwargs)
+        marks.append(clock())
+        return out
+
+    model.__dict__["_compiled_call_impl"] = seam
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: marks.append(clock()))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: marks.append(clock()))
+    floor = wl.floor_step
+
+    def marked():
+        marks.clear()
+        start = clock()
+        loss = floor(model, batch, optimizer)
+        kept.append((start, clock(), (batch[0] if type(batch) is tuple else batch).shape[:1], *marks))
+        return loss
+    return marked
+
+
 def make_runner(variant: str, wl: Workload):
     """A zero-argument callable running one step of ``variant``."""
     model, batch = wl.model, wl.batch
+    if variant == "marks":
+        return marks_runner(wl)
     if variant == "bare":
         return lambda: wl.step(model, batch)
     if variant == "floor":
@@ -437,6 +477,11 @@ def throughput_verdict(wall: dict[str, list[float]]) -> list[str]:
     else:
         verdict = "above noise"
     lines.append(f"throughput features: {verdict}")
+    if "marks" in wall and "floor" in wall:
+        kmed, kshare, klo, khi = summary("marks", "floor")
+        lines.append(f"least phase capture (marks - floor: clock reads and batch size kept, nothing processed): "
+                     f"{kmed * 1e6:+.1f} us ({kshare * 100:+.2f} % of bare), 95 % interval [{klo * 1e6:+.1f}, "
+                     f"{khi * 1e6:+.1f}] us; the features beyond it: {(med - kmed) * 1e6:+.1f} us")
     return lines
 
 
