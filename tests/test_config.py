@@ -196,12 +196,25 @@ def test_well_typed_argument_is_kept(setting, given, expected):
     assert getattr(Settings.resolve({setting: given}, environ={}), setting) == expected
 
 
+@pytest.mark.parametrize("bad", [0, 1, 2, 0.0, "maybe"])
+def test_a_switch_names_what_it_accepts_when_it_refuses(bad):
+    """An integer is not a switch: the error says what is (it once listed 1 and 0 as accepted
+    values when refusing the integers 1 and 0)."""
+    with pytest.raises(ValueError) as err:
+        Settings.resolve({"throughput": bad}, environ={})
+    assert str(err.value) == (f"throughput={bad!r} is not valid; accepted values: True or False, or a string: "
+                              "true, false, yes, no, on, off, 1, 0")
+
+
 def test_numpy_numbers_are_typed_like_python_ones():
     np = pytest.importorskip("numpy")
     assert Settings.resolve({"span_queue_size": np.int64(8)}, environ={}).span_queue_size == 8
     for setting in ("span_queue_size", "export_timeout_s"):
         with pytest.raises(ValueError, match=setting):
             Settings.resolve({setting: np.True_}, environ={})
+    # A numpy bool is a switch's value like Python's.
+    assert Settings.resolve({"throughput": np.False_}, environ={}).throughput is False
+    assert Settings.resolve({"write_files": np.True_}, environ={}).write_files is True
 
 
 def test_bad_host_in_the_environment_is_logged_and_replaced(caplog):

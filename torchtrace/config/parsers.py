@@ -64,13 +64,16 @@ METRICS_EXPORTERS = ("prometheus", "otlp", "both", "none")
 def _bool(value: Any, setting: str) -> bool:
     if isinstance(value, bool):
         return value
+    if _is_bool(value):  # a numpy bool, typed like Python's
+        return bool(value)
     if isinstance(value, str):
         key = value.strip().lower()
         if key in TRUE_STRINGS:
             return True
         if key in FALSE_STRINGS:
             return False
-    raise ValueError(f"{setting}={value!r} is not valid; accepted values: true, false, 1, 0")
+    raise ValueError(f"{setting}={value!r} is not valid; accepted values: True or False, or a string: "
+                     f"true, false, yes, no, on, off, 1, 0")
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
