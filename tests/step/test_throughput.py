@@ -358,6 +358,44 @@ def test_phases_against_planted_sleeps(tmp_path):
         tt.shutdown()
 
 
+def test_a_forward_called_past_the_model_keeps_the_optimizer_phase(tmp_path):
+    """``model.forward(x)`` called directly goes past the call seam: the step has no forward
+    or backward phase (where the backward began is not known), but its optimizer phase (a
+    planted 30 ms in a step pre-hook) is still measured. Without an optimizer either, no phases."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt.register_step_pre_hook(lambda *a: time.sleep(0.03))
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            model.forward(x).sum().backward()
+            opt.step()
+
+        @tt.debug_operation(model=model)
+        def evaluate(x):
+            return model.forward(x).sum()
+
+        for _ in range(3):
+            train_step(torch.randn(2, 16))
+            evaluate(torch.randn(2, 16))
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        rows = rt.history.steps()
+        trained = [row for row in rows if row["operation"] == "train_step"]
+        assert all(set(row["phases"]) == {"optimizer"} for row in trained), trained
+        assert all(0.03 <= row["phases"]["optimizer"] < 0.03 + 0.035 for row in trained)
+        assert all("phases" not in row for row in rows if row["operation"] == "evaluate")
+        labels = {"run_id": rt.settings.run_id, "rank": "0", "operation": "train_step", "phase": "optimizer"}
+        assert rt.metrics.registry.get_sample_value("torchtrace_step_phase_seconds_count", labels) == 3
+        labels["phase"] = "forward"
+        assert not rt.metrics.registry.get_sample_value("torchtrace_step_phase_seconds_count", labels)
+    finally:
+        tt.shutdown()
+
+
 def test_level_off_takes_the_phase_marks_off_the_model(tmp_path):
     """At OFF (and with throughput off) the model's call is PyTorch's own again; the next step
     that measures throughput puts the marks back. The user's hooks are left alone; shutdown

@@ -71,11 +71,13 @@ class StepClock:
         self.graph = torch.is_grad_enabled()
 
     def phases(self, step_end: Any) -> dict[str, float] | None:
-        """Seconds per phase; None when the forward was not seen. Backward runs from the end of
-        the forward to the optimizer's step, or to the end of the step without one; a forward
-        run without autograd (an evaluation under ``no_grad``) has no backward."""
+        """Seconds per phase; None when neither the forward nor the optimizer was seen. Backward
+        runs from the end of the forward to the optimizer's step, or to the end of the step
+        without one; a forward run without autograd (an evaluation under ``no_grad``) has no
+        backward. A step whose forward was not seen (``model.forward`` called directly, another
+        module called) has its optimizer phase only: where its backward began is not known."""
         if self.forward_start is None or self.forward_end is None:
-            return None
+            return self._optimizer_only()
         if step_end is not None and not self.graph:
             step_end = None
         if not self.cuda:  # host times: plain differences (the common case, kept short)
@@ -94,6 +96,12 @@ class StepClock:
         if any(v is None for v in out.values()):
             return None
         return out
+
+    def _optimizer_only(self) -> dict[str, float] | None:
+        if self.optimizer_start is None or self.optimizer_end is None:
+            return None
+        seconds = self._between(self.optimizer_start, self.optimizer_end)
+        return {"optimizer": seconds} if seconds is not None else None
 
     def _between(self, a: Any, b: Any) -> float | None:
         if self.cuda:
