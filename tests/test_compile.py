@@ -132,3 +132,45 @@ def test_model_compile_after_torchtrace_watched_it(tt_runtime):
             api.get_runtime().set_level("off")  # takes torchtrace's marks off: none are left to take
             assert model.__dict__["_compiled_call_impl"] is theirs
     assert torch.equal(losses[False], losses[True])
+
+
+@pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile() before", "model.compile() after"])
+def test_a_compiled_model_has_its_flops_and_phases(tt_runtime, form):
+    """Every way of compiling a model gets the step's FLOPs (equal to FlopCounterMode on the
+    same step run eagerly) and all three phases, compiles as many graphs as without torchtrace
+    and trains to the same losses. ``model.compile()`` fills the call seam that holds
+    torchtrace's forward marks: the marks go around the compiled call, outside the compiled
+    code (inside it they would be traced away), before or after the user compiles."""
+    from torch._dynamo.utils import counters
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    reference = Net()
+    with FlopCounterMode(display=False) as counter:
+        reference(x).pow(2).mean().backward()
+    results = {}
+    for instrument in (False, True):
+        dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if form == "torch.compile(model)":
+            called = torch.compile(model, backend="eager")
+            losses = _run(called, opt, x, 4, instrument)
+        elif form == "model.compile() before":
+            model.compile(backend="eager")
+            losses = _run(model, opt, x, 4, instrument)
+        else:
+            first = _run(model, opt, x, 2, instrument)
+            model.compile(backend="eager")
+            losses = torch.cat([first, _run(model, opt, x, 3, instrument)])
+        results[instrument] = (_frames(), losses)
+    (g0, l0), (g1, l1) = results[False], results[True]
+    assert g0 >= 1 and g1 == g0, f"graphs compiled: bare {g0}, instrumented {g1}"
+    assert torch.equal(l0, l1), "instrumenting changed the training result"
+    rows = api.get_runtime().history.steps()
+    assert rows and all(row["flops"] == counter.get_total_flops() for row in rows), [r.get("flops") for r in rows]
+    assert all(set(row["phases"]) == {"forward", "backward", "optimizer"} for row in rows), \
+        [row.get("phases") for row in rows]

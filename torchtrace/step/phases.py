@@ -118,8 +118,10 @@ class ModelMarks:
     A plain module gets a call-through in ``_compiled_call_impl``: PyTorch's own per-instance
     seam in ``Module.__call__`` (what ``Module.compile()`` fills), which keeps the module on its
     hook-free path. Forward pre/post hooks cost about three times as much per step (every
-    hook sends the call down the slow path). Any other module (one with that seam taken, a
-    class with its own ``__call__``, a ``torch.compile`` wrapper) gets the hooks.
+    hook sends the call down the slow path). A module compiled with ``Module.compile()``
+    (before or after the marks were put on) gets the call-through around its compiled call:
+    hooks would run inside the compiled code, where marks are traced away. Any other module
+    (a class with its own ``__call__``, a ``torch.compile`` wrapper) gets the hooks.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -127,6 +129,8 @@ class ModelMarks:
         self.model = weakref.ref(model)  # weak: this object is the value of a dict keyed by the model
         self.seam = False  # the marks sit in the seam (else in hooks)
         self.attached = False
+        self.call: Any = None  # the call-through in the seam
+        self.inner: Any = None  # the compiled call it calls through to (Module.compile()), or None
         # A parameter to ask where the model lives now (a model moved with .to() keeps its
         # parameters); weak, like the model.
         first = next(model.parameters(), None)
@@ -135,8 +139,10 @@ class ModelMarks:
 
     def attach(self, model: torch.nn.Module) -> None:
         """Put the marks on the model (again, after :meth:`detach`)."""
-        if _seam_free(model):
-            model.__dict__["_compiled_call_impl"] = _call_with_marks(model)  # past any __setattr__ of the class
+        if _seam_free(model) or _seam_compiled(model):
+            self.inner = model.__dict__.get("_compiled_call_impl")
+            self.call = _call_with_marks(model, self.inner)
+            model.__dict__["_compiled_call_impl"] = self.call  # past any __setattr__ of the class
             self.seam = True
         else:
             # The start mark runs before the user's pre-hooks, the end mark after their hooks:
@@ -152,9 +158,18 @@ class ModelMarks:
         self.handles = []
         model = self.model()
         if self.seam and model is not None:
-            if getattr(model.__dict__.get("_compiled_call_impl"), _MARKS, False):  # still ours
-                del model.__dict__["_compiled_call_impl"]
+            if model.__dict__.get("_compiled_call_impl") is self.call:  # still ours
+                if self.inner is not None:
+                    model.__dict__["_compiled_call_impl"] = self.inner
+                else:
+                    del model.__dict__["_compiled_call_impl"]
         self.seam = self.attached = False
+        self.call = self.inner = None
+
+    def intact(self, model: Any) -> bool:
+        """The marks are on and still in place (``model.compile()`` after they were put on
+        replaces the call-through; the next step puts it back around the compiled call)."""
+        return self.attached and (not self.seam or model.__dict__.get("_compiled_call_impl") is self.call)
 
     @property
     def cuda(self) -> bool:
@@ -192,7 +207,15 @@ def _seam_free(model: Any) -> bool:
             and model.__dict__.get("_compiled_call_impl") is None)
 
 
-def _call_with_marks(model: torch.nn.Module) -> Any:
+def _seam_compiled(model: Any) -> bool:
+    """True when the module's call goes through ``Module.__call__`` and its seam holds a
+    compiled call of someone else's (``Module.compile()``)."""
+    impl = model.__dict__.get("_compiled_call_impl") if isinstance(model, torch.nn.Module) else None
+    return (impl is not None and not getattr(impl, _MARKS, False) and _SEAM_CODE is not None
+            and type(model).__call__ is torch.nn.Module.__call__)
+
+
+def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
     """``model``'s own call (hooks and all) between the forward phase's two marks.
 
     It holds the model weakly: the model holds it, and a cycle would keep a deleted model's
@@ -201,6 +224,8 @@ def _call_with_marks(model: torch.nn.Module) -> Any:
     carries it along (``DataParallel``'s replicas are made so): it calls the module that
     called it, found in PyTorch's ``Module.__call__`` frame, and marks only for the model.
     """
+    if inner is not None:
+        return _call_compiled_with_marks(model, inner)
     ref = weakref.ref(model)
     impl = type(model)._call_impl
 
@@ -225,6 +250,34 @@ def _call_with_marks(model: torch.nn.Module) -> Any:
 
     setattr(call_with_marks, _MARKS, True)
     return call_with_marks
+
+
+def _call_compiled_with_marks(model: torch.nn.Module, inner: Any) -> Any:
+    """``model``'s compiled call (``inner``, what ``Module.compile()`` put in the seam) between
+    the forward phase's two marks, outside the compiled code. A copy of the model (a replica)
+    runs its own call, uncompiled, and marks nothing."""
+    ref = weakref.ref(model)
+
+    def call_compiled_with_marks(*args: Any, **kwargs: Any) -> Any:
+        if _COMPILING is not None and _COMPILING():
+            return inner(*args, **kwargs)
+        caller = sys._getframe(1)
+        module = caller.f_locals.get("self") if caller.f_code is _SEAM_CODE else None
+        if module is not None and module is not ref():
+            return type(module)._call_impl(module, *args, **kwargs)
+        scope = current.step()
+        clock = scope.clock if scope is not None else None
+        if clock is None:
+            return inner(*args, **kwargs)
+        if clock.forward_start is None:
+            clock.forward_start = clock.mark()
+        out = inner(*args, **kwargs)
+        if clock.optimizer_start is None:
+            clock.end_forward()
+        return out
+
+    setattr(call_compiled_with_marks, _MARKS, True)
+    return call_compiled_with_marks
 
 
 class OptimizerMarks:

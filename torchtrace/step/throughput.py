@@ -62,10 +62,6 @@ def _eager_for_now() -> Any:
     return stance("force_eager")
 
 
-def _compiled(model: Any) -> bool:
-    return model is not None and hasattr(model, "_orig_mod")
-
-
 class RunThroughput:
     """The runtime's side: FLOPs per input shape, phase hooks, peak FLOP/s and the goodput ledger."""
 
@@ -141,14 +137,14 @@ class RunThroughput:
         clock = None
         if model is not None:
             last = self._last
-            if last is not None and last[0]() is model and last[1]() is optimizer and last[2].attached:
+            if last is not None and last[0]() is model and last[1]() is optimizer and last[2].intact(model):
                 hooks = last[2]  # the same model and optimizer as the step before: no lookups
             else:
                 hooks = self._hooks_for(model, optimizer)
             clock = StepClock(cuda=hooks.cuda)
         counter = None
         key = scope.flops_key
-        if outermost and key is not None and self.flops.needs_count(key) and not _compiled(model) \
+        if outermost and key is not None and self.flops.needs_count(key) \
                 and not self._skipped(key):
             counter = contextlib.ExitStack()
             try:
@@ -176,7 +172,8 @@ class RunThroughput:
         hooks = self._models.get(model)
         if hooks is None:
             hooks = self._models[model] = ModelMarks(model)
-        elif not hooks.attached:
+        elif not hooks.intact(model):
+            hooks.detach()  # a seam the user compiled over: put the marks around their compiled call
             hooks.attach(model)
         if optimizer is not None and optimizer not in self._optimizers:
             self._optimizers[optimizer] = OptimizerMarks(optimizer)
