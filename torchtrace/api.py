@@ -19,8 +19,9 @@ from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss
-from torchtrace.step import checks, clipping
+from torchtrace.step import checks, clipping, updaters
 from torchtrace.step.scope import StepScope
+from torchtrace.step.watched import watched
 
 logger = logging.getLogger("torchtrace")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -117,6 +118,7 @@ def configure(
         rt = Runtime(resolved)
         current.set_runtime(rt)
         clipping.install()
+        updaters.install()
         if resolved.register_atexit and not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
@@ -229,24 +231,6 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
                      inputs=((inputs,), {}) if inputs is not None else None)
 
 
-def _resolve_model(model: Any, args: tuple) -> Any:
-    if model is not None:
-        return model
-    for arg in args[:2]:
-        if isinstance(arg, torch.nn.Module):
-            return arg
-    return None
-
-
-def _resolve_optimizer(optimizer: Any, args: tuple, kwargs: dict) -> Any:
-    if optimizer is not None:
-        return optimizer
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, torch.optim.Optimizer):
-            return value
-    return None
-
-
 class _Operation:
     """What a decorated function's calls share: the decorator's arguments."""
 
@@ -257,9 +241,9 @@ class _Operation:
         self.attributes, self.replay, self.scaler, self.kind = attributes, replay, scaler, kind
 
     def scope(self, fn: Callable[..., Any] | None, args: tuple, kwargs: dict) -> StepScope:
-        scope = StepScope(self.name, model=_resolve_model(self.model, args),
-                          optimizer=_resolve_optimizer(self.optimizer, args, kwargs), level=self.level,
-                          mode=self.mode, attributes=self.attributes, scaler=self.scaler, kind=self.kind,
+        model, optimizer, scaler = watched(self.model, self.optimizer, self.scaler, args, kwargs)
+        scope = StepScope(self.name, model=model, optimizer=optimizer, level=self.level,
+                          mode=self.mode, attributes=self.attributes, scaler=scaler, kind=self.kind,
                           inputs=(args, kwargs))
         if self.replay is not False:
             # Forensics replays the call (with its optimizers' and scalers' updates neutralised).
@@ -329,7 +313,8 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
     ``"loss"``, an object's ``.loss``) unless the body called ``current_step().record_loss``.
     When no model is given and the first or second argument is an ``nn.Module`` (``self`` of a
     module method, or ``train_step(model, batch)``), that module is watched; an optimizer among
-    the arguments is hooked likewise. Exceptions are recorded on the span and re-raised unchanged.
+    the arguments is hooked likewise; a method of another class (a trainer object) watches the
+    model, optimizer and GradScaler among its ``self``'s attributes (:mod:`torchtrace.step.watched`). Exceptions are recorded on the span and re-raised unchanged.
 
     Forensics: a non-finite step is replayed by calling the undecorated function again with
     the same arguments, its optimizers' ``step`` neutralised, so the function must be
@@ -371,3 +356,4 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
 # At import, so modules imported after torchtrace that bind the clip functions by name get
 # the wrapped ones (the wrapper is inert until a step is open).
 clipping.install()
+updaters.install()

@@ -111,10 +111,11 @@ def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[
 
 def side_effect_owners(scope: Any) -> tuple[list[Any], list[Any]]:
     """Optimizers and GradScalers among a step scope's arguments (their updates are neutralised
-    in a replay), and the scope's own."""
+    in a replay), the scope's own, and the other optimizers that stepped in it."""
     opts, scalers = find_side_effect_owners(*scope.inputs) if scope.inputs is not None else ([], [])
-    if scope.optimizer is not None and scope.optimizer not in opts:
-        opts.append(scope.optimizer)
+    for optimizer in (scope.optimizer, *(scope.stepped or ())):
+        if optimizer is not None and optimizer not in opts:
+            opts.append(optimizer)
     if scope.scaler is not None and scope.scaler not in scalers:
         scalers.append(scope.scaler)
     return opts, scalers

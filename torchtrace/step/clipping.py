@@ -19,7 +19,8 @@ from torchtrace import current
 from torchtrace.errors import NonFiniteError
 
 
-def _is_compiling() -> bool:
+def is_compiling() -> bool:
+    """True while torch.compile traces the caller (a wrapper then steps aside: no graph break)."""
     check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     return bool(check()) if check is not None else False
 
@@ -27,7 +28,7 @@ def _is_compiling() -> bool:
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def clip(*args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():  # traced by torch.compile: stay out of the graph (no break)
+        if is_compiling():  # traced by torch.compile: stay out of the graph (no break)
             return original(*args, **kwargs)
         scope = current.step()
         if scope is not None and scope.active and (scope.gradients is None or not scope.gradients.fired):

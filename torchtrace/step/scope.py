@@ -45,7 +45,7 @@ class StepScope:
 
     __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind",
                  "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
-                 "inputs", "flops_key", "clock", "started_at", "scale_before", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
+                 "inputs", "flops_key", "clock", "started_at", "scale_before", "stepped", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
                  "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
                  "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
 
@@ -81,6 +81,7 @@ class StepScope:
         self.clock: StepClock | None = None  # phase boundaries (forward, backward, optimizer)
         self.started_at = 0.0  # perf_counter() when the step's body started
         self.scale_before: Any = None  # the GradScaler's scale at the start (throughput: skipped updates)
+        self.stepped: list[Any] | None = None  # other optimizers that stepped in the step (step.updaters)
 
     # ------------------------------------------------------------ user API
     def record_loss(self, loss: Any) -> None:
@@ -211,6 +212,7 @@ class StepScope:
         self._flops_counter = None
         self._step_end = None
         self.clock = None
+        self.stepped = None
         self._overhead = 0.0
         self.gradients = None
         self.raised = None

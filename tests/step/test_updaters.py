@@ -1,0 +1,159 @@
+"""Optimizers and loss scalers a step reaches without naming them to torchtrace (a global, a
+closure, the second optimizer of two): a forensic replay applies none of their updates a
+second time, a scaler's overflow is not an anomaly, and training ends where it ends without
+torchtrace. Each case runs the same loop bare and instrumented and compares the results."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace import semconv
+from torchtrace.api import get_runtime
+
+
+def _configure(tmp_path):
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+
+
+def _run(tmp_path, instrument: bool, build, steps: int, with_context: bool = False):
+    """``build()`` -> (model, step function, state to compare); ``steps`` batches, the second
+    of which carries a NaN into the loss (an input NaN or a NaN term)."""
+    if instrument:
+        _configure(tmp_path)
+    try:
+        model, step, state = build()
+        if instrument and not with_context:
+            step = tt.debug_operation(name="train_step", model=model)(step)  # model only: the rest unnamed
+        for i in range(steps):
+            if instrument and with_context:
+                with tt.debug_context("train_step", model=model, replay=lambda i=i: step(i)) as scope:
+                    scope.record_loss(step(i))
+            else:
+                step(i)
+        records = None
+        if instrument:
+            rt = get_runtime()
+            rt.finish_deferred(block=True)
+            records = [r for r in rt.history.steps()]
+            records.append(rt)
+        return state(), records
+    finally:
+        if instrument:
+            tt.shutdown()
+
+
+def _adam_with_a_nan_term():
+    """A global Adam (not given to torchtrace) and a loss whose second step has a NaN term that
+    does not depend on the parameters: the loss is non-finite (the step is replayed) while the
+    gradients are finite, so an update applied twice would show in the parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def step(i):
+        opt.zero_grad()
+        fit = torch.nn.functional.mse_loss(model(x), y)
+        fit.backward()
+        opt.step()
+        return fit + (torch.tensor(float("nan")) if i == 1 else 0.0)
+
+    def state():
+        return [p.detach().clone() for p in model.parameters()] + [opt.state[next(model.parameters())]["step"]]
+    return model, step, state
+
+
+def _gan_with_a_nan_term():
+    """Two optimizers; torchtrace is given neither. The discriminator's is stepped second."""
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    g_opt = torch.optim.SGD(gen.parameters(), lr=0.1, momentum=0.9)
+    d_opt = torch.optim.SGD(disc.parameters(), lr=0.1, momentum=0.9)
+    z = torch.randn(6, 4)
+
+    def step(i):
+        g_opt.zero_grad()
+        d_opt.zero_grad()
+        loss = disc(gen(z)).pow(2).mean()
+        loss.backward()
+        g_opt.step()
+        d_opt.step()
+        return loss + (torch.tensor(float("nan")) if i == 1 else 0.0)
+
+    def state():
+        return [p.detach().clone() for p in (*gen.parameters(), *disc.parameters())]
+    return gen, step, state
+
+
+@pytest.mark.parametrize("build", [_adam_with_a_nan_term, _gan_with_a_nan_term])
+@pytest.mark.parametrize("with_context", [False, True])
+def test_a_replay_applies_no_update_twice(tmp_path, build, with_context):
+    bare, _ = _run(tmp_path, False, build, 4)
+    traced, records = _run(tmp_path, True, build, 4, with_context)
+    rt = records.pop()
+    assert semconv.NONFINITE_LOSS in records[1]["anomalies"]
+    replays = [e for e in rt.history.events() if e.event_type == "forensics"]
+    assert len(replays) == 1 and replays[0].data["step"] == 1  # the step was replayed
+    for a, b in zip(bare, traced):
+        assert torch.equal(a, b), "the replay applied an update a second time"
+
+
+def _scaled(init_scale: float, nan_at: int | None):
+    """The PyTorch AMP recipe with the scaler in a closure: scale, backward, step, update."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        x, y = torch.randn(8, 4) * 100, torch.randn(8, 1) * 100
+        scales = []
+
+        def step(i):
+            opt.zero_grad()
+            xi = x.clone()
+            if i == nan_at:
+                xi[0, 0] = float("nan")
+            loss = torch.nn.functional.mse_loss(model(xi), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            return loss
+
+        def state():
+            return scales, [p.detach().clone() for p in model.parameters()]
+        return model, step, state
+    return build
+
+
+@pytest.mark.parametrize("with_context", [False, True])
+def test_an_unnamed_scalers_overflow_is_not_an_anomaly_and_its_scale_is_left_alone(tmp_path, with_context):
+    """Scaled gradients overflow for the first steps (the scale starts at 2**127 and backs off):
+    the scale goes down exactly as without torchtrace, no step is a nonfinite_grad anomaly, and
+    each overflow is a skipped update in goodput."""
+    build = _scaled(2.0 ** 127, None)
+    (bare_scales, bare_params), _ = _run(tmp_path, False, build, 6)
+    (scales, params), records = _run(tmp_path, True, build, 6, with_context)
+    rt = records.pop()
+    overflowed = sum(1 for a, b in zip(bare_scales, bare_scales[1:]) if b < a) + (bare_scales[0] < 2.0 ** 127)
+    assert overflowed >= 2
+    assert scales == bare_scales
+    assert all(torch.equal(a, b) for a, b in zip(bare_params, params))
+    assert not any(semconv.NONFINITE_GRAD in r["anomalies"] for r in records), [r["anomalies"] for r in records]
+    assert rt.throughput.ledger.closed().badput["skipped_step"] > 0
+
+
+def test_an_unnamed_scaler_backs_off_once_for_a_nan_batch(tmp_path):
+    build = _scaled(1024.0, 1)
+    (bare_scales, bare_params), _ = _run(tmp_path, False, build, 3)
+    (scales, params), records = _run(tmp_path, True, build, 3)
+    records.pop()
+    assert records[1]["anomalies"] and math.isnan(records[1]["loss"])
+    # The replay ran the step again, so the closure's list has one more entry; the scaler's
+    # scale is what matters: backed off once.
+    assert bare_scales == [1024.0, 512.0, 512.0] and scales[-1] == 512.0
+    assert all(torch.equal(a, b) for a, b in zip(bare_params, params))

@@ -1,0 +1,88 @@
+"""The optimizers and loss scaler a step used, however the step reached them.
+
+**Loss scalers.**
+
+``torch.amp.GradScaler.scale`` and ``.step`` are wrapped (once, at import and at configure):
+the first call inside an open step that has no scaler yet makes that scaler the step's, as
+if it had been passed as ``scaler=``. A scaler the step knows of is what tells an overflow
+(which the scaler handles by skipping the update) from a non-finite gradient, is left
+unchanged by a forensic replay (its ``update`` would back the scale off a second time), and
+has its skipped updates counted in goodput. Without the wrapper, a scaler held in a global
+or in the trainer object's closure went unseen: every overflow was a ``nonfinite_grad``
+anomaly, and its replay halved the scale again. Outside a step the wrapper reads a context
+variable; under ``torch.compile`` tracing it steps aside. ``ShardedGradScaler`` (FSDP) has
+its own ``scale`` and inherits ``step``, which finds it.
+
+**Optimizers.** A global optimizer step pre-hook (``register_optimizer_step_pre_hook``)
+notes every optimizer that steps inside an open step besides the step's own (one in a
+global, or the second of a GAN's two): a forensic replay calls the step function again, and
+must not apply any of their updates a second time. Outside a step the hook reads a context
+variable.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.optim import optimizer as optimizer_module
+
+from torchtrace import current
+from torchtrace.measure.scaler import scale_at_start
+from torchtrace.step.clipping import is_compiling
+
+_METHODS = ("scale", "step")
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_compiling():
+            scope = current.step()
+            if scope is not None and scope.active and scope.scaler is None:
+                try:
+                    scope.scaler = self
+                    if scope.features.throughput:  # the scale before this step's update, for goodput
+                        scope.scale_before = scale_at_start(self)
+                except Exception as exc:  # torchtrace's own failure never reaches the user's call
+                    rt = current.runtime(create=False)
+                    if rt is not None:
+                        rt.errors.report("step", exc)
+        return original(self, *args, **kwargs)
+
+    method.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
+    return method
+
+
+def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
+    scope = current.step()
+    if scope is not None and scope.active and optimizer is not scope.optimizer:
+        stepped = scope.stepped
+        if stepped is None:
+            scope.stepped = [optimizer]
+        elif optimizer not in stepped and len(stepped) < 64:
+            stepped.append(optimizer)
+
+
+_hook_handle: Any = None
+
+
+def install() -> None:
+    """Wrap ``GradScaler.scale`` and ``GradScaler.step``, and register the global optimizer
+    hook (idempotent)."""
+    global _hook_handle
+    register = getattr(optimizer_module, "register_optimizer_step_pre_hook", None)
+    if _hook_handle is None and register is not None:
+        _hook_handle = register(_optimizer_stepping)
+    scaler_class = getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)
+    if scaler_class is None:
+        return
+    for name in _METHODS:
+        existing = vars(scaler_class).get(name)
+        if existing is None or getattr(existing, "__torchtrace_wrapped__", False):
+            continue
+        setattr(scaler_class, name, _wrap(existing))
+
+
+__all__ = ["install"]

@@ -1,0 +1,109 @@
+"""Which model, optimizer and loss scaler a decorated step watches when the decorator names none.
+
+In order: the decorator's ``model=`` / ``optimizer=``; a module passed as the first or second
+argument (``self`` of a module's method, or ``train_step(model, batch)``) and an optimizer
+among the arguments; and for a method of any other class (a trainer object), the model,
+optimizer and GradScaler among the attributes of its ``self``:
+
+- the optimizer is the one attribute that is an optimizer (two or more: none is chosen),
+  and the scaler the one that is a GradScaler (its updates are left out of a forensic
+  replay, and its skipped steps count in goodput);
+- the model is the module attribute whose parameters that optimizer updates, or without
+  an optimizer the one module attribute that has parameters (a loss module has none); of
+  several, the one that holds all the others' parameters (a model and its own backbone),
+  else none is chosen.
+
+Which attributes they are is worked out once per class and read on every call, so a model
+replaced on the object (wrapped, compiled) is the one watched from the next step.
+
+>>> import torch
+>>> class Trainer:
+...     def __init__(self):
+...         self.model = torch.nn.Linear(2, 1)
+...         self.ema = torch.nn.Linear(2, 1)
+...         self.criterion = torch.nn.MSELoss()
+...         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+>>> t = Trainer()
+>>> watched(None, None, None, (t, torch.zeros(1)), {}) == (t.model, t.opt, None)
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_Module = torch.nn.Module
+_Optimizer = torch.optim.Optimizer
+# Arguments that are never a trainer object: told apart by type, cheaply.
+_PLAIN = (torch.Tensor, _Module, _Optimizer, tuple, list, dict, str, bytes, int, float, bool, type(None))
+_MAX_CLASSES = 256
+_MAX_ATTRIBUTES = 256  # attributes of an object looked at, at most
+# class -> the names of its model, optimizer and scaler attributes
+_fields: dict[type, tuple[str | None, str | None, str | None]] = {}
+
+
+def watched(model: Any, optimizer: Any, scaler: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    """``(model, optimizer, scaler)`` a decorated step watches; any may be None (a scaler among
+    the arguments is found where it is used)."""
+    if model is None:
+        for arg in args[:2]:
+            if isinstance(arg, _Module):
+                model = arg
+                break
+    if optimizer is None:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, _Optimizer):
+                optimizer = value
+                break
+    if (model is None or optimizer is None) and args and not isinstance(args[0], _PLAIN):
+        found = _attributes_of(args[0])
+        model = model if model is not None else found[0]
+        optimizer = optimizer if optimizer is not None else found[1]
+        scaler = scaler if scaler is not None else found[2]
+    return model, optimizer, scaler
+
+
+def _attributes_of(obj: Any) -> tuple[Any, Any, Any]:
+    kind = type(obj)
+    names = _fields.get(kind)
+    if names is None:
+        names = _find(obj)
+        if len(_fields) < _MAX_CLASSES:
+            _fields[kind] = names
+    model, optimizer, scaler = (getattr(obj, name, None) if name is not None else None for name in names)
+    return (model if isinstance(model, _Module) else None,
+            optimizer if isinstance(optimizer, _Optimizer) else None,
+            scaler if _is_scaler(scaler) else None)
+
+
+def _is_scaler(value: Any) -> bool:
+    return value is not None and hasattr(value, "_scale") and hasattr(value, "unscale_")
+
+
+def _find(obj: Any) -> tuple[str | None, str | None, str | None]:
+    """The names of the model, optimizer and scaler attributes of ``obj`` (see the module docstring)."""
+    try:
+        items = list(vars(obj).items())[:_MAX_ATTRIBUTES]
+    except TypeError:  # no __dict__
+        return None, None, None
+    optimizers = [name for name, value in items if isinstance(value, _Optimizer)]
+    optimizer_name = optimizers[0] if len(optimizers) == 1 else None
+    scalers = [name for name, value in items if _is_scaler(value)]
+    scaler_name = scalers[0] if len(scalers) == 1 else None
+    modules = [(name, value) for name, value in items
+               if isinstance(value, _Module) and next(value.parameters(), None) is not None]
+    if optimizer_name is not None:
+        updated = {id(p) for group in getattr(obj, optimizer_name).param_groups for p in group["params"]}
+        modules = [(name, value) for name, value in modules if any(id(p) in updated for p in value.parameters())]
+    if len(modules) > 1:  # one may hold the others (the model and its backbone): the one that holds all
+        owned = [(name, {id(p) for p in value.parameters()}) for name, value in modules]
+        name, widest = max(owned, key=lambda item: len(item[1]))
+        if all(ids <= widest for _, ids in owned):
+            return name, optimizer_name, scaler_name
+    model_name = modules[0][0] if len(modules) == 1 else None
+    return model_name, optimizer_name, scaler_name
+
+
+__all__ = ["watched"]
