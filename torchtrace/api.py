@@ -295,6 +295,14 @@ def _take_returned_loss(scope: StepScope, result: Any) -> None:
                 rt.errors.report("step", exc)
             return
         scope.record_loss(loss)
+    if scope.has_loss and scope.model is None and scope.optimizer is None and scope.kind == "train" \
+            and scope.features.grad_stats:
+        rt = current.runtime(create=False)
+        if rt is not None:
+            rt.warn_once(("unwatched", scope.name),
+                         "torchtrace: %s: a training step with a loss but no model or optimizer to watch: its "
+                         "gradients, phases and learning rates are not measured; pass model= and optimizer= to "
+                         "debug_operation", scope.name)
 
 
 @overload

@@ -107,6 +107,14 @@ def test_spans_loss_grad_norm_and_validation(tmp_path):
     assert value(samples, "torchtrace_grad_norm", operation="train_step") == pytest.approx(spy.norms[-1], rel=1e-6)
     # Lightning's own logged metrics are exactly what the module logged: nothing added.
     assert set(trainer.logged_metrics) == {"train_loss", "val_loss"}
+    # Validation is evaluation in goodput: its batches' time is badput, not productive time.
+    rt = tt.api.get_runtime()
+    records = [r for r in rt.history.steps()]
+    val_seconds = sum(r["duration_s"] for r in records if r["operation"] == "validation_step")
+    train_seconds = sum(r["duration_s"] for r in records if r["operation"] == "train_step")
+    good = rt.throughput.ledger.closed()
+    assert good.badput["evaluation"] == pytest.approx(val_seconds, rel=1e-6, abs=1e-9) and val_seconds > 0
+    assert good.productive_s == pytest.approx(train_seconds, rel=1e-6, abs=1e-9)
 
 
 def test_weights_equal_uninstrumented_run(tmp_path):

@@ -84,14 +84,14 @@ class Spy(transformers.TrainerCallback):
         self.handle.remove()
 
 
-def train(tmp_path, callbacks, steps=5, model=None, **args):
+def train(tmp_path, callbacks, steps=5, model=None, eval_dataset=None, **args):
     model = model or tiny_bert()
     kw = dict(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4, report_to=[],
               use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, max_grad_norm=0.0,
               seed=0, data_seed=0)
     kw.update(args)
     trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**kw), train_dataset=Data(),
-                                   callbacks=callbacks)
+                                   eval_dataset=eval_dataset, callbacks=callbacks)
     trainer.train()
     return model
 
@@ -297,3 +297,40 @@ def test_flops_are_the_trainers_estimate_and_give_mfu(tmp_path, accumulation):
     samples = scrape(result.metrics_url)
     assert value(samples, "torchtrace_flops_total", operation="train_step") == 4 * expected
     assert value(samples, "torchtrace_mfu_ratio", operation="train_step") > 0
+
+
+def test_evaluation_and_checkpoints_between_steps_are_their_own_badput(tmp_path, monkeypatch):
+    """The Trainer evaluates every 2 steps and saves every 3: that time is evaluation and
+    checkpoint badput, not data wait. Reference: the time spent inside ``Trainer.evaluate``
+    and ``Trainer._save_checkpoint``, timed by wrapping them (each slowed by a planted sleep
+    so that it is clearly more than the loop's own work between steps)."""
+    configure(tmp_path)
+    spent = {"evaluate": 0.0, "save": 0.0}
+
+    def timed(key, original, pause):
+        def run(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            time.sleep(pause)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return run
+
+    monkeypatch.setattr(transformers.Trainer, "evaluate", timed("evaluate", transformers.Trainer.evaluate, 0.05))
+    monkeypatch.setattr(transformers.Trainer, "_save_checkpoint",
+                        timed("save", transformers.Trainer._save_checkpoint, 0.03))
+    try:
+        train(tmp_path, [TorchtraceCallback()], steps=6, eval_strategy="steps", eval_steps=2,
+              save_strategy="steps", save_steps=3, eval_dataset=Data(8), per_device_eval_batch_size=4)
+        rt = tt.api.get_runtime()
+        badput = rt.throughput.ledger.closed().badput
+        # 3 evaluations (steps 2, 4, 6) and 2 saves (steps 3, 6). The booking ends at the
+        # callback (inside the call, a little before it returns) and holds the Trainer's own
+        # work before the call (logging): within a few ms of the calls' time either way.
+        assert spent["evaluate"] >= 3 * 0.05 and spent["save"] >= 2 * 0.03
+        assert badput["evaluation"] == pytest.approx(spent["evaluate"], abs=0.03)
+        assert badput["checkpoint"] == pytest.approx(spent["save"], abs=0.03)
+        assert badput["data_wait"] < 0.05
+    finally:
+        tt.shutdown()

@@ -146,6 +146,8 @@ def test_a_step_given_its_model_and_optimizer_is_not_warned_about(tmp_path, capl
             op(gan, torch.randn(2, 4))
             with tt.debug_context("evaluation", kind="evaluation") as step:  # not a training step
                 step.record_loss(torch.tensor(1.0))
+            with tt.debug_context("by_hand") as step:  # a context names what it watches itself
+                step.record_loss(torch.tensor(1.0))
         get_runtime().finish_deferred(block=True)
         assert get_runtime().history.last_record.loss == 1.0
         assert not [r for r in caplog.records if "no model or optimizer" in r.getMessage()]

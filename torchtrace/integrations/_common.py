@@ -32,8 +32,9 @@ def require(module: str, extra: str, what: str):
 class StepDriver:
     """Opens and closes one scope per framework step; never raises torchtrace's own errors."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, kind: str = "train") -> None:
         self.name = name
+        self.kind = kind  # the operation kind of goodput: train, evaluation, ...
         self.scope: api.StepScope | None = None
         self._losses: list[torch.Tensor] = []
         self._samples: int | None = None
@@ -52,7 +53,8 @@ class StepDriver:
         if rt is None or rt.off:
             return
         # No optimizer on the scope: its pre-hook would fire at the wrong moment (see module doc).
-        scope = api.StepScope(self.name, model=model, inputs=((batch,), {}) if batch is not None else None)
+        scope = api.StepScope(self.name, model=model, inputs=((batch,), {}) if batch is not None else None,
+                              kind=self.kind)
         scope.__enter__()
         # A guard="raise" decided inside the framework's own clip_grad_norm_ call (torchtrace
         # measures there, before clipping) must end this span as measure() does.

@@ -50,7 +50,8 @@ class TorchtraceCallback(_pl.Callback):
     def __init__(self, name: str = "train_step", validation_name: str | None = "validation_step") -> None:
         super().__init__()
         self._train = StepDriver(name)
-        self._val = StepDriver(validation_name) if validation_name else None
+        # Validation batches are evaluation in goodput (badput), not training steps.
+        self._val = StepDriver(validation_name, kind="evaluation") if validation_name else None
 
     # ------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:

@@ -8,11 +8,13 @@ Needs ``pip install "torchtrace[transformers]"``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from torchtrace import api
 from torchtrace.integrations._common import StepDriver, require
 
 _tf = require("transformers", "transformers", "Hugging Face transformers")
@@ -46,6 +48,10 @@ class TorchtraceCallback(_tf.TrainerCallback):
       output's ``loss`` while a step is open, as a device tensor (no host read); the
       micro-batch losses are averaged. A custom ``compute_loss`` whose loss is not the
       model output's can call ``torchtrace.current_step().record_loss(loss)`` instead.
+    - Evaluation and checkpoints between steps: ``on_evaluate`` and ``on_save`` come when the
+      Trainer's evaluation loop or checkpoint save has ended; the time since the step before
+      (or since the one before it ended) is evaluation or checkpoint badput in goodput, not
+      data wait.
     - FLOPs: the Trainer's own estimate (what it adds to ``total_flos``), six times the
       main input's elements times the parameters outside the embeddings, summed over the
       micro-batches: the step's batch is not known when it starts, so torchtrace's own
@@ -66,6 +72,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._max_grad_norm = max_grad_norm
         self._handle = None
         self._params: int | None = None
+        self._boundary: float | None = None  # perf_counter() when the last step (or evaluation, save) ended
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._params = None  # parameters outside the embeddings, counted at the first forward
@@ -73,6 +80,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
             self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._boundary = None
         self._driver.abort(None)
         if self._handle is not None:
             self._handle.remove()
@@ -94,6 +102,28 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._driver.end(None)
+        self._boundary = time.perf_counter()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._book_since_boundary("evaluation", "evaluate")
+
+    def on_save(self, args, state, control, **kwargs):
+        self._book_since_boundary("checkpoint", "save_checkpoint")
+
+    def _book_since_boundary(self, kind: str, operation: str) -> None:
+        """The time since the last step (or evaluation, save) ended was this operation's.
+        Outside training (``trainer.evaluate()`` on its own) nothing is booked."""
+        start, now = self._boundary, time.perf_counter()
+        if start is None:
+            return
+        self._boundary = now
+        rt = api.get_runtime()
+        if rt is None or rt.off or not rt.settings.throughput:
+            return
+        try:
+            rt.throughput.book(start, now, kind, operation)
+        except Exception as exc:  # torchtrace's own failure never reaches the Trainer
+            rt.errors.report("other", exc)
 
     def _on_forward(self, module, args, kwargs, output) -> None:
         if self._driver.active and module.training:

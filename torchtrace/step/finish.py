@@ -77,12 +77,6 @@ def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float
 def _judge(rt: Any, scope: Any, record: StepRecord, exc: BaseException | None) -> None:
     """The rules on the filled record (loss, exception), and the parameters of a bad step."""
     rules.evaluate_loss(record)
-    if record.loss is not None and scope.model is None and scope.optimizer is None and scope.kind == "train" \
-            and scope.features.grad_stats:
-        rt.warn_once(("unwatched", scope.name),
-                     "torchtrace: %s: a training step with a loss but no model or optimizer to watch: its gradients, "
-                     "phases and learning rates are not measured; pass model= and optimizer= to debug_operation or "
-                     "debug_context", scope.name)
     if exc is not None:
         rules.evaluate_exception(record, exc, scope.features.anomaly_mode)
     if not record.param_checked and record.nonfinite and scope.features.param_stats:

@@ -230,6 +230,12 @@ class RunThroughput:
             record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, record.operation,
                                             dict(finding.data)))
 
+    def book(self, start: float, end: float, kind: str, operation: str) -> None:
+        """Time between steps that a framework spent on an operation of ``kind`` (its evaluation
+        loop, a checkpoint save) and the step pipeline saw no step of: badput of that kind
+        instead of data wait (perf_counter seconds; an operation named for the record)."""
+        self.ledger.post(start, end, True, True, None, None, None, kind, operation)
+
     def replay(self, start: float, end: float) -> None:
         """A forensic replay ran from ``start`` to ``end`` (perf_counter seconds)."""
         self.ledger.add_forensics(start, end)
