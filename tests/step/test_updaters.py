@@ -89,7 +89,35 @@ def _gan_with_a_nan_term():
     return gen, step, state
 
 
-@pytest.mark.parametrize("build", [_adam_with_a_nan_term, _gan_with_a_nan_term])
+def _scheduled_with_a_nan_term():
+    """A per-step learning-rate schedule stepped inside the step (warm-up, then cosine, as
+    transformer training does): a replay that stepped it again would leave every later step's
+    learning rate one step ahead."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 3))
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    schedule = torch.optim.lr_scheduler.SequentialLR(opt, [warm, cosine], milestones=[3])
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    rates = []
+
+    def step(i):
+        opt.zero_grad()
+        fit = torch.nn.functional.mse_loss(model(x), y)
+        fit.backward()
+        opt.step()
+        schedule.step()
+        rates.append(opt.param_groups[0]["lr"])
+        return fit + (torch.tensor(float("nan")) if i == 1 else 0.0)
+
+    def state():
+        return [p.detach().clone() for p in model.parameters()] + [torch.tensor(opt.param_groups[0]["lr"]),
+                                                                   torch.tensor(schedule.last_epoch)]
+    return model, step, state
+
+
+@pytest.mark.parametrize("build", [_adam_with_a_nan_term, _gan_with_a_nan_term, _scheduled_with_a_nan_term])
 @pytest.mark.parametrize("with_context", [False, True])
 def test_a_replay_applies_no_update_twice(tmp_path, build, with_context):
     bare, _ = _run(tmp_path, False, build, 4)

@@ -111,7 +111,8 @@ def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[
 
 def side_effect_owners(scope: Any) -> tuple[list[Any], list[Any]]:
     """Optimizers and GradScalers among a step scope's arguments (their updates are neutralised
-    in a replay), the scope's own, and the other optimizers that stepped in it."""
+    in a replay), the scope's own, and the other optimizers and learning-rate schedulers that
+    stepped in it (a scheduler's ``step`` is neutralised like an optimizer's)."""
     opts, scalers = find_side_effect_owners(*scope.inputs) if scope.inputs is not None else ([], [])
     for optimizer in (scope.optimizer, *(scope.stepped or ())):
         if optimizer is not None and optimizer not in opts:

@@ -81,7 +81,7 @@ class StepScope:
         self.clock: StepClock | None = None  # phase boundaries (forward, backward, optimizer)
         self.started_at = 0.0  # perf_counter() when the step's body started
         self.scale_before: Any = None  # the GradScaler's scale at the start (throughput: skipped updates)
-        self.stepped: list[Any] | None = None  # other optimizers that stepped in the step (step.updaters)
+        self.stepped: list[Any] | None = None  # other optimizers and schedulers that stepped (step.updaters)
 
     # ------------------------------------------------------------ user API
     def record_loss(self, loss: Any) -> None:

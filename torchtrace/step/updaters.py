@@ -1,4 +1,5 @@
-"""The optimizers and loss scaler a step used, however the step reached them.
+"""The optimizers, learning-rate schedulers and loss scaler a step used, however the step
+reached them.
 
 **Loss scalers.**
 
@@ -18,6 +19,12 @@ notes every optimizer that steps inside an open step besides the step's own (one
 global, or the second of a GAN's two): a forensic replay calls the step function again, and
 must not apply any of their updates a second time. Outside a step the hook reads a context
 variable.
+
+**Learning-rate schedulers.** The ``step`` of every scheduler class in
+``torch.optim.lr_scheduler`` is wrapped likewise: a scheduler stepped inside the step (the
+per-step schedule of most transformer training) is not stepped again by a replay, which
+would shift the learning rate one step ahead for the rest of the run. A scheduler class of
+the user's own that overrides ``step`` without calling the base's is not reached.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch.optim import lr_scheduler
 from torch.optim import optimizer as optimizer_module
 
 from torchtrace import current
@@ -55,26 +63,53 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
-def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _note(updater: Any) -> None:
+    """An optimizer or scheduler stepped in the open step: a replay must not step it again."""
     scope = current.step()
-    if scope is not None and scope.active and optimizer is not scope.optimizer:
+    if scope is not None and scope.active and updater is not scope.optimizer:
         stepped = scope.stepped
         if stepped is None:
-            scope.stepped = [optimizer]
-        elif optimizer not in stepped and len(stepped) < 64:
-            stepped.append(optimizer)
+            scope.stepped = [updater]
+        elif len(stepped) < 64 and not any(u is updater for u in stepped):
+            stepped.append(updater)
+
+
+def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _note(optimizer)
+
+
+def _wrap_scheduler(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_compiling():
+            try:
+                _note(self)
+            except Exception as exc:  # torchtrace's own failure never reaches the user's call
+                rt = current.runtime(create=False)
+                if rt is not None:
+                    rt.errors.report("step", exc)
+        return original(self, *args, **kwargs)
+
+    step.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
+    return step
 
 
 _hook_handle: Any = None
 
 
 def install() -> None:
-    """Wrap ``GradScaler.scale`` and ``GradScaler.step``, and register the global optimizer
-    hook (idempotent)."""
+    """Wrap ``GradScaler.scale`` and ``GradScaler.step`` and the schedulers' ``step``, and
+    register the global optimizer hook (idempotent)."""
     global _hook_handle
     register = getattr(optimizer_module, "register_optimizer_step_pre_hook", None)
     if _hook_handle is None and register is not None:
         _hook_handle = register(_optimizer_stepping)
+    base = getattr(lr_scheduler, "LRScheduler", None)
+    for scheduler_class in list(vars(lr_scheduler).values()):
+        if isinstance(scheduler_class, type) and base is not None and issubclass(scheduler_class, base):
+            existing = vars(scheduler_class).get("step")
+            if existing is not None and not getattr(existing, "__torchtrace_wrapped__", False):
+                setattr(scheduler_class, "step", _wrap_scheduler(existing))
     scaler_class = getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)
     if scaler_class is None:
         return
