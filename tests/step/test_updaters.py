@@ -117,7 +117,29 @@ def _scheduled_with_a_nan_term():
     return model, step, state
 
 
-@pytest.mark.parametrize("build", [_adam_with_a_nan_term, _gan_with_a_nan_term, _scheduled_with_a_nan_term])
+def _averaged_with_a_nan_term():
+    """An EMA copy of the weights updated inside the step (torch's AveragedModel)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def step(i):
+        opt.zero_grad()
+        fit = torch.nn.functional.mse_loss(model(x), y)
+        fit.backward()
+        opt.step()
+        ema.update_parameters(model)
+        return fit + (torch.tensor(float("nan")) if i == 1 else 0.0)
+
+    def state():
+        return [p.detach().clone() for p in (*model.parameters(), *ema.parameters())] + [ema.n_averaged.clone()]
+    return model, step, state
+
+
+@pytest.mark.parametrize("build", [_adam_with_a_nan_term, _gan_with_a_nan_term, _scheduled_with_a_nan_term,
+                                   _averaged_with_a_nan_term])
 @pytest.mark.parametrize("with_context", [False, True])
 def test_a_replay_applies_no_update_twice(tmp_path, build, with_context):
     bare, _ = _run(tmp_path, False, build, 4)

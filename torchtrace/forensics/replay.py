@@ -19,6 +19,7 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.optim import swa_utils
 
 from torchtrace import semconv
 from torchtrace.forensics import blame
@@ -79,8 +80,8 @@ def neutralised(optimizers: list[Any], scalers: list[Any]) -> Iterator[None]:
         setattr(obj, name, lambda *a, **k: None)
 
     try:
-        for opt in optimizers:
-            patch(opt, "step")
+        for opt in optimizers:  # optimizers, schedulers, and weight averages (AveragedModel)
+            patch(opt, "update_parameters" if isinstance(opt, swa_utils.AveragedModel) else "step")
         for sc in scalers:
             for name in ("step", "unscale_", "update"):
                 patch(sc, name)

@@ -25,6 +25,10 @@ variable.
 per-step schedule of most transformer training) is not stepped again by a replay, which
 would shift the learning rate one step ahead for the rest of the run. A scheduler class of
 the user's own that overrides ``step`` without calling the base's is not reached.
+
+**Weight averages.** ``torch.optim.swa_utils.AveragedModel.update_parameters`` (an EMA or
+SWA copy of the weights) is wrapped the same way: a replay does not average the weights in
+a second time.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch.optim import lr_scheduler
+from torch.optim import lr_scheduler, swa_utils
 from torch.optim import optimizer as optimizer_module
 
 from torchtrace import current
@@ -41,6 +45,7 @@ from torchtrace.measure.scaler import scale_at_start
 from torchtrace.step.clipping import is_compiling
 
 _METHODS = ("scale", "step")
+AVERAGE = "update_parameters"  # the method of a weight average (AveragedModel) a replay must not call
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,7 +83,7 @@ def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
     _note(optimizer)
 
 
-def _wrap_scheduler(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_updater(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_compiling():
@@ -109,7 +114,11 @@ def install() -> None:
         if isinstance(scheduler_class, type) and base is not None and issubclass(scheduler_class, base):
             existing = vars(scheduler_class).get("step")
             if existing is not None and not getattr(existing, "__torchtrace_wrapped__", False):
-                setattr(scheduler_class, "step", _wrap_scheduler(existing))
+                setattr(scheduler_class, "step", _wrap_updater(existing))
+    averaged = getattr(swa_utils, "AveragedModel", None)
+    existing = vars(averaged).get(AVERAGE) if averaged is not None else None
+    if existing is not None and not getattr(existing, "__torchtrace_wrapped__", False):
+        setattr(averaged, AVERAGE, _wrap_updater(existing))
     scaler_class = getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)
     if scaler_class is None:
         return
