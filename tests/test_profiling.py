@@ -112,6 +112,26 @@ def test_profiling_mode_uses_default_schedule(tmp_path):
     tt.shutdown()
 
 
+def test_a_users_own_profiler_is_left_running(tmp_path, caplog):
+    """The user profiles the steps with torch.profiler themselves while torchtrace runs in
+    profiling mode: opening a window would end their session (their profile came back empty).
+    torchtrace's window steps aside, says so once, and opens again once theirs has ended."""
+    tt.configure(mode="profiling", prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False)
+    model = torch.nn.Linear(8, 2)
+    with caplog.at_level("WARNING", logger="torchtrace"):
+        with torch.profiler.profile() as theirs:
+            _train(model, 8)
+    names = {e.key for e in theirs.key_averages()}
+    assert "aten::addmm" in names or "aten::linear" in names, sorted(names)[:20]
+    probe = find_probe(get_runtime(), ProfilerProbe)
+    assert probe.windows == []
+    assert len([r for r in caplog.records if "a profiler is already running" in r.getMessage()]) == 1
+    probe.armed = "anomaly"  # a trigger after their profiler ended: the window opens
+    _train(model, 2, start=8)
+    assert [w["steps"] for w in probe.windows] == [[8, 9]]
+    tt.shutdown()
+
+
 def test_level_change_turns_default_windows_off(tmp_path):
     tt.configure(mode="profiling", prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False)
     rt = get_runtime()

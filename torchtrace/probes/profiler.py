@@ -183,6 +183,16 @@ def write_trace(prof: Any, path: Path, max_bytes: int, private: bool = True) -> 
     return dropped
 
 
+def _someone_profiling() -> bool:
+    """True while a profiler session is open in this process (not one of torchtrace's windows:
+    the probe asks before opening one)."""
+    enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+    try:
+        return bool(enabled()) if enabled is not None else False
+    except Exception:
+        return False
+
+
 class ProfilerProbe(Probe):
     """Opens and closes profiler windows around instrumented steps (see :class:`ProfileSchedule`);
     the window holding a step goes to ``record.profile``."""
@@ -242,6 +252,13 @@ class ProfilerProbe(Probe):
                 return None
             reason = self.armed or ("schedule" if sched.wants(scope.step) else None)
             if reason is None or not self._allowed(sched, scope.step):
+                return None
+            if _someone_profiling():
+                # Another profiler (the user's torch.profiler.profile) is running: opening a
+                # window would end its session. Ours steps aside, and says so once.
+                self.rt.warn_once(("profiler", "busy"),
+                                  "torchtrace: a profiler is already running (torch.profiler.profile); "
+                                  "torchtrace's profiling windows are skipped while it runs")
                 return None
             self.armed = None
             w = self.window = self._open(sched, scope, reason)
