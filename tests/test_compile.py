@@ -174,3 +174,31 @@ def test_a_compiled_model_has_its_flops_and_phases(tt_runtime, form):
     assert rows and all(row["flops"] == counter.get_total_flops() for row in rows), [r.get("flops") for r in rows]
     assert all(set(row["phases"]) == {"forward", "backward", "optimizer"} for row in rows), \
         [row.get("phases") for row in rows]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_compiled_optimizer_step_gets_no_graph_break_from_torchtrace():
+    """torchtrace's global optimizer step pre-hook (which notes optimizers stepped inside a
+    step) stays out of a compiled ``optimizer.step()``: the same graph breaks as without the
+    hook (torch's own), none from reading torchtrace's context variable."""
+    from torch._dynamo.utils import counters
+    from torchtrace.step import updaters
+
+    breaks = {}
+    for hooked in (False, True):
+        if not hooked:
+            updaters._hook_handle.remove()
+            updaters._hook_handle = None
+        else:
+            updaters.install()
+        dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        net = Net()
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+        net(torch.randn(4, 8)).sum().backward()
+        torch.compile(lambda: opt.step(), backend="eager")()
+        breaks[hooked] = dict(counters["graph_break"])
+    assert updaters._hook_handle is not None
+    assert breaks[True] == breaks[False]
+    assert not any("ContextVar" in reason for reason in breaks[True])

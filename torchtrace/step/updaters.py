@@ -80,7 +80,8 @@ def _note(updater: Any) -> None:
 
 
 def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _note(optimizer)
+    if not is_compiling():  # a compiled optimizer step: stay out of its graph (no break)
+        _note(optimizer)
 
 
 def _wrap_updater(original: Callable[..., Any]) -> Callable[..., Any]:
