@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import math
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import torchtrace as tt
-from torchtrace import semconv
+from torchtrace import api, semconv
 from tests.helpers import read_spans
 
 CONTRACT_ATTRS = {semconv.STEP, semconv.OPERATION, semconv.LEVEL, semconv.LOSS, semconv.GRAD_NORM,
@@ -277,3 +278,29 @@ def test_advanced_names_tiny_gradient_tensors_without_calling_the_step_an_anomal
     assert s.record.anomaly_kinds == []
     spans = read_spans(tt.api.get_runtime().spans_path)
     assert spans[0]["attributes"][semconv.GRAD_VANISHED_PARAMS] == ["0.bias"]
+
+
+@pytest.mark.parametrize("setup", ["none", "configured", "off"])
+def test_current_step_outside_a_step_is_inert(tmp_path, setup):
+    """``tt.current_step().record_loss(loss)`` is what the docs tell a custom ``compute_loss``
+    to call, and the Trainer calls that function in evaluation too, outside any step; as it
+    does with torchtrace at level off. There the current step is a false, inert scope: its
+    calls record nothing and raise nothing (they raised AttributeError on None), and entering
+    it opens no step."""
+    if setup != "none":
+        tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True,
+                     level="off" if setup == "off" else "basic")
+    try:
+        with (tt.debug_context("train_step") if setup == "off" else contextlib.nullcontext()):
+            step = tt.current_step()
+            assert not step and not step.active
+            step.record_loss(torch.tensor(1.0))
+            step.record_batch(samples=4, tokens=10, flops=100)
+            step.add_anomaly(semconv.LOSS_SPIKE, "outside")
+            assert step.record is None and not step.span.get_span_context().is_valid
+            with step as entered:
+                assert entered is step and not tt.current_step()
+        rt = api.get_runtime() if setup != "none" else None
+        assert rt is None or (rt.history.steps() == [] and rt.history.totals.get("steps", 0) == 0)
+    finally:
+        tt.shutdown()

@@ -180,9 +180,32 @@ def flush(timeout_s: float | None = None) -> bool:
     return rt.flush(timeout_s) if rt is not None else True
 
 
-def current_step() -> StepScope | None:
-    """The innermost active step scope of this thread/task, if any."""
-    return current.step()
+class _NoStep(StepScope):
+    """What :func:`current_step` gives outside any step: its calls (``record_loss``,
+    ``record_batch``, ...) do nothing, it is false, and it never opens a step itself."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __enter__(self) -> "StepScope":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+
+_NO_STEP = _NoStep("no_step")
+
+
+def current_step() -> StepScope:
+    """The innermost active step scope of this thread/task; outside any step (an evaluation
+    loop calling the same ``compute_loss``, torchtrace at level off or disabled) an inert scope
+    that is false and whose calls do nothing, so ``tt.current_step().record_loss(loss)`` is safe
+    anywhere. ``if tt.current_step():`` tells whether a step is open."""
+    scope = current.step()
+    return scope if scope is not None else _NO_STEP
 
 
 def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | None = None,

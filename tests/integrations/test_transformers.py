@@ -207,17 +207,23 @@ def test_custom_compute_loss_records_its_loss(tmp_path):
     class Custom(transformers.Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             labels = inputs.pop("labels")
-            logits = model(**inputs).logits  # no labels: the output carries no loss
-            loss = torch.nn.functional.cross_entropy(logits, labels) * 3.0
+            outputs = model(**inputs)  # no labels: the output carries no loss
+            loss = torch.nn.functional.cross_entropy(outputs.logits, labels) * 3.0
             tt.current_step().record_loss(loss)
             tt.current_step().record_batch(flops=1234)  # the user's own FLOPs win over the estimate
             seen.append(float(loss.detach().double()))
-            return loss
+            return (loss, outputs) if return_outputs else loss
 
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
                                           report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
                                           disable_tqdm=True, max_grad_norm=0.0)
-    Custom(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[TorchtraceCallback()]).train()
+    trainer = Custom(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[TorchtraceCallback()])
+    trainer.train()
+    # The Trainer calls compute_loss in evaluation too, where no step is open: the documented
+    # call does nothing there (it raised AttributeError on None).
+    metrics = trainer.evaluate(Data(8))
+    assert math.isfinite(metrics["eval_loss"]) and len(seen) == 3 + 1  # one evaluation batch of 8
+    seen = seen[:3]
     spans = read_spans(result.spans_path)
     assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx(seen, rel=1e-6)
     assert [s["attributes"][semconv.FLOPS] for s in spans] == [1234] * 3
