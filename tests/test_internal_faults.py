@@ -17,6 +17,7 @@ from tests.conftest import TinyNet
 from torchtrace.probes.base import Probe
 from torchtrace.step import runtime as runtime_mod
 from torchtrace.step import throughput as throughput_mod
+from torchtrace.step import updaters
 from torchtrace.api import get_runtime
 from torchtrace import files
 from torchtrace.export import metrics, tracing
@@ -61,6 +62,7 @@ FAULTS = {
     "throughput_end": (throughput_mod.RunThroughput, "account", {"record"}),
     "history": (history.History, "add_step", {"record"}),
     "loss_rule": (rules, "evaluate_loss", {"record"}),
+    "optimizer_noted": (updaters, "_note", {"step"}),  # the global optimizer hook's work
     "probe_enter": None,
     "probe_exit": None,
     "probe_finish": None,

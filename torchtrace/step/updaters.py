@@ -79,21 +79,26 @@ def _note(updater: Any) -> None:
             stepped.append(updater)
 
 
+def _noted(updater: Any) -> None:
+    """:func:`_note`, outside a compiled graph (no break), and never raising into the user's call."""
+    if is_compiling():
+        return
+    try:
+        _note(updater)
+    except Exception as exc:
+        rt = current.runtime(create=False)
+        if rt is not None:
+            rt.errors.report("step", exc)
+
+
 def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if not is_compiling():  # a compiled optimizer step: stay out of its graph (no break)
-        _note(optimizer)
+    _noted(optimizer)
 
 
 def _wrap_updater(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not is_compiling():
-            try:
-                _note(self)
-            except Exception as exc:  # torchtrace's own failure never reaches the user's call
-                rt = current.runtime(create=False)
-                if rt is not None:
-                    rt.errors.report("step", exc)
+        _noted(self)
         return original(self, *args, **kwargs)
 
     step.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
