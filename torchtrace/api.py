@@ -366,7 +366,7 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
     ...     return (x * 2).sum()
     """
     # Fail at decoration time, not in the loop.
-    checks.check_decorator_arguments(func, name, model, optimizer, level, mode, replay, scaler, kind)
+    checks.check_decorator_arguments(func, name, model, optimizer, level, mode, replay, scaler, kind, attributes)
     on, seed_mode = debug_mode_setting(debug_mode)
     if seed_mode is not None and seed_mode is not DebugMode.NONE:
         if mode is not None:

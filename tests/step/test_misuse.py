@@ -58,6 +58,17 @@ def test_wrong_scaler_and_replay_types(tt_runtime, model_and_opt):
         tt.debug_context("evaluate", kind="eval")
 
 
+@pytest.mark.parametrize("bad", [[1, 2], "dataset=train", {1: "x"}])
+def test_attributes_that_are_not_a_dict_of_names_are_refused_where_given(tt_runtime, bad):
+    """They were taken at decoration and raised AttributeError out of every call of the step."""
+    with pytest.raises(TypeError, match="attributes= must be a dict of string keys"):
+        tt.debug_operation(attributes=bad)
+    with pytest.raises(TypeError, match="attributes= must be a dict of string keys"):
+        tt.debug_context("train_step", attributes=bad)
+    step = tt.debug_operation(attributes={"dataset": "train", "fold": 3})(lambda x: x * 2)
+    assert step(torch.ones(1)).item() == 2.0
+
+
 def test_the_right_calls_still_work_and_count_no_internal_error(tt_runtime, model_and_opt):
     model, opt = model_and_opt
     scaler = torch.amp.GradScaler("cpu", enabled=False)

@@ -4,6 +4,7 @@ decoration raise ``TypeError`` with the correct call, instead of failing later i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -54,8 +55,18 @@ def check_scaler(scaler: Any, where: str) -> None:
                     f"optimizer=optimizer, scaler=torch.amp.GradScaler())")
 
 
+def check_attributes(attributes: Any, where: str) -> None:
+    """``attributes=``: None or a mapping of string keys (values the span cannot hold are
+    dropped, as the OpenTelemetry SDK does)."""
+    if attributes is None:
+        return
+    if not isinstance(attributes, Mapping) or not all(isinstance(k, str) for k in attributes):
+        raise TypeError(f"{where}: attributes= must be a dict of string keys to values (str, bool, int, float, or "
+                        f"lists of them), got {_kind(attributes)}; for example attributes={{\"dataset\": \"train\"}}")
+
+
 def check_scope_arguments(name: Any, model: Any, optimizer: Any, scaler: Any, replay: Any, step: Any,
-                          kind: Any) -> None:
+                          kind: Any, attributes: Any = None) -> None:
     """Raises TypeError or ValueError naming the argument and showing the correct call."""
     where = "debug_context"
     if not isinstance(name, str):
@@ -75,6 +86,7 @@ def check_scope_arguments(name: Any, model: Any, optimizer: Any, scaler: Any, re
         raise TypeError(f"{where}: step= must be a non-negative int, got {step!r}")
     if kind not in STEP_KINDS:
         raise ValueError(f"{where}: kind={kind!r} is not valid; accepted values: {', '.join(STEP_KINDS)}")
+    check_attributes(attributes, where)
 
 
 def check_decorator_target(func: Any) -> None:
@@ -91,7 +103,7 @@ def check_decorator_target(func: Any) -> None:
 
 
 def check_decorator_arguments(func: Any, name: Any, model: Any, optimizer: Any, level: Any, mode: Any, replay: Any,
-                              scaler: Any, kind: Any) -> None:
+                              scaler: Any, kind: Any, attributes: Any = None) -> None:
     """``debug_operation``'s arguments, checked at decoration.
 
     Raises:
@@ -112,3 +124,4 @@ def check_decorator_arguments(func: Any, name: Any, model: Any, optimizer: Any, 
         raise TypeError(f"{where}: replay= must be a callable, False or None, got {_kind(replay)}")
     if kind not in STEP_KINDS:
         raise ValueError(f"{where}: kind={kind!r} is not valid; accepted values: {', '.join(STEP_KINDS)}")
+    check_attributes(attributes, where)

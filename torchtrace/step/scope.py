@@ -54,7 +54,7 @@ class StepScope:
                  level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
                  attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
                  scaler: Any = None, kind: str = "train", inputs: tuple[tuple, dict] | None = None) -> None:
-        checks.check_scope_arguments(name, model, optimizer, scaler, replay, step, kind)
+        checks.check_scope_arguments(name, model, optimizer, scaler, replay, step, kind, attributes)
         self.name = name
         self.model = model
         self.optimizer = optimizer
