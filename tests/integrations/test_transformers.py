@@ -340,3 +340,19 @@ def test_evaluation_and_checkpoints_between_steps_are_their_own_badput(tmp_path,
         assert badput["data_wait"] < 0.05
     finally:
         tt.shutdown()
+
+
+def test_a_compiled_trainer_model_keeps_its_telemetry(tmp_path):
+    """``torch_compile=True``: the loss (from the forward hook, now inside compiled code), the
+    gradient norm, samples and FLOPs are as without compilation; the forward runs inside the
+    compiled code, so the steps have the optimizer phase only (documented)."""
+    result = configure(tmp_path)
+    spy = Spy()
+    train(tmp_path, [spy, TorchtraceCallback()], steps=3, torch_compile=True, torch_compile_backend="eager")
+    spans = read_spans(result.spans_path)
+    assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx(spy.losses, rel=1e-6)
+    assert [s["attributes"][semconv.GRAD_NORM] for s in spans] == pytest.approx(spy.norms, rel=1e-5)
+    assert [s["attributes"][semconv.SAMPLES] for s in spans] == [4] * 3
+    assert all(semconv.FLOPS in s["attributes"] for s in spans)
+    phases = [k for k in spans[-1]["attributes"] if k.startswith("torchtrace.phase.")]
+    assert phases == ["torchtrace.phase.optimizer_s"]
