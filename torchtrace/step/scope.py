@@ -29,6 +29,7 @@ from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck
 from torchtrace.step.throughput import StepClock, drop_counter, fill_throughput, learning_rates
+from torchtrace.step.watched import real_optimizer
 
 STEP_KINDS = checks.STEP_KINDS
 
@@ -57,7 +58,7 @@ class StepScope:
         checks.check_scope_arguments(name, model, optimizer, scaler, replay, step, kind, attributes)
         self.name = name
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = real_optimizer(optimizer)  # the torch optimizer behind accelerate's wrapper
         self.scaler = scaler
         self.replay = replay
         self.replay_fn: Callable[..., Any] | None = None  # the decorated function: replayed with ``inputs``
@@ -159,7 +160,7 @@ class StepScope:
         """
         if not self._active or not self.features.grad_stats:
             return
-        optimizer = optimizer if optimizer is not None else self.optimizer
+        optimizer = real_optimizer(optimizer) if optimizer is not None else self.optimizer
         if optimizer is None and self.model is None:
             return
         try:

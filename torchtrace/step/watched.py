@@ -65,6 +65,28 @@ def watched(model: Any, optimizer: Any, scaler: Any, args: tuple, kwargs: dict) 
     return model, optimizer, scaler
 
 
+def real_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer behind a wrapper that never initialised torch's ``Optimizer`` (its
+    hooks cannot be registered on it): accelerate's ``AcceleratedOptimizer`` holds the real one
+    in ``.optimizer``. Anything else is returned as it is.
+
+    >>> sgd = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    >>> class Wrapper(torch.optim.Optimizer):
+    ...     def __init__(self, optimizer):
+    ...         self.optimizer = optimizer
+    >>> real_optimizer(Wrapper(sgd)) is sgd and real_optimizer(sgd) is sgd
+    True
+    """
+    for _ in range(4):  # wrappers of wrappers, a few deep at most
+        if optimizer is None or hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, _Optimizer):
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
 def _attributes_of(obj: Any) -> tuple[Any, Any, Any]:
     kind = type(obj)
     names = _fields.get(kind)
@@ -106,4 +128,4 @@ def _find(obj: Any) -> tuple[str | None, str | None, str | None]:
     return model_name, optimizer_name, scaler_name
 
 
-__all__ = ["watched"]
+__all__ = ["real_optimizer", "watched"]
