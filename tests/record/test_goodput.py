@@ -53,6 +53,36 @@ def test_hand_computed_timeline_with_a_skipped_step_a_slow_loader_and_a_replay()
     assert ledger.closed() == closed  # a snapshot changes nothing
 
 
+def test_a_pause_is_no_class_and_no_wall_time():
+    """Measuring stops at 3.5 (level off) and the next measured step starts at 100: the half
+    second before the pause is data wait as usual; 3.5-100 is not counted anywhere, the step
+    after it has no data wait, and the snapshot does not decay while paused. Hand-computed."""
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.add_step(FinishedStep(1.0, 2.0))
+    ledger.add_step(FinishedStep(2.5, 3.0))
+    ledger.pause(3.5)
+    during = [ledger.snapshot(now=t) for t in (10.0, 60.0)]
+    assert during[0] == during[1]
+    assert during[0].wall_s == approx(3.5) and during[0].badput["data_wait"] == approx(1.0)
+    assert ledger.add_step(FinishedStep(100.0, 101.0)).data_wait_s is None
+    assert ledger.add_step(FinishedStep(101.5, 102.0)).data_wait_s == approx(0.5)
+    g = ledger.closed()
+    assert g.productive_s == approx(3.0) and g.wall_s == approx(3.5 + 2.0)
+    assert g.badput["startup"] == approx(1.0) and g.badput["data_wait"] == approx(0.5 + 0.5 + 0.5)
+    assert total(g) == approx(g.wall_s, abs=1e-12)
+    ledger.pause(103.0)
+    ledger.pause(150.0)  # a second pause changes nothing
+    assert ledger.snapshot(now=200.0).wall_s == approx(g.wall_s + 1.0)
+
+
+def test_a_pause_before_the_first_step_keeps_the_startup_before_it():
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.pause(2.0)  # configured at level off; turned on much later
+    ledger.add_step(FinishedStep(50.0, 51.0))
+    g = ledger.closed()
+    assert g.badput["startup"] == approx(2.0) and g.productive_s == approx(1.0) and g.wall_s == approx(3.0)
+
+
 def test_before_the_first_step_everything_is_startup():
     ledger = GoodputLedger(configured_at=10.0)
     g = ledger.snapshot(now=12.5)

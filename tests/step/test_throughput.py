@@ -563,3 +563,54 @@ def test_a_copy_of_the_models_dict_calls_itself_not_the_model(tmp_path):
         assert set(get_runtime().history.steps()[-1]["phases"]) == {"forward", "backward", "optimizer"}
     finally:
         tt.shutdown()
+
+
+def test_time_at_level_off_is_not_data_wait(tmp_path):
+    """An operator turns torchtrace off for a while (the job goes on training) and on again:
+    that stretch is no class of goodput and not in its wall time; before, it was counted as
+    data wait all at once, and the low-goodput alert fired on a healthy job."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt, train_step = _watched(model)
+        rt = get_runtime()
+        for _ in range(5):
+            train_step(torch.randn(8, 16))
+        rt.set_level("off")
+        t0 = time.perf_counter()
+        for _ in range(5):
+            train_step(torch.randn(8, 16))
+            time.sleep(0.1)
+        off = time.perf_counter() - t0
+        rt.set_level("basic")
+        for _ in range(5):
+            train_step(torch.randn(8, 16))
+        rt.finish_deferred(block=True)
+        g = rt.throughput.ledger.closed()
+        assert off >= 0.5
+        assert g.badput["data_wait"] < 0.1, g.badput
+        assert g.wall_s < time.perf_counter() - rt.throughput.ledger.configured_at - 0.45
+        assert g.productive_s + sum(g.badput.values()) == pytest.approx(g.wall_s, abs=1e-9)
+    finally:
+        tt.shutdown()
+
+
+def test_a_run_configured_at_level_off_has_no_goodput_until_it_measures(tmp_path):
+    """Configured at level off, the run has no goodput to show (it said 0 %: all startup)
+    and /metrics has no goodput ratio; the first measured step starts its accounting."""
+    tt.configure(prometheus_port=0, run_dir=str(tmp_path), register_atexit=False, strict=True, level="off")
+    try:
+        rt = get_runtime()
+        time.sleep(0.2)
+        assert rt.throughput.ledger.snapshot(time.perf_counter()).ratio is None
+        assert rt.metrics.registry.get_sample_value(
+            "torchtrace_goodput_ratio", {"run_id": rt.settings.run_id, "rank": "0"}) is None
+        model = _mlp()
+        opt, train_step = _watched(model)
+        rt.set_level("basic")
+        train_step(torch.randn(8, 16))
+        rt.finish_deferred(block=True)
+        g = rt.throughput.ledger.closed()
+        assert g.badput["startup"] < 0.15 and g.productive_s > 0
+    finally:
+        tt.shutdown()

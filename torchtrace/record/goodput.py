@@ -22,6 +22,12 @@ once, in exactly one class, so that ``productive + sum(badput) == wall``:
   wait). A replay reported after its instants were already counted (they cannot be
   recounted: badput counters only grow) is taken out of the next instants counted.
 
+While nothing is measured (level ``off``, or ``throughput=False``) the ledger is paused
+(:meth:`GoodputLedger.pause`): that stretch is in no class and not in wall time either (the
+job may have trained all along; nobody looked), and the first step after it has no data
+wait. Without the pause, turning torchtrace off for an hour and on again counted the hour
+as data wait, and the goodput alert fired on a healthy job.
+
 Overlapping steps (a step inside another) are not counted twice: a step's interval starts
 at the end of the time already counted. Two views: :meth:`GoodputLedger.closed` counts up
 to the end of the last finished step (final: export counters from its increases);
@@ -124,6 +130,8 @@ class GoodputLedger:
         self._last_operation: str | None = None
         self._totals: dict[str, float] = {_PRODUCTIVE: 0.0, **{k: 0.0 for k in semconv.BADPUT_KINDS}}
         self._prior_wall = 0.0  # wall time of a run restored with load_state_dict
+        self._unmeasured = 0.0  # seconds while paused: in no class, not in wall time
+        self._paused_at: float | None = None  # when measuring stopped (pause), until the next step
         self._replays: list[tuple[float, float]] = []  # forensic intervals not yet counted
         self._debt = 0.0  # forensic seconds reported after their instants were counted
         self._windows: dict[str, OperationWindow] = {}
@@ -164,6 +172,9 @@ class GoodputLedger:
             start = self.configured_at
         if end < start:
             end = start
+        if self._paused_at is not None:
+            with self._lock:
+                self._resume(start)
         last = self._posted_end
         if last is None:
             wait = None
@@ -187,6 +198,28 @@ class GoodputLedger:
             self._due[operation] = window.settings.window - len(window.rates) if window is not None \
                 else WINDOWLESS_DUE
         return wait, tuple(found)
+
+    def pause(self, now: float) -> None:
+        """Measuring stopped at ``now``: until the next step, time is not counted (see the
+        module docstring). Idempotent."""
+        with self._lock:
+            self._book_pending()
+            if self._paused_at is None:
+                self._paused_at = max(now, self._cursor)
+
+    def _resume(self, start: float) -> None:
+        """The first step after a pause starts at ``start`` (the lock is held): the time up to
+        the pause is counted as before; from the pause to this step, nothing."""
+        self._book_pending()
+        paused_at, self._paused_at = self._paused_at, None
+        if paused_at is None:
+            return
+        if paused_at > self._cursor:
+            self._count(self._cursor, paused_at, "data_wait" if self._started else "startup")
+        if start > self._cursor:
+            self._unmeasured += start - max(paused_at, self._cursor)
+            self._cursor = start
+        self._posted_end = None  # the step after a pause has no data wait, like a run's first
 
     def add_forensics(self, start: float, end: float) -> None:
         """Count a forensic replay that ran from ``start`` to ``end``."""
@@ -216,12 +249,15 @@ class GoodputLedger:
         with self._lock:
             self._book_pending()
             totals = dict(self._totals)
-            if now > self._cursor:
+            until, unmeasured = now, 0.0
+            if self._paused_at is not None and now > self._paused_at:
+                until, unmeasured = max(self._paused_at, self._cursor), now - max(self._paused_at, self._cursor)
+            if until > self._cursor:
                 kind = "data_wait" if self._started else "startup"
-                _, inside, repaid = _split(self._cursor, now, self._replays, self._debt)
-                totals[kind] += (now - self._cursor) - inside - repaid
+                _, inside, repaid = _split(self._cursor, until, self._replays, self._debt)
+                totals[kind] += (until - self._cursor) - inside - repaid
                 totals["forensics"] += inside + repaid
-            return self._goodput(totals, max(now, self._cursor))
+            return self._goodput(totals, max(now, self._cursor), unmeasured)
 
     def throughput(self, operation: str) -> Throughput | None:
         """The operation's throughput over its last ``rules.window`` steps; None before its first."""
@@ -239,7 +275,7 @@ class GoodputLedger:
         """
         with self._lock:
             self._book_pending()
-            wall = self._prior_wall + (self._cursor - self.configured_at)
+            wall = self._prior_wall + (self._cursor - self.configured_at) - self._unmeasured
             debt = self._debt + sum(e - s for s, e in self._replays)  # replays still to count, as seconds
             return {"version": STATE_VERSION, "wall_s": wall, "totals": dict(self._totals), "debt_s": debt,
                     "rules": settings_state(self.rules), "peak_flops": self.peak_flops,
@@ -326,8 +362,8 @@ class GoodputLedger:
         self._totals["forensics"] += inside + repaid
         self._cursor = b
 
-    def _goodput(self, totals: dict[str, float], until: float) -> Goodput:
-        wall = self._prior_wall + (until - self.configured_at)
+    def _goodput(self, totals: dict[str, float], until: float, unmeasured: float = 0.0) -> Goodput:
+        wall = self._prior_wall + (until - self.configured_at) - self._unmeasured - unmeasured
         return Goodput(wall, totals[_PRODUCTIVE], {k: totals[k] for k in semconv.BADPUT_KINDS})
 
 

@@ -69,6 +69,8 @@ class RunThroughput:
         self.rt = rt
         self.flops = StepFlops()
         self.ledger = GoodputLedger(configured_at=time.perf_counter(), peak_flops=rt.settings.peak_flops)
+        if not rt.features.throughput:  # configured at level off or with throughput=False: not measuring
+            self.ledger.pause(self.ledger.configured_at)
         self._models: "weakref.WeakKeyDictionary[Any, ModelMarks]" = weakref.WeakKeyDictionary()
         self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerMarks]" = weakref.WeakKeyDictionary()
         self._peaks: dict[str, float | None] = {}
@@ -281,7 +283,9 @@ class RunThroughput:
         """Throughput went off: take the forward marks off the models, so that a model called at
         level OFF, or with ``throughput=False``, runs PyTorch's own call. The next step that
         measures throughput puts them back. The optimizers keep their two step hooks until
-        shutdown (one call each per ``optimizer.step()``, which returns at once outside a step)."""
+        shutdown (one call each per ``optimizer.step()``, which returns at once outside a step).
+        Goodput pauses until the next measured step: unmeasured time is no class's."""
+        self.ledger.pause(time.perf_counter())
         for hooks in list(self._models.values()):
             hooks.detach()
 
