@@ -79,6 +79,50 @@ def test_transformer_step_within_ten_percent_of_an_independent_count():
     assert cache.lookup(key) == by_hand
 
 
+class _Pinn(torch.nn.Module):
+    """Computes in its own forward: the derivative of its output with respect to its input
+    (``torch.autograd.grad`` with ``create_graph``), as physics-informed losses and gradient
+    penalties do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        x = x.requires_grad_(True)
+        u = self.net(x)
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return ((du - torch.cos(x)) ** 2).mean()
+
+
+def _pinn_loss(x, w1, b1, w2, b2):
+    """:class:`_Pinn`'s step without modules."""
+    x = x.requires_grad_(True)
+    u = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, w1, b1)), w2, b2)
+    du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+    return ((du - torch.cos(x)) ** 2).mean()
+
+
+def test_a_model_that_differentiates_in_its_own_forward_is_counted():
+    """FlopCounterMode's per-module tracker fails such a model ("A leaf node was passed to
+    _will_engine_execute_node"), which raised out of the user's counted step. torchtrace's
+    counter keeps the global total only: it runs, and counts what FlopCounterMode counts on a
+    module-free twin of the same step (no modules: nothing for the tracker to hook)."""
+    model, x = _Pinn(), torch.linspace(0, 3, 32).reshape(-1, 1)
+    with pytest.raises(RuntimeError, match="_will_engine_execute_node"):
+        with FlopCounterMode(display=False):
+            model(x.clone()).backward()
+    model.zero_grad()
+    cache = StepFlops()
+    with cache.counting("pinn"):
+        model(x.clone()).backward()
+    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    with FlopCounterMode(display=False) as reference:
+        _pinn_loss(x.clone(), *params).backward()
+    assert cache.lookup("pinn") == reference.get_total_flops() > 0
+
+
 def test_counted_once_per_shape_key():
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -614,3 +614,52 @@ def test_a_run_configured_at_level_off_has_no_goodput_until_it_measures(tmp_path
         assert g.badput["startup"] < 0.15 and g.productive_s > 0
     finally:
         tt.shutdown()
+
+
+class _DifferentiatingModel(torch.nn.Module):
+    """Its forward takes the derivative of its output with respect to its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        x = x.requires_grad_(True)
+        u = self.net(x)
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return ((du - torch.cos(x)) ** 2).mean()
+
+
+@pytest.mark.parametrize("level", ["basic", "extreme"])
+def test_a_model_that_differentiates_in_its_forward_trains_as_without_torchtrace(tmp_path, level):
+    """The step whose FLOPs were counted raised out of the user's loop (FlopCounterMode's
+    module tracker fails torch.autograd.grad inside a forward); now it trains to the same
+    weights as an uninstrumented copy, with FLOPs and all three phases."""
+    _configure(tmp_path, level=level)
+    try:
+        model, bare = _DifferentiatingModel(), _DifferentiatingModel()
+        opt, bare_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(bare.parameters(), lr=1e-2)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            return loss
+
+        for _ in range(4):
+            x = torch.linspace(0, 3, 32).reshape(-1, 1)
+            train_step(x.clone())
+            bare_opt.zero_grad()
+            bare(x.clone()).backward()
+            bare_opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), bare.parameters()))
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        rows = rt.history.steps()
+        assert len(rows) == 4 and rt.errors.total == 0
+        assert all(row["flops"] > 0 and set(row["phases"]) == {"forward", "backward", "optimizer"} for row in rows)
+    finally:
+        tt.shutdown()

@@ -221,12 +221,34 @@ else:  # pragma: no cover - a torch without it: nested tensors made inside a ste
     _Declining = None
 
 
+class _GlobalOnly:
+    """Stands for FlopCounterMode's ``ModuleTracker``: every FLOP goes to the ``Global`` total,
+    the only one torchtrace reads. The tracker's per-module attribution puts hooks on every
+    module and a multi-grad hook on their tensors, which fail a model that calls
+    ``torch.autograd.grad`` in its own forward (a physics-informed loss, a gradient penalty):
+    "A leaf node was passed to _will_engine_execute_node", raised out of the user's step."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> "_GlobalOnly":
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
 class _Counter(FlopCounterMode):
-    """A FlopCounterMode that lets ops on nested tensors run (``incomplete`` says it saw some)
-    and notes an op that raised under it (``failed``)."""
+    """A FlopCounterMode that counts the global total only (:class:`_GlobalOnly`), lets ops on
+    nested tensors run (``incomplete`` says it saw some) and notes an op that raised under it
+    (``failed``)."""
 
     incomplete = False
     failed = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if hasattr(self, "mod_tracker"):
+            self.mod_tracker = _GlobalOnly()
 
     def __enter__(self) -> "_Counter":
         super().__enter__()

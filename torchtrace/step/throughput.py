@@ -17,7 +17,6 @@ import contextlib
 import numbers
 import sys
 import time
-import warnings
 import weakref
 from typing import Any, Hashable
 
@@ -153,10 +152,6 @@ class RunThroughput:
                 # A module compiled with torch.compile runs eagerly for this one step: first called
                 # under the FLOP counter's dispatch mode, torch would never compile it after.
                 counter.enter_context(_eager_for_now())
-                counter.enter_context(warnings.catch_warnings())
-                # The counter's module hooks are torchtrace's, not the user's: no warning about them.
-                warnings.filterwarnings("ignore",
-                                        message=r"Using `torch.compile\(module\)` when there are global hooks")
                 counter.enter_context(self.flops.counting(key))
             except BaseException:
                 counter.close()
