@@ -68,7 +68,7 @@ def test_twenty_configure_shutdown_cycles_leave_no_threads_or_sockets(tmp_path, 
         assert _sockets() <= sockets0 + 2
 
 
-def test_disabled_means_no_threads_sockets_or_files(tmp_path, tiny_model):
+def test_disabled_means_no_threads_sockets_files_or_patches(tmp_path, tiny_model):
     script = r"""
 import os, sys, threading, psutil, torch, torchtrace as tt
 before_t = threading.active_count(); before_s = len(psutil.Process().net_connections(kind="inet"))
@@ -82,8 +82,12 @@ for _ in range(5):
         l = model(torch.ones(2, 3)).sum(); l.backward(); s.record_loss(l); opt.step()
     step(torch.ones(2, 3))
 tt.flush(); tt.shutdown()
+from torch.optim import lr_scheduler, optimizer as optimizer_module
+patched = [getattr(f, "__torchtrace_wrapped__", False) for f in (
+    torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler.scale, lr_scheduler.LRScheduler.step,
+    torch.optim.swa_utils.AveragedModel.update_parameters)] + [bool(optimizer_module._global_optimizer_pre_hooks)]
 print(threading.active_count() - before_t, len(psutil.Process().net_connections(kind="inet")) - before_s,
-      any(t.name.startswith("torchtrace") for t in threading.enumerate()))
+      any(t.name.startswith("torchtrace") for t in threading.enumerate()), any(patched))
 """
     for var, value in (("TORCHTRACE_DISABLED", "1"), ("OTEL_SDK_DISABLED", "true")):
         run_dir = tmp_path / var
@@ -92,7 +96,8 @@ print(threading.active_count() - before_t, len(psutil.Process().net_connections(
         out = subprocess.run([sys.executable, "-c", script, str(run_dir)], env=env, cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split() == ["0", "0", "False"], (var, out.stdout)
+        # ... and torch is left as it was: no wrapped functions, no global optimizer hook.
+        assert out.stdout.split() == ["0", "0", "False", "False"], (var, out.stdout)
         assert not run_dir.exists()
         assert not (tmp_path / "torchtrace-runs").exists()
 

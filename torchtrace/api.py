@@ -385,6 +385,8 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
 
 
 # At import, so modules imported after torchtrace that bind the clip functions by name get
-# the wrapped ones (the wrapper is inert until a step is open).
-clipping.install()
-updaters.install()
+# the wrapped ones (the wrappers are inert until a step is open). Disabled by the
+# environment, torchtrace leaves torch as it is.
+if not disabled_by_environment():
+    clipping.install()
+    updaters.install()
