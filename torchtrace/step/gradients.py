@@ -54,8 +54,25 @@ class GradientCheck:
             self._hook.remove()
             self._hook = None
 
-    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        # ``args`` holds the optimizer itself first (torch passes step's own arguments).
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if callable(closure) and not self.fired:
+            # optimizer.step(closure) (LBFGS, or SGD given one): the gradients do not exist yet;
+            # they are measured, and guarded, when the closure's first evaluation returns.
+            measured = self._measured(optimizer, closure)
+            if len(args) > 1:
+                return (args[0], measured, *args[2:]), kwargs
+            return args, {**kwargs, "closure": measured}
         self.before_update(optimizer)
+        return None
+
+    def _measured(self, optimizer: Any, closure: Any) -> Any:
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            out = closure(*args, **kwargs)
+            self.before_update(optimizer)  # once: the gradients where the step started
+            return out
+        return measured
 
     def before_update(self, optimizer: Any) -> None:
         """Measure the gradients the optimizer is about to use; apply the guard policy.
