@@ -191,3 +191,38 @@ def test_a_scaler_attribute_is_left_alone_by_the_replay_and_counted_in_goodput(t
         assert rt.throughput.ledger.closed().badput["skipped_step"] > 0
     finally:
         tt.shutdown()
+
+
+class SelfTraining(torch.nn.Module):
+    """A module that trains itself: its optimizer is an attribute of the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(6, 3)
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    @tt.debug_operation(name="self_step")
+    def train_step(self, x, y):
+        self.optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+
+def test_a_modules_own_method_watches_the_optimizer_it_keeps(tmp_path):
+    _configure(tmp_path)
+    try:
+        model = SelfTraining()
+        model.train_step(torch.randn(4, 6), torch.randint(0, 3, (4,)))
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        record = rt.history.last_record
+        assert record.lr == [0.1] and set(record.phases) == {"forward", "backward", "optimizer"}
+        assert len(record.grad_names) == 2 and record.grad_norm is not None
+    finally:
+        tt.shutdown()

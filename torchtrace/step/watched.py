@@ -2,8 +2,9 @@
 
 In order: the decorator's ``model=`` / ``optimizer=``; a module passed as the first or second
 argument (``self`` of a module's method, or ``train_step(model, batch)``) and an optimizer
-among the arguments; and for a method of any other class (a trainer object), the model,
-optimizer and GradScaler among the attributes of its ``self``:
+among the arguments, or kept on that module (``self.optimizer`` of a module's own method);
+and for a method of any other class (a trainer object), the model, optimizer and
+GradScaler among the attributes of its ``self``:
 
 - the optimizer is the one attribute that is an optimizer (two or more: none is chosen),
   and the scaler the one that is a GradScaler (its updates are left out of a forensic
@@ -61,6 +62,11 @@ def watched(model: Any, optimizer: Any, scaler: Any, args: tuple, kwargs: dict) 
         found = _attributes_of(args[0])
         model = model if model is not None else found[0]
         optimizer = optimizer if optimizer is not None else found[1]
+        scaler = scaler if scaler is not None else found[2]
+    elif optimizer is None and args and isinstance(args[0], _Module):
+        # A module's own method (``self`` is the model): an optimizer kept on the module.
+        found = _attributes_of(args[0])
+        optimizer = found[1]
         scaler = scaler if scaler is not None else found[2]
     return model, optimizer, scaler
 
