@@ -663,3 +663,50 @@ def test_a_model_that_differentiates_in_its_forward_trains_as_without_torchtrace
         assert all(row["flops"] > 0 and set(row["phases"]) == {"forward", "backward", "optimizer"} for row in rows)
     finally:
         tt.shutdown()
+
+
+def test_an_epoch_holding_steps_is_not_counted_and_its_steps_are(tmp_path):
+    """A decorated epoch calling a decorated training step: the epoch, the outermost, took the
+    FLOP count, so the whole first epoch ran under the counter (several times slower) and the
+    steps never had FLOPs. A step with an optimizer inside another operation makes that one a
+    container: its count is dropped at once and the steps are counted (against
+    FlopCounterMode on the same step). A sub-operation without an optimizer inside a step
+    (a loss function of its own) leaves the step's count alone."""
+    _configure(tmp_path)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(5)]
+
+        @tt.debug_operation(name="loss_of")
+        def loss_of(out, y):
+            return torch.nn.functional.mse_loss(out, y)
+
+        @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+        def train_step(x, y):
+            opt.zero_grad()
+            loss = loss_of(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        @tt.debug_operation(name="train_epoch")
+        def train_epoch(loader):
+            for x, y in loader:
+                train_step(x, y)
+
+        for _ in range(2):
+            train_epoch(data)
+        with FlopCounterMode(display=False) as reference:
+            torch.nn.functional.mse_loss(model(data[0][0]), data[0][1]).backward()
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        rows = rt.history.steps()
+        by_op = {op: [r for r in rows if r["operation"] == op] for op in ("train_epoch", "train_step", "loss_of")}
+        assert [r.get("flops") for r in by_op["train_epoch"]] == [None, None]
+        assert [r.get("flops") for r in by_op["train_step"]] == [reference.get_total_flops()] * 10
+        assert all(r.get("flops") is None for r in by_op["loss_of"])
+        assert rt.throughput.flops.counts == 1  # one step ran under the counter: the first training step
+    finally:
+        tt.shutdown()

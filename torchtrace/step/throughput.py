@@ -77,6 +77,8 @@ class RunThroughput:
         self._batches: dict[Hashable, BatchSize] = {}
         self._no_scaler: set[str] = set()  # operations whose arguments hold no GradScaler
         self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
+        # The step whose FLOP counter was last opened (open while its _flops_counter is), weakly.
+        self._counting: Any = none_ref
 
     # ------------------------------------------------------------ step start and end
     def batch(self, scope: Any, given: tuple | None) -> BatchSize | None:
@@ -145,8 +147,12 @@ class RunThroughput:
             clock = StepClock(cuda=hooks.cuda)
         counter = None
         key = scope.flops_key
+        if not outermost and optimizer is not None:
+            # A training step inside another operation (an epoch): that one is a container.
+            outermost = self._release_container()
         if outermost and key is not None and self.flops.needs_count(key) \
                 and not self._skipped(key):
+            self._counting = weakref.ref(scope)  # weak: a scope holds the user's model
             counter = contextlib.ExitStack()
             try:
                 # A module compiled with torch.compile runs eagerly for this one step: first called
@@ -157,6 +163,22 @@ class RunThroughput:
                 counter.close()
                 raise
         return clock, counter
+
+    def _release_container(self) -> bool:
+        """A step with an optimizer began inside another operation: that operation holds steps
+        (an epoch), so its FLOPs are not counted, and the FLOP counter it holds open, if any, is
+        dropped now (counting a whole epoch slowed it down several times, and its steps were
+        never counted). True when the step may count its own FLOPs: no counter is open."""
+        owner = self._counting()
+        if owner is None or owner._flops_counter is None:
+            return True
+        if not owner.active:
+            return False
+        owner_counter, owner._flops_counter = owner._flops_counter, None
+        self.flops.skip(owner.flops_key)
+        self._counting = none_ref
+        drop_counter(owner_counter)
+        return True
 
     def _skipped(self, key: Hashable) -> bool:
         """True (and the key is never counted) when the counter cannot run on the step's inputs."""
