@@ -9,6 +9,8 @@ from pathlib import Path
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
+import torch
+
 import torchtrace as tt
 
 
@@ -37,3 +39,20 @@ def value(samples: dict, name: str, **labels) -> float:
                if n == name and all(dict(ls).get(k) == str(x) for k, x in labels.items())]
     assert len(matches) == 1, f"{name} {labels}: {len(matches)} series"
     return matches[0]
+
+
+class DifferentiatingModel(torch.nn.Module):
+    """Computes in its own forward: the derivative of its output with respect to its input
+    (``torch.autograd.grad`` with ``create_graph``), as physics-informed losses and gradient
+    penalties do. Returns the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        x = x.requires_grad_(True)
+        u = self.net(x)
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return ((du - torch.cos(x)) ** 2).mean()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.helpers import DifferentiatingModel
 from torchtrace.measure import flops as flops_mod
 from torchtrace.measure.flops import StepFlops, count_flops, shape_key
 from torchtrace.measure.peaks import ACCELERATORS, PRECISIONS, find_accelerator, peak_flops, precision_key
@@ -79,25 +80,8 @@ def test_transformer_step_within_ten_percent_of_an_independent_count():
     assert cache.lookup(key) == by_hand
 
 
-class _Pinn(torch.nn.Module):
-    """Computes in its own forward: the derivative of its output with respect to its input
-    (``torch.autograd.grad`` with ``create_graph``), as physics-informed losses and gradient
-    penalties do."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def forward(self, x):
-        x = x.requires_grad_(True)
-        u = self.net(x)
-        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
-        return ((du - torch.cos(x)) ** 2).mean()
-
-
 def _pinn_loss(x, w1, b1, w2, b2):
-    """:class:`_Pinn`'s step without modules."""
+    """:class:`~tests.helpers.DifferentiatingModel`'s step without modules."""
     x = x.requires_grad_(True)
     u = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, w1, b1)), w2, b2)
     du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
@@ -109,7 +93,7 @@ def test_a_model_that_differentiates_in_its_own_forward_is_counted():
     _will_engine_execute_node"), which raised out of the user's counted step. torchtrace's
     counter keeps the global total only: it runs, and counts what FlopCounterMode counts on a
     module-free twin of the same step (no modules: nothing for the tracker to hook)."""
-    model, x = _Pinn(), torch.linspace(0, 3, 32).reshape(-1, 1)
+    model, x = DifferentiatingModel(), torch.linspace(0, 3, 32).reshape(-1, 1)
     with pytest.raises(RuntimeError, match="_will_engine_execute_node"):
         with FlopCounterMode(display=False):
             model(x.clone()).backward()

@@ -12,6 +12,7 @@ import torchtrace as tt
 from torchtrace import semconv
 from torchtrace.api import get_runtime
 from torchtrace.record import readout
+from tests.helpers import DifferentiatingModel
 
 
 def _configure(tmp_path, **kw):
@@ -616,21 +617,6 @@ def test_a_run_configured_at_level_off_has_no_goodput_until_it_measures(tmp_path
         tt.shutdown()
 
 
-class _DifferentiatingModel(torch.nn.Module):
-    """Its forward takes the derivative of its output with respect to its input."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def forward(self, x):
-        x = x.requires_grad_(True)
-        u = self.net(x)
-        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
-        return ((du - torch.cos(x)) ** 2).mean()
-
-
 @pytest.mark.parametrize("level", ["basic", "extreme"])
 def test_a_model_that_differentiates_in_its_forward_trains_as_without_torchtrace(tmp_path, level):
     """The step whose FLOPs were counted raised out of the user's loop (FlopCounterMode's
@@ -638,7 +624,7 @@ def test_a_model_that_differentiates_in_its_forward_trains_as_without_torchtrace
     weights as an uninstrumented copy, with FLOPs and all three phases."""
     _configure(tmp_path, level=level)
     try:
-        model, bare = _DifferentiatingModel(), _DifferentiatingModel()
+        model, bare = DifferentiatingModel(), DifferentiatingModel()
         opt, bare_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(bare.parameters(), lr=1e-2)
 
         @tt.debug_operation(model=model, optimizer=opt)

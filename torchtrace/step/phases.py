@@ -216,18 +216,19 @@ def _seam_compiled(model: Any) -> bool:
 
 
 def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
-    """``model``'s own call (hooks and all) between the forward phase's two marks.
+    """``model``'s own call (hooks and all) between the forward phase's two marks; with
+    ``inner`` (the compiled call ``Module.compile()`` put in the seam), that call, outside the
+    compiled code.
 
     It holds the model weakly: the model holds it, and a cycle would keep a deleted model's
     memory (a GPU's worth) until a full garbage collection. Pickling and ``copy.deepcopy``
     leave it out (``Module.__getstate__`` drops the seam). A copy of the model's ``__dict__``
     carries it along (``DataParallel``'s replicas are made so): it calls the module that
-    called it, found in PyTorch's ``Module.__call__`` frame, and marks only for the model.
+    called it (uncompiled), found in PyTorch's ``Module.__call__`` frame, and marks only for
+    the model.
     """
-    if inner is not None:
-        return _call_compiled_with_marks(model, inner)
     ref = weakref.ref(model)
-    impl = type(model)._call_impl
+    impl = type(model)._call_impl if inner is None else (lambda target, *args, **kwargs: inner(*args, **kwargs))
 
     def call_with_marks(*args: Any, **kwargs: Any) -> Any:
         if _COMPILING is not None and _COMPILING():  # traced by torch.compile: no frames, no marks
@@ -250,34 +251,6 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
 
     setattr(call_with_marks, _MARKS, True)
     return call_with_marks
-
-
-def _call_compiled_with_marks(model: torch.nn.Module, inner: Any) -> Any:
-    """``model``'s compiled call (``inner``, what ``Module.compile()`` put in the seam) between
-    the forward phase's two marks, outside the compiled code. A copy of the model (a replica)
-    runs its own call, uncompiled, and marks nothing."""
-    ref = weakref.ref(model)
-
-    def call_compiled_with_marks(*args: Any, **kwargs: Any) -> Any:
-        if _COMPILING is not None and _COMPILING():
-            return inner(*args, **kwargs)
-        caller = sys._getframe(1)
-        module = caller.f_locals.get("self") if caller.f_code is _SEAM_CODE else None
-        if module is not None and module is not ref():
-            return type(module)._call_impl(module, *args, **kwargs)
-        scope = current.step()
-        clock = scope.clock if scope is not None else None
-        if clock is None:
-            return inner(*args, **kwargs)
-        if clock.forward_start is None:
-            clock.forward_start = clock.mark()
-        out = inner(*args, **kwargs)
-        if clock.optimizer_start is None:
-            clock.end_forward()
-        return out
-
-    setattr(call_compiled_with_marks, _MARKS, True)
-    return call_compiled_with_marks
 
 
 class OptimizerMarks:

@@ -48,24 +48,13 @@ _METHODS = ("scale", "step")
 AVERAGE = "update_parameters"  # the method of a weight average (AveragedModel) a replay must not call
 
 
-def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not is_compiling():
-            scope = current.step()
-            if scope is not None and scope.active and scope.scaler is None:
-                try:
-                    scope.scaler = self
-                    if scope.features.throughput:  # the scale before this step's update, for goodput
-                        scope.scale_before = scale_at_start(self)
-                except Exception as exc:  # torchtrace's own failure never reaches the user's call
-                    rt = current.runtime(create=False)
-                    if rt is not None:
-                        rt.errors.report("step", exc)
-        return original(self, *args, **kwargs)
-
-    method.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
-    return method
+def _note_scaler(scaler: Any) -> None:
+    """A GradScaler used in the open step that has none yet becomes the step's."""
+    scope = current.step()
+    if scope is not None and scope.active and scope.scaler is None:
+        scope.scaler = scaler
+        if scope.features.throughput:  # the scale before this step's update, for goodput
+            scope.scale_before = scale_at_start(scaler)
 
 
 def _note(updater: Any) -> None:
@@ -79,12 +68,12 @@ def _note(updater: Any) -> None:
             stepped.append(updater)
 
 
-def _noted(updater: Any) -> None:
-    """:func:`_note`, outside a compiled graph (no break), and never raising into the user's call."""
+def _safely(note: Callable[[Any], None], obj: Any) -> None:
+    """``note(obj)`` outside a compiled graph (no break), never raising into the user's call."""
     if is_compiling():
         return
     try:
-        _note(updater)
+        note(obj)
     except Exception as exc:
         rt = current.runtime(create=False)
         if rt is not None:
@@ -92,17 +81,18 @@ def _noted(updater: Any) -> None:
 
 
 def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _noted(optimizer)
+    _safely(_note, optimizer)
 
 
-def _wrap_updater(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap(original: Callable[..., Any], note: Callable[[Any], None]) -> Callable[..., Any]:
+    """``original`` (a method) that first notes its object with ``note``."""
     @functools.wraps(original)
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _noted(self)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _safely(note, self)
         return original(self, *args, **kwargs)
 
-    step.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
-    return step
+    method.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
+    return method
 
 
 _hook_handle: Any = None
@@ -120,11 +110,11 @@ def install() -> None:
         if isinstance(scheduler_class, type) and base is not None and issubclass(scheduler_class, base):
             existing = vars(scheduler_class).get("step")
             if existing is not None and not getattr(existing, "__torchtrace_wrapped__", False):
-                setattr(scheduler_class, "step", _wrap_updater(existing))
+                setattr(scheduler_class, "step", _wrap(existing, _note))
     averaged = getattr(swa_utils, "AveragedModel", None)
     existing = vars(averaged).get(AVERAGE) if averaged is not None else None
     if existing is not None and not getattr(existing, "__torchtrace_wrapped__", False):
-        setattr(averaged, AVERAGE, _wrap_updater(existing))
+        setattr(averaged, AVERAGE, _wrap(existing, _note))
     scaler_class = getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)
     if scaler_class is None:
         return
@@ -132,7 +122,7 @@ def install() -> None:
         existing = vars(scaler_class).get(name)
         if existing is None or getattr(existing, "__torchtrace_wrapped__", False):
             continue
-        setattr(scaler_class, name, _wrap(existing))
+        setattr(scaler_class, name, _wrap(existing, _note_scaler))
 
 
 __all__ = ["install"]
