@@ -58,7 +58,20 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     >>> shape_key((torch.zeros(4, 3), 8), {}) == shape_key((torch.ones(4, 3), 9), {})
     True
     """
-    out = [_key(value, 0) for value in args[:KEY_MAX_ITEMS]]
+    out = []
+    try:
+        # Every step pays for this: plain tensors, and tuples and lists of them, are keyed here
+        # without a call per value; everything else goes through _key.
+        for value in args[:KEY_MAX_ITEMS]:
+            kind = type(value)
+            if kind is _TENSOR:
+                out.append((value.shape, value.dtype))
+            elif (kind is tuple or kind is list) and len(value) <= KEY_MAX_ITEMS:
+                out.append(tuple([(v.shape, v.dtype) if type(v) is _TENSOR else _key(v, 1) for v in value]))
+            else:
+                out.append(_key(value, 0))
+    except RuntimeError:  # a nested tensor of the strided layout has no sizes: the careful way
+        out = [_key(value, 0) for value in args[:KEY_MAX_ITEMS]]
     if kwargs:
         for index, (name, value) in enumerate(kwargs.items()):
             if index >= KEY_MAX_ITEMS:

@@ -229,24 +229,29 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
     """
     ref = weakref.ref(model)
     impl = type(model)._call_impl if inner is None else (lambda target, *args, **kwargs: inner(*args, **kwargs))
+    # Every forward call pays for what follows: names are bound here, not looked up per call.
+    compiling, frame, seam, open_step, grad_enabled = _COMPILING, sys._getframe, _SEAM_CODE, current.step, \
+        torch.is_grad_enabled
 
     def call_with_marks(*args: Any, **kwargs: Any) -> Any:
-        if _COMPILING is not None and _COMPILING():  # traced by torch.compile: no frames, no marks
+        if compiling is not None and compiling():  # traced by torch.compile: no frames, no marks
             return impl(ref(), *args, **kwargs)
-        caller = sys._getframe(1)
-        module = caller.f_locals.get("self") if caller.f_code is _SEAM_CODE else None
+        caller = frame(1)
         target = ref()
-        if module is not None and module is not target:  # a copy (a replica): its own call, no marks
-            return type(module)._call_impl(module, *args, **kwargs)
-        scope = current.step()
+        if caller.f_code is seam:
+            module = caller.f_locals.get("self")
+            if module is not target and module is not None:  # a copy (a replica): its own call, no marks
+                return type(module)._call_impl(module, *args, **kwargs)
+        scope = open_step()
         clock = scope.clock if scope is not None else None
         if clock is None:
             return impl(target, *args, **kwargs)
         if clock.forward_start is None:
             clock.forward_start = clock.mark()
         out = impl(target, *args, **kwargs)
-        if clock.optimizer_start is None:
-            clock.end_forward()
+        if clock.optimizer_start is None:  # StepClock.end_forward, inline
+            clock.forward_end = clock.mark()
+            clock.graph = grad_enabled()
         return out
 
     setattr(call_with_marks, _MARKS, True)

@@ -28,7 +28,7 @@ from torchtrace.record.reads import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck
-from torchtrace.step.throughput import StepClock, drop_counter, fill_throughput, learning_rates
+from torchtrace.step.throughput import StepClock, drop_counter, learning_rates
 from torchtrace.step.watched import real_optimizer
 
 STEP_KINDS = checks.STEP_KINDS
@@ -46,7 +46,7 @@ class StepScope:
 
     __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind",
                  "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
-                 "inputs", "flops_key", "clock", "started_at", "scale_before", "stepped", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
+                 "inputs", "flops_key", "shape", "clock", "started_at", "scale_before", "stepped", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
                  "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
                  "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
 
@@ -79,6 +79,7 @@ class StepScope:
         self.duration_s = 0.0  # the step's wall time, once it has ended
         self.inputs = inputs  # (args, kwargs) of the step: its batch and input shapes
         self.flops_key: Any = None  # the FLOP table's key: the operation and its inputs' shapes
+        self.shape: Any = None  # (FLOPs, batch size) known for that key, or None
         self.clock: StepClock | None = None  # phase boundaries (forward, backward, optimizer)
         self.started_at = 0.0  # perf_counter() when the step's body started
         self.scale_before: Any = None  # the GradScaler's scale at the start (throughput: skipped updates)
@@ -288,15 +289,15 @@ class StepScope:
 
     def _finish(self, rt: Any, exc: BaseException | None, duration: float, end_ns: int, t0: float) -> None:
         self._restore()
-        flops, counted = rt.throughput.end(self, self._flops_counter, exc) if self.features.throughput else (None, False)
-        self._flops_counter = None
         plan = ReadPlan()
+        throughput = rt.throughput.finish_step(self, self._flops_counter, exc, self._batch, plan) \
+            if self.features.throughput else None
+        self._flops_counter = None
         loss = self._loss
         if loss is not None and loss.tensor is not None:
             plan.add("loss", loss.tensor)
         grads = self._plan_gradients(rt, plan)
         rt.plan_parameter_check(self, plan)
-        batch = rt.throughput.plan(self, self._batch, plan) if self.features.throughput else None
         rt.probes.exit(self, self._states, exc, plan)
         pending = None
         try:
@@ -321,10 +322,8 @@ class StepScope:
             record.anomalies.extend(Anomaly(k, d, record.step, record.operation, x) for k, d, x in self._anomalies)
         if loss is not None and loss.number is not None:
             record.loss = loss.number
-        if self.features.throughput:
-            given = self._batch[2] if self._batch is not None else None
-            fill_throughput(record, batch, given, flops, counted, grads.lr if grads is not None else None,
-                            self.optimizer)
+        if throughput is not None:
+            record.samples, record.tokens, record.flops, record.flops_counted, record.lr = throughput
         ctx = self._span.get_span_context()
         record.trace_id = format(ctx.trace_id, "032x")
         record.span_id = format(ctx.span_id, "016x")

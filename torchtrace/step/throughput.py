@@ -24,12 +24,15 @@ import torch
 
 from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
-from torchtrace.measure.batch import BatchSize, infer_batch
+from torchtrace.measure.batch import NOTHING, BatchSize, infer_batch
 from torchtrace.measure.flops import StepFlops, countable, shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.phases import ModelMarks, OptimizerMarks, StepClock, none_ref
+
+
+MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
 
 
 def learning_rates(optimizer: Any) -> list[float] | None:
@@ -74,95 +77,78 @@ class RunThroughput:
         self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerMarks]" = weakref.WeakKeyDictionary()
         self._peaks: dict[str, float | None] = {}
         self._peak_known = False
+        # Batch size of each input-shape key (one per key unless a mask is counted), and FLOPs
+        # and batch size of each key whose FLOPs are final (see _shape_of).
         self._batches: dict[Hashable, BatchSize] = {}
+        self._shapes: dict[Hashable, tuple[float | None, BatchSize]] = {}
         self._no_scaler: set[str] = set()  # operations whose arguments hold no GradScaler
         self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
         # The step whose FLOP counter was last opened (open while its _flops_counter is), weakly.
         self._counting: Any = none_ref
 
     # ------------------------------------------------------------ step start and end
-    def batch(self, scope: Any, given: tuple | None) -> BatchSize | None:
-        """The step's batch (see :func:`batch_of`). Inputs of one shape key have one batch size
-        unless a mask is counted, so what was inferred is kept per key."""
-        key = scope.flops_key
-        if key is None:
-            return batch_of(scope.inputs, given)
-        batch = self._batches.get(key)
-        if batch is None:
-            batch = infer_batch(*scope.inputs)
-            if not batch.pending and len(self._batches) < 256:
-                self._batches[key] = batch
-        if given is not None:
-            batch = batch.with_overrides(samples=given[0], tokens=given[1])
-        return batch
-
-    def plan(self, scope: Any, given: tuple | None, plan: Any) -> BatchSize | None:
-        """At a step's end: its batch (:meth:`batch`), and into the step's one read the device
-        values throughput needs (a mask's token count; whether a GradScaler skipped the update)."""
-        batch = self.batch(scope, given)
-        if batch is not None and isinstance(batch.tokens, torch.Tensor):
-            plan.add("tokens", batch.tokens.to(torch.float64))
-        if scope.scaler is not None:
-            try:
-                skipped = skipped_update(scope.scaler, scope.optimizer, scope.scale_before)
-                if skipped is not None:
-                    plan.add("scaler_skipped", skipped)
-            except Exception as exc:
-                self.rt.errors.report("step", exc)
-        return batch
-
     @staticmethod
     def key_of(name: str, inputs: tuple | None) -> Hashable | None:
         """The FLOP table's key of a step: its operation and its inputs' shapes."""
         return (name, shape_key(inputs[0], inputs[1])) if inputs is not None else None
 
     def start(self, scope: Any, outermost: bool) -> tuple[Hashable | None, StepClock | None, Any]:
-        """At a step's start: its FLOP key, phase clock and FLOP counter (see :meth:`begin`). A
-        failure here costs the step its throughput figures, never its record."""
+        """At a step's start: its FLOP key, phase clock and FLOP counter (None unless this step
+        counts). A failure here costs the step its throughput figures, never its record.
+
+        Every step pays for this, so a step like the one before (the same model and optimizer,
+        input shapes whose FLOPs and batch size are known) takes the shortest way: its key, one
+        lookup and a clock.
+        """
         try:
-            scope.flops_key = key = self.key_of(scope.name, scope.inputs)
-            if scope.scaler is None and scope.inputs is not None and scope.name not in self._no_scaler:
-                # A scaler passed to the step function; an operation whose first step had none
-                # is not searched again.
-                scalers = find_side_effect_owners(*scope.inputs)[1]
-                scope.scaler = scalers[0] if scalers else None
-                if scope.scaler is None and len(self._no_scaler) < 1024:
-                    self._no_scaler.add(scope.name)
-            scope.scale_before = scale_at_start(scope.scaler) if scope.scaler is not None else None
-            return (key, *self.begin(scope, outermost))
+            inputs = scope.inputs
+            scope.flops_key = key = self.key_of(scope.name, inputs)
+            scope.shape = shape = self._shapes.get(key) if key is not None else None
+            if scope.scaler is None and inputs is not None and scope.name not in self._no_scaler:
+                self._find_scaler(scope, inputs)
+            if scope.scaler is not None:
+                scope.scale_before = scale_at_start(scope.scaler)
+            model = scope.model
+            clock = None
+            if model is not None:
+                last = self._last
+                if last is None or last[0]() is not model or last[1]() is not scope.optimizer \
+                        or not last[2].intact(model):
+                    last = self._hooks_for(model, scope.optimizer)  # not the model and optimizer of the step before
+                clock = StepClock(last[2].cuda)
+            if shape is not None and outermost:
+                return key, clock, None  # its FLOPs are known: nothing to count
+            return key, clock, self._counter(scope, key, outermost)
         except Exception as exc:
             self.rt.errors.report("step", exc)
             return None, None, None
 
-    def begin(self, scope: Any, outermost: bool) -> tuple[StepClock | None, Any]:
-        """At a step's start: the phase clock, and the FLOP counter when this step counts."""
-        model, optimizer = scope.model, scope.optimizer
-        clock = None
-        if model is not None:
-            last = self._last
-            if last is not None and last[0]() is model and last[1]() is optimizer and last[2].intact(model):
-                hooks = last[2]  # the same model and optimizer as the step before: no lookups
-            else:
-                hooks = self._hooks_for(model, optimizer)
-            clock = StepClock(cuda=hooks.cuda)
-        counter = None
-        key = scope.flops_key
-        if not outermost and optimizer is not None:
+    def _find_scaler(self, scope: Any, inputs: tuple) -> None:
+        """A GradScaler passed to the step function; an operation whose first step had none is
+        not searched again."""
+        scalers = find_side_effect_owners(*inputs)[1]
+        scope.scaler = scalers[0] if scalers else None
+        if scope.scaler is None and len(self._no_scaler) < 1024:
+            self._no_scaler.add(scope.name)
+
+    def _counter(self, scope: Any, key: Hashable | None, outermost: bool) -> Any:
+        """The FLOP counter of a step whose inputs' shapes were not counted yet, if it counts."""
+        if not outermost and scope.optimizer is not None:
             # A training step inside another operation (an epoch): that one is a container.
             outermost = self._release_container()
-        if outermost and key is not None and self.flops.needs_count(key) \
-                and not self._skipped(key):
-            self._counting = weakref.ref(scope)  # weak: a scope holds the user's model
-            counter = contextlib.ExitStack()
-            try:
-                # A module compiled with torch.compile runs eagerly for this one step: first called
-                # under the FLOP counter's dispatch mode, torch would never compile it after.
-                counter.enter_context(_eager_for_now())
-                counter.enter_context(self.flops.counting(key))
-            except BaseException:
-                counter.close()
-                raise
-        return clock, counter
+        if not (outermost and key is not None and self.flops.needs_count(key)) or self._skipped(key):
+            return None
+        self._counting = weakref.ref(scope)  # weak: a scope holds the user's model
+        counter = contextlib.ExitStack()
+        try:
+            # A module compiled with torch.compile runs eagerly for this one step: first called
+            # under the FLOP counter's dispatch mode, torch would never compile it after.
+            counter.enter_context(_eager_for_now())
+            counter.enter_context(self.flops.counting(key))
+        except BaseException:
+            counter.close()
+            raise
+        return counter
 
     def _release_container(self) -> bool:
         """A step with an optimizer began inside another operation: that operation holds steps
@@ -187,7 +173,7 @@ class RunThroughput:
         self.flops.skip(key)
         return True
 
-    def _hooks_for(self, model: Any, optimizer: Any) -> ModelMarks:
+    def _hooks_for(self, model: Any, optimizer: Any) -> tuple[Any, Any, ModelMarks]:
         hooks = self._models.get(model)
         if hooks is None:
             hooks = self._models[model] = ModelMarks(model)
@@ -197,29 +183,77 @@ class RunThroughput:
         if optimizer is not None and optimizer not in self._optimizers:
             self._optimizers[optimizer] = OptimizerMarks(optimizer)
         try:  # weak references only: a model the user drops is not kept alive here
-            self._last = (weakref.ref(model), weakref.ref(optimizer) if optimizer is not None else none_ref, hooks)
-        except TypeError:  # an object without weak references: look up every step
-            self._last = None
-        return hooks
+            last = (weakref.ref(model), weakref.ref(optimizer) if optimizer is not None else none_ref, hooks)
+        except TypeError:  # an object without weak references: looked up every step
+            return none_ref, none_ref, hooks
+        self._last = last
+        return last
 
-    def end(self, scope: Any, counter: Any, exc: BaseException | None) -> tuple[float | None, bool]:
-        """At a step's end: (its FLOPs, whether they were counted in this step)."""
-        counted = False
-        key = scope.flops_key
-        if counter is not None:
+    def finish_step(self, scope: Any, counter: Any, exc: BaseException | None, given: tuple | None,
+                    plan: Any) -> tuple[int | None, int | None, float | None, bool, list[float] | None]:
+        """At a step's end: ``(samples, tokens, flops, counted, learning rates)`` for its record.
+
+        Closes the step's FLOP counter (``counted``: the step ran under it, so its time is not
+        throughput) and adds to the step's one read what only the device knows (a mask's token
+        count, whether a GradScaler skipped the update). ``given`` is what ``record_batch``
+        said: it wins over what was inferred or counted.
+        """
+        counted = self._close_counter(scope, counter, exc) if counter is not None else False
+        shape = scope.shape
+        flops, batch = shape if shape is not None else self._shape_of(scope)
+        if given is not None:
+            batch = (batch or NOTHING).with_overrides(samples=given[0], tokens=given[1])
+        samples = tokens = None
+        if batch is not None:
+            samples, tokens = batch.samples, batch.tokens
+            if isinstance(tokens, torch.Tensor):
+                plan.add("tokens", tokens.to(torch.float64))
+                tokens = None  # filled from the read
+            elif tokens is not None:
+                tokens = int(tokens)
+        if scope.scaler is not None:
             try:
-                if exc is None:
-                    counter.__exit__(None, None, None)
-                    counted = True
-                else:
-                    failures = self.flops.failures
-                    counter.__exit__(type(exc), exc, None)
-                    if self.flops.failures > failures:
-                        self._counter_failed(scope, exc)
+                skipped = skipped_update(scope.scaler, scope.optimizer, scope.scale_before)
+                if skipped is not None:
+                    plan.add("scaler_skipped", skipped)
             except Exception as err:
-                self.rt.errors.report("other", err)
-        flops = self.flops.lookup(key) if key is not None else None
-        return flops, counted
+                self.rt.errors.report("step", err)
+        if given is not None and given[2] is not None:
+            flops, counted = given[2], False
+        grads = scope.gradients
+        lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
+        return samples, tokens, flops, counted, lr
+
+    def _shape_of(self, scope: Any) -> tuple[float | None, BatchSize | None]:
+        """``(FLOPs, batch size)`` of a step's input shapes: looked up after a count, inferred
+        from the inputs. Kept for the shapes' later steps once final: the FLOPs are counted (or
+        never will be) and the batch size is not a device count (a mask's)."""
+        key = scope.flops_key
+        if key is None:
+            return None, batch_of(scope.inputs, None)
+        flops = self.flops.lookup(key)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = infer_batch(*scope.inputs)
+            if not batch.pending and len(self._batches) < MAX_SHAPES:
+                self._batches[key] = batch
+        if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES:
+            self._shapes[key] = (flops, batch)
+        return flops, batch
+
+    def _close_counter(self, scope: Any, counter: Any, exc: BaseException | None) -> bool:
+        """Leave the step's FLOP counter; True when it counted the whole step."""
+        try:
+            if exc is None:
+                counter.__exit__(None, None, None)
+                return True
+            failures = self.flops.failures
+            counter.__exit__(type(exc), exc, None)
+            if self.flops.failures > failures:
+                self._counter_failed(scope, exc)
+        except Exception as err:
+            self.rt.errors.report("other", err)
+        return False
 
     def _counter_failed(self, scope: Any, exc: BaseException) -> None:
         """An op of the step raised under the FLOP counter: that key is never counted again (so
@@ -232,8 +266,10 @@ class RunThroughput:
 
     # ------------------------------------------------------------ finished records
     def account(self, scope: Any, record: StepRecord) -> None:
-        """Book the record in the goodput ledger: its data wait, and the throughput rules'
-        anomalies. (MFU, goodput and badput are read from the ledger when metrics are scraped.)"""
+        """The record's phases, and its booking in the goodput ledger: its data wait, and the
+        throughput rules' anomalies. (MFU, goodput and badput are read from the ledger when
+        metrics are scraped.)"""
+        record.phases = scope.phases()
         if record.flops is not None and not self._peak_known:
             self._peak_known = True
             if self.ledger.peak_flops is None:
@@ -329,21 +365,4 @@ def batch_of(inputs: tuple | None, given: tuple | None) -> BatchSize | None:
     return batch
 
 
-def fill_throughput(record: Any, batch: Any, given_flops: float | None, counted_flops: float | None,
-                    counted: bool, lr: Any, optimizer: Any) -> None:
-    """A step's samples, tokens, FLOPs and learning rates on its record.
-
-    ``given_flops`` is what ``record_batch(flops=)`` said (it wins over the counted ones);
-    ``lr`` the rates read when the update was about to happen (a scheduler may have stepped
-    since), else the optimizer's rates now.
-    """
-    if batch is not None:
-        record.samples = batch.samples
-        if batch.tokens is not None and not isinstance(batch.tokens, torch.Tensor):
-            record.tokens = int(batch.tokens)
-    record.flops = given_flops if given_flops is not None else counted_flops
-    record.flops_counted = counted and given_flops is None
-    record.lr = lr if lr is not None else learning_rates(optimizer)
-
-
-__all__ = ["RunThroughput", "StepClock", "batch_of", "drop_counter", "fill_throughput", "learning_rates"]
+__all__ = ["RunThroughput", "StepClock", "batch_of", "drop_counter", "learning_rates"]
