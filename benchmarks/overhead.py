@@ -31,6 +31,10 @@ Variants:
              and each step keeps its start and end times, its four phase marks and its batch's
              first dimension in a bounded deque; nothing is processed or exported. marks - floor
              is what the throughput features cannot go below with phases timed on the host
+  least      marks plus what a FLOP count per input shape and per-step learning rates need on
+             every step and nothing more: the step's shape key (torchtrace's own key function),
+             one lookup of it in a table, and the optimizer's learning rates, kept with the
+             marks. least - floor is what the throughput features cannot go below on the host
   seed       the per-parameter checks a hand-written monitor does: isnan/isinf/norm().item()
              per gradient and mean/std/norm .item() per parameter
   anomaly    the plain step inside torch.autograd.detect_anomaly() always on
@@ -61,11 +65,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torchtrace as tt  # noqa: E402
 from torchtrace import api as tt_api  # noqa: E402
 from torchtrace.levels import DebugLevel  # noqa: E402
+from torchtrace.measure.flops import shape_key  # noqa: E402
 from torchtrace.record import readout  # noqa: E402
 from torchtrace.record.step import StepRecord  # noqa: E402
 
-VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "advanced", "extreme", "marks", "seed",
-            "anomaly")
+VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "advanced", "extreme", "marks", "least",
+            "seed", "anomaly")
 
 
 # ---------------------------------------------------------------- workloads
@@ -198,9 +203,11 @@ def seed_checks(model: torch.nn.Module) -> dict:
     return out
 
 
-def marks_runner(wl: Workload):
+def marks_runner(wl: Workload, least: bool = False):
     """The ``marks`` variant: the floor step on a copy of the model, with the raw clock reads
-    and batch size any phase timing needs kept per step, and nothing else."""
+    and batch size any phase timing needs kept per step, and nothing else. With ``least``, the
+    ``least`` variant: also the step's shape key, its lookup in a table (the first step of a
+    shape adds it) and the learning rates, what a per-shape FLOP count and per-step rates need."""
     model = copy.deepcopy(wl.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=wl.optimizer.param_groups[0]["lr"])
     clock, impl, batch = time.perf_counter, type(model)._call_impl, wl.batch
@@ -224,14 +231,30 @@ def marks_runner(wl: Workload):
         loss = floor(model, batch, optimizer)
         kept.append((start, clock(), (batch[0] if type(batch) is tuple else batch).shape[:1], *marks))
         return loss
-    return marked
+
+    if not least:
+        return marked
+    table: dict = {}
+
+    def least_marked():
+        marks.clear()
+        start = clock()
+        key = ("train_step", shape_key((model, batch), {}))
+        flops = table.get(key)
+        if flops is None:
+            table[key] = flops = 0
+        rates = [group["lr"] for group in optimizer.param_groups]
+        loss = floor(model, batch, optimizer)
+        kept.append((start, clock(), (batch[0] if type(batch) is tuple else batch).shape[:1], flops, rates, *marks))
+        return loss
+    return least_marked
 
 
 def make_runner(variant: str, wl: Workload):
     """A zero-argument callable running one step of ``variant``."""
     model, batch = wl.model, wl.batch
-    if variant == "marks":
-        return marks_runner(wl)
+    if variant in ("marks", "least"):
+        return marks_runner(wl, least=variant == "least")
     if variant == "bare":
         return lambda: wl.step(model, batch)
     if variant == "floor":
@@ -482,6 +505,13 @@ def throughput_verdict(wall: dict[str, list[float]]) -> list[str]:
         lines.append(f"least phase capture (marks - floor: clock reads and batch size kept, nothing processed): "
                      f"{kmed * 1e6:+.1f} us ({kshare * 100:+.2f} % of bare), 95 % interval [{klo * 1e6:+.1f}, "
                      f"{khi * 1e6:+.1f}] us; the features beyond it: {(med - kmed) * 1e6:+.1f} us")
+    if "least" in wall and "floor" in wall:
+        lmed, lshare, llo, lhi = summary("least", "floor")
+        within = "holds 0" if llo <= 0 <= lhi else ("within the A/A difference" if noise is not None and
+                                                    abs(lmed) <= noise else "above noise")
+        lines.append(f"least capture (least - floor: marks plus the shape key, a table lookup and the learning "
+                     f"rates): {lmed * 1e6:+.1f} us ({lshare * 100:+.2f} % of bare), 95 % interval [{llo * 1e6:+.1f}, "
+                     f"{lhi * 1e6:+.1f}] us ({within}); the features beyond it: {(med - lmed) * 1e6:+.1f} us")
     return lines
 
 

@@ -23,13 +23,14 @@ def test_quick_benchmark_prints_the_table(tmp_path):
     assert "ms/step" in out and "ratio" in out
     for workload in ("mlp-", "encoder-", "tensors-"):
         assert workload in out, out
-    for variant in ("bare", "off", "basic", "advanced", "extreme", "marks", "seed", "anomaly"):
+    for variant in ("bare", "off", "basic", "advanced", "extreme", "marks", "least", "seed", "anomaly"):
         assert any(line.split()[:1] == [variant] for line in out.splitlines()), f"no {variant} row:\n{out}"
     assert "OFF decorated call" in out
     assert "torchtrace_overhead_seconds_total" in out
     assert "throughput features (basic - basic-nothr, paired per round)" in out
     assert "A/A (basic - basic-aa, the same step twice)" in out and "throughput features: " in out
     assert "least phase capture (marks - floor" in out
+    assert "least capture (least - floor: marks plus the shape key" in out
 
 
 def test_median_interval_holds_the_true_median_and_tells_a_shift_from_noise():
