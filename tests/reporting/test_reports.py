@@ -107,6 +107,29 @@ def test_terminal_report(run):
     assert f"  telemetry: {STEPS} spans exported, 0 dropped, internal errors none" in text
 
 
+def test_terminal_report_says_how_fast_and_where_the_time_went(run):
+    """The throughput and goodput lines: the report's last window of 32-sample batches, and its
+    wall time split, with the skipped updates and the replays among the badput."""
+    run_dir, _ = run
+    text = terminal_report(run_dir)
+    section = json.loads((run_dir / "report.json").read_text())["throughput"]
+    window = section["operations"]["train_step"]
+    assert window["samples_per_s"] == pytest.approx(32 * window["steps"] / window["seconds"])  # a plain count
+    rate = re.search(r"\n  throughput: ([\d,]+) samples/s, [\d.,]+ GFLOP/s, no MFU \(this device's peak is unknown: "
+                     r"set peak_flops\), over the last (\d+) steps\n", text)
+    assert rate, text
+    assert int(rate.group(1).replace(",", "")) == round(window["samples_per_s"])
+    assert int(rate.group(2)) == window["steps"]
+    badput = section["badput_s"]
+    assert badput["skipped_step"] > 0 and badput["forensics"] > 0  # the two bad steps: skipped, then replayed
+    assert section["productive_s"] + sum(badput.values()) == pytest.approx(section["wall_s"])
+    goodput = re.search(r"\n  goodput: (\d+)% of wall time in applied updates; the rest: (.*)\n", text)
+    assert goodput, text
+    assert int(goodput.group(1)) == round(100 * section["goodput_ratio"])
+    named = [part.split(" ")[0] for part in goodput.group(2).split(", ")]
+    assert named == sorted((k for k, v in badput.items() if v > 0), key=lambda k: -badput[k])
+
+
 def test_html_report_is_self_contained_and_holds_the_run(run):
     run_dir, history_steps = run
     html = html_report(run_dir)

@@ -12,6 +12,7 @@ import statistics
 from typing import Any
 
 from torchtrace.cli.console import Console
+from torchtrace.reporting.summary import throughput_rows
 
 MEASURED = {
     "off": "nothing: the step runs bare (level off)",
@@ -152,39 +153,13 @@ def summary(console: Console, summary: dict[str, Any], state, settings, steps: i
         ("forensic replays", f"{forensics.get('replays', state.replays)} (budget {forensics.get('budget', '-')})"),
         ("skipped updates", str(totals.get("skipped_steps", 0))),
         ("spans dropped", str(dropped)),
-        *_throughput_rows(summary.get("throughput") or {}),
+        *throughput_rows(summary.get("throughput") or {}),
     ]
     width = max(len(k) for k, _ in rows)
     console.line("")
     console.line("summary")
     for key, value in rows:
         console.line(f"  {key.ljust(width)}  {value}")
-
-
-def _throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
-    """Throughput of the training operation's last window, and where the wall time went."""
-    rows = []
-    ops = section.get("operations") or {}
-    train = ops.get("train_step") or next(iter(ops.values()), None)
-    if train:
-        parts = []
-        if train.get("samples_per_s") is not None:
-            parts.append(f"{train['samples_per_s']:,.0f} samples/s")
-        if train.get("flops_per_s"):
-            parts.append(f"{train['flops_per_s'] / 1e9:,.2f} GFLOP/s")
-        parts.append(f"MFU {train['mfu']:.1%}" if train.get("mfu") is not None
-                     else "no MFU (this device's peak is unknown: set peak_flops)")
-        rows.append(("throughput", f"{', '.join(parts)}, over the last {train.get('steps', 0)} steps"))
-    ratio = section.get("goodput_ratio")
-    if ratio is not None:
-        badput = sorted(((v, k) for k, v in (section.get("badput_s") or {}).items() if v > 0), reverse=True)
-        lost = ", ".join(f"{k} {_seconds(v)}" for v, k in badput) or "none"
-        rows.append(("goodput", f"{ratio:.0%} of wall time in applied updates; the rest: {lost}"))
-    return rows
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.2f} s" if value >= 0.1 else f"{value * 1000:.0f} ms"
 
 
 def next_steps(console: Console, run_path, command: str, page: tuple[str, str | None] | None) -> None:

@@ -41,3 +41,41 @@ def training_summary_from_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def finite(values: list[Any]) -> list[float]:
     return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+
+
+def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
+    """The report's throughput section in words: each operation's rates over its last window
+    (labelled ``throughput``, or ``throughput OPERATION`` when there are several), then where
+    the wall time went (``goodput``).
+
+    >>> throughput_rows({"operations": {"train_step": {"steps": 20, "samples_per_s": 640.0, "mfu": 0.41}},
+    ...                  "goodput_ratio": 0.9, "badput_s": {"data_wait": 1.5, "startup": 0.05}})
+    [('throughput', '640 samples/s, MFU 41.0%, over the last 20 steps'), ('goodput', '90% of wall time in applied updates; the rest: data_wait 1.50 s, startup 50 ms')]
+    """
+    rows = []
+    ops = section.get("operations") or {}
+    for name, op in sorted(ops.items())[:MAX_OPERATION_ROWS]:
+        parts = []
+        if op.get("tokens_per_s") is not None:
+            parts.append(f"{op['tokens_per_s']:,.0f} tokens/s")
+        if op.get("samples_per_s") is not None:
+            parts.append(f"{op['samples_per_s']:,.0f} samples/s")
+        if op.get("flops_per_s"):
+            parts.append(f"{op['flops_per_s'] / 1e9:,.2f} GFLOP/s")
+        parts.append(f"MFU {op['mfu']:.1%}" if op.get("mfu") is not None
+                     else "no MFU (this device's peak is unknown: set peak_flops)")
+        rows.append(("throughput" if len(ops) == 1 else f"throughput {name}",
+                     f"{', '.join(parts)}, over the last {op.get('steps', 0)} steps"))
+    ratio = section.get("goodput_ratio")
+    if ratio is not None:
+        badput = sorted(((v, k) for k, v in (section.get("badput_s") or {}).items() if v > 0), reverse=True)
+        lost = ", ".join(f"{k} {_seconds(v)}" for v, k in badput) or "none"
+        rows.append(("goodput", f"{ratio:.0%} of wall time in applied updates; the rest: {lost}"))
+    return rows
+
+
+MAX_OPERATION_ROWS = 8
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if value >= 0.1 else f"{value * 1000:.0f} ms"

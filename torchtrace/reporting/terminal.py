@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace.reporting.runfiles import load_run
-from torchtrace.reporting.summary import finite, training_summary_from_steps
+from torchtrace.reporting.summary import finite, throughput_rows, training_summary_from_steps
 
 _BARS = "▁▂▃▄▅▆▇█"
 MAX_ANOMALY_LINES = 20
@@ -94,6 +94,7 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
     summary = run.summary
     lines = _header_lines(summary, run.steps, run.run_dir)
     lines += _series_lines(run.steps)
+    lines += [f"  {label}: {text}" for label, text in throughput_rows(summary.get("throughput") or {})]
     lines += _anomaly_lines(run.steps, run.events)
     lines.extend(_forensic_lines(run.forensics))
     lines += _telemetry_lines(summary.get("telemetry") or {})
