@@ -108,6 +108,30 @@ def test_a_guard_that_cannot_act_says_so_once_per_operation(tmp_path, tiny_model
         tt.shutdown()
 
 
+def test_a_guard_that_acts_through_the_clip_call_does_not_warn(tmp_path, tiny_model, caplog):
+    """No optimizer= but clip_grad_norm_ inside the step: the gradients are measured (and a NaN
+    update skipped) at the clip call, before the update, as the warning itself advises."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), guard="skip", register_atexit=False)
+    try:
+        opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+        caplog.set_level(logging.WARNING, logger="torchtrace")
+        for i in range(3):
+            before = [p.detach().clone() for p in tiny_model.parameters()]
+            with tt.debug_context("train_step", model=tiny_model) as step:
+                opt.zero_grad()
+                loss = tiny_model(torch.ones(2, 8)).pow(2).mean() * (float("nan") if i == 1 else 1.0)
+                loss.backward()
+                step.record_loss(loss)
+                torch.nn.utils.clip_grad_norm_(tiny_model.parameters(), 1.0)
+                opt.step()
+            same = all(torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))
+            assert same == (i == 1), i  # the NaN update was skipped; the others applied
+        assert not [r for r in caplog.records if "cannot skip" in r.getMessage()]
+        assert get_runtime().history.totals["skipped_steps"] == 1
+    finally:
+        tt.shutdown()
+
+
 def test_a_guard_with_an_optimizer_does_not_warn(tmp_path, tiny_model, caplog):
     tt.configure(prometheus_port="off", run_dir=str(tmp_path), guard="skip", register_atexit=False)
     try:

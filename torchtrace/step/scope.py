@@ -228,8 +228,6 @@ class StepScope:
             self.gradients = GradientCheck(self, rt)
             if self.optimizer is not None:
                 self.gradients.hook(self.optimizer)
-            else:
-                rt.guard_without_optimizer(self)
         if feats.anomaly_mode:
             self._anomaly_cm = torch.autograd.detect_anomaly(check_nan=True)
             self._anomaly_cm.__enter__()
@@ -345,6 +343,10 @@ class StepScope:
                 grads.measure_at_end()
             except Exception as gerr:
                 rt.errors.report("gradients", gerr)
+            if grads.stats is not None:
+                # Measured only now, after any update the step made: a skip guard could not act. (A
+                # framework callback or a clip call inside the step measures before the update.)
+                rt.guard_without_optimizer(self)
         stats = grads.stats
         if stats is not None and grads.values is None:
             plan.add("grads", stats.norms)
