@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import UserDict
 
@@ -98,6 +99,15 @@ def test_what_is_skipped_and_where_it_looks():
     assert infer_batch((model,), {"batch": x}).samples == 6  # keyword values after positionals
     assert infer_batch((), {}) is NOTHING
     assert infer_batch((model, opt, 1, "a"), {"lr": 0.1}) == BatchSize(None, None)
+
+    @dataclasses.dataclass
+    class Pair:
+        name: str
+        images: torch.Tensor
+        labels: torch.Tensor
+
+    assert infer_batch((Pair("a", torch.zeros(7, 3), x),), {}).samples == 7  # a dataclass's first tensor field
+    assert infer_batch((Pair,), {}) is NOTHING  # the class itself is not a batch
 
 
 def test_deep_or_wide_containers_are_not_searched_far():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -219,6 +220,45 @@ def test_flops_are_counted_once_per_shape_and_match_the_flop_counter(tmp_path):
             assert got and all(abs(s["flops"] / ref.get_total_flops() - 1) < 0.10 for s in got)
         last = get_runtime().history.last_record
         assert last.flops_counted is False and last.flops == steps[-1]["flops"]
+    finally:
+        tt.shutdown()
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A batch as custom training code often carries one: a dataclass of tensors."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    note: str = "train"
+
+
+def test_a_dataclass_batch_gives_samples_and_flops_per_shape(tmp_path):
+    """Its fields are read like a tuple's: samples from the first tensor, and the shapes in the
+    FLOP key (the key held the class alone, so a smaller last batch was charged the full
+    batch's FLOPs, and the batch had no samples)."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def body(batch):
+            opt.zero_grad()
+            (model(batch.inputs) - batch.targets).pow(2).mean().backward()
+            opt.step()
+
+        train_step = tt.debug_operation(model=model, optimizer=opt)(body)
+        sizes = (8, 8, 3, 8, 3)
+        for rows in sizes:
+            train_step(_Batch(torch.randn(rows, 16), torch.randn(rows, 4)))
+        steps = get_runtime().history.steps()
+        assert [s["samples"] for s in steps] == list(sizes)  # a plain count of the rows
+        assert get_runtime().throughput.flops.counts == 2  # one count per shape
+        for rows in (8, 3):
+            with FlopCounterMode(display=False) as ref:  # the same step, counted independently
+                body(_Batch(torch.randn(rows, 16), torch.randn(rows, 4)))
+            got = [s["flops"] for s in steps if s["samples"] == rows]
+            assert got and all(abs(f / ref.get_total_flops() - 1) < 0.10 for f in got), (rows, got)
     finally:
         tt.shutdown()
 

@@ -12,8 +12,9 @@ Rules, in order (the first argument that gives an answer wins):
      samples = ``input_ids.shape[0]`` (1 for an unbatched 1-d sequence) and tokens =
      ``input_ids.numel()``, or, with an ``attention_mask`` of the same shape, the number of
      its non-zero entries, as a 0-d device tensor;
-   - any other mapping, tuple or list: the rules applied to its values, first answer wins
-     (``(inputs, labels)`` batches, ``{"x": ..., "y": ...}`` batches).
+   - any other mapping, tuple or list, or a dataclass instance: the rules applied to its
+     values (a dataclass's fields, in order), first answer wins (``(inputs, labels)``
+     batches, ``{"x": ..., "y": ...}`` batches, ``Batch(inputs=..., targets=...)``).
 
 Only shapes are read, which the host already knows. The masked token count is a device
 tensor (``torch.count_nonzero(mask)``): it is read to the host with the rest of the step's
@@ -125,7 +126,22 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
             found = _infer(item, depth + 1)
             if found is not None:
                 return found
+    elif is_dataclass_instance(value):
+        for item in dataclass_values(value, MAX_ITEMS):
+            found = _infer(item, depth + 1)
+            if found is not None:
+                return found
     return None
+
+
+def is_dataclass_instance(value: Any) -> bool:
+    """True for an instance of a dataclass (not the class itself)."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def dataclass_values(value: Any, limit: int) -> list[Any]:
+    """The first ``limit`` field values of a dataclass instance, in field order."""
+    return [getattr(value, f.name, None) for f in dataclasses.fields(value)[:limit]]
 
 
 def _from_mapping(batch: Mapping[str, Any], depth: int) -> BatchSize | None:

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure import peaks
+from torchtrace.measure.batch import dataclass_values, is_dataclass_instance
 
 #: How many distinct shape keys one counter counts. Past it, a step with a new shape gets
 #: no FLOP count (its throughput still counts samples and tokens): a job whose every batch
@@ -133,6 +134,8 @@ def _key(value: Any, depth: int) -> Hashable:
                      for k, v in list(value.items())[:KEY_MAX_ITEMS])
     if isinstance(value, (tuple, list)):
         return tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]])
+    if is_dataclass_instance(value):  # a batch object of fields: its tensors' shapes, like a tuple's
+        return (kind, tuple([_key(v, depth + 1) for v in dataclass_values(value, KEY_MAX_ITEMS)]))
     return type(value)
 
 
