@@ -35,6 +35,9 @@ Variants:
              every step and nothing more: the step's shape key (torchtrace's own key function),
              one lookup of it in a table, and the optimizer's learning rates, kept with the
              marks. least - floor is what the throughput features cannot go below on the host
+  ideal      least plus what any implementation must then do with those values on every step,
+             as lean as Python allows: phases and data wait, goodput and counter sums, the
+             histograms' values kept, the span's seven throughput attributes; nothing else
   seed       the per-parameter checks a hand-written monitor does: isnan/isinf/norm().item()
              per gradient and mean/std/norm .item() per parameter
   anomaly    the plain step inside torch.autograd.detect_anomaly() always on
@@ -70,7 +73,7 @@ from torchtrace.record import readout  # noqa: E402
 from torchtrace.record.step import StepRecord  # noqa: E402
 
 VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "advanced", "extreme", "marks", "least",
-            "seed", "anomaly")
+            "ideal", "seed", "anomaly")
 
 
 # ---------------------------------------------------------------- workloads
@@ -203,7 +206,7 @@ def seed_checks(model: torch.nn.Module) -> dict:
     return out
 
 
-def marks_runner(wl: Workload, least: bool = False):
+def marks_runner(wl: Workload, least: bool = False, ideal: bool = False):
     """The ``marks`` variant: the floor step on a copy of the model, with the raw clock reads
     and batch size any phase timing needs kept per step, and nothing else. With ``least``, the
     ``least`` variant: also the step's shape key, its lookup in a table (the first step of a
@@ -232,9 +235,11 @@ def marks_runner(wl: Workload, least: bool = False):
         kept.append((start, clock(), (batch[0] if type(batch) is tuple else batch).shape[:1], *marks))
         return loss
 
-    if not least:
+    if not least and not ideal:
         return marked
     table: dict = {}
+    if ideal:
+        return _ideal_runner(model, optimizer, batch, floor, marks, clock, table)
 
     def least_marked():
         marks.clear()
@@ -250,11 +255,51 @@ def marks_runner(wl: Workload, least: bool = False):
     return least_marked
 
 
+def _ideal_runner(model, optimizer, batch, floor, marks, clock, table):
+    """The ``ideal`` variant's step: the least capture, then what any implementation of the
+    throughput features must do with it on every step, written as lean as Python allows: the
+    phases and the data wait (subtractions), the goodput and counter sums, the histograms'
+    values kept for bucketing at scrape, and the span's seven throughput attributes."""
+    totals = {"productive": 0.0, "data_wait": 0.0, "samples": 0, "flops": 0}
+    kept_values: list = []
+    spans: collections.deque = collections.deque(maxlen=1024)
+    last_end = [None]
+    first = batch[0] if type(batch) is tuple else batch
+
+    def ideal_step():
+        marks.clear()
+        start = clock()
+        key = ("train_step", shape_key((model, batch), {}))
+        flops = table.get(key)
+        if flops is None:
+            table[key] = flops = 0
+        rates = [group["lr"] for group in optimizer.param_groups]
+        loss = floor(model, batch, optimizer)
+        end = clock()
+        f0, f1, o0, o1 = marks
+        forward, backward, update = f1 - f0, o0 - f1, o1 - o0
+        before, last_end[0] = last_end[0], end
+        wait = start - before if before is not None else 0.0
+        samples = first.shape[0] if first.dim() else 1
+        totals["productive"] += end - start
+        totals["data_wait"] += wait
+        totals["samples"] += samples
+        totals["flops"] += flops
+        kept_values.append((wait, forward, backward, update))
+        if len(kept_values) >= 64:
+            kept_values.clear()  # bucketed at scrape
+        spans.append({"torchtrace.samples": samples, "torchtrace.flops": flops, "torchtrace.lr": rates[0],
+                      "torchtrace.data_wait_s": wait, "torchtrace.phase.forward_s": forward,
+                      "torchtrace.phase.backward_s": backward, "torchtrace.phase.optimizer_s": update})
+        return loss
+    return ideal_step
+
+
 def make_runner(variant: str, wl: Workload):
     """A zero-argument callable running one step of ``variant``."""
     model, batch = wl.model, wl.batch
-    if variant in ("marks", "least"):
-        return marks_runner(wl, least=variant == "least")
+    if variant in ("marks", "least", "ideal"):
+        return marks_runner(wl, least=variant == "least", ideal=variant == "ideal")
     if variant == "bare":
         return lambda: wl.step(model, batch)
     if variant == "floor":
@@ -505,6 +550,13 @@ def throughput_verdict(wall: dict[str, list[float]]) -> list[str]:
         lines.append(f"least phase capture (marks - floor: clock reads and batch size kept, nothing processed): "
                      f"{kmed * 1e6:+.1f} us ({kshare * 100:+.2f} % of bare), 95 % interval [{klo * 1e6:+.1f}, "
                      f"{khi * 1e6:+.1f}] us; the features beyond it: {(med - kmed) * 1e6:+.1f} us")
+    if "ideal" in wall and "floor" in wall:
+        imed, ishare, ilo, ihi = summary("ideal", "floor")
+        within = "holds 0" if ilo <= 0 <= ihi else ("within the A/A difference" if noise is not None and
+                                                    abs(imed) <= noise else "above noise")
+        lines.append(f"ideal features (ideal - floor: least plus the leanest per-step processing): "
+                     f"{imed * 1e6:+.1f} us ({ishare * 100:+.2f} % of bare), 95 % interval [{ilo * 1e6:+.1f}, "
+                     f"{ihi * 1e6:+.1f}] us ({within}); the features beyond it: {(med - imed) * 1e6:+.1f} us")
     if "least" in wall and "floor" in wall:
         lmed, lshare, llo, lhi = summary("least", "floor")
         within = "holds 0" if llo <= 0 <= lhi else ("within the A/A difference" if noise is not None and

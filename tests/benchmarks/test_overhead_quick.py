@@ -23,7 +23,7 @@ def test_quick_benchmark_prints_the_table(tmp_path):
     assert "ms/step" in out and "ratio" in out
     for workload in ("mlp-", "encoder-", "tensors-"):
         assert workload in out, out
-    for variant in ("bare", "off", "basic", "advanced", "extreme", "marks", "least", "seed", "anomaly"):
+    for variant in ("bare", "off", "basic", "advanced", "extreme", "marks", "least", "ideal", "seed", "anomaly"):
         assert any(line.split()[:1] == [variant] for line in out.splitlines()), f"no {variant} row:\n{out}"
     assert "OFF decorated call" in out
     assert "torchtrace_overhead_seconds_total" in out
@@ -31,6 +31,7 @@ def test_quick_benchmark_prints_the_table(tmp_path):
     assert "A/A (basic - basic-aa, the same step twice)" in out and "throughput features: " in out
     assert "least phase capture (marks - floor" in out
     assert "least capture (least - floor: marks plus the shape key" in out
+    assert "ideal features (ideal - floor: least plus the leanest per-step processing)" in out
 
 
 def test_median_interval_holds_the_true_median_and_tells_a_shift_from_noise():
