@@ -43,6 +43,9 @@ def finite(values: list[Any]) -> list[float]:
     return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
 
 
+MAX_OPERATION_ROWS = 8  # operations named in the throughput rows
+
+
 def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
     """The report's throughput section in words: each operation's rates over its last window
     (labelled ``throughput``, or ``throughput OPERATION`` when there are several), then where
@@ -72,9 +75,6 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
         lost = ", ".join(f"{k} {_seconds(v)}" for v, k in badput) or "none"
         rows.append(("goodput", f"{ratio:.0%} of wall time in applied updates; the rest: {lost}"))
     return rows
-
-
-MAX_OPERATION_ROWS = 8
 
 
 def _seconds(value: float) -> str:
