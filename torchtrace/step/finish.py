@@ -40,7 +40,7 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
     _guarded(rt, _judge, rt, scope, record, exc)
     _guarded(rt, rt.probes.finish, scope, states, record, plan, values)
     if scope.features.throughput:
-        _guarded(rt, _throughput, rt, scope, record)
+        _guarded(rt, rt.throughput.account, scope, record)  # phases, data wait, goodput
     _guarded(rt, _apply_policy, rt, scope, record)
     export(rt, record, span, exc)
     scope.release()
@@ -81,11 +81,6 @@ def _judge(rt: Any, scope: Any, record: StepRecord, exc: BaseException | None) -
         rules.evaluate_exception(record, exc, scope.features.anomaly_mode)
     if not record.param_checked and record.nonfinite and scope.features.param_stats:
         _check_parameters_now(rt, scope, record)
-
-
-def _throughput(rt: Any, scope: Any, record: StepRecord) -> None:
-    record.phases = scope.phases()
-    rt.throughput.account(scope, record)
 
 
 def export(rt: Any, record: StepRecord, span: Any, exc: BaseException | None) -> None:
