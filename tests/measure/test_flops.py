@@ -134,6 +134,27 @@ def test_a_step_that_raises_records_nothing():
     assert cache.lookup("k") is None and cache.needs_count("k") and cache.counts == 0
 
 
+def test_the_count_notes_the_dtype_most_flops_ran_in():
+    """The precision a step's products ran at is what its operands were: bfloat16 inside an
+    autocast region, float32 outside. Mixed, the larger share of FLOPs (by the matrix-product
+    formula, 2*m*k*n) decides."""
+    small, large = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(64, 64, bias=False)
+    cache = StepFlops()
+    with cache.counting("mixed"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = small(torch.randn(4, 8))
+        outside = large(torch.randn(4, 64))
+    assert (inside.dtype, outside.dtype) == (torch.bfloat16, torch.float32)
+    assert cache.lookup("mixed") == 2 * 4 * 8 * 8 + 2 * 4 * 64 * 64
+    assert cache.compute_dtype("mixed") == torch.float32  # 32768 FLOPs in float32, 512 in bfloat16
+    with cache.counting("amp"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            large(torch.randn(4, 64))
+        small(torch.randn(4, 8))
+    assert cache.compute_dtype("amp") == torch.bfloat16
+    assert cache.compute_dtype("never counted") is None
+
+
 def test_room_for_a_bounded_number_of_shapes():
     cache = StepFlops(max_shapes=2)
     cache.record("a", 1)

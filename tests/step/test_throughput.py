@@ -338,6 +338,48 @@ def test_mfu_against_flops_and_time_with_a_configured_peak(tmp_path):
         tt.shutdown()
 
 
+@pytest.mark.parametrize("amp", ["inside", "outside", "none"])
+def test_the_peak_is_taken_at_the_precision_the_step_computed_in(tmp_path, monkeypatch, amp):
+    """The PyTorch AMP recipe opens autocast inside the training step, so by the step's end it is
+    closed again: the peak must come from what the counted step ran (bfloat16 operands), not from
+    the weights (float32). Before, MFU under autocast inside the step was taken against the
+    float32 peak: on an H100, half the bfloat16 figure, so MFU read twice too high."""
+    table = {torch.bfloat16: 4e9, torch.float32: 1e9}  # stands for a device's row of the peak table
+    monkeypatch.setattr("torchtrace.measure.peaks.peak_flops", lambda device, dtype, override=None: table.get(dtype))
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        seen = []
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            if amp == "inside":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x)
+            else:
+                out = model(x)
+            seen.append(out.dtype)
+            out.float().pow(2).mean().backward()
+            opt.step()
+
+        for _ in range(6):
+            if amp == "outside":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    train_step(torch.randn(8, 16))
+            else:
+                train_step(torch.randn(8, 16))
+        expected = 4e9 if amp != "none" else 1e9
+        assert seen[0] == (torch.float32 if amp == "none" else torch.bfloat16)
+        rt = get_runtime()
+        assert rt.throughput.ledger.peak_flops == expected
+        tp = rt.throughput.ledger.throughput("train_step")
+        assert tp.mfu == pytest.approx(tp.flops_per_s / expected, rel=1e-9)
+    finally:
+        tt.shutdown()
+
+
 class _Slow(torch.autograd.Function):
     """Identity that sleeps in forward and in backward: planted phase times."""
 

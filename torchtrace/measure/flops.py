@@ -158,12 +158,18 @@ class StepFlops:
             raise ValueError(f"max_shapes={max_shapes!r} is not valid; accepted values: an integer >= 1")
         self.max_shapes = max_shapes
         self._flops: dict[Hashable, int | None] = {}  # None: a key that is never counted
+        self._dtypes: dict[Hashable, torch.dtype] = {}  # the dtype most of a count's FLOPs ran in
         self.counts = 0  # how many steps were counted
         self.failures = 0  # steps that raised in an op under the counter (their keys are skipped)
 
     def lookup(self, key: Hashable) -> int | None:
         """The FLOPs recorded for ``key``, or None."""
         return self._flops.get(key)
+
+    def compute_dtype(self, key: Hashable) -> torch.dtype | None:
+        """The dtype most of ``key``'s counted FLOPs ran in (the operands' dtype: bfloat16 under a
+        bfloat16 autocast); None when it was not counted."""
+        return self._dtypes.get(key)
 
     def needs_count(self, key: Hashable) -> bool:
         """True when ``key`` has no FLOPs yet and there is room to count it."""
@@ -201,6 +207,9 @@ class StepFlops:
         total = mode.get_total_flops()
         if total > 0 and not mode.incomplete:
             self.record(key, total)
+            dtype = mode.compute_dtype()
+            if dtype is not None and key in self._flops:
+                self._dtypes[key] = dtype
         else:
             self.skip(key)
 
@@ -265,6 +274,27 @@ class _Counter(FlopCounterMode):
         super().__init__(*args, **kwargs)
         if hasattr(self, "mod_tracker"):
             self.mod_tracker = _GlobalOnly()
+        self.by_dtype: dict[torch.dtype, int] = {}  # FLOPs counted per dtype of the op's first tensor
+
+    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+        """FlopCounterMode's per-op count (torch 2.1 and later), and the op's FLOPs by the dtype
+        it computed in: the precision the step's matrix products really ran at, autocast
+        inside the step included, which the step's end can no longer see."""
+        counts = self.flop_counts.get("Global")
+        before = counts.get(func_packet, 0) if counts is not None else 0
+        result = super()._count_flops(func_packet, out, args, kwargs)  # type: ignore[misc]
+        counts = self.flop_counts.get("Global")
+        added = (counts.get(func_packet, 0) if counts is not None else 0) - before
+        if added > 0:
+            for arg in args:
+                if isinstance(arg, torch.Tensor):
+                    self.by_dtype[arg.dtype] = self.by_dtype.get(arg.dtype, 0) + added
+                    break
+        return result
+
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype most of the counted FLOPs ran in; None when none was seen."""
+        return max(self.by_dtype, key=self.by_dtype.__getitem__) if self.by_dtype else None
 
     def __enter__(self) -> "_Counter":
         super().__enter__()

@@ -313,8 +313,12 @@ class RunThroughput:
             param = next(model.parameters())
         except StopIteration:
             return None
-        dtype = torch.get_autocast_dtype(param.device.type) if torch.is_autocast_enabled(param.device.type) \
-            else param.dtype
+        # The dtype the counted step's FLOPs ran in; without a count (FLOPs the user gave), an
+        # autocast around the whole step, else the weights' dtype.
+        dtype = self.flops.compute_dtype(scope.flops_key) if scope.flops_key is not None else None
+        if dtype is None:
+            dtype = torch.get_autocast_dtype(param.device.type) if torch.is_autocast_enabled(param.device.type) \
+                else param.dtype
         key = f"{param.device}/{dtype}"
         if key not in self._peaks:
             self._peaks[key] = peaks.peak_flops(param.device, dtype)
