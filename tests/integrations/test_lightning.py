@@ -183,6 +183,32 @@ def test_mixed_precision_grads_are_measured_unscaled(tmp_path):
         assert ref < 1000  # the scaled gradients would be ~1024 times larger
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_mfus_peak_is_taken_at_the_precision_the_step_computed_in(tmp_path, monkeypatch, precision):
+    """Lightning's bf16-mixed autocast is open only inside its training step: the peak comes
+    from the dtype the counted step's products ran in (bfloat16), not from the float32 weights
+    the step's end sees. Before, MFU was taken against the float32 peak."""
+    table = {torch.bfloat16: 4e9, torch.float32: 1e9}  # stands for a device's row of the peak table
+    monkeypatch.setattr("torchtrace.measure.peaks.peak_flops", lambda device, dtype, override=None: table.get(dtype))
+    configure(tmp_path)
+    try:
+        module = Module()
+        dtypes = []
+        module.net.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+        trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[TorchtraceCallback()],
+                             limit_val_batches=0, num_sanity_val_steps=0, precision=precision)
+        trainer.fit(module, loaders()[0])
+        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+        assert dtypes[0] == dtype  # Lightning's autocast ran
+        rt = tt.api.get_runtime()
+        assert rt.throughput.ledger.peak_flops == table[dtype]
+        tp = rt.throughput.ledger.throughput("train_step")
+        assert tp.mfu == pytest.approx(tp.flops_per_s / table[dtype], rel=1e-9)
+    finally:
+        tt.shutdown()
+
+
 def test_gradient_accumulation_one_span_per_batch(tmp_path):
     result = configure(tmp_path)
     spy = Spy()

@@ -310,6 +310,31 @@ def test_flops_are_the_trainers_estimate_and_give_mfu(tmp_path, accumulation):
     assert value(samples, "torchtrace_mfu_ratio", operation="train_step") > 0
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_mfus_peak_is_taken_at_the_trainers_precision(tmp_path, monkeypatch, precision):
+    """With ``bf16=True`` the Trainer runs its forward under a bfloat16 autocast that is closed
+    again when the step ends, and its FLOPs are an estimate (no count sees the operands), so the
+    callback says the precision: the peak is the bfloat16 one. Before, it was the float32 peak
+    of the weights, and MFU read twice too high on an H100."""
+    table = {torch.bfloat16: 4e9, torch.float32: 1e9}  # stands for a device's row of the peak table
+    monkeypatch.setattr("torchtrace.measure.peaks.peak_flops", lambda device, dtype, override=None: table.get(dtype))
+    configure(tmp_path)
+    try:
+        dtypes = []
+        model = tiny_bert()
+        linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        linear.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+        train(tmp_path, [TorchtraceCallback()], steps=3, model=model, bf16=precision == "bf16")
+        assert dtypes[0] == (torch.bfloat16 if precision == "bf16" else torch.float32)  # the Trainer's autocast ran
+        rt = tt.api.get_runtime()
+        expected = table[torch.bfloat16 if precision == "bf16" else torch.float32]
+        assert rt.throughput.ledger.peak_flops == expected
+        tp = rt.throughput.ledger.throughput("train_step")
+        assert tp.mfu == pytest.approx(tp.flops_per_s / expected, rel=1e-9)
+    finally:
+        tt.shutdown()
+
+
 def test_evaluation_and_checkpoints_between_steps_are_their_own_badput(tmp_path, monkeypatch):
     """The Trainer evaluates every 2 steps and saves every 3: that time is evaluation and
     checkpoint badput, not data wait. Reference: the time spent inside ``Trainer.evaluate``

@@ -55,7 +55,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
     - FLOPs: the Trainer's own estimate (what it adds to ``total_flos``), six times the
       main input's elements times the parameters outside the embeddings, summed over the
       micro-batches: the step's batch is not known when it starts, so torchtrace's own
-      FLOP count cannot run.
+      FLOP count cannot run. MFU's peak is taken at the Trainer's precision (``bf16`` or
+      ``fp16`` mixed precision, else the weights' dtype).
 
     Args:
         name: the span's name (the ``operation`` label).
@@ -76,6 +77,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._params = None  # parameters outside the embeddings, counted at the first forward
+        self._note_precision(args)
         if model is not None and self._handle is None:
             self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
@@ -109,6 +111,18 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         self._book_since_boundary("checkpoint", "save_checkpoint")
+
+    @staticmethod
+    def _note_precision(args: Any) -> None:
+        """The Trainer's mixed precision (``bf16=True``, ``fp16=True``) is the precision of the
+        peak MFU is measured against: its autocast is closed again when the step ends, and the
+        FLOPs are the Trainer's estimate, so no count sees the operands' dtype."""
+        rt = api.get_runtime()
+        if rt is None:
+            return
+        dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
+            else None
+        rt.throughput.framework_dtype = dtype
 
     def _book_since_boundary(self, kind: str, operation: str) -> None:
         """The time since the last step (or evaluation, save) ended was this operation's.

@@ -77,6 +77,7 @@ class RunThroughput:
         self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerMarks]" = weakref.WeakKeyDictionary()
         self._peaks: dict[str, float | None] = {}
         self._peak_known = False
+        self.framework_dtype: torch.dtype | None = None  # what a framework says its steps compute in
         # Batch size of each input-shape key (one per key unless a mask is counted), and FLOPs
         # and batch size of each key whose FLOPs are final (see _shape_of).
         self._batches: dict[Hashable, BatchSize] = {}
@@ -313,9 +314,12 @@ class RunThroughput:
             param = next(model.parameters())
         except StopIteration:
             return None
-        # The dtype the counted step's FLOPs ran in; without a count (FLOPs the user gave), an
-        # autocast around the whole step, else the weights' dtype.
+        # The dtype the counted step's FLOPs ran in; without a count (FLOPs the user or a
+        # framework gave), the framework's mixed precision, an autocast around the whole step,
+        # else the weights' dtype.
         dtype = self.flops.compute_dtype(scope.flops_key) if scope.flops_key is not None else None
+        if dtype is None:
+            dtype = self.framework_dtype
         if dtype is None:
             dtype = torch.get_autocast_dtype(param.device.type) if torch.is_autocast_enabled(param.device.type) \
                 else param.dtype
