@@ -180,6 +180,17 @@ def test_shape_key_reads_shapes_and_dtypes_not_values():
     assert len(shape_key(tuple(range(100)), {})) == flops_mod.KEY_MAX_ITEMS
 
 
+@pytest.mark.parametrize("nest", [lambda items: items, lambda items: (items,), lambda items: {"images": items}])
+def test_shape_key_of_a_long_sequence_holds_its_length(nest):
+    """Past KEY_MAX_ITEMS items the key holds the sequence's length: lists of 64 and of 40
+    same-shape tensors differ (the same 32 first items), lists of equal length do not."""
+    n = flops_mod.KEY_MAX_ITEMS
+    def key(length):
+        return shape_key((nest([torch.zeros(3) for _ in range(length)]),), {})
+    assert key(2 * n) != key(n + 8) != key(n + 1)
+    assert key(2 * n) == key(2 * n) and key(n) != key(n + 1)
+
+
 # ---------------------------------------------------------------- peaks
 
 NAMES = [  # as torch.cuda.get_device_name reports them -> (product, dense bf16 TFLOP/s)

@@ -263,6 +263,36 @@ def test_a_dataclass_batch_gives_samples_and_flops_per_shape(tmp_path):
         tt.shutdown()
 
 
+def test_a_long_list_batch_is_counted_by_its_length(tmp_path):
+    """A batch as a list of per-sample tensors (a collate function that does not stack), longer
+    than the shape key looks into item by item: a last batch of 40 same-size images is not the
+    full batch of 64. The key held the first 32 items alone, so every list of 33 or more got
+    the first one's FLOPs. Reference: FlopCounterMode on the same step at each length."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def body(images):
+            opt.zero_grad()
+            model(torch.stack(images)).pow(2).mean().backward()
+            opt.step()
+
+        train_step = tt.debug_operation(model=model, optimizer=opt)(body)
+        lengths = (64, 64, 40, 33, 64, 40)
+        for n in lengths:
+            train_step([torch.randn(16) for _ in range(n)])
+        steps = get_runtime().history.steps()
+        assert get_runtime().throughput.flops.counts == 3  # one count per length
+        for n in (64, 40, 33):
+            with FlopCounterMode(display=False) as ref:
+                body([torch.randn(16) for _ in range(n)])
+            got = [s["flops"] for s, length in zip(steps, lengths) if length == n]
+            assert got and all(abs(f / ref.get_total_flops() - 1) < 0.10 for f in got), (n, got)
+    finally:
+        tt.shutdown()
+
+
 def test_data_wait_against_planted_sleeps(tmp_path):
     _configure(tmp_path)
     try:

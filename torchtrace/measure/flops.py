@@ -122,7 +122,7 @@ def _key(value: Any, depth: int) -> Hashable:
         except RuntimeError:  # a nested tensor of the strided layout has no sizes
             return _nested_key(value)
     if kind is tuple or kind is list:
-        return tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]]) if depth < KEY_MAX_DEPTH else kind
+        return _items_key(kind, value, depth) if depth < KEY_MAX_DEPTH else kind
     if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
         return kind
     if isinstance(value, _TENSOR):  # a Parameter, a tensor subclass
@@ -133,10 +133,17 @@ def _key(value: Any, depth: int) -> Hashable:
         return tuple((k if isinstance(k, Hashable) else type(k), _key(v, depth + 1))
                      for k, v in list(value.items())[:KEY_MAX_ITEMS])
     if isinstance(value, (tuple, list)):
-        return tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]])
+        return _items_key(kind, value, depth)
     if is_dataclass_instance(value):  # a batch object of fields: its tensors' shapes, like a tuple's
         return (kind, tuple([_key(v, depth + 1) for v in dataclass_values(value, KEY_MAX_ITEMS)]))
     return type(value)
+
+
+def _items_key(kind: type, value: Any, depth: int) -> Hashable:
+    """A sequence's key: its first ``KEY_MAX_ITEMS`` items' keys, and past that many, its type
+    and length too (a list of 40 same-size images is not a list of 64)."""
+    items = tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]])
+    return items if len(value) <= KEY_MAX_ITEMS else (kind, len(value), items)
 
 
 class StepFlops:
