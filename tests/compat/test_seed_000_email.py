@@ -174,6 +174,9 @@ def test_debug_training_step_signature_and_sgd_reference(setup):
     for p, r in zip(model.parameters(), reference.parameters()):
         expected = r.detach().double() - 0.1 * r.grad.double()
         torch.testing.assert_close(p.detach().double(), expected, rtol=1e-6, atol=1e-7)
+    # The step's batch is the seed call's inputs: its rows are the step's samples.
+    record = tt.api.get_runtime().history.steps()[-1]
+    assert (record["operation"], record["samples"]) == ("debug_training_step", inputs.shape[0])
 
 
 # ---------------------------------------------------------------- training optimizer integration
@@ -214,6 +217,49 @@ def test_enhanced_training_optimizer_matches_a_plain_adam_loop(tt_runtime):
     assert len(train_spans) == 6 and metric(semconv.M_STEPS, operation="train_step") == 6
     assert train_spans[0]["attributes"][semconv.LOSS] == pytest.approx(
         torch.nn.functional.cross_entropy(small_classifier()(train_loader[0][0]), train_loader[0][1]).item(), rel=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad=True to a scalar:UserWarning")
+def test_enhanced_training_optimizer_reports_throughput_and_validation_as_evaluation(tt_runtime):
+    """The seed's trainer knows each batch: its steps carry samples (a plain count of the rows)
+    and FLOPs (FlopCounterMode on the same step), and each validation pass is one operation
+    of the evaluation kind, so its time (slowed by planted sleeps) is evaluation in goodput,
+    not the next training step's data wait, and reports no gradients of its own. Before,
+    every step had neither samples nor FLOPs, and validation was data wait."""
+    import time
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = small_classifier()
+    g = torch.Generator().manual_seed(5)
+    train_loader = [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in (5, 5, 2)]
+    pause = 0.04
+
+    class SlowValidation:
+        def __iter__(self):
+            for x, y in batches(2, seed=6):
+                time.sleep(pause)
+                yield x, y
+
+    trainer = create_enhanced_training_optimizer(model=model, train_loader=train_loader,
+                                                 val_loader=SlowValidation(), max_epochs=2)
+    asyncio.run(trainer.train())
+    rt = tt.api.get_runtime()
+    records = rt.history.steps()
+    train = [r for r in records if r["operation"] == "train_step"]
+    assert [r["samples"] for r in train] == [len(x) for x, _ in train_loader] * 2
+    probe = copy.deepcopy(model)
+    for rows in (5, 2):
+        x, y = torch.randn(rows, 6), torch.randint(0, 3, (rows,))
+        with FlopCounterMode(display=False) as ref:
+            torch.nn.functional.cross_entropy(probe(x), y).backward()
+        got = {r["flops"] for r in train if r["samples"] == rows}
+        assert got == {ref.get_total_flops()}, (rows, got)
+    validation = [r for r in records if r["operation"] == "validation"]
+    assert len(validation) == 2 and all(r.get("grad_norm") is None for r in validation)
+    badput = rt.throughput.ledger.closed().badput
+    assert badput["evaluation"] >= 2 * 2 * pause * 0.95
+    after = train[len(train_loader)]  # the first step after the first validation
+    assert after["data_wait_s"] < pause
 
 
 def test_enhanced_optimizer_settings_take_effect(tmp_path):

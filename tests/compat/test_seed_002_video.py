@@ -154,6 +154,13 @@ def test_training_debugger_example_against_a_plain_step(tt_runtime):
     assert len(span) == 1 and span[0]["attributes"][semconv.STEP] == 3
     assert span[0]["attributes"][semconv.LOSS] == pytest.approx(ref_loss.item(), rel=1e-6)
     assert training_debugger.get_training_summary()["total_steps"] == 1
+    # The step's batch is the seed call's inputs: its rows, and FLOPs as FlopCounterMode counts
+    # the same forward and backward.
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counted:
+        loss_fn(copy.deepcopy(reference)(inputs), targets).backward()
+    assert span[0]["attributes"][semconv.SAMPLES] == inputs.shape[0]
+    assert span[0]["attributes"][semconv.FLOPS] == counted.get_total_flops()
 
 
 def test_training_debugging_switch_and_snapshot_frequency():

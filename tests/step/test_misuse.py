@@ -146,6 +146,44 @@ def test_a_guard_with_an_optimizer_does_not_warn(tmp_path, tiny_model, caplog):
         tt.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["evaluation", "checkpoint"])
+def test_an_evaluation_with_the_model_does_not_report_the_last_training_steps_gradients(tmp_path, tiny_model,
+                                                                                     caplog, kind):
+    """An evaluation (or checkpoint) operation given the model makes no gradients: what is left on
+    the parameters is the last training step's. Measuring them at its end gave the evaluation
+    that step's gradient norm, a non-finite step for a NaN the training step already reported,
+    and a false "cannot skip the updates" warning under guard="skip"."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), guard="skip", register_atexit=False)
+    try:
+        opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+        caplog.set_level(logging.WARNING, logger="torchtrace")
+
+        @tt.debug_operation(name="train_step", model=tiny_model, optimizer=opt)
+        def train(x):
+            opt.zero_grad()
+            tiny_model(x).pow(2).mean().backward()
+            opt.step()
+
+        @tt.debug_operation(name="evaluate", model=tiny_model, kind=kind)
+        def evaluate(x):
+            with torch.no_grad():
+                return tiny_model(x).mean()
+
+        train(torch.ones(2, 8))
+        evaluate(torch.ones(3, 8))
+        next(tiny_model.parameters()).grad.fill_(float("nan"))  # left over, as after a skipped update
+        evaluate(torch.ones(3, 8))
+        records = {s["operation"]: s for s in get_runtime().history.steps()}
+        assert records["train_step"]["grad_norm"] > 0  # the training step's own are measured
+        steps = [s for s in get_runtime().history.steps() if s["operation"] == "evaluate"]
+        assert len(steps) == 2
+        assert all(s.get("grad_norm") is None and not s.get("nonfinite") for s in steps), steps
+        assert not [r for r in caplog.records if "cannot skip" in r.getMessage()]
+        assert get_runtime().history.totals["steps"] == 3 and get_runtime().history.totals["nonfinite_steps"] == 0
+    finally:
+        tt.shutdown()
+
+
 @pytest.mark.parametrize("given,name", [
     (dict(samples="8"), "samples"), (dict(samples=-1), "samples"), (dict(samples=2.5), "samples"),
     (dict(samples=True), "samples"), (dict(tokens=torch.tensor([1, 2])), "tokens"), (dict(tokens=float("nan")), "tokens"),

@@ -1,6 +1,7 @@
 """Seed 000's ``create_enhanced_training_optimizer``: an ``async`` training loop whose every step
-is a torchtrace step (span ``train_step``, the step metrics), checked by a
-:class:`~torchtrace.compat.PyTorchDebugger` when ``enable_pytorch_debugging`` is on.
+is a torchtrace step (span ``train_step``, the step metrics, its batch's samples and FLOPs),
+checked by a :class:`~torchtrace.compat.PyTorchDebugger` when ``enable_pytorch_debugging`` is
+on; each validation pass is an operation ``validation`` (evaluation, in goodput).
 
 >>> import asyncio, torch
 >>> model = torch.nn.Linear(3, 1)
@@ -117,7 +118,7 @@ class EnhancedTrainingOptimizer:
     def _step(self, batch: Any, epoch: int) -> float:
         inputs, targets = _split(batch)
         self.model.train()
-        with steps.open_step("train_step", model=self.model, optimizer=self.optimizer):
+        with steps.open_step("train_step", model=self.model, optimizer=self.optimizer, inputs=batch):
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.loss_fn(_forward(self.model, inputs), targets)
             steps.share_with_step(loss=loss)
@@ -130,15 +131,19 @@ class EnhancedTrainingOptimizer:
         return steps.loss_value(loss)
 
     async def _validate(self) -> float:
+        """The validation loop, as one operation ``validation`` of the evaluation kind: its
+        time is evaluation in goodput, not the next training step's data wait."""
         self.model.eval()
         total, count = 0.0, 0
-        with torch.no_grad():
-            for batch in self.val_loader:
-                inputs, targets = _split(batch)
-                total += steps.loss_value(self.loss_fn(_forward(self.model, inputs), targets))
-                count += 1
-                await asyncio.sleep(0)
-        self.model.train()
+        try:
+            with steps.open_step("validation", kind="evaluation"), torch.no_grad():
+                for batch in self.val_loader:
+                    inputs, targets = _split(batch)
+                    total += steps.loss_value(self.loss_fn(_forward(self.model, inputs), targets))
+                    count += 1
+                    await asyncio.sleep(0)
+        finally:
+            self.model.train()
         return total / count if count else math.nan
 
 

@@ -222,7 +222,7 @@ class CheckingMixin:
         checking = not self._off("enable_gradient_checking")
         debugging = not self._off("debug_mode")
         with steps.open_step("debug_training_step", model=model, optimizer=optimizer,
-                             level=self.config.level, mode=self.config.mode):
+                             level=self.config.level, mode=self.config.mode, inputs=(inputs, targets)):
             out = inspection.debug_training_step(
                 model, inputs, targets, loss_fn, optimizer, layer_hooks=debugging, backward_stats=debugging,
                 on_loss=lambda loss: steps.share_with_step(model, loss),

@@ -25,18 +25,21 @@ STEP_KINDS = frozenset({semconv.NONFINITE_LOSS, semconv.NONFINITE_GRAD, semconv.
 
 
 def open_step(name: str, *, model: torch.nn.Module | None = None, optimizer: Any = None, step: int | None = None,
-              level: DebugLevel | None = None, mode: DebugMode | None = None) -> api.StepScope:
+              level: DebugLevel | None = None, mode: DebugMode | None = None, inputs: Any = None,
+              kind: str = "train") -> api.StepScope:
     """A step scope, as ``torchtrace.debug_context`` makes it (use with ``with``).
 
     A level or mode the seed object was given applies to this step only; ``None`` leaves the
-    run's. Inside a step of another seed object (nested), no second step is opened: the
-    returned scope is inert and the outer one records the step.
+    run's. ``inputs`` is the step's batch, when the seed call has it: its samples, tokens and
+    the FLOP count's shapes. ``kind`` is the operation's goodput kind. Inside a step of
+    another seed object (nested), no second step is opened: the returned scope is inert and
+    the outer one records the step.
     """
     outer = current.step()
     if outer is not None and getattr(outer, "active", False):
         return api.StepScope(name, level=DebugLevel.OFF)  # records nothing
     return api.debug_context(name, model=model, optimizer=optimizer, step=step, level=level,
-                             mode=None if mode in (None, DebugMode.NONE) else mode)
+                             mode=None if mode in (None, DebugMode.NONE) else mode, inputs=inputs, kind=kind)
 
 
 def active_step() -> api.StepScope | None:

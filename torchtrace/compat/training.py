@@ -151,7 +151,7 @@ class TrainingDebugger(TrainingMonitor):
         inspect = cfg is None or cfg.enable_training_debugging
         checking = inspect and (cfg is None or cfg.enable_gradient_debugging)
         with steps.open_step("debug_training_step", model=model, optimizer=a["optimizer"], step=a["step"],
-                             level=self.level):
+                             level=self.level, inputs=(a["inputs"], a["targets"])):
             out = Result(inspection.debug_training_step(
                 model, a["inputs"], a["targets"], a["loss_fn"], a["optimizer"], layer_hooks=inspect,
                 backward_stats=inspect, on_loss=lambda loss: steps.share_with_step(model, loss),

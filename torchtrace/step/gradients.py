@@ -27,6 +27,8 @@ from torchtrace.record.policy import GuardPolicy, agree_any
 from torchtrace.step.throughput import learning_rates
 
 
+_NO_GRADIENTS = frozenset({"evaluation", "checkpoint"})  # operation kinds that make no gradients
+
 class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
@@ -113,9 +115,10 @@ class GradientCheck:
 
     def measure_at_end(self) -> None:
         """No optimizer was hooked: measure the gradients as the step leaves them. (With an
-        optimizer that did not step, no update used them: nothing to measure.)"""
+        optimizer that did not step, no update used them: nothing to measure. An evaluation or
+        checkpoint operation makes none: what it would find are the last training step's.)"""
         scope = self.scope
-        if self.fired or scope.model is None or scope.optimizer is not None:
+        if self.fired or scope.model is None or scope.optimizer is not None or scope.kind in _NO_GRADIENTS:
             return
         self.fired = True
         self.stats = grad_measure.gradient_norms(self.rt.params_for(scope.model, None))
