@@ -76,7 +76,7 @@ def test_demo_tells_the_story_in_a_pipe(tmp_path):
     assert len(spans) == 120
     assert [s["attributes"]["torchtrace.step"] for s in spans if s["status"] == "ERROR"] == [50]
     # the summary's throughput row: the run's own window, against a plain count over its last 20 spans
-    row = re.search(r"\n  throughput +([\d,]+) samples/s, [\d.,]+ GFLOP/s, no MFU \(this device's peak is unknown",
+    row = re.search(r"\n  throughput +([\d,]+) samples/s, [\d.,]+ [kMGTP]?FLOP/s, no MFU \(this device's peak is unknown",
                     out)
     tp = report["throughput"]["operations"]["train_step"]
     assert row and int(row.group(1).replace(",", "")) == round(tp["samples_per_s"]), out

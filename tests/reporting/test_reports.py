@@ -115,7 +115,7 @@ def test_terminal_report_says_how_fast_and_where_the_time_went(run):
     section = json.loads((run_dir / "report.json").read_text())["throughput"]
     window = section["operations"]["train_step"]
     assert window["samples_per_s"] == pytest.approx(32 * window["steps"] / window["seconds"])  # a plain count
-    rate = re.search(r"\n  throughput: ([\d,]+) samples/s, [\d.,]+ GFLOP/s, no MFU \(this device's peak is unknown: "
+    rate = re.search(r"\n  throughput: ([\d,]+) samples/s, [\d.,]+ [kMGTP]?FLOP/s, no MFU \(this device's peak is unknown: "
                      r"set peak_flops\), over the last (\d+) steps\n", text)
     assert rate, text
     assert int(rate.group(1).replace(",", "")) == round(window["samples_per_s"])
@@ -128,6 +128,27 @@ def test_terminal_report_says_how_fast_and_where_the_time_went(run):
     assert int(goodput.group(1)) == round(100 * section["goodput_ratio"])
     named = [part.split(" ")[0] for part in goodput.group(2).split(", ")]
     assert named == sorted((k for k, v in badput.items() if v > 0), key=lambda k: -badput[k])
+
+
+def test_throughput_rows_say_why_there_is_no_mfu_and_scale_the_flop_rate():
+    """An operation without FLOPs (a validation pass) has no MFU for that reason, not for an
+    unknown peak; FLOP/s are printed in the unit that keeps them readable (a small model's
+    8 MFLOP/s read "0.00 GFLOP/s"), and parse back to the section's figure."""
+    from torchtrace.reporting.summary import throughput_rows
+
+    units = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+    ops = {"train_step": {"steps": 20, "samples_per_s": 2529.0, "flops_per_s": 8.093e6, "mfu": None},
+           "validation": {"steps": 3, "samples_per_s": None, "flops_per_s": None, "mfu": None},
+           "big": {"steps": 20, "samples_per_s": 10.0, "flops_per_s": 3.957e14, "mfu": 0.4}}
+    rows = dict(throughput_rows({"operations": ops}))
+    assert rows["throughput validation"] == "no MFU (no FLOPs: none counted or given for this operation), " \
+                                            "over the last 3 steps"
+    assert "this device's peak is unknown: set peak_flops" in rows["throughput train_step"]
+    assert "MFU 40.0%" in rows["throughput big"]
+    for name in ("train_step", "big"):
+        value, unit = re.search(r"([\d.,]+) ([kMGTP]?)FLOP/s", rows[f"throughput {name}"]).groups()
+        assert float(value.replace(",", "")) * units[unit] == pytest.approx(ops[name]["flops_per_s"], rel=5e-3)
+        assert 1 <= float(value.replace(",", "")) < 1000
 
 
 def test_html_report_is_self_contained_and_holds_the_run(run):

@@ -64,9 +64,13 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
         if op.get("samples_per_s") is not None:
             parts.append(f"{op['samples_per_s']:,.0f} samples/s")
         if op.get("flops_per_s"):
-            parts.append(f"{op['flops_per_s'] / 1e9:,.2f} GFLOP/s")
-        parts.append(f"MFU {op['mfu']:.1%}" if op.get("mfu") is not None
-                     else "no MFU (this device's peak is unknown: set peak_flops)")
+            parts.append(flops_text(op["flops_per_s"]))
+        if op.get("mfu") is not None:
+            parts.append(f"MFU {op['mfu']:.1%}")
+        elif not op.get("flops_per_s"):
+            parts.append("no MFU (no FLOPs: none counted or given for this operation)")
+        else:
+            parts.append("no MFU (this device's peak is unknown: set peak_flops)")
         rows.append(("throughput" if len(ops) == 1 else f"throughput {name}",
                      f"{', '.join(parts)}, over the last {op.get('steps', 0)} steps"))
     ratio = section.get("goodput_ratio")
@@ -78,4 +82,30 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _seconds(value: float) -> str:
-    return f"{value:.2f} s" if value >= 0.1 else f"{value * 1000:.0f} ms"
+    return seconds_text(value)
+
+
+def seconds_text(value: float) -> str:
+    """Seconds for a reader: ``1.50 s``, ``50 ms`` below a tenth of a second.
+
+    >>> seconds_text(1.5), seconds_text(0.04), seconds_text(0.0004)
+    ('1.50 s', '40 ms', '0.4 ms')
+    """
+    if value >= 0.1:
+        return f"{value:.2f} s"
+    return f"{value * 1000:.0f} ms" if value >= 0.001 else f"{value * 1000:.1f} ms"
+
+
+_FLOP_UNITS = ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1e6, "MFLOP/s"), (1e3, "kFLOP/s"))
+
+
+def flops_text(value: float) -> str:
+    """FLOP/s in the largest unit that keeps the figure at 1 or more, three significant digits.
+
+    >>> flops_text(3.2e14), flops_text(8.1e6), flops_text(512.0)
+    ('320 TFLOP/s', '8.1 MFLOP/s', '512 FLOP/s')
+    """
+    for scale, unit in _FLOP_UNITS:
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}" if value / scale < 1000 else f"{value / scale:,.0f} {unit}"
+    return f"{value:.3g} FLOP/s"

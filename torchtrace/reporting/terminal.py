@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace.reporting.runfiles import load_run
-from torchtrace.reporting.summary import finite, throughput_rows, training_summary_from_steps
+from torchtrace.reporting.summary import finite, seconds_text, throughput_rows, training_summary_from_steps
 
 _BARS = "▁▂▃▄▅▆▇█"
 MAX_ANOMALY_LINES = 20
@@ -114,7 +114,7 @@ def _header_lines(s: dict[str, Any], steps: list[dict[str, Any]], run_dir: Path)
     if steps and steps[-1].get("duration_s") is not None:
         wall = (steps[-1]["start_unix_ns"] - steps[0]["start_unix_ns"]) / 1e9 + steps[-1]["duration_s"]
     lines.append(f"  steps: {len(steps)}" + (f" ({', '.join(f'{k} {v}' for k, v in sorted(ops.items()))})" if ops else "")
-                 + (f" over {wall:.1f} s" if wall is not None else ""))
+                 + (f" over {seconds_text(wall)}" if wall is not None else ""))
     durations = finite([st.get("duration_s") for st in steps])
     if durations:
         q = sorted(durations)
