@@ -43,6 +43,7 @@ def test_demo_tells_the_story_in_a_pipe(tmp_path):
     assert "\r" not in out and "\x1b" not in out  # no bar drawn into a pipe
     # what is measured, and where to watch, before the first step
     assert "measured every step: the loss; the global and per-tensor gradient norms" in out
+    assert "samples, FLOPs (counted once per input shape), learning rate" in " ".join(out.split())
     page = re.search(r"live page:  (http://127\.0\.0\.1:\d+/)\n  token:      (\S+)", out)
     assert page and len(page.group(2)) >= 32, out
     assert out.index("token:") < out.index("step 20/120")

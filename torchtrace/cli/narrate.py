@@ -52,7 +52,11 @@ def header(console: Console, steps: int, settings, faults, fault_text: dict[str,
     level = settings.level.value if hasattr(settings.level, "value") else str(settings.level)
     console.line(f"torchtrace demo: {steps} training steps of an 85 k-parameter MLP on synthetic data, "
                  f"level {level}, guard {settings.guard}")
-    for line in _wrap("measured every step: " + MEASURED.get(level, MEASURED["basic"])
+    measured = MEASURED.get(level, MEASURED["basic"])
+    if level != "off" and getattr(settings, "throughput", True):
+        measured += ("; samples, FLOPs (counted once per input shape), learning rate, forward/backward/optimizer "
+                     "time, the wait for data and goodput")
+    for line in _wrap("measured every step: " + measured
                       + ". Each step is one span (spans.jsonl), Prometheus metrics and a line in the run report.",
                       "  "):
         console.line(line)
