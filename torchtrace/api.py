@@ -263,11 +263,13 @@ class _Operation:
         self.name, self.model, self.optimizer, self.level, self.mode = name, model, optimizer, level, mode
         self.attributes, self.replay, self.scaler, self.kind = attributes, replay, scaler, kind
 
-    def scope(self, fn: Callable[..., Any] | None, args: tuple, kwargs: dict) -> StepScope:
+    def scope(self, fn: Callable[..., Any] | None, args: tuple, kwargs: dict, method: bool = False) -> StepScope:
         model, optimizer, scaler = watched(self.model, self.optimizer, self.scaler, args, kwargs)
         scope = StepScope(self.name, model=model, optimizer=optimizer, level=self.level,
                           mode=self.mode, attributes=self.attributes, scaler=scaler, kind=self.kind,
                           inputs=(args, kwargs))
+        if method and args:
+            scope.batch_skip = 1  # a method's instance (a trainer) is not its batch
         if self.replay is not False:
             # Forensics replays the call (with its optimizers' and scalers' updates neutralised).
             if callable(self.replay):
@@ -279,6 +281,7 @@ class _Operation:
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` as an instrumented operation: one step per call (uninstrumented when off)."""
         op, level = self, self.level
+        method = _instance_first(fn)
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def async_wrapper(*args, **kwargs):
@@ -286,7 +289,7 @@ class _Operation:
                 if rt is None or (level is None and rt.off):
                     return await fn(*args, **kwargs)
                 result = None  # stays None when the guard absorbs the step's exception (out of memory)
-                with op.scope(None, args, kwargs) as scope:
+                with op.scope(None, args, kwargs, method) as scope:
                     result = await fn(*args, **kwargs)
                     _take_returned_loss(scope, result)
                 return result
@@ -299,12 +302,23 @@ class _Operation:
             if rt is None or (level is None and rt.off):
                 return fn(*args, **kwargs)
             result = None  # stays None when the guard absorbs the step's exception (out of memory)
-            with op.scope(fn, args, kwargs) as scope:
+            with op.scope(fn, args, kwargs, method) as scope:
                 result = fn(*args, **kwargs)
                 _take_returned_loss(scope, result)
             return result
 
         return wrapper
+
+
+def _instance_first(fn: Callable[..., Any]) -> bool:
+    """True for a function defined as a method (its first parameter ``self`` or ``cls``): the
+    first argument of its calls is the instance, not the batch."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].name in ("self", "cls") and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _take_returned_loss(scope: StepScope, result: Any) -> None:

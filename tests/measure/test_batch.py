@@ -109,6 +109,13 @@ def test_what_is_skipped_and_where_it_looks():
     assert infer_batch((Pair("a", torch.zeros(7, 3), x),), {}).samples == 7  # a dataclass's first tensor field
     assert infer_batch((Pair,), {}) is NOTHING  # the class itself is not a batch
 
+    @dataclasses.dataclass
+    class Trainer:  # holds the model: an owner, not a batch, whatever tensors it also holds
+        model: torch.nn.Module
+        class_weights: torch.Tensor
+
+    assert infer_batch((Trainer(model, torch.ones(4)), torch.zeros(11, 3)), {}).samples == 11
+
 
 def test_deep_or_wide_containers_are_not_searched_far():
     buried = [[[[torch.zeros(5, 1)]]]]  # past MAX_DEPTH

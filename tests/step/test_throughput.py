@@ -293,6 +293,61 @@ def test_a_long_list_batch_is_counted_by_its_length(tmp_path):
         tt.shutdown()
 
 
+def test_a_trainers_method_reads_its_batch_not_the_trainer(tmp_path):
+    """A step decorated as a method of a trainer dataclass: the instance comes first among the
+    arguments, and its tensor fields (class weights) were read as the batch, 4 samples every
+    step. The method's instance is skipped, as is a trainer dataclass holding the model passed
+    to a plain function. Reference: a plain count of the rows; FLOPs against FlopCounterMode."""
+    _configure(tmp_path)
+    try:
+        net = _mlp()  # not "model": the Trainer's field of that name shadows it in the class body
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+        @dataclasses.dataclass
+        class Trainer:
+            model: torch.nn.Module
+            class_weights: torch.Tensor = dataclasses.field(default_factory=lambda: torch.ones(4))
+
+            @tt.debug_operation(model=net, optimizer=opt)
+            def train_step(self, x):
+                opt.zero_grad()
+                (self.model(x).pow(2) * self.class_weights).mean().backward()
+                opt.step()
+
+        @dataclasses.dataclass
+        class Settings:  # no model among its fields: read only because it is the method's instance
+            class_weights: torch.Tensor = dataclasses.field(default_factory=lambda: torch.ones(4))
+
+            @tt.debug_operation(name="settings_step", model=net, optimizer=opt)
+            def step(self, x):
+                opt.zero_grad()
+                (net(x).pow(2) * self.class_weights).mean().backward()
+                opt.step()
+
+        @tt.debug_operation(name="plain_step", model=net, optimizer=opt)
+        def plain_step(trainer, x):
+            opt.zero_grad()
+            (trainer.model(x).pow(2) * trainer.class_weights).mean().backward()
+            opt.step()
+
+        trainer, settings = Trainer(net), Settings()
+        rows = (8, 8, 3)
+        for n in rows:
+            trainer.train_step(torch.randn(n, 16))
+            settings.step(torch.randn(n, 16))
+            plain_step(trainer, torch.randn(n, 16))
+        steps = get_runtime().history.steps()
+        for name in ("train_step", "settings_step", "plain_step"):
+            assert [s["samples"] for s in steps if s["operation"] == name] == list(rows), name
+        for n in (8, 3):
+            with FlopCounterMode(display=False) as ref:
+                (net(torch.randn(n, 16)).pow(2) * torch.ones(4)).mean().backward()
+            got = {s["flops"] for s in steps if s["operation"] == "train_step" and s["samples"] == n}
+            assert got == {ref.get_total_flops()}, (n, got)
+    finally:
+        tt.shutdown()
+
+
 def test_data_wait_against_planted_sleeps(tmp_path):
     _configure(tmp_path)
     try:

@@ -14,7 +14,8 @@ Rules, in order (the first argument that gives an answer wins):
      its non-zero entries, as a 0-d device tensor;
    - any other mapping, tuple or list, or a dataclass instance: the rules applied to its
      values (a dataclass's fields, in order), first answer wins (``(inputs, labels)``
-     batches, ``{"x": ..., "y": ...}`` batches, ``Batch(inputs=..., targets=...)``).
+     batches, ``{"x": ..., "y": ...}`` batches, ``Batch(inputs=..., targets=...)``); a
+     dataclass holding an ``nn.Module`` or ``Optimizer`` is a trainer, not a batch: skipped.
 
 Only shapes are read, which the host already knows. The masked token count is a device
 tensor (``torch.count_nonzero(mask)``): it is read to the host with the rest of the step's
@@ -127,7 +128,10 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
             if found is not None:
                 return found
     elif is_dataclass_instance(value):
-        for item in dataclass_values(value, MAX_ITEMS):
+        items = dataclass_values(value, MAX_ITEMS)
+        if any(isinstance(item, (torch.nn.Module, torch.optim.Optimizer)) for item in items):
+            return None  # it holds the model or optimizer: a trainer, not a batch
+        for item in items:
             found = _infer(item, depth + 1)
             if found is not None:
                 return found

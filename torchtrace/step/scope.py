@@ -46,7 +46,7 @@ class StepScope:
 
     __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind",
                  "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
-                 "inputs", "flops_key", "shape", "clock", "started_at", "scale_before", "stepped", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
+                 "inputs", "batch_skip", "flops_key", "shape", "clock", "started_at", "scale_before", "stepped", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
                  "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
                  "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
 
@@ -78,6 +78,7 @@ class StepScope:
         self.suppress = False  # an exception the guard absorbs (out of memory under "skip")
         self.duration_s = 0.0  # the step's wall time, once it has ended
         self.inputs = inputs  # (args, kwargs) of the step: its batch and input shapes
+        self.batch_skip = 0  # leading positional inputs that are not the batch (a method's instance)
         self.flops_key: Any = None  # the FLOP table's key: the operation and its inputs' shapes
         self.shape: Any = None  # (FLOPs, batch size) known for that key, or None
         self.clock: StepClock | None = None  # phase boundaries (forward, backward, optimizer)

@@ -231,11 +231,12 @@ class RunThroughput:
         never will be) and the batch size is not a device count (a mask's)."""
         key = scope.flops_key
         if key is None:
-            return None, batch_of(scope.inputs, None)
+            return None, batch_of(scope.inputs, None, scope.batch_skip)
         flops = self.flops.lookup(key)
         batch = self._batches.get(key)
         if batch is None:
-            batch = infer_batch(*scope.inputs)
+            args, kwargs = scope.inputs
+            batch = infer_batch(args[scope.batch_skip:] if scope.batch_skip else args, kwargs)
             if not batch.pending and len(self._batches) < MAX_SHAPES:
                 self._batches[key] = batch
         if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES:
@@ -365,9 +366,10 @@ def drop_counter(counter: Any) -> None:
     counter.__exit__(RuntimeError, abandoned, None)
 
 
-def batch_of(inputs: tuple | None, given: tuple | None) -> BatchSize | None:
-    """The step's batch: inferred from its inputs, with what ``record_batch`` gave in place."""
-    batch = infer_batch(inputs[0], inputs[1]) if inputs is not None else None
+def batch_of(inputs: tuple | None, given: tuple | None, skip: int = 0) -> BatchSize | None:
+    """The step's batch: inferred from its inputs (past the first ``skip`` positional ones, a
+    method's instance), with what ``record_batch`` gave in place."""
+    batch = infer_batch(inputs[0][skip:], inputs[1]) if inputs is not None else None
     if given is not None:
         batch = (batch or BatchSize()).with_overrides(samples=given[0], tokens=given[1])
     return batch
