@@ -117,6 +117,18 @@ def test_what_is_skipped_and_where_it_looks():
     assert infer_batch((Trainer(model, torch.ones(4)), torch.zeros(11, 3)), {}).samples == 11
 
 
+def test_a_numpy_batch_gives_its_rows_and_a_settings_shape_does_not():
+    import numpy as np
+
+    class Settings:  # not an array: its shape is not a batch's
+        shape = (3, 224, 224)
+
+    assert infer_batch((np.zeros((13, 4), dtype=np.float32), np.zeros(13)), {}).samples == 13
+    assert infer_batch(((np.zeros((5, 2)), np.zeros(5)),), {}).samples == 5  # (inputs, labels) of arrays
+    assert infer_batch((Settings(), np.zeros((6, 2))), {}).samples == 6
+    assert infer_batch((np.float64(2.0), np.int64(3)), {}) is NOTHING  # NumPy scalars are no batch
+
+
 def test_deep_or_wide_containers_are_not_searched_far():
     buried = [[[[torch.zeros(5, 1)]]]]  # past MAX_DEPTH
     assert infer_batch((buried,), {}) is NOTHING

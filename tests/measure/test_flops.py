@@ -180,6 +180,17 @@ def test_shape_key_reads_shapes_and_dtypes_not_values():
     assert len(shape_key(tuple(range(100)), {})) == flops_mod.KEY_MAX_ITEMS
 
 
+def test_shape_key_reads_numpy_arrays_shapes_and_dtypes():
+    import numpy as np
+
+    def key(*args):
+        return shape_key(args, {})
+    assert key(np.zeros((8, 3), np.float32)) == key(np.ones((8, 3), np.float32))
+    assert key(np.zeros((8, 3), np.float32)) != key(np.zeros((3, 3), np.float32))
+    assert key(np.zeros((8, 3), np.float32)) != key(np.zeros((8, 3), np.float64))
+    assert key((np.zeros((8, 3)), np.zeros(8))) != key((np.zeros((2, 3)), np.zeros(2)))
+
+
 @pytest.mark.parametrize("nest", [lambda items: items, lambda items: (items,), lambda items: {"images": items}])
 def test_shape_key_of_a_long_sequence_holds_its_length(nest):
     """Past KEY_MAX_ITEMS items the key holds the sequence's length: lists of 64 and of 40

@@ -348,6 +348,37 @@ def test_a_trainers_method_reads_its_batch_not_the_trainer(tmp_path):
         tt.shutdown()
 
 
+def test_a_numpy_batch_gives_samples_and_flops_per_shape(tmp_path):
+    """NumPy arrays handed to the step (converted inside it) were opaque: no samples, and one
+    FLOP count for every batch, so a last batch of 3 rows was charged the 8-row count. Their
+    shapes are now read. Reference: a plain count of the rows; FlopCounterMode on the step."""
+    import numpy as np
+
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def body(x, y):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+            opt.step()
+
+        train_step = tt.debug_operation(model=model, optimizer=opt)(body)
+        rows = (8, 8, 3, 8)
+        rng = np.random.default_rng(0)
+        for n in rows:
+            train_step(rng.standard_normal((n, 16), dtype=np.float32), rng.standard_normal((n, 4), dtype=np.float32))
+        steps = get_runtime().history.steps()
+        assert [s["samples"] for s in steps] == list(rows)
+        for n in (8, 3):
+            with FlopCounterMode(display=False) as ref:
+                body(np.zeros((n, 16), np.float32), np.zeros((n, 4), np.float32))
+            assert {s["flops"] for s in steps if s["samples"] == n} == {ref.get_total_flops()}, n
+    finally:
+        tt.shutdown()
+
+
 def test_data_wait_against_planted_sleeps(tmp_path):
     _configure(tmp_path)
     try:

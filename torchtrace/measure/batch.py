@@ -135,7 +135,32 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
             found = _infer(item, depth + 1)
             if found is not None:
                 return found
+    elif (shape := array_shape(value)) is not None:  # a NumPy array, a DataFrame: its first dimension
+        return BatchSize(samples=shape[0]) if shape else None
     return None
+
+
+_ARRAY_MODULES = frozenset({"numpy", "pandas", "cupy", "jax", "jaxlib"})
+
+
+def array_shape(value: Any) -> tuple[int, ...] | None:
+    """The shape of an array of another library (a NumPy array, a pandas frame: a ``shape``
+    tuple of integers on an object of those libraries); None for anything else, such as a
+    settings object with a ``shape`` of its own. Reading it never raises.
+
+    >>> import numpy as np
+    >>> array_shape(np.zeros((3, 2))), array_shape(np.float32(1.0)), array_shape("text")
+    ((3, 2), (), None)
+    """
+    if type(value).__module__.partition(".")[0] not in _ARRAY_MODULES:
+        return None
+    try:
+        shape = getattr(value, "shape", None)
+    except Exception:  # a property that raises
+        return None
+    if type(shape) is not tuple or not all(type(d) is int or isinstance(d, numbers.Integral) for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
 
 
 def is_dataclass_instance(value: Any) -> bool:
