@@ -21,7 +21,7 @@ from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss
 from torchtrace.step import checks, clipping, updaters
 from torchtrace.step.scope import StepScope
-from torchtrace.step.watched import watched
+from torchtrace.step.watched import instance_first, watched
 
 logger = logging.getLogger("torchtrace")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -281,7 +281,7 @@ class _Operation:
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` as an instrumented operation: one step per call (uninstrumented when off)."""
         op, level = self, self.level
-        method = _instance_first(fn)
+        method = instance_first(fn)
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def async_wrapper(*args, **kwargs):
@@ -308,17 +308,6 @@ class _Operation:
             return result
 
         return wrapper
-
-
-def _instance_first(fn: Callable[..., Any]) -> bool:
-    """True for a function defined as a method (its first parameter ``self`` or ``cls``): the
-    first argument of its calls is the instance, not the batch."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return bool(params) and params[0].name in ("self", "cls") and params[0].kind in (
-        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _take_returned_loss(scope: StepScope, result: Any) -> None:

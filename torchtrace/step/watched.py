@@ -31,7 +31,8 @@ True
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Callable
 
 import torch
 
@@ -69,6 +70,17 @@ def watched(model: Any, optimizer: Any, scaler: Any, args: tuple, kwargs: dict) 
         optimizer = found[1]
         scaler = scaler if scaler is not None else found[2]
     return model, optimizer, scaler
+
+
+def instance_first(fn: Callable[..., Any]) -> bool:
+    """True for a function defined as a method (its first parameter ``self`` or ``cls``): the
+    first argument of its calls is the instance, not the batch."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].name in ("self", "cls") and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def real_optimizer(optimizer: Any) -> Any:
@@ -134,4 +146,4 @@ def _find(obj: Any) -> tuple[str | None, str | None, str | None]:
     return model_name, optimizer_name, scaler_name
 
 
-__all__ = ["real_optimizer", "watched"]
+__all__ = ["instance_first", "real_optimizer", "watched"]
