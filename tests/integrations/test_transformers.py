@@ -335,6 +335,46 @@ def test_mfus_peak_is_taken_at_the_trainers_precision(tmp_path, monkeypatch, pre
         tt.shutdown()
 
 
+def test_a_vision_model_gets_no_token_estimate_of_its_flops(tmp_path):
+    """The Trainer's formula (6 x main input elements x parameters) takes every element of the
+    main input for a token: for a ViT's pixel_values that was 214 times FlopCounterMode's count
+    of the same step, and MFU with it. A floating-point main input gets no estimate; its
+    samples still count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    result = configure(tmp_path, peak_flops=1e9)
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(cfg)
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return {"pixel_values": torch.randn(3, 32, 32, generator=g), "labels": torch.tensor(i % 3)}
+
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
+    with FlopCounterMode(display=False) as counted:
+        model(pixel_values=x, labels=y).loss.backward()
+    model.zero_grad(set_to_none=True)
+    formula = 6 * x.numel() * model.num_parameters(exclude_embeddings=True)
+    assert formula > 100 * counted.get_total_flops()  # what the estimate would have said
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                                          report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                                          disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=Images(), callbacks=[TorchtraceCallback()]).train()
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 3
+    assert all(semconv.FLOPS not in s["attributes"] for s in spans)
+    assert [s["attributes"][semconv.SAMPLES] for s in spans] == [4, 4, 4]
+    samples = scrape(result.metrics_url)
+    assert not [k for k in samples if k != "exemplars" and k[0] == "torchtrace_mfu_ratio"]  # no series at all
+    assert value(samples, "torchtrace_samples_total", operation="train_step") == 12
+
+
 def test_evaluation_and_checkpoints_between_steps_are_their_own_badput(tmp_path, monkeypatch):
     """The Trainer evaluates every 2 steps and saves every 3: that time is evaluation and
     checkpoint badput, not data wait. Reference: the time spent inside ``Trainer.evaluate``

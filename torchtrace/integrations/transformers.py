@@ -56,7 +56,9 @@ class TorchtraceCallback(_tf.TrainerCallback):
       main input's elements times the parameters outside the embeddings, summed over the
       micro-batches: the step's batch is not known when it starts, so torchtrace's own
       FLOP count cannot run. MFU's peak is taken at the Trainer's precision (``bf16`` or
-      ``fp16`` mixed precision, else the weights' dtype).
+      ``fp16`` mixed precision, else the weights' dtype). A model whose main input is not
+      token ids (pixels, audio) gets no estimate: the formula would count every pixel as a
+      token.
 
     Args:
         name: the span's name (the ``operation`` label).
@@ -147,9 +149,15 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def _flops_of(self, model: Any, kwargs: Mapping[str, Any]) -> int | None:
         """The Trainer's estimate of a micro-batch's FLOPs (``Trainer.floating_point_ops``):
-        6 x the main input's elements x the parameters outside the embeddings (counted once)."""
+        6 x the main input's elements x the parameters outside the embeddings (counted once).
+
+        Only for token ids: the formula takes each element of the main input for a token, so
+        for pixels or audio samples (a floating-point main input) it is off by orders of
+        magnitude (a small ViT: 214 times FlopCounterMode's count), and such steps get none."""
         ids = kwargs.get(getattr(model, "main_input_name", "input_ids"))
         if not isinstance(ids, torch.Tensor) or not callable(getattr(model, "num_parameters", None)):
+            return None
+        if ids.is_floating_point() or ids.is_complex():
             return None
         if self._params is None:
             self._params = int(model.num_parameters(exclude_embeddings=True))
