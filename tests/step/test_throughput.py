@@ -348,6 +348,52 @@ def test_a_trainers_method_reads_its_batch_not_the_trainer(tmp_path):
         tt.shutdown()
 
 
+def test_a_trainer_that_grows_between_steps_is_not_in_the_flop_key(tmp_path):
+    """A dataclass trainer keeping its losses in a list: as the method's instance it was part of
+    the step's shape key, which changed every step, so every step until the 32-key limit ran
+    under the FLOP counter (slow), and every step after it had no FLOPs."""
+    _configure(tmp_path)
+    try:
+        net = _mlp()
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+        @dataclasses.dataclass
+        class Trainer:
+            losses: list = dataclasses.field(default_factory=list)
+
+            @tt.debug_operation(model=net, optimizer=opt)
+            def train_step(self, x):
+                opt.zero_grad()
+                loss = net(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                self.losses.append(loss.detach())
+
+        @dataclasses.dataclass
+        class Owner:  # holds the model: passed to a plain function, it is no batch either
+            model: torch.nn.Module
+            losses: list = dataclasses.field(default_factory=list)
+
+        @tt.debug_operation(name="plain_step", model=net, optimizer=opt)
+        def plain_step(owner, x):
+            opt.zero_grad()
+            loss = owner.model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            owner.losses.append(loss.detach())
+
+        trainer, owner = Trainer(), Owner(net)
+        for _ in range(40):
+            trainer.train_step(torch.randn(8, 16))
+            plain_step(owner, torch.randn(8, 16))
+        with FlopCounterMode(display=False) as ref:
+            net(torch.randn(8, 16)).pow(2).mean().backward()
+        assert get_runtime().throughput.flops.counts == 2  # one per operation
+        assert {s["flops"] for s in get_runtime().history.steps()} == {ref.get_total_flops()}
+    finally:
+        tt.shutdown()
+
+
 def test_a_numpy_batch_gives_samples_and_flops_per_shape(tmp_path):
     """NumPy arrays handed to the step (converted inside it) were opaque: no samples, and one
     FLOP count for every batch, so a last batch of 3 rows was charged the 8-row count. Their

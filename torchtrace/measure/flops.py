@@ -135,7 +135,10 @@ def _key(value: Any, depth: int) -> Hashable:
     if isinstance(value, (tuple, list)):
         return _items_key(kind, value, depth)
     if is_dataclass_instance(value):  # a batch object of fields: its tensors' shapes, like a tuple's
-        return (kind, tuple([_key(v, depth + 1) for v in dataclass_values(value, KEY_MAX_ITEMS)]))
+        items = dataclass_values(value, KEY_MAX_ITEMS)
+        if any(isinstance(v, (torch.nn.Module, torch.optim.Optimizer)) for v in items):
+            return kind  # it holds the model or optimizer: a trainer, whose other fields may change every step
+        return (kind, tuple([_key(v, depth + 1) for v in items]))
     shape = array_shape(value)
     if shape is not None:  # a NumPy array (or another array with a shape): its shape and dtype
         return (kind, shape, str(getattr(value, "dtype", "")))

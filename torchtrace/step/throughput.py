@@ -89,9 +89,13 @@ class RunThroughput:
 
     # ------------------------------------------------------------ step start and end
     @staticmethod
-    def key_of(name: str, inputs: tuple | None) -> Hashable | None:
-        """The FLOP table's key of a step: its operation and its inputs' shapes."""
-        return (name, shape_key(inputs[0], inputs[1])) if inputs is not None else None
+    def key_of(name: str, inputs: tuple | None, skip: int = 0) -> Hashable | None:
+        """The FLOP table's key of a step: its operation and its inputs' shapes, past the first
+        ``skip`` positional inputs (a method's instance: a trainer whose fields change every
+        step, a growing list of losses, would make every step's key new)."""
+        if inputs is None:
+            return None
+        return (name, shape_key(inputs[0][skip:] if skip else inputs[0], inputs[1]))
 
     def start(self, scope: Any, outermost: bool) -> tuple[Hashable | None, StepClock | None, Any]:
         """At a step's start: its FLOP key, phase clock and FLOP counter (None unless this step
@@ -103,7 +107,7 @@ class RunThroughput:
         """
         try:
             inputs = scope.inputs
-            scope.flops_key = key = self.key_of(scope.name, inputs)
+            scope.flops_key = key = self.key_of(scope.name, inputs, scope.batch_skip)
             scope.shape = shape = self._shapes.get(key) if key is not None else None
             if scope.scaler is None and inputs is not None and scope.name not in self._no_scaler:
                 self._find_scaler(scope, inputs)
