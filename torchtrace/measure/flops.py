@@ -293,17 +293,23 @@ class _Counter(FlopCounterMode):
         """FlopCounterMode's per-op count (torch 2.1 and later), and the op's FLOPs by the dtype
         it computed in: the precision the step's matrix products really ran at, autocast
         inside the step included, which the step's end can no longer see."""
-        counts = self.flop_counts.get("Global")
-        before = counts.get(func_packet, 0) if counts is not None else 0
+        before = self._global_count(func_packet)
         result = super()._count_flops(func_packet, out, args, kwargs)  # type: ignore[misc]
-        counts = self.flop_counts.get("Global")
-        added = (counts.get(func_packet, 0) if counts is not None else 0) - before
-        if added > 0:
+        after = self._global_count(func_packet)
+        if before is not None and after is not None and after > before:
             for arg in args:
                 if isinstance(arg, torch.Tensor):
-                    self.by_dtype[arg.dtype] = self.by_dtype.get(arg.dtype, 0) + added
+                    self.by_dtype[arg.dtype] = self.by_dtype.get(arg.dtype, 0) + after - before
                     break
         return result
+
+    def _global_count(self, func_packet: Any) -> int | None:
+        """The op's FLOPs counted so far; None when this torch keeps its counts otherwise (the
+        dtype is then not learnt, and the step's count goes on)."""
+        try:
+            return int(self.flop_counts.get("Global", {}).get(func_packet, 0))
+        except Exception:
+            return None
 
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype most of the counted FLOPs ran in; None when none was seen."""
