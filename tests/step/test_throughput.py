@@ -40,6 +40,18 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
+def _counted(fn, *args):
+    """FLOPs of ``fn(*args)`` as FlopCounterMode counts them: the reference the steps' are checked against."""
+    with FlopCounterMode(display=False) as ref:
+        fn(*args)
+    return ref.get_total_flops()
+
+
+def _near(got, reference):
+    """Every one of ``got`` (at least one) within 10 % of ``reference``."""
+    return bool(got) and all(abs(f / reference - 1) < 0.10 for f in got)
+
+
 def test_samples_and_tokens_against_a_plain_count(tmp_path):
     _configure(tmp_path)
     try:
@@ -255,10 +267,8 @@ def test_a_dataclass_batch_gives_samples_and_flops_per_shape(tmp_path):
         assert [s["samples"] for s in steps] == list(sizes)  # a plain count of the rows
         assert get_runtime().throughput.flops.counts == 2  # one count per shape
         for rows in (8, 3):
-            with FlopCounterMode(display=False) as ref:  # the same step, counted independently
-                body(_Batch(torch.randn(rows, 16), torch.randn(rows, 4)))
             got = [s["flops"] for s in steps if s["samples"] == rows]
-            assert got and all(abs(f / ref.get_total_flops() - 1) < 0.10 for f in got), (rows, got)
+            assert _near(got, _counted(body, _Batch(torch.randn(rows, 16), torch.randn(rows, 4)))), (rows, got)
     finally:
         tt.shutdown()
 
@@ -285,10 +295,8 @@ def test_a_long_list_batch_is_counted_by_its_length(tmp_path):
         steps = get_runtime().history.steps()
         assert get_runtime().throughput.flops.counts == 3  # one count per length
         for n in (64, 40, 33):
-            with FlopCounterMode(display=False) as ref:
-                body([torch.randn(16) for _ in range(n)])
             got = [s["flops"] for s, length in zip(steps, lengths) if length == n]
-            assert got and all(abs(f / ref.get_total_flops() - 1) < 0.10 for f in got), (n, got)
+            assert _near(got, _counted(body, [torch.randn(16) for _ in range(n)])), (n, got)
     finally:
         tt.shutdown()
 
@@ -340,10 +348,8 @@ def test_a_trainers_method_reads_its_batch_not_the_trainer(tmp_path):
         for name in ("train_step", "settings_step", "plain_step"):
             assert [s["samples"] for s in steps if s["operation"] == name] == list(rows), name
         for n in (8, 3):
-            with FlopCounterMode(display=False) as ref:
-                (net(torch.randn(n, 16)).pow(2) * torch.ones(4)).mean().backward()
             got = {s["flops"] for s in steps if s["operation"] == "train_step" and s["samples"] == n}
-            assert got == {ref.get_total_flops()}, (n, got)
+            assert got == {_counted(lambda x: (net(x).pow(2) * torch.ones(4)).mean().backward(), torch.randn(n, 16))}
     finally:
         tt.shutdown()
 
@@ -386,10 +392,9 @@ def test_a_trainer_that_grows_between_steps_is_not_in_the_flop_key(tmp_path):
         for _ in range(40):
             trainer.train_step(torch.randn(8, 16))
             plain_step(owner, torch.randn(8, 16))
-        with FlopCounterMode(display=False) as ref:
-            net(torch.randn(8, 16)).pow(2).mean().backward()
         assert get_runtime().throughput.flops.counts == 2  # one per operation
-        assert {s["flops"] for s in get_runtime().history.steps()} == {ref.get_total_flops()}
+        reference = _counted(lambda x: net(x).pow(2).mean().backward(), torch.randn(8, 16))
+        assert {s["flops"] for s in get_runtime().history.steps()} == {reference}
     finally:
         tt.shutdown()
 
@@ -418,9 +423,8 @@ def test_a_numpy_batch_gives_samples_and_flops_per_shape(tmp_path):
         steps = get_runtime().history.steps()
         assert [s["samples"] for s in steps] == list(rows)
         for n in (8, 3):
-            with FlopCounterMode(display=False) as ref:
-                body(np.zeros((n, 16), np.float32), np.zeros((n, 4), np.float32))
-            assert {s["flops"] for s in steps if s["samples"] == n} == {ref.get_total_flops()}, n
+            reference = _counted(body, np.zeros((n, 16), np.float32), np.zeros((n, 4), np.float32))
+            assert {s["flops"] for s in steps if s["samples"] == n} == {reference}, n
     finally:
         tt.shutdown()
 

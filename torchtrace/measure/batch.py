@@ -129,8 +129,8 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
                 return found
     elif is_dataclass_instance(value):
         items = dataclass_values(value, MAX_ITEMS)
-        if any(isinstance(item, (torch.nn.Module, torch.optim.Optimizer)) for item in items):
-            return None  # it holds the model or optimizer: a trainer, not a batch
+        if holds_model(items):
+            return None  # a trainer, not a batch
         for item in items:
             found = _infer(item, depth + 1)
             if found is not None:
@@ -161,6 +161,12 @@ def array_shape(value: Any) -> tuple[int, ...] | None:
     if type(shape) is not tuple or not all(type(d) is int or isinstance(d, numbers.Integral) for d in shape):
         return None
     return tuple(int(d) for d in shape)
+
+
+def holds_model(values: list[Any]) -> bool:
+    """True when an object's fields hold a model or an optimizer: a trainer, not a batch (its
+    other fields, a list of past losses say, may change every step)."""
+    return any(isinstance(v, (torch.nn.Module, torch.optim.Optimizer)) for v in values)
 
 
 def is_dataclass_instance(value: Any) -> bool:

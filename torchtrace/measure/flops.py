@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure import peaks
-from torchtrace.measure.batch import array_shape, dataclass_values, is_dataclass_instance
+from torchtrace.measure.batch import array_shape, dataclass_values, holds_model, is_dataclass_instance
 
 #: How many distinct shape keys one counter counts. Past it, a step with a new shape gets
 #: no FLOP count (its throughput still counts samples and tokens): a job whose every batch
@@ -136,8 +136,8 @@ def _key(value: Any, depth: int) -> Hashable:
         return _items_key(kind, value, depth)
     if is_dataclass_instance(value):  # a batch object of fields: its tensors' shapes, like a tuple's
         items = dataclass_values(value, KEY_MAX_ITEMS)
-        if any(isinstance(v, (torch.nn.Module, torch.optim.Optimizer)) for v in items):
-            return kind  # it holds the model or optimizer: a trainer, whose other fields may change every step
+        if holds_model(items):
+            return kind  # a trainer, not a batch
         return (kind, tuple([_key(v, depth + 1) for v in items]))
     shape = array_shape(value)
     if shape is not None:  # a NumPy array (or another array with a shape): its shape and dtype

@@ -76,13 +76,9 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
     ratio = section.get("goodput_ratio")
     if ratio is not None:
         badput = sorted(((v, k) for k, v in (section.get("badput_s") or {}).items() if v > 0), reverse=True)
-        lost = ", ".join(f"{k} {_seconds(v)}" for v, k in badput) or "none"
+        lost = ", ".join(f"{k} {seconds_text(v)}" for v, k in badput) or "none"
         rows.append(("goodput", f"{ratio:.0%} of wall time in applied updates; the rest: {lost}"))
     return rows
-
-
-def _seconds(value: float) -> str:
-    return seconds_text(value)
 
 
 def seconds_text(value: float) -> str:

@@ -29,6 +29,7 @@ from torchtrace.step.throughput import learning_rates
 
 _NO_GRADIENTS = frozenset({"evaluation", "checkpoint"})  # operation kinds that make no gradients
 
+
 class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 

@@ -239,8 +239,7 @@ class RunThroughput:
         flops = self.flops.lookup(key)
         batch = self._batches.get(key)
         if batch is None:
-            args, kwargs = scope.inputs
-            batch = infer_batch(args[scope.batch_skip:] if scope.batch_skip else args, kwargs)
+            batch = batch_of(scope.inputs, None, scope.batch_skip)
             if not batch.pending and len(self._batches) < MAX_SHAPES:
                 self._batches[key] = batch
         if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES:
@@ -373,7 +372,7 @@ def drop_counter(counter: Any) -> None:
 def batch_of(inputs: tuple | None, given: tuple | None, skip: int = 0) -> BatchSize | None:
     """The step's batch: inferred from its inputs (past the first ``skip`` positional ones, a
     method's instance), with what ``record_batch`` gave in place."""
-    batch = infer_batch(inputs[0][skip:], inputs[1]) if inputs is not None else None
+    batch = infer_batch(inputs[0][skip:] if skip else inputs[0], inputs[1]) if inputs is not None else None
     if given is not None:
         batch = (batch or BatchSize()).with_overrides(samples=given[0], tokens=given[1])
     return batch
