@@ -133,3 +133,38 @@ def test_a_non_finite_step_finished_late_is_still_flagged(in_flight):
     assert recent[1]["grad_nonfinite_params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     spans = {s["attributes"]["torchtrace.step"]: s for s in read_spans(rt.spans_path)}
     assert spans[1]["status"] == "ERROR" and spans[0]["status"] == "UNSET" and spans[2]["status"] == "UNSET"
+
+
+@pytest.mark.parametrize("guard", ["warn", "skip"])
+def test_max_consecutive_bad_steps_stops_a_run_whose_records_finish_late(monkeypatch, tmp_path, guard):
+    """``max_consecutive_bad_steps`` stops any run, whatever the guard. On a GPU the record that
+    reaches the limit is finished during a later step, after its own step ended: the error is
+    raised at the end of the step that finished it. Before, it was set on the late record's
+    own step, which had ended, and never raised: a diverged GPU run went on."""
+    tt.configure(service_name="deferred", prometheus_port="off", run_dir=str(tmp_path), strict=True,
+                 register_atexit=False, forensics=False, guard=guard, max_consecutive_bad_steps=2)
+    started: list[InFlight] = []
+    real_start = readout.start
+    monkeypatch.setattr(readout, "start", lambda values: started.append(InFlight(real_start(values))) or started[-1])
+    try:
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        raised = []
+        for i in range(6):
+            try:
+                with tt.debug_context("train_step", model=model, optimizer=opt) as scope:
+                    opt.zero_grad()
+                    loss = model(torch.randn(3, 4)).sum() * float("nan")
+                    loss.backward()
+                    scope.record_loss(loss)
+                    opt.step()
+            except tt.NonFiniteError as err:
+                raised.append((i, err.step))
+            for pending in started:  # each copy lands during the next step
+                pending.landed = pending is not started[-1]
+        # Step 1 (the second bad step in a row) lands during step 2 and is finished at step 3's end.
+        assert raised[0] == (3, 1)
+        if guard == "warn":  # (skip reads the gradients before the update: its documented wait)
+            assert all(p.early_results == 0 for p in started)
+    finally:
+        tt.shutdown()

@@ -12,6 +12,8 @@ import threading
 
 import torch
 
+from torchtrace.record import events
+
 _lock = threading.Lock()
 _reads = 0
 _cpu_peeks = 0
@@ -42,10 +44,12 @@ class Pending:
 
     def result(self) -> list[float]:
         """The values as Python floats, waiting for the copy if it has not landed yet."""
-        if self._event is not None:
-            if not self._event.query():  # a landed copy needs no (sync-debug-visible) wait
-                self._event.synchronize()
+        event = self._event
+        if event is not None:
+            if not event.query():  # a landed copy needs no (sync-debug-visible) wait
+                event.synchronize()
             self._event = None
+            events.LANDED.give_back(event)
         return self._host.tolist()
 
 
@@ -56,9 +60,7 @@ def start(values: torch.Tensor) -> Pending:
     if values.device.type == "cuda":
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return Pending(host, event)
+        return Pending(host, events.LANDED.recorded())
     if values.device.type != "cpu":
         return Pending(values.cpu(), None)
     return Pending(values, None)

@@ -16,16 +16,12 @@ from typing import Any, Callable
 import torch
 
 from torchtrace import current
+from torchtrace.record import events
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 # The frame that calls the seam: PyTorch's Module.__call__ (``_wrapped_call_impl``).
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
 
-
-def _recorded_event() -> Any:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 class StepClock:
@@ -42,7 +38,7 @@ class StepClock:
         self.graph = True  # the forward ran with autograd on (without it, no backward can follow)
         # mark(): a boundary now, a host time or a recorded CUDA event (the clock itself when
         # on the host: one C call per mark).
-        self.mark: Callable[[], Any] = _recorded_event if cuda else time.perf_counter
+        self.mark: Callable[[], Any] = events.TIMING.recorded if cuda else time.perf_counter
 
     def announce(self, point: str) -> None:
         """A boundary a framework hook announces (``forward_start``, ``forward_end``,
@@ -76,22 +72,31 @@ class StepClock:
         without one; a forward run without autograd (an evaluation under ``no_grad``) has no
         backward. A step whose forward was not seen (``model.forward`` called directly, another
         module called) has its optimizer phase only: where its backward began is not known."""
+        if self.cuda:
+            try:
+                return self._device_phases(step_end)
+            finally:  # read once: the events go back, to be recorded again by later steps
+                events.TIMING.give_back(self.forward_start, self.forward_end, self.optimizer_start,
+                                        self.optimizer_end, step_end)
+                self.forward_start = self.forward_end = self.optimizer_start = self.optimizer_end = None
+        # Host times: plain differences (the common case, kept short).
+        f0, f1, o0, o1 = self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end
+        if f0 is None or f1 is None:
+            return self._optimizer_only()
+        if o0 is not None and o1 is not None:
+            return {"forward": max(0.0, f1 - f0), "backward": max(0.0, o0 - f1), "optimizer": max(0.0, o1 - o0)}
+        if step_end is None or not self.graph:
+            return {"forward": max(0.0, f1 - f0)}
+        return {"forward": max(0.0, f1 - f0), "backward": max(0.0, step_end - f1)}
+
+    def _device_phases(self, step_end: Any) -> dict[str, float] | None:
         if self.forward_start is None or self.forward_end is None:
             return self._optimizer_only()
-        if step_end is not None and not self.graph:
-            step_end = None
-        if not self.cuda:  # host times: plain differences (the common case, kept short)
-            f0, f1, o0, o1 = self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end
-            if o0 is not None and o1 is not None:
-                return {"forward": max(0.0, f1 - f0), "backward": max(0.0, o0 - f1), "optimizer": max(0.0, o1 - o0)}
-            if step_end is None:
-                return {"forward": max(0.0, f1 - f0)}
-            return {"forward": max(0.0, f1 - f0), "backward": max(0.0, step_end - f1)}
         out = {"forward": self._between(self.forward_start, self.forward_end)}
         if self.optimizer_start is not None and self.optimizer_end is not None:
             out["backward"] = self._between(self.forward_end, self.optimizer_start)
             out["optimizer"] = self._between(self.optimizer_start, self.optimizer_end)
-        elif step_end is not None:
+        elif step_end is not None and self.graph:
             out["backward"] = self._between(self.forward_end, step_end)
         if any(v is None for v in out.values()):
             return None

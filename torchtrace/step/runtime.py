@@ -224,15 +224,19 @@ class Runtime:
                                {"level": self.level.value, "mode": self.mode.value})
 
     def at_step_boundary(self) -> None:
-        """Apply requested changes and finish records whose device values have arrived."""
+        """Apply requested changes (level, clear...) before a step begins.
+
+        Records whose device values have arrived are finished at the end of a later step
+        (:meth:`submit`), not here: at a step's start the device may be idle (the user's loop
+        read a value, which waits for the device), and finishing a record there would delay
+        the step's first kernel. At a step's end the step's own work is queued ahead of it.
+        """
         while self._changes:
             change = self._changes.popleft()
             try:
                 change()
             except Exception as exc:
                 self.errors.report("step", exc)
-        if self._deferred:
-            self.finish_deferred(block=False)
 
     # ------------------------------------------------------------ recording
     def submit(self, scope: Any, record: StepRecord, plan: Any, pending: Any, span: Any,
@@ -241,20 +245,32 @@ class Runtime:
         item = _Deferred(scope, record, plan, pending, span, exc)
         if pending is None or pending.ready():
             if self._deferred:
-                self.finish_deferred(block=False)
+                self.finish_deferred(block=False, into=scope)
             self._finish(item)
         else:
             if scope.gradients is not None and scope.gradients.stats is not None:
                 scope.gradients.stats.grads = []  # deferred: do not keep gradients alive past the step
             self._deferred.append(item)
+            if len(self._deferred) > 1:  # earlier steps whose copies landed, while the device works on this one
+                self.finish_deferred(block=False, into=scope)
         try:
             self.metrics.add_overhead(record.overhead_s)
         except Exception as oerr:
             self.errors.report("metrics", oerr)
 
-    def finish_deferred(self, block: bool) -> None:
+    def finish_deferred(self, block: bool, into: Any = None) -> None:
+        """Finish the records whose copies landed (all of them, waiting, with ``block``). An
+        error the guard decided on such a record (``max_consecutive_bad_steps`` reached) is
+        raised at the end of ``into``, the step now ending: the late record's own step is
+        long over."""
         while self._deferred and (block or self._deferred[0].pending.ready()):
-            self._finish(self._deferred.popleft())
+            item = self._deferred.popleft()
+            self._finish(item)
+            late = item.scope
+            if into is not None and late is not into and late.pending_error is not None:
+                if into.pending_error is None:
+                    into.pending_error = late.pending_error
+                late.pending_error = None
 
     def _finish(self, item: _Deferred) -> None:
         try:

@@ -244,8 +244,9 @@ class StepScope:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self._active:
             return False
-        if self.clock is not None:
-            self._step_end = self.clock.mark()
+        clock = self.clock
+        if clock is not None and clock.optimizer_end is None and clock.forward_end is not None and clock.graph:
+            self._step_end = clock.mark()  # where the backward ends when no optimizer mark ends it
         t0 = time.perf_counter()
         self.duration_s = duration = t0 - self._t0
         end_ns = time.time_ns()

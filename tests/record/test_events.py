@@ -1,0 +1,85 @@
+"""CUDA events reused from step to step (record/events.py), on CPU with a stand-in event class:
+the pool hands a finished event out again instead of making one, per device, and bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtrace.record import events, readout
+from torchtrace.step.phases import StepClock
+
+
+class FakeEvent:
+    """What the pool uses of torch.cuda.Event: record() on the current device, query(),
+    elapsed_time() in ms (here: a counter of records, 1 ms apart), device."""
+
+    now = [0.0]
+    current = [0]
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.timing = enable_timing
+        self.device = None
+        self.at = None
+
+    def record(self) -> None:
+        if self.device is not None and self.device.index != FakeEvent.current[0]:
+            raise RuntimeError("an event recorded on another device")  # what CUDA refuses
+        self.device = torch.device("cuda", FakeEvent.current[0])
+        FakeEvent.now[0] += 1.0
+        self.at = FakeEvent.now[0]
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return other.at - self.at
+
+
+@pytest.fixture()
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: FakeEvent.current[0])
+    FakeEvent.current[0] = 0
+    for pool in (events.TIMING, events.LANDED):
+        monkeypatch.setattr(pool, "_free", {})
+        monkeypatch.setattr(pool, "created", 0)
+
+
+def test_a_finished_event_is_recorded_again_instead_of_a_new_one(fake_cuda):
+    pool = events.EventPool(timing=True)
+    first = pool.recorded()
+    assert pool.created == 1 and first.timing
+    pool.give_back(first, None)
+    again = pool.recorded()
+    assert again is first and pool.created == 1 and again.at > 1.0
+    FakeEvent.current[0] = 1  # another device: its own events
+    other = pool.recorded()
+    assert other is not first and other.device.index == 1 and pool.created == 2
+    pool.give_back(*[pool.recorded() for _ in range(events.MAX_FREE + 10)])
+    assert len(pool._free[1]) == events.MAX_FREE
+
+
+def test_a_step_clock_gives_its_events_back_once_its_phases_are_read(fake_cuda):
+    def step() -> dict:
+        clock = StepClock(cuda=True)
+        clock.forward_start = clock.mark()
+        clock.end_forward()
+        FakeEvent.now[0] += 3.0  # the backward: 4 ms between the forward's end and the optimizer's start
+        clock.optimizer_start = clock.mark()
+        clock.optimizer_end = clock.mark()
+        return clock.phases(None)
+
+    assert step() == {"forward": pytest.approx(0.001), "backward": pytest.approx(0.004),
+                      "optimizer": pytest.approx(0.001)}
+    assert events.TIMING.created == 4
+    for _ in range(10):
+        assert step()["backward"] == pytest.approx(0.004)
+    assert events.TIMING.created == 4  # ten more steps, no new event
+
+
+def test_a_landed_copy_gives_its_event_back(fake_cuda):
+    event = events.LANDED.recorded()
+    pending = readout.Pending(torch.tensor([1.5, 2.0], dtype=torch.float64), event)
+    assert pending.ready() and pending.result() == [1.5, 2.0]
+    assert events.LANDED.recorded() is event and events.LANDED.created == 1

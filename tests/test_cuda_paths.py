@@ -1,0 +1,211 @@
+"""What only a CUDA GPU can show: throughput, MFU, mixed precision's skipped steps, memory and
+out-of-memory on the device, each against a reference computed another way (CUDA events,
+FlopCounterMode, the allocator's own counters, the scaler's own scale).
+
+Skipped without CUDA (CI has none); run on a GPU machine with
+``python -m pytest tests/test_cuda_paths.py -rs``. The timings the first test prints are in
+benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import torchtrace as tt
+from torchtrace import semconv
+from torchtrace.api import get_runtime
+from torchtrace.measure.peaks import find_accelerator
+from torchtrace.record import events, readout
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _configure(tmp_path, **kw):
+    return tt.configure(prometheus_port="off", run_dir=str(tmp_path / "runs"), register_atexit=False, strict=True,
+                        **kw)
+
+
+def _device_peak(precision: str) -> float | None:
+    row = find_accelerator(torch.cuda.get_device_name())
+    return row.flops.get(precision) if row is not None else None
+
+
+def _stack(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)]).cuda()
+
+
+def test_bf16_mfu_against_cuda_events_and_the_flop_counter(tmp_path):
+    """A GPU-sized bf16 step (the AMP recipe: autocast inside the step) under sync debug
+    "error": samples/s and FLOP/s against the device time CUDA events measure over the same
+    steps, FLOPs against FlopCounterMode, the peak against the device's bf16 row."""
+    _configure(tmp_path)
+    try:
+        width, depth, rows = 4096, 8, 2048
+        model = _stack(width, depth)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+        x = torch.randn(rows, width, device="cuda")
+
+        def body(batch):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(batch)
+            out.float().pow(2).mean().backward()
+            opt.step()
+
+        with FlopCounterMode(display=False) as counter:
+            body(x)
+        reference_flops = counter.get_total_flops()
+        step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(body)
+        for _ in range(40):  # the counted step, then enough steps for the launch queue to fill
+            step(x)
+        measured = 60
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reads = readout.reads()
+        created = events.TIMING.created, events.LANDED.created
+        start.record()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(measured):
+                step(x)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        end.record()
+        end.synchronize()
+        device_s = start.elapsed_time(end) / 1e3 / measured
+        tt.flush()
+        rt = get_runtime()
+        assert readout.reads() - reads == measured
+        # The phase marks and the landed marks reuse finished steps' events: before, every
+        # step made five timing events and one more (about 45 us each on a virtualised H100).
+        made = events.TIMING.created - created[0], events.LANDED.created - created[1]
+        print(f"\nevents made during the {measured} measured steps (timing, landed): {made}")
+        assert made[0] < measured and made[1] < measured
+        last = rt.history.steps()[-1]
+        assert last["flops"] == pytest.approx(reference_flops, rel=0.02)
+        tp = rt.throughput.ledger.throughput("train_step")
+        print(f"\n{torch.cuda.get_device_name()}: device {device_s * 1e3:.3f} ms/step; torchtrace "
+              f"{tp.seconds / tp.steps * 1e3:.3f} ms/step over its last {tp.steps}; "
+              f"{tp.flops_per_s / 1e12:.1f} TFLOP/s (reference {reference_flops / device_s / 1e12:.1f}); "
+              f"MFU {tp.mfu}; peak {rt.throughput.ledger.peak_flops}")
+        assert tp.samples_per_s == pytest.approx(rows / device_s, rel=0.15)
+        assert tp.flops_per_s == pytest.approx(reference_flops / device_s, rel=0.15)
+        peak = _device_peak("bf16")
+        if peak is None:
+            pytest.skip(f"no peak row for {torch.cuda.get_device_name()}")
+        assert rt.throughput.ledger.peak_flops == peak
+        assert tp.mfu == pytest.approx(tp.flops_per_s / peak, rel=1e-9)
+        assert 0.05 < tp.mfu < 1.0
+    finally:
+        tt.shutdown()
+
+
+def test_fp16_gradscaler_overflow_steps_are_skipped_steps_on_the_gpu(tmp_path):
+    """float16 with a GradScaler that starts too high: the scaler skips the first updates. The
+    scaler's sign rides in the step's one host read (no sync), the steps it skipped are
+    skipped_step badput, the peak is the fp16 row (the step's batch is handed over: FLOPs are
+    counted, so there is a peak). Reference: the scaler's own scale, read after
+    each step, which drops exactly on the steps it skipped."""
+    _configure(tmp_path)
+    try:
+        model = _stack(512, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 40, growth_interval=1000)
+        x = torch.randn(256, 512, device="cuda")
+        records, overflowed = [], []
+        reads = readout.reads()
+        for _ in range(30):
+            scale = scaler.get_scale()
+            with tt.debug_context("train_step", model=model, optimizer=opt, scaler=scaler, inputs=x) as s:
+                opt.zero_grad()
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x).float().pow(2).mean() * 1e3
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            records.append(s)
+            overflowed.append(scaler.get_scale() < scale)
+        tt.flush()
+        assert readout.reads() - reads == 30
+        assert 0 < sum(overflowed) < 30
+        got = [s.record.scaler_overflow for s in records]
+        assert got == overflowed
+        section = get_runtime().summary()["throughput"]
+        skipped = sum(s.record.duration_s for s, o in zip(records, overflowed) if o)
+        assert section["badput_s"]["skipped_step"] == pytest.approx(skipped, abs=1e-3)
+        assert records[-1].record.flops == pytest.approx(6 * 256 * 512 * 512 * 4 - 2 * 256 * 512 * 512, rel=0.02)
+        peak = _device_peak("fp16")
+        if peak is not None:
+            assert get_runtime().throughput.ledger.peak_flops == peak
+    finally:
+        tt.shutdown()
+
+
+def test_step_memory_is_the_allocators_own_counters(tmp_path):
+    """The step record's CUDA memory: the allocator's counters at the step's end (read on the
+    host, no sync); a tensor the step keeps shows in allocated, its temporary in the peak."""
+    _configure(tmp_path)
+    try:
+        kept = []
+        mib = 2 ** 20
+        for _ in range(3):
+            with tt.debug_context("train_step") as s:
+                kept.append(torch.empty(64 * mib, dtype=torch.uint8, device="cuda"))
+                tmp = torch.empty(256 * mib, dtype=torch.uint8, device="cuda")
+                del tmp
+            allocated, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        tt.flush()
+        mem = s.record.memory
+        assert mem["device"] == f"cuda:{torch.cuda.current_device()}"
+        assert abs(mem["cuda_allocated_bytes"] - allocated) < mib
+        assert mem["cuda_peak_allocated_bytes"] == peak
+        assert mem["cuda_peak_allocated_bytes"] >= mem["cuda_allocated_bytes"] + 256 * mib - mib
+        assert mem["cuda_reserved_bytes"] >= mem["cuda_allocated_bytes"]
+    finally:
+        tt.shutdown()
+
+
+@pytest.mark.parametrize("guard", ["raise", "skip"])
+def test_a_real_cuda_oom_is_recorded_with_a_snapshot(tmp_path, guard):
+    """A real out-of-memory on the device inside a step: recorded with the allocator's
+    statistics and, while the user records memory history, a snapshot that loads; re-raised,
+    or with guard="skip" the batch dropped and the next step trains."""
+    _configure(tmp_path, guard=guard)
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    try:
+        model = _stack(256, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 256, device="cuda")
+        too_big = torch.cuda.get_device_properties(0).total_memory * 2
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(batch, extra):
+            opt.zero_grad()
+            model(batch).sum().backward()
+            torch.empty(extra, dtype=torch.uint8, device="cuda")
+            opt.step()
+
+        if guard == "raise":
+            with pytest.raises(torch.OutOfMemoryError):
+                train_step(x, too_big)
+        else:
+            train_step(x, too_big)
+        tt.flush()
+        rec = get_runtime().history.last_record
+        assert semconv.OOM in rec.anomaly_kinds and rec.exception_type == "OutOfMemoryError"
+        assert rec.oom["cuda"]["num_ooms"] >= 1 and rec.oom["action"] == ("skipped" if guard == "skip" else "raised")
+        with open(rec.oom["snapshot"], "rb") as f:
+            assert "segments" in pickle.load(f)
+        if guard == "skip":
+            assert all(p.grad is None for p in model.parameters())
+            train_step(x, 16)
+            tt.flush()
+            assert get_runtime().history.last_record.grad_norm is not None
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        tt.shutdown()
