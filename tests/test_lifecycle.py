@@ -171,3 +171,23 @@ def test_dataloader_fork_workers_neither_hang_nor_duplicate_spans(tmp_path, tiny
     assert names.count("train_step") == 8
     assert "in_worker" not in names
     assert len({d["span_id"] for d in lines}) == len(lines)
+
+
+def test_shutdown_after_a_disabled_configure_lets_the_next_use_start_afresh(tmp_path, monkeypatch):
+    """configure(disabled=True) then shutdown(): torchtrace is unconfigured again, and its first
+    use configures it from the environment (as in a fresh process). Before, the disabled flag
+    outlived shutdown and every later use in the process recorded nothing (the seed trainer's
+    steps had no runtime)."""
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_")):
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHTRACE_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHTRACE_PROMETHEUS_PORT", "off")
+    tt.configure(disabled=True)
+    assert tt.api.get_runtime() is None
+    tt.shutdown()
+    assert tt.api.get_runtime() is not None
+    tt.shutdown()
+    monkeypatch.setenv("TORCHTRACE_DISABLED", "1")  # the environment still decides
+    assert tt.api.get_runtime() is None
+    tt.shutdown()

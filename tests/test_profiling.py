@@ -88,6 +88,26 @@ def test_trace_size_cap(tmp_path):
     assert min(durs) > max(set(range(500)) - set(durs))  # the longest events are the ones kept
 
 
+def test_trace_size_cap_holds_when_a_gpus_header_alone_is_larger(tmp_path):
+    """On an H100 the trace of a two-step window on a tiny model kept 7,649 bytes under a
+    6,000-byte cap with every event dropped: the device properties and the metadata events
+    (one per GPU stream) were kept whole. The cap holds: they go first, the steps stay."""
+    path = tmp_path / "trace.json"
+    device = {"id": 0, "name": "NVIDIA H100 80GB HBM3", "totalGlobalMem": 85017493504, "pad": "p" * 5000}
+    meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": t, "args": {"name": f"stream {t} " + "s" * 60}}
+            for t in range(60)]
+    steps = [{"ph": "X", "name": f"ProfilerStep#{i}", "dur": 5, "ts": i * 10, "pid": 1, "tid": 1} for i in (0, 1)]
+    ops = [{"ph": "X", "name": f"op{i}", "dur": i, "ts": i, "pid": 1, "tid": 1} for i in range(300)]
+    path.write_text(json.dumps({"schemaVersion": 1, "deviceProperties": [device], "traceEvents": meta + steps + ops}))
+    cap_trace(path, 4096)
+    doc = json.loads(path.read_text())
+    assert path.stat().st_size <= 4096
+    assert [e["name"] for e in doc["traceEvents"] if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#0",
+                                                                                              "ProfilerStep#1"]
+    assert doc["schemaVersion"] == 1 and "deviceProperties" not in doc
+    assert doc["torchtrace_dropped_events"] == len(meta) + len(steps) + len(ops) - len(doc["traceEvents"])
+
+
 def test_capped_window_on_disk(tt_runtime, tiny_model, tmp_path):
     with tt.profiling(tmp_path / "c" / "x.json", ProfileSchedule(steps=[0], active=2, max_trace_bytes=6000)) as res:
         _train(tiny_model, 3)

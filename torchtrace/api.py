@@ -133,6 +133,7 @@ def shutdown(timeout_s: float | None = None) -> None:
     with current.lock:
         rt = current.runtime(create=False)
         current.set_runtime(None)
+        current.set_disabled(False)  # configure(disabled=True) ends here too: the next use starts afresh
     if rt is not None:
         if timeout_s is not None:
             rt.settings = rt.settings.replace(shutdown_timeout_s=timeout_s)

@@ -63,7 +63,8 @@ def test_operation_names_through_steps_are_capped(tt_runtime):
 
 def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
     """docs/reliability.md: a BASIC CPU job with one operation exports 55 label sets per rank, and each
-    further operation 27."""
+    further operation 27; 3 more where CUDA is in use (in a process that used a GPU before, as on
+    a GPU machine running the whole suite, the memory gauge has the device's series too)."""
     rt = get_runtime()
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     for _ in range(3):
@@ -75,12 +76,13 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
             opt.zero_grad()
     rt.finish_deferred(block=True)
     seen = _series_per_family(rt.metrics.registry)
+    cuda = 3 if torch.cuda.is_initialized() else 0  # allocated, reserved, peak_allocated (docs: a CUDA device adds 3)
     # steps, duration, loss, grad_norm, grad_nonfinite, last_step, memory{cpu,rss}, spans_dropped x3 reasons,
     # overhead, build_info, rank skew; and the counters created at zero for alert rules: anomalies for
     # every kind, skipped steps for the operation, internal errors for every component.
     expected = {"torchtrace_steps": 1, "torchtrace_step_duration_seconds": 1, "torchtrace_loss": 1,
                 "torchtrace_grad_norm": 1, "torchtrace_grad_nonfinite_tensors": 1,
-                "torchtrace_last_step_timestamp_seconds": 1, "torchtrace_memory_bytes": 1,
+                "torchtrace_last_step_timestamp_seconds": 1, "torchtrace_memory_bytes": 1 + cuda,
                 "torchtrace_spans_dropped": 3, "torchtrace_overhead_seconds": 1, "torchtrace_build_info": 1,
                 "torchtrace_rank_step_skew": 1, "torchtrace_anomalies": len(semconv.ANOMALY_KINDS_ALL),
                 "torchtrace_skipped_steps": 1, "torchtrace_internal_errors": len(semconv.COMPONENTS),
@@ -88,7 +90,7 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
                 "torchtrace_learning_rate": 1, "torchtrace_data_wait_seconds": 1,
                 "torchtrace_step_phase_seconds": len(semconv.PHASES)}
     assert {k: v for k, v in seen.items() if v} == expected
-    assert sum(expected.values()) == 55
+    assert sum(expected.values()) == 55 + cuda
     # docs/reliability.md: each extra operation adds 27 (6 gauges and histograms, every anomaly
     # kind, skipped, learning rate, data wait, 3 phases).
     with tt.debug_context("finetune_step", model=tiny_model, optimizer=opt) as step:
@@ -97,5 +99,5 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
         step.record_loss(loss)
         opt.step()
     rt.finish_deferred(block=True)
-    added = sum(_series_per_family(rt.metrics.registry).values()) - 55
+    added = sum(_series_per_family(rt.metrics.registry).values()) - 55 - cuda
     assert added == 6 + len(semconv.ANOMALY_KINDS_ALL) + 1 + 1 + 1 + len(semconv.PHASES) == 27

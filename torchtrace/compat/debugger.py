@@ -128,6 +128,7 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         self._growth = GrowthTracker(window=8, threshold=DEFAULT_THRESHOLD, warmup=8)
         self._leak_seq = 0
         self._leaking = False
+        self._clean_calls = 0  # profile_memory calls without a leak since one was seen
         self._reset_counts()
 
     # ------------------------------------------------------------ settings and events

@@ -149,6 +149,8 @@ def cap_trace(path: Path, max_bytes: int) -> int:
                   key=lambda e: e.get("dur", 0) or 0, reverse=True)
     base = dict(doc)
     base["traceEvents"] = keep
+    _fit_header(base, max_bytes - 64)
+    keep = base["traceEvents"]
     budget = max_bytes - len(json.dumps(base)) - 64
     for e in rest:
         n = len(json.dumps(e)) + 2
@@ -161,6 +163,20 @@ def cap_trace(path: Path, max_bytes: int) -> int:
     base["torchtrace_dropped_events"] = dropped
     files.write_bytes_atomic(path, json.dumps(base).encode("utf-8"))
     return dropped
+
+
+def _fit_header(doc: dict[str, Any], max_bytes: int) -> None:
+    """Make the part of a trace that is always kept fit ``max_bytes``: on a GPU the device
+    properties and the names of its streams alone can pass a small cap. Dropped in this order
+    until it fits: the metadata events (process and thread names), then the document's other
+    keys (``deviceProperties`` and the like); the ProfilerStep events and the schema stay."""
+    if len(json.dumps(doc)) <= max_bytes:
+        return
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ph") != "M"]
+    for key in [k for k in doc if k not in ("traceEvents", "schemaVersion")]:
+        if len(json.dumps(doc)) <= max_bytes:
+            return
+        del doc[key]
 
 
 def write_trace(prof: Any, path: Path, max_bytes: int, private: bool = True) -> int:
