@@ -43,7 +43,9 @@ def _stack(width: int, depth: int) -> nn.Module:
 def test_bf16_mfu_against_cuda_events_and_the_flop_counter(tmp_path):
     """A GPU-sized bf16 step (the AMP recipe: autocast inside the step) under sync debug
     "error": samples/s and FLOP/s against the device time CUDA events measure over the same
-    steps, FLOPs against FlopCounterMode, the peak against the device's bf16 row."""
+    steps, FLOPs against FlopCounterMode, the peak against the device's bf16 row. (Run on an
+    H100 with host-time rates, 2026-11-27: 5-10 % off, so the rates became device time; the
+    5 % bound below has not yet run on a GPU.)"""
     _configure(tmp_path)
     try:
         width, depth, rows = 4096, 8, 2048
@@ -93,8 +95,10 @@ def test_bf16_mfu_against_cuda_events_and_the_flop_counter(tmp_path):
               f"{tp.seconds / tp.steps * 1e3:.3f} ms/step over its last {tp.steps}; "
               f"{tp.flops_per_s / 1e12:.1f} TFLOP/s (reference {reference_flops / device_s / 1e12:.1f}); "
               f"MFU {tp.mfu}; peak {rt.throughput.ledger.peak_flops}")
-        assert tp.samples_per_s == pytest.approx(rows / device_s, rel=0.15)
-        assert tp.flops_per_s == pytest.approx(reference_flops / device_s, rel=0.15)
+        # The rates are in device time (the steps' CUDA marks): the same steps' rate as CUDA
+        # events measure it around them. (With host cycles they were 5-10 % off here.)
+        assert tp.samples_per_s == pytest.approx(rows / device_s, rel=0.05)
+        assert tp.flops_per_s == pytest.approx(reference_flops / device_s, rel=0.05)
         peak = _device_peak("bf16")
         if peak is None:
             pytest.skip(f"no peak row for {torch.cuda.get_device_name()}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchtrace.record import events, readout
-from torchtrace.step.phases import StepClock
+from torchtrace.step.phases import DeviceCycles, StepClock
 
 
 class FakeEvent:
@@ -60,22 +60,36 @@ def test_a_finished_event_is_recorded_again_instead_of_a_new_one(fake_cuda):
     assert len(pool._free[1]) == events.MAX_FREE
 
 
-def test_a_step_clock_gives_its_events_back_once_its_phases_are_read(fake_cuda):
-    def step() -> dict:
+def test_a_step_clock_gives_its_events_back_once_its_phases_and_cycle_are_read(fake_cuda):
+    """Four marks a step: three go back once its phases are read, the last (the optimizer's
+    end) when the next step's cycle has been measured from it. The cycle is the device time
+    from one step's last mark to the next one's."""
+    cycles = DeviceCycles()
+
+    def step(operation: str = "train_step") -> tuple[dict, float | None]:
         clock = StepClock(cuda=True)
         clock.forward_start = clock.mark()
         clock.end_forward()
         FakeEvent.now[0] += 3.0  # the backward: 4 ms between the forward's end and the optimizer's start
         clock.optimizer_start = clock.mark()
         clock.optimizer_end = clock.mark()
-        return clock.phases(None)
+        return clock.phases(None), cycles.cycle(operation, clock)
 
-    assert step() == {"forward": pytest.approx(0.001), "backward": pytest.approx(0.004),
+    phases, cycle = step()
+    assert phases == {"forward": pytest.approx(0.001), "backward": pytest.approx(0.004),
                       "optimizer": pytest.approx(0.001)}
-    assert events.TIMING.created == 4
+    assert cycle is None and events.TIMING.created == 4  # an operation's first step has no cycle
     for _ in range(10):
-        assert step()["backward"] == pytest.approx(0.004)
-    assert events.TIMING.created == 4  # ten more steps, no new event
+        phases, cycle = step()
+        assert phases["backward"] == pytest.approx(0.004) and cycle == pytest.approx(0.007)
+    assert events.TIMING.created == 5  # ten more steps: one event more, held from step to step
+    assert step("evaluate")[1] is None  # after a step of another operation: no cycle
+    assert step("evaluate")[1] == pytest.approx(0.007)
+    assert events.TIMING.created == 5
+    host = StepClock(cuda=False)
+    host.forward_start, host.forward_end = 1.0, 2.0
+    host.phases(None)
+    assert cycles.cycle("evaluate", host) is None  # on the host: no device cycle
 
 
 def test_a_landed_copy_gives_its_event_back(fake_cuda):

@@ -221,6 +221,35 @@ def test_state_round_trip_restores_totals_and_baselines():
     assert b.badput["forensics"] == approx(a.badput["forensics"]) == approx(0.06)
 
 
+def test_a_state_saved_before_window_entries_kept_the_host_cycle_loads():
+    """Checkpoints written before a window entry held its host cycle (a sixth field, for GPU
+    steps whose rates use device time) load with the cycle as the host's."""
+    one = GoodputLedger(configured_at=0.0, rules=RuleSettings(window=5))
+    t = 1.0
+    for _ in range(8):
+        one.add_step(FinishedStep(t, t + 0.1, samples=8))
+        t += 0.15
+    state = json.loads(json.dumps(one.state_dict()))
+    windows = [w for w in _dicts_with(state, "entries")]
+    assert windows and all(len(e) == 6 for w in windows for e in w["entries"])
+    for w in windows:
+        w["entries"] = [e[:5] for e in w["entries"]]
+    two = GoodputLedger(configured_at=t, rules=RuleSettings(window=5))
+    two.load_state_dict(state)
+    assert two.throughput("train_step") == one.throughput("train_step")
+
+
+def _dicts_with(obj, key):
+    if isinstance(obj, dict):
+        if key in obj:
+            yield obj
+        for v in obj.values():
+            yield from _dicts_with(v, key)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _dicts_with(v, key)
+
+
 def test_loading_into_a_ledger_that_already_counted_keeps_every_second():
     saved = GoodputLedger(configured_at=0.0)
     saved.add_step(FinishedStep(2.0, 5.0))

@@ -504,6 +504,61 @@ def test_mfu_against_flops_and_time_with_a_configured_peak(tmp_path):
         tt.shutdown()
 
 
+def test_on_a_gpu_the_rates_are_in_device_time(tmp_path, monkeypatch):
+    """On a GPU the host runs ahead of the device until CUDA's launch queue fills: host cycles
+    put an H100's rates 5-10 % off its CUDA events' (44 % with other processes on the GPU).
+    The rates' time base is the device's cycle, from one step's last CUDA mark to the next's.
+    Here the marks are events reading a planted device clock (10 ms of device time a step, a
+    fraction of that on the host): samples/s and FLOP/s follow the device, the data wait
+    share stays the host's."""
+    device_ms = [0.0]
+
+    class DeviceEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.device, self.at = torch.device("cuda", 0), None
+
+        def record(self) -> None:
+            self.at = device_ms[0]
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, other: "DeviceEvent") -> float:
+            return other.at - self.at
+
+    from torchtrace.step.phases import ModelMarks
+
+    monkeypatch.setattr(torch.cuda, "Event", DeviceEvent)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ModelMarks, "cuda", property(lambda self: True))
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            device_ms[0] += 10.0  # what the device took for this step
+
+        for _ in range(30):
+            time.sleep(0.002)  # the loader, on the host
+            train_step(torch.randn(8, 16))
+        rt = get_runtime()
+        tp = rt.throughput.ledger.throughput("train_step")
+        flops = rt.history.steps()[-1]["flops"]
+        assert tp.samples_per_s == pytest.approx(8 / 0.010, rel=1e-9)
+        assert tp.flops_per_s == pytest.approx(flops / 0.010, rel=1e-9)
+        last = rt.history.steps()[-tp.steps:]
+        waits = sum(r["data_wait_s"] for r in last)
+        assert tp.data_wait_share == pytest.approx(waits / (waits + sum(r["duration_s"] for r in last)), rel=1e-6)
+        assert 0.1 < tp.data_wait_share < 1
+    finally:
+        tt.shutdown()
+
+
 @pytest.mark.parametrize("amp", ["inside", "outside", "none"])
 def test_the_peak_is_taken_at_the_precision_the_step_computed_in(tmp_path, monkeypatch, amp):
     """The PyTorch AMP recipe opens autocast inside the training step, so by the step's end it is

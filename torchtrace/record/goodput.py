@@ -157,9 +157,11 @@ class GoodputLedger:
         return StepAccount(wait, found + tuple(rest))
 
     def post(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
-             tokens: int | None, flops: int | None, kind: str, operation: str) -> tuple[float | None, tuple]:
+             tokens: int | None, flops: int | None, kind: str, operation: str,
+             device_cycle: float | None = None) -> tuple[float | None, tuple]:
         """The step pipeline's call (from one step thread): ``(the step's data wait, what the
-        rules found on it)``.
+        rules found on it)``. ``device_cycle``: on a GPU, the step's cycle in device time, the
+        time base of its rates (``OperationWindow.add``).
 
         The booking itself waits: posted steps are booked together when a step comes that the
         rules could report on (one that waited at least ``stall_min_wait_s``, or one that may
@@ -183,7 +185,8 @@ class GoodputLedger:
             wait = start - last if start > last else 0.0
             if end > last:
                 self._posted_end = end
-        self._pending.append((start, end, applied, excluded, samples, tokens, flops, kind, operation, wait))
+        self._pending.append((start, end, applied, excluded, samples, tokens, flops, kind, operation, wait,
+                              device_cycle))
         due = self._due.get(operation, 0) - 1
         if due > 0 and (wait is None or wait < self.rules.stall_min_wait_s):
             self._due[operation] = due
@@ -319,7 +322,8 @@ class GoodputLedger:
             self._book(*entry)
 
     def _book(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
-              tokens: int | None, flops: int | None, kind: str, operation: str, wait: float | None) -> None:
+              tokens: int | None, flops: int | None, kind: str, operation: str, wait: float | None,
+              device_cycle: float | None) -> None:
         same_operation = self._last_operation == operation
         cursor = self._cursor
         gap = "data_wait" if self._started else "startup"
@@ -344,7 +348,8 @@ class GoodputLedger:
         if window is None or excluded:
             return
         findings = window.add(end - start, wait if (same_operation and wait is not None) else 0.0,
-                              samples, tokens, flops, rules=kind == TRAIN)
+                              samples, tokens, flops, rules=kind == TRAIN,
+                              device_cycle=device_cycle if same_operation else None)
         if findings:
             self._found.extend(findings)
 

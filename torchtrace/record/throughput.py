@@ -120,8 +120,9 @@ class Throughput:
     data_wait_share: float
 
 
-# One window entry: (cycle_s, wait_s, samples, tokens, flops).
-Entry = tuple[float, float, int | None, int | None, int | None]
+# One window entry: (cycle_s, wait_s, samples, tokens, flops, host_cycle_s). The first is the
+# rates' time base: the device's cycle where one was measured (a GPU), else the host's.
+Entry = tuple[float, float, int | None, int | None, int | None, float]
 
 
 class OperationWindow:
@@ -145,18 +146,23 @@ class OperationWindow:
         self.waited: collections.deque[bool] = collections.deque(maxlen=settings.stall_window)
 
     def add(self, duration: float, wait: float, samples: int | None, tokens: int | None,
-            flops: int | None, rules: bool = True) -> list[Finding]:
-        """Add one step; with ``rules``, evaluate the rules on it. Returns what they found."""
+            flops: int | None, rules: bool = True, device_cycle: float | None = None) -> list[Finding]:
+        """Add one step; with ``rules``, evaluate the rules on it. Returns what they found.
+
+        ``device_cycle`` (a GPU step's cycle in device time) is the time base of the rates and
+        of the drop rule when given; the data wait and the stall rule stay on the host's clock.
+        """
         if duration < 0.0:
             duration = 0.0
         if wait < 0.0:
             wait = 0.0
         cycle = duration + wait
-        self.entries.append((cycle, wait, samples, tokens, flops))
+        rated = device_cycle if device_cycle is not None and device_cycle > 0.0 else cycle
+        self.entries.append((rated, wait, samples, tokens, flops, cycle))
         self.seen += 1
         if not rules:
             return []
-        drop, stall = self._drop(cycle, samples, tokens), self._stall(cycle, wait)
+        drop, stall = self._drop(rated, samples, tokens), self._stall(cycle, wait)
         if drop is None and stall is None:
             return []
         return [f for f in (drop, stall) if f is not None]
@@ -168,6 +174,7 @@ class OperationWindow:
             return None
         seconds = sum(e[0] for e in self.entries)
         waited = sum(e[1] for e in self.entries)
+        host = sum(e[5] for e in self.entries)
 
         def rate(index: int) -> float | None:
             known = [(e[0], e[index]) for e in self.entries if e[index] is not None]
@@ -177,7 +184,7 @@ class OperationWindow:
         flops_per_s = rate(4)
         mfu = flops_per_s / peak_flops if flops_per_s is not None and peak_flops else None
         return Throughput(len(self.entries), seconds, rate(2), rate(3), flops_per_s, mfu,
-                          waited / seconds if seconds > 0 else 0.0)
+                          waited / host if host > 0 else 0.0)
 
     # ------------------------------------------------------------ rules
     def _drop(self, cycle: float, samples: int | None, tokens: int | None) -> Finding | None:
@@ -218,7 +225,7 @@ class OperationWindow:
         if count < s.stall_min_steps:
             return None
         recent = list(self.entries)[-s.stall_window:]
-        share = sum(e[1] for e in recent) / max(sum(e[0] for e in recent), 1e-12)
+        share = sum(e[1] for e in recent) / max(sum(e[5] for e in recent), 1e-12)
         mean_wait = sum(e[1] for e in recent) / len(recent)
         self.waited.clear()  # report once, then watch a fresh window
         return Finding(semconv.DATA_STALL,
@@ -235,7 +242,9 @@ class OperationWindow:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s = self.settings
-        self.entries = collections.deque((tuple(e) for e in state["entries"]), maxlen=s.window)  # type: ignore[misc]
+        # (an entry saved before the host cycle was kept has five fields: its cycle was the host's)
+        self.entries = collections.deque(((*e[:5], e[5] if len(e) > 5 else e[0]) for e in state["entries"]),
+                                         maxlen=s.window)  # type: ignore[misc]
         self.seen = int(state["seen"])
         self.unit = state["unit"]
         self.rates = [float(r) for r in state["rates"]][: s.window]

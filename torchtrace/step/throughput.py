@@ -29,7 +29,7 @@ from torchtrace.measure.flops import StepFlops, countable, shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
-from torchtrace.step.phases import ModelMarks, OptimizerMarks, StepClock, none_ref
+from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
 
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
@@ -77,6 +77,7 @@ class RunThroughput:
         self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerMarks]" = weakref.WeakKeyDictionary()
         self._peaks: dict[str, float | None] = {}
         self._peak_known = False
+        self._cycles = DeviceCycles()  # on a GPU, the rates' time base
         self.framework_dtype: torch.dtype | None = None  # what a framework says its steps compute in
         # Batch size of each input-shape key (one per key unless a mask is counted), and FLOPs
         # and batch size of each key whose FLOPs are final (see _shape_of).
@@ -275,6 +276,7 @@ class RunThroughput:
         throughput rules' anomalies. (MFU, goodput and badput are read from the ledger when
         metrics are scraped.)"""
         record.phases = scope.phases()
+        device_cycle = self._cycles.cycle(record.operation, scope.clock)
         if record.flops is not None and not self._peak_known:
             self._peak_known = True
             if self.ledger.peak_flops is None:
@@ -285,7 +287,7 @@ class RunThroughput:
             start, start + record.duration_s,
             not (record.skipped or record.scaler_overflow) and record.exception_type is None,  # update applied
             record.flops_counted, record.samples, record.tokens, int(flops) if flops is not None else None,
-            record.kind, record.operation)
+            record.kind, record.operation, device_cycle)
         for finding in findings:
             record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, record.operation,
                                             dict(finding.data)))
