@@ -23,7 +23,6 @@ _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
 
 
-
 class StepClock:
     """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
 
