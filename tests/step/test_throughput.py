@@ -533,19 +533,11 @@ def test_on_a_gpu_the_rates_are_in_device_time(tmp_path, monkeypatch):
     monkeypatch.setattr(ModelMarks, "cuda", property(lambda self: True))
     _configure(tmp_path)
     try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(x):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-            device_ms[0] += 10.0  # what the device took for this step
-
+        _, train_step = _watched(_mlp())
         for _ in range(30):
             time.sleep(0.002)  # the loader, on the host
             train_step(torch.randn(8, 16))
+            device_ms[0] += 10.0  # what the device took for that step
         rt = get_runtime()
         tp = rt.throughput.ledger.throughput("train_step")
         flops = rt.history.steps()[-1]["flops"]
