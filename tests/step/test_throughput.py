@@ -526,9 +526,12 @@ def test_on_a_gpu_the_rates_are_in_device_time(tmp_path, monkeypatch):
         def elapsed_time(self, other: "DeviceEvent") -> float:
             return other.at - self.at
 
+    from torchtrace.record import events
     from torchtrace.step.phases import ModelMarks
 
     monkeypatch.setattr(torch.cuda, "Event", DeviceEvent)
+    for pool in (events.TIMING, events.LANDED):  # on a GPU machine they hold real events of earlier tests
+        monkeypatch.setattr(pool, "_free", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(ModelMarks, "cuda", property(lambda self: True))
     _configure(tmp_path)

@@ -137,13 +137,16 @@ def debug_backward_pass(loss: torch.Tensor, model: torch.nn.Module | None = None
         leaves = [(r.name, r.param) for r in grad_measure.named_params(model)]
     else:
         leaves = []
-        seen: set[int] = set()
+        # Nodes seen, kept alive: a node's Python object can be made anew at each access and
+        # freed after, and a freed one's id is reused (torch 2.11 on a GPU machine found no
+        # leaves here when the set held bare ids).
+        seen: dict[int, Any] = {}
         stack = [loss.grad_fn]
         while stack:
             fn = stack.pop()
             if fn is None or id(fn) in seen:
                 continue
-            seen.add(id(fn))
+            seen[id(fn)] = fn
             var = getattr(fn, "variable", None)
             if isinstance(var, torch.Tensor):
                 leaves.append((f"param_{len(leaves)}", var))
