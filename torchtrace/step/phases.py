@@ -81,12 +81,13 @@ class StepClock:
                 self.last = next((m for m in (self.optimizer_end, step_end, self.forward_end) if m is not None), None)
                 events.TIMING.give_back(*(m for m in marks if m is not self.last))
                 self.forward_start = self.forward_end = self.optimizer_start = self.optimizer_end = None
-        # Host times: plain differences (the common case, kept short).
+        # Host times: plain differences (the common case, kept short). The marks come from one
+        # monotonic clock in the order the rules above set them, so no difference is negative.
         f0, f1, o0, o1 = self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end
         if f0 is None or f1 is None:
             return self._optimizer_only()
         if o0 is not None and o1 is not None:
-            return {"forward": max(0.0, f1 - f0), "backward": max(0.0, o0 - f1), "optimizer": max(0.0, o1 - o0)}
+            return {"forward": f1 - f0, "backward": o0 - f1, "optimizer": o1 - o0}
         if step_end is None or not self.graph:
             return {"forward": max(0.0, f1 - f0)}
         return {"forward": max(0.0, f1 - f0), "backward": max(0.0, step_end - f1)}
@@ -141,9 +142,12 @@ class DeviceCycles:
         step, in step order, after ``clock.phases()``); None on the host, for an operation's
         first step, after a step of another operation, or when a mark is missing."""
         end = clock.last if clock is not None and clock.cuda else None
-        last, self._last = self._last, ((operation, end) if end is not None else None)
+        last = self._last
         if last is None:
-            return None
+            if end is not None:
+                self._last = (operation, end)
+            return None  # on the host: nothing kept, nothing to give back
+        self._last = (operation, end) if end is not None else None
         seconds = None
         try:
             if end is not None and last[0] == operation and last[1].query() and end.query():
