@@ -1,8 +1,11 @@
 """Data-parallel training observed by torchtrace on every rank.
 
-Run (CPU, gloo):
+Run:
 
     torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --steps 20
+
+With a GPU for every local rank the ranks train on them (NCCL); otherwise all of them train on
+the CPU (gloo). ``--device cpu`` or ``--device cuda`` decides instead.
 
 Each rank serves its metrics on base port + local rank (9464, 9465, ...; ``--port 0`` for any
 free port), writes ``spans.rank<r>.jsonl`` and ``report.rank<r>.json`` into the shared run
@@ -26,6 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torchtrace as tt  # noqa: E402
 
 
+def pick_device(choice: str, gpus: int, local_rank: int, ranks_per_node: int) -> torch.device:
+    """One GPU per local rank (NCCL), or every rank on the CPU (gloo): the ranks of a node decide
+    alike, so two ranks on a one-GPU machine both run on the CPU ("auto")."""
+    if choice == "cuda" or (choice == "auto" and gpus >= ranks_per_node > 0):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -35,12 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-trace", action="store_true", help="one trace id per step across ranks")
     parser.add_argument("--skew-interval", type=int, default=5)
     parser.add_argument("--guard", default="skip", choices=("warn", "skip", "raise"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto: a GPU per local rank when there are enough, else the CPU")
     args = parser.parse_args(argv)
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+    device = pick_device(args.device, torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", 0)),
+                         int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
 
     result = tt.configure(service_name="ddp-example", prometheus_port=args.port, run_dir=args.run_dir, run_id=args.run_id,
                           guard=args.guard, shared_step_trace=args.shared_trace,

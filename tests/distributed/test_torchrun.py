@@ -176,3 +176,18 @@ def test_example_ddp_train_under_torchrun(tmp_path):
     assert traces[0] == traces[1] and len(set(traces[0].values())) == 10  # one trace per step, all ranks
     assert sorted(p.name for p in run.iterdir()) == ["report.rank0.json", "report.rank1.json",
                                                       "spans.rank0.jsonl", "spans.rank1.jsonl"]
+
+
+def test_the_example_runs_two_ranks_of_a_one_gpu_machine_on_the_cpu():
+    """On an H200 machine (one GPU) the example put rank 1 on cuda:1 and failed with "invalid
+    device ordinal": the ranks of a node now take a GPU each only when there is one for each."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddp_train", ROOT / "examples" / "ddp_train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    pick = example.pick_device
+    assert [pick("auto", 1, r, 2).type for r in (0, 1)] == ["cpu", "cpu"]
+    assert [str(pick("auto", 2, r, 2)) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert str(pick("auto", 8, 3, 4)) == "cuda:3" and pick("auto", 0, 0, 1).type == "cpu"
+    assert pick("cpu", 8, 1, 2).type == "cpu" and str(pick("cuda", 1, 0, 2)) == "cuda:0"
