@@ -15,6 +15,43 @@ from typing import Any
 import torch
 
 MAX_FREE = 64  # per device and kind: a few steps' worth (steps in flight hold theirs)
+MAX_STREAMS = 64  # stream handles kept for marks (a job uses a few)
+
+# The calls under torch.cuda's own current_device(), current_stream() and Event.record(). The
+# public ones build a Stream object in Python for every call; a step records four marks, and
+# on an H100 VM each mark took several microseconds that way. Any of them missing (a CPU
+# build, another version), or torch.cuda.Event replaced (a test's stand-in): the public way.
+_EVENT = getattr(torch.cuda, "Event", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_RECORD = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
+_QUERY = getattr(getattr(torch._C, "_CudaEventBase", None), "query", None)
+_ELAPSED = getattr(getattr(torch._C, "_CudaEventBase", None), "elapsed_time", None)
+_DIRECT = None not in (_EVENT, _GET_DEVICE, _GET_STREAM, _RECORD, _QUERY, _ELAPSED)
+_STREAMS: dict[tuple, Any] = {}  # (stream id, device index, device type) -> torch.cuda.Stream
+
+
+def _current_stream() -> tuple[int, Any]:
+    """``(device index, its current stream)`` without the public functions' Python layers."""
+    device = _GET_DEVICE()
+    data = _GET_STREAM(device)
+    stream = _STREAMS.get(data)
+    if stream is None:
+        if len(_STREAMS) >= MAX_STREAMS:
+            _STREAMS.clear()
+        stream = _STREAMS[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
+    return device, stream
+
+
+def seconds_between(a: Any, b: Any) -> float | None:
+    """Seconds from event ``a`` to event ``b``, when both have completed (no wait); else None."""
+    if _DIRECT and type(a) is _EVENT and type(b) is _EVENT:
+        if not (_QUERY(a) and _QUERY(b)):
+            return None
+        return _ELAPSED(a, b) / 1000.0
+    if not (a.query() and b.query()):
+        return None
+    return a.elapsed_time(b) / 1000.0
 
 
 class EventPool:
@@ -29,7 +66,12 @@ class EventPool:
 
     def recorded(self) -> Any:
         """An event recorded now on the current device's current stream."""
-        free = self._free.get(torch.cuda.current_device())
+        direct = _DIRECT and torch.cuda.Event is _EVENT
+        if direct:
+            device, stream = _current_stream()
+        else:
+            device = torch.cuda.current_device()
+        free = self._free.get(device)
         event = None
         if free:
             try:
@@ -39,7 +81,10 @@ class EventPool:
         if event is None:
             event = torch.cuda.Event(enable_timing=self.timing)
             self.created += 1
-        event.record()
+        if direct:
+            _RECORD(event, stream)
+        else:
+            event.record()
         return event
 
     def give_back(self, *events: Any) -> None:

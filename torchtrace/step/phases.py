@@ -112,11 +112,8 @@ class StepClock:
         return {"optimizer": seconds} if seconds is not None else None
 
     def _between(self, a: Any, b: Any) -> float | None:
-        if self.cuda:
-            # Only events that completed (the record's read landed after them): no wait.
-            if not (a.query() and b.query()):
-                return None
-            return a.elapsed_time(b) / 1000.0
+        if self.cuda:  # only events that completed (the record's read landed after them): no wait
+            return events.seconds_between(a, b)
         return max(0.0, b - a)
 
 
@@ -150,8 +147,8 @@ class DeviceCycles:
         self._last = (operation, end) if end is not None else None
         seconds = None
         try:
-            if end is not None and last[0] == operation and last[1].query() and end.query():
-                seconds = last[1].elapsed_time(end) / 1000.0
+            if end is not None and last[0] == operation:
+                seconds = events.seconds_between(last[1], end)
         except RuntimeError:  # marks on two devices (the current device changed between steps)
             seconds = None
         events.TIMING.give_back(last[1])
