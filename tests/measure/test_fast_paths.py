@@ -88,3 +88,32 @@ def test_update_norms_match_float64_reference_for_mixed_dtypes():
     assert got.dtype == torch.float64
     for g, r, s in zip(got.tolist(), refs, start):
         assert g == pytest.approx(float((r.param.detach().double() - s).norm()), rel=1e-2 if r.param.dtype == torch.bfloat16 else 1e-6)
+
+
+def test_the_cuda_counters_are_torchs_own_from_one_read(monkeypatch):
+    """A step's CUDA memory comes from one read of the allocator's statistics; torch's
+    memory_allocated, memory_reserved and max_memory_allocated each flatten all of them (548 us
+    a step for the three on an H200 machine). The numbers are the ones those functions give,
+    here from a stand-in allocator's statistics shaped like torch's."""
+    def side(n):
+        return {"current": n, "peak": 3 * n, "allocated": 5 * n, "freed": 4 * n}
+
+    stats = {"allocated_bytes": {"all": side(1000), "small_pool": side(200), "large_pool": side(800)},
+             "reserved_bytes": {"all": side(4096), "small_pool": side(2048), "large_pool": side(2048)},
+             "active_bytes": {"all": side(900)}, "num_alloc_retries": 0, "num_ooms": 0}
+    reads = []
+
+    def nested(device=None):
+        reads.append(device)
+        return stats
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", nested)
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", nested)
+    sample = memory.sample(cuda=True)
+    assert len(reads) == 1
+    reference = (torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0), torch.cuda.max_memory_allocated(0))
+    assert len(reads) == 4 and reference == (1000, 4096, 3000)  # torch's own functions, one flattening each
+    assert (sample.cuda_allocated, sample.cuda_reserved, sample.cuda_peak_allocated) == reference
+    assert sample.device == "cuda:0" and sample.rss > 0

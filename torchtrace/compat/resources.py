@@ -15,6 +15,7 @@ import torch
 
 from torchtrace.compat.results import Result
 from torchtrace.compat.settings import positive
+from torchtrace.measure.memory import cuda_counters
 
 _logger = logging.getLogger("torchtrace.resources")
 
@@ -32,9 +33,9 @@ def _gpu() -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - NVML (pynvml) missing or not permitted: utilisation unknown
         out["gpu_utilization"] = None
     total = torch.cuda.get_device_properties(dev).total_memory
-    allocated = torch.cuda.memory_allocated(dev)
+    allocated, reserved, _ = cuda_counters(dev)
     out.update(gpu_memory_allocated_mb=allocated / 2 ** 20,
-               gpu_memory_reserved_mb=torch.cuda.memory_reserved(dev) / 2 ** 20,
+               gpu_memory_reserved_mb=reserved / 2 ** 20,
                gpu_memory_total_mb=total / 2 ** 20, gpu_memory_percent=100.0 * allocated / total if total else None)
     return out
 
