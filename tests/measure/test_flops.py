@@ -213,6 +213,8 @@ NAMES = [  # as torch.cuda.get_device_name reports them -> (product, dense bf16 
     ("NVIDIA H100 PCIe", "H100 PCIe", 756.5),
     ("NVIDIA H100 NVL", "H100 NVL", 835.5),
     ("NVIDIA H200", "H200 SXM", 989.5),
+    ("NVIDIA B200", "B200", 2250),
+    ("NVIDIA GB200", "GB200", 2500),
     ("NVIDIA H200 NVL", "H200 NVL", 835.5),
     ("NVIDIA GH200 480GB", "GH200", 989.5),
     ("NVIDIA L4", "L4", 121),

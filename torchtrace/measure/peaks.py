@@ -53,8 +53,12 @@ _H100 = "NVIDIA H100 Tensor Core GPU datasheet (with-sparsity figures halved)"
 _H200 = "NVIDIA H200 Tensor Core GPU datasheet (with-sparsity figures halved)"
 _MI300 = "AMD Instinct MI300X / MI325X accelerator datasheets (dense)"
 
+_BLACKWELL = "NVIDIA Blackwell architecture technical brief (with-sparsity figures halved)"
+
 #: The table, most specific pattern first: the first row whose pattern matches wins.
 ACCELERATORS: tuple[Accelerator, ...] = (
+    _row("GB200", r"\bgb200\b", 90, 1250, 2500, 2500, _BLACKWELL + ", GB200 (a GPU at 1,200 W)"),
+    _row("B200", r"\bb200\b", 80, 1100, 2250, 2250, _BLACKWELL + ", HGX B200 (1,000 W)"),
     _row("GH200", r"\bgh200\b", 67, 494.5, 989.5, 989.5, "NVIDIA GH200 Grace Hopper Superchip datasheet"),
     _row("H200 NVL", r"\bh200 nvl\b", 60, 417.5, 835.5, 835.5, _H200),
     _row("H200 SXM", r"\bh200\b", 67, 494.5, 989.5, 989.5, _H200),
