@@ -134,6 +134,11 @@ class DeviceCycles:
     def __init__(self) -> None:
         self._last: tuple[str, Any] | None = None  # (operation, last mark) of the step finished before
 
+    @property
+    def open(self) -> bool:
+        """A GPU step's last mark is kept, waiting for the next step's."""
+        return self._last is not None
+
     def cycle(self, operation: str, clock: StepClock | None) -> float | None:
         """Seconds from the step before's last mark to this step's (called once per finished
         step, in step order, after ``clock.phases()``); None on the host, for an operation's

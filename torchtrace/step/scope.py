@@ -46,7 +46,7 @@ class StepScope:
 
     __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind",
                  "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
-                 "inputs", "batch_skip", "flops_key", "shape", "clock", "started_at", "scale_before", "stepped", "_flops_counter", "_step_end", "_step_arg", "_level_arg",
+                 "inputs", "batch_skip", "flops_key", "shape", "clock", "started_at", "scale_before", "stepped", "_flops_counter", "step_end", "_step_arg", "_level_arg",
                  "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
                  "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
 
@@ -213,7 +213,7 @@ class StepScope:
         self._anomalies = None
         self._anomaly_cm = None
         self._flops_counter = None
-        self._step_end = None
+        self.step_end = None
         self.clock = None
         self.stepped = None
         self._overhead = 0.0
@@ -246,7 +246,7 @@ class StepScope:
             return False
         clock = self.clock
         if clock is not None and clock.optimizer_end is None and clock.forward_end is not None and clock.graph:
-            self._step_end = clock.mark()  # where the backward ends when no optimizer mark ends it
+            self.step_end = clock.mark()  # where the backward ends when no optimizer mark ends it
         t0 = time.perf_counter()
         self.duration_s = duration = t0 - self._t0
         end_ns = time.time_ns()
@@ -368,15 +368,11 @@ class StepScope:
             return lambda: fn(*args, **kwargs)
         return None
 
-    def phases(self) -> dict[str, float] | None:
-        """Seconds per phase of the ended step (on CUDA once its events have completed)."""
-        return self.clock.phases(self._step_end) if self.clock is not None else None
-
     def release(self) -> None:
         """After the record is finished: drop every reference to tensors and callables."""
         self.inputs = None
         self.clock = None
-        self._step_end = None
+        self.step_end = None
         self._states = None
         self._loss = None
         self._batch = None

@@ -275,8 +275,13 @@ class RunThroughput:
         """The record's phases, and its booking in the goodput ledger: its data wait, and the
         throughput rules' anomalies. (MFU, goodput and badput are read from the ledger when
         metrics are scraped.)"""
-        record.phases = scope.phases()
-        device_cycle = self._cycles.cycle(record.operation, scope.clock)
+        clock = scope.clock
+        if clock is None:
+            device_cycle = None
+        else:
+            record.phases = clock.phases(scope.step_end)  # on CUDA once its events completed
+            # Only a GPU step has a device cycle (and only after a GPU step is there one to close).
+            device_cycle = self._cycles.cycle(record.operation, clock) if clock.cuda or self._cycles.open else None
         if record.flops is not None and not self._peak_known:
             self._peak_known = True
             if self.ledger.peak_flops is None:
