@@ -137,9 +137,9 @@ def debug_backward_pass(loss: torch.Tensor, model: torch.nn.Module | None = None
         leaves = [(r.name, r.param) for r in grad_measure.named_params(model)]
     else:
         leaves = []
-        # Nodes seen, kept alive: a node's Python object can be made anew at each access and
-        # freed after, and a freed one's id is reused (torch 2.11 on a GPU machine found no
-        # leaves here when the set held bare ids).
+        # Nodes seen, kept alive: a node's Python object may be made anew at an access and freed
+        # after, and a freed object's id is reused. (With bare ids, torch 2.11 on a GPU machine
+        # found no leaves here; holding the nodes, it found them.)
         seen: dict[int, Any] = {}
         stack = [loss.grad_fn]
         while stack:
