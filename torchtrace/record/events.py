@@ -24,9 +24,8 @@ MAX_STREAMS = 64  # stream handles kept for marks (a job uses a few)
 _EVENT = getattr(torch.cuda, "Event", None)
 _GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 _GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
-_RECORD = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
-_QUERY = getattr(getattr(torch._C, "_CudaEventBase", None), "query", None)
-_ELAPSED = getattr(getattr(torch._C, "_CudaEventBase", None), "elapsed_time", None)
+_BASE = getattr(torch._C, "_CudaEventBase", None)
+_RECORD, _QUERY, _ELAPSED = (getattr(_BASE, name, None) for name in ("record", "query", "elapsed_time"))
 _DIRECT = None not in (_EVENT, _GET_DEVICE, _GET_STREAM, _RECORD, _QUERY, _ELAPSED)
 _STREAMS: dict[tuple, Any] = {}  # (stream id, device index, device type) -> torch.cuda.Stream
 

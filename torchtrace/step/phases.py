@@ -89,8 +89,8 @@ class StepClock:
         if o0 is not None and o1 is not None:
             return {"forward": f1 - f0, "backward": o0 - f1, "optimizer": o1 - o0}
         if step_end is None or not self.graph:
-            return {"forward": max(0.0, f1 - f0)}
-        return {"forward": max(0.0, f1 - f0), "backward": max(0.0, step_end - f1)}
+            return {"forward": f1 - f0}
+        return {"forward": f1 - f0, "backward": step_end - f1}
 
     def _device_phases(self, step_end: Any) -> dict[str, float] | None:
         if self.forward_start is None or self.forward_end is None:
@@ -114,7 +114,7 @@ class StepClock:
     def _between(self, a: Any, b: Any) -> float | None:
         if self.cuda:  # only events that completed (the record's read landed after them): no wait
             return events.seconds_between(a, b)
-        return max(0.0, b - a)
+        return b - a
 
 
 class DeviceCycles:
@@ -134,22 +134,14 @@ class DeviceCycles:
     def __init__(self) -> None:
         self._last: tuple[str, Any] | None = None  # (operation, last mark) of the step finished before
 
-    @property
-    def open(self) -> bool:
-        """A GPU step's last mark is kept, waiting for the next step's."""
-        return self._last is not None
-
     def cycle(self, operation: str, clock: StepClock | None) -> float | None:
         """Seconds from the step before's last mark to this step's (called once per finished
         step, in step order, after ``clock.phases()``); None on the host, for an operation's
         first step, after a step of another operation, or when a mark is missing."""
         end = clock.last if clock is not None and clock.cuda else None
-        last = self._last
+        last, self._last = self._last, ((operation, end) if end is not None else None)
         if last is None:
-            if end is not None:
-                self._last = (operation, end)
-            return None  # on the host: nothing kept, nothing to give back
-        self._last = (operation, end) if end is not None else None
+            return None
         seconds = None
         try:
             if end is not None and last[0] == operation:

@@ -278,10 +278,7 @@ class RunThroughput:
         clock = scope.clock
         if clock is not None:
             record.phases = clock.phases(scope.step_end)  # on CUDA once its events completed
-        # Only a GPU step has a device cycle, and only after a GPU step is there one to close.
-        cycles = self._cycles
-        device_cycle = cycles.cycle(record.operation, clock) if cycles.open or (clock is not None and clock.cuda) \
-            else None
+        device_cycle = self._cycles.cycle(record.operation, clock)
         if record.flops is not None and not self._peak_known:
             self._peak_known = True
             if self.ledger.peak_flops is None:
