@@ -190,6 +190,26 @@ def test_closed_counts_only_grow_while_steps_arrive():
         last = g
 
 
+def test_peaks_by_operation_and_a_configured_peak_over_a_restored_one():
+    ledger = GoodputLedger(configured_at=0.0)
+    for i in range(4):
+        ledger.add_step(FinishedStep(1.0 + i, 1.5 + i, flops=10**9, operation="train_step"))
+        ledger.add_step(FinishedStep(1.6 + i, 1.8 + i, flops=10**8, kind="evaluation", operation="evaluate"))
+    ledger.set_peak("train_step", 4e9)
+    ledger.set_peak("evaluate", 1e9)
+    train, evaluate = ledger.throughput("train_step"), ledger.throughput("evaluate")
+    assert train.mfu == approx(train.flops_per_s / 4e9) and evaluate.mfu == approx(evaluate.flops_per_s / 1e9)
+    saved = {**ledger.state_dict(), "peak_flops": 2e9}  # as a run configured with peak_flops=2e9 saves it
+    assert GoodputLedger(configured_at=0.0, peak_flops=3e9).peak_of("evaluate") == 3e9
+    configured = GoodputLedger(configured_at=0.0, peak_flops=3e9)
+    configured.load_state_dict(saved)
+    assert configured.peak_of("train_step") == 3e9  # this process's configuration wins
+    restored = GoodputLedger(configured_at=0.0)
+    restored.load_state_dict(saved)
+    assert restored.peak_of("train_step") == 2e9
+    assert GoodputLedger(configured_at=0.0).peak_of("train_step") is None
+
+
 def test_state_round_trip_restores_totals_and_baselines():
     rules = RuleSettings(window=5, warmup_steps=0, min_baseline_windows=2, baseline_windows=4)
     one = GoodputLedger(configured_at=0.0, peak_flops=1e6, rules=rules)

@@ -589,9 +589,84 @@ def test_the_peak_is_taken_at_the_precision_the_step_computed_in(tmp_path, monke
         expected = 4e9 if amp != "none" else 1e9
         assert seen[0] == (torch.float32 if amp == "none" else torch.bfloat16)
         rt = get_runtime()
-        assert rt.throughput.ledger.peak_flops == expected
+        assert rt.throughput.ledger.peak_of("train_step") == expected
         tp = rt.throughput.ledger.throughput("train_step")
         assert tp.mfu == pytest.approx(tp.flops_per_s / expected, rel=1e-9)
+    finally:
+        tt.shutdown()
+
+
+def test_each_operation_gets_the_peak_of_what_it_computed_in(tmp_path, monkeypatch):
+    """A loop that evaluates in float32 before it trains under bfloat16 autocast: before, the
+    first operation with FLOPs chose the one peak of the run (float32's), so the training
+    step's MFU read four times too high here (on an H100, about fifteen)."""
+    table = {torch.bfloat16: 4e9, torch.float32: 1e9}  # stands for a device's row of the peak table
+    monkeypatch.setattr("torchtrace.measure.peaks.peak_flops", lambda device, dtype, override=None: table.get(dtype))
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, kind="evaluation")
+        def evaluate(x):
+            with torch.no_grad():
+                return model(x).sum()
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().pow(2).mean().backward()
+            opt.step()
+
+        for _ in range(3):
+            evaluate(torch.randn(8, 16))
+        for _ in range(6):
+            train_step(torch.randn(8, 16))
+        ledger = get_runtime().throughput.ledger
+        assert ledger.peak_of("evaluate") == 1e9 and ledger.peak_of("train_step") == 4e9
+        for name, peak in (("evaluate", 1e9), ("train_step", 4e9)):
+            tp = ledger.throughput(name)
+            assert tp.flops_per_s and tp.mfu == pytest.approx(tp.flops_per_s / peak, rel=1e-9)
+        section = get_runtime().throughput.section()
+        assert section["peak_flops"] is None  # none configured
+        assert {n: op["peak_flops"] for n, op in section["operations"].items()} == {"evaluate": 1e9, "train_step": 4e9}
+    finally:
+        tt.shutdown()
+
+
+def test_an_operation_without_a_model_at_first_gets_its_peak_when_one_comes(tmp_path, monkeypatch):
+    """FLOPs given before the operation names a model: no device to look the peak up on yet,
+    and not a reason for the operation never to have MFU."""
+    monkeypatch.setattr("torchtrace.measure.peaks.peak_flops", lambda device, dtype, override=None: 4e9)
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        for i in range(4):
+            with tt.debug_context("train_step", model=model if i >= 2 else None) as step:
+                step.record_batch(samples=8, flops=1e6)
+                model(torch.randn(8, 16)).sum().backward()
+            if i == 1:
+                assert get_runtime().throughput.ledger.peak_of("train_step") is None
+        tp = get_runtime().throughput.ledger.throughput("train_step")
+        assert get_runtime().throughput.ledger.peak_of("train_step") == 4e9
+        assert tp.mfu == pytest.approx(tp.flops_per_s / 4e9, rel=1e-9)
+    finally:
+        tt.shutdown()
+
+
+def test_a_configured_peak_is_every_operations(tmp_path, monkeypatch):
+    """peak_flops, when set, is the peak of every operation, whatever the table says."""
+    monkeypatch.setattr("torchtrace.measure.peaks.peak_flops", lambda device, dtype, override=None: 4e9)
+    _configure(tmp_path, peak_flops=2e9)
+    try:
+        _, train_step = _watched(_mlp())
+        for _ in range(4):
+            train_step(torch.randn(8, 16))
+        ledger = get_runtime().throughput.ledger
+        assert ledger.peak_of("train_step") == 2e9 and ledger.peak_of("never_ran") == 2e9
+        assert get_runtime().throughput.section()["peak_flops"] == 2e9
     finally:
         tt.shutdown()
 

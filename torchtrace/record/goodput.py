@@ -122,7 +122,8 @@ class GoodputLedger:
     def __init__(self, configured_at: float, *, peak_flops: float | None = None,
                  rules: RuleSettings | None = None) -> None:
         self.configured_at = float(configured_at)
-        self.peak_flops = peak_flops
+        self.peak_flops = peak_flops  # every operation's peak FLOP/s when given (configured)
+        self._peaks: dict[str, float | None] = {}  # otherwise each operation's own (set_peak)
         self.rules = rules or RuleSettings()
         self._lock = threading.Lock()
         self._cursor = self.configured_at  # everything before it is counted
@@ -267,7 +268,17 @@ class GoodputLedger:
         with self._lock:
             self._book_pending()
             window = self._windows.get(operation)
-            return window.throughput(self.peak_flops) if window is not None else None
+            return window.throughput(self.peak_of(operation)) if window is not None else None
+
+    def set_peak(self, operation: str, peak_flops: float | None) -> None:
+        """The peak FLOP/s of ``operation``'s device at the precision it computes in (None:
+        not known); a configured ``peak_flops`` stays every operation's."""
+        if len(self._peaks) < 4 * MAX_OPERATIONS or operation in self._peaks:
+            self._peaks[operation] = peak_flops
+
+    def peak_of(self, operation: str) -> float | None:
+        """The peak FLOP/s ``operation``'s MFU is taken against (None: no MFU)."""
+        return self.peak_flops if self.peak_flops is not None else self._peaks.get(operation)
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -303,7 +314,8 @@ class GoodputLedger:
         with self._lock:
             self._book_pending()
             self.rules = rules
-            self.peak_flops = state.get("peak_flops", self.peak_flops)
+            if self.peak_flops is None:  # a peak configured in this process wins over the saved one
+                self.peak_flops = state.get("peak_flops")
             self._prior_wall += float(state["wall_s"])
             self._totals = {k: float(state["totals"].get(k, 0.0)) + self._totals[k] for k in self._totals}
             self._debt = float(state["debt_s"]) + self._debt

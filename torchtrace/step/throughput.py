@@ -33,6 +33,7 @@ from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, Ste
 
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
+MAX_PEAKED = 128  # operations with a peak of their own (later ones have no MFU)
 
 
 def learning_rates(optimizer: Any) -> list[float] | None:
@@ -75,8 +76,8 @@ class RunThroughput:
             self.ledger.pause(self.ledger.configured_at)
         self._models: "weakref.WeakKeyDictionary[Any, ModelMarks]" = weakref.WeakKeyDictionary()
         self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerMarks]" = weakref.WeakKeyDictionary()
-        self._peaks: dict[str, float | None] = {}
-        self._peak_known = False
+        self._peaks: dict[str, float | None] = {}  # peak FLOP/s by device and dtype
+        self._peaked: set[str] = set()  # operations whose peak was looked up
         self._cycles = DeviceCycles()  # on a GPU, the rates' time base
         self.framework_dtype: torch.dtype | None = None  # what a framework says its steps compute in
         # Batch size of each input-shape key (one per key unless a mask is counted), and FLOPs
@@ -279,10 +280,8 @@ class RunThroughput:
         if clock is not None:
             record.phases = clock.phases(scope.step_end)  # on CUDA once its events completed
         device_cycle = self._cycles.cycle(record.operation, clock)
-        if record.flops is not None and not self._peak_known:
-            self._peak_known = True
-            if self.ledger.peak_flops is None:
-                self.ledger.peak_flops = self._peak(scope)
+        if record.flops is not None and record.operation not in self._peaked:
+            self._look_up_peak(scope, record.operation)
         start = scope.started_at
         flops = record.flops
         record.data_wait_s, findings = self.ledger.post(
@@ -314,6 +313,16 @@ class RunThroughput:
                 mfu[name] = tp.mfu
         return self.ledger.snapshot(time.perf_counter()).ratio, self.ledger.closed().badput, mfu
 
+    def _look_up_peak(self, scope: Any, operation: str) -> None:
+        """The operation's peak, once: at its first step with FLOPs and a model (whose device
+        and dtype say which peak)."""
+        if scope.model is None and self.ledger.peak_flops is None:
+            return  # a later step of the operation may name its model
+        if len(self._peaked) < MAX_PEAKED:
+            self._peaked.add(operation)
+            if self.ledger.peak_flops is None:
+                self.ledger.set_peak(operation, self._peak(scope))
+
     def _peak(self, scope: Any) -> float | None:
         model = scope.model
         if model is None:
@@ -344,7 +353,7 @@ class RunThroughput:
             if tp is not None:
                 ops[name] = {"steps": tp.steps, "seconds": tp.seconds, "samples_per_s": tp.samples_per_s,
                              "tokens_per_s": tp.tokens_per_s, "flops_per_s": tp.flops_per_s, "mfu": tp.mfu,
-                             "data_wait_share": tp.data_wait_share}
+                             "peak_flops": self.ledger.peak_of(name), "data_wait_share": tp.data_wait_share}
         return {"wall_s": g.wall_s, "productive_s": g.productive_s, "goodput_ratio": g.ratio, "badput_s": g.badput,
                 "peak_flops": self.ledger.peak_flops, "flop_counted_shapes": len(self.flops), "operations": ops}
 
