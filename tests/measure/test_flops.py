@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers import DifferentiatingModel
 from torchtrace.measure import flops as flops_mod
-from torchtrace.measure.flops import StepFlops, count_flops, shape_key
+from torchtrace.measure.flops import KEY_MAX_ITEMS, StepFlops, count_flops, shape_key
 from torchtrace.measure.peaks import ACCELERATORS, PRECISIONS, find_accelerator, peak_flops, precision_key
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "throughput.md"
@@ -123,6 +123,76 @@ def test_counted_once_per_shape_key():
         ran.append(cache.lookup(key))
     assert cache.counts == 2 and len(cache) == 2
     assert ran == [2 * 2 * b * 8 * 4 for b in (4, 4, 16, 4, 16, 16, 4)]
+
+
+def _run_counted(cache, name, fn, *args, **kwargs):
+    """One step of ``name`` the way the step pipeline runs it: counted when its key needs it.
+    Returns what the table says the step's FLOPs are."""
+    key = (name, shape_key(args, kwargs))
+    if cache.needs_count(key):
+        with cache.counting(key):
+            fn(*args, **kwargs)
+    else:
+        fn(*args, **kwargs)
+    return cache.lookup(key)
+
+
+@pytest.mark.parametrize("where", ["positional", "keyword"])
+def test_a_list_the_step_appends_to_stops_deciding_the_key(where):
+    """Past KEY_MAX_ITEMS items too (the key then holds the list's length)."""
+    model = torch.nn.Linear(8, 4)
+    cache = StepFlops()
+    history: list = []
+
+    def step(x, losses):
+        losses.append(model(x).sum().detach())
+
+    got = []
+    for i in range(KEY_MAX_ITEMS + 8):
+        x = torch.randn(4 if i % 3 else 16, 8)
+        args = (x, history) if where == "positional" else (x,)
+        got.append(_run_counted(cache, "train", step, *args, **({"losses": history} if where == "keyword" else {})))
+    assert got == [2 * (4 if i % 3 else 16) * 8 * 4 for i in range(KEY_MAX_ITEMS + 8)]
+    assert cache.counts <= 4 and cache.loose == {"train": frozenset({1})}
+
+
+def test_tensors_of_other_shapes_with_the_same_flops_are_still_counted_apart():
+    """A 64 x 32 image and a 32 x 64 one cost the same FLOPs; a 64 x 64 one costs twice that.
+    Equal FLOPs from different tensor shapes say nothing about a third shape."""
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+    cache = StepFlops()
+    got = [_run_counted(cache, "train", lambda x: conv(x).sum().backward(), torch.randn(1, 3, h, w))
+           for h, w in ((64, 32), (32, 64), (64, 64))]
+    assert got[0] == got[1] and got[2] == 2 * got[0]
+    assert cache.counts == 3 and cache.loose == {}
+
+
+def test_lists_that_differ_in_their_items_are_not_a_list_that_grew():
+    """A batch given as a list of images: a different list, not a longer one."""
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+    cache = StepFlops()
+
+    def step(images):
+        for image in images:
+            conv(image).sum().backward()
+
+    batches = [[torch.randn(1, 3, 32, 64)], [torch.randn(1, 3, 64, 32)], [torch.randn(1, 3, 64, 32)] * 2]
+    got = [_run_counted(cache, "train", step, batch) for batch in batches]
+    assert got[0] == got[1] and got[2] == 2 * got[0] and cache.loose == {}
+
+
+def test_a_batch_mapping_that_gains_a_field_is_not_a_list_that_grew():
+    """Labels next to the inputs cost no counted FLOPs; the inputs' shapes still decide them."""
+    linear = torch.nn.Linear(8, 4)
+    cache = StepFlops()
+
+    def step(batch):
+        linear(batch["inputs"]).sum().backward()
+
+    batches = [{"inputs": torch.randn(4, 8)}, {"inputs": torch.randn(4, 8), "labels": torch.zeros(4)},
+               {"inputs": torch.randn(16, 8), "labels": torch.zeros(16)}]
+    got = [_run_counted(cache, "train", step, batch) for batch in batches]
+    assert got == [2 * 2 * 4 * 8 * 4, 2 * 2 * 4 * 8 * 4, 2 * 2 * 16 * 8 * 4] and cache.loose == {}
 
 
 def test_a_step_that_raises_records_nothing():
@@ -302,7 +372,8 @@ def test_docs_list_every_row_with_its_numbers_and_source():
                 assert any(abs(n - value) < 1e-6 for n in numbers), (row.product, precision, line)
 
 
-@pytest.mark.parametrize("module", ["torchtrace.measure.flops", "torchtrace.measure.peaks", "torchtrace.measure.batch"])
+@pytest.mark.parametrize("module", ["torchtrace.measure.flops", "torchtrace.measure.shape_keys", "torchtrace.measure.peaks",
+                                    "torchtrace.measure.batch"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib

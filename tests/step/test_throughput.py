@@ -596,6 +596,39 @@ def test_the_peak_is_taken_at_the_precision_the_step_computed_in(tmp_path, monke
         tt.shutdown()
 
 
+@pytest.mark.parametrize("history", ["tensors", "floats"])
+def test_an_argument_that_grows_every_step_does_not_make_every_step_a_new_shape(tmp_path, history):
+    """A step passed a list it appends to (its losses so far): the list's length was part of
+    the FLOP table's key, so each of the first 32 steps was counted again (each several
+    times slower) and every later step had no FLOPs at all. Two counts that differ only in the
+    list and give the same FLOPs show the list does not decide them."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x, losses):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach() if history == "tensors" else float(loss.detach()))
+
+        losses: list = []
+        shapes = [8, 8, 8, 8, 16, 16, 8, 16] + [8, 16] * 26  # two batch sizes, counted apart
+        for rows in shapes:
+            train_step(torch.randn(rows, 16), losses)
+        reference = {rows: _counted(lambda x: model(x).pow(2).mean().backward(), torch.randn(rows, 16))
+                     for rows in (8, 16)}
+        steps = get_runtime().history.steps()
+        assert len(steps) == len(shapes) == 60
+        assert [s.get("flops") for s in steps] == [reference[rows] for rows in shapes]
+        assert get_runtime().throughput.flops.counts <= 4  # each batch size's first step and the step after
+    finally:
+        tt.shutdown()
+
+
 def test_each_operation_gets_the_peak_of_what_it_computed_in(tmp_path, monkeypatch):
     """A loop that evaluates in float32 before it trains under bfloat16 autocast: before, the
     first operation with FLOPs chose the one peak of the run (float32's), so the training

@@ -32,124 +32,16 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure import peaks
-from torchtrace.measure.batch import array_shape, dataclass_values, holds_model, is_dataclass_instance
+from torchtrace.measure.shape_keys import KEY_MAX_DEPTH, KEY_MAX_ITEMS, LOOSE, NESTED, countable, grown, shape_key
 
 #: How many distinct shape keys one counter counts. Past it, a step with a new shape gets
 #: no FLOP count (its throughput still counts samples and tokens): a job whose every batch
 #: has a new shape must not pay for a counted step every step.
 DEFAULT_MAX_SHAPES = 32
-#: How deep and how wide :func:`shape_key` looks into nested arguments.
-KEY_MAX_DEPTH = 3
-KEY_MAX_ITEMS = 32
 
 peak_flops = peaks.peak_flops
 precision_key = peaks.precision_key
-
-
-def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
-    """A hashable key of the shapes and dtypes of the tensors in a step's arguments.
-
-    Values never enter the key (an integer step index does not make every step new); models
-    and optimizers are skipped. Cheap enough for every step: a few microseconds for a
-    batch of a handful of tensors.
-
-    >>> import torch
-    >>> shape_key((torch.zeros(4, 3), 7), {"mask": torch.ones(4, 3, dtype=torch.bool)})
-    ((torch.Size([4, 3]), torch.float32), <class 'int'>, ('mask', (torch.Size([4, 3]), torch.bool)))
-    >>> shape_key((torch.zeros(4, 3), 8), {}) == shape_key((torch.ones(4, 3), 9), {})
-    True
-    """
-    out = []
-    try:
-        # Every step pays for this: plain tensors, and tuples and lists of them, are keyed here
-        # without a call per value; everything else goes through _key.
-        for value in args[:KEY_MAX_ITEMS]:
-            kind = type(value)
-            if kind is _TENSOR:
-                out.append((value.shape, value.dtype))
-            elif (kind is tuple or kind is list) and len(value) <= KEY_MAX_ITEMS:
-                out.append(tuple([(v.shape, v.dtype) if type(v) is _TENSOR else _key(v, 1) for v in value]))
-            else:
-                out.append(_key(value, 0))
-    except RuntimeError:  # a nested tensor of the strided layout has no sizes: the careful way
-        out = [_key(value, 0) for value in args[:KEY_MAX_ITEMS]]
-    if kwargs:
-        for index, (name, value) in enumerate(kwargs.items()):
-            if index >= KEY_MAX_ITEMS:
-                break
-            out.append((name, _key(value, 0)))
-    return tuple(out)
-
-
-_TENSOR = torch.Tensor
-
-
-class _Nested:
-    """Stands for a nested tensor in a shape key (with its dtype, dimensions and number of
-    components). ``FlopCounterMode`` fails on nested tensors' ops (torch 2.13, both layouts):
-    a step with one among its inputs is not counted (:func:`countable`)."""
-
-    def __repr__(self) -> str:
-        return "nested"
-
-
-NESTED = _Nested()
-
-
-def _nested_key(value: torch.Tensor) -> Hashable:
-    return (NESTED, value.dtype, value.dim(), value.size(0))
-
-
-def countable(key: Hashable) -> bool:
-    """False when the key holds a nested tensor (see :data:`NESTED`): its step is not counted.
-
-    >>> import torch
-    >>> countable(shape_key((torch.zeros(2, 3),), {}))
-    True
-    >>> countable(shape_key(([torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged)],), {}))
-    False
-    """
-    if key is NESTED:
-        return False
-    return all(countable(k) for k in key) if isinstance(key, tuple) else True
-
-
-def _key(value: Any, depth: int) -> Hashable:
-    kind = type(value)
-    if kind is _TENSOR:  # the usual batch, checked first by identity: every step pays for this
-        try:
-            return (value.shape, value.dtype)
-        except RuntimeError:  # a nested tensor of the strided layout has no sizes
-            return _nested_key(value)
-    if kind is tuple or kind is list:
-        return _items_key(kind, value, depth) if depth < KEY_MAX_DEPTH else kind
-    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
-        return kind
-    if isinstance(value, _TENSOR):  # a Parameter, a tensor subclass
-        return _nested_key(value) if value.is_nested else (value.shape, value.dtype)
-    if depth >= KEY_MAX_DEPTH:
-        return kind
-    if isinstance(value, Mapping):
-        return tuple((k if isinstance(k, Hashable) else type(k), _key(v, depth + 1))
-                     for k, v in list(value.items())[:KEY_MAX_ITEMS])
-    if isinstance(value, (tuple, list)):
-        return _items_key(kind, value, depth)
-    if is_dataclass_instance(value):  # a batch object of fields: its tensors' shapes, like a tuple's
-        items = dataclass_values(value, KEY_MAX_ITEMS)
-        if holds_model(items):
-            return kind  # a trainer, not a batch
-        return (kind, tuple([_key(v, depth + 1) for v in items]))
-    shape = array_shape(value)
-    if shape is not None:  # a NumPy array (or another array with a shape): its shape and dtype
-        return (kind, shape, str(getattr(value, "dtype", "")))
-    return type(value)
-
-
-def _items_key(kind: type, value: Any, depth: int) -> Hashable:
-    """A sequence's key: its first ``KEY_MAX_ITEMS`` items' keys, and past that many, its type
-    and length too (a list of 40 same-size images is not a list of 64)."""
-    items = tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]])
-    return items if len(value) <= KEY_MAX_ITEMS else (kind, len(value), items)
+MAX_LOOSE_OPERATIONS = 64  # operations whose loose arguments are kept
 
 
 class StepFlops:
@@ -157,6 +49,12 @@ class StepFlops:
 
     Key it by operation as well as shape (``(name, shape_key(args, kwargs))``) when several
     operations share one counter. Not thread-safe: use one per step thread.
+
+    With keys of that form it learns which arguments do not decide an operation's FLOPs:
+    when two counts give the same FLOPs and their keys differ only in some arguments (a
+    list the step appends to, a history that grows), those arguments are left out of the
+    operation's keys from then on. Without it, such a step was counted again every step until
+    the table was full, and later steps had no FLOPs.
 
     >>> cache = StepFlops(max_shapes=1)
     >>> cache.needs_count("a"), cache.needs_count("b")
@@ -174,29 +72,60 @@ class StepFlops:
         self._dtypes: dict[Hashable, torch.dtype] = {}  # the dtype most of a count's FLOPs ran in
         self.counts = 0  # how many steps were counted
         self.failures = 0  # steps that raised in an op under the counter (their keys are skipped)
+        self.loose: dict[Hashable, frozenset[int]] = {}  # operation -> key positions that do not decide FLOPs
+
+    def table_key(self, key: Hashable) -> Hashable:
+        """``key`` as the table holds it: an ``(operation, shape key)`` with the operation's
+        loose arguments (see the class) replaced by :data:`LOOSE`."""
+        if not self.loose or type(key) is not tuple or len(key) != 2 or type(key[1]) is not tuple:
+            return key
+        positions = self.loose.get(key[0])
+        if positions is None:
+            return key
+        return key[0], tuple([LOOSE if i in positions else k for i, k in enumerate(key[1])])
 
     def lookup(self, key: Hashable) -> int | None:
         """The FLOPs recorded for ``key``, or None."""
-        return self._flops.get(key)
+        return self._flops.get(self.table_key(key))
 
     def compute_dtype(self, key: Hashable) -> torch.dtype | None:
         """The dtype most of ``key``'s counted FLOPs ran in (the operands' dtype: bfloat16 under a
         bfloat16 autocast); None when it was not counted."""
-        return self._dtypes.get(key)
+        return self._dtypes.get(self.table_key(key))
 
     def needs_count(self, key: Hashable) -> bool:
         """True when ``key`` has no FLOPs yet and there is room to count it."""
-        return key not in self._flops and len(self._flops) < self.max_shapes
+        return self.table_key(key) not in self._flops and len(self._flops) < self.max_shapes
 
     def skip(self, key: Hashable) -> None:
         """Never count ``key`` (its lookups give None); room permitting, like a count."""
+        key = self.table_key(key)
         if key not in self._flops and len(self._flops) < self.max_shapes:
             self._flops[key] = None
 
     def record(self, key: Hashable, flops: int) -> None:
         """Record FLOPs for ``key`` (a count, or FLOPs the user supplied); room permitting."""
+        key = self.table_key(key)
         if key in self._flops or len(self._flops) < self.max_shapes:
             self._flops[key] = int(flops)
+
+    def _learn(self, key: Hashable, flops: int) -> None:
+        """Mark the arguments in which ``key`` differs from an earlier count of the same
+        operation that gave the same FLOPs as not deciding them (see the class)."""
+        key = self.table_key(key)
+        if type(key) is not tuple or len(key) != 2 or type(key[1]) is not tuple:
+            return
+        name, inner = key
+        if name not in self.loose and len(self.loose) >= MAX_LOOSE_OPERATIONS:
+            return
+        for other, other_flops in self._flops.items():
+            if other_flops != flops or type(other) is not tuple or len(other) != 2 or other[0] != name \
+                    or type(other[1]) is not tuple or len(other[1]) != len(inner):
+                continue
+            positions = frozenset(i for i, (a, b) in enumerate(zip(inner, other[1])) if a != b)
+            if positions and all(grown(inner[i], other[1][i]) for i in positions):
+                self.loose[name] = self.loose.get(name, frozenset()) | positions
+                return
 
     @contextlib.contextmanager
     def counting(self, key: Hashable) -> Iterator[None]:
@@ -219,10 +148,11 @@ class StepFlops:
         self.counts += 1
         total = mode.get_total_flops()
         if total > 0 and not mode.incomplete:
+            self._learn(key, total)
             self.record(key, total)
             dtype = mode.compute_dtype()
-            if dtype is not None and key in self._flops:
-                self._dtypes[key] = dtype
+            if dtype is not None and self.table_key(key) in self._flops:
+                self._dtypes[self.table_key(key)] = dtype
         else:
             self.skip(key)
 
@@ -334,3 +264,7 @@ def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     with mode:
         result = fn(*args, **kwargs)
     return result, int(mode.get_total_flops())
+
+
+__all__ = ["DEFAULT_MAX_SHAPES", "KEY_MAX_DEPTH", "KEY_MAX_ITEMS", "LOOSE", "NESTED", "StepFlops", "count_flops",
+           "countable", "peak_flops", "precision_key", "shape_key"]
