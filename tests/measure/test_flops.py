@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers import DifferentiatingModel
 from torchtrace.measure import flops as flops_mod
-from torchtrace.measure.flops import KEY_MAX_ITEMS, StepFlops, count_flops, shape_key
+from torchtrace.measure.flops import KEY_MAX_ITEMS, LOOSE, StepFlops, count_flops, shape_key
+from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.peaks import ACCELERATORS, PRECISIONS, find_accelerator, peak_flops, precision_key
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "throughput.md"
@@ -154,6 +155,21 @@ def test_a_list_the_step_appends_to_stops_deciding_the_key(where):
         got.append(_run_counted(cache, "train", step, *args, **({"losses": history} if where == "keyword" else {})))
     assert got == [2 * (4 if i % 3 else 16) * 8 * 4 for i in range(KEY_MAX_ITEMS + 8)]
     assert cache.counts <= 4 and cache.loose == {"train": frozenset({1})}
+
+
+def test_a_loose_key_is_the_tables_key_without_looking_at_the_loose_arguments():
+    class Untouchable:
+        def __getattribute__(self, name):
+            raise AssertionError("a loose argument was looked at")
+
+    cache = StepFlops()
+    cache.loose["train"] = frozenset({1, 3})
+    x, mask = torch.zeros(4, 3), torch.ones(4, 3, dtype=torch.bool)
+    args, kwargs = (x, [1.0] * 40, 7), {"history": [torch.zeros(2)] * 3, "mask": mask}
+    full = cache.table_key(("train", shape_key(args, kwargs)))
+    assert full[1] == loose_shape_key(args, kwargs, cache.loose["train"])
+    assert full[1][1] is LOOSE and full[1][3] is LOOSE and full[1][4] == ("mask", (mask.shape, mask.dtype))
+    assert loose_shape_key((x, Untouchable()), {"later": Untouchable()}, frozenset({1, 2}))[1:] == (LOOSE, LOOSE)
 
 
 def test_tensors_of_other_shapes_with_the_same_flops_are_still_counted_apart():

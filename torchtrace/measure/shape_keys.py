@@ -53,6 +53,22 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     return tuple(out)
 
 
+def loose_shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any], loose: frozenset[int]) -> Hashable:
+    """:func:`shape_key` with the entries at the ``loose`` positions (keyword arguments
+    numbered after the positional ones) as :data:`LOOSE`, their values not looked at: an
+    argument that grows every step (see :class:`torchtrace.measure.flops.StepFlops`) costs
+    nothing to key.
+
+    >>> loose_shape_key((torch.zeros(4, 3), [1.0, 2.0]), {}, frozenset({1}))
+    ((torch.Size([4, 3]), torch.float32), loose)
+    """
+    args = tuple([None if i in loose else v for i, v in enumerate(args[:KEY_MAX_ITEMS])])
+    if kwargs:
+        width = len(args)
+        kwargs = {k: None if width + i in loose else v for i, (k, v) in enumerate(kwargs.items())}
+    return tuple([LOOSE if i in loose else k for i, k in enumerate(shape_key(args, kwargs))])
+
+
 _TENSOR = torch.Tensor
 
 

@@ -26,6 +26,7 @@ from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, infer_batch
 from torchtrace.measure.flops import StepFlops, countable, shape_key
+from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
@@ -90,13 +91,16 @@ class RunThroughput:
         self._counting: Any = none_ref
 
     # ------------------------------------------------------------ step start and end
-    @staticmethod
-    def key_of(name: str, inputs: tuple | None, skip: int = 0) -> Hashable | None:
+    def key_of(self, name: str, inputs: tuple | None, skip: int = 0) -> Hashable | None:
         """The FLOP table's key of a step: its operation and its inputs' shapes, past the first
         ``skip`` positional inputs (a method's instance: a trainer whose fields change every
-        step, a growing list of losses, would make every step's key new)."""
+        step, a growing list of losses, would make every step's key new), without the
+        arguments the FLOP table learnt do not decide the operation's FLOPs."""
         if inputs is None:
             return None
+        loose = self.flops.loose  # empty unless some operation has such arguments
+        if loose and name in loose:
+            return (name, loose_shape_key(inputs[0][skip:] if skip else inputs[0], inputs[1], loose[name]))
         return (name, shape_key(inputs[0][skip:] if skip else inputs[0], inputs[1]))
 
     def start(self, scope: Any, outermost: bool) -> tuple[Hashable | None, StepClock | None, Any]:
