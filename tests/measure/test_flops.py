@@ -197,6 +197,20 @@ def test_lists_that_differ_in_their_items_are_not_a_list_that_grew():
     assert got[0] == got[1] and got[2] == 2 * got[0] and cache.loose == {}
 
 
+def test_a_1d_tensor_the_step_grows_stops_deciding_the_key():
+    """``losses = torch.cat([losses, loss[None]])`` passed back in every step."""
+    model = torch.nn.Linear(8, 4)
+    cache = StepFlops()
+    losses = torch.zeros(0)
+    got = []
+    for i in range(40):
+        rows = 4 if i % 2 else 16
+        got.append(_run_counted(cache, "train", lambda x, h: model(x).sum().backward(), torch.randn(rows, 8), losses))
+        losses = torch.cat([losses, torch.ones(1)])
+    assert got == [2 * 2 * (4 if i % 2 else 16) * 8 * 4 for i in range(40)]
+    assert cache.counts <= 4 and cache.loose == {"train": frozenset({1})}
+
+
 def test_a_batch_mapping_that_gains_a_field_is_not_a_list_that_grew():
     """Labels next to the inputs cost no counted FLOPs; the inputs' shapes still decide them."""
     linear = torch.nn.Linear(8, 4)

@@ -153,8 +153,9 @@ LOOSE = _Loose()
 def grown(a: Hashable, b: Hashable) -> bool:
     """True when ``a`` and ``b`` key one sequence at two lengths, the shorter's items the
     first of the longer's (a list the step appends to); a keyword argument's keys hold its
-    name first. Tensors' own shapes never count as grown: an image of 64 x 32 and one of
-    32 x 64 cost the same FLOPs, and a third size would not.
+    name first. So does a 1-d tensor of another length. Other tensors' shapes never count
+    as grown: an image of 64 x 32 and one of 32 x 64 cost the same FLOPs, and a third size
+    would not.
 
     >>> grown(shape_key(([1.0],), {})[0], shape_key(([1.0, 2.0],), {})[0])
     True
@@ -165,11 +166,18 @@ def grown(a: Hashable, b: Hashable) -> bool:
         if a[0] != b[0]:
             return False
         a, b = a[1], b[1]
+    if _vector(a) and _vector(b):  # a 1-d tensor the step grows (torch.cat of its losses)
+        return a[1] == b[1] and a[0] != b[0]
     one, two = _sequence(a), _sequence(b)
     if one is None or two is None or one[1] == two[1]:
         return False
     (short, _), (long, _) = sorted((one, two), key=lambda seq: seq[1])
     return long[:len(short)] == short
+
+
+def _vector(key: Hashable) -> bool:
+    """True for the key of a 1-d tensor: ``(torch.Size([n]), dtype)``."""
+    return type(key) is tuple and len(key) == 2 and isinstance(key[0], torch.Size) and len(key[0]) == 1
 
 
 def _sequence(key: Hashable) -> tuple[tuple, int] | None:
