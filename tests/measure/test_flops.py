@@ -197,6 +197,19 @@ def test_lists_that_differ_in_their_items_are_not_a_list_that_grew():
     assert got[0] == got[1] and got[2] == 2 * got[0] and cache.loose == {}
 
 
+def test_a_second_growing_argument_is_learnt_against_a_count_from_before_the_first():
+    """The only count with the same FLOPs was made before argument 1 was known to be loose:
+    it holds argument 1 as it was then, which says nothing about argument 2."""
+    x = torch.ones(1, 5)
+    cache = StepFlops()
+    cache.record(("train", shape_key((x, [1.0], []), {})), 100)  # counted while argument 1 still counted
+    cache.loose["train"] = frozenset({1})
+    key = ("train", shape_key((x, [1.0, 2.0], [1.0]), {}))
+    with cache.counting(key):
+        torch.mm(x, torch.ones(5, 10))  # 2 * 1 * 5 * 10 = 100 FLOPs
+    assert cache.loose == {"train": frozenset({1, 2})}
+
+
 def test_a_1d_tensor_the_step_grows_stops_deciding_the_key():
     """``losses = torch.cat([losses, loss[None]])`` passed back in every step."""
     model = torch.nn.Linear(8, 4)

@@ -116,15 +116,17 @@ class StepFlops:
         if type(key) is not tuple or len(key) != 2 or type(key[1]) is not tuple:
             return
         name, inner = key
-        if name not in self.loose and len(self.loose) >= MAX_LOOSE_OPERATIONS:
+        known = self.loose.get(name, frozenset())
+        if not known and len(self.loose) >= MAX_LOOSE_OPERATIONS:
             return
         for other, other_flops in self._flops.items():
             if other_flops != flops or type(other) is not tuple or len(other) != 2 or other[0] != name \
                     or type(other[1]) is not tuple or len(other[1]) != len(inner):
                 continue
-            positions = frozenset(i for i, (a, b) in enumerate(zip(inner, other[1])) if a != b)
+            # (an entry counted before some positions were loose holds them as they were then)
+            positions = frozenset(i for i, (a, b) in enumerate(zip(inner, other[1])) if a != b and i not in known)
             if positions and all(grown(inner[i], other[1][i]) for i in positions):
-                self.loose[name] = self.loose.get(name, frozenset()) | positions
+                self.loose[name] = known | positions
                 return
 
     @contextlib.contextmanager
@@ -150,9 +152,9 @@ class StepFlops:
         if total > 0 and not mode.incomplete:
             self._learn(key, total)
             self.record(key, total)
-            dtype = mode.compute_dtype()
-            if dtype is not None and self.table_key(key) in self._flops:
-                self._dtypes[self.table_key(key)] = dtype
+            key, dtype = self.table_key(key), mode.compute_dtype()
+            if dtype is not None and key in self._flops:
+                self._dtypes[key] = dtype
         else:
             self.skip(key)
 
