@@ -48,6 +48,33 @@ def test_tensor_batches_sum_to_the_dataset_length():
     assert all(s.tokens is None for s in seen)
 
 
+class Detection(Dataset):
+    """Images of different sizes with their boxes, as torchvision's detection datasets give them."""
+
+    def __len__(self) -> int:
+        return 11
+
+    def __getitem__(self, i: int):
+        boxes = torch.tensor([[0.0, 0.0, 4.0, 4.0]] * (1 + i % 3))
+        return torch.rand(3, 16 + i, 20 + 2 * i), {"boxes": boxes, "labels": torch.ones(len(boxes), dtype=torch.long)}
+
+
+@pytest.mark.parametrize("call", ["images, targets", "batch"])
+def test_detection_batches_count_images_not_channels(call):
+    """torchvision's reference collate, ``tuple(zip(*batch))``: a tuple of images and a tuple
+    of target dicts. Read by its first tensor, a batch was 3 samples (an image's channels)."""
+    model = torch.nn.Conv2d(3, 4, 3)
+    loader = DataLoader(Detection(), batch_size=4, collate_fn=lambda rows: tuple(zip(*rows)))
+    seen = []
+    for images, targets in loader:
+        args = (model, list(images), list(targets)) if call == "images, targets" else (model, (images, targets))
+        seen.append(infer_batch(args, {}).samples)
+    assert seen == [4, 4, 3] and sum(seen) == len(Detection())  # plain count of the images
+    # what is not such a pair reads as before: an (inputs, labels) list, a list of dicts alone
+    assert infer_batch(([torch.zeros(8, 3), torch.zeros(8)],), {}).samples == 8
+    assert infer_batch(([{"x": torch.zeros(5, 2)}, {"x": torch.zeros(5, 2)}],), {}).samples == 5
+
+
 @pytest.mark.parametrize("as_kwargs", [False, True])
 def test_padded_dict_batches_count_only_real_tokens(as_kwargs):
     data = Sequences(57)

@@ -12,6 +12,9 @@ Rules, in order (the first argument that gives an answer wins):
      samples = ``input_ids.shape[0]`` (1 for an unbatched 1-d sequence) and tokens =
      ``input_ids.numel()``, or, with an ``attention_mask`` of the same shape, the number of
      its non-zero entries, as a 0-d device tensor;
+   - a list of tensors beside a list of mappings of the same length (images and their
+     targets, torchvision's detection batch), as arguments or as the items of one tuple:
+     samples = that length;
    - any other mapping, tuple or list, or a dataclass instance: the rules applied to its
      values (a dataclass's fields, in order), first answer wins (``(inputs, labels)``
      batches, ``{"x": ..., "y": ...}`` batches, ``Batch(inputs=..., targets=...)``); a
@@ -102,6 +105,9 @@ def infer_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchSize:
             found = _from_mapping(kwargs, 0)
             if found is not None:
                 return found
+        found = _per_sample(args)
+        if found is not None:
+            return found
         for value in args:
             found = _infer(value, 0)
             if found is not None:
@@ -123,6 +129,9 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
     if isinstance(value, Mapping):
         return _from_mapping(value, depth)
     if isinstance(value, (tuple, list)):
+        found = _per_sample(value)
+        if found is not None:
+            return found
         for item in value[:MAX_ITEMS]:
             found = _infer(item, depth + 1)
             if found is not None:
@@ -137,6 +146,20 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
                 return found
     elif (shape := array_shape(value)) is not None:  # a NumPy array, a DataFrame: its first dimension
         return BatchSize(samples=shape[0]) if shape else None
+    return None
+
+
+def _per_sample(items: Any) -> BatchSize | None:
+    """Images and their targets, one per sample: a list of tensors beside a list of mappings
+    of the same length (torchvision's detection models take ``model(images, targets)``, and
+    its reference collate makes ``(images, targets)`` batches). Samples = that length; read
+    by the first tensor, it was the first image's channels."""
+    lists = [v for v in items[:MAX_ITEMS] if type(v) in (list, tuple) and v]
+    for images in lists:
+        if all(isinstance(t, torch.Tensor) for t in images[:MAX_ITEMS]):
+            for targets in lists:
+                if len(targets) == len(images) and all(isinstance(m, Mapping) for m in targets[:MAX_ITEMS]):
+                    return BatchSize(samples=len(images))
     return None
 
 
