@@ -119,7 +119,7 @@ class StepFlops:
         known = self.loose.get(name, frozenset())
         if not known and len(self.loose) >= MAX_LOOSE_OPERATIONS:
             return
-        for other, other_flops in self._flops.items():
+        for other, other_flops in list(self._flops.items()):  # (a copy: another step thread may count)
             if other_flops != flops or type(other) is not tuple or len(other) != 2 or other[0] != name \
                     or type(other[1]) is not tuple or len(other[1]) != len(inner):
                 continue
