@@ -57,6 +57,7 @@ from torchtrace.record.throughput import Finding, OperationWindow, RuleSettings,
 TRAIN, CHECKPOINT, EVALUATION, OTHER = "train", "checkpoint", "evaluation", "other"
 OPERATION_KINDS = (TRAIN, CHECKPOINT, EVALUATION, OTHER)
 MAX_OPERATIONS = 32  # operations with their own throughput window; later ones share none
+MAX_PEAKS = 4 * MAX_OPERATIONS  # operations with a peak FLOP/s of their own (later ones have no MFU)
 MAX_PENDING_REPLAYS = 64
 WINDOWLESS_DUE = 64  # an operation without a window (past MAX_OPERATIONS): its steps are booked every 64
 _KINDS = frozenset(OPERATION_KINDS)
@@ -273,7 +274,7 @@ class GoodputLedger:
     def set_peak(self, operation: str, peak_flops: float | None) -> None:
         """The peak FLOP/s of ``operation``'s device at the precision it computes in (None:
         not known); a configured ``peak_flops`` stays every operation's."""
-        if len(self._peaks) < 4 * MAX_OPERATIONS or operation in self._peaks:
+        if len(self._peaks) < MAX_PEAKS or operation in self._peaks:
             self._peaks[operation] = peak_flops
 
     def peak_of(self, operation: str) -> float | None:

@@ -28,13 +28,12 @@ from torchtrace.measure.batch import NOTHING, BatchSize, infer_batch
 from torchtrace.measure.flops import StepFlops, countable, shape_key
 from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
-from torchtrace.record.goodput import GoodputLedger
+from torchtrace.record.goodput import MAX_PEAKS, GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
 
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
-MAX_PEAKED = 128  # operations with a peak of their own (later ones have no MFU)
 
 
 def learning_rates(optimizer: Any) -> list[float] | None:
@@ -322,7 +321,7 @@ class RunThroughput:
         and dtype say which peak)."""
         if scope.model is None and self.ledger.peak_flops is None:
             return  # a later step of the operation may name its model
-        if len(self._peaked) < MAX_PEAKED:
+        if len(self._peaked) < MAX_PEAKS:  # the ledger keeps no more
             self._peaked.add(operation)
             if self.ledger.peak_flops is None:
                 self.ledger.set_peak(operation, self._peak(scope))
