@@ -58,7 +58,7 @@ FAULTS = {
     "gradient_norms": (gradients, "gradient_norms", {"gradients"}),
     "host_readout": (readout, "start", {"record"}),
     "span_start": (runtime_mod.Runtime, "at_step_boundary", {"step"}),
-    "throughput_start": (throughput_mod.RunThroughput, "key_of", {"step"}),
+    "throughput_start": (throughput_mod, "StepClock", {"step"}),  # the phase clock every step with a model makes
     "throughput_end": (throughput_mod.RunThroughput, "account", {"record"}),
     "history": (history.History, "add_step", {"record"}),
     "loss_rule": (rules, "evaluate_loss", {"record"}),

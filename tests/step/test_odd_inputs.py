@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 import torchtrace as tt
 from torchtrace import current
 from torchtrace.api import get_runtime
+from torchtrace.step import throughput as step_throughput
 from torchtrace.step.throughput import RunThroughput
 
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
@@ -129,7 +130,7 @@ def test_a_throughput_failure_costs_only_the_throughput_figures(tmp_path, tiny_m
         raise RuntimeError("planted")
 
     if where == "start":
-        monkeypatch.setattr(RunThroughput, "key_of", staticmethod(boom))
+        monkeypatch.setattr(step_throughput, "shape_key", boom)
     else:
         monkeypatch.setattr(RunThroughput, "account", boom)
     step = _train_step(tiny_model)

@@ -272,3 +272,9 @@ def token_count(value: float) -> int | None:
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def batch_of(inputs: tuple[tuple, dict] | None, skip: int = 0) -> BatchSize | None:
+    """The batch of a step's inputs ``(args, kwargs)``, past the first ``skip`` positional ones
+    (a method's instance); None without inputs."""
+    return infer_batch(inputs[0][skip:] if skip else inputs[0], inputs[1]) if inputs is not None else None

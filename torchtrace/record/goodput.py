@@ -326,17 +326,18 @@ class GoodputLedger:
     # ------------------------------------------------------------ internals
     def _book_pending(self) -> None:
         """Book every posted step, in order (the lock is held)."""
-        pending = self._pending
+        pending, book = self._pending, self._book
         while pending:
             try:
                 entry = pending.popleft()
             except IndexError:  # pragma: no cover - only this method pops, under the lock
                 break
-            self._book(*entry)
+            book(entry)
 
-    def _book(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
-              tokens: int | None, flops: int | None, kind: str, operation: str, wait: float | None,
-              device_cycle: float | None) -> None:
+    def _book(self, entry: tuple) -> None:
+        """Count one posted step (``post``'s fields and its data wait) and add it to its
+        operation's window."""
+        start, end, applied, excluded, samples, tokens, flops, kind, operation, wait, device_cycle = entry
         same_operation = self._last_operation == operation
         cursor = self._cursor
         gap = "data_wait" if self._started else "startup"
@@ -360,9 +361,11 @@ class GoodputLedger:
         window = self._windows.get(operation) or self._window(operation)
         if window is None or excluded:
             return
-        findings = window.add(end - start, wait if (same_operation and wait is not None) else 0.0,
-                              samples, tokens, flops, rules=kind == TRAIN,
-                              device_cycle=device_cycle if same_operation else None)
+        if same_operation:
+            findings = window.add(end - start, wait if wait is not None else 0.0, samples, tokens, flops,
+                                  kind == TRAIN, device_cycle)
+        else:
+            findings = window.add(end - start, 0.0, samples, tokens, flops, kind == TRAIN)
         if findings:
             self._found.extend(findings)
 

@@ -151,6 +151,10 @@ class OperationWindow:
 
         ``device_cycle`` (a GPU step's cycle in device time) is the time base of the rates and
         of the drop rule when given; the data wait and the stall rule stay on the host's clock.
+
+        Every step pays for this: the rules' per-step part (a rate, a waited flag) is kept
+        here, their judgement (a window's median, a stall's count) runs only on the steps that
+        could report something.
         """
         if duration < 0.0:
             duration = 0.0
@@ -159,13 +163,31 @@ class OperationWindow:
         cycle = duration + wait
         rated = device_cycle if device_cycle is not None and device_cycle > 0.0 else cycle
         self.entries.append((rated, wait, samples, tokens, flops, cycle))
-        self.seen += 1
+        self.seen = seen = self.seen + 1
         if not rules:
             return []
-        drop, stall = self._drop(rated, samples, tokens), self._stall(cycle, wait)
-        if drop is None and stall is None:
-            return []
-        return [f for f in (drop, stall) if f is not None]
+        s = self.settings
+        found = []
+        if seen > s.warmup_steps and rated > 0:  # throughput_drop: one rate per step after the warm-up
+            unit = self.unit
+            if unit is None:
+                self.unit = unit = "tokens" if tokens is not None else "samples" if samples is not None else "steps"
+            amount = tokens if unit == "tokens" else samples if unit == "samples" else 1
+            if amount is not None:
+                rates = self.rates
+                rates.append(amount / rated)
+                if len(rates) >= s.window:
+                    drop = self._judge_window()
+                    if drop is not None:
+                        found.append(drop)
+        waited = self.waited  # data_stall: whether this step waited
+        waited.append(cycle > 0 and (wait > s.stall_share * cycle and wait >= s.stall_min_wait_s
+                                     or wait > s.stall_seconds))
+        if waited[-1] and len(waited) >= s.stall_window:  # reported on a step that waited, once the window is full
+            stall = self._stall()
+            if stall is not None:
+                found.append(stall)
+        return found
 
     # ------------------------------------------------------------ windows
     def throughput(self, peak_flops: float | None = None) -> Throughput | None:
@@ -187,18 +209,9 @@ class OperationWindow:
                           waited / host if host > 0 else 0.0)
 
     # ------------------------------------------------------------ rules
-    def _drop(self, cycle: float, samples: int | None, tokens: int | None) -> Finding | None:
+    def _judge_window(self) -> Finding | None:
+        """A full window of rates: its median against the baseline (throughput_drop)."""
         s = self.settings
-        if self.seen <= s.warmup_steps or cycle <= 0:
-            return None
-        if self.unit is None:
-            self.unit = "tokens" if tokens is not None else "samples" if samples is not None else "steps"
-        amount = tokens if self.unit == "tokens" else samples if self.unit == "samples" else 1
-        if amount is None:
-            return None
-        self.rates.append(amount / cycle)
-        if len(self.rates) < s.window:
-            return None
         current = statistics.median(self.rates)
         self.rates = []
         finding = None
@@ -215,12 +228,9 @@ class OperationWindow:
         self.baseline.append(current)
         return finding
 
-    def _stall(self, cycle: float, wait: float) -> Finding | None:
+    def _stall(self) -> Finding | None:
+        """The stall window is full and its last step waited: a stall if enough of them did."""
         s = self.settings
-        self.waited.append(cycle > 0 and (wait > s.stall_share * cycle and wait >= s.stall_min_wait_s
-                                          or wait > s.stall_seconds))
-        if len(self.waited) < s.stall_window or not self.waited[-1]:
-            return None  # a stall is reported on a step that waited, once the window is full
         count = sum(self.waited)
         if count < s.stall_min_steps:
             return None

@@ -129,17 +129,17 @@ class DeviceCycles:
     loader, the loop's own work), which is the step's real throughput either way.
     """
 
-    __slots__ = ("_last",)
+    __slots__ = ("last",)
 
     def __init__(self) -> None:
-        self._last: tuple[str, Any] | None = None  # (operation, last mark) of the step finished before
+        self.last: tuple[str, Any] | None = None  # (operation, last mark) of the step finished before
 
     def cycle(self, operation: str, clock: StepClock | None) -> float | None:
         """Seconds from the step before's last mark to this step's (called once per finished
         step, in step order, after ``clock.phases()``); None on the host, for an operation's
         first step, after a step of another operation, or when a mark is missing."""
         end = clock.last if clock is not None and clock.cuda else None
-        last, self._last = self._last, ((operation, end) if end is not None else None)
+        last, self.last = self.last, ((operation, end) if end is not None else None)
         if last is None:
             return None
         seconds = None

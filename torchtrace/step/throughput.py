@@ -24,7 +24,7 @@ import torch
 
 from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
-from torchtrace.measure.batch import NOTHING, BatchSize, infer_batch
+from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
 from torchtrace.measure.flops import StepFlops, countable, shape_key
 from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
@@ -90,31 +90,31 @@ class RunThroughput:
         self._counting: Any = none_ref
 
     # ------------------------------------------------------------ step start and end
-    def key_of(self, name: str, inputs: tuple | None, skip: int = 0) -> Hashable | None:
-        """The FLOP table's key of a step: its operation and its inputs' shapes, past the first
-        ``skip`` positional inputs (a method's instance: a trainer whose fields change every
-        step, a growing list of losses, would make every step's key new), without the
-        arguments the FLOP table learnt do not decide the operation's FLOPs."""
-        if inputs is None:
-            return None
-        loose = self.flops.loose  # empty unless some operation has such arguments
-        if loose and name in loose:
-            return (name, loose_shape_key(inputs[0][skip:] if skip else inputs[0], inputs[1], loose[name]))
-        return (name, shape_key(inputs[0][skip:] if skip else inputs[0], inputs[1]))
-
     def start(self, scope: Any, outermost: bool) -> tuple[Hashable | None, StepClock | None, Any]:
         """At a step's start: its FLOP key, phase clock and FLOP counter (None unless this step
         counts). A failure here costs the step its throughput figures, never its record.
 
-        Every step pays for this, so a step like the one before (the same model and optimizer,
-        input shapes whose FLOPs and batch size are known) takes the shortest way: its key, one
-        lookup and a clock.
+        The FLOP table's key is the operation and its inputs' shapes, past the first
+        ``batch_skip`` positional inputs (a method's instance: a trainer whose fields change
+        every step would make every step's key new), without the arguments the FLOP table
+        learnt do not decide the operation's FLOPs (a growing list of losses). Every step pays
+        for this, so a step like the one before (the same model and optimizer, input shapes
+        whose FLOPs and batch size are known) takes the shortest way: its key, one lookup and a
+        clock.
         """
         try:
             inputs = scope.inputs
-            scope.flops_key = key = self.key_of(scope.name, inputs, scope.batch_skip)
+            name = scope.name
+            if inputs is None:
+                key = None
+            else:
+                skip, loose = scope.batch_skip, self.flops.loose
+                args = inputs[0][skip:] if skip else inputs[0]
+                key = (name, loose_shape_key(args, inputs[1], loose[name]) if loose and name in loose
+                       else shape_key(args, inputs[1]))
+            scope.flops_key = key
             scope.shape = shape = self._shapes.get(key) if key is not None else None
-            if scope.scaler is None and inputs is not None and scope.name not in self._no_scaler:
+            if scope.scaler is None and inputs is not None and name not in self._no_scaler:
                 self._find_scaler(scope, inputs)
             if scope.scaler is not None:
                 scope.scale_before = scale_at_start(scope.scaler)
@@ -208,8 +208,15 @@ class RunThroughput:
         count, whether a GradScaler skipped the update). ``given`` is what ``record_batch``
         said: it wins over what was inferred or counted.
         """
-        counted = self._close_counter(scope, counter, exc) if counter is not None else False
         shape = scope.shape
+        grads = scope.gradients
+        if counter is None and given is None and shape is not None and scope.scaler is None:
+            # The usual step: its shapes' FLOPs and batch size are known (a known batch size
+            # is never a device count: see _shape_of), nothing given, no loss scaler.
+            batch = shape[1]
+            lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
+            return batch.samples, batch.tokens, shape[0], False, lr
+        counted = self._close_counter(scope, counter, exc) if counter is not None else False
         flops, batch = shape if shape is not None else self._shape_of(scope)
         if given is not None:
             batch = (batch or NOTHING).with_overrides(samples=given[0], tokens=given[1])
@@ -230,7 +237,6 @@ class RunThroughput:
                 self.rt.errors.report("step", err)
         if given is not None and given[2] is not None:
             flops, counted = given[2], False
-        grads = scope.gradients
         lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
         return samples, tokens, flops, counted, lr
 
@@ -240,11 +246,11 @@ class RunThroughput:
         never will be) and the batch size is not a device count (a mask's)."""
         key = scope.flops_key
         if key is None:
-            return None, batch_of(scope.inputs, None, scope.batch_skip)
+            return None, batch_of(scope.inputs, scope.batch_skip)
         flops = self.flops.lookup(key)
         batch = self._batches.get(key)
         if batch is None:
-            batch = batch_of(scope.inputs, None, scope.batch_skip)
+            batch = batch_of(scope.inputs, scope.batch_skip)
             if not batch.pending and len(self._batches) < MAX_SHAPES:
                 self._batches[key] = batch
         if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES:
@@ -280,20 +286,24 @@ class RunThroughput:
         throughput rules' anomalies. (MFU, goodput and badput are read from the ledger when
         metrics are scraped.)"""
         clock = scope.clock
+        operation = record.operation
         if clock is not None:
             record.phases = clock.phases(scope.step_end)  # on CUDA once its events completed
-        device_cycle = self._cycles.cycle(record.operation, clock)
-        if record.flops is not None and record.operation not in self._peaked:
-            self._look_up_peak(scope, record.operation)
-        start = scope.started_at
+        cycles = self._cycles
+        # On the host there is no device cycle (DeviceCycles.cycle would say None): no call.
+        device_cycle = cycles.cycle(operation, clock) if cycles.last is not None or (
+            clock is not None and clock.cuda) else None
         flops = record.flops
+        if flops is not None and operation not in self._peaked:
+            self._look_up_peak(scope, operation)
+        start = scope.started_at
         record.data_wait_s, findings = self.ledger.post(
             start, start + record.duration_s,
             not (record.skipped or record.scaler_overflow) and record.exception_type is None,  # update applied
             record.flops_counted, record.samples, record.tokens, int(flops) if flops is not None else None,
-            record.kind, record.operation, device_cycle)
+            record.kind, operation, device_cycle)
         for finding in findings:
-            record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, record.operation,
+            record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation,
                                             dict(finding.data)))
 
     def book(self, start: float, end: float, kind: str, operation: str) -> None:
@@ -385,13 +395,4 @@ def drop_counter(counter: Any) -> None:
     counter.__exit__(RuntimeError, abandoned, None)
 
 
-def batch_of(inputs: tuple | None, given: tuple | None, skip: int = 0) -> BatchSize | None:
-    """The step's batch: inferred from its inputs (past the first ``skip`` positional ones, a
-    method's instance), with what ``record_batch`` gave in place."""
-    batch = infer_batch(inputs[0][skip:] if skip else inputs[0], inputs[1]) if inputs is not None else None
-    if given is not None:
-        batch = (batch or BatchSize()).with_overrides(samples=given[0], tokens=given[1])
-    return batch
-
-
-__all__ = ["RunThroughput", "StepClock", "batch_of", "drop_counter", "learning_rates"]
+__all__ = ["RunThroughput", "StepClock", "drop_counter", "learning_rates"]
