@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure import peaks
+from torchtrace.measure.flop_fit import FlopFits
 from torchtrace.measure.shape_keys import KEY_MAX_DEPTH, KEY_MAX_ITEMS, LOOSE, NESTED, countable, grown, shape_key
 
 #: How many distinct shape keys one counter counts. Past it, a step with a new shape gets
@@ -73,6 +74,7 @@ class StepFlops:
         self.counts = 0  # how many steps were counted
         self.failures = 0  # steps that raised in an op under the counter (their keys are skipped)
         self.loose: dict[Hashable, frozenset[int]] = {}  # operation -> key positions that do not decide FLOPs
+        self.fits = FlopFits()  # FLOPs of shapes never counted, from counts differing in one length
 
     def table_key(self, key: Hashable) -> Hashable:
         """``key`` as the table holds it: an ``(operation, shape key)`` with the operation's
@@ -85,17 +87,25 @@ class StepFlops:
         return key[0], tuple([LOOSE if i in positions else k for i, k in enumerate(key[1])])
 
     def lookup(self, key: Hashable) -> int | None:
-        """The FLOPs recorded for ``key``, or None."""
-        return self._flops.get(self.table_key(key))
+        """The FLOPs recorded for ``key``, or those a trusted fit gives it (see
+        :mod:`torchtrace.measure.flop_fit`), or None."""
+        key = self.table_key(key)
+        if key in self._flops:
+            return self._flops[key]
+        return self.fits.predict(key, spot_check=len(self._flops) < self.max_shapes)
 
     def compute_dtype(self, key: Hashable) -> torch.dtype | None:
         """The dtype most of ``key``'s counted FLOPs ran in (the operands' dtype: bfloat16 under a
-        bfloat16 autocast); None when it was not counted."""
-        return self._dtypes.get(self.table_key(key))
+        bfloat16 autocast), or that of the counts behind its fit; None when it was not counted."""
+        key = self.table_key(key)
+        dtype = self._dtypes.get(key)
+        return dtype if dtype is not None or key in self._flops else self.fits.dtype(key)
 
     def needs_count(self, key: Hashable) -> bool:
-        """True when ``key`` has no FLOPs yet and there is room to count it."""
-        return self.table_key(key) not in self._flops and len(self._flops) < self.max_shapes
+        """True when ``key`` has no FLOPs yet, no fit gives it any, and there is room to count it."""
+        key = self.table_key(key)
+        return key not in self._flops and len(self._flops) < self.max_shapes and \
+            self.fits.predict(key, spot_check=True) is None
 
     def skip(self, key: Hashable) -> None:
         """Never count ``key`` (its lookups give None); room permitting, like a count."""
@@ -155,6 +165,7 @@ class StepFlops:
             key, dtype = self.table_key(key), mode.compute_dtype()
             if dtype is not None and key in self._flops:
                 self._dtypes[key] = dtype
+            self.fits.add(key, total, dtype)
         else:
             self.skip(key)
 

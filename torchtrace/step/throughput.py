@@ -94,13 +94,9 @@ class RunThroughput:
         """At a step's start: its FLOP key, phase clock and FLOP counter (None unless this step
         counts). A failure here costs the step its throughput figures, never its record.
 
-        The FLOP table's key is the operation and its inputs' shapes, past the first
-        ``batch_skip`` positional inputs (a method's instance: a trainer whose fields change
-        every step would make every step's key new), without the arguments the FLOP table
-        learnt do not decide the operation's FLOPs (a growing list of losses). Every step pays
-        for this, so a step like the one before (the same model and optimizer, input shapes
-        whose FLOPs and batch size are known) takes the shortest way: its key, one lookup and a
-        clock.
+        The FLOP key: the operation and its inputs' shapes past ``batch_skip`` (a method's
+        instance), less the arguments the FLOP table learnt do not decide FLOPs (a growing
+        list). Every step pays for this: a step like the one before takes the shortest way.
         """
         try:
             inputs = scope.inputs
@@ -216,7 +212,12 @@ class RunThroughput:
             batch = shape[1]
             lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
             return batch.samples, batch.tokens, shape[0], False, lr
-        counted = self._close_counter(scope, counter, exc) if counter is not None else False
+        counted = False
+        if counter is not None:
+            ended = self.flops.fits.ended
+            counted = self._close_counter(scope, counter, exc)
+            if self.flops.fits.ended != ended:  # a count disagreed with a fit: forget what it gave
+                self._shapes.clear()
         flops, batch = shape if shape is not None else self._shape_of(scope)
         if given is not None:
             batch = (batch or NOTHING).with_overrides(samples=given[0], tokens=given[1])

@@ -1,0 +1,267 @@
+"""FLOPs of shapes never counted, from the counts of shapes that differ in one length only.
+
+A loop that pads each batch to its longest sequence (the default of most collators) gives
+every step a new shape: counted one shape at a time, each first step of a length runs under
+the FLOP counter (several times slower) until the table is full, and every step after that
+has no FLOPs, so no FLOP/s and no MFU. But a model's counted FLOPs are a polynomial of such a
+length: linear layers are linear in it, attention is quadratic. :class:`FlopFits` finds
+counted shapes that differ only in one length (the same value at every position where they
+differ: a sequence length that the ids, the mask and the labels share), fits FLOPs as a
+quadratic of that length through three counts, and trusts the fit only once further counts
+match it exactly (FLOP counts are integers; a quadratic that three of them fix and two more
+confirm is the model's, not a coincidence). From then on a shape of that family gets its
+FLOPs from the fit, without the counter, except every 8th new length while the table has
+room, which is counted all the same; a count that disagrees with a fit ends it for good.
+
+Shapes whose counts no quadratic matches exactly (a strided convolution: its FLOPs are a step
+function of the image size) are counted while the table has room; once it is full, a
+least-squares quadratic through the counts gives their FLOPs when it is within 2 % of every
+count (else they have none, as before).
+
+Shapes differing in two lengths at once (a last batch both shorter and smaller) form no
+family and are counted as before.
+
+>>> import torch
+>>> fits = FlopFits()
+>>> def key(n): return ("step", ((torch.Size([8, n]), torch.int64),))
+>>> for n in (10, 20, 30, 40, 50):
+...     fits.add(key(n), 8 * (6 * n + n * n), torch.float32)
+>>> fits.predict(key(64)) == 8 * (6 * 64 + 64 * 64)
+True
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any, Hashable
+
+import torch
+
+MAX_STRUCTURES = 64  # shapes of different structure (tensors, ranks, dtypes) with counts kept
+MAX_POINTS = 64  # counts kept per structure
+MAX_FAMILIES = 16  # families tried per structure
+FIT_POINTS = 3  # counts a quadratic is fitted through
+CONFIRM_POINTS = 2  # further counts it must match exactly before it is used
+APPROXIMATE = 0.02  # a least-squares quadratic within 2 % of every count stands in when no exact one fits
+SPOT_CHECK = 8  # of the lengths a fit gives FLOPs, every 8th is counted all the same while there is room
+MAX_ASKED = 1024  # lengths remembered per family (past that many, no more spot checks)
+
+_SIZE = torch.Size
+
+
+def split_key(key: Hashable) -> tuple[Hashable, tuple[int, ...]] | None:
+    """``(structure, lengths)``: the key with every tensor dimension replaced by a mark, and
+    the dimensions in order. None for a key without a tensor dimension."""
+    dims: list[int] = []
+    structure = _walk(key, dims)
+    return (structure, tuple(dims)) if dims else None
+
+
+def _walk(value: Any, dims: list[int]) -> Hashable:
+    kind = type(value)
+    if kind is _SIZE:
+        dims.extend(value)
+        return ("dims", len(value))
+    if kind is tuple:
+        return tuple([_walk(v, dims) for v in value])
+    return value
+
+
+class _Family:
+    """Counts whose lengths are fixed outside ``positions`` and share one value inside them."""
+
+    __slots__ = ("positions", "fixed", "points", "dtype", "coefficients", "inexact", "approximate", "dead",
+                 "asked")
+
+    def __init__(self, positions: frozenset[int], fixed: tuple[int, ...], dtype: torch.dtype | None) -> None:
+        self.positions = positions
+        self.fixed = fixed  # the lengths outside ``positions``, in order
+        self.points: dict[int, int] = {}  # the shared length -> counted FLOPs
+        self.dtype = dtype
+        self.coefficients: tuple[Fraction, Fraction, Fraction] | None = None  # a0 + a1 n + a2 n^2, once trusted
+        self.inexact = False  # no quadratic matches every count exactly
+        self.approximate: tuple[float, float, float] | None = None  # then: least squares, within APPROXIMATE
+        self.dead = False  # counts in two dtypes: never used
+        self.asked: dict[int, bool] = {}  # lengths the fit was asked for -> counted all the same (spot check)
+
+    def length_of(self, dims: tuple[int, ...]) -> int | None:
+        """The shared length of ``dims`` when they belong here, else None."""
+        shared = None
+        outside = []
+        for i, d in enumerate(dims):
+            if i in self.positions:
+                if shared is None:
+                    shared = d
+                elif d != shared:
+                    return None
+            else:
+                outside.append(d)
+        return shared if tuple(outside) == self.fixed else None
+
+    def add(self, n: int, flops: int, dtype: torch.dtype | None) -> None:
+        if self.dead:
+            return
+        if dtype != self.dtype:
+            self.dead = True
+            return
+        if self.points.get(n, flops) != flops or (self.coefficients is not None and self.value(n) != flops):
+            self.coefficients, self.inexact = None, True
+        if len(self.points) < MAX_POINTS:
+            self.points[n] = flops
+        if len(self.points) >= FIT_POINTS + CONFIRM_POINTS:
+            if not self.inexact and self.coefficients is None:
+                self._fit()
+            if self.inexact:
+                self.approximate = _least_squares(self.points)
+
+    def _fit(self) -> None:
+        (x0, y0), (x1, y1), (x2, y2) = sorted(self.points.items())[:FIT_POINTS]
+        # Newton's divided differences: exact over the rationals.
+        d01 = Fraction(y1 - y0, x1 - x0)
+        d12 = Fraction(y2 - y1, x2 - x1)
+        a2 = (d12 - d01) / (x2 - x0)
+        a1 = d01 - a2 * (x0 + x1)
+        a0 = y0 - a1 * x0 - a2 * x0 * x0
+        coefficients = (Fraction(a0), a1, a2)
+        if all(_poly(coefficients, n) == f for n, f in self.points.items()):
+            self.coefficients = coefficients
+        else:
+            self.inexact = True
+
+    def value(self, n: int, spot_check: bool = False) -> int | None:
+        """FLOPs at length ``n``: counted, or from the exact fit; with ``spot_check``, None for
+        every SPOT_CHECK-th length asked for (always the same ones): that step is counted, and
+        a count that disagrees ends the exact fit (a model whose FLOPs only looked quadratic on
+        the first lengths, a strided convolution's at sizes of another parity). Without an
+        exact fit, the approximate one, but only without ``spot_check`` (no room to count)."""
+        if self.dead:
+            return None
+        if n in self.points:
+            return self.points[n]
+        if self.coefficients is None:
+            if self.approximate is None or spot_check:
+                return None
+            v = round(_poly(self.approximate, n))
+            return v if v > 0 else None
+        check = self.asked.get(n)
+        if check is None and len(self.asked) < MAX_ASKED:
+            check = self.asked[n] = len(self.asked) % SPOT_CHECK == SPOT_CHECK - 1
+        if check and spot_check:
+            return None
+        v = _poly(self.coefficients, n)
+        return int(v) if v.denominator == 1 and v > 0 else None
+
+
+def _poly(c: tuple, n: int) -> Any:
+    return c[0] + c[1] * n + c[2] * n * n
+
+
+def _least_squares(points: dict[int, int]) -> tuple[float, float, float] | None:
+    """The quadratic nearest the counts (least squares, float64), when it is within
+    APPROXIMATE of every one of them; else None."""
+    xs = list(points)
+    scale = max(xs)  # lengths scaled to at most 1: the normal equations stay well conditioned
+    rows = [(1.0, x / scale, (x / scale) ** 2) for x in xs]
+    ys = [float(points[x]) for x in xs]
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    aty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(3)]
+    solved = _solve3(ata, aty)
+    if solved is None:
+        return None
+    c = (solved[0], solved[1] / scale, solved[2] / scale ** 2)
+    if all(abs(_poly(c, x) - y) <= APPROXIMATE * y for x, y in zip(xs, ys)):
+        return c
+    return None
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """``m x = v`` for a 3 x 3 ``m`` (Cramer's rule); None when ``m`` is singular."""
+    def det(a: list[list[float]]) -> float:
+        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+    d = det(m)
+    if d == 0.0:
+        return None
+    return [det([[v[r] if c == k else m[r][c] for c in range(3)] for r in range(3)]) / d for k in range(3)]
+
+
+class FlopFits:
+    """Counted FLOPs by key structure, and the quadratic families found among them (see the module).
+
+    Not thread-safe: one per :class:`~torchtrace.measure.flops.StepFlops`.
+    """
+
+    def __init__(self) -> None:
+        # structure -> (counted lengths -> (FLOPs, dtype)), and the families found in them
+        self._points: dict[Hashable, dict[tuple[int, ...], tuple[int, torch.dtype | None]]] = {}
+        self._families: dict[Hashable, list[_Family]] = {}
+        self.ended = 0  # exact fits a count disagreed with: FLOPs given from them before may be off
+
+    def add(self, key: Hashable, flops: int, dtype: torch.dtype | None) -> None:
+        """A count: ``key``'s FLOPs (and the dtype most of them ran in)."""
+        split = split_key(key)
+        if split is None:
+            return
+        structure, dims = split
+        points = self._points.get(structure)
+        if points is None:
+            if len(self._points) >= MAX_STRUCTURES:
+                return
+            points = self._points[structure] = {}
+        families = self._families.setdefault(structure, [])
+        existing = list(families)
+        if len(points) < MAX_POINTS:
+            points[dims] = (flops, dtype)
+        for family in existing:
+            n = family.length_of(dims)
+            if n is not None:
+                trusted = family.coefficients is not None
+                family.add(n, flops, dtype)
+                if trusted and family.coefficients is None:
+                    self.ended += 1
+        for other in list(points):
+            if other != dims:
+                self._found(structure, families, dims, other)
+
+    def _found(self, structure: Hashable, families: list[_Family], dims: tuple[int, ...],
+               other: tuple[int, ...]) -> None:
+        """A family of ``dims`` and an earlier count ``other``, if they make a new one."""
+        if len(dims) != len(other) or len(families) >= MAX_FAMILIES:
+            return
+        positions = frozenset(i for i, (a, b) in enumerate(zip(dims, other)) if a != b)
+        if not positions or len({dims[i] for i in positions}) != 1 or len({other[i] for i in positions}) != 1:
+            return
+        fixed = tuple(d for i, d in enumerate(dims) if i not in positions)
+        if any(f.positions == positions and f.fixed == fixed for f in families):
+            return
+        first = self._points[structure][other]
+        family = _Family(positions, fixed, first[1])
+        families.append(family)
+        for counted, (flops, dtype) in self._points[structure].items():  # every count that belongs, this one too
+            n = family.length_of(counted)
+            if n is not None:
+                family.add(n, flops, dtype)
+
+    def predict(self, key: Hashable, spot_check: bool = False) -> int | None:
+        """``key``'s FLOPs from a trusted family, or None (with ``spot_check``: also None for
+        the lengths kept for a spot check; see :meth:`_Family.value`)."""
+        hit = self._family_of(key)
+        return hit[0].value(hit[1], spot_check) if hit is not None else None
+
+    def dtype(self, key: Hashable) -> torch.dtype | None:
+        """The dtype of the counts behind ``key``'s prediction, or None."""
+        hit = self._family_of(key)
+        return hit[0].dtype if hit is not None else None
+
+    def _family_of(self, key: Hashable) -> tuple[_Family, int] | None:
+        if not self._families:
+            return None
+        split = split_key(key)
+        if split is None:
+            return None
+        for family in self._families.get(split[0], ()):
+            if (family.coefficients is not None or family.approximate is not None) and not family.dead:
+                n = family.length_of(split[1])
+                if n is not None:
+                    return family, n
+        return None
