@@ -426,3 +426,57 @@ def test_a_compiled_trainer_model_keeps_its_telemetry(tmp_path):
     assert all(semconv.FLOPS in s["attributes"] for s in spans)
     phases = [k for k in spans[-1]["attributes"] if k.startswith("torchtrace.phase.")]
     assert phases == ["torchtrace.phase.optimizer_s"]
+
+
+def test_a_plain_loop_over_gpt2_padded_to_the_longest_gets_every_steps_flops(tmp_path):
+    """A Hugging Face model in the user's own loop (no Trainer), each batch padded to its
+    longest sequence: nearly every step a new shape. Every step's FLOPs equal FlopCounterMode's
+    on that step, with far fewer counted steps than shapes (before: 32 counted, every later
+    shape without FLOPs)."""
+    import copy
+    import random
+
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import BatchEncoding, GPT2Config, GPT2LMHeadModel
+
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=128,
+                                       bos_token_id=0, eos_token_id=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def collate(lengths):
+        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lengths):
+            ids[i, :n] = torch.randint(1, 64, (n,))
+            mask[i, :n] = 1
+        return BatchEncoding({"input_ids": ids, "attention_mask": mask, "labels": ids.clone()})
+
+    def step_of(m, o):
+        def train_step(batch):
+            o.zero_grad()
+            out = m(**batch)
+            out.loss.backward()
+            o.step()
+            return out.loss
+        return train_step
+
+    step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(step_of(model, opt))
+    rng = random.Random(0)
+    batches = [collate([rng.randint(3, 120) for _ in range(4)]) for _ in range(70)]
+    for batch in batches:
+        step(batch)
+    rt = tt.api.get_runtime()
+    records = rt.history.steps()[-len(batches):]
+    reference = {}
+    for batch in batches:
+        shape = tuple(batch["input_ids"].shape)
+        if shape not in reference:
+            twin = copy.deepcopy(model)
+            with FlopCounterMode(display=False) as counter:
+                step_of(twin, torch.optim.AdamW(twin.parameters(), lr=1e-3))(batch)
+            reference[shape] = counter.get_total_flops()
+    assert len(reference) > 32
+    assert [r.get("flops") for r in records] == [reference[tuple(b["input_ids"].shape)] for b in batches]
+    assert rt.throughput.flops.counts <= 5 + 2 + len(reference) // 8 + 1

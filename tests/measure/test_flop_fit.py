@@ -244,3 +244,39 @@ def test_a_size_fitted_before_a_spot_check_disagreed_is_counted_when_it_comes_ag
     assert rt.throughput.flops.fits.ended == 1  # the 8th length the fit was asked for (109) was counted
     assert flops[first] != reference and abs(flops[first] / reference - 1) < 0.10  # the fit's, before
     assert flops[again] == reference  # counted, after
+
+
+def test_a_memory_bank_that_grows_every_step_keeps_its_flops(tmp_path):
+    """A step passed a 2-d tensor that grows by a row each step (a queue of past embeddings
+    for a contrastive loss): every step a new shape. Its FLOPs are linear in the rows (a
+    quadratic with no square term), so a fit covers it: every step's FLOPs, few counts."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step_of(m, o):
+        def train_step(x, bank):
+            o.zero_grad()
+            z = m(x)
+            (z @ bank.T).logsumexp(dim=1).mean().backward()  # against every row of the bank
+            o.step()
+        return train_step
+
+    step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(step_of(model, opt))
+    x, bank = torch.randn(8, 16), torch.randn(4, 16)
+    banks = []
+    for _ in range(60):
+        step(x, bank)
+        banks.append(bank)
+        bank = torch.cat([bank, torch.randn(1, 16)])
+    rt = get_runtime()
+    flops = [r.get("flops") for r in rt.history.steps()[-60:]]
+    reference = []
+    for b in banks:
+        twin = copy.deepcopy(model)
+        with FlopCounterMode(display=False) as counter:
+            step_of(twin, torch.optim.SGD(twin.parameters(), lr=0.01))(x, b)
+        reference.append(counter.get_total_flops())
+    assert flops == reference
+    assert rt.throughput.flops.counts <= FIT_POINTS + CONFIRM_POINTS + 60 // SPOT_CHECK + 1
