@@ -104,7 +104,8 @@ class _Family:
         if dtype != self.dtype:
             self.dead = True
             return
-        if self.points.get(n, flops) != flops or (self.coefficients is not None and self.value(n) != flops):
+        exact = self.coefficients
+        if self.points.get(n, flops) != flops or (exact is not None and _poly(exact, n) != flops):
             self.coefficients, self.inexact = None, True
         if len(self.points) < MAX_POINTS:
             self.points[n] = flops
