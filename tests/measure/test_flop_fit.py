@@ -46,6 +46,19 @@ def test_a_quadratic_in_the_shared_length_is_trusted_after_two_confirming_counts
     assert fits.predict(_key((4, 100), (4, 99), (4, 100))) is None  # lengths that differ: no family
 
 
+def test_lengths_beyond_those_counted_are_counted_while_there_is_room():
+    """A quadratic found on short sequences need not hold for long ones (attention within a
+    sliding window of 64 is linear past it): a length beyond the counted ones is counted,
+    and its count ends the fit; without room to count, the fit answers."""
+    fits = FlopFits()
+    flops = lambda n: 4 * min(n, 64) * n + 100 * n  # noqa: E731 - a window of 64
+    _fill(fits, [10, 20, 30, 40, 50], flops, lambda n: [(2, n)])
+    assert fits.predict(_key((2, 200)), spot_check=True) is None  # counted
+    assert fits.predict(_key((2, 200))) == 4 * 200 * 200 + 100 * 200  # what the fit says (wrong there)
+    fits.add(_key((2, 200)), flops(200), torch.float32)
+    assert fits.ended == 1 and fits.predict(_key((2, 45)), spot_check=True) is None
+
+
 def test_flops_that_are_no_quadratic_are_never_predicted():
     fits = FlopFits()
     _fill(fits, [8, 16, 24, 32, 40, 48], lambda n: n ** 3 + n, lambda n: [(2, n)])
@@ -58,7 +71,7 @@ def test_a_count_that_disagrees_ends_the_exact_fit_for_good():
     fits = FlopFits()
     flops = lambda n: 3 * n * n + 5 * n  # noqa: E731
     _fill(fits, [10, 20, 30, 40, 50], flops, lambda n: [(2, n)])
-    assert fits.predict(_key((2, 80)), spot_check=True) == fits.predict(_key((2, 80))) == flops(80)
+    assert fits.predict(_key((2, 35)), spot_check=True) == fits.predict(_key((2, 35))) == flops(35)
     fits.add(_key((2, 70)), flops(70) + 1, torch.float32)
     _fill(fits, [60, 90], flops, lambda n: [(2, n)])  # agreeing counts after it do not revive it
     assert fits.predict(_key((2, 80)), spot_check=True) is None
@@ -86,7 +99,7 @@ def test_every_eighth_new_length_is_kept_for_a_spot_check():
     fits = FlopFits()
     flops = lambda n: n * n + n  # noqa: E731
     _fill(fits, [10, 20, 30, 40, 50], flops, lambda n: [(2, n)])
-    asked = list(range(100, 100 + 3 * SPOT_CHECK))
+    asked = [n for n in range(11, 50) if n % 10][:3 * SPOT_CHECK]  # within the lengths counted
     checked = [n for n in asked if fits.predict(_key((2, n)), spot_check=True) is None]
     assert checked == asked[SPOT_CHECK - 1::SPOT_CHECK]
     assert all(fits.predict(_key((2, n))) == flops(n) for n in asked)  # without room to count: the fit

@@ -10,8 +10,11 @@ differ: a sequence length that the ids, the mask and the labels share), fits FLO
 quadratic of that length through three counts, and trusts the fit only once further counts
 match it exactly (FLOP counts are integers; a quadratic that three of them fix and two more
 confirm is the model's, not a coincidence). From then on a shape of that family gets its
-FLOPs from the fit, without the counter, except every 8th new length while the table has
-room, which is counted all the same; a count that disagrees with a fit ends it for good.
+FLOPs from the fit, without the counter, except, while the table has room, lengths further
+from those counted than their span (a quadratic found on short sequences need not hold for
+far longer ones: a sliding attention window; a history that keeps growing is counted at
+about every doubling) and every 8th new length, which are counted all the same; a count
+that disagrees with a fit ends it for good.
 
 Shapes whose counts no quadratic matches exactly (a strided convolution: its FLOPs are a step
 function of the image size) are counted while the table has room; once it is full, a
@@ -130,9 +133,10 @@ class _Family:
             self.inexact = True
 
     def value(self, n: int, spot_check: bool = False) -> int | None:
-        """FLOPs at length ``n``: counted, or from the exact fit; with ``spot_check``, None for
-        every SPOT_CHECK-th length asked for (always the same ones): that step is counted, and
-        a count that disagrees ends the exact fit (a model whose FLOPs only looked quadratic on
+        """FLOPs at length ``n``: counted, or from the exact fit; with ``spot_check`` (room to
+        count), None further from the counted lengths than their span, and for every
+        SPOT_CHECK-th length asked for (always the same ones): those steps are counted, and a
+        count that disagrees ends the exact fit (a model whose FLOPs only looked quadratic on
         the first lengths, a strided convolution's at sizes of another parity). Without an
         exact fit, the approximate one, but only without ``spot_check`` (no room to count)."""
         if self.dead:
@@ -144,6 +148,9 @@ class _Family:
                 return None
             v = round(_poly(self.approximate, n))
             return v if v > 0 else None
+        lo, hi = min(self.points), max(self.points)
+        if spot_check and not lo - (hi - lo) <= n <= hi + (hi - lo):
+            return None  # far beyond the lengths counted, where a quadratic may stop holding: counted
         check = self.asked.get(n)
         if check is None and len(self.asked) < MAX_ASKED:
             check = self.asked[n] = len(self.asked) % SPOT_CHECK == SPOT_CHECK - 1
