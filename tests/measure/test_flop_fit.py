@@ -95,13 +95,13 @@ def test_counts_in_another_dtype_are_another_family():
     assert fits.predict(_key((2, 70))) is None
 
 
-def test_every_eighth_new_length_is_kept_for_a_spot_check():
+def test_the_8th_16th_32nd_new_length_are_kept_for_a_spot_check():
     fits = FlopFits()
     flops = lambda n: n * n + n  # noqa: E731
-    _fill(fits, [10, 20, 30, 40, 50], flops, lambda n: [(2, n)])
-    asked = [n for n in range(11, 50) if n % 10][:3 * SPOT_CHECK]  # within the lengths counted
+    _fill(fits, [10, 200, 300, 400, 500], flops, lambda n: [(2, n)])
+    asked = [n for n in range(11, 500) if n % 100][:70]  # within the lengths counted
     checked = [n for n in asked if fits.predict(_key((2, n)), spot_check=True) is None]
-    assert checked == asked[SPOT_CHECK - 1::SPOT_CHECK]
+    assert checked == [asked[i - 1] for i in (SPOT_CHECK, 2 * SPOT_CHECK, 4 * SPOT_CHECK, 8 * SPOT_CHECK)]
     assert all(fits.predict(_key((2, n))) == flops(n) for n in asked)  # without room to count: the fit
     assert [n for n in asked if fits.predict(_key((2, n)), spot_check=True) is None] == checked  # the same ones
 
@@ -181,7 +181,7 @@ def test_a_loop_padding_to_the_longest_gets_every_steps_flops_with_few_counts(tm
     assert [r.get("flops") for r in records] == [reference[n] for n in lengths]  # every step, exactly
     counted = rt.throughput.flops.counts
     distinct = len(set(lengths))
-    # the counts that found and confirmed the fit, then one in SPOT_CHECK of the new lengths
+    # the counts that found and confirmed the fit, lengths beyond the counted span, the spot checks
     assert counted <= FIT_POINTS + CONFIRM_POINTS + 2 + distinct // SPOT_CHECK + 1, (counted, distinct)
     tp = rt.throughput.ledger.throughput("train_step")
     assert tp.flops_per_s is not None and tp.flops_per_s > 0

@@ -13,8 +13,8 @@ confirm is the model's, not a coincidence). From then on a shape of that family 
 FLOPs from the fit, without the counter, except, while the table has room, lengths further
 from those counted than their span (a quadratic found on short sequences need not hold for
 far longer ones: a sliding attention window; a history that keeps growing is counted at
-about every doubling) and every 8th new length, which are counted all the same; a count
-that disagrees with a fit ends it for good.
+about every doubling) and the 8th, 16th, 32nd, ... new length, which are counted all the
+same; a count that disagrees with a fit ends it for good.
 
 Shapes whose counts no quadratic matches exactly (a strided convolution: its FLOPs are a step
 function of the image size) are counted while the table has room; once it is full, a
@@ -46,7 +46,7 @@ MAX_FAMILIES = 16  # families tried per structure
 FIT_POINTS = 3  # counts a quadratic is fitted through
 CONFIRM_POINTS = 2  # further counts it must match exactly before it is used
 APPROXIMATE = 0.02  # a least-squares quadratic within 2 % of every count stands in when no exact one fits
-SPOT_CHECK = 8  # of the lengths a fit gives FLOPs, every 8th is counted all the same while there is room
+SPOT_CHECK = 8  # the 8th, 16th, 32nd, ... length a fit is asked for is counted all the same (room permitting)
 MAX_ASKED = 1024  # lengths remembered per family (past that many, no more spot checks)
 
 _SIZE = torch.Size
@@ -134,11 +134,11 @@ class _Family:
 
     def value(self, n: int, spot_check: bool = False) -> int | None:
         """FLOPs at length ``n``: counted, or from the exact fit; with ``spot_check`` (room to
-        count), None further from the counted lengths than their span, and for every
-        SPOT_CHECK-th length asked for (always the same ones): those steps are counted, and a
-        count that disagrees ends the exact fit (a model whose FLOPs only looked quadratic on
-        the first lengths, a strided convolution's at sizes of another parity). Without an
-        exact fit, the approximate one, but only without ``spot_check`` (no room to count)."""
+        count), None further from the counted lengths than their span and for the spot checks
+        (:func:`_spot_check`, always the same lengths): those steps are counted, and a count
+        that disagrees ends the exact fit (a model whose FLOPs only looked quadratic on the
+        first lengths, a strided convolution's at sizes of another parity). Without an exact
+        fit, the approximate one, but only without ``spot_check`` (no room to count)."""
         if self.dead:
             return None
         if n in self.points:
@@ -153,11 +153,18 @@ class _Family:
             return None  # far beyond the lengths counted, where a quadratic may stop holding: counted
         check = self.asked.get(n)
         if check is None and len(self.asked) < MAX_ASKED:
-            check = self.asked[n] = len(self.asked) % SPOT_CHECK == SPOT_CHECK - 1
+            check = self.asked[n] = _spot_check(len(self.asked) + 1)
         if check and spot_check:
             return None
         v = _poly(self.coefficients, n)
         return int(v) if v.denominator == 1 and v > 0 else None
+
+
+def _spot_check(i: int) -> bool:
+    """Whether the ``i``-th length a fit is asked for (from 1) is counted all the same: the
+    SPOT_CHECK-th and every doubling of it (8, 16, 32, ...), so that a fit that keeps holding
+    costs fewer counts the longer it holds."""
+    return i >= SPOT_CHECK and i % SPOT_CHECK == 0 and (i // SPOT_CHECK) & (i // SPOT_CHECK - 1) == 0
 
 
 def _poly(c: tuple, n: int) -> Any:
