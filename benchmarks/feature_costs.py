@@ -2,8 +2,9 @@
 
 ``overhead.py`` times the features as a whole (BASIC against BASIC without them). A part's
 own cost cannot be timed apart from the step around it: timed alone (a loop calling one
-function), every part here ran 4 to 10 times faster than it costs inside a training step,
-where the step's own work has pushed torchtrace's code and data out of the caches. So each
+function), the ledger's booking and the metric update ran 4 and 10 times faster than they
+cost inside a training step, where the step's own work has pushed torchtrace's code and
+data out of the caches (measured 2026-11-27, benchmarks/RESULTS.md). So each
 part is stubbed in turn, in a process of its own, and the features are timed again with it
 stubbed: the difference to the run with nothing stubbed is what the part costs where it runs.
 
