@@ -120,10 +120,11 @@ def test_a_step_whose_start_fails_leaves_no_span_context_or_counter_behind(tmp_p
     assert rt.errors.by_component == {"step": 1}
 
 
-@pytest.mark.parametrize("where", ["start", "end"])
+@pytest.mark.parametrize("where", ["start", "finish", "end"])
 def test_a_throughput_failure_costs_only_the_throughput_figures(tmp_path, tiny_model, monkeypatch, where):
-    """At the step's start (its shape key) or its end (the goodput booking): the step's record
-    is still there, with its loss. Before, a failure at the end lost the whole record."""
+    """At the step's start (its shape key), as it finishes (its batch, FLOPs and learning
+    rates) or at its end (the goodput booking): the step's record is still there, with its
+    loss. Before, a failure at the end, and one as it finished, lost the whole record."""
     _configure(tmp_path, strict=False)
 
     def boom(*args):
@@ -131,16 +132,21 @@ def test_a_throughput_failure_costs_only_the_throughput_figures(tmp_path, tiny_m
 
     if where == "start":
         monkeypatch.setattr(step_throughput, "shape_key", boom)
+    elif where == "finish":
+        monkeypatch.setattr(RunThroughput, "finish_step", boom)
     else:
         monkeypatch.setattr(RunThroughput, "account", boom)
     step = _train_step(tiny_model)
 
     losses = [step(torch.ones(4, 8)).item() for _ in range(2)]
+    assert _get_current_dispatch_mode() is None  # no FLOP counter left open
     records = _records("train_step")
     assert [r["loss"] for r in records] == pytest.approx(losses)
     if where == "start":
         assert all(r.get("flops") is None and r.get("phases") is None for r in records)
-    assert get_runtime().errors.by_component == {"step" if where == "start" else "record": 2}
+    if where == "finish":
+        assert all(r.get("flops") is None and r.get("samples") is None for r in records)
+    assert get_runtime().errors.by_component == {"record" if where == "end" else "step": 2}
 
 
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])

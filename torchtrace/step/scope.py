@@ -290,8 +290,17 @@ class StepScope:
     def _finish(self, rt: Any, exc: BaseException | None, duration: float, end_ns: int, t0: float) -> None:
         self._restore()
         plan = ReadPlan()
-        throughput = rt.throughput.finish_step(self, self._flops_counter, exc, self._batch, plan) \
-            if self.features.throughput else None
+        throughput = None
+        if self.features.throughput:
+            try:
+                throughput = rt.throughput.finish_step(self, self._flops_counter, exc, self._batch, plan)
+            except Exception as terr:  # costs the step its throughput figures, never its record
+                rt.errors.report("step", terr)
+                if self._flops_counter is not None:  # (a second exit of a closed one does nothing)
+                    try:
+                        drop_counter(self._flops_counter)
+                    except Exception:  # the error above is reported already
+                        pass
         self._flops_counter = None
         loss = self._loss
         if loss is not None and loss.tensor is not None:
