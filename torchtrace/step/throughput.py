@@ -205,13 +205,6 @@ class RunThroughput:
         said: it wins over what was inferred or counted.
         """
         shape = scope.shape
-        grads = scope.gradients
-        if counter is None and given is None and shape is not None and scope.scaler is None:
-            # The usual step: its shapes' FLOPs and batch size are known (a known batch size
-            # is never a device count: see _shape_of), nothing given, no loss scaler.
-            batch = shape[1]
-            lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
-            return batch.samples, batch.tokens, shape[0], False, lr
         counted = False
         if counter is not None:
             ended = self.flops.fits.ended
@@ -238,6 +231,7 @@ class RunThroughput:
                 self.rt.errors.report("step", err)
         if given is not None and given[2] is not None:
             flops, counted = given[2], False
+        grads = scope.gradients
         lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
         return samples, tokens, flops, counted, lr
 
