@@ -96,7 +96,7 @@ def test_bf16_mfu_against_cuda_events_and_the_flop_counter(tmp_path):
         print(f"\n{torch.cuda.get_device_name()}: device {device_s * 1e3:.3f} ms/step; torchtrace "
               f"{tp.seconds / tp.steps * 1e3:.3f} ms/step over its last {tp.steps}; "
               f"{tp.flops_per_s / 1e12:.1f} TFLOP/s (reference {reference_flops / device_s / 1e12:.1f}); "
-              f"MFU {tp.mfu}; peak {rt.throughput.ledger.peak_flops}")
+              f"MFU {tp.mfu}; peak {rt.throughput.ledger.peak_of('train_step')}")
         # The rates are in device time (the steps' CUDA marks): the same steps' rate as CUDA
         # events measure it around them. (With host cycles they were 5-10 % off on an H100; in
         # device time, 410.7 TFLOP/s against 410.2 there, on 2026-11-27.)
@@ -105,7 +105,7 @@ def test_bf16_mfu_against_cuda_events_and_the_flop_counter(tmp_path):
         peak = _device_peak("bf16")
         if peak is None:
             pytest.skip(f"no peak row for {torch.cuda.get_device_name()}")
-        assert rt.throughput.ledger.peak_flops == peak
+        assert rt.throughput.ledger.peak_of("train_step") == peak
         assert tp.mfu == pytest.approx(tp.flops_per_s / peak, rel=1e-9)
         assert 0.05 < tp.mfu < 1.0
     finally:
@@ -148,7 +148,43 @@ def test_fp16_gradscaler_overflow_steps_are_skipped_steps_on_the_gpu(tmp_path):
         assert records[-1].record.flops == pytest.approx(6 * 256 * 512 * 512 * 4 - 2 * 256 * 512 * 512, rel=0.02)
         peak = _device_peak("fp16")
         if peak is not None:
-            assert get_runtime().throughput.ledger.peak_flops == peak
+            assert get_runtime().throughput.ledger.peak_of("train_step") == peak
+    finally:
+        tt.shutdown()
+
+
+def test_learning_rates_held_in_device_tensors_ride_in_the_steps_one_read(tmp_path):
+    """A capturable Adam whose rates are CUDA tensors, two groups (one a tensor, one a float),
+    a scheduler that overwrites the tensor in place after each update: every step's record has
+    the rates that update used (reference: the groups' rates read before the update, a sync the
+    test makes outside the step), with the step's one read and no synchronisation."""
+    _configure(tmp_path)
+    try:
+        model = _stack(64, 2)
+        opt = torch.optim.Adam([{"params": model[0].parameters(), "lr": torch.tensor(0.01, device="cuda")},
+                                {"params": model[1].parameters(), "lr": 0.002}], capturable=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        x = torch.randn(32, 64, device="cuda")
+        records, seen = [], []
+        reads = readout.reads()
+        for _ in range(6):
+            seen.append([float(g["lr"]) for g in opt.param_groups])  # the rates this update uses
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with tt.debug_context("train_step", model=model, optimizer=opt, inputs=x) as s:
+                    opt.zero_grad()
+                    model(x).pow(2).mean().backward()
+                    opt.step()
+                    sched.step()  # fills the rate tensor in place
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            records.append(s)
+        tt.flush()
+        assert readout.reads() - reads == 6
+        assert [s.record.lr for s in records] == [pytest.approx(r, rel=1e-6) for r in seen]
+        assert seen[-1] == pytest.approx([0.0025, 0.0005])
+        lr = get_runtime().metrics.value("torchtrace_learning_rate", {"operation": "train_step", "group": "0"})
+        assert lr == pytest.approx(0.0025)
     finally:
         tt.shutdown()
 

@@ -131,6 +131,31 @@ def test_learning_rates_of_odd_rate_types(rate, expected):
     assert learning_rates(opt) == expected
 
 
+def test_rates_held_in_device_tensors_are_read_with_the_step():
+    """The read of rates that are device tensors, on this machine's CPU tensors planted as the
+    device's (the whole step on a GPU: tests/test_cuda_paths.py): each tensor's value takes its
+    place among the float rates, taken when the rates were read, not after a scheduler's fill;
+    no read, no rates."""
+    from torchtrace.record.reads import ReadPlan
+    from torchtrace.measure.learning_rates import DeviceRates, learning_rates, plan_rates, read_rates
+
+    held = [torch.tensor(0.5), torch.tensor(0.25, dtype=torch.float64)]
+    rates = DeviceRates([0.1, held[0].reshape(1).to(torch.float64, copy=True), 0.3,
+                         held[1].reshape(1).to(torch.float64, copy=True)])
+    held[0].fill_(9.0)  # a scheduler's in-place fill after the rates were taken
+    held[1].fill_(9.0)
+    plan = ReadPlan()
+    plan.add("loss", torch.tensor([2.0]))
+    plan_rates(rates, plan)
+    values = plan.start().result()
+    assert read_rates(plan, values) == [0.1, 0.5, 0.3, 0.25]
+    assert plan.first("loss", values) == 2.0
+    assert read_rates(plan, None) is None
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    opt.param_groups[0]["lr"] = torch.tensor(0.1, device="meta")  # not the CPU: not read now
+    assert type(learning_rates(opt)) is DeviceRates
+
+
 def test_learning_rate_of_a_numpy_float(tmp_path):
     numpy = pytest.importorskip("numpy")
     from torchtrace.step.throughput import learning_rates

@@ -21,6 +21,7 @@ from torchtrace.measure.batch import token_count
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import StepRecord
 from torchtrace.export.spans import apply_record
+from torchtrace.measure.learning_rates import read_rates
 
 logger = logging.getLogger("torchtrace")
 
@@ -55,7 +56,7 @@ def _guarded(rt: Any, stage: Any, *args: Any) -> None:
 
 def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float] | None) -> None:
     """The host values of the step's one read into the record: loss, gradients, parameters,
-    tokens, the loss scaler's skipped update."""
+    tokens, the loss scaler's skipped update, learning rates held in device tensors."""
     if values is not None:
         loss = plan.first("loss", values)
         if loss is not None:
@@ -69,6 +70,8 @@ def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float
             record.tokens = token_count(tokens)
         if (plan.first("scaler_skipped", values) or 0.0) > 0:  # the loss scaler skipped the update
             record.scaler_overflow = True
+        if "lr" in plan:  # learning rates on a device
+            record.lr = read_rates(plan, values)
     check = scope.gradients
     if check is not None and check.values is not None and check.stats is not None:
         _evaluate_grads(rt, scope, record, check.values)

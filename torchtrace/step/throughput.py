@@ -14,7 +14,6 @@ read).
 from __future__ import annotations
 
 import contextlib
-import numbers
 import sys
 import time
 import weakref
@@ -26,6 +25,7 @@ from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
 from torchtrace.measure.flops import StepFlops, countable, shape_key
+from torchtrace.measure.learning_rates import learning_rates, plan_rates
 from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import MAX_PEAKS, GoodputLedger
@@ -34,26 +34,6 @@ from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, Ste
 
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
-
-
-def learning_rates(optimizer: Any) -> list[float] | None:
-    """The learning rate of every parameter group (a tensor rate only when it is on the CPU)."""
-    if optimizer is None:
-        return None
-    out = []
-    for group in optimizer.param_groups:
-        lr = group.get("lr")
-        if type(lr) is float:  # the usual case, checked first: every step pays for this
-            out.append(lr)
-            continue
-        if isinstance(lr, torch.Tensor):
-            if lr.device.type != "cpu" or lr.numel() != 1:
-                return None  # reading it would wait for the device
-            lr = lr.item()
-        if not isinstance(lr, numbers.Real) or isinstance(lr, bool):  # a NumPy float is a rate too
-            return None
-        out.append(float(lr))
-    return out or None
 
 
 def _eager_for_now() -> Any:
@@ -233,6 +213,9 @@ class RunThroughput:
             flops, counted = given[2], False
         grads = scope.gradients
         lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
+        if lr is not None and type(lr) is not list:  # some rates are on a device: read with the step
+            plan_rates(lr, plan)
+            lr = None  # filled from the read
         return samples, tokens, flops, counted, lr
 
     def _shape_of(self, scope: Any) -> tuple[float | None, BatchSize | None]:
