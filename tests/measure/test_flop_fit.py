@@ -106,6 +106,34 @@ def test_the_8th_16th_32nd_new_length_are_kept_for_a_spot_check():
     assert [n for n in asked if fits.predict(_key((2, n)), spot_check=True) is None] == checked  # the same ones
 
 
+def test_a_batch_size_and_a_length_that_change_together_are_fitted_per_sample():
+    """Token-budget batching: batch size and length both change every step. FLOPs are the
+    batch size times a quadratic of the length (per-sample work): fitted through the per-sample
+    FLOPs of three counts, trusted after two more, exact at batch sizes never counted."""
+    fits = FlopFits()
+    per_sample = lambda n: 12 * n * n + 7000 * n + 96  # noqa: E731
+    shapes = lambda b, n: [(b, n), (b, n), (b, n)]  # noqa: E731 - ids, mask, labels
+    pairs = [(64, 16), (21, 48), (9, 113), (40, 25), (5, 200)]
+    for i, (b, n) in enumerate(pairs):
+        assert fits.predict(_key(*shapes(7, 100))) is None  # not before two counts confirmed the fit
+        fits.add(_key(*shapes(b, n)), b * per_sample(n), torch.float32)
+    for b, n in [(7, 100), (1, 16), (64, 200), (13, 57), (3, 150)]:
+        assert fits.predict(_key(*shapes(b, n))) == b * per_sample(n)
+    assert fits.predict(_key((7, 100), (7, 99), (7, 100))) is None  # lengths that differ: no family
+
+
+@pytest.mark.parametrize("across", ["batch squared", "a constant per step"])
+def test_work_across_the_batch_is_not_fitted_per_sample(across):
+    """A contrastive loss's batch-by-batch similarities, or work that does not grow with the
+    batch, make the per-sample FLOPs depend on the batch size: no fit, the shapes are counted."""
+    fits = FlopFits()
+    extra = (lambda b: 5 * b * b) if across == "batch squared" else (lambda b: 4096)
+    pairs = [(64, 16), (21, 48), (9, 113), (40, 25), (5, 200), (12, 90), (30, 30), (8, 64)]
+    for b, n in pairs:
+        fits.add(_key((b, n)), b * (3 * n * n + 100 * n) + extra(b), torch.float32)
+    assert fits.predict(_key((7, 100))) is None and fits.predict(_key((7, 100)), spot_check=True) is None
+
+
 # ---------------------------------------------------------------- a training loop
 
 
@@ -185,6 +213,43 @@ def test_a_loop_padding_to_the_longest_gets_every_steps_flops_with_few_counts(tm
     assert counted <= FIT_POINTS + CONFIRM_POINTS + 2 + distinct // SPOT_CHECK + 1, (counted, distinct)
     tp = rt.throughput.ledger.throughput("train_step")
     assert tp.flops_per_s is not None and tp.flops_per_s > 0
+
+
+def _token_budget_batches(n: int, budget: int = 256, seed: int = 1):
+    """``n`` batches of about ``budget`` tokens: a length of 8-90 each, as many sequences as fit
+    (a speech or translation loader's dynamic batching); the last sequence shorter, padded."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        longest = rng.randint(8, 90)
+        rows = max(1, budget // longest)
+        ids = torch.randint(1, 50, (rows, longest))
+        mask = torch.ones(rows, longest, dtype=torch.long)
+        mask[-1, longest // 2:] = 0
+        out.append({"input_ids": ids * mask, "attention_mask": mask, "labels": ids * mask})
+    return out
+
+
+def test_token_budget_batching_gets_every_steps_flops_with_few_counts(tmp_path):
+    """Batch size and length both change every step: before, the first 32 shapes were counted
+    and every step after had no FLOPs. Reference: FlopCounterMode on every distinct shape."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(_lm_step(model, opt))
+    batches = _token_budget_batches(100)
+    for batch in batches:
+        step(batch)
+    rt = get_runtime()
+    records = rt.history.steps()[-len(batches):]
+    shapes = [tuple(b["input_ids"].shape) for b in batches]
+    assert len(set(shapes)) > DEFAULT_MAX_SHAPES and len({b for b, _ in shapes}) > 10
+    reference = {shape: _reference(model, _lm_step, b) for shape, b in {tuple(b["input_ids"].shape): b
+                                                                        for b in batches}.items()}
+    assert [r.get("flops") for r in records] == [reference[shape] for shape in shapes]  # every step, exactly
+    counted = rt.throughput.flops.counts
+    assert counted <= FIT_POINTS + CONFIRM_POINTS + 2 + len(set(shapes)) // SPOT_CHECK + 1, counted
 
 
 class TinyConv(torch.nn.Module):

@@ -21,8 +21,11 @@ function of the image size) are counted while the table has room; once it is ful
 least-squares quadratic through the counts gives their FLOPs when it is within 2 % of every
 count (else they have none, as before).
 
-Shapes differing in two lengths at once (a last batch both shorter and smaller) form no
-family and are counted as before.
+Shapes that differ in two lengths at once (token-budget batching, where the batch size and
+the length both change; an epoch's last batch, smaller and of another length) are fitted as
+the batch size times a quadratic of the length: the FLOPs per sample, fitted and confirmed
+the same way. A model with work across the batch (a contrastive loss's batch-by-batch
+similarities) matches no such fit exactly and is counted as before.
 
 >>> import torch
 >>> fits = FlopFits()
@@ -74,9 +77,11 @@ class _Family:
     """Counts whose lengths are fixed outside ``positions`` and share one value inside them."""
 
     __slots__ = ("positions", "fixed", "points", "dtype", "coefficients", "inexact", "approximate", "dead",
-                 "asked")
+                 "asked", "exact_only")
 
-    def __init__(self, positions: frozenset[int], fixed: tuple[int, ...], dtype: torch.dtype | None) -> None:
+    def __init__(self, positions: frozenset[int], fixed: tuple[int, ...], dtype: torch.dtype | None,
+                 exact_only: bool = False) -> None:
+        self.exact_only = exact_only  # no least-squares stand-in (a length's counts may differ: see _Scaled)
         self.positions = positions
         self.fixed = fixed  # the lengths outside ``positions``, in order
         self.points: dict[int, int] = {}  # the shared length -> counted FLOPs
@@ -115,7 +120,7 @@ class _Family:
         if len(self.points) >= FIT_POINTS + CONFIRM_POINTS:
             if not self.inexact and self.coefficients is None:
                 self._fit()
-            if self.inexact:
+            if self.inexact and not self.exact_only:
                 self.approximate = _least_squares(self.points)
 
     def _fit(self) -> None:
@@ -132,8 +137,9 @@ class _Family:
         else:
             self.inexact = True
 
-    def value(self, n: int, spot_check: bool = False) -> int | None:
-        """FLOPs at length ``n``: counted, or from the exact fit; with ``spot_check`` (room to
+    def value(self, n: int, spot_check: bool = False, scale: int = 1) -> int | None:
+        """FLOPs at length ``n`` (times ``scale``: a batch size, see :class:`_Scaled`): counted,
+        or from the exact fit; with ``spot_check`` (room to
         count), None further from the counted lengths than their span and for the spot checks
         (:func:`_spot_check`, always the same lengths): those steps are counted, and a count
         that disagrees ends the exact fit (a model whose FLOPs only looked quadratic on the
@@ -142,11 +148,11 @@ class _Family:
         if self.dead:
             return None
         if n in self.points:
-            return self.points[n]
+            return _whole(self.points[n] * scale)
         if self.coefficients is None:
             if self.approximate is None or spot_check:
                 return None
-            v = round(_poly(self.approximate, n))
+            v = round(_poly(self.approximate, n) * scale)
             return v if v > 0 else None
         lo, hi = min(self.points), max(self.points)
         if spot_check and not lo - (hi - lo) <= n <= hi + (hi - lo):
@@ -156,8 +162,7 @@ class _Family:
             check = self.asked[n] = _spot_check(len(self.asked) + 1)
         if check and spot_check:
             return None
-        v = _poly(self.coefficients, n)
-        return int(v) if v.denominator == 1 and v > 0 else None
+        return _whole(_poly(self.coefficients, n) * scale)
 
 
 def _spot_check(i: int) -> bool:
@@ -165,6 +170,73 @@ def _spot_check(i: int) -> bool:
     SPOT_CHECK-th and every doubling of it (8, 16, 32, ...), so that a fit that keeps holding
     costs fewer counts the longer it holds."""
     return i >= SPOT_CHECK and i % SPOT_CHECK == 0 and (i // SPOT_CHECK) & (i // SPOT_CHECK - 1) == 0
+
+
+def _whole(v: Any) -> int | None:
+    """``v`` (an int or a Fraction) as FLOPs: a positive whole number, else None."""
+    return int(v) if v > 0 and (type(v) is int or v.denominator == 1) else None
+
+
+class _Scaled:
+    """Counts whose lengths are fixed outside two sets of positions, each sharing one value: a
+    batch size ``b`` and a length ``n``; their FLOPs divided by ``b`` (per sample) make a
+    :class:`_Family` in ``n``, so the fit is ``b`` times a quadratic of ``n``."""
+
+    __slots__ = ("batch", "per_sample")
+
+    def __init__(self, batch: frozenset[int], positions: frozenset[int], fixed: tuple[int, ...],
+                 dtype: torch.dtype | None) -> None:
+        self.batch = batch
+        # Exact fits only: the per-sample FLOPs of one length at two batch sizes may differ
+        # (work across the batch), and a least-squares quadratic through some of them says nothing.
+        self.per_sample = _Family(positions, fixed, dtype, exact_only=True)
+
+    @property
+    def positions(self) -> frozenset[int]:
+        return self.per_sample.positions
+
+    @property
+    def fixed(self) -> tuple[int, ...]:
+        return self.per_sample.fixed
+
+    @property
+    def coefficients(self) -> Any:
+        return self.per_sample.coefficients
+
+    @property
+    def approximate(self) -> Any:
+        return self.per_sample.approximate
+
+    @property
+    def dead(self) -> bool:
+        return self.per_sample.dead
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.per_sample.dtype
+
+    def length_of(self, dims: tuple[int, ...]) -> tuple[int, int] | None:
+        """``(batch size, length)`` of ``dims`` when they belong here, else None."""
+        b = None
+        for i in self.batch:
+            if b is None:
+                b = dims[i]
+            elif dims[i] != b:
+                return None
+        if not b:
+            return None
+        n = self.per_sample.length_of(tuple(d for i, d in enumerate(dims) if i not in self.batch))
+        return (b, n) if n is not None else None
+
+    def add(self, where: tuple[int, int], flops: int, dtype: torch.dtype | None) -> None:
+        self.per_sample.add(where[1], Fraction(flops, where[0]), dtype)
+
+    def value(self, where: tuple[int, int], spot_check: bool = False) -> int | None:
+        return self.per_sample.value(where[1], spot_check, where[0])
+
+
+def _outside(dims: tuple[int, ...], positions: frozenset[int]) -> tuple[int, ...]:
+    return tuple(d for i, d in enumerate(dims) if i not in positions)
 
 
 def _poly(c: tuple, n: int) -> Any:
@@ -209,7 +281,7 @@ class FlopFits:
     def __init__(self) -> None:
         # structure -> (counted lengths -> (FLOPs, dtype)), and the families found in them
         self._points: dict[Hashable, dict[tuple[int, ...], tuple[int, torch.dtype | None]]] = {}
-        self._families: dict[Hashable, list[_Family]] = {}
+        self._families: dict[Hashable, list[Any]] = {}  # _Family and _Scaled
         self.ended = 0  # exact fits a count disagreed with: FLOPs given from them before may be off
 
     def add(self, key: Hashable, flops: int, dtype: torch.dtype | None) -> None:
@@ -238,24 +310,38 @@ class FlopFits:
             if other != dims:
                 self._found(structure, families, dims, other)
 
-    def _found(self, structure: Hashable, families: list[_Family], dims: tuple[int, ...],
+    def _found(self, structure: Hashable, families: list[Any], dims: tuple[int, ...],
                other: tuple[int, ...]) -> None:
         """A family of ``dims`` and an earlier count ``other``, if they make a new one."""
         if len(dims) != len(other) or len(families) >= MAX_FAMILIES:
             return
-        positions = frozenset(i for i, (a, b) in enumerate(zip(dims, other)) if a != b)
-        if not positions or len({dims[i] for i in positions}) != 1 or len({other[i] for i in positions}) != 1:
+        groups: dict[tuple[int, int], set[int]] = {}  # positions by (value here, value there)
+        for i, (a, b) in enumerate(zip(dims, other)):
+            if a != b:
+                groups.setdefault((a, b), set()).add(i)
+        dtype = self._points[structure][other][1]
+        if len(groups) == 1:
+            positions = frozenset(next(iter(groups.values())))
+            self._new(structure, families, _Family(positions, _outside(dims, positions), dtype))
+        elif len(groups) == 2:  # a batch size and a length: either may be the batch size
+            one, two = (frozenset(g) for g in groups.values())
+            for batch, length in ((one, two), (two, one)):
+                rest = [i for i in range(len(dims)) if i not in batch]  # positions once the batch's are taken out
+                positions = frozenset(rest.index(i) for i in length)
+                fixed = tuple(dims[i] for i in rest if i not in length)
+                self._new(structure, families, _Scaled(batch, positions, fixed, dtype))
+
+    def _new(self, structure: Hashable, families: list[Any], family: Any) -> None:
+        """Add ``family`` unless it is known, with every count that belongs to it."""
+        if len(families) >= MAX_FAMILIES or any(
+                type(f) is type(family) and f.positions == family.positions and f.fixed == family.fixed
+                and getattr(f, "batch", None) == getattr(family, "batch", None) for f in families):
             return
-        fixed = tuple(d for i, d in enumerate(dims) if i not in positions)
-        if any(f.positions == positions and f.fixed == fixed for f in families):
-            return
-        first = self._points[structure][other]
-        family = _Family(positions, fixed, first[1])
         families.append(family)
         for counted, (flops, dtype) in self._points[structure].items():  # every count that belongs, this one too
-            n = family.length_of(counted)
-            if n is not None:
-                family.add(n, flops, dtype)
+            where = family.length_of(counted)
+            if where is not None:
+                family.add(where, flops, dtype)
 
     def predict(self, key: Hashable, spot_check: bool = False) -> int | None:
         """``key``'s FLOPs from a trusted family, or None (with ``spot_check``: also None for
@@ -268,7 +354,7 @@ class FlopFits:
         hit = self._family_of(key)
         return hit[0].dtype if hit is not None else None
 
-    def _family_of(self, key: Hashable) -> tuple[_Family, int] | None:
+    def _family_of(self, key: Hashable) -> tuple[Any, Any] | None:
         if not self._families:
             return None
         split = split_key(key)

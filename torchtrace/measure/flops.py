@@ -74,7 +74,7 @@ class StepFlops:
         self.counts = 0  # how many steps were counted
         self.failures = 0  # steps that raised in an op under the counter (their keys are skipped)
         self.loose: dict[Hashable, frozenset[int]] = {}  # operation -> key positions that do not decide FLOPs
-        self.fits = FlopFits()  # FLOPs of shapes never counted, from counts differing in one length
+        self.fits = FlopFits()  # FLOPs of shapes never counted, from counts differing in one or two lengths
 
     def table_key(self, key: Hashable) -> Hashable:
         """``key`` as the table holds it: an ``(operation, shape key)`` with the operation's
