@@ -18,6 +18,7 @@ import torchtrace as tt  # noqa: E402
 from torchtrace import semconv  # noqa: E402
 from torchtrace.integrations.lightning import TorchtraceCallback  # noqa: E402
 from tests.helpers import read_spans, scrape, value  # noqa: E402
+from torchtrace.api import get_runtime  # noqa: E402
 
 
 class Module(pl.LightningModule):
@@ -295,3 +296,54 @@ def test_phases_come_from_lightnings_hooks(tmp_path):
         assert 0.03 <= a[semconv.PHASE_OPTIMIZER_S] < 0.03 + 0.035
     samples = scrape(result.metrics_url)
     assert value(samples, "torchtrace_step_phase_seconds_count", operation="train_step", phase="optimizer") == 4
+
+
+class _SleepyModule(Module):
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.01)  # a step long enough that both tools' boundaries differ by little
+        return super().training_step(batch, batch_idx)
+
+
+def test_lightnings_own_throughput_monitor_beside_torchtrace_agrees(tmp_path):
+    """A peer's tool in the same process: Lightning's ThroughputMonitor (samples per second of
+    wall time over its last 20 batches, timed at each batch's end) beside torchtrace's callback.
+    Both run, the losses are those of a run without torchtrace, and torchtrace's samples per
+    second over its window of 20 agree with the monitor's (strict configure: an internal error
+    of torchtrace would raise here)."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.loggers.logger import Logger
+
+    class Keep(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[dict] = []
+
+        name = property(lambda self: "keep")
+        version = property(lambda self: 0)
+
+        def log_hyperparams(self, *args, **kwargs) -> None:
+            pass
+
+        def log_metrics(self, metrics, step=None) -> None:
+            self.rows.append(dict(metrics))
+
+    def run(callbacks, logger):
+        module = _SleepyModule()
+        trainer = pl.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                             limit_val_batches=0, log_every_n_steps=1)
+        trainer.fit(module, loaders()[0])
+        return module.losses
+
+    plain = run([], False)
+    configure(tmp_path)
+    keep = Keep()
+    losses = run([TorchtraceCallback(), ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0), window_size=20)],
+                 keep)
+    assert losses == plain
+    peer = [r["train/device/samples_per_sec"] for r in keep.rows if "train/device/samples_per_sec" in r]
+    assert peer, keep.rows[-3:]
+    ours = get_runtime().throughput.ledger.throughput("train_step")
+    assert ours.steps == 20
+    print(f"torchtrace {ours.samples_per_s:.1f} samples/s, ThroughputMonitor {peer[-1]:.1f}")
+    assert ours.samples_per_s == pytest.approx(peer[-1], rel=0.05)

@@ -22,6 +22,7 @@ import torchtrace as tt  # noqa: E402
 from torchtrace import semconv  # noqa: E402
 from torchtrace.integrations.transformers import TorchtraceCallback  # noqa: E402
 from tests.helpers import read_spans, scrape, value  # noqa: E402
+from torchtrace.api import get_runtime  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -264,6 +265,24 @@ def test_samples_and_non_padding_tokens_over_accumulated_micro_batches(tmp_path)
         assert span["attributes"][semconv.SAMPLES] == per_step
         assert span["attributes"][semconv.TOKENS] == sum(seen[i * per_step:(i + 1) * per_step])  # a plain count
         assert span["attributes"][semconv.LR] == pytest.approx(3e-4 * (1 - i / steps), rel=1e-6)  # linear decay
+
+
+def test_tokens_agree_with_the_trainers_own_non_padding_count(tmp_path):
+    """The Trainer's own count, ``include_num_input_tokens_seen="non_padding"`` (the attention
+    mask's sum over every micro-batch it fed), beside torchtrace's: the same total."""
+    configure(tmp_path)
+    args = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, report_to=[],
+                use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, max_grad_norm=0.0,
+                seed=0, data_seed=0, gradient_accumulation_steps=2, include_num_input_tokens_seen="non_padding")
+    trainer = transformers.Trainer(model=tiny_bert(), args=transformers.TrainingArguments(**args),
+                                   train_dataset=PaddedData(), callbacks=[TorchtraceCallback()])
+    trainer.train()
+    tt.flush()
+    tokens = [r["tokens"] for r in get_runtime().history.steps()]
+    assert len(tokens) == 3
+    if trainer.state.num_input_tokens_seen == 3 * 2 * 4 * 8:  # every id: a Trainer without "non_padding"
+        pytest.skip(f"transformers {transformers.__version__} counts padding tokens too")
+    assert 0 < sum(tokens) == trainer.state.num_input_tokens_seen < 3 * 2 * 4 * 8  # less than with the padding
 
 
 class SlowOptimizer(transformers.TrainerCallback):

@@ -49,7 +49,8 @@ def plan_rates(rates: DeviceRates, plan: Any) -> None:
     """Add a :class:`DeviceRates`' device values to the step's one read (slot ``"lr"``, the
     rates as its label: the read's values take the tensors' places, see ``step.finish``)."""
     tensors = [r for r in rates if isinstance(r, torch.Tensor)]
-    plan.add("lr", tensors[0] if len(tensors) == 1 else torch.cat(tensors),
+    home = tensors[0].device  # groups' rates on two GPUs: one slot, on the first one's
+    plan.add("lr", tensors[0] if len(tensors) == 1 else torch.cat([t.to(home, non_blocking=True) for t in tensors]),
              label=[None if isinstance(r, torch.Tensor) else r for r in rates])
 
 
