@@ -345,5 +345,4 @@ def test_lightnings_own_throughput_monitor_beside_torchtrace_agrees(tmp_path):
     assert peer, keep.rows[-3:]
     ours = get_runtime().throughput.ledger.throughput("train_step")
     assert ours.steps == 20
-    print(f"torchtrace {ours.samples_per_s:.1f} samples/s, ThroughputMonitor {peer[-1]:.1f}")
     assert ours.samples_per_s == pytest.approx(peer[-1], rel=0.05)
