@@ -114,7 +114,7 @@ def test_a_batch_size_and_a_length_that_change_together_are_fitted_per_sample():
     per_sample = lambda n: 12 * n * n + 7000 * n + 96  # noqa: E731
     shapes = lambda b, n: [(b, n), (b, n), (b, n)]  # noqa: E731 - ids, mask, labels
     pairs = [(64, 16), (21, 48), (9, 113), (40, 25), (5, 200)]
-    for i, (b, n) in enumerate(pairs):
+    for b, n in pairs:
         assert fits.predict(_key(*shapes(7, 100))) is None  # not before two counts confirmed the fit
         fits.add(_key(*shapes(b, n)), b * per_sample(n), torch.float32)
     for b, n in [(7, 100), (1, 16), (64, 200), (13, 57), (3, 150)]:

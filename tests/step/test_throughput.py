@@ -80,6 +80,59 @@ def test_samples_and_tokens_against_a_plain_count(tmp_path):
         tt.shutdown()
 
 
+class _Tagger(torch.nn.Module):
+    """A token model called with a tokenizer's output (``model(**batch)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8)
+
+    def forward(self, input_ids, attention_mask):
+        return (self.emb(input_ids) * attention_mask.unsqueeze(-1)).pow(2).mean()
+
+
+def test_a_context_without_inputs_reads_the_batch_of_the_models_only_call(tmp_path):
+    """``debug_context(model=...)`` without ``inputs=``: the batch is that of the model's call
+    (samples, and the mask's tokens), checked against a plain count; a step that calls the model
+    twice (two views, micro-batches) has no samples rather than a guess; record_batch still wins;
+    the batch's tensors are not kept once the step is finished."""
+    import gc
+    import weakref
+
+    _configure(tmp_path)
+    try:
+        model = _Tagger()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(5)
+        expected, got = [], []
+        for rows in (4, 7, 2):
+            lengths = torch.randint(1, 9, (rows,), generator=g)
+            mask = (torch.arange(8).unsqueeze(0) < lengths.unsqueeze(1)).long()
+            batch = {"input_ids": torch.randint(0, 50, (rows, 8), generator=g), "attention_mask": mask}
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                opt.zero_grad()
+                model(**batch).backward()
+                opt.step()
+            expected.append((rows, sum(int(n) for n in lengths)))  # a plain count over the rows
+            got.append((step.record.samples, step.record.tokens))
+        assert got == expected
+        kept = weakref.ref(batch["input_ids"])
+        del batch
+        gc.collect()
+        assert kept() is None
+
+        x = {"input_ids": torch.zeros(3, 8, dtype=torch.long), "attention_mask": torch.ones(3, 8, dtype=torch.long)}
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            (model(**x) + model(**x)).backward()
+        assert (step.record.samples, step.record.tokens) == (None, None)
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            model(**x).backward()
+            step.record_batch(samples=30)
+        assert step.record.samples == 30
+    finally:
+        tt.shutdown()
+
+
 def test_record_batch_overrides_what_is_inferred(tmp_path):
     _configure(tmp_path)
     try:

@@ -23,12 +23,19 @@ _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
 
 
+MANY = object()  # StepClock.batch once the model was called more than once in the step
+
+
 class StepClock:
     """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
 
-    __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda", "graph", "mark", "last")
+    __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda", "graph", "mark", "last",
+                 "batch")
 
     def __init__(self, cuda: bool) -> None:
+        # A step without inputs (a debug_context): the (args, kwargs) of the model's call, MANY
+        # once it was called again (its batch is then not the step's), None before the first.
+        self.batch: Any = None
         self.forward_start: Any = None
         self.forward_end: Any = None
         self.optimizer_start: Any = None
@@ -286,6 +293,8 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         clock = scope.clock if scope is not None else None
         if clock is None:
             return impl(target, *args, **kwargs)
+        if scope.inputs is None:  # a step without inputs: the model's own call may say its batch
+            clock.batch = (args, kwargs) if clock.batch is None else MANY
         if clock.forward_start is None:
             clock.forward_start = clock.mark()
         out = impl(target, *args, **kwargs)

@@ -30,7 +30,7 @@ from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import MAX_PEAKS, GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
-from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
+from torchtrace.step.phases import MANY, DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
 
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
@@ -224,6 +224,11 @@ class RunThroughput:
         never will be) and the batch size is not a device count (a mask's)."""
         key = scope.flops_key
         if key is None:
+            clock = scope.clock
+            if scope.inputs is None and clock is not None and clock.batch is not None:
+                # No inputs (a debug_context): the batch of the model's only call, if it had one.
+                forward, clock.batch = clock.batch, None  # its tensors are not kept past this
+                return None, batch_of(forward) if forward is not MANY else None
             return None, batch_of(scope.inputs, scope.batch_skip)
         flops = self.flops.lookup(key)
         batch = self._batches.get(key)
