@@ -304,6 +304,7 @@ class _SleepyModule(Module):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.filterwarnings("ignore:When using the `ThroughputMonitor`")  # no FLOPs asked of it here
 def test_lightnings_own_throughput_monitor_beside_torchtrace_agrees(tmp_path):
     """A peer's tool in the same process: Lightning's ThroughputMonitor (samples per second of
     wall time over its last 20 batches, timed at each batch's end) beside torchtrace's callback.
