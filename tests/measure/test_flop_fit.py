@@ -192,21 +192,29 @@ def _reference(model, step_of, batch):
     return ref.get_total_flops()
 
 
-def test_a_loop_padding_to_the_longest_gets_every_steps_flops_with_few_counts(tmp_path):
+def _train_tiny_lm(tmp_path, batches):
+    """TinyLM trained on ``batches`` in a decorated step: ``(runtime, the steps' FLOPs, the
+    reference: FlopCounterMode's count of each step's shape, on a copy)``."""
     tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
     torch.manual_seed(0)
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(_lm_step(model, opt))
-    batches = _padded_batches(120)
     for batch in batches:
         step(batch)
     rt = get_runtime()
-    records = rt.history.steps()[-len(batches):]
+    got = [r.get("flops") for r in rt.history.steps()[-len(batches):]]
+    shape = lambda b: tuple(b["input_ids"].shape)  # noqa: E731
+    reference = {shape(b): _reference(model, _lm_step, b) for b in {shape(b): b for b in batches}.values()}
+    return rt, got, [reference[shape(b)] for b in batches]
+
+
+def test_a_loop_padding_to_the_longest_gets_every_steps_flops_with_few_counts(tmp_path):
+    batches = _padded_batches(120)
+    rt, got, reference = _train_tiny_lm(tmp_path, batches)
     lengths = [b["input_ids"].shape[1] for b in batches]
     assert len(set(lengths)) > DEFAULT_MAX_SHAPES  # more shapes than the table holds
-    reference = {n: _reference(model, _lm_step, b) for n, b in {b["input_ids"].shape[1]: b for b in batches}.items()}
-    assert [r.get("flops") for r in records] == [reference[n] for n in lengths]  # every step, exactly
+    assert got == reference  # every step, exactly
     counted = rt.throughput.flops.counts
     distinct = len(set(lengths))
     # the counts that found and confirmed the fit, lengths beyond the counted span, the spot checks
@@ -233,21 +241,11 @@ def _token_budget_batches(n: int, budget: int = 256, seed: int = 1):
 def test_token_budget_batching_gets_every_steps_flops_with_few_counts(tmp_path):
     """Batch size and length both change every step: before, the first 32 shapes were counted
     and every step after had no FLOPs. Reference: FlopCounterMode on every distinct shape."""
-    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
-    torch.manual_seed(0)
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(_lm_step(model, opt))
     batches = _token_budget_batches(100)
-    for batch in batches:
-        step(batch)
-    rt = get_runtime()
-    records = rt.history.steps()[-len(batches):]
+    rt, got, reference = _train_tiny_lm(tmp_path, batches)
     shapes = [tuple(b["input_ids"].shape) for b in batches]
     assert len(set(shapes)) > DEFAULT_MAX_SHAPES and len({b for b, _ in shapes}) > 10
-    reference = {shape: _reference(model, _lm_step, b) for shape, b in {tuple(b["input_ids"].shape): b
-                                                                        for b in batches}.items()}
-    assert [r.get("flops") for r in records] == [reference[shape] for shape in shapes]  # every step, exactly
+    assert got == reference  # every step, exactly
     counted = rt.throughput.flops.counts
     assert counted <= FIT_POINTS + CONFIRM_POINTS + 2 + len(set(shapes)) // SPOT_CHECK + 1, counted
 
