@@ -192,18 +192,24 @@ def _reference(model, step_of, batch):
     return ref.get_total_flops()
 
 
-def _train_tiny_lm(tmp_path, batches):
-    """TinyLM trained on ``batches`` in a decorated step: ``(runtime, the steps' FLOPs, the
-    reference: FlopCounterMode's count of each step's shape, on a copy)``."""
+def _train(tmp_path, make_model, step_of, batches):
+    """``make_model()`` (seeded) trained on ``batches`` in a decorated step:
+    ``(model, runtime, each step's FLOPs)``."""
     tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
     torch.manual_seed(0)
-    model = TinyLM()
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(_lm_step(model, opt))
+    step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(step_of(model, opt))
     for batch in batches:
         step(batch)
     rt = get_runtime()
-    got = [r.get("flops") for r in rt.history.steps()[-len(batches):]]
+    return model, rt, [r.get("flops") for r in rt.history.steps()[-len(batches):]]
+
+
+def _train_tiny_lm(tmp_path, batches):
+    """TinyLM trained on ``batches``: ``(runtime, the steps' FLOPs, the reference:
+    FlopCounterMode's count of each step's shape, on a copy)``."""
+    model, rt, got = _train(tmp_path, TinyLM, _lm_step, batches)
     shape = lambda b: tuple(b["input_ids"].shape)  # noqa: E731
     reference = {shape(b): _reference(model, _lm_step, b) for b in {shape(b): b for b in batches}.values()}
     return rt, got, [reference[shape(b)] for b in batches]
@@ -269,16 +275,7 @@ def _conv_step(model, opt):
 
 
 def _train_conv(tmp_path, sizes):
-    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
-    torch.manual_seed(0)
-    model = TinyConv()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(_conv_step(model, opt))
-    for size in sizes:
-        step(torch.randn(2, 3, size, size))
-    rt = get_runtime()
-    records = rt.history.steps()[-len(sizes):]
-    return model, rt, [r.get("flops") for r in records]
+    return _train(tmp_path, TinyConv, _conv_step, [torch.randn(2, 3, size, size) for size in sizes])
 
 
 def test_multi_scale_training_at_multiples_of_the_stride_gets_every_steps_flops(tmp_path):
