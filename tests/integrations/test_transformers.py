@@ -308,6 +308,23 @@ def test_phases_of_a_trainer_step(tmp_path):
         assert phases <= (span["end_unix_ns"] - span["start_unix_ns"]) / 1e9
 
 
+def test_phases_of_a_trainer_step_with_gradient_accumulation(tmp_path):
+    """Two micro-batches a step, each with a planted 20 ms forward (a pre-hook on the model)
+    and 40 ms backward (a backward hook on its classifier): forward is both calls' time, and
+    the first micro-batch's backward is backward time, not forward."""
+    result = configure(tmp_path)
+    model = tiny_bert()
+    model.register_forward_pre_hook(lambda *a: time.sleep(0.02))
+    model.classifier.register_full_backward_hook(lambda *a: time.sleep(0.04))
+    train(tmp_path, [TorchtraceCallback()], steps=3, model=model, gradient_accumulation_steps=2)
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 3
+    for span in spans[1:]:  # the first step's time is its FLOP count's
+        a = span["attributes"]
+        assert 0.04 <= a[semconv.PHASE_FORWARD_S] < 0.04 + 0.035, a
+        assert 0.08 <= a[semconv.PHASE_BACKWARD_S] < 0.08 + 0.035, a
+
+
 def _params_outside_embeddings(model) -> int:
     embeddings = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)}
     return sum(p.numel() for name, p in model.named_parameters() if name not in embeddings)

@@ -847,6 +847,44 @@ def test_phases_against_planted_sleeps(tmp_path):
         tt.shutdown()
 
 
+class _SlowOwnCall(_SlowModel):
+    def __call__(self, *args, **kwargs):  # a class that routes its own calls: the marks are hooks
+        return super().__call__(*args, **kwargs)
+
+
+@pytest.mark.parametrize("model_class", [_SlowModel, _SlowOwnCall])
+def test_micro_batches_in_one_step_split_forward_from_backward(tmp_path, model_class):
+    """Gradient accumulation inside one step: three micro-batches, each a 20 ms forward and a
+    40 ms backward, then a 30 ms optimizer step. Forward is the three calls (60 ms), not the
+    span from the first call's start to the last one's end (140 ms, two backwards in it);
+    backward is the three backwards (120 ms). The same with the marks in hooks."""
+    _configure(tmp_path)
+    try:
+        model = model_class(0.02)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt.register_step_pre_hook(lambda *a: time.sleep(0.03))
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(batch):
+            opt.zero_grad()
+            for micro in batch.chunk(3):
+                (model(micro).sum() / 3).backward()
+            opt.step()
+
+        for _ in range(3):
+            train_step(torch.randn(6, 4))
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        for row in rt.history.steps()[1:]:  # the first step counted FLOPs
+            phases = row["phases"]
+            assert 0.06 <= phases["forward"] < 0.06 + 0.035, phases
+            assert 0.12 <= phases["backward"] < 0.12 + 0.035, phases
+            assert 0.03 <= phases["optimizer"] < 0.03 + 0.035, phases
+            assert sum(phases.values()) <= row["duration_s"] + 1e-9
+    finally:
+        tt.shutdown()
+
+
 def test_a_forward_called_past_the_model_keeps_the_optimizer_phase(tmp_path):
     """``model.forward(x)`` called directly goes past the call seam: the step has no forward
     or backward phase (where the backward began is not known), but its optimizer phase (a

@@ -24,13 +24,14 @@ _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__co
 
 
 MANY = object()  # StepClock.batch once the model was called more than once in the step
+MAX_GAPS = 32  # on a GPU, the pauses between forward calls a step keeps (two events each)
 
 
 class StepClock:
     """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
 
     __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda", "graph", "mark", "last",
-                 "batch")
+                 "batch", "gaps")
 
     def __init__(self, cuda: bool) -> None:
         # A step without inputs (a debug_context): the (args, kwargs) of the model's call, MANY
@@ -43,6 +44,10 @@ class StepClock:
         self.last: Any = None  # on a GPU, once the phases are read: the step's last mark (see DeviceCycles)
         self.cuda = cuda
         self.graph = True  # the forward ran with autograd on (without it, no backward can follow)
+        # The time between the model's calls in the step (micro-batches with a backward after
+        # each, two views): not forward time. On the host, seconds; on a GPU, the (end, start)
+        # event pairs around each pause, None once more than MAX_GAPS (the split is then unknown).
+        self.gaps: Any = [] if cuda else 0.0
         # mark(): a boundary now, a host time or a recorded CUDA event (the clock itself when
         # on the host: one C call per mark).
         self.mark: Callable[[], Any] = events.TIMING.recorded if cuda else time.perf_counter
@@ -50,11 +55,14 @@ class StepClock:
     def announce(self, point: str) -> None:
         """A boundary a framework hook announces (``forward_start``, ``forward_end``,
         ``optimizer_start``, ``optimizer_end``), by the rules the model and optimizer marks
-        follow: the first forward start and optimizer start count, a forward end only before
-        the optimizer started, an optimizer end only after it did."""
+        follow: the first forward start and optimizer start count (a later forward start ends
+        a pause between forward calls), a forward end only before the optimizer started, an
+        optimizer end only after it did."""
         if point == "forward_start":
             if self.forward_start is None:
                 self.forward_start = self.mark()
+            elif self.forward_end is not None and self.optimizer_start is None:
+                self.resume()
         elif point == "forward_end":
             if self.forward_start is not None and self.optimizer_start is None:
                 self.end_forward()
@@ -68,6 +76,21 @@ class StepClock:
             raise ValueError(f"point={point!r} is not valid; accepted values: forward_start, forward_end, "
                              "optimizer_start, optimizer_end")
 
+    def resume(self) -> None:
+        """The model is called again after an earlier call in the step ended: the time since
+        that call's end is a pause (its backward, the loss), not forward time."""
+        now = self.mark()
+        if not self.cuda:
+            self.gaps += now - self.forward_end
+        elif self.gaps is not None and len(self.gaps) < MAX_GAPS:
+            self.gaps.append((self.forward_end, now))
+        else:  # too many pauses to keep: the forward and backward split is not known
+            if self.gaps:
+                events.TIMING.give_back(*(e for pair in self.gaps for e in pair))
+            self.gaps = None
+            events.TIMING.give_back(self.forward_end, now)
+        self.forward_end = None
+
     def end_forward(self) -> None:
         """Mark the end of the forward (and whether it built an autograd graph)."""
         self.forward_end = self.mark()
@@ -78,13 +101,18 @@ class StepClock:
         runs from the end of the forward to the optimizer's step, or to the end of the step
         without one; a forward run without autograd (an evaluation under ``no_grad``) has no
         backward. A step whose forward was not seen (``model.forward`` called directly, another
-        module called) has its optimizer phase only: where its backward began is not known."""
+        module called) has its optimizer phase only: where its backward began is not known.
+        A model called several times (micro-batches, two views): forward is the sum of its
+        calls, and the pauses between them count with the backward."""
         if self.cuda:
             try:
                 return self._device_phases(step_end)
             finally:  # read once: the events go back, to be recorded again by later steps, but the
                 # last, which measures the next step's cycle (DeviceCycles gives it back then)
                 marks = [self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end, step_end]
+                if self.gaps:
+                    marks.extend(e for pair in self.gaps for e in pair)
+                    self.gaps = []
                 self.last = next((m for m in (self.optimizer_end, step_end, self.forward_end) if m is not None), None)
                 events.TIMING.give_back(*(m for m in marks if m is not self.last))
                 self.forward_start = self.forward_end = self.optimizer_start = self.optimizer_end = None
@@ -93,21 +121,31 @@ class StepClock:
         f0, f1, o0, o1 = self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end
         if f0 is None or f1 is None:
             return self._optimizer_only()
+        gaps = self.gaps
         if o0 is not None and o1 is not None:
-            return {"forward": f1 - f0, "backward": o0 - f1, "optimizer": o1 - o0}
+            return {"forward": f1 - f0 - gaps, "backward": o0 - f1 + gaps, "optimizer": o1 - o0}
         if step_end is None or not self.graph:
-            return {"forward": f1 - f0}
-        return {"forward": f1 - f0, "backward": step_end - f1}
+            return {"forward": f1 - f0 - gaps}
+        return {"forward": f1 - f0 - gaps, "backward": step_end - f1 + gaps}
 
     def _device_phases(self, step_end: Any) -> dict[str, float] | None:
-        if self.forward_start is None or self.forward_end is None:
+        if self.forward_start is None or self.forward_end is None or self.gaps is None:
             return self._optimizer_only()
-        out = {"forward": self._between(self.forward_start, self.forward_end)}
+        paused = 0.0
+        for end, start in self.gaps:
+            seconds = self._between(end, start)
+            if seconds is None:
+                return None
+            paused += seconds
+        forward = self._between(self.forward_start, self.forward_end)
+        out = {"forward": forward - paused if forward is not None else None}
         if self.optimizer_start is not None and self.optimizer_end is not None:
-            out["backward"] = self._between(self.forward_end, self.optimizer_start)
+            backward = self._between(self.forward_end, self.optimizer_start)
+            out["backward"] = backward + paused if backward is not None else None
             out["optimizer"] = self._between(self.optimizer_start, self.optimizer_end)
         elif step_end is not None and self.graph:
-            out["backward"] = self._between(self.forward_end, step_end)
+            backward = self._between(self.forward_end, step_end)
+            out["backward"] = backward + paused if backward is not None else None
         if any(v is None for v in out.values()):
             return None
         return out
@@ -232,8 +270,8 @@ class ModelMarks:
 
     def _pre(self, module: Any, args: Any) -> None:
         clock = self._clock()
-        if clock is not None and clock.forward_start is None:
-            clock.forward_start = clock.mark()
+        if clock is not None:
+            clock.announce("forward_start")
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
         clock = self._clock()
@@ -297,6 +335,8 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
             clock.batch = (args, kwargs) if clock.batch is None else MANY
         if clock.forward_start is None:
             clock.forward_start = clock.mark()
+        elif clock.forward_end is not None and clock.optimizer_start is None:
+            clock.resume()  # called again: the time since its last call is not forward
         out = impl(target, *args, **kwargs)
         if clock.optimizer_start is None:  # StepClock.end_forward, inline
             clock.forward_end = clock.mark()
