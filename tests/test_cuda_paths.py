@@ -189,6 +189,63 @@ def test_learning_rates_held_in_device_tensors_ride_in_the_steps_one_read(tmp_pa
         tt.shutdown()
 
 
+def test_micro_batch_phases_are_device_time_against_cuda_events(tmp_path):
+    """Four micro-batches a step, each a forward and a backward, then the update, under sync
+    debug "error": forward is the four forwards' device time and backward the rest up to the
+    update (reference: CUDA events the test records around each call and before the update),
+    with the step's one read, and the pauses' events reused from step to step."""
+    _configure(tmp_path)
+    try:
+        model = _stack(2048, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+        x = torch.randn(2048, 2048, device="cuda")
+        marks: list[list] = []
+
+        @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+        def step(batch):
+            opt.zero_grad(set_to_none=True)
+            mine = []
+            for micro in batch.chunk(4):
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record()
+                out = model(micro)
+                after.record()
+                out.pow(2).mean().backward()
+                mine += [before, after]
+            update = torch.cuda.Event(enable_timing=True)
+            update.record()
+            opt.step()
+            marks.append(mine + [update])
+
+        for _ in range(5):  # the counted step, and the event pools' first events
+            step(x)
+        measured = 20
+        reads, created = readout.reads(), events.TIMING.created
+        marks.clear()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(measured):
+                step(x)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        tt.flush()
+        assert readout.reads() - reads == measured
+        assert events.TIMING.created - created < measured
+        rows = get_runtime().history.steps()[-measured:]
+        for row, mine in zip(rows, marks):
+            pairs = list(zip(mine[0:-1:2], mine[1:-1:2]))
+            forward = sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+            backward = (sum(b.elapsed_time(a) for (_, b), (a, _) in zip(pairs, pairs[1:]))
+                        + pairs[-1][1].elapsed_time(mine[-1])) / 1e3
+            phases = row["phases"]
+            assert phases["forward"] == pytest.approx(forward, rel=0.05, abs=5e-5), (phases, forward)
+            assert phases["backward"] == pytest.approx(backward, rel=0.05, abs=5e-5), (phases, backward)
+            assert phases["backward"] > phases["forward"]
+    finally:
+        tt.shutdown()
+
+
 def test_step_memory_is_the_allocators_own_counters(tmp_path):
     """The step record's CUDA memory: the allocator's counters at the step's end (read on the
     host, no sync); a tensor the step keeps shows in allocated, its temporary in the peak."""
