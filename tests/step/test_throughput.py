@@ -811,6 +811,20 @@ class _SlowModel(torch.nn.Module):
         return _Slow.apply(self.lin(x), self.seconds)
 
 
+def _phase_rows(model, body, batch, steps):
+    """Train ``model`` for ``steps`` steps of ``body(opt, batch)`` with SGD and a planted 30 ms
+    in the optimizer's step (a pre-hook of the user's); the history rows after the first (it
+    counted FLOPs)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt.register_step_pre_hook(lambda *a: time.sleep(0.03))
+    train_step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(lambda x: body(opt, x))
+    for _ in range(steps):
+        train_step(batch)
+    rt = get_runtime()
+    rt.finish_deferred(block=True)
+    return rt.history.steps()[1:]
+
+
 def test_phases_against_planted_sleeps(tmp_path):
     """Forward sleeps 30 ms (20 in the model, 10 in a forward pre-hook of the user's), backward
     40 ms, the optimizer 30 ms (a step pre-hook of the user's): each phase is measured within
@@ -818,21 +832,14 @@ def test_phases_against_planted_sleeps(tmp_path):
     _configure(tmp_path)
     try:
         model = _SlowModel(0.02)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        opt.register_step_pre_hook(lambda *a: time.sleep(0.03))
         model.register_forward_pre_hook(lambda *a: time.sleep(0.01))
 
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(x):
+        def body(opt, x):
             opt.zero_grad()
             model(x).sum().backward()
             opt.step()
 
-        for _ in range(4):
-            train_step(torch.randn(2, 4))
-        rt = get_runtime()
-        rt.finish_deferred(block=True)
-        for row in rt.history.steps()[1:]:  # the first step counted FLOPs
+        for row in _phase_rows(model, body, torch.randn(2, 4), steps=4):
             phases = row["phases"]
             # Upper bounds: short of the next phase's sleep, so a mark in the wrong place shows,
             # with room for this shared machine's hiccups.
@@ -861,21 +868,14 @@ def test_micro_batches_in_one_step_split_forward_from_backward(tmp_path, model_c
     _configure(tmp_path)
     try:
         model = model_class(0.02)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        opt.register_step_pre_hook(lambda *a: time.sleep(0.03))
 
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(batch):
+        def body(opt, batch):
             opt.zero_grad()
             for micro in batch.chunk(3):
                 (model(micro).sum() / 3).backward()
             opt.step()
 
-        for _ in range(3):
-            train_step(torch.randn(6, 4))
-        rt = get_runtime()
-        rt.finish_deferred(block=True)
-        for row in rt.history.steps()[1:]:  # the first step counted FLOPs
+        for row in _phase_rows(model, body, torch.randn(6, 4), steps=3):
             phases = row["phases"]
             assert 0.06 <= phases["forward"] < 0.06 + 0.035, phases
             assert 0.12 <= phases["backward"] < 0.12 + 0.035, phases
