@@ -464,6 +464,43 @@ def test_a_compiled_trainer_model_keeps_its_telemetry(tmp_path):
     assert phases == ["torchtrace.phase.optimizer_s"]
 
 
+class Packed(torch.utils.data.Dataset):
+    """24 token sequences of lengths 3-17, for a padding-free collator."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.rows = [torch.randint(1, 64, (int(n),), generator=g).tolist()
+                     for n in torch.randint(3, 18, (24,), generator=g)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def test_a_padding_free_trainer_counts_sequences_as_samples(tmp_path):
+    """The Trainer with DataCollatorWithFlattening (each micro-batch one packed row), 4
+    sequences a micro-batch, 2 micro-batches a step, one epoch of 24 sequences in 3 steps:
+    each step's samples are its 8 sequences (before: 2, one per packed row), and the run's
+    tokens are every sequence's length, against a plain count over the dataset."""
+    from transformers import DataCollatorWithFlattening, GPT2Config, GPT2LMHeadModel
+
+    result = configure(tmp_path)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=512,
+                                       bos_token_id=0, eos_token_id=0))
+    data = Packed()
+    kw = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, report_to=[],
+              use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+              gradient_accumulation_steps=2)
+    transformers.Trainer(model=model, args=transformers.TrainingArguments(**kw), train_dataset=data,
+                         data_collator=DataCollatorWithFlattening(), callbacks=[TorchtraceCallback()]).train()
+    spans = read_spans(result.spans_path)
+    assert [s["attributes"][semconv.SAMPLES] for s in spans] == [8, 8, 8]
+    assert sum(s["attributes"][semconv.TOKENS] for s in spans) == sum(len(row) for row in data.rows)
+
+
 def test_a_plain_loop_over_gpt2_padded_to_the_longest_gets_every_steps_flops(tmp_path):
     """A Hugging Face model in the user's own loop (no Trainer), each batch padded to its
     longest sequence: nearly every step a new shape. Every step's FLOPs equal FlopCounterMode's

@@ -107,6 +107,38 @@ def test_input_ids_without_a_usable_mask_count_every_position():
     assert infer_batch(({"input_ids": torch.ones(12, dtype=torch.long)},), {}) == BatchSize(1, 12)
 
 
+@pytest.mark.parametrize("bounds", [False, True])
+def test_a_packed_row_counts_its_sequences(bounds):
+    """transformers' DataCollatorWithFlattening packs the batch's sequences into one row with
+    no mask: samples are the sequences (a plain count of the rows it was given: from the
+    flash-attention boundaries when they are there, a host shape; else from the position ids,
+    a device count), tokens every position."""
+    transformers = require_module("transformers")
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=bounds)
+    data = Sequences(57, seed=3)
+    samples = tokens = 0
+    for start in range(0, len(data), 8):
+        rows = data.rows[start:start + 8]
+        batch = collate([{"input_ids": row} for row in rows], return_tensors="pt")
+        assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+        size = infer_batch((), batch)
+        assert isinstance(size.samples, torch.Tensor) != bounds and size.pending != bounds
+        samples += int(size.samples)
+        tokens += size.tokens
+        assert int(size.samples) == len(rows)
+    assert samples == len(data.rows) and tokens == sum(len(row) for row in data.rows)
+
+
+def test_one_row_is_one_sample_without_packing_signs():
+    one = torch.arange(12).reshape(1, 12)
+    assert infer_batch(({"input_ids": one},), {}) == BatchSize(1, 12)
+    assert int(infer_batch(({"input_ids": one, "position_ids": torch.arange(12)[None]},), {}).samples) == 1
+    padded = {"input_ids": one, "attention_mask": torch.ones(1, 12), "position_ids": torch.zeros(1, 12, dtype=torch.long)}
+    assert infer_batch((padded,), {}).samples == 1  # a mask: a padded batch of one row, not a packed one
+    floats = {"input_ids": one, "position_ids": torch.zeros(1, 12)}
+    assert infer_batch((floats,), {}).samples == 1  # position ids are integers
+
+
 def test_bool_and_float_masks():
     ids = torch.ones(2, 4, dtype=torch.long)
     for mask in (torch.tensor([[True, True, False, False], [True, True, True, False]]),
@@ -180,6 +212,7 @@ def test_no_host_read(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name,
                             lambda t, *a, _n=name, _o=original, **k: reads.append(_n) or _o(t, *a, **k))
     batch = pad_collate(Sequences(8).rows)
-    for args, kwargs in (((batch,), {}), ((), batch), ((batch["input_ids"], torch.zeros(8)), {})):
+    packed = {"input_ids": torch.ones(1, 9, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}
+    for args, kwargs in (((batch,), {}), ((), batch), ((batch["input_ids"], torch.zeros(8)), {}), ((packed,), {})):
         infer_batch(args, kwargs)
     assert reads == []

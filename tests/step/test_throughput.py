@@ -80,6 +80,43 @@ def test_samples_and_tokens_against_a_plain_count(tmp_path):
         tt.shutdown()
 
 
+def test_packed_rows_count_their_sequences_in_the_steps_one_read(tmp_path):
+    """Padding-free batches (one row, sequences end to end, position ids restarting at 0):
+    each step's samples are its sequences and its tokens every position, against a plain count
+    of the rows packed; the sequences' count rides in the step's one read; the samples series
+    sums them. A count given with record_batch as a device tensor is read the same way."""
+    _configure(tmp_path)
+    try:
+        emb = torch.nn.Embedding(50, 8)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+        @tt.debug_operation(model=emb, optimizer=opt)
+        def train_step(batch):
+            opt.zero_grad()
+            emb(batch["input_ids"]).pow(2).mean().backward()
+            opt.step()
+
+        g = torch.Generator().manual_seed(4)
+        expected = []
+        reads = readout.reads()
+        for rows in (4, 7, 2, 5):
+            lengths = [int(n) for n in torch.randint(1, 9, (rows,), generator=g)]
+            positions = torch.cat([torch.arange(n) for n in lengths])[None]
+            train_step({"input_ids": torch.randint(0, 50, positions.shape, generator=g), "position_ids": positions})
+            expected.append((rows, sum(lengths)))  # a plain count over the packed rows
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        assert readout.reads() - reads == 4
+        assert [(s["samples"], s["tokens"]) for s in rt.history.steps()] == expected
+        labels = {"operation": "train_step"}
+        assert rt.metrics.value("torchtrace_samples_total", labels) == sum(r for r, _ in expected)
+        with tt.debug_context("train_step", inputs=torch.zeros(1, 9)) as step:
+            step.record_batch(samples=torch.tensor(3))
+        assert step.record.samples == 3
+    finally:
+        tt.shutdown()
+
+
 class _Tagger(torch.nn.Module):
     """A token model called with a tokenizer's output (``model(**batch)``)."""
 

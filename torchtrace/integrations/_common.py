@@ -37,7 +37,7 @@ class StepDriver:
         self.kind = kind  # the operation kind of goodput: train, evaluation, ...
         self.scope: api.StepScope | None = None
         self._losses: list[torch.Tensor] = []
-        self._samples: int | None = None
+        self._samples: Any = None
         self._tokens: Any = None
         self._flops: int | None = None
 
@@ -103,8 +103,8 @@ class StepDriver:
         if not self.active:
             return
         batch = infer_batch(args, kwargs)
-        if batch.samples is not None:
-            self._samples = (self._samples or 0) + batch.samples
+        if batch.samples is not None:  # a device count (a packed row's) is added on the device
+            self._samples = batch.samples if self._samples is None else self._samples + batch.samples
         if batch.tokens is not None:
             self._tokens = batch.tokens if self._tokens is None else self._tokens + batch.tokens
 

@@ -11,7 +11,11 @@ Rules, in order (the first argument that gives an answer wins):
    - a mapping (a ``dict`` or a transformers ``BatchEncoding``) with ``input_ids``:
      samples = ``input_ids.shape[0]`` (1 for an unbatched 1-d sequence) and tokens =
      ``input_ids.numel()``, or, with an ``attention_mask`` of the same shape, the number of
-     its non-zero entries, as a 0-d device tensor;
+     its non-zero entries, as a 0-d device tensor. A packed row (one row of ``input_ids``
+     with no mask, several sequences end to end: transformers' ``DataCollatorWithFlattening``,
+     padding-free collators) holds as many samples as sequences: ``len(cu_seq_lens_q) - 1``
+     when the flash-attention boundaries are given, else the number of zeros in its
+     ``position_ids`` (each sequence's positions start at 0), as a 0-d device tensor;
    - a list of tensors beside a list of mappings of the same length (images and their
      targets, torchvision's detection batch), as arguments or as the items of one tuple:
      samples = that length;
@@ -52,6 +56,7 @@ MAX_ITEMS = 16
 #: Keys of a mapping batch that hold the token ids and the padding mask.
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"  # a packed row's: each sequence's positions start at 0
 
 _SKIP = (torch.nn.Module, torch.optim.Optimizer, str, bytes, bytearray, int, float, complex, bool, type(None))
 
@@ -62,19 +67,20 @@ class BatchSize:
 
     ``tokens`` is an ``int`` when the host knows it (a shape), a 0-d integer device tensor
     when it is a count over an attention mask (read later, with the step's one host read),
-    or ``None`` when the batch says nothing about tokens.
+    or ``None`` when the batch says nothing about tokens. ``samples`` likewise: a device
+    tensor for a packed row whose sequences are counted from its position ids.
 
     >>> BatchSize(8, 1024).with_overrides(tokens=1000)
     BatchSize(samples=8, tokens=1000)
     """
 
-    samples: int | None = None
+    samples: int | torch.Tensor | None = None
     tokens: int | torch.Tensor | None = None
 
     @property
     def pending(self) -> bool:
-        """True when ``tokens`` is a device tensor still to be read to the host."""
-        return isinstance(self.tokens, torch.Tensor)
+        """True when ``samples`` or ``tokens`` is a device tensor still to be read to the host."""
+        return isinstance(self.tokens, torch.Tensor) or isinstance(self.samples, torch.Tensor)
 
     def with_overrides(self, samples: int | None = None, tokens: int | None = None) -> "BatchSize":
         """This size with the values the user gave (``StepScope.record_batch``) in place of inferred ones."""
@@ -209,6 +215,8 @@ def _from_mapping(batch: Mapping[str, Any], depth: int) -> BatchSize | None:
         mask = batch.get(ATTENTION_MASK) if _has_key(batch, ATTENTION_MASK) else None
         if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
             return BatchSize(samples=samples, tokens=torch.count_nonzero(mask.detach()))
+        if samples == 1 and mask is None:
+            samples = _packed_sequences(batch, ids)
         return BatchSize(samples=samples, tokens=int(ids.numel()))
     for index, item in enumerate(batch.values()):
         if index >= MAX_ITEMS:
@@ -217,6 +225,19 @@ def _from_mapping(batch: Mapping[str, Any], depth: int) -> BatchSize | None:
         if found is not None:
             return found
     return None
+
+
+def _packed_sequences(batch: Mapping[str, Any], ids: torch.Tensor) -> int | torch.Tensor:
+    """The sequences in one row of token ids with no mask: the flash-attention boundaries'
+    count when given (a host shape), else the zeros among its position ids (a 0-d device
+    count, read with the step's one read), else 1."""
+    bounds = batch.get("cu_seq_lens_q") if _has_key(batch, "cu_seq_lens_q") else None
+    if isinstance(bounds, torch.Tensor) and bounds.dim() == 1 and bounds.numel() >= 2:
+        return int(bounds.numel()) - 1
+    positions = batch.get(POSITION_IDS) if _has_key(batch, POSITION_IDS) else None
+    if isinstance(positions, torch.Tensor) and positions.shape == ids.shape and not positions.is_floating_point():
+        return torch.count_nonzero(positions.detach() == 0)
+    return 1
 
 
 def _has_key(batch: Mapping[str, Any], key: str) -> bool:
@@ -235,27 +256,9 @@ def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None
     >>> checked_overrides(samples=8, tokens="512")
     ((8, None, None), "tokens='512' ignored; accepted values: an integer >= 0 or a one-element device tensor")
     """
-    problems = []
-    if samples is not None:
-        if _is_count(samples):
-            samples = int(samples)
-        else:
-            problems.append(f"samples={samples!r} ignored; accepted values: an integer >= 0")
-            samples = None
-    if tokens is not None:
-        if isinstance(tokens, torch.Tensor):
-            if tokens.numel() != 1 or tokens.is_complex():
-                problems.append(f"tokens=<tensor of shape {tuple(tokens.shape)}> ignored; accepted values: an "
-                                "integer >= 0 or a one-element device tensor")
-                tokens = None
-            else:
-                tokens = tokens.detach().reshape(())  # read with the step's one read, checked then
-        elif _is_count(tokens):
-            tokens = int(tokens)
-        else:
-            problems.append(f"tokens={tokens!r} ignored; accepted values: an integer >= 0 or a one-element device "
-                            "tensor")
-            tokens = None
+    problems: list[str] = []
+    samples = _checked_count("samples", samples, problems)
+    tokens = _checked_count("tokens", tokens, problems)
     if flops is not None:
         if isinstance(flops, numbers.Real) and not isinstance(flops, bool) and math.isfinite(flops) and flops >= 0:
             flops = float(flops)
@@ -265,8 +268,26 @@ def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None
     return (samples, tokens, flops), "; ".join(problems) or None
 
 
+def _checked_count(name: str, value: Any, problems: list[str]) -> int | torch.Tensor | None:
+    """A count ``record_batch`` was given: an integer, or a one-element device tensor (read
+    with the step's one read, checked then); None, with a problem named, for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not value.is_complex():
+            return value.detach().reshape(())
+        problems.append(f"{name}=<tensor of shape {tuple(value.shape)}> ignored; accepted values: an integer >= 0 "
+                        "or a one-element device tensor")
+        return None
+    if _is_count(value):
+        return int(value)
+    problems.append(f"{name}={value!r} ignored; accepted values: an integer >= 0 or a one-element device tensor")
+    return None
+
+
 def token_count(value: float) -> int | None:
-    """A device token count as read to the host: None when it is no count (NaN, Inf, negative)."""
+    """A device count (tokens, samples) as read to the host: None when it is no count (NaN,
+    Inf, negative)."""
     return int(value) if math.isfinite(value) and value >= 0 else None
 
 

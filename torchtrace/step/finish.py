@@ -56,7 +56,8 @@ def _guarded(rt: Any, stage: Any, *args: Any) -> None:
 
 def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float] | None) -> None:
     """The host values of the step's one read into the record: loss, gradients, parameters,
-    tokens, the loss scaler's skipped update, learning rates held in device tensors."""
+    tokens and samples counted on the device, the loss scaler's skipped update, learning
+    rates held in device tensors."""
     if values is not None:
         loss = plan.first("loss", values)
         if loss is not None:
@@ -68,6 +69,9 @@ def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float
         tokens = plan.first("tokens", values)
         if tokens is not None:
             record.tokens = token_count(tokens)
+        samples = plan.first("samples", values)
+        if samples is not None:
+            record.samples = token_count(samples)
         if (plan.first("scaler_skipped", values) or 0.0) > 0:  # the loss scaler skipped the update
             record.scaler_overflow = True
         if "lr" in plan:  # learning rates on a device

@@ -103,12 +103,12 @@ class StepScope:
             return
         self._loss = value
 
-    def record_batch(self, samples: int | None = None, tokens: int | Any | None = None,
+    def record_batch(self, samples: int | Any | None = None, tokens: int | Any | None = None,
                      flops: float | None = None) -> None:
         """Record the batch's size (items), its tokens and the step's model FLOPs (forward +
         backward); each given value overrides what torchtrace infers or counts.
 
-        ``tokens`` may be a device tensor (a mask's sum): it is read with the step's one host read.
+        ``samples`` and ``tokens`` may be device tensors (a mask's sum): read with the step's one read.
         A value that is not valid is left out, with a warning that names it (once per message).
         """
         if self._active:

@@ -202,6 +202,9 @@ class RunThroughput:
                 tokens = None  # filled from the read
             elif tokens is not None:
                 tokens = int(tokens)
+            if type(samples) is not int and isinstance(samples, torch.Tensor):  # a packed row's sequences
+                plan.add("samples", samples.to(torch.float64))
+                samples = None  # filled from the read
         if scope.scaler is not None:
             try:
                 skipped = skipped_update(scope.scaler, scope.optimizer, scope.scale_before)
