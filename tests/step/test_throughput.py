@@ -52,21 +52,28 @@ def _near(got, reference):
     return bool(got) and all(abs(f / reference - 1) < 0.10 for f in got)
 
 
+def _token_step():
+    """A decorated step training an embedding on a dict batch of token ids (masked by its
+    ``attention_mask`` when it has one)."""
+    emb = torch.nn.Embedding(50, 8)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+    @tt.debug_operation(model=emb, optimizer=opt)
+    def train_step(batch):
+        opt.zero_grad()
+        out = emb(batch["input_ids"])
+        if "attention_mask" in batch:
+            out = out * batch["attention_mask"].unsqueeze(-1)
+        out.pow(2).mean().backward()
+        opt.step()
+
+    return train_step
+
+
 def test_samples_and_tokens_against_a_plain_count(tmp_path):
     _configure(tmp_path)
     try:
-        emb = torch.nn.Embedding(50, 8)
-        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
-
-        @tt.debug_operation(model=emb, optimizer=opt)
-        def train_step(batch):
-            opt.zero_grad()
-            out = emb(batch["input_ids"]) * batch["attention_mask"].unsqueeze(-1)
-            loss = out.pow(2).mean()
-            loss.backward()
-            opt.step()
-            return loss
-
+        train_step = _token_step()
         g = torch.Generator().manual_seed(3)
         expected = []
         for rows in (4, 7, 2):
@@ -87,15 +94,7 @@ def test_packed_rows_count_their_sequences_in_the_steps_one_read(tmp_path):
     sums them. A count given with record_batch as a device tensor is read the same way."""
     _configure(tmp_path)
     try:
-        emb = torch.nn.Embedding(50, 8)
-        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
-
-        @tt.debug_operation(model=emb, optimizer=opt)
-        def train_step(batch):
-            opt.zero_grad()
-            emb(batch["input_ids"]).pow(2).mean().backward()
-            opt.step()
-
+        train_step = _token_step()
         g = torch.Generator().manual_seed(4)
         expected = []
         reads = readout.reads()
