@@ -135,6 +135,9 @@ def test_one_row_is_one_sample_without_packing_signs():
     assert int(infer_batch(({"input_ids": one, "position_ids": torch.arange(12)[None]},), {}).samples) == 1
     padded = {"input_ids": one, "attention_mask": torch.ones(1, 12), "position_ids": torch.zeros(1, 12, dtype=torch.long)}
     assert infer_batch((padded,), {}).samples == 1  # a mask: a padded batch of one row, not a packed one
+    blocks = torch.block_diag(torch.ones(5, 5), torch.ones(7, 7))[None, None]  # two sequences' 4-d mask
+    packed = {"input_ids": one, "attention_mask": blocks, "position_ids": torch.cat([torch.arange(5), torch.arange(7)])[None]}
+    assert int(infer_batch((packed,), {}).samples) == 2 and infer_batch((packed,), {}).tokens == 12
     floats = {"input_ids": one, "position_ids": torch.zeros(1, 12)}
     assert infer_batch((floats,), {}).samples == 1  # position ids are integers
 

@@ -12,8 +12,9 @@ Rules, in order (the first argument that gives an answer wins):
      samples = ``input_ids.shape[0]`` (1 for an unbatched 1-d sequence) and tokens =
      ``input_ids.numel()``, or, with an ``attention_mask`` of the same shape, the number of
      its non-zero entries, as a 0-d device tensor. A packed row (one row of ``input_ids``
-     with no mask, several sequences end to end: transformers' ``DataCollatorWithFlattening``,
-     padding-free collators) holds as many samples as sequences: ``len(cu_seq_lens_q) - 1``
+     without such a mask, several sequences end to end: transformers'
+     ``DataCollatorWithFlattening``, padding-free collators, a block-diagonal 4-d mask)
+     holds as many samples as sequences: ``len(cu_seq_lens_q) - 1``
      when the flash-attention boundaries are given, else the number of zeros in its
      ``position_ids`` (each sequence's positions start at 0), as a 0-d device tensor;
    - a list of tensors beside a list of mappings of the same length (images and their
@@ -215,7 +216,7 @@ def _from_mapping(batch: Mapping[str, Any], depth: int) -> BatchSize | None:
         mask = batch.get(ATTENTION_MASK) if _has_key(batch, ATTENTION_MASK) else None
         if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
             return BatchSize(samples=samples, tokens=torch.count_nonzero(mask.detach()))
-        if samples == 1 and mask is None:
+        if samples == 1:  # one row and no padding mask of its shape: it may hold several sequences
             samples = _packed_sequences(batch, ids)
         return BatchSize(samples=samples, tokens=int(ids.numel()))
     for index, item in enumerate(batch.values()):
