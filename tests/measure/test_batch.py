@@ -129,6 +129,21 @@ def test_a_packed_row_counts_its_sequences(bounds):
     assert samples == len(data.rows) and tokens == sum(len(row) for row in data.rows)
 
 
+def test_a_list_of_token_micro_batches_counts_them_all():
+    """A step given the micro-batches it accumulates over (a list of padded tokenizer
+    outputs): the samples and real tokens of all of them, against a plain count over the
+    rows; a list with something else beside them reads as before (its first answer)."""
+    data = Sequences(30, seed=5)
+    micro = [pad_collate(data.rows[i:i + n]) for i, n in ((0, 4), (4, 7), (11, 3))]
+    size = infer_batch((micro,), {})
+    assert int(size.samples) == 14 and size.pending
+    assert int(size.tokens) == sum(len(row) for row in data.rows[:14])
+    assert int(infer_batch((tuple(micro),), {}).tokens) == int(size.tokens)
+    mixed = [micro[0], {"lr": 0.1}]
+    assert infer_batch((mixed,), {}).samples == 4
+    assert infer_batch(([micro[0]] * 65,), {}).samples == 4  # past the cap: the first one's
+
+
 def test_one_row_is_one_sample_without_packing_signs():
     one = torch.arange(12).reshape(1, 12)
     assert infer_batch(({"input_ids": one},), {}) == BatchSize(1, 12)

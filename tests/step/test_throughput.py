@@ -116,6 +116,41 @@ def test_packed_rows_count_their_sequences_in_the_steps_one_read(tmp_path):
         tt.shutdown()
 
 
+def test_a_step_over_a_list_of_micro_batches_counts_them_all(tmp_path):
+    """A step that accumulates gradients over the list of micro-batches it is given: its
+    samples and real tokens are all of theirs (a plain count over the rows), in its one read."""
+    _configure(tmp_path)
+    try:
+        emb = torch.nn.Embedding(50, 8)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+        @tt.debug_operation(model=emb, optimizer=opt)
+        def train_step(micro_batches):
+            opt.zero_grad()
+            for batch in micro_batches:
+                (emb(batch["input_ids"]) * batch["attention_mask"].unsqueeze(-1)).pow(2).mean().backward()
+            opt.step()
+
+        g = torch.Generator().manual_seed(6)
+        expected = []
+        reads = readout.reads()
+        for sizes in ((4, 2), (3, 5, 1), (2, 2)):
+            micro, count = [], [0, 0]
+            for rows in sizes:
+                lengths = torch.randint(1, 9, (rows,), generator=g)
+                mask = (torch.arange(8).unsqueeze(0) < lengths.unsqueeze(1)).long()
+                micro.append({"input_ids": torch.randint(0, 50, (rows, 8), generator=g), "attention_mask": mask})
+                count = [count[0] + rows, count[1] + sum(int(n) for n in lengths)]  # a plain count
+            train_step(micro)
+            expected.append(tuple(count))
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        assert readout.reads() - reads == 3
+        assert [(s["samples"], s["tokens"]) for s in rt.history.steps()] == expected
+    finally:
+        tt.shutdown()
+
+
 class _Tagger(torch.nn.Module):
     """A token model called with a tokenizer's output (``model(**batch)``)."""
 

@@ -17,6 +17,8 @@ Rules, in order (the first argument that gives an answer wins):
      holds as many samples as sequences: ``len(cu_seq_lens_q) - 1``
      when the flash-attention boundaries are given, else the number of zeros in its
      ``position_ids`` (each sequence's positions start at 0), as a 0-d device tensor;
+   - a list or tuple of two or more mappings with ``input_ids`` (micro-batches of token ids
+     a step accumulates gradients over): their samples and tokens summed;
    - a list of tensors beside a list of mappings of the same length (images and their
      targets, torchvision's detection batch), as arguments or as the items of one tuple:
      samples = that length;
@@ -54,6 +56,8 @@ MAX_DEPTH = 3
 #: How many elements of one container the rules look at before giving up (a list of
 #: ten thousand strings must not cost ten thousand checks every step).
 MAX_ITEMS = 16
+#: How many micro-batches (tokenizer outputs in one list) are summed; a longer list reads as its first.
+MAX_MICRO_BATCHES = 64
 #: Keys of a mapping batch that hold the token ids and the padding mask.
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
@@ -137,6 +141,8 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
         return _from_mapping(value, depth)
     if isinstance(value, (tuple, list)):
         found = _per_sample(value)
+        if found is None:
+            found = _micro_batches(value, depth)
         if found is not None:
             return found
         for item in value[:MAX_ITEMS]:
@@ -168,6 +174,22 @@ def _per_sample(items: Any) -> BatchSize | None:
                 if len(targets) == len(images) and all(isinstance(m, Mapping) for m in targets[:MAX_ITEMS]):
                     return BatchSize(samples=len(images))
     return None
+
+
+def _micro_batches(items: Any, depth: int) -> BatchSize | None:
+    """Token batches, one per micro-batch (a step that accumulates gradients over a list of
+    tokenizer outputs): two or more mappings, each with ``input_ids``. Their samples and
+    tokens are summed (device counts on the device); read by the first, the step had one
+    micro-batch's."""
+    if not 2 <= len(items) <= MAX_MICRO_BATCHES:
+        return None
+    if not all(isinstance(m, Mapping) and _has_key(m, INPUT_IDS) for m in items):
+        return None
+    sizes = [_from_mapping(m, depth + 1) for m in items]
+    if any(size is None or size.samples is None for size in sizes):
+        return None
+    tokens = None if any(size.tokens is None for size in sizes) else sum(size.tokens for size in sizes)
+    return BatchSize(samples=sum(size.samples for size in sizes), tokens=tokens)
 
 
 _ARRAY_MODULES = frozenset({"numpy", "pandas", "cupy", "jax", "jaxlib"})
