@@ -104,8 +104,9 @@ def test_a_landed_copy_gives_its_event_back(fake_cuda):
 
 def test_a_step_with_several_forward_calls_reads_its_pauses_from_events_and_gives_them_back(fake_cuda):
     """On a GPU the pauses between a step's forward calls are event pairs: forward is the
-    calls' device time, backward the pauses' plus the last one's. Each mark is 1 ms after the
-    one before; every event goes back once the phases are read, so the next steps make none.
+    calls' device time, backward the pauses' plus the last one's (a call that never ended
+    included). Each mark is 1 ms after the one before; every event goes back once the phases
+    are read, so the next steps make none.
     A step with more pauses than the clock keeps has no forward and backward split (its
     optimizer phase stays), and gives its events back too."""
     from torchtrace.step.phases import MAX_GAPS
@@ -113,14 +114,13 @@ def test_a_step_with_several_forward_calls_reads_its_pauses_from_events_and_give
     def step(calls: int) -> dict | None:
         clock = StepClock(cuda=True)
         for i in range(calls):
-            if i == 0:
-                clock.forward_start = clock.mark()
-            else:
+            if i > 0:
                 FakeEvent.now[0] += 5.0  # the micro-batch's backward: 6 ms from the call's end
-                clock.resume()
+            clock.announce("forward_start")
             FakeEvent.now[0] += 1.0  # the forward: 2 ms from its start mark
-            clock.end_forward()
-        FakeEvent.now[0] += 5.0  # the last backward
+            clock.announce("forward_end")
+        clock.announce("forward_start")  # a call that never ends (a recomputation stopped early)
+        FakeEvent.now[0] += 4.0  # the last backward
         clock.optimizer_start = clock.mark()
         clock.optimizer_end = clock.mark()
         out = clock.phases(None)
@@ -130,7 +130,7 @@ def test_a_step_with_several_forward_calls_reads_its_pauses_from_events_and_give
     assert step(3) == {"forward": pytest.approx(0.006), "backward": pytest.approx(0.018),
                        "optimizer": pytest.approx(0.001)}
     made = events.TIMING.created
-    assert made == 2 * 3 + 2
+    assert made == 2 * 3 + 1 + 2
     assert step(3)["forward"] == pytest.approx(0.006)
     assert events.TIMING.created == made  # every event of the step before was given back
     assert step(MAX_GAPS + 3) == {"optimizer": pytest.approx(0.001)}

@@ -956,6 +956,31 @@ def test_micro_batches_in_one_step_split_forward_from_backward(tmp_path, model_c
         tt.shutdown()
 
 
+def test_a_model_under_activation_checkpointing_keeps_its_phases(tmp_path):
+    """The whole model under ``checkpoint`` (non-reentrant): the backward calls the model again
+    to recompute, and that call stops early with an error PyTorch catches. The forward phase
+    is the first call's planted 20 ms, the recomputation is backward time (planted 40 ms), and
+    the optimizer keeps its 30 ms."""
+    from torch.utils.checkpoint import checkpoint
+
+    _configure(tmp_path)
+    try:
+        model = _SlowModel(0.02)
+
+        def body(opt, x):
+            opt.zero_grad()
+            checkpoint(model, x, use_reentrant=False).sum().backward()
+            opt.step()
+
+        for row in _phase_rows(model, body, torch.randn(2, 4, requires_grad=True), steps=3):
+            phases = row["phases"]
+            assert 0.02 <= phases["forward"] < 0.02 + 0.035, phases
+            assert 0.04 <= phases["backward"] < 0.04 + 0.035, phases
+            assert 0.03 <= phases["optimizer"] < 0.03 + 0.035, phases
+    finally:
+        tt.shutdown()
+
+
 def test_a_forward_called_past_the_model_keeps_the_optimizer_phase(tmp_path):
     """``model.forward(x)`` called directly goes past the call seam: the step has no forward
     or backward phase (where the backward began is not known), but its optimizer phase (a

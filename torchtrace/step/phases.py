@@ -31,7 +31,7 @@ class StepClock:
     """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
 
     __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda", "graph", "mark", "last",
-                 "batch", "gaps")
+                 "batch", "gaps", "again")
 
     def __init__(self, cuda: bool) -> None:
         # A step without inputs (a debug_context): the (args, kwargs) of the model's call, MANY
@@ -48,6 +48,7 @@ class StepClock:
         # each, two views): not forward time. On the host, seconds; on a GPU, the (end, start)
         # event pairs around each pause, None once more than MAX_GAPS (the split is then unknown).
         self.gaps: Any = [] if cuda else 0.0
+        self.again: Any = None  # a later call's start mark, booked as a pause's end once the call ends
         # mark(): a boundary now, a host time or a recorded CUDA event (the clock itself when
         # on the host: one C call per mark).
         self.mark: Callable[[], Any] = events.TIMING.recorded if cuda else time.perf_counter
@@ -62,9 +63,12 @@ class StepClock:
             if self.forward_start is None:
                 self.forward_start = self.mark()
             elif self.forward_end is not None and self.optimizer_start is None:
-                self.resume()
+                self.again = self.mark()
         elif point == "forward_end":
             if self.forward_start is not None and self.optimizer_start is None:
+                if self.again is not None:
+                    self.again, again = None, self.again
+                    self.pause(again)
                 self.end_forward()
         elif point == "optimizer_start":
             if self.optimizer_start is None:
@@ -76,20 +80,22 @@ class StepClock:
             raise ValueError(f"point={point!r} is not valid; accepted values: forward_start, forward_end, "
                              "optimizer_start, optimizer_end")
 
-    def resume(self) -> None:
-        """The model is called again after an earlier call in the step ended: the time since
-        that call's end is a pause (its backward, the loss), not forward time."""
-        now = self.mark()
+    def pause(self, again: Any) -> None:
+        """A later call of the model, begun at mark ``again``, has ended (right before its end
+        mark): the time from the call before's end to ``again`` was a pause (a micro-batch's
+        loss and backward), not forward time. A call that raised (an activation checkpoint's
+        recomputation, stopped early inside the backward) books nothing: its time stays with
+        the backward."""
+        end = self.forward_end
         if not self.cuda:
-            self.gaps += now - self.forward_end
+            self.gaps += again - end
         elif self.gaps is not None and len(self.gaps) < MAX_GAPS:
-            self.gaps.append((self.forward_end, now))
+            self.gaps.append((end, again))
         else:  # too many pauses to keep: the forward and backward split is not known
             if self.gaps:
                 events.TIMING.give_back(*(e for pair in self.gaps for e in pair))
             self.gaps = None
-            events.TIMING.give_back(self.forward_end, now)
-        self.forward_end = None
+            events.TIMING.give_back(end, again)
 
     def end_forward(self) -> None:
         """Mark the end of the forward (and whether it built an autograd graph)."""
@@ -113,6 +119,9 @@ class StepClock:
                 if self.gaps:
                     marks.extend(e for pair in self.gaps for e in pair)
                     self.gaps = []
+                if self.again is not None:  # a later call that never ended
+                    marks.append(self.again)
+                    self.again = None
                 self.last = next((m for m in (self.optimizer_end, step_end, self.forward_end) if m is not None), None)
                 events.TIMING.give_back(*(m for m in marks if m is not self.last))
                 self.forward_start = self.forward_end = self.optimizer_start = self.optimizer_end = None
@@ -271,12 +280,12 @@ class ModelMarks:
     def _pre(self, module: Any, args: Any) -> None:
         clock = self._clock()
         if clock is not None:
-            clock.announce("forward_start")
+            clock.announce("forward_start")  # a later call's start is kept in clock.again
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
         clock = self._clock()
-        if clock is not None and clock.forward_start is not None and clock.optimizer_start is None:
-            clock.end_forward()
+        if clock is not None:
+            clock.announce("forward_end")
 
     remove = detach
 
@@ -333,12 +342,15 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
             return impl(target, *args, **kwargs)
         if scope.inputs is None:  # a step without inputs: the model's own call may say its batch
             clock.batch = (args, kwargs) if clock.batch is None else MANY
+        again = None
         if clock.forward_start is None:
             clock.forward_start = clock.mark()
         elif clock.forward_end is not None and clock.optimizer_start is None:
-            clock.resume()  # called again: the time since its last call is not forward
+            again = clock.mark()  # called again: since its last call ended, a pause (if this call ends)
         out = impl(target, *args, **kwargs)
         if clock.optimizer_start is None:  # StepClock.end_forward, inline
+            if again is not None:
+                clock.pause(again)
             clock.forward_end = clock.mark()
             clock.graph = grad_enabled()
         return out
