@@ -165,10 +165,13 @@ class _Tagger(torch.nn.Module):
 def test_a_context_without_inputs_reads_the_batch_of_the_models_only_call(tmp_path):
     """``debug_context(model=...)`` without ``inputs=``: the batch is that of the model's call
     (samples, and the mask's tokens), checked against a plain count; a step that calls the model
-    twice (two views, micro-batches) has no samples rather than a guess; record_batch still wins;
-    the batch's tensors are not kept once the step is finished."""
+    on two batches (two views, micro-batches) has no samples rather than a guess, one that calls
+    it twice on the same batch has that batch's; record_batch still wins; the batch's tensors
+    are not kept once the step is finished."""
     import gc
     import weakref
+
+    from torch.utils.checkpoint import checkpoint
 
     _configure(tmp_path)
     try:
@@ -193,9 +196,18 @@ def test_a_context_without_inputs_reads_the_batch_of_the_models_only_call(tmp_pa
         assert kept() is None
 
         x = {"input_ids": torch.zeros(3, 8, dtype=torch.long), "attention_mask": torch.ones(3, 8, dtype=torch.long)}
+        view = {k: v.clone() for k, v in x.items()}
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            (model(**x) + model(**view)).backward()
+        assert (step.record.samples, step.record.tokens) == (None, None)
+        # The same batch twice (R-Drop's two passes; an activation checkpoint's recomputation,
+        # which calls the model again from the backward): that batch's samples and tokens.
         with tt.debug_context("train_step", model=model, optimizer=opt) as step:
             (model(**x) + model(**x)).backward()
-        assert (step.record.samples, step.record.tokens) == (None, None)
+        assert (step.record.samples, step.record.tokens) == (3, 24)
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            checkpoint(model, use_reentrant=False, **x).backward()
+        assert (step.record.samples, step.record.tokens) == (3, 24)
         with tt.debug_context("train_step", model=model, optimizer=opt) as step:
             model(**x).backward()
             step.record_batch(samples=30)

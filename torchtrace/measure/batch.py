@@ -318,6 +318,19 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
+def same_arguments(call: tuple[tuple, dict], args: tuple, kwargs: dict) -> bool:
+    """True when ``(args, kwargs)`` are the very objects of the earlier ``call`` (the same
+    batch passed again, as an activation checkpoint's recomputation does).
+
+    >>> x = torch.zeros(2)
+    >>> same_arguments(((x,), {}), (x,), {}), same_arguments(((x,), {}), (x.clone(),), {})
+    (True, False)
+    """
+    first, named = call
+    return (len(first) == len(args) and all(a is b for a, b in zip(first, args))
+            and named.keys() == kwargs.keys() and all(named[k] is kwargs[k] for k in kwargs))
+
+
 def batch_of(inputs: tuple[tuple, dict] | None, skip: int = 0) -> BatchSize | None:
     """The batch of a step's inputs ``(args, kwargs)``, past the first ``skip`` positional ones
     (a method's instance); None without inputs."""

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from torchtrace import current
+from torchtrace.measure.batch import same_arguments
 from torchtrace.record import events
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -341,7 +342,11 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         if clock is None:
             return impl(target, *args, **kwargs)
         if scope.inputs is None:  # a step without inputs: the model's own call may say its batch
-            clock.batch = (args, kwargs) if clock.batch is None else MANY
+            batch = clock.batch
+            if batch is None:
+                clock.batch = (args, kwargs)
+            elif batch is not MANY and not same_arguments(batch, args, kwargs):
+                clock.batch = MANY  # another batch (an activation checkpoint's recomputation passes the same)
         again = None
         if clock.forward_start is None:
             clock.forward_start = clock.mark()
