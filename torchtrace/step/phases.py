@@ -24,7 +24,7 @@ _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
 
 
-MANY = object()  # StepClock.batch once the model was called more than once in the step
+MANY = object()  # StepClock.batch once the model was called on another batch in the step
 MAX_GAPS = 32  # on a GPU, the pauses between forward calls a step keeps (two events each)
 
 
@@ -36,7 +36,7 @@ class StepClock:
 
     def __init__(self, cuda: bool) -> None:
         # A step without inputs (a debug_context): the (args, kwargs) of the model's call, MANY
-        # once it was called again (its batch is then not the step's), None before the first.
+        # once it was called on other tensors (no one call's batch is the step's), None before.
         self.batch: Any = None
         self.forward_start: Any = None
         self.forward_end: Any = None
