@@ -308,7 +308,7 @@ def _checked_count(name: str, value: Any, problems: list[str]) -> int | torch.Te
     return None
 
 
-def token_count(value: float) -> int | None:
+def device_count(value: float) -> int | None:
     """A device count (tokens, samples) as read to the host: None when it is no count (NaN,
     Inf, negative)."""
     return int(value) if math.isfinite(value) and value >= 0 else None

@@ -17,7 +17,7 @@ import torch
 from torchtrace import semconv
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import gradients as grad_measure
-from torchtrace.measure.batch import token_count
+from torchtrace.measure.batch import device_count
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import StepRecord
 from torchtrace.export.spans import apply_record
@@ -68,10 +68,10 @@ def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float
         _evaluate_parameters(rt, scope, record, plan, values)
         tokens = plan.first("tokens", values)
         if tokens is not None:
-            record.tokens = token_count(tokens)
+            record.tokens = device_count(tokens)
         samples = plan.first("samples", values)
         if samples is not None:
-            record.samples = token_count(samples)
+            record.samples = device_count(samples)
         if (plan.first("scaler_skipped", values) or 0.0) > 0:  # the loss scaler skipped the update
             record.scaler_overflow = True
         if "lr" in plan:  # learning rates on a device
