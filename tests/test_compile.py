@@ -80,6 +80,10 @@ def test_explain_reports_no_break_inside_a_step(tt_runtime):
     torch.manual_seed(0)
     model = Net()
     api.get_runtime().set_level("advanced")
+    # The operation's first step counts its FLOPs, and compiled code runs eagerly under the
+    # counter: the steps after it are the ones that run compiled.
+    with tt.debug_context("explain_step", model=model):
+        model(torch.randn(4, 8))
     with tt.debug_context("explain_step", model=model):
         explanation = dynamo.explain(model)(torch.randn(4, 8))
     assert explanation.graph_break_count == 0

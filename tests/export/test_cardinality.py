@@ -65,8 +65,8 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
     """docs/reliability.md: a BASIC CPU job with one operation exports 55 label sets per rank, and each
     further operation 27; 3 more where CUDA is in use (in a process that used a GPU before, as on
     a GPU machine running the whole suite, the memory gauge has the device's series too); and
-    one counter each for samples, tokens, FLOPs an operation reports (here samples: the batch of
-    the model's call)."""
+    one counter each for samples, tokens, FLOPs an operation reports (here samples and FLOPs: the
+    batch of the model's call, and the FLOPs counted on its shapes)."""
     rt = get_runtime()
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     for _ in range(3):
@@ -91,9 +91,9 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
                 "torchtrace_badput_seconds": len(semconv.BADPUT_KINDS), "torchtrace_goodput_ratio": 1,
                 "torchtrace_learning_rate": 1, "torchtrace_data_wait_seconds": 1,
                 "torchtrace_step_phase_seconds": len(semconv.PHASES),
-                "torchtrace_samples": 1}  # the batch of the model's call: "samples ... add one counter each"
+                "torchtrace_samples": 1, "torchtrace_flops": 1}  # "samples, tokens and FLOPs add one counter each"
     assert {k: v for k, v in seen.items() if v} == expected
-    assert sum(expected.values()) - 1 == 55 + cuda
+    assert sum(expected.values()) - 2 == 55 + cuda
     # docs/reliability.md: each extra operation adds 27 (6 gauges and histograms, every anomaly
     # kind, skipped, learning rate, data wait, 3 phases).
     with tt.debug_context("finetune_step", model=tiny_model, optimizer=opt) as step:
@@ -102,5 +102,5 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
         step.record_loss(loss)
         opt.step()
     rt.finish_deferred(block=True)
-    added = sum(_series_per_family(rt.metrics.registry).values()) - 55 - 1 - cuda
-    assert added - 1 == 6 + len(semconv.ANOMALY_KINDS_ALL) + 1 + 1 + 1 + len(semconv.PHASES) == 27  # and samples
+    added = sum(_series_per_family(rt.metrics.registry).values()) - 55 - 2 - cuda
+    assert added - 2 == 6 + len(semconv.ANOMALY_KINDS_ALL) + 1 + 1 + 1 + len(semconv.PHASES) == 27  # and samples, FLOPs

@@ -391,11 +391,13 @@ def test_mfus_peak_is_taken_at_the_trainers_precision(tmp_path, monkeypatch, pre
         tt.shutdown()
 
 
-def test_a_vision_model_gets_no_token_estimate_of_its_flops(tmp_path):
+def test_a_vision_model_gets_counted_flops_not_the_token_estimate(tmp_path):
     """The Trainer's formula (6 x main input elements x parameters) takes every element of the
     main input for a token: for a ViT's pixel_values that was 214 times FlopCounterMode's count
-    of the same step, and MFU with it. A floating-point main input gets no estimate; its
-    samples still count."""
+    of the same step, and MFU with it. A floating-point main input gets no estimate: the
+    FLOPs are those counted on the shapes of the model's call (the first step runs under the
+    counter), within 10 % of FlopCounterMode's count of the same forward and backward; its
+    samples count too."""
     from torch.utils.flop_counter import FlopCounterMode
 
     result = configure(tmp_path, peak_flops=1e9)
@@ -424,10 +426,11 @@ def test_a_vision_model_gets_no_token_estimate_of_its_flops(tmp_path):
     transformers.Trainer(model=model, args=args, train_dataset=Images(), callbacks=[TorchtraceCallback()]).train()
     spans = read_spans(result.spans_path)
     assert len(spans) == 3
-    assert all(semconv.FLOPS not in s["attributes"] for s in spans)
+    flops = [s["attributes"].get(semconv.FLOPS) for s in spans]
+    assert all(f is not None and abs(f / counted.get_total_flops() - 1) < 0.10 for f in flops), flops
     assert [s["attributes"][semconv.SAMPLES] for s in spans] == [4, 4, 4]
     samples = scrape(result.metrics_url)
-    assert not [k for k in samples if k != "exemplars" and k[0] == "torchtrace_mfu_ratio"]  # no series at all
+    assert value(samples, "torchtrace_mfu_ratio", operation="train_step") > 0  # the configured peak
     assert value(samples, "torchtrace_samples_total", operation="train_step") == 12
 
 

@@ -24,6 +24,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Hashable, Iterator, Mapping
 
 import torch
@@ -43,6 +44,20 @@ DEFAULT_MAX_SHAPES = 32
 peak_flops = peaks.peak_flops
 precision_key = peaks.precision_key
 MAX_LOOSE_OPERATIONS = 64  # operations whose loose arguments are kept
+
+
+class LateKey:
+    """The key of a count whose shapes are known only when it ends (a step without inputs,
+    keyed by its model's call): ``value`` is set before the count closes; None records nothing."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Hashable | None = None
+
+
+def _resolved(key: Hashable) -> Hashable | None:
+    return key.value if type(key) is LateKey else key
 
 
 class StepFlops:
@@ -143,6 +158,7 @@ class StepFlops:
     def counting(self, key: Hashable) -> Iterator[None]:
         """Count the FLOPs of the code inside and record them for ``key``.
 
+        ``key`` may be a :class:`LateKey`, read when the code inside has run.
         The count is recorded only when the code inside finishes without an exception: a
         step that raised halfway would record a partial count for good. A count of zero is no
         count: the work ran in kernels the counter has no formula for (the fused inference path
@@ -154,10 +170,14 @@ class StepFlops:
                 yield
         except BaseException:
             if mode.failed:  # an op raised under the counter: never run it there again
-                self.skip(key)
+                if _resolved(key) is not None:
+                    self.skip(_resolved(key))
                 self.failures += 1
             raise
         self.counts += 1
+        key = _resolved(key)
+        if key is None:
+            return
         total = mode.get_total_flops()
         if total > 0 and not mode.incomplete:
             self._learn(key, total)
@@ -265,6 +285,23 @@ class _Counter(FlopCounterMode):
         return self
 
 
+def eager_for_now() -> Any:
+    """``torch.compile``d code runs eagerly inside (no compilation, nothing cached): first called
+    under the FLOP counter's dispatch mode, torch would never compile it after."""
+    dynamo = sys.modules.get("torch._dynamo")
+    stance = getattr(dynamo, "set_stance", None) if dynamo is not None else None
+    if stance is None:
+        return contextlib.nullcontext()
+    return stance("force_eager")
+
+
+def drop_counter(counter: Any) -> None:
+    """Leave a step's FLOP counter without recording its count (the step was abandoned: what
+    it counted so far is part of a step)."""
+    abandoned = RuntimeError("torchtrace: step abandoned")
+    counter.__exit__(RuntimeError, abandoned, None)
+
+
 def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     """Run ``fn(*args, **kwargs)`` once under a FLOP counter: ``(its result, its FLOPs)``.
 
@@ -279,5 +316,5 @@ def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     return result, int(mode.get_total_flops())
 
 
-__all__ = ["DEFAULT_MAX_SHAPES", "KEY_MAX_DEPTH", "KEY_MAX_ITEMS", "LOOSE", "NESTED", "StepFlops", "count_flops",
-           "countable", "peak_flops", "precision_key", "shape_key"]
+__all__ = ["DEFAULT_MAX_SHAPES", "KEY_MAX_DEPTH", "KEY_MAX_ITEMS", "LOOSE", "NESTED", "LateKey", "StepFlops",
+           "count_flops", "countable", "drop_counter", "eager_for_now", "peak_flops", "precision_key", "shape_key"]

@@ -191,3 +191,21 @@ def peak_flops(device: Any, dtype: Any, override: float | None = None) -> float 
     if row is None or precision is None:
         return None
     return row.flops.get(precision)
+
+
+def model_peak(model: Any, dtype: Any, cache: dict[str, float | None]) -> float | None:
+    """The peak FLOP/s of ``model``'s device in ``dtype`` (None: an autocast around the whole
+    step, else the weights' dtype); looked up once per device and dtype in ``cache``."""
+    if model is None:
+        return None
+    try:
+        param = next(model.parameters())
+    except StopIteration:
+        return None
+    if dtype is None:
+        dtype = torch.get_autocast_dtype(param.device.type) if torch.is_autocast_enabled(param.device.type) \
+            else param.dtype
+    key = f"{param.device}/{dtype}"
+    if key not in cache:
+        cache[key] = peak_flops(param.device, dtype)
+    return cache[key]

@@ -17,6 +17,7 @@ import torch
 
 from torchtrace import current
 from torchtrace.measure.batch import same_arguments
+from torchtrace.measure.flops import drop_counter
 from torchtrace.record import events
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -50,8 +51,7 @@ class StepClock:
         # event pairs around each pause, None once more than MAX_GAPS (the split is then unknown).
         self.gaps: Any = [] if cuda else 0.0
         self.again: Any = None  # a later call's start mark, booked as a pause's end once the call ends
-        # mark(): a boundary now, a host time or a recorded CUDA event (the clock itself when
-        # on the host: one C call per mark).
+        # mark(): a boundary now, a host time or a recorded CUDA event (on the host, one C call)
         self.mark: Callable[[], Any] = events.TIMING.recorded if cuda else time.perf_counter
 
     def announce(self, point: str) -> None:
@@ -303,8 +303,7 @@ def _seam_free(model: Any) -> bool:
 
 
 def _seam_compiled(model: Any) -> bool:
-    """True when the module's call goes through ``Module.__call__`` and its seam holds a
-    compiled call of someone else's (``Module.compile()``)."""
+    """True when the module's call goes through ``Module.__call__`` and its seam holds someone's ``Module.compile()``."""
     impl = model.__dict__.get("_compiled_call_impl") if isinstance(model, torch.nn.Module) else None
     return (impl is not None and not getattr(impl, _MARKS, False) and _SEAM_CODE is not None
             and type(model).__call__ is torch.nn.Module.__call__)
@@ -347,6 +346,9 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
                 clock.batch = (args, kwargs)
             elif batch is not MANY and not same_arguments(batch, args, kwargs):
                 clock.batch = MANY  # another batch (an activation checkpoint's recomputation passes the same)
+                if scope._flops_counter is not None:  # no one call's shapes: its FLOP count ends (an eval loop)
+                    drop_counter(scope._flops_counter)
+                    scope._flops_counter = None
         again = None
         if clock.forward_start is None:
             clock.forward_start = clock.mark()

@@ -14,7 +14,6 @@ read).
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 import weakref
 from typing import Any, Hashable
@@ -24,7 +23,7 @@ import torch
 from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
-from torchtrace.measure.flops import StepFlops, countable, shape_key
+from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, eager_for_now, shape_key
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
 from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
@@ -34,15 +33,6 @@ from torchtrace.step.phases import MANY, DeviceCycles, ModelMarks, OptimizerMark
 
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
-
-
-def _eager_for_now() -> Any:
-    """``torch.compile``d code runs eagerly inside (no compilation, nothing cached)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    stance = getattr(dynamo, "set_stance", None) if dynamo is not None else None
-    if stance is None:
-        return contextlib.nullcontext()
-    return stance("force_eager")
 
 
 class RunThroughput:
@@ -66,6 +56,9 @@ class RunThroughput:
         self._shapes: dict[Hashable, tuple[float | None, BatchSize]] = {}
         self._no_scaler: set[str] = set()  # operations whose arguments hold no GradScaler
         self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
+        # Operations without inputs: the FLOP key of their last step's model call (None: none, or several).
+        self._calls: dict[str, Hashable | None] = {}
+        self._missed: set[Hashable] = set()  # such keys whose next step had other shapes
         # The step whose FLOP counter was last opened (open while its _flops_counter is), weakly.
         self._counting: Any = none_ref
 
@@ -104,6 +97,8 @@ class RunThroughput:
                 clock = StepClock(last[2].cuda)
             if shape is not None and outermost:
                 return key, clock, None  # its FLOPs are known: nothing to count
+            if key is None and clock is not None and self._call_counts(scope.name):
+                key = scope.flops_key = LateKey()  # no inputs, a model: keyed by the model's call
             return key, clock, self._counter(scope, key, outermost)
         except Exception as exc:
             self.rt.errors.report("step", exc)
@@ -122,14 +117,17 @@ class RunThroughput:
         if not outermost and scope.optimizer is not None:
             # A training step inside another operation (an epoch): that one is a container.
             outermost = self._release_container()
-        if not (outermost and key is not None and self.flops.needs_count(key)) or self._skipped(key):
+        if type(key) is LateKey:
+            if not outermost:
+                return None
+        elif not (outermost and key is not None and self.flops.needs_count(key)) or self._skipped(key):
             return None
         self._counting = weakref.ref(scope)  # weak: a scope holds the user's model
         counter = contextlib.ExitStack()
         try:
             # A module compiled with torch.compile runs eagerly for this one step: first called
             # under the FLOP counter's dispatch mode, torch would never compile it after.
-            counter.enter_context(_eager_for_now())
+            counter.enter_context(eager_for_now())
             counter.enter_context(self.flops.counting(key))
         except BaseException:
             counter.close()
@@ -147,7 +145,10 @@ class RunThroughput:
         if not owner.active:
             return False
         owner_counter, owner._flops_counter = owner._flops_counter, None
-        self.flops.skip(owner.flops_key)
+        if type(owner.flops_key) is LateKey:
+            self._calls[owner.name] = None
+        else:
+            self.flops.skip(owner.flops_key)
         self._counting = none_ref
         drop_counter(owner_counter)
         return True
@@ -186,6 +187,8 @@ class RunThroughput:
         """
         shape = scope.shape
         counted = False
+        if scope.inputs is None and scope.clock is not None:
+            self._call_key(scope)
         if counter is not None:
             ended = self.flops.fits.ended
             counted = self._close_counter(scope, counter, exc)
@@ -213,7 +216,7 @@ class RunThroughput:
             except Exception as err:
                 self.rt.errors.report("step", err)
         if given is not None and given[2] is not None:
-            flops, counted = given[2], False
+            flops = given[2]  # (a step that ran under the counter still ran slower: not throughput)
         grads = scope.gradients
         lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
         if lr is not None and type(lr) is not list:  # some rates are on a device: read with the step
@@ -226,12 +229,13 @@ class RunThroughput:
         from the inputs. Kept for the shapes' later steps once final: the FLOPs are counted (or
         never will be) and the batch size is not a device count (a mask's)."""
         key = scope.flops_key
+        clock = scope.clock
+        if scope.inputs is None and clock is not None:
+            # No inputs (a debug_context): the batch of the model's only call, if it had one.
+            forward, clock.batch = clock.batch, None  # its tensors are not kept past this
+            return self.flops.lookup(key) if key is not None else None, \
+                batch_of(forward) if forward is not None and forward is not MANY else None
         if key is None:
-            clock = scope.clock
-            if scope.inputs is None and clock is not None and clock.batch is not None:
-                # No inputs (a debug_context): the batch of the model's only call, if it had one.
-                forward, clock.batch = clock.batch, None  # its tensors are not kept past this
-                return None, batch_of(forward) if forward is not MANY else None
             return None, batch_of(scope.inputs, scope.batch_skip)
         flops = self.flops.lookup(key)
         batch = self._batches.get(key)
@@ -242,6 +246,29 @@ class RunThroughput:
         if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES:
             self._shapes[key] = (flops, batch)
         return flops, batch
+
+    def _call_counts(self, name: str) -> bool:
+        """Whether a step without inputs counts its FLOPs: its shapes are known only once the
+        model was called, so it counts when it is the operation's first, or when the step
+        before it had shapes still to count (a new length: that step itself got no FLOPs)."""
+        last = self._calls.get(name, LateKey)
+        return last is LateKey or (last is not None and last not in self._missed and countable(last)
+                                   and self.flops.needs_count(last))
+
+    def _call_key(self, scope: Any) -> None:
+        """A step without inputs: its FLOP key is its model's call's (None when the model was
+        not called, or called on several batches), which its count, if it ran under one, is
+        recorded for; remembered for the operation's next step (:meth:`_call_counts`)."""
+        forward, late, name = scope.clock.batch, scope.flops_key, scope.name
+        key = (name, shape_key(forward[0], forward[1])) if forward is not None and forward is not MANY else None
+        if type(late) is LateKey:
+            if key is not None and countable(key) and self.flops.needs_count(key):
+                late.value = key
+            elif self._calls.get(name) is not None and len(self._missed) < MAX_SHAPES:
+                self._missed.add(self._calls[name])  # shapes of one step (a last short batch): not again
+        if name in self._calls or len(self._calls) < MAX_SHAPES:
+            self._calls[name] = key
+        scope.flops_key = key
 
     def _close_counter(self, scope: Any, counter: Any, exc: BaseException | None) -> bool:
         """Leave the step's FLOP counter; True when it counted the whole step."""
@@ -323,26 +350,10 @@ class RunThroughput:
                 self.ledger.set_peak(operation, self._peak(scope))
 
     def _peak(self, scope: Any) -> float | None:
-        model = scope.model
-        if model is None:
-            return None
-        try:
-            param = next(model.parameters())
-        except StopIteration:
-            return None
         # The dtype the counted step's FLOPs ran in; without a count (FLOPs the user or a
-        # framework gave), the framework's mixed precision, an autocast around the whole step,
-        # else the weights' dtype.
+        # framework gave), the framework's mixed precision, then peaks.model_peak's.
         dtype = self.flops.compute_dtype(scope.flops_key) if scope.flops_key is not None else None
-        if dtype is None:
-            dtype = self.framework_dtype
-        if dtype is None:
-            dtype = torch.get_autocast_dtype(param.device.type) if torch.is_autocast_enabled(param.device.type) \
-                else param.dtype
-        key = f"{param.device}/{dtype}"
-        if key not in self._peaks:
-            self._peaks[key] = peaks.peak_flops(param.device, dtype)
-        return self._peaks[key]
+        return peaks.model_peak(scope.model, dtype if dtype is not None else self.framework_dtype, self._peaks)
 
     def section(self) -> dict[str, Any]:
         g = self.ledger.snapshot(time.perf_counter())
@@ -372,13 +383,6 @@ class RunThroughput:
             hooks.remove()
         self._models.clear()
         self._optimizers.clear()
-
-
-def drop_counter(counter: Any) -> None:
-    """Leave a step's FLOP counter without recording its count (the step was abandoned: what
-    it counted so far is part of a step)."""
-    abandoned = RuntimeError("torchtrace: step abandoned")
-    counter.__exit__(RuntimeError, abandoned, None)
 
 
 __all__ = ["RunThroughput", "StepClock", "drop_counter", "learning_rates"]

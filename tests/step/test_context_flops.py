@@ -1,0 +1,170 @@
+"""FLOPs of a ``debug_context`` given a model but no ``inputs=``: the shapes that decide them
+are those of the model's call, known only once the step has called it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import torchtrace as tt
+from torchtrace.api import get_runtime
+
+
+def _configure(tmp_path, **kw):
+    return tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, **kw)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _body(model, opt, x):
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _reference(rows):
+    """The same step on a fresh copy of the model, counted by FlopCounterMode itself."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with FlopCounterMode(display=False) as ref:
+        _body(model, opt, torch.randn(rows, 16))
+    return ref.get_total_flops()
+
+
+def _context_steps(model, opt, rows_per_step, name="train_step"):
+    records = []
+    for rows in rows_per_step:
+        x = torch.randn(rows, 16)
+        with tt.debug_context(name, model=model, optimizer=opt) as step:
+            _body(model, opt, x)
+        records.append(step.record)
+    return records
+
+
+def test_a_context_gets_the_flops_of_its_models_call(tmp_path):
+    """The first step runs under the counter (its time left out of throughput); later steps
+    with the model called on the same shapes look their FLOPs up. A step on new shapes has
+    none (it was not counted: its shapes were not known when it began) and the next step is
+    counted, keyed by the shapes it really had."""
+    _configure(tmp_path, peak_flops=1e12)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        records = _context_steps(model, opt, (8, 8, 8, 16, 16, 16, 8))
+        ref8, ref16 = _reference(8), _reference(16)
+        assert [r.flops_counted for r in records] == [True, False, False, False, True, False, False]
+        flops = [r.flops for r in records]
+        assert flops[3] is None  # first step on 16 rows: not counted, not known
+        for got, ref in zip(flops[:3] + flops[4:], (ref8, ref8, ref8, ref16, ref16, ref8)):
+            assert got == pytest.approx(ref, rel=0.10)
+        assert [r.samples for r in records] == [8, 8, 8, 16, 16, 16, 8]
+        assert get_runtime().throughput.flops.counts == 2
+        tp = get_runtime().throughput.ledger.throughput("train_step")
+        assert tp is not None and tp.mfu is not None and tp.mfu > 0  # the configured peak gives MFU
+    finally:
+        tt.shutdown()
+
+
+def test_a_short_last_batch_costs_one_counted_step_not_one_per_epoch(tmp_path):
+    """Epochs of three batches of 8 rows and a last one of 5 (``drop_last=False``): the step
+    after the short batch is counted once (it might have had those shapes again); it had not,
+    and the short batch's shapes are not tried again, so later epochs pay for no count."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        records = _context_steps(model, opt, (8, 8, 8, 5) * 3)
+        assert [i for i, r in enumerate(records) if r.flops_counted] == [0, 4]
+        ref8 = _reference(8)
+        for r in records:
+            if r.samples == 8:
+                assert r.flops == pytest.approx(ref8, rel=0.10)
+            else:
+                assert r.flops is None
+        assert get_runtime().throughput.flops.counts == 2 and len(get_runtime().throughput.flops) == 1
+    finally:
+        tt.shutdown()
+
+
+def test_a_context_whose_model_sees_several_batches_stops_counting_and_gets_no_flops(tmp_path):
+    """Two views of a batch, or an evaluation loop in one context: no one call's shapes are
+    the step's. The counter the first step opened is left at the model's second call (an
+    evaluation loop does not run under it past its first batch), nothing is recorded, and no
+    later step is counted."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        records, modes = [], []
+        for _ in range(4):
+            x = torch.randn(8, 16)
+            with tt.debug_context("two_views", model=model, optimizer=opt) as step:
+                opt.zero_grad()
+                first = model(x)
+                modes.append(_get_current_dispatch_mode() is not None)
+                (first - model(x + 1)).pow(2).mean().backward()
+                modes.append(_get_current_dispatch_mode() is not None)
+                opt.step()
+            records.append(step.record)
+        assert modes == [True, False] + [False, False] * 3  # counted until the second batch only
+        assert [r.flops for r in records] == [None] * 4
+        assert get_runtime().throughput.flops.counts == 0 and len(get_runtime().throughput.flops) == 0
+
+        with tt.debug_context("evaluation", model=model) as step, torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(8, 16))
+            assert _get_current_dispatch_mode() is None
+        assert step.record.flops is None and step.record.samples is None
+    finally:
+        tt.shutdown()
+
+
+def test_record_batch_flops_win_in_a_context_and_a_context_with_inputs_is_keyed_by_them(tmp_path):
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        given = []
+        for _ in range(2):
+            with tt.debug_context("given", model=model, optimizer=opt) as step:
+                _body(model, opt, torch.randn(8, 16))
+                step.record_batch(flops=1234.0)
+            given.append((step.record.flops, step.record.flops_counted))
+        # The first step ran under the counter all the same: its time is not throughput.
+        assert given == [(1234.0, True), (1234.0, False)]
+        records = []
+        for _ in range(2):
+            x = torch.randn(4, 16)
+            with tt.debug_context("with_inputs", model=model, optimizer=opt, inputs=x) as step:
+                _body(model, opt, x)
+            records.append(step.record)
+        assert [r.flops_counted for r in records] == [True, False]
+        assert records[1].flops == pytest.approx(_reference(4), rel=0.10)
+    finally:
+        tt.shutdown()
+
+
+def test_a_context_that_never_calls_its_model_is_counted_once(tmp_path):
+    """The model named but the step computing through a submodule's call only: no call of the
+    model says the shapes, so the first step's count is dropped and no later step pays for one."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        records = []
+        for _ in range(3):
+            with tt.debug_context("submodules", model=model, optimizer=opt) as step:
+                opt.zero_grad()
+                model[2](model[1](model[0](torch.randn(8, 16)))).sum().backward()
+                opt.step()
+            records.append(step.record)
+        assert [r.flops_counted for r in records] == [True, False, False]
+        assert [r.flops for r in records] == [None] * 3
+    finally:
+        tt.shutdown()
