@@ -1,5 +1,6 @@
-"""FLOPs of a ``debug_context`` given a model but no ``inputs=``: the shapes that decide them
-are those of the model's call, known only once the step has called it."""
+"""FLOPs of a ``debug_context`` given a model but no ``inputs=``, and of a step whose arguments
+hold no batch: the shapes that decide them are those of the model's call, known only once
+the step has called it."""
 
 from __future__ import annotations
 
@@ -166,5 +167,77 @@ def test_a_context_that_never_calls_its_model_is_counted_once(tmp_path):
             records.append(step.record)
         assert [r.flops_counted for r in records] == [True, False, False]
         assert [r.flops for r in records] == [None] * 3
+    finally:
+        tt.shutdown()
+
+
+def test_a_step_that_draws_its_batch_itself_is_keyed_by_its_models_call(tmp_path):
+    """``train_step(batches)`` with ``batches`` an iterator the step calls ``next`` on, or a
+    step with no arguments: its arguments hold no batch, so the shapes of the model's call
+    decide its FLOPs and give its samples. Before, every step had the first step's FLOPs
+    (16-row steps read the 32-row count) and none had samples."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        rows = (32, 32, 16, 16, 16, 32)
+        batches = iter([torch.randn(n, 16) for n in rows])
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(source):
+            _body(model, opt, next(source))
+
+        records = []
+        for _ in rows:
+            train_step(batches)
+            records.append(get_runtime().history.last_record)
+        assert [r.samples for r in records] == list(rows)
+        assert [r.flops_counted for r in records] == [True, False, False, True, False, False]
+        ref32, ref16 = _reference(32), _reference(16)
+        # The first 16-row step has none: its shapes were known only once it ran.
+        for got, ref in zip([r.flops for r in records], (ref32, ref32, None, ref16, ref16, ref32)):
+            assert got == (None if ref is None else pytest.approx(ref, rel=0.10))
+
+        @tt.debug_operation(name="no_arguments", model=model, optimizer=opt)
+        def no_arguments():
+            _body(model, opt, torch.randn(8, 16))
+
+        records = []
+        for _ in range(3):
+            no_arguments()
+            records.append(get_runtime().history.last_record)
+        assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (8, False)]
+        assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
+    finally:
+        tt.shutdown()
+
+
+class _Holder:
+    """A batch object of the user's own class (no dataclass, no mapping): nothing to read."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+def test_a_batch_of_the_users_own_class_is_read_through_the_models_call(tmp_path):
+    """Such an object says nothing of its shapes, so its steps are keyed by the model's call:
+    samples from it, and FLOPs per its shapes. Before, no samples, and every step had the
+    first step's FLOPs."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(batch):
+            _body(model, opt, batch.x)
+
+        records = []
+        for rows in (8, 8, 4, 4):
+            train_step(_Holder(torch.randn(rows, 16)))
+            records.append(get_runtime().history.last_record)
+        assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (4, False), (4, True)]
+        for got, ref in zip([r.flops for r in records], (_reference(8), _reference(8), None, _reference(4))):
+            assert got == (None if ref is None else pytest.approx(ref, rel=0.10))
     finally:
         tt.shutdown()

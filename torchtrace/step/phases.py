@@ -17,7 +17,7 @@ import torch
 
 from torchtrace import current
 from torchtrace.measure.batch import same_arguments
-from torchtrace.measure.flops import drop_counter
+from torchtrace.measure.flops import LateKey, drop_counter
 from torchtrace.record import events
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -35,10 +35,10 @@ class StepClock:
     __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda", "graph", "mark", "last",
                  "batch", "gaps", "again")
 
-    def __init__(self, cuda: bool) -> None:
-        # A step without inputs (a debug_context): the (args, kwargs) of the model's call, MANY
-        # once it was called on other tensors (no one call's batch is the step's), None before.
-        self.batch: Any = None
+    def __init__(self, cuda: bool, batch: Any = None) -> None:
+        # The (args, kwargs) of the model's call, for a step whose arguments do not give its batch;
+        # MANY once called on other tensors, or from the start when the arguments give it.
+        self.batch: Any = batch
         self.forward_start: Any = None
         self.forward_end: Any = None
         self.optimizer_start: Any = None
@@ -340,14 +340,14 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         clock = scope.clock if scope is not None else None
         if clock is None:
             return impl(target, *args, **kwargs)
-        if scope.inputs is None:  # a step without inputs: the model's own call may say its batch
-            batch = clock.batch
+        batch = clock.batch
+        if batch is not MANY:  # a step whose arguments gave no batch (yet): the model's call may say it
             if batch is None:
                 clock.batch = (args, kwargs)
-            elif batch is not MANY and not same_arguments(batch, args, kwargs):
+            elif not same_arguments(batch, args, kwargs):
                 clock.batch = MANY  # another batch (an activation checkpoint's recomputation passes the same)
-                if scope._flops_counter is not None:  # no one call's shapes: its FLOP count ends (an eval loop)
-                    drop_counter(scope._flops_counter)
+                if type(scope.flops_key) is LateKey and scope._flops_counter is not None:  # (an eval loop)
+                    drop_counter(scope._flops_counter)  # no one call's shapes: the count ends
                     scope._flops_counter = None
         again = None
         if clock.forward_start is None:

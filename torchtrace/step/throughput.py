@@ -29,6 +29,7 @@ from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import MAX_PEAKS, GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
+from torchtrace.step.call_keys import CallKeys
 from torchtrace.step.phases import MANY, DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
 
 
@@ -56,9 +57,7 @@ class RunThroughput:
         self._shapes: dict[Hashable, tuple[float | None, BatchSize]] = {}
         self._no_scaler: set[str] = set()  # operations whose arguments hold no GradScaler
         self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
-        # Operations without inputs: the FLOP key of their last step's model call (None: none, or several).
-        self._calls: dict[str, Hashable | None] = {}
-        self._missed: set[Hashable] = set()  # such keys whose next step had other shapes
+        self.calls = CallKeys(self.flops)  # steps keyed by their model's call (no batch in their arguments)
         # The step whose FLOP counter was last opened (open while its _flops_counter is), weakly.
         self._counting: Any = none_ref
 
@@ -81,6 +80,8 @@ class RunThroughput:
                 args = inputs[0][skip:] if skip else inputs[0]
                 key = (name, loose_shape_key(args, inputs[1], loose[name]) if loose and name in loose
                        else shape_key(args, inputs[1]))
+                if self.calls.opaque and key in self.calls.opaque:
+                    key = None  # arguments that hold no batch (an iterator): keyed by the model's call
             scope.flops_key = key
             scope.shape = shape = self._shapes.get(key) if key is not None else None
             if scope.scaler is None and inputs is not None and name not in self._no_scaler:
@@ -94,11 +95,12 @@ class RunThroughput:
                 if last is None or last[0]() is not model or last[1]() is not scope.optimizer \
                         or not last[2].intact(model):
                     last = self._hooks_for(model, scope.optimizer)  # not the model and optimizer of the step before
-                clock = StepClock(last[2].cuda)
+                # (The seam keeps the batch of the model's call unless the arguments gave one.)
+                clock = StepClock(last[2].cuda, MANY if shape is not None else None)
             if shape is not None and outermost:
                 return key, clock, None  # its FLOPs are known: nothing to count
-            if key is None and clock is not None and self._call_counts(scope.name):
-                key = scope.flops_key = LateKey()  # no inputs, a model: keyed by the model's call
+            if key is None and clock is not None and self.calls.counts(scope.name):
+                key = scope.flops_key = LateKey()  # no batch in its arguments, a model: its call's key
             return key, clock, self._counter(scope, key, outermost)
         except Exception as exc:
             self.rt.errors.report("step", exc)
@@ -146,7 +148,7 @@ class RunThroughput:
             return False
         owner_counter, owner._flops_counter = owner._flops_counter, None
         if type(owner.flops_key) is LateKey:
-            self._calls[owner.name] = None
+            self.calls.dropped(owner.name)
         else:
             self.flops.skip(owner.flops_key)
         self._counting = none_ref
@@ -187,14 +189,15 @@ class RunThroughput:
         """
         shape = scope.shape
         counted = False
-        if scope.inputs is None and scope.clock is not None:
-            self._call_key(scope)
+        by_call = scope.clock is not None and (scope.flops_key is None or type(scope.flops_key) is LateKey)
+        if by_call:
+            self.calls.resolve(scope)
         if counter is not None:
             ended = self.flops.fits.ended
             counted = self._close_counter(scope, counter, exc)
             if self.flops.fits.ended != ended:  # a count disagreed with a fit: forget what it gave
                 self._shapes.clear()
-        flops, batch = shape if shape is not None else self._shape_of(scope)
+        flops, batch = shape if shape is not None else self._shape_of(scope, by_call)
         if given is not None:
             batch = (batch or NOTHING).with_overrides(samples=given[0], tokens=given[1])
         samples = tokens = None
@@ -224,51 +227,32 @@ class RunThroughput:
             lr = None  # filled from the read
         return samples, tokens, flops, counted, lr
 
-    def _shape_of(self, scope: Any) -> tuple[float | None, BatchSize | None]:
+    def _shape_of(self, scope: Any, by_call: bool) -> tuple[float | None, BatchSize | None]:
         """``(FLOPs, batch size)`` of a step's input shapes: looked up after a count, inferred
         from the inputs. Kept for the shapes' later steps once final: the FLOPs are counted (or
-        never will be) and the batch size is not a device count (a mask's)."""
-        key = scope.flops_key
-        clock = scope.clock
-        if scope.inputs is None and clock is not None:
-            # No inputs (a debug_context): the batch of the model's only call, if it had one.
+        never will be) and the batch size is not a device count (a mask's). ``by_call``: the
+        step is keyed by its model's call (:mod:`torchtrace.step.call_keys`), whose batch is its batch."""
+        key, clock, forward = scope.flops_key, scope.clock, None
+        if clock is not None:
             forward, clock.batch = clock.batch, None  # its tensors are not kept past this
+            forward = None if forward is MANY else forward
+        if by_call:
             return self.flops.lookup(key) if key is not None else None, \
-                batch_of(forward) if forward is not None and forward is not MANY else None
+                batch_of(forward) if forward is not None else None
         if key is None:
             return None, batch_of(scope.inputs, scope.batch_skip)
         flops = self.flops.lookup(key)
         batch = self._batches.get(key)
         if batch is None:
             batch = batch_of(scope.inputs, scope.batch_skip)
+            if batch.samples is None and batch.tokens is None and forward is not None and \
+                    self.calls.adopt(scope, key, flops, forward):
+                return flops, batch_of(forward)
             if not batch.pending and len(self._batches) < MAX_SHAPES:
                 self._batches[key] = batch
         if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES:
             self._shapes[key] = (flops, batch)
         return flops, batch
-
-    def _call_counts(self, name: str) -> bool:
-        """Whether a step without inputs counts its FLOPs: its shapes are known only once the
-        model was called, so it counts when it is the operation's first, or when the step
-        before it had shapes still to count (a new length: that step itself got no FLOPs)."""
-        last = self._calls.get(name, LateKey)
-        return last is LateKey or (last is not None and last not in self._missed and countable(last)
-                                   and self.flops.needs_count(last))
-
-    def _call_key(self, scope: Any) -> None:
-        """A step without inputs: its FLOP key is its model's call's (None when the model was
-        not called, or called on several batches), which its count, if it ran under one, is
-        recorded for; remembered for the operation's next step (:meth:`_call_counts`)."""
-        forward, late, name = scope.clock.batch, scope.flops_key, scope.name
-        key = (name, shape_key(forward[0], forward[1])) if forward is not None and forward is not MANY else None
-        if type(late) is LateKey:
-            if key is not None and countable(key) and self.flops.needs_count(key):
-                late.value = key
-            elif self._calls.get(name) is not None and len(self._missed) < MAX_SHAPES:
-                self._missed.add(self._calls[name])  # shapes of one step (a last short batch): not again
-        if name in self._calls or len(self._calls) < MAX_SHAPES:
-            self._calls[name] = key
-        scope.flops_key = key
 
     def _close_counter(self, scope: Any, counter: Any, exc: BaseException | None) -> bool:
         """Leave the step's FLOP counter; True when it counted the whole step."""

@@ -1,0 +1,72 @@
+"""FLOP keys from the model's call, for steps whose arguments do not give their batch.
+
+A step's FLOPs are counted once per key, and the key is normally the shapes of the step's
+arguments, known when it begins. Two kinds of step have no such shapes: a ``debug_context``
+without ``inputs=`` (and a framework's step, opened before its batch is known), and a step
+whose arguments hold no batch (an iterator it draws from, no arguments at all). Both are
+keyed by the shapes of their model's call instead, which the forward seam keeps
+(``StepClock.batch``) and which are known only once the step has called the model. So the
+count cannot wait for a new key: a step is counted when the operation's step before it had
+shapes still without FLOPs (or it is the operation's first), under a :class:`LateKey` that
+the step's end fills in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+from torchtrace.measure.flops import LateKey, StepFlops, countable, shape_key
+from torchtrace.step.phases import MANY
+
+MAX_KEYS = 256  # operations, and keys of each kind below, kept
+
+
+class CallKeys:
+    """The model-call keys of a run's operations; one per :class:`~torchtrace.step.throughput.RunThroughput`."""
+
+    def __init__(self, flops: StepFlops) -> None:
+        self.flops = flops
+        self.last: dict[str, Hashable | None] = {}  # the key of each operation's last step (None: none)
+        self.missed: set[Hashable] = set()  # keys whose next step, counted for them, had other shapes
+        self.opaque: set[Hashable] = set()  # argument keys that hold no batch (see adopt)
+
+    def counts(self, name: str) -> bool:
+        """Whether the operation's next step is counted: it is its first, or the step before it
+        had shapes still to count (a new length: that step itself got no FLOPs)."""
+        last = self.last.get(name, LateKey)
+        return last is LateKey or (last is not None and last not in self.missed and countable(last)
+                                   and self.flops.needs_count(last))
+
+    def resolve(self, scope: Any) -> None:
+        """At a step's end: its FLOP key is its model's call's (None when the model was not
+        called, or called on several batches), which its count, if it ran under one, is
+        recorded for; remembered for the operation's next step (:meth:`counts`)."""
+        forward, late, name = scope.clock.batch, scope.flops_key, scope.name
+        key = (name, shape_key(forward[0], forward[1])) if forward is not None and forward is not MANY else None
+        if type(late) is LateKey:
+            if key is not None and countable(key) and self.flops.needs_count(key):
+                late.value = key
+            elif self.last.get(name) is not None and len(self.missed) < MAX_KEYS:
+                self.missed.add(self.last[name])  # shapes of one step (a short last batch): not again
+        if name in self.last or len(self.last) < MAX_KEYS:
+            self.last[name] = key
+        scope.flops_key = key
+
+    def adopt(self, scope: Any, key: Hashable, flops: float | None, forward: tuple) -> bool:
+        """The step's arguments (``key``) hold no batch and it called its model on one: the
+        operation's steps with these arguments are keyed by the model's call from now on, and
+        this step's FLOPs are that call's shapes'. False when no more keys are kept."""
+        if len(self.opaque) >= MAX_KEYS:
+            return False
+        self.opaque.add(key)
+        self.last[scope.name] = call = (scope.name, shape_key(forward[0], forward[1]))
+        if flops is not None:
+            self.flops.record(call, flops)
+        return True
+
+    def dropped(self, name: str) -> None:
+        """The operation's count was dropped (it holds steps: an epoch): it is not counted again."""
+        self.last[name] = None
+
+
+__all__ = ["CallKeys", "LateKey"]
