@@ -189,7 +189,8 @@ class RunThroughput:
         """
         shape = scope.shape
         counted = False
-        by_call = scope.clock is not None and (scope.flops_key is None or type(scope.flops_key) is LateKey)
+        by_call = shape is None and scope.clock is not None and (scope.flops_key is None
+                                                                 or type(scope.flops_key) is LateKey)
         if by_call:
             self.calls.resolve(scope)
         if counter is not None:
