@@ -241,3 +241,39 @@ def test_a_batch_of_the_users_own_class_is_read_through_the_models_call(tmp_path
             assert got == (None if ref is None else pytest.approx(ref, rel=0.10))
     finally:
         tt.shutdown()
+
+
+class _TakesHolder(torch.nn.Module):
+    """A model that takes the user's batch object itself and unpacks it in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, batch):
+        return self.net(batch.x)
+
+
+def test_a_model_called_on_the_users_own_object_keeps_the_arguments_key(tmp_path):
+    """Neither the arguments nor the model's call say the batch: the step stays keyed by its
+    arguments (one count for every batch of that type, as documented) and has no samples."""
+    _configure(tmp_path)
+    try:
+        model = _TakesHolder()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(batch):
+            opt.zero_grad()
+            model(batch).pow(2).mean().backward()
+            opt.step()
+
+        records = []
+        for _ in range(3):
+            train_step(_Holder(torch.randn(8, 16)))
+            records.append(get_runtime().history.last_record)
+        assert [(r.samples, r.flops_counted) for r in records] == [(None, True), (None, False), (None, False)]
+        assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
+        assert not get_runtime().throughput.calls.opaque
+    finally:
+        tt.shutdown()

@@ -246,9 +246,10 @@ class RunThroughput:
         batch = self._batches.get(key)
         if batch is None:
             batch = batch_of(scope.inputs, scope.batch_skip)
-            if batch.samples is None and batch.tokens is None and forward is not None and \
-                    self.calls.adopt(scope, key, flops, forward):
-                return flops, batch_of(forward)
+            if batch.samples is None and batch.tokens is None and forward is not None:
+                called = batch_of(forward)
+                if called.samples is not None and self.calls.adopt(scope, key, flops, forward):
+                    return flops, called
             if not batch.pending and len(self._batches) < MAX_SHAPES:
                 self._batches[key] = batch
         if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES:
