@@ -324,8 +324,8 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
     ref = weakref.ref(model)
     impl = type(model)._call_impl if inner is None else (lambda target, *args, **kwargs: inner(*args, **kwargs))
     # Every forward call pays for what follows: names are bound here, not looked up per call.
-    compiling, frame, seam, open_step, grad_enabled = _COMPILING, sys._getframe, _SEAM_CODE, current.step, \
-        torch.is_grad_enabled
+    compiling, frame, seam, open_step, grad_enabled, many = _COMPILING, sys._getframe, _SEAM_CODE, current.step, \
+        torch.is_grad_enabled, MANY
 
     def call_with_marks(*args: Any, **kwargs: Any) -> Any:
         if compiling is not None and compiling():  # traced by torch.compile: no frames, no marks
@@ -341,11 +341,11 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         if clock is None:
             return impl(target, *args, **kwargs)
         batch = clock.batch
-        if batch is not MANY:  # a step whose arguments gave no batch (yet): the model's call may say it
+        if batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
             if batch is None:
                 clock.batch = (args, kwargs)
             elif not same_arguments(batch, args, kwargs):
-                clock.batch = MANY  # another batch (an activation checkpoint's recomputation passes the same)
+                clock.batch = many  # another batch (an activation checkpoint's recomputation passes the same)
                 if type(scope.flops_key) is LateKey and scope._flops_counter is not None:  # (an eval loop)
                     drop_counter(scope._flops_counter)  # no one call's shapes: the count ends
                     scope._flops_counter = None

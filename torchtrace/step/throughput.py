@@ -58,6 +58,7 @@ class RunThroughput:
         self._no_scaler: set[str] = set()  # operations whose arguments hold no GradScaler
         self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
         self.calls = CallKeys(self.flops)  # steps keyed by their model's call (no batch in their arguments)
+        self._opaque = self.calls.opaque  # (the same set: looked up every step)
         # The step whose FLOP counter was last opened (open while its _flops_counter is), weakly.
         self._counting: Any = none_ref
 
@@ -80,7 +81,7 @@ class RunThroughput:
                 args = inputs[0][skip:] if skip else inputs[0]
                 key = (name, loose_shape_key(args, inputs[1], loose[name]) if loose and name in loose
                        else shape_key(args, inputs[1]))
-                if self.calls.opaque and key in self.calls.opaque:
+                if self._opaque and key in self._opaque:
                     key = None  # arguments that hold no batch (an iterator): keyed by the model's call
             scope.flops_key = key
             scope.shape = shape = self._shapes.get(key) if key is not None else None
