@@ -277,3 +277,34 @@ def test_a_model_called_on_the_users_own_object_keeps_the_arguments_key(tmp_path
         assert not get_runtime().throughput.calls.opaque
     finally:
         tt.shutdown()
+
+
+def test_an_operation_that_gives_its_flops_is_not_counted_again(tmp_path):
+    """``record_batch(flops=...)`` in a step: its first step ran under the counter (the count
+    begins before the step says anything), no later step does, on new shapes too; the given
+    FLOPs are every step's. Before, each new shape's first step was counted again (and slowed)
+    for FLOPs that the given ones replaced."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            _body(model, opt, x)
+            tt.current_step().record_batch(flops=1000.0 * x.shape[0])
+
+        records = []
+        for rows in (8, 8, 16, 4):
+            train_step(torch.randn(rows, 16))
+            records.append(get_runtime().history.last_record)
+        for rows in (8, 16):
+            with tt.debug_context("context", model=model, optimizer=opt) as step:
+                _body(model, opt, torch.randn(rows, 16))
+                step.record_batch(flops=1000.0 * rows)
+            records.append(step.record)
+        assert [(r.flops, r.flops_counted) for r in records] == [
+            (8000.0, True), (8000.0, False), (16000.0, False), (4000.0, False), (8000.0, True), (16000.0, False)]
+        assert get_runtime().throughput.flops.counts == 2  # the first step of each operation
+    finally:
+        tt.shutdown()

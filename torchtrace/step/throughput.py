@@ -59,6 +59,7 @@ class RunThroughput:
         self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
         self.calls = CallKeys(self.flops)  # steps keyed by their model's call (no batch in their arguments)
         self._opaque = self.calls.opaque  # (the same set: looked up every step)
+        self._given: set[str] = set()  # operations whose steps gave their FLOPs (record_batch, a framework)
         # The step whose FLOP counter was last opened (open while its _flops_counter is), weakly.
         self._counting: Any = none_ref
 
@@ -100,7 +101,7 @@ class RunThroughput:
                 clock = StepClock(last[2].cuda, MANY if shape is not None else None)
             if shape is not None and outermost:
                 return key, clock, None  # its FLOPs are known: nothing to count
-            if key is None and clock is not None and self.calls.counts(scope.name):
+            if key is None and clock is not None and self.calls.counts(scope.name) and name not in self._given:
                 key = scope.flops_key = LateKey()  # no batch in its arguments, a model: its call's key
             return key, clock, self._counter(scope, key, outermost)
         except Exception as exc:
@@ -120,6 +121,8 @@ class RunThroughput:
         if not outermost and scope.optimizer is not None:
             # A training step inside another operation (an epoch): that one is a container.
             outermost = self._release_container()
+        if scope.name in self._given:
+            return None
         if type(key) is LateKey:
             if not outermost:
                 return None
@@ -222,6 +225,8 @@ class RunThroughput:
                 self.rt.errors.report("step", err)
         if given is not None and given[2] is not None:
             flops = given[2]  # (a step that ran under the counter still ran slower: not throughput)
+            if len(self._given) < MAX_SHAPES:
+                self._given.add(scope.name)  # its FLOPs are given: it is not counted again
         grads = scope.gradients
         lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
         if lr is not None and type(lr) is not list:  # some rates are on a device: read with the step
