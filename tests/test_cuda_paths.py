@@ -246,6 +246,49 @@ def test_micro_batch_phases_are_device_time_against_cuda_events(tmp_path):
         tt.shutdown()
 
 
+def test_a_context_without_inputs_gets_its_models_flops_without_a_sync(tmp_path):
+    """``debug_context(model=...)`` with no ``inputs=`` on a GPU: keyed by the model's call,
+    the steps after a count have FLOPs within 10 % of FlopCounterMode's count of the same
+    step, a new shape's step is counted by the step after it, all under sync debug "error"
+    with the step's one read each."""
+    _configure(tmp_path)
+    try:
+        model = _stack(1024, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+
+        def body(x):
+            opt.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+        reference = {}
+        for rows in (256, 128):
+            with FlopCounterMode(display=False) as counted:
+                body(torch.randn(rows, 1024, device="cuda"))
+            reference[rows] = counted.get_total_flops()
+        batches = [torch.randn(rows, 1024, device="cuda") for rows in (256, 256, 256, 128, 128, 128)]
+        torch.cuda.synchronize()
+        reads, records = readout.reads(), []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for x in batches:
+                with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                    body(x)
+                records.append(step.record)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        tt.flush()
+        assert readout.reads() - reads == len(batches)
+        assert [r.flops_counted for r in records] == [True, False, False, False, True, False]
+        assert records[3].flops is None
+        for r, x in zip(records, batches):
+            if r is not records[3]:
+                assert r.flops == pytest.approx(reference[x.shape[0]], rel=0.10)
+    finally:
+        tt.shutdown()
+
+
 def test_step_memory_is_the_allocators_own_counters(tmp_path):
     """The step record's CUDA memory: the allocator's counters at the step's end (read on the
     host, no sync); a tensor the step keeps shows in allocated, its temporary in the peak."""
