@@ -92,6 +92,62 @@ def test_one_host_read_per_step_through_readout(tmp_path, monkeypatch, level, fo
     assert rec.grad_norm == pytest.approx(ref, rel=1e-5)
 
 
+class _Tokens(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, input_ids, attention_mask):
+        return (self.out(self.emb(input_ids)) * attention_mask.unsqueeze(-1)).pow(2).mean()
+
+
+@pytest.mark.parametrize("form", ["context", "iterator"])
+def test_steps_keyed_by_the_models_call_make_one_host_read_each(tmp_path, monkeypatch, form):
+    """A ``debug_context`` without inputs and a step drawing its batch from an iterator: the
+    batch (a mask's token count on the device) and the FLOPs come from the model's call, the
+    counted steps among them, and still one read a step, through readout, and no other."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), strict=True, register_atexit=False)
+    torch.manual_seed(0)
+    model = _Tokens()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    lengths = (6, 6, 9, 9, 9, 6, 12, 12)
+    batches = [{"input_ids": torch.randint(0, 50, (4, n), generator=g),
+                "attention_mask": (torch.rand(4, n, generator=g) > 0.3).long()} for n in lengths]
+    source = iter(batches)
+
+    @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+    def drawn(it):
+        opt.zero_grad(set_to_none=True)
+        model(**next(it)).backward()
+        opt.step()
+
+    counter = HostReadCounter(monkeypatch)
+    before, peeks_before = readout.reads(), readout.cpu_peeks()
+    records = []
+    for batch in batches:
+        if form == "context":
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                opt.zero_grad(set_to_none=True)
+                model(**batch).backward()
+                opt.step()
+        else:
+            drawn(source)
+        records.append(api.get_runtime().history.last_record)
+    assert readout.reads() - before == len(batches)
+    # (A decorated step can be replayed: on the CPU, forensics peeks at its gradients before
+    # the update, through readout; see the test above.)
+    peeks = readout.cpu_peeks() - peeks_before
+    assert peeks == (len(batches) if form == "iterator" else 0)
+    assert counter.calls["tolist"] == len(batches) + peeks
+    assert {k: v for k, v in counter.calls.items() if k != "tolist" and v} == {}
+    tt.flush()
+    assert sum(r.flops_counted for r in records) >= 3  # counted steps ran inside the loop
+    assert [r.tokens for r in records] == [int(b["attention_mask"].sum()) for b in batches]
+    tt.shutdown()
+
+
 def test_off_makes_no_read_and_no_span(tt_runtime, monkeypatch):
     torch.manual_seed(0)
     model = MLP()
