@@ -132,7 +132,7 @@ def test_terminal_report_says_how_fast_and_where_the_time_went(run):
 
 def test_throughput_rows_say_why_there_is_no_mfu_and_scale_the_flop_rate():
     """An operation without FLOPs (a validation pass) has no MFU for that reason, not for an
-    unknown peak; FLOP/s are printed in the unit that keeps them readable (a small model's
+    unknown peak, and one without a batch says how to give it; FLOP/s are printed in the unit that keeps them readable (a small model's
     8 MFLOP/s read "0.00 GFLOP/s"), and parse back to the section's figure."""
     from torchtrace.reporting.summary import throughput_rows
 
@@ -141,8 +141,9 @@ def test_throughput_rows_say_why_there_is_no_mfu_and_scale_the_flop_rate():
            "validation": {"steps": 3, "samples_per_s": None, "flops_per_s": None, "mfu": None},
            "big": {"steps": 20, "samples_per_s": 10.0, "flops_per_s": 3.957e14, "mfu": 0.4}}
     rows = dict(throughput_rows({"operations": ops}))
-    assert rows["throughput validation"] == "no MFU (no FLOPs: none counted or given for this operation), " \
-                                            "over the last 3 steps"
+    assert rows["throughput validation"] == "no samples/s (no batch in the step's arguments or its model's " \
+                                            "call: give inputs= or record_batch(samples=...)), no MFU (no " \
+                                            "FLOPs: none counted or given for this operation), over the last 3 steps"
     assert "this device's peak is unknown: set peak_flops" in rows["throughput train_step"]
     assert "MFU 40.0%" in rows["throughput big"]
     for name in ("train_step", "big"):

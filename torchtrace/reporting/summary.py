@@ -63,6 +63,9 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
             parts.append(f"{op['tokens_per_s']:,.0f} tokens/s")
         if op.get("samples_per_s") is not None:
             parts.append(f"{op['samples_per_s']:,.0f} samples/s")
+        elif op.get("tokens_per_s") is None:
+            parts.append("no samples/s (no batch in the step's arguments or its model's call: give inputs= "
+                         "or record_batch(samples=...))")
         if op.get("flops_per_s"):
             parts.append(flops_text(op["flops_per_s"]))
         if op.get("mfu") is not None:
