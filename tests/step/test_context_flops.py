@@ -308,3 +308,64 @@ def test_an_operation_that_gives_its_flops_is_not_counted_again(tmp_path):
         assert get_runtime().throughput.flops.counts == 2  # the first step of each operation
     finally:
         tt.shutdown()
+
+
+def test_the_users_own_flop_counter_inside_a_step_keeps_its_count(tmp_path):
+    """A FlopCounterMode of the user's entered inside a context that calls the model on two
+    batches: torchtrace's count, open below it, is not left at the second call (leaving a
+    mode pops the innermost one: it was the user's, whose count came out 512 instead of the
+    step's), and the user's count equals the same step's count without torchtrace."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def step(model, opt, x1, x2):
+        with FlopCounterMode(display=False) as mine:
+            (model(x1) + model(x2)).sum().backward()
+        opt.step()
+        return mine.get_total_flops()
+
+    torch.manual_seed(0)
+    x1, x2 = torch.randn(4, 8), torch.randn(4, 8)
+    plain = torch.nn.Linear(8, 8)
+    reference = step(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x1, x2)
+    _configure(tmp_path)
+    try:
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        counts = []
+        for _ in range(2):
+            with tt.debug_context("two_batches", model=model, optimizer=opt) as ctx:
+                counts.append(step(model, opt, x1, x2))
+            assert ctx.record.flops is None
+            assert _get_current_dispatch_mode_stack() == []
+        assert counts == [reference, reference]
+    finally:
+        tt.shutdown()
+
+
+def test_an_epoch_counter_below_the_users_own_mode_is_left_alone(tmp_path):
+    """An epoch context (a model, no inputs: its first step counts) holding a decorated step
+    with an optimizer, inside the user's own FlopCounterMode: the step's start would drop the
+    epoch's count, which here sits below the user's mode; it is left open instead, and the
+    user's count equals the same steps' count without torchtrace."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def steps(model, opt, train_step):
+        with FlopCounterMode(display=False) as mine:
+            for _ in range(2):
+                train_step(torch.ones(4, 16))
+        return mine.get_total_flops()
+
+    plain = _mlp()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    reference = steps(plain, plain_opt, lambda x: _body(plain, plain_opt, x))
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        train_step = tt.debug_operation(model=model, optimizer=opt)(lambda x: _body(model, opt, x))
+        with tt.debug_context("epoch", model=model):
+            mine = steps(model, opt, train_step)
+        assert mine == reference
+        assert _get_current_dispatch_mode_stack() == []
+    finally:
+        tt.shutdown()

@@ -28,7 +28,7 @@ import sys
 from typing import Any, Hashable, Iterator, Mapping
 
 import torch
-from torch.utils import flop_counter
+from torch.utils import _python_dispatch, flop_counter
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -194,6 +194,7 @@ class StepFlops:
 
 
 _INNER = getattr(flop_counter, "_FlopCounterMode", None)  # the dispatch mode FlopCounterMode pushes
+_current_mode = getattr(_python_dispatch, "_get_current_dispatch_mode", None)  # the innermost one
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
@@ -302,6 +303,18 @@ def drop_counter(counter: Any) -> None:
     counter.__exit__(RuntimeError, abandoned, None)
 
 
+def leave_counter(counter: Any) -> bool:
+    """Drop a step's FLOP counter while the step goes on, when its dispatch mode is the
+    innermost one; else leave it open (False). Leaving a mode pops whatever mode is on top of
+    torch's stack: with the user's own mode entered inside the step (their FlopCounterMode),
+    it was theirs, and their count came out wrong."""
+    mode = _current_mode() if _current_mode is not None else None
+    if mode is None or not (type(mode) is _Declining or isinstance(mode, _Counter)):
+        return False
+    drop_counter(counter)
+    return True
+
+
 def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     """Run ``fn(*args, **kwargs)`` once under a FLOP counter: ``(its result, its FLOPs)``.
 
@@ -317,4 +330,5 @@ def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
 
 
 __all__ = ["DEFAULT_MAX_SHAPES", "KEY_MAX_DEPTH", "KEY_MAX_ITEMS", "LOOSE", "NESTED", "LateKey", "StepFlops",
-           "count_flops", "countable", "drop_counter", "eager_for_now", "peak_flops", "precision_key", "shape_key"]
+           "count_flops", "countable", "drop_counter", "eager_for_now", "leave_counter", "peak_flops", "precision_key",
+           "shape_key"]

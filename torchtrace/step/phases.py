@@ -17,7 +17,7 @@ import torch
 
 from torchtrace import current
 from torchtrace.measure.batch import same_arguments
-from torchtrace.measure.flops import LateKey, drop_counter
+from torchtrace.measure.flops import LateKey, leave_counter
 from torchtrace.record import events
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -346,9 +346,9 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
                 clock.batch = (args, kwargs)
             elif not same_arguments(batch, args, kwargs):
                 clock.batch = many  # another batch (an activation checkpoint's recomputation passes the same)
-                if type(scope.flops_key) is LateKey and scope._flops_counter is not None:  # (an eval loop)
-                    drop_counter(scope._flops_counter)  # no one call's shapes: the count ends
-                    scope._flops_counter = None
+                counter = scope._flops_counter
+                if counter is not None and type(scope.flops_key) is LateKey and leave_counter(counter):
+                    scope._flops_counter = None  # no one call's shapes (an eval loop): the count ends
         again = None
         if clock.forward_start is None:
             clock.forward_start = clock.mark()

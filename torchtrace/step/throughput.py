@@ -23,7 +23,8 @@ import torch
 from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
-from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, eager_for_now, shape_key
+from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, eager_for_now, leave_counter, \
+    shape_key
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
 from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
@@ -148,15 +149,14 @@ class RunThroughput:
         owner = self._counting()
         if owner is None or owner._flops_counter is None:
             return True
-        if not owner.active:
+        if not owner.active or not leave_counter(owner._flops_counter):  # (a mode of the user's above it)
             return False
-        owner_counter, owner._flops_counter = owner._flops_counter, None
+        owner._flops_counter = None
         if type(owner.flops_key) is LateKey:
             self.calls.dropped(owner.name)
         else:
             self.flops.skip(owner.flops_key)
         self._counting = none_ref
-        drop_counter(owner_counter)
         return True
 
     def _skipped(self, key: Hashable) -> bool:
