@@ -34,8 +34,8 @@ class CallKeys:
         """Whether the operation's next step is counted: it is its first, or the step before it
         had shapes still to count (a new length: that step itself got no FLOPs)."""
         last = self.last.get(name, LateKey)
-        return last is LateKey or (last is not None and last not in self.missed and countable(last)
-                                   and self.flops.needs_count(last))
+        return last is LateKey or (last is not None and self.flops.needs_count(last) and last not in self.missed
+                                   and countable(last))
 
     def resolve(self, scope: Any) -> None:
         """At a step's end: its FLOP key is its model's call's (None when the model was not

@@ -244,12 +244,16 @@ class RunThroughput:
             forward, clock.batch = clock.batch, None  # its tensors are not kept past this
             forward = None if forward is MANY else forward
         if by_call:
-            return self.flops.lookup(key) if key is not None else None, \
-                batch_of(forward) if forward is not None else None
-        if key is None:
+            if key is None:  # (no one call's batch)
+                return None, None
+            cached = self._shapes.get(key)
+            if cached is not None:
+                return cached
+            batch = batch_of(forward)
+        elif key is None:
             return None, batch_of(scope.inputs, scope.batch_skip)
         flops = self.flops.lookup(key)
-        batch = self._batches.get(key)
+        batch = batch if by_call else self._batches.get(key)
         if batch is None:
             batch = batch_of(scope.inputs, scope.batch_skip)
             if batch.samples is None and batch.tokens is None and forward is not None:
