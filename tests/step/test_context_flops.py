@@ -369,3 +369,42 @@ def test_an_epoch_counter_below_the_users_own_mode_is_left_alone(tmp_path):
         assert _get_current_dispatch_mode_stack() == []
     finally:
         tt.shutdown()
+
+
+class _OwnCall(torch.nn.Module):
+    """A module class with a ``__call__`` of its own: its marks are forward hooks, not the seam."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs)
+
+
+@pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile()", "own __call__"])
+def test_a_context_reads_the_call_of_a_model_marked_by_hooks(tmp_path, form):
+    """``torch.compile(model)`` (a wrapper whose marks are hooks) and a class with its own
+    ``__call__`` had the phases but neither samples nor FLOPs in a context without inputs: the
+    hooks did not keep the call's arguments, as the seam does. Against a plain count and
+    FlopCounterMode on the same step."""
+    _configure(tmp_path)
+    try:
+        if form == "own __call__":
+            model = _OwnCall()
+        else:
+            model = _mlp()
+            if form == "model.compile()":
+                model.compile(backend="eager")
+            else:
+                model = torch.compile(model, backend="eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        records = _context_steps(model, opt, (8, 8, 8))
+        assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (8, False)]
+        assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
+        assert all(r.phases and r.phases["forward"] > 0 for r in records)
+    finally:
+        tt.shutdown()

@@ -15,10 +15,26 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
-from torchtrace.measure.flops import LateKey, StepFlops, countable, shape_key
-from torchtrace.step.phases import MANY
+from torchtrace.measure.batch import same_arguments
+from torchtrace.measure.flops import LateKey, StepFlops, countable, leave_counter, shape_key
 
 MAX_KEYS = 256  # operations, and keys of each kind below, kept
+MANY = object()  # StepClock.batch once the model was called on another batch in the step
+
+
+def note_call(scope: Any, clock: Any, args: tuple, kwargs: dict) -> None:
+    """The model was called in a step whose arguments gave no batch (``clock.batch`` is not
+    MANY): keep the call's arguments, or, on another batch than the first call's (two views, an
+    evaluation loop), mark the step as having none and end its count if it is keyed by the
+    call (an activation checkpoint's recomputation passes the same tensors: one batch)."""
+    batch = clock.batch
+    if batch is None:
+        clock.batch = (args, kwargs)
+    elif batch is not MANY and not same_arguments(batch, args, kwargs):
+        clock.batch = MANY
+        counter = scope._flops_counter
+        if counter is not None and type(scope.flops_key) is LateKey and leave_counter(counter):
+            scope._flops_counter = None
 
 
 class CallKeys:
@@ -69,4 +85,4 @@ class CallKeys:
         self.last[name] = None
 
 
-__all__ = ["CallKeys", "LateKey"]
+__all__ = ["MANY", "CallKeys", "LateKey", "note_call"]

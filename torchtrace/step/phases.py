@@ -16,16 +16,14 @@ from typing import Any, Callable
 import torch
 
 from torchtrace import current
-from torchtrace.measure.batch import same_arguments
-from torchtrace.measure.flops import LateKey, leave_counter
 from torchtrace.record import events
+from torchtrace.step.call_keys import MANY, note_call
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 # The frame that calls the seam: PyTorch's Module.__call__ (``_wrapped_call_impl``).
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
 
 
-MANY = object()  # StepClock.batch once the model was called on another batch in the step
 MAX_GAPS = 32  # on a GPU, the pauses between forward calls a step keeps (two events each)
 
 
@@ -242,7 +240,7 @@ class ModelMarks:
         else:
             # The start mark runs before the user's pre-hooks, the end mark after their hooks:
             # the forward phase is the whole call.
-            self.handles = [model.register_forward_pre_hook(self._pre, prepend=True),
+            self.handles = [model.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True),
                             model.register_forward_hook(self._post)]
         self.attached = True
 
@@ -278,9 +276,11 @@ class ModelMarks:
         scope = current.step()
         return scope.clock if scope is not None else None
 
-    def _pre(self, module: Any, args: Any) -> None:
+    def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
         clock = self._clock()
         if clock is not None:
+            if clock.batch is not MANY:  # (as in the seam)
+                note_call(current.step(), clock, args, kwargs)
             clock.announce("forward_start")  # a later call's start is kept in clock.again
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
@@ -340,15 +340,8 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         clock = scope.clock if scope is not None else None
         if clock is None:
             return impl(target, *args, **kwargs)
-        batch = clock.batch
-        if batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
-            if batch is None:
-                clock.batch = (args, kwargs)
-            elif not same_arguments(batch, args, kwargs):
-                clock.batch = many  # another batch (an activation checkpoint's recomputation passes the same)
-                counter = scope._flops_counter
-                if counter is not None and type(scope.flops_key) is LateKey and leave_counter(counter):
-                    scope._flops_counter = None  # no one call's shapes (an eval loop): the count ends
+        if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
+            note_call(scope, clock, args, kwargs)
         again = None
         if clock.forward_start is None:
             clock.forward_start = clock.mark()

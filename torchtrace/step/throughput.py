@@ -30,8 +30,8 @@ from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import MAX_PEAKS, GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
-from torchtrace.step.call_keys import CallKeys
-from torchtrace.step.phases import MANY, DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
+from torchtrace.step.call_keys import MANY, CallKeys
+from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
 
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
