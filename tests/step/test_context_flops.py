@@ -16,6 +16,14 @@ def _configure(tmp_path, **kw):
     return tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, **kw)
 
 
+@pytest.fixture
+def run(tmp_path):
+    """torchtrace configured for the test, shut down after it."""
+    _configure(tmp_path)
+    yield
+    tt.shutdown()
+
+
 def _mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -70,146 +78,126 @@ def test_a_context_gets_the_flops_of_its_models_call(tmp_path):
         tt.shutdown()
 
 
-def test_a_short_last_batch_costs_one_counted_step_not_one_per_epoch(tmp_path):
+def test_a_short_last_batch_costs_one_counted_step_not_one_per_epoch(run):
     """Epochs of three batches of 8 rows and a last one of 5 (``drop_last=False``): the step
     after the short batch is counted once (it might have had those shapes again); it had not,
     and the short batch's shapes are not tried again, so later epochs pay for no count."""
-    _configure(tmp_path)
-    try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        records = _context_steps(model, opt, (8, 8, 8, 5) * 3)
-        assert [i for i, r in enumerate(records) if r.flops_counted] == [0, 4]
-        ref8 = _reference(8)
-        for r in records:
-            if r.samples == 8:
-                assert r.flops == pytest.approx(ref8, rel=0.10)
-            else:
-                assert r.flops is None
-        assert get_runtime().throughput.flops.counts == 2 and len(get_runtime().throughput.flops) == 1
-    finally:
-        tt.shutdown()
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    records = _context_steps(model, opt, (8, 8, 8, 5) * 3)
+    assert [i for i, r in enumerate(records) if r.flops_counted] == [0, 4]
+    ref8 = _reference(8)
+    for r in records:
+        if r.samples == 8:
+            assert r.flops == pytest.approx(ref8, rel=0.10)
+        else:
+            assert r.flops is None
+    assert get_runtime().throughput.flops.counts == 2 and len(get_runtime().throughput.flops) == 1
 
 
-def test_a_context_whose_model_sees_several_batches_stops_counting_and_gets_no_flops(tmp_path):
+def test_a_context_whose_model_sees_several_batches_stops_counting_and_gets_no_flops(run):
     """Two views of a batch, or an evaluation loop in one context: no one call's shapes are
     the step's. The counter the first step opened is left at the model's second call (an
     evaluation loop does not run under it past its first batch), nothing is recorded, and no
     later step is counted."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    _configure(tmp_path)
-    try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        records, modes = [], []
-        for _ in range(4):
-            x = torch.randn(8, 16)
-            with tt.debug_context("two_views", model=model, optimizer=opt) as step:
-                opt.zero_grad()
-                first = model(x)
-                modes.append(_get_current_dispatch_mode() is not None)
-                (first - model(x + 1)).pow(2).mean().backward()
-                modes.append(_get_current_dispatch_mode() is not None)
-                opt.step()
-            records.append(step.record)
-        assert modes == [True, False] + [False, False] * 3  # counted until the second batch only
-        assert [r.flops for r in records] == [None] * 4
-        assert get_runtime().throughput.flops.counts == 0 and len(get_runtime().throughput.flops) == 0
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    records, modes = [], []
+    for _ in range(4):
+        x = torch.randn(8, 16)
+        with tt.debug_context("two_views", model=model, optimizer=opt) as step:
+            opt.zero_grad()
+            first = model(x)
+            modes.append(_get_current_dispatch_mode() is not None)
+            (first - model(x + 1)).pow(2).mean().backward()
+            modes.append(_get_current_dispatch_mode() is not None)
+            opt.step()
+        records.append(step.record)
+    assert modes == [True, False] + [False, False] * 3  # counted until the second batch only
+    assert [r.flops for r in records] == [None] * 4
+    assert get_runtime().throughput.flops.counts == 0 and len(get_runtime().throughput.flops) == 0
 
-        with tt.debug_context("evaluation", model=model) as step, torch.no_grad():
-            for _ in range(3):
-                model(torch.randn(8, 16))
-            assert _get_current_dispatch_mode() is None
-        assert step.record.flops is None and step.record.samples is None
-    finally:
-        tt.shutdown()
+    with tt.debug_context("evaluation", model=model) as step, torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(8, 16))
+        assert _get_current_dispatch_mode() is None
+    assert step.record.flops is None and step.record.samples is None
 
 
-def test_record_batch_flops_win_in_a_context_and_a_context_with_inputs_is_keyed_by_them(tmp_path):
-    _configure(tmp_path)
-    try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        given = []
-        for _ in range(2):
-            with tt.debug_context("given", model=model, optimizer=opt) as step:
-                _body(model, opt, torch.randn(8, 16))
-                step.record_batch(flops=1234.0)
-            given.append((step.record.flops, step.record.flops_counted))
-        # The first step ran under the counter all the same: its time is not throughput.
-        assert given == [(1234.0, True), (1234.0, False)]
-        records = []
-        for _ in range(2):
-            x = torch.randn(4, 16)
-            with tt.debug_context("with_inputs", model=model, optimizer=opt, inputs=x) as step:
-                _body(model, opt, x)
-            records.append(step.record)
-        assert [r.flops_counted for r in records] == [True, False]
-        assert records[1].flops == pytest.approx(_reference(4), rel=0.10)
-    finally:
-        tt.shutdown()
+def test_record_batch_flops_win_in_a_context_and_a_context_with_inputs_is_keyed_by_them(run):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    given = []
+    for _ in range(2):
+        with tt.debug_context("given", model=model, optimizer=opt) as step:
+            _body(model, opt, torch.randn(8, 16))
+            step.record_batch(flops=1234.0)
+        given.append((step.record.flops, step.record.flops_counted))
+    # The first step ran under the counter all the same: its time is not throughput.
+    assert given == [(1234.0, True), (1234.0, False)]
+    records = []
+    for _ in range(2):
+        x = torch.randn(4, 16)
+        with tt.debug_context("with_inputs", model=model, optimizer=opt, inputs=x) as step:
+            _body(model, opt, x)
+        records.append(step.record)
+    assert [r.flops_counted for r in records] == [True, False]
+    assert records[1].flops == pytest.approx(_reference(4), rel=0.10)
 
 
-def test_a_context_that_never_calls_its_model_is_counted_once(tmp_path):
+def test_a_context_that_never_calls_its_model_is_counted_once(run):
     """The model named but the step computing through a submodule's call only: no call of the
     model says the shapes, so the first step's count is dropped and no later step pays for one."""
-    _configure(tmp_path)
-    try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        records = []
-        for _ in range(3):
-            with tt.debug_context("submodules", model=model, optimizer=opt) as step:
-                opt.zero_grad()
-                model[2](model[1](model[0](torch.randn(8, 16)))).sum().backward()
-                opt.step()
-            records.append(step.record)
-        assert [r.flops_counted for r in records] == [True, False, False]
-        assert [r.flops for r in records] == [None] * 3
-    finally:
-        tt.shutdown()
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    records = []
+    for _ in range(3):
+        with tt.debug_context("submodules", model=model, optimizer=opt) as step:
+            opt.zero_grad()
+            model[2](model[1](model[0](torch.randn(8, 16)))).sum().backward()
+            opt.step()
+        records.append(step.record)
+    assert [r.flops_counted for r in records] == [True, False, False]
+    assert [r.flops for r in records] == [None] * 3
 
 
-def test_a_step_that_draws_its_batch_itself_is_keyed_by_its_models_call(tmp_path):
+def test_a_step_that_draws_its_batch_itself_is_keyed_by_its_models_call(run):
     """``train_step(batches)`` with ``batches`` an iterator the step calls ``next`` on, or a
     step with no arguments: its arguments hold no batch, so the shapes of the model's call
     decide its FLOPs and give its samples. Before, every step had the first step's FLOPs
     (16-row steps read the 32-row count) and none had samples."""
-    _configure(tmp_path)
-    try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        rows = (32, 32, 16, 16, 16, 32)
-        batches = iter([torch.randn(n, 16) for n in rows])
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rows = (32, 32, 16, 16, 16, 32)
+    batches = iter([torch.randn(n, 16) for n in rows])
 
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(source):
-            _body(model, opt, next(source))
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(source):
+        _body(model, opt, next(source))
 
-        records = []
-        for _ in rows:
-            train_step(batches)
-            records.append(get_runtime().history.last_record)
-        assert [r.samples for r in records] == list(rows)
-        assert [r.flops_counted for r in records] == [True, False, False, True, False, False]
-        ref32, ref16 = _reference(32), _reference(16)
-        # The first 16-row step has none: its shapes were known only once it ran.
-        for got, ref in zip([r.flops for r in records], (ref32, ref32, None, ref16, ref16, ref32)):
-            assert got == (None if ref is None else pytest.approx(ref, rel=0.10))
+    records = []
+    for _ in rows:
+        train_step(batches)
+        records.append(get_runtime().history.last_record)
+    assert [r.samples for r in records] == list(rows)
+    assert [r.flops_counted for r in records] == [True, False, False, True, False, False]
+    ref32, ref16 = _reference(32), _reference(16)
+    # The first 16-row step has none: its shapes were known only once it ran.
+    for got, ref in zip([r.flops for r in records], (ref32, ref32, None, ref16, ref16, ref32)):
+        assert got == (None if ref is None else pytest.approx(ref, rel=0.10))
 
-        @tt.debug_operation(name="no_arguments", model=model, optimizer=opt)
-        def no_arguments():
-            _body(model, opt, torch.randn(8, 16))
+    @tt.debug_operation(name="no_arguments", model=model, optimizer=opt)
+    def no_arguments():
+        _body(model, opt, torch.randn(8, 16))
 
-        records = []
-        for _ in range(3):
-            no_arguments()
-            records.append(get_runtime().history.last_record)
-        assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (8, False)]
-        assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
-    finally:
-        tt.shutdown()
+    records = []
+    for _ in range(3):
+        no_arguments()
+        records.append(get_runtime().history.last_record)
+    assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (8, False)]
+    assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
 
 
 class _Holder:
@@ -219,98 +207,88 @@ class _Holder:
         self.x = x
 
 
-def test_a_batch_of_the_users_own_class_is_read_through_the_models_call(tmp_path):
+def test_a_batch_of_the_users_own_class_is_read_through_the_models_call(run):
     """Such an object says nothing of its shapes, so its steps are keyed by the model's call:
     samples from it, and FLOPs per its shapes. Before, no samples, and every step had the
     first step's FLOPs."""
-    _configure(tmp_path)
-    try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(batch):
-            _body(model, opt, batch.x)
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(batch):
+        _body(model, opt, batch.x)
 
-        records = []
-        for rows in (8, 8, 4, 4):
-            train_step(_Holder(torch.randn(rows, 16)))
-            records.append(get_runtime().history.last_record)
-        assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (4, False), (4, True)]
-        for got, ref in zip([r.flops for r in records], (_reference(8), _reference(8), None, _reference(4))):
-            assert got == (None if ref is None else pytest.approx(ref, rel=0.10))
-    finally:
-        tt.shutdown()
+    records = []
+    for rows in (8, 8, 4, 4):
+        train_step(_Holder(torch.randn(rows, 16)))
+        records.append(get_runtime().history.last_record)
+    assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (4, False), (4, True)]
+    for got, ref in zip([r.flops for r in records], (_reference(8), _reference(8), None, _reference(4))):
+        assert got == (None if ref is None else pytest.approx(ref, rel=0.10))
 
 
-class _TakesHolder(torch.nn.Module):
-    """A model that takes the user's batch object itself and unpacks it in its forward."""
-
+class _Wrapper(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.net = _mlp()
+
+
+class _TakesHolder(_Wrapper):
+    """A model that takes the user's batch object itself and unpacks it in its forward."""
 
     def forward(self, batch):
         return self.net(batch.x)
 
 
-def test_a_model_called_on_the_users_own_object_keeps_the_arguments_key(tmp_path):
+def test_a_model_called_on_the_users_own_object_keeps_the_arguments_key(run):
     """Neither the arguments nor the model's call say the batch: the step stays keyed by its
     arguments (one count for every batch of that type, as documented) and has no samples."""
-    _configure(tmp_path)
-    try:
-        model = _TakesHolder()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = _TakesHolder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(batch):
-            opt.zero_grad()
-            model(batch).pow(2).mean().backward()
-            opt.step()
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(batch):
+        opt.zero_grad()
+        model(batch).pow(2).mean().backward()
+        opt.step()
 
-        records = []
-        for _ in range(3):
-            train_step(_Holder(torch.randn(8, 16)))
-            records.append(get_runtime().history.last_record)
-        assert [(r.samples, r.flops_counted) for r in records] == [(None, True), (None, False), (None, False)]
-        assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
-        assert not get_runtime().throughput.calls.opaque
-    finally:
-        tt.shutdown()
+    records = []
+    for _ in range(3):
+        train_step(_Holder(torch.randn(8, 16)))
+        records.append(get_runtime().history.last_record)
+    assert [(r.samples, r.flops_counted) for r in records] == [(None, True), (None, False), (None, False)]
+    assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
+    assert not get_runtime().throughput.calls.opaque
 
 
-def test_an_operation_that_gives_its_flops_is_not_counted_again(tmp_path):
+def test_an_operation_that_gives_its_flops_is_not_counted_again(run):
     """``record_batch(flops=...)`` in a step: its first step ran under the counter (the count
     begins before the step says anything), no later step does, on new shapes too; the given
     FLOPs are every step's. Before, each new shape's first step was counted again (and slowed)
     for FLOPs that the given ones replaced."""
-    _configure(tmp_path)
-    try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-        @tt.debug_operation(model=model, optimizer=opt)
-        def train_step(x):
-            _body(model, opt, x)
-            tt.current_step().record_batch(flops=1000.0 * x.shape[0])
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(x):
+        _body(model, opt, x)
+        tt.current_step().record_batch(flops=1000.0 * x.shape[0])
 
-        records = []
-        for rows in (8, 8, 16, 4):
-            train_step(torch.randn(rows, 16))
-            records.append(get_runtime().history.last_record)
-        for rows in (8, 16):
-            with tt.debug_context("context", model=model, optimizer=opt) as step:
-                _body(model, opt, torch.randn(rows, 16))
-                step.record_batch(flops=1000.0 * rows)
-            records.append(step.record)
-        assert [(r.flops, r.flops_counted) for r in records] == [
-            (8000.0, True), (8000.0, False), (16000.0, False), (4000.0, False), (8000.0, True), (16000.0, False)]
-        assert get_runtime().throughput.flops.counts == 2  # the first step of each operation
-    finally:
-        tt.shutdown()
+    records = []
+    for rows in (8, 8, 16, 4):
+        train_step(torch.randn(rows, 16))
+        records.append(get_runtime().history.last_record)
+    for rows in (8, 16):
+        with tt.debug_context("context", model=model, optimizer=opt) as step:
+            _body(model, opt, torch.randn(rows, 16))
+            step.record_batch(flops=1000.0 * rows)
+        records.append(step.record)
+    assert [(r.flops, r.flops_counted) for r in records] == [
+        (8000.0, True), (8000.0, False), (16000.0, False), (4000.0, False), (8000.0, True), (16000.0, False)]
+    assert get_runtime().throughput.flops.counts == 2  # the first step of each operation
 
 
-def test_the_users_own_flop_counter_inside_a_step_keeps_its_count(tmp_path):
+def test_the_users_own_flop_counter_inside_a_step_keeps_its_count(run):
     """A FlopCounterMode of the user's entered inside a context that calls the model on two
     batches: torchtrace's count, open below it, is not left at the second call (leaving a
     mode pops the innermost one: it was the user's, whose count came out 512 instead of the
@@ -327,22 +305,18 @@ def test_the_users_own_flop_counter_inside_a_step_keeps_its_count(tmp_path):
     x1, x2 = torch.randn(4, 8), torch.randn(4, 8)
     plain = torch.nn.Linear(8, 8)
     reference = step(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x1, x2)
-    _configure(tmp_path)
-    try:
-        model = torch.nn.Linear(8, 8)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        counts = []
-        for _ in range(2):
-            with tt.debug_context("two_batches", model=model, optimizer=opt) as ctx:
-                counts.append(step(model, opt, x1, x2))
-            assert ctx.record.flops is None
-            assert _get_current_dispatch_mode_stack() == []
-        assert counts == [reference, reference]
-    finally:
-        tt.shutdown()
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    counts = []
+    for _ in range(2):
+        with tt.debug_context("two_batches", model=model, optimizer=opt) as ctx:
+            counts.append(step(model, opt, x1, x2))
+        assert ctx.record.flops is None
+        assert _get_current_dispatch_mode_stack() == []
+    assert counts == [reference, reference]
 
 
-def test_an_epoch_counter_below_the_users_own_mode_is_left_alone(tmp_path):
+def test_an_epoch_counter_below_the_users_own_mode_is_left_alone(run):
     """An epoch context (a model, no inputs: its first step counts) holding a decorated step
     with an optimizer, inside the user's own FlopCounterMode: the step's start would drop the
     epoch's count, which here sits below the user's mode; it is left open instead, and the
@@ -358,25 +332,17 @@ def test_an_epoch_counter_below_the_users_own_mode_is_left_alone(tmp_path):
     plain = _mlp()
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
     reference = steps(plain, plain_opt, lambda x: _body(plain, plain_opt, x))
-    _configure(tmp_path)
-    try:
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        train_step = tt.debug_operation(model=model, optimizer=opt)(lambda x: _body(model, opt, x))
-        with tt.debug_context("epoch", model=model):
-            mine = steps(model, opt, train_step)
-        assert mine == reference
-        assert _get_current_dispatch_mode_stack() == []
-    finally:
-        tt.shutdown()
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    train_step = tt.debug_operation(model=model, optimizer=opt)(lambda x: _body(model, opt, x))
+    with tt.debug_context("epoch", model=model):
+        mine = steps(model, opt, train_step)
+    assert mine == reference
+    assert _get_current_dispatch_mode_stack() == []
 
 
-class _OwnCall(torch.nn.Module):
+class _OwnCall(_Wrapper):
     """A module class with a ``__call__`` of its own: its marks are forward hooks, not the seam."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = _mlp()
 
     def forward(self, x):
         return self.net(x)
@@ -386,25 +352,21 @@ class _OwnCall(torch.nn.Module):
 
 
 @pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile()", "own __call__"])
-def test_a_context_reads_the_call_of_a_model_marked_by_hooks(tmp_path, form):
+def test_a_context_reads_the_call_of_a_model_marked_by_hooks(run, form):
     """``torch.compile(model)`` (a wrapper whose marks are hooks) and a class with its own
     ``__call__`` had the phases but neither samples nor FLOPs in a context without inputs: the
     hooks did not keep the call's arguments, as the seam does. Against a plain count and
     FlopCounterMode on the same step."""
-    _configure(tmp_path)
-    try:
-        if form == "own __call__":
-            model = _OwnCall()
+    if form == "own __call__":
+        model = _OwnCall()
+    else:
+        model = _mlp()
+        if form == "model.compile()":
+            model.compile(backend="eager")
         else:
-            model = _mlp()
-            if form == "model.compile()":
-                model.compile(backend="eager")
-            else:
-                model = torch.compile(model, backend="eager")
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        records = _context_steps(model, opt, (8, 8, 8))
-        assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (8, False)]
-        assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
-        assert all(r.phases and r.phases["forward"] > 0 for r in records)
-    finally:
-        tt.shutdown()
+            model = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    records = _context_steps(model, opt, (8, 8, 8))
+    assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (8, False)]
+    assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
+    assert all(r.phases and r.phases["forward"] > 0 for r in records)
