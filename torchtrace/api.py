@@ -321,6 +321,8 @@ def _take_returned_loss(scope: StepScope, result: Any) -> None:
             if rt is not None:
                 rt.errors.report("step", exc)
             return
+        if scope.kind != "train" and isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            return  # an evaluation's predictions, not a loss: nothing to warn about
         scope.record_loss(loss)
     if scope.has_loss and scope.model is None and scope.optimizer is None and scope.kind == "train" \
             and scope.features.grad_stats:

@@ -121,3 +121,27 @@ def test_a_failure_under_anomaly_detection_records_its_kind(tmp_path):
         assert not torch.is_anomaly_enabled()
     finally:
         tt.shutdown()
+
+
+def test_an_evaluation_that_returns_its_predictions_warns_of_no_loss(tmp_path, caplog):
+    """``@debug_operation(kind="evaluation")`` on a function returning the model's outputs
+    (a tensor of many values): predictions, not a loss; nothing is recorded and nothing said.
+    A training step returning the same is still told that its loss was not recorded, and an
+    evaluation returning a scalar still has it as its loss."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    try:
+        caplog.set_level(logging.WARNING, logger="torchtrace")
+        outputs = torch.randn(8, 3)
+        for kind in ("evaluation", "train"):
+            predict = tt.debug_operation(name=f"predict_{kind}", kind=kind)(lambda: outputs)
+            for _ in range(2):
+                predict()
+            assert get_runtime().history.last_record.loss is None
+        said = [r.getMessage() for r in caplog.records if "loss was not recorded" in r.getMessage()]
+        assert len(said) == 1 and "predict_train" in said[0]
+        evaluate = tt.debug_operation(name="evaluate", kind="evaluation")(lambda: torch.tensor(0.75))
+        evaluate()
+        tt.flush()
+        assert get_runtime().history.last_record.loss == 0.75
+    finally:
+        tt.shutdown()
