@@ -247,13 +247,11 @@ class RunThroughput:
             if key is None:  # (no one call's batch)
                 return None, None
             cached = self._shapes.get(key)
-            if cached is not None:
-                return cached
-            batch = batch_of(forward)
-        elif key is None:
+            return cached if cached is not None else self._kept(key, self.flops.lookup(key), batch_of(forward))
+        if key is None:
             return None, batch_of(scope.inputs, scope.batch_skip)
         flops = self.flops.lookup(key)
-        batch = batch if by_call else self._batches.get(key)
+        batch = self._batches.get(key)
         if batch is None:
             batch = batch_of(scope.inputs, scope.batch_skip)
             if batch.samples is None and batch.tokens is None and forward is not None:
@@ -262,6 +260,10 @@ class RunThroughput:
                     return flops, called
             if not batch.pending and len(self._batches) < MAX_SHAPES:
                 self._batches[key] = batch
+        return self._kept(key, flops, batch)
+
+    def _kept(self, key: Hashable, flops: float | None, batch: BatchSize) -> tuple[float | None, BatchSize]:
+        """``(flops, batch)``, kept for the key's later steps once final (see :meth:`_shape_of`)."""
         if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES:
             self._shapes[key] = (flops, batch)
         return flops, batch
