@@ -2,8 +2,9 @@
 
 The overhead benchmark (``overhead.py``) times variants against each other; on a step of half a
 millisecond a few microseconds are at the edge of what it can tell from the machine's noise.
-This script counts instead: it runs each variant's step under ``sys.settrace`` with opcode
-events on and counts the bytecodes every Python function executes, per step. The count is
+This script counts instead: it runs each variant's step with an event on every bytecode
+(``sys.settrace``'s opcode events up to Python 3.11, ``sys.monitoring``'s instruction events
+from 3.12) and counts the bytecodes every Python function executes, per step. The count is
 the same on every run (up to work done every N steps, averaged over ``--steps``), so a change
 that adds or removes Python work on the training thread shows here exactly, whatever the
 machine is doing. It does not see time spent in C (PyTorch's kernels, dict and list
@@ -26,6 +27,7 @@ import collections
 import logging
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -48,23 +50,64 @@ def count_bytecodes(step: Callable[[], object], steps: int) -> collections.Count
     """Bytecodes executed per function over ``steps`` calls of ``step`` (this thread only)."""
     counts: collections.Counter = collections.Counter()
 
+    def run() -> None:  # a frame of its own: the counters see frames entered after they start
+        for _ in range(steps):
+            step()
+
+    if hasattr(sys, "monitoring"):
+        _count_with_monitoring(run, counts)
+    else:
+        _count_with_settrace(run, counts)
+    counts.pop(_where(run.__code__), None)
+    return counts
+
+
+def _count_with_settrace(run: Callable[[], None], counts: collections.Counter) -> None:
+    """Python 3.11 and before: opcode events of the thread's trace function."""
     def trace(frame, event, arg):
         frame.f_trace_opcodes = True
         if event == "opcode":
             counts[_where(frame.f_code)] += 1
         return trace
 
-    def run() -> None:  # a frame of its own: settrace traces frames entered after it is set
-        for _ in range(steps):
-            step()
-
     sys.settrace(trace)
     try:
         run()
     finally:
         sys.settrace(None)
-    counts.pop(_where(run.__code__), None)
-    return counts
+
+
+def _count_with_monitoring(run: Callable[[], None], counts: collections.Counter) -> None:
+    """Python 3.12 and later (a trace function gets no opcode events on 3.12.1):
+    ``sys.monitoring``'s instruction events, switched on for each code object when it first
+    starts or resumes. They reach every thread; only this one's are counted."""
+    mon = sys.monitoring
+    tool = next((t for t in (mon.PROFILER_ID, *range(6)) if mon.get_tool(t) is None), None)
+    if tool is None:
+        raise RuntimeError("every sys.monitoring tool id is in use; run without other profilers or debuggers")
+    me, watched = threading.get_ident(), set()
+
+    def started(code, offset):
+        if code not in watched:
+            watched.add(code)
+            mon.set_local_events(tool, code, mon.events.INSTRUCTION)
+
+    def instruction(code, offset):
+        if threading.get_ident() == me:
+            counts[_where(code)] += 1
+
+    mon.use_tool_id(tool, "torchtrace-opcodes")
+    try:
+        mon.register_callback(tool, mon.events.PY_START, started)
+        mon.register_callback(tool, mon.events.PY_RESUME, started)
+        mon.register_callback(tool, mon.events.INSTRUCTION, instruction)
+        mon.set_events(tool, mon.events.PY_START | mon.events.PY_RESUME)
+        run()
+    finally:
+        mon.set_events(tool, 0)
+        for code in watched:
+            mon.set_local_events(tool, code, 0)
+        mon.free_tool_id(tool)
 
 
 def main(argv=None) -> int:
