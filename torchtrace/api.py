@@ -130,6 +130,7 @@ def shutdown(timeout_s: float | None = None) -> None:
 
     Safe to call any number of times, and when torchtrace was never configured.
     """
+    current.end_orphan()  # a framework's step whose loop raised: recorded before the runtime goes
     with current.lock:
         rt = current.runtime(create=False)
         current.set_runtime(None)
@@ -205,6 +206,7 @@ def current_step() -> StepScope:
     loop calling the same ``compute_loss``, torchtrace at level off or disabled) an inert scope
     that is false and whose calls do nothing, so ``tt.current_step().record_loss(loss)`` is safe
     anywhere. ``if tt.current_step():`` tells whether a step is open."""
+    current.end_orphan()  # a framework's step whose loop raised is not open any more
     scope = current.step()
     return scope if scope is not None else _NO_STEP
 

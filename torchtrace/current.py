@@ -62,6 +62,20 @@ def set_auto_configure(fn: Callable[[], Any]) -> None:
 step: Callable[[], Any] = _step.get
 
 
+orphan_check: Callable[[], None] | None = None
+"""Set while a framework integration has a step open (its hooks open and close it, not a
+``with`` block): ends this thread's open step when the training loop that opened it is no
+longer running, an exception having left the loop between two hooks. Called where a step
+opens inside another, and at shutdown."""
+
+
+def end_orphan() -> None:
+    """Run :data:`orphan_check` when one is set."""
+    check = orphan_check
+    if check is not None:
+        check()
+
+
 def enter_step(scope: Any) -> contextvars.Token:
     return _step.set(scope)
 

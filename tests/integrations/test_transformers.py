@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import math
@@ -576,3 +577,88 @@ def test_a_plain_loop_over_gpt2_padded_to_the_longest_gets_every_steps_flops(tmp
     assert len(reference) > 32
     assert [r.get("flops") for r in records] == [reference[tuple(b["input_ids"].shape)] for b in batches]
     assert rt.throughput.flops.counts <= 5 + 2 + len(reference) // 8 + 1
+
+
+class RaiseAt(transformers.TrainerCallback):
+    """Raises from the model's forward at its ``at``-th call (an out-of-memory in a real run):
+    the exception leaves the Trainer's loop between two callbacks, and no callback hears of it."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        model.register_forward_hook(self._forward)
+
+    def _forward(self, module, inputs, output):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("planted: out of memory in the third step")
+
+
+def test_a_trainer_that_raises_mid_step_leaves_no_open_step_behind(tmp_path):
+    """A notebook's path: ``trainer.train()`` raises inside a step, the user catches it and goes
+    on. Before, the Trainer's step stayed the thread's open step for good: ``current_step()``
+    returned it, every later span was its child (one trace), and the step that raised was
+    never recorded. Now it ends, with the error, as soon as torchtrace looks again, and a new
+    Trainer and a plain step after it run as if nothing had happened."""
+    result = configure(tmp_path)
+    with pytest.raises(RuntimeError, match="planted"):
+        train(tmp_path, [RaiseAt(3), TorchtraceCallback()], steps=5)
+    assert not tt.current_step()
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @tt.debug_operation(name="manual", model=model, optimizer=opt)
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(3):
+        step(torch.randn(8, 4))
+    train(tmp_path, [TorchtraceCallback()], steps=2)
+    spans = read_spans(result.spans_path)
+    assert [(s["name"], s["attributes"][semconv.STEP]) for s in spans] == \
+        [("train_step", 0), ("train_step", 1), ("train_step", 2)] + [("manual", i) for i in range(3)] + \
+        [("train_step", 3), ("train_step", 4)]
+    assert [s["status"] for s in spans] == ["UNSET", "UNSET", "ERROR"] + ["UNSET"] * 5
+    assert [s["parent_span_id"] for s in spans] == [None] * 8  # none a child of the dead step
+    assert not tt.current_step()
+
+
+def test_shutdown_after_a_trainer_raised_records_the_step_it_raised_in(tmp_path):
+    result = configure(tmp_path)
+    spans_path = result.spans_path
+    with pytest.raises(RuntimeError, match="planted"):
+        train(tmp_path, [RaiseAt(2), TorchtraceCallback()], steps=5)
+    tt.shutdown()
+    spans = [json.loads(line) for line in spans_path.read_text().splitlines()]
+    assert [(s["attributes"][semconv.STEP], s["status"]) for s in spans] == [(0, "UNSET"), (1, "ERROR")]
+    assert [e["attributes"]["exception.type"] for e in spans[1]["events"]] == ["RuntimeError"]
+    assert tt.current_step() is not None and not tt.current_step()
+
+
+def test_a_users_own_step_inside_a_trainer_step_is_nested_not_ended(tmp_path):
+    """The check for a dead Trainer step runs when a step opens inside another: a step of the
+    user's own inside the Trainer's (here around the forward) must leave the Trainer's open."""
+    result = configure(tmp_path)
+
+    class Inner(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.register_forward_pre_hook(self.open)
+            model.register_forward_hook(self.close)
+
+        def open(self, module, inputs):
+            tt.debug_context("inner").__enter__()
+
+        def close(self, module, inputs, output):
+            tt.current_step().__exit__(None, None, None)
+
+    train(tmp_path, [Inner(), TorchtraceCallback()], steps=3)
+    spans = read_spans(result.spans_path)
+    outer = [s for s in spans if s["name"] == "train_step"]
+    inner = [s for s in spans if s["name"] == "inner"]
+    assert [s["status"] for s in outer] == ["UNSET"] * 3 and len(inner) == 3
+    assert [s["parent_span_id"] for s in inner] == [s["span_id"] for s in outer]

@@ -10,11 +10,12 @@ torch optimizer's own pre-hook, which in Lightning runs before the closure.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import torch
 
-from torchtrace import api
+from torchtrace import api, current
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure.batch import infer_batch
 from torchtrace.record.step import StepRecord
@@ -45,9 +46,12 @@ class StepDriver:
     def active(self) -> bool:
         return self.scope is not None and self.scope.active
 
-    def begin(self, model: torch.nn.Module | None, batch: Any = None) -> None:
+    def begin(self, model: torch.nn.Module | None, batch: Any = None, loop: Any = None) -> None:
         """Open the step; ``batch`` (when the framework hands it over) gives its samples,
-        tokens and input shapes (FLOPs counted once per shape)."""
+        tokens and input shapes (FLOPs counted once per shape). ``loop``: the frame of the
+        framework's training loop, for a framework that tells no callback when an exception
+        leaves its loop: while such a step is open, a step that opens in this thread, and
+        shutdown, first end it when that frame has left the stack."""
         self.abort(None)  # a scope left open by an interrupted step ends here
         rt = api.get_runtime()
         if rt is None or rt.off:
@@ -60,6 +64,9 @@ class StepDriver:
         # measures there, before clipping) must end this span as measure() does.
         scope.on_guard_raise = self.end
         self.scope = scope
+        if loop is not None and scope.active:
+            _LOOPS[id(scope)] = (self, loop)
+            current.orphan_check = _end_orphan
         self._losses = []
         self._samples = None
         self._tokens = None
@@ -122,6 +129,8 @@ class StepDriver:
         scope, self.scope = self.scope, None
         if scope is None:
             return None
+        if _LOOPS.pop(id(scope), None) is not None and not _LOOPS:
+            current.orphan_check = None
         if scope.active:
             if loss is not None:
                 scope.record_loss(loss)
@@ -142,3 +151,36 @@ class StepDriver:
     def abort(self, exc: BaseException | None) -> None:
         if self.scope is not None:
             self.end(exc if exc is not None else RuntimeError("step interrupted"))
+
+
+# The open steps of drivers given their loop's frame: id(scope) -> (driver, frame). The frame
+# is held (not its id, which a later frame may reuse) only while its step is open.
+_LOOPS: dict[int, tuple[StepDriver, Any]] = {}
+
+
+def _end_orphan() -> None:
+    """End this thread's open step if a driver opened it and its loop's frame is off the stack."""
+    entry = _LOOPS.get(id(current.step()))
+    if entry is None:
+        return
+    driver, loop = entry
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame is loop:
+            return
+        frame = frame.f_back
+    try:
+        driver.abort(RuntimeError("step interrupted: an exception left the training loop before the step ended"))
+    except Exception as exc:  # called where a step opens: torchtrace's own failure never reaches it
+        rt = current.runtime(create=False)
+        if rt is not None:
+            rt.errors.report("other", exc)
+
+
+def loop_frame(skip: str) -> Any:
+    """The first frame above the caller's caller whose module's name does not start with
+    ``skip`` (the framework's callback machinery): the framework's loop."""
+    frame = sys._getframe(2)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(skip):
+        frame = frame.f_back
+    return frame

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchtrace import api
-from torchtrace.integrations._common import StepDriver, require
+from torchtrace.integrations._common import StepDriver, loop_frame, require
 
 _tf = require("transformers", "transformers", "Hugging Face transformers")
 if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transformers 4.42
@@ -91,7 +91,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
             self._handle = None
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
-        self._driver.begin(model)
+        self._driver.begin(model, loop=loop_frame("transformers.trainer_callback"))
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one

@@ -14,8 +14,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import context as otel_context, trace
 
 from torchtrace import current, semconv
 from torchtrace.errors import NonFiniteError
@@ -206,6 +205,8 @@ class StepScope:
         else:  # an operation pinned at its own level or mode
             self.features = feats = Features.for_level(level, mode, rt.settings.throughput)
         self.step = rt.step_number(self.name, self._step_arg)
+        if current.orphan_check is not None and current.step() is not None:
+            current.orphan_check()  # a framework's step its loop left by an exception ends first
         outermost = current.step() is None
         self._loss = None
         self._batch = None
@@ -368,8 +369,7 @@ class StepScope:
         return self._states, self._overhead
 
     def replayer(self) -> Callable[[], Any] | None:
-        """What forensics calls to run the step again: ``replay=``, or the decorated function
-        with the same arguments (built only when a replay happens)."""
+        """What replays the step: ``replay=``, or the decorated function with its arguments."""
         if self.replay is not None:
             return self.replay
         if self.replay_fn is not None and self.inputs is not None:
