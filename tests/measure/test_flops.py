@@ -13,6 +13,7 @@ from tests.helpers import DifferentiatingModel
 from torchtrace.measure import flops as flops_mod
 from torchtrace.measure.flops import KEY_MAX_ITEMS, LOOSE, StepFlops, count_flops, shape_key
 from torchtrace.measure.shape_keys import loose_shape_key
+from torchtrace.measure import peaks as peaks_mod
 from torchtrace.measure.peaks import ACCELERATORS, PRECISIONS, find_accelerator, peak_flops, precision_key
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "throughput.md"
@@ -381,17 +382,23 @@ def test_dtype_selects_the_precision():
 
 
 def test_float32_follows_torch_tf32_switch():
+    """``fp32_precision`` where this torch has it (2.11 has, 2.6 has not), else ``allow_tf32``."""
     matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
     try:
-        matmul.fp32_precision = "tf32"
+        name, on, off = "fp32_precision", "tf32", "ieee"
+        before = matmul.fp32_precision
+    except AttributeError:
+        name, on, off = "allow_tf32", True, False
+        before = matmul.allow_tf32
+    try:
+        setattr(matmul, name, on)
         assert precision_key(torch.float32) == "tf32"
         assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == pytest.approx(156e12)
-        matmul.fp32_precision = "ieee"
+        setattr(matmul, name, off)
         assert precision_key(torch.float32) == "fp32"
         assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == pytest.approx(19.5e12)
     finally:
-        matmul.fp32_precision = before
+        setattr(matmul, name, before)
 
 
 def test_cpu_has_no_peak_unless_overridden():
@@ -423,3 +430,12 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_peak_is_looked_up_in_the_autocasts_dtype():
+    """An autocast open around the step picks the peak's precision; without one, the weights'."""
+    model, cache = torch.nn.Linear(4, 4), {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        peaks_mod.model_peak(model, None, cache)
+    peaks_mod.model_peak(model, None, cache)
+    assert sorted(cache) == ["cpu/torch.bfloat16", "cpu/torch.float32"]
