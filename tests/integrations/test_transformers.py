@@ -592,7 +592,7 @@ class RaiseAt(transformers.TrainerCallback):
     def _forward(self, module, inputs, output):
         self.calls += 1
         if self.calls == self.at:
-            raise RuntimeError("planted: out of memory in the third step")
+            raise RuntimeError(f"planted: out of memory at forward call {self.at}")
 
 
 def test_a_trainer_that_raises_mid_step_leaves_no_open_step_behind(tmp_path):
