@@ -128,7 +128,7 @@ def test_steps_keyed_by_the_models_call_make_one_host_read_each(tmp_path, monkey
     records = []
     for batch in batches:
         if form == "context":
-            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            with tt.debug_context("train_step", model=model, optimizer=opt):
                 opt.zero_grad(set_to_none=True)
                 model(**batch).backward()
                 opt.step()
