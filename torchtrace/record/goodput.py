@@ -46,7 +46,6 @@ as startup or data wait (for the goodput gauge; a step running now is counted wh
 
 from __future__ import annotations
 
-import collections
 import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -59,7 +58,6 @@ OPERATION_KINDS = (TRAIN, CHECKPOINT, EVALUATION, OTHER)
 MAX_OPERATIONS = 32  # operations with their own throughput window; later ones share none
 MAX_PEAKS = 4 * MAX_OPERATIONS  # operations with a peak FLOP/s of their own (later ones have no MFU)
 MAX_PENDING_REPLAYS = 64
-WINDOWLESS_DUE = 64  # an operation without a window (past MAX_OPERATIONS): its steps are booked every 64
 _KINDS = frozenset(OPERATION_KINDS)
 _BADPUT_OF_KIND = {CHECKPOINT: "checkpoint", EVALUATION: "evaluation", OTHER: "other"}
 _PRODUCTIVE = "productive"
@@ -137,11 +135,7 @@ class GoodputLedger:
         self._replays: list[tuple[float, float]] = []  # forensic intervals not yet counted
         self._debt = 0.0  # forensic seconds reported after their instants were counted
         self._windows: dict[str, OperationWindow] = {}
-        # Posted steps not yet booked; the step thread appends, whoever holds the lock books them.
-        self._pending: collections.deque[tuple] = collections.deque()
-        self._posted_end: float | None = None  # the latest end of a posted step (data wait's origin)
-        self._due: dict[str, int] = {}  # operation -> posts before its rules could next report anything
-        self._found: list[Finding] = []  # booked findings not yet handed to the step thread
+        self._last_end: float | None = None  # the latest end of a step (data wait's origin)
 
     # ------------------------------------------------------------ input
     def add_step(self, step: FinishedStep) -> StepAccount:
@@ -151,12 +145,8 @@ class GoodputLedger:
 
     def add(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
             tokens: int | None, flops: int | None, kind: str, operation: str) -> StepAccount:
-        """:meth:`add_step` with the step's fields as arguments, booked at once."""
-        wait, found = self.post(start, end, applied, excluded, samples, tokens, flops, kind, operation)
-        with self._lock:
-            self._book_pending()
-            rest, self._found = self._found, []
-        return StepAccount(wait, found + tuple(rest))
+        """:meth:`add_step` with the step's fields as arguments."""
+        return StepAccount(*self.post(start, end, applied, excluded, samples, tokens, flops, kind, operation))
 
     def post(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
              tokens: int | None, flops: int | None, kind: str, operation: str,
@@ -165,10 +155,10 @@ class GoodputLedger:
         rules found on it)``. ``device_cycle``: on a GPU, the step's cycle in device time, the
         time base of its rates (``OperationWindow.add``).
 
-        The booking itself waits: posted steps are booked together when a step comes that the
-        rules could report on (one that waited at least ``stall_min_wait_s``, or one that may
-        complete its operation's throughput window), and before anything is read. A finding
-        therefore comes back with the step it belongs to, and a step in between costs an append.
+        Every step pays for this, booked at once under the lock (uncontended but for a scrape):
+        an earlier design queued steps and booked them in batches, which cost more per step
+        than the lock it saved (the queue's tuple built and taken apart again, and a call per
+        step to book it).
         """
         if kind not in _KINDS:
             raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
@@ -176,46 +166,53 @@ class GoodputLedger:
             start = self.configured_at
         if end < start:
             end = start
-        if self._paused_at is not None:
-            with self._lock:
-                self._resume(start)
-        last = self._posted_end
-        if last is None:
-            wait = None
-            self._posted_end = end
-        else:
-            wait = start - last if start > last else 0.0
-            if end > last:
-                self._posted_end = end
-        self._pending.append((start, end, applied, excluded, samples, tokens, flops, kind, operation, wait,
-                              device_cycle))
-        due = self._due.get(operation, 0) - 1
-        if due > 0 and (wait is None or wait < self.rules.stall_min_wait_s):
-            self._due[operation] = due
-            return wait, ()
+        own = (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind]
         with self._lock:
-            self._book_pending()
-            found, self._found = self._found, []
-            window = self._windows.get(operation)
-            if len(self._due) >= 4 * MAX_OPERATIONS:
-                self._due.clear()
-            # The drop rule judges once per ``window`` rates, one rate at most per step.
-            self._due[operation] = window.settings.window - len(window.rates) if window is not None \
-                else WINDOWLESS_DUE
-        return wait, tuple(found)
+            if self._paused_at is not None:
+                self._resume(start)
+            last, cursor = self._last_end, self._cursor
+            if last is None:
+                wait = None
+                self._last_end = end
+            else:
+                wait = start - last if start > last else 0.0
+                if end > last:
+                    self._last_end = end
+            gap = "data_wait" if self._started else "startup"
+            if not self._replays and not self._debt:  # the common case: no replay to take out
+                totals = self._totals
+                if start > cursor:
+                    totals[gap] += start - cursor
+                    cursor = start
+                if end > cursor:
+                    totals[own] += end - cursor
+                    cursor = end
+                self._cursor = cursor
+            else:
+                if start > cursor:
+                    self._count(cursor, start, gap)
+                if end > self._cursor:
+                    self._count(max(start, self._cursor), end, own)
+            self._started = True
+            same_operation, self._last_operation = self._last_operation == operation, operation
+            window = self._windows.get(operation) or self._window(operation)
+            if window is None or excluded:
+                return wait, ()
+            # The wait before the first step after a step of another operation is not this one's.
+            found = window.add(end - start, wait if same_operation and wait is not None else 0.0, samples, tokens,
+                               flops, kind == TRAIN, device_cycle if same_operation else None)
+        return wait, found
 
     def pause(self, now: float) -> None:
         """Measuring stopped at ``now``: until the next step, time is not counted (see the
         module docstring). Idempotent."""
         with self._lock:
-            self._book_pending()
             if self._paused_at is None:
                 self._paused_at = max(now, self._cursor)
 
     def _resume(self, start: float) -> None:
         """The first step after a pause starts at ``start`` (the lock is held): the time up to
         the pause is counted as before; from the pause to this step, nothing."""
-        self._book_pending()
         paused_at, self._paused_at = self._paused_at, None
         if paused_at is None:
             return
@@ -224,12 +221,11 @@ class GoodputLedger:
         if start > self._cursor:
             self._unmeasured += start - max(paused_at, self._cursor)
             self._cursor = start
-        self._posted_end = None  # the step after a pause has no data wait, like a run's first
+        self._last_end = None  # the step after a pause has no data wait, like a run's first
 
     def add_forensics(self, start: float, end: float) -> None:
         """Count a forensic replay that ran from ``start`` to ``end``."""
         with self._lock:
-            self._book_pending()
             start, end = max(start, self.configured_at), max(end, start)
             if start < self._cursor:  # already counted as something else: repay later
                 self._debt += min(end, self._cursor) - start
@@ -246,13 +242,11 @@ class GoodputLedger:
     def closed(self) -> Goodput:
         """Accounting up to the end of the last finished step: final, every count only grows."""
         with self._lock:
-            self._book_pending()
             return self._goodput(self._totals, self._cursor)
 
     def snapshot(self, now: float) -> Goodput:
         """Accounting up to ``now``: the open stretch since the last step as startup or data wait."""
         with self._lock:
-            self._book_pending()
             totals = dict(self._totals)
             until, unmeasured = now, 0.0
             if self._paused_at is not None and now > self._paused_at:
@@ -267,7 +261,6 @@ class GoodputLedger:
     def throughput(self, operation: str) -> Throughput | None:
         """The operation's throughput over its last ``rules.window`` steps; None before its first."""
         with self._lock:
-            self._book_pending()
             window = self._windows.get(operation)
             return window.throughput(self.peak_of(operation)) if window is not None else None
 
@@ -289,7 +282,6 @@ class GoodputLedger:
         new process restores the run's totals and baselines (see :meth:`load_state_dict`).
         """
         with self._lock:
-            self._book_pending()
             wall = self._prior_wall + (self._cursor - self.configured_at) - self._unmeasured
             debt = self._debt + sum(e - s for s, e in self._replays)  # replays still to count, as seconds
             return {"version": STATE_VERSION, "wall_s": wall, "totals": dict(self._totals), "debt_s": debt,
@@ -313,7 +305,6 @@ class GoodputLedger:
             windows[op] = OperationWindow(rules)
             windows[op].load_state_dict(ws)
         with self._lock:
-            self._book_pending()
             self.rules = rules
             if self.peak_flops is None:  # a peak configured in this process wins over the saved one
                 self.peak_flops = state.get("peak_flops")
@@ -321,54 +312,8 @@ class GoodputLedger:
             self._totals = {k: float(state["totals"].get(k, 0.0)) + self._totals[k] for k in self._totals}
             self._debt = float(state["debt_s"]) + self._debt
             self._windows = windows
-            self._due.clear()
 
     # ------------------------------------------------------------ internals
-    def _book_pending(self) -> None:
-        """Book every posted step, in order (the lock is held)."""
-        pending, book = self._pending, self._book
-        while pending:
-            try:
-                entry = pending.popleft()
-            except IndexError:  # pragma: no cover - only this method pops, under the lock
-                break
-            book(entry)
-
-    def _book(self, entry: tuple) -> None:
-        """Count one posted step (``post``'s fields and its data wait) and add it to its
-        operation's window."""
-        start, end, applied, excluded, samples, tokens, flops, kind, operation, wait, device_cycle = entry
-        same_operation = self._last_operation == operation
-        cursor = self._cursor
-        gap = "data_wait" if self._started else "startup"
-        own = (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind]
-        if not self._replays and not self._debt:  # the common case: no replay to take out
-            totals = self._totals
-            if start > cursor:
-                totals[gap] += start - cursor
-                cursor = start
-            if end > cursor:
-                totals[own] += end - cursor
-                cursor = end
-            self._cursor = cursor
-        else:
-            if start > cursor:
-                self._count(cursor, start, gap)
-            if end > self._cursor:
-                self._count(max(start, self._cursor), end, own)
-        self._started = True
-        self._last_operation = operation
-        window = self._windows.get(operation) or self._window(operation)
-        if window is None or excluded:
-            return
-        if same_operation:
-            findings = window.add(end - start, wait if wait is not None else 0.0, samples, tokens, flops,
-                                  kind == TRAIN, device_cycle)
-        else:
-            findings = window.add(end - start, 0.0, samples, tokens, flops, kind == TRAIN)
-        if findings:
-            self._found.extend(findings)
-
     def _window(self, operation: str) -> OperationWindow | None:
         window = self._windows.get(operation)
         if window is None and len(self._windows) < MAX_OPERATIONS:

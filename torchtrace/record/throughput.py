@@ -146,7 +146,7 @@ class OperationWindow:
         self.waited: collections.deque[bool] = collections.deque(maxlen=settings.stall_window)
 
     def add(self, duration: float, wait: float, samples: int | None, tokens: int | None,
-            flops: int | None, rules: bool = True, device_cycle: float | None = None) -> list[Finding]:
+            flops: int | None, rules: bool = True, device_cycle: float | None = None) -> tuple[Finding, ...]:
         """Add one step; with ``rules``, evaluate the rules on it. Returns what they found.
 
         ``device_cycle`` (a GPU step's cycle in device time) is the time base of the rates and
@@ -165,9 +165,9 @@ class OperationWindow:
         self.entries.append((rated, wait, samples, tokens, flops, cycle))
         self.seen = seen = self.seen + 1
         if not rules:
-            return []
+            return ()
         s = self.settings
-        found = []
+        found: tuple[Finding, ...] = ()
         if seen > s.warmup_steps and rated > 0:  # throughput_drop: one rate per step after the warm-up
             unit = self.unit
             if unit is None:
@@ -179,14 +179,14 @@ class OperationWindow:
                 if len(rates) >= s.window:
                     drop = self._judge_window()
                     if drop is not None:
-                        found.append(drop)
-        waited = self.waited  # data_stall: whether this step waited
-        waited.append(cycle > 0 and (wait > s.stall_share * cycle and wait >= s.stall_min_wait_s
-                                     or wait > s.stall_seconds))
-        if waited[-1] and len(waited) >= s.stall_window:  # reported on a step that waited, once the window is full
+                        found = (drop,)
+        # data_stall: whether this step waited; reported on a step that waited, once the window is full
+        waited = cycle > 0 and (wait > s.stall_share * cycle and wait >= s.stall_min_wait_s or wait > s.stall_seconds)
+        self.waited.append(waited)
+        if waited and len(self.waited) >= s.stall_window:
             stall = self._stall()
             if stall is not None:
-                found.append(stall)
+                found = (*found, stall)
         return found
 
     # ------------------------------------------------------------ windows
