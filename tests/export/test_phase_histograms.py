@@ -65,3 +65,23 @@ def test_wait_and_phase_histograms_hold_every_step(scrape_at):
     assert set(by_phase) == set(semconv.PHASES)
     for p in semconv.PHASES:
         assert by_phase[p] == pytest.approx(_expected(phases[p]), abs=1e-9), p
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_batch_of_values_lands_where_each_value_alone_would(seed):
+    """``observe_all`` (the folded batch, which starts at the smallest value's bucket and stops
+    once every value is placed) against ``observe`` one value at a time: zeros, exact bounds,
+    values past the last bound, batches of one and of none."""
+    from torchtrace.export.step_metrics import _Histogram
+
+    rng = random.Random(seed)
+    bounds = semconv.DATA_WAIT_BUCKETS
+    for _ in range(400):
+        values = [rng.choice([0.0, rng.choice(bounds), rng.uniform(0, 1e-3), rng.uniform(0, 400.0), 1e9])
+                  for _ in range(rng.choice([0, 1, 3, FOLD_EVERY]))]
+        batch, one_by_one = _Histogram(bounds), _Histogram(bounds)
+        batch.observe_all(values)
+        for v in values:
+            one_by_one.observe(v)
+        assert batch.counts == one_by_one.counts, values
+        assert batch.total == pytest.approx(one_by_one.total)

@@ -41,6 +41,8 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
                 out.append((value.shape, value.dtype))
             elif (kind is tuple or kind is list) and len(value) <= KEY_MAX_ITEMS:
                 out.append(tuple([(v.shape, v.dtype) if type(v) is _TENSOR else _key(v, 1) for v in value]))
+            elif kind in _KEYED_BY_TYPE:  # the model, the optimizer
+                out.append(kind)
             else:
                 out.append(_key(value, 0))
     except RuntimeError:  # a nested tensor of the strided layout has no sizes: the careful way
@@ -70,6 +72,9 @@ def loose_shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any], loose: fro
 
 
 _TENSOR = torch.Tensor
+# Classes of models and optimizers met among steps' arguments: their key is their class, found
+# without a call when the next step passes them again.
+_KEYED_BY_TYPE: set[type] = set()
 
 
 class _Nested:
@@ -112,6 +117,8 @@ def _key(value: Any, depth: int) -> Hashable:
     if kind is tuple or kind is list:
         return _items_key(kind, value, depth) if depth < KEY_MAX_DEPTH else kind
     if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        if len(_KEYED_BY_TYPE) < 256:
+            _KEYED_BY_TYPE.add(kind)
         return kind
     if isinstance(value, _TENSOR):  # a Parameter, a tensor subclass
         return _nested_key(value) if value.is_nested else (value.shape, value.dtype)

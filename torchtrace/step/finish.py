@@ -41,7 +41,10 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
     _guarded(rt, _judge, rt, scope, record, exc)
     _guarded(rt, rt.probes.finish, scope, states, record, plan, values)
     if scope.features.throughput:
-        _guarded(rt, rt.throughput.account, scope, record)  # phases, data wait, goodput
+        try:  # (_guarded, inline: every step pays for this)
+            rt.throughput.account(scope, record)  # phases, data wait, goodput
+        except Exception as err:
+            rt.errors.report("record", err)
     _guarded(rt, _apply_policy, rt, scope, record)
     export(rt, record, span, exc)
     scope.release()

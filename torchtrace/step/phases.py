@@ -30,27 +30,30 @@ MAX_GAPS = 32  # on a GPU, the pauses between forward calls a step keeps (two ev
 class StepClock:
     """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
 
-    __slots__ = ("forward_start", "forward_end", "optimizer_start", "optimizer_end", "cuda", "graph", "mark", "last",
-                 "batch", "gaps", "again")
+    # Every step makes one: the fields start at the class's values, and __init__ sets only what
+    # differs (a clock on the host pays for two stores).
+    forward_start: Any = None
+    forward_end: Any = None
+    optimizer_start: Any = None
+    optimizer_end: Any = None
+    last: Any = None  # on a GPU, once the phases are read: the step's last mark (see DeviceCycles)
+    graph = True  # the forward ran with autograd on (without it, no backward can follow)
+    # The time between the model's calls in the step (micro-batches with a backward after
+    # each, two views): not forward time. On the host, seconds; on a GPU, the (end, start)
+    # event pairs around each pause, None once more than MAX_GAPS (the split is then unknown).
+    gaps: Any = 0.0
+    again: Any = None  # a later call's start mark, booked as a pause's end once the call ends
+    # mark(): a boundary now, a host time or a recorded CUDA event (on the host, one C call)
+    mark: Callable[[], Any] = time.perf_counter
 
     def __init__(self, cuda: bool, batch: Any = None) -> None:
         # The (args, kwargs) of the model's call, for a step whose arguments do not give its batch;
         # MANY once called on other tensors, or from the start when the arguments give it.
         self.batch: Any = batch
-        self.forward_start: Any = None
-        self.forward_end: Any = None
-        self.optimizer_start: Any = None
-        self.optimizer_end: Any = None
-        self.last: Any = None  # on a GPU, once the phases are read: the step's last mark (see DeviceCycles)
         self.cuda = cuda
-        self.graph = True  # the forward ran with autograd on (without it, no backward can follow)
-        # The time between the model's calls in the step (micro-batches with a backward after
-        # each, two views): not forward time. On the host, seconds; on a GPU, the (end, start)
-        # event pairs around each pause, None once more than MAX_GAPS (the split is then unknown).
-        self.gaps: Any = [] if cuda else 0.0
-        self.again: Any = None  # a later call's start mark, booked as a pause's end once the call ends
-        # mark(): a boundary now, a host time or a recorded CUDA event (on the host, one C call)
-        self.mark: Callable[[], Any] = events.TIMING.recorded if cuda else time.perf_counter
+        if cuda:
+            self.gaps = []
+            self.mark = events.TIMING.recorded
 
     def announce(self, point: str) -> None:
         """A boundary a framework hook announces (``forward_start``, ``forward_end``,
@@ -259,13 +262,12 @@ class ModelMarks:
         self.seam = self.attached = False
         self.call = self.inner = None
 
-    def intact(self, model: Any) -> bool:
-        """The marks are on and still in place (``model.compile()`` after they were put on
-        replaces the call-through; the next step puts it back around the compiled call)."""
-        return self.attached and (not self.seam or model.__dict__.get("_compiled_call_impl") is self.call)
-
-    @property
-    def cuda(self) -> bool:
+    def state(self, model: Any) -> bool | None:
+        """None unless the marks are on and still in place (``model.compile()`` after they were
+        put on replaces the call-through; the next step puts it back around the compiled call);
+        else whether the model is on a GPU (a model moved with ``.to()`` keeps its parameters)."""
+        if not self.attached or self.seam and model.__dict__.get("_compiled_call_impl") is not self.call:
+            return None
         first = self.first()
         return first is not None and first.is_cuda
 

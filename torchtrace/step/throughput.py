@@ -35,6 +35,7 @@ from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, Ste
 
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
+_NOT_READ = object()  # a step's learning rates before they were read
 
 
 class RunThroughput:
@@ -95,11 +96,12 @@ class RunThroughput:
             clock = None
             if model is not None:
                 last = self._last
-                if last is None or last[0]() is not model or last[1]() is not scope.optimizer \
-                        or not last[2].intact(model):
-                    last = self._hooks_for(model, scope.optimizer)  # not the model and optimizer of the step before
+                cuda = last[2].state(model) if last is not None and last[0]() is model \
+                    and last[1]() is scope.optimizer else None
+                if cuda is None:  # not the model and optimizer of the step before, or its marks were displaced
+                    cuda = self._hooks_for(model, scope.optimizer)[2].state(model)
                 # (The seam keeps the batch of the model's call unless the arguments gave one.)
-                clock = StepClock(last[2].cuda, MANY if shape is not None else None)
+                clock = StepClock(cuda, MANY if shape is not None else None)
             if shape is not None and outermost:
                 return key, clock, None  # its FLOPs are known: nothing to count
             if key is None and clock is not None and self.calls.counts(scope.name) and name not in self._given:
@@ -170,7 +172,7 @@ class RunThroughput:
         hooks = self._models.get(model)
         if hooks is None:
             hooks = self._models[model] = ModelMarks(model)
-        elif not hooks.intact(model):
+        elif hooks.state(model) is None:
             hooks.detach()  # a seam the user compiled over: put the marks around their compiled call
             hooks.attach(model)
         if optimizer is not None and optimizer not in self._optimizers:
@@ -192,6 +194,14 @@ class RunThroughput:
         said: it wins over what was inferred or counted.
         """
         shape = scope.shape
+        grads = scope.gradients
+        lr: Any = _NOT_READ
+        if shape is not None and counter is None and given is None and scope.scaler is None:
+            # The usual step: its input shapes' FLOPs and batch are known and final (host values).
+            lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
+            if lr is None or type(lr) is list:
+                flops, batch = shape
+                return batch.samples, batch.tokens, flops, False, lr
         counted = False
         by_call = shape is None and scope.clock is not None and (scope.flops_key is None
                                                                  or type(scope.flops_key) is LateKey)
@@ -227,8 +237,8 @@ class RunThroughput:
             flops = given[2]  # (a step that ran under the counter still ran slower: not throughput)
             if len(self._given) < MAX_SHAPES:
                 self._given.add(scope.name)  # its FLOPs are given: it is not counted again
-        grads = scope.gradients
-        lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
+        if lr is _NOT_READ:  # (read after the FLOP counter closed: a device rate's copy is no op of the step's)
+            lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
         if lr is not None and type(lr) is not list:  # some rates are on a device: read with the step
             plan_rates(lr, plan)
             lr = None  # filled from the read
