@@ -557,6 +557,15 @@ def throughput_verdict(wall: dict[str, list[float]]) -> list[str]:
         lines.append(f"ideal features (ideal - floor: least plus the leanest per-step processing): "
                      f"{imed * 1e6:+.1f} us ({ishare * 100:+.2f} % of bare), 95 % interval [{ilo * 1e6:+.1f}, "
                      f"{ihi * 1e6:+.1f}] us ({within}); the features beyond it: {(med - imed) * 1e6:+.1f} us")
+        # Paired per round: what torchtrace's features cost beyond the leanest implementation of them.
+        beyond = [(b - n) - (i - f) for b, n, i, f in zip(wall["basic"], wall["basic-nothr"], wall["ideal"],
+                                                           wall["floor"])]
+        blo, bhi = median_interval(beyond)
+        bmed = statistics.median(beyond)
+        within = "holds 0" if blo <= 0 <= bhi else ("within the A/A difference" if noise is not None and
+                                                    abs(bmed) <= noise else "above noise")
+        lines.append(f"the features beyond the ideal ((basic - basic-nothr) - (ideal - floor), paired per round): "
+                     f"{bmed * 1e6:+.1f} us, 95 % interval [{blo * 1e6:+.1f}, {bhi * 1e6:+.1f}] us ({within})")
     if "least" in wall and "floor" in wall:
         lmed, lshare, llo, lhi = summary("least", "floor")
         within = "holds 0" if llo <= 0 <= lhi else ("within the A/A difference" if noise is not None and
