@@ -234,3 +234,24 @@ def test_no_host_read(monkeypatch):
     for args, kwargs in (((batch,), {}), ((), batch), ((batch["input_ids"], torch.zeros(8)), {}), ((packed,), {})):
         infer_batch(args, kwargs)
     assert reads == []
+
+
+def test_a_list_of_tensor_micro_batches_counts_them_all():
+    """Micro-batches of ``(inputs, targets)`` pairs or of mappings (a step that accumulates
+    gradients over them): their samples summed, against a plain count. Not summed: the parts
+    of one batch (not alike), per-sample pairs (an image and its label: no batch dimension two
+    tensors agree on), a list with something else beside them, a list past the cap."""
+    g = torch.Generator().manual_seed(3)
+    sizes = (8, 8, 8, 5)
+    pairs = [(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+    assert infer_batch((pairs,), {}).samples == sum(sizes)
+    assert infer_batch((tuple(list(p) for p in pairs),), {}).samples == sum(sizes)
+    dicts = [{"x": x, "y": y} for x, y in pairs]
+    assert infer_batch((dicts,), {}).samples == sum(sizes)
+    images, masks, labels = torch.randn(6, 3, 8, 8), torch.ones(6, 8, 8), torch.zeros(6, dtype=torch.long)
+    assert infer_batch((((images, masks), (labels, labels.float())),), {}).samples == 6  # one batch's parts
+    per_sample = [(torch.randn(3, 8, 8), torch.tensor(1)) for _ in range(5)]
+    assert infer_batch((per_sample,), {}).samples != 3 * 5  # not taken for micro-batches of 3
+    assert infer_batch(([pairs[0], {"lr": 0.1}],), {}).samples == 8
+    assert infer_batch(([pairs[0], (torch.randn(8, 4), torch.randn(8))],), {}).samples == 8  # not alike (dtype)
+    assert infer_batch(([pairs[0]] * 65,), {}).samples == 8  # past the cap: the first one's

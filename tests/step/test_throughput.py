@@ -151,6 +151,32 @@ def test_a_step_over_a_list_of_micro_batches_counts_them_all(tmp_path):
         tt.shutdown()
 
 
+def test_a_step_over_a_list_of_input_target_pairs_counts_them_all(tmp_path):
+    """Gradient accumulation over a list of ``(inputs, targets)`` micro-batches, as a
+    hand-written loop passes them: the step's samples are all of theirs (a plain count), not
+    the first micro-batch's."""
+    _configure(tmp_path)
+    try:
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(micro_batches):
+            opt.zero_grad()
+            for x, y in micro_batches:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+        expected = []
+        for sizes in ((8, 8, 8, 8), (8, 3), (5, 5, 5)):
+            train_step([(torch.randn(n, 4), torch.randn(n, 2)) for n in sizes])
+            expected.append(sum(sizes))  # a plain count over the micro-batches
+        rt = get_runtime()
+        assert [s["samples"] for s in rt.history.steps()] == expected
+    finally:
+        tt.shutdown()
+
+
 class _Tagger(torch.nn.Module):
     """A token model called with a tokenizer's output (``model(**batch)``)."""
 

@@ -19,6 +19,9 @@ Rules, in order (the first argument that gives an answer wins):
      ``position_ids`` (each sequence's positions start at 0), as a 0-d device tensor;
    - a list or tuple of two or more mappings with ``input_ids`` (micro-batches of token ids
      a step accumulates gradients over): their samples and tokens summed;
+   - a list or tuple of two or more alike tuples, lists or mappings, each with at least two
+     tensors that agree on their first dimension (micro-batches of ``(inputs, targets)``):
+     their samples summed;
    - a list of tensors beside a list of mappings of the same length (images and their
      targets, torchvision's detection batch), as arguments or as the items of one tuple:
      samples = that length;
@@ -143,6 +146,8 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
         found = _per_sample(value)
         if found is None:
             found = _micro_batches(value, depth)
+        if found is None:
+            found = _tensor_micro_batches(value)
         if found is not None:
             return found
         for item in value[:MAX_ITEMS]:
@@ -190,6 +195,38 @@ def _micro_batches(items: Any, depth: int) -> BatchSize | None:
         return None
     tokens = None if any(size.tokens is None for size in sizes) else sum(size.tokens for size in sizes)
     return BatchSize(samples=sum(size.samples for size in sizes), tokens=tokens)
+
+
+def _tensor_micro_batches(items: Any) -> BatchSize | None:
+    """Micro-batches of tensors (a step that accumulates gradients over a list of ``(inputs,
+    targets)`` pairs or ``{"x": ..., "y": ...}`` batches): two or more tuples, lists or
+    mappings, each holding at least two tensors that agree on their first dimension, that
+    micro-batch's samples. Their samples are summed; read by the first, a step over four
+    micro-batches of 8 had 8 samples. The micro-batches are alike (the same keys, and tensors
+    of the same dimensions and dtypes); the parts of one batch, ``((images, masks), (labels,
+    weights))``, are not. A list of per-sample pairs (an image and its label,
+    ``collate_fn=lambda b: b``) has no two tensors agreeing on a batch dimension: not summed."""
+    if not 2 <= len(items) <= MAX_MICRO_BATCHES:
+        return None
+    total, alike = 0, None
+    for item in items:
+        if isinstance(item, Mapping):
+            keys, values = tuple(item.keys()), list(item.values())
+        elif type(item) in (tuple, list):
+            keys, values = len(item), item
+        else:
+            return None
+        tensors = [v for v in values[:MAX_ITEMS] if isinstance(v, torch.Tensor) and v.dim() > 0]
+        dims = {int(t.size(0)) for t in tensors}
+        if len(tensors) < 2 or len(dims) != 1:
+            return None
+        form = (keys, tuple((t.dim(), t.dtype) for t in tensors))
+        if alike is None:
+            alike = form
+        elif form != alike:  # not micro-batches but the parts of one batch ((images, masks), (labels, weights))
+            return None
+        total += dims.pop()
+    return BatchSize(samples=total)
 
 
 _ARRAY_MODULES = frozenset({"numpy", "pandas", "cupy", "jax", "jaxlib"})
