@@ -319,10 +319,10 @@ def _random_run(seed: int, n: int = 600) -> list[tuple]:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_posted_steps_find_what_booking_each_at_once_finds_on_the_same_steps(seed):
-    """The step pipeline's ``post`` books steps in batches: the same findings on the same steps,
-    the same data waits, totals and windows as booking every step at once, with reads (a
-    scrape) at random points in between."""
+def test_reads_between_posted_steps_change_nothing_they_find(seed):
+    """The step pipeline's ``post`` with reads (a scrape: ``snapshot``) at random points in
+    between finds what a ledger that is never read finds through ``add``: the same findings on
+    the same steps, the same data waits, totals and windows."""
     rules = RuleSettings(window=5, warmup_steps=3, min_baseline_windows=2, stall_window=6, stall_min_steps=4)
     at_once, posted = GoodputLedger(0.0, rules=rules), GoodputLedger(0.0, rules=rules)
     rng = random.Random(seed + 100)
@@ -344,8 +344,8 @@ def test_posted_steps_find_what_booking_each_at_once_finds_on_the_same_steps(see
 
 
 def test_posted_steps_with_a_scraping_thread_lose_nothing():
-    """A scrape on another thread books posted steps while the step thread posts more: every
-    finding still comes back with its own step, and the totals match booking at once."""
+    """A scrape on another thread reads the ledger while the step thread posts: every finding
+    still comes back with its own step, and the totals match a ledger that is never read."""
     import threading
 
     rules = RuleSettings(window=5, warmup_steps=3, min_baseline_windows=2, stall_window=6, stall_min_steps=4)

@@ -156,9 +156,8 @@ class GoodputLedger:
         time base of its rates (``OperationWindow.add``).
 
         Every step pays for this, booked at once under the lock (uncontended but for a scrape):
-        an earlier design queued steps and booked them in batches, which cost more per step
-        than the lock it saved (the queue's tuple built and taken apart again, and a call per
-        step to book it).
+        queueing steps to book them in batches costs more per step than the lock does (a tuple
+        built and taken apart again, and a call per step to book it).
         """
         if kind not in _KINDS:
             raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
