@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Hashable, Iterator, Mapping
+from typing import Any, Hashable, Iterator
 
 import torch
 from torch.utils import _python_dispatch, flop_counter
