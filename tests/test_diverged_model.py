@@ -4,9 +4,9 @@
 under 5 MB, ``/debug/steps?limit=500`` under 2 MB, shutdown under 2 s, and a client polling
 the live page's endpoints costs the training under 10 % of its time.
 
-That cost is measured as the CPU time the process spends outside the training thread
-while polled, over what it spends there while quiet: the serving threads' work under
-the GIL, which is what the training thread waits for. Wall-clock step times swing by a
+That cost is measured as the CPU time the process spends outside the training thread,
+as a share of the polled blocks' time, less the same share in the quiet blocks: the
+serving threads' work under the GIL, which is what the training thread waits for. Wall-clock step times swing by a
 third between blocks of the same kind on a shared 2-core machine, so the polled and
 quiet step medians are compared only for a gross slowdown (the original bug tripled the
 step); their ratio is printed.
@@ -36,7 +36,7 @@ POLLER = r"""
 import http.client, json, sys, time
 port, interval = int(sys.argv[1]), float(sys.argv[2])
 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-since, polls = 0, 0
+since = 0
 print("ready", flush=True)
 while True:
     for path in ("/debug/summary", "/debug/training/summary", "/debug/steps?limit=500",
@@ -45,8 +45,7 @@ while True:
         body = conn.getresponse().read()
         if path.startswith("/debug/events"):
             since = json.loads(body)["last_seq"]
-    polls += 1
-    print(polls, flush=True)
+    print(time.time(), flush=True)  # when each poll's four answers were in
     time.sleep(interval)
 """
 
@@ -85,7 +84,8 @@ def _block(model, opt, x, port: int | None) -> tuple[list[float], float, float, 
     """One block of steps, polled when ``port`` is given.
 
     Returns the step times, the block's wall time, the CPU time the process spent outside
-    this (the training) thread during it, and the polls the client completed.
+    this (the training) thread during it, and the polls the client completed during it (its
+    first poll starts as the block does: it is ready before it connects).
     """
     poller = None
     if port is not None:
@@ -93,17 +93,17 @@ def _block(model, opt, x, port: int | None) -> tuple[list[float], float, float, 
         poller = subprocess.Popen([sys.executable, "-c", POLLER, str(port), str(POLL_MS / 1000)],
                                   stdout=subprocess.PIPE, text=True)
         assert poller.stdout.readline().strip() == "ready"
-        time.sleep(0.3)
     try:
-        wall0, cpu0, own0 = time.perf_counter(), time.process_time(), time.thread_time()
+        began, wall0, cpu0, own0 = time.time(), time.perf_counter(), time.process_time(), time.thread_time()
         times = [_step(model, opt, x) for _ in range(STEPS // BLOCKS)]
         wall, others = time.perf_counter() - wall0, (time.process_time() - cpu0) - (time.thread_time() - own0)
+        ended = time.time()
     finally:
         if poller is not None:
             assert poller.poll() is None, "the poller died"
             poller.kill()
             poller.wait(5)
-    polls = len(poller.stdout.read().split()) if poller is not None else 0
+    polls = sum(began <= float(t) <= ended for t in poller.stdout.read().split()) if poller is not None else 0
     return times, wall, others, polls
 
 
@@ -158,7 +158,7 @@ def test_a_diverged_5000_tensor_model_keeps_telemetry_bounded(tmp_path, monkeypa
         (f"shutdown took {shutdown_s:.2f} s, not under 2 s", shutdown_s < 2.0),
         (f"report.json is {report_bytes} bytes, not under 5 MB", report_bytes is not None
          and report_bytes < 5 * 10 ** 6),
-        (f"a polled block saw fewer than 2 polls: {blocks}", all(n >= 2 for kind, _, n in blocks if kind)),
+        (f"a polled block saw no poll: {blocks}", all(n >= 1 for kind, _, n in blocks if kind)),
         (f"serving the poller took {serving:.2%} of the polled time, not under 10 %", serving < 0.10),
         (f"median polled step {p * 1e3:.1f} ms is over 150 % of the quiet {q * 1e3:.1f} ms", p <= 1.5 * q),
     ] if not ok]
