@@ -6,10 +6,10 @@ the live page's endpoints costs the training under 10 % of its time.
 
 That cost is measured as the CPU time the process spends outside the training thread,
 as a share of the polled blocks' time, less the same share in the quiet blocks: the
-serving threads' work under the GIL, which is what the training thread waits for. Wall-clock step times swing by a
-third between blocks of the same kind on a shared 2-core machine, so the polled and
-quiet step medians are compared only for a gross slowdown (the original bug tripled the
-step); their ratio is printed.
+serving threads' work under the GIL, which is what the training thread waits for.
+Wall-clock step times swing by a third between blocks of the same kind on a shared 2-core
+machine, so the polled and quiet step medians are compared only for a gross slowdown (the
+original bug tripled the step); their ratio is printed.
 """
 
 from __future__ import annotations
