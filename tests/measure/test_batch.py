@@ -75,6 +75,78 @@ def test_detection_batches_count_images_not_channels(call):
     assert infer_batch(([{"x": torch.zeros(5, 2)}, {"x": torch.zeros(5, 2)}],), {}).samples == 5
 
 
+class Photos(Dataset):
+    """Images of different sizes with a class label each, in the form ``form`` names."""
+
+    def __init__(self, form: str, n: int = 13) -> None:
+        self.form, self.n = form, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        image, label = torch.rand(3, 10 + i, 12 + 2 * (i % 4)), i % 5
+        if self.form == "dict":
+            return {"image": image, "label": label, "path": f"img{i}.png"}
+        if self.form == "mask":
+            return image, torch.ones(image.shape[1:]) > 0.5
+        if self.form == "tensor label":
+            return image, torch.tensor(label)
+        return image, label
+
+
+def _by_columns(rows):
+    images, labels = zip(*rows)
+    return list(images), torch.tensor(labels)
+
+
+@pytest.mark.parametrize("form, collate, call", [
+    ("pair", lambda rows: rows, "batch"),              # collate_fn=lambda rows: rows
+    ("tensor label", lambda rows: rows, "batch"),
+    ("dict", lambda rows: rows, "batch"),               # a datasets-style row per sample
+    ("mask", lambda rows: rows, "batch"),               # an image and its mask: two tensors, no shared batch dimension
+    ("pair", _by_columns, "images, labels"),            # a list of images beside a label tensor
+    ("pair", lambda rows: tuple(list(c) for c in zip(*rows)), "images, labels"),  # beside a list of ints
+    ("pair", _by_columns, "batch"),                     # the same pair as one tuple
+])
+def test_images_of_different_sizes_count_images_not_channels(form, collate, call):
+    """Images that cannot be stacked (different sizes), given one by one: as a list of
+    ``(image, label)`` rows, of dicts, of ``(image, mask)`` pairs, or as a list of images
+    beside their labels. Read by the first tensor, a batch was 3 samples (an image's
+    channels). Reference: a plain count of the dataset's rows."""
+    model = torch.nn.Conv2d(3, 4, 3)
+    data = Photos(form)
+    seen = []
+    for batch in DataLoader(data, batch_size=4, collate_fn=collate):
+        args = (model, *batch) if call == "images, labels" else (model, batch)
+        seen.append(infer_batch(args, {}).samples)
+    assert seen == [4, 4, 4, 1] and sum(seen) == len(data)
+
+
+def test_rows_one_by_one_are_told_from_micro_batches_and_batch_parts():
+    """What the rows-one-by-one rule leaves alone: micro-batches (tensors sharing a first
+    dimension), rows of unlike forms, a list of one row, a list of images without labels
+    (nothing says they are samples: read as before), a row holding another kind of object."""
+    x, y = torch.randn(8, 4), torch.randn(8)
+    assert infer_batch(([(x, y), (x, y), (x, y)],), {}).samples == 24  # micro-batches, summed
+    image = torch.rand(3, 9, 9)
+    assert infer_batch(([(image, 1), (image, "cat")],), {}).samples == 2  # a label of any plain type
+    assert infer_batch(([(image, 1), (torch.rand(3, 9, 9).double(), 1)],), {}).samples == 3  # unlike: the first
+    assert infer_batch(([(image, 1)],), {}).samples == 1  # a last batch of one row
+    assert infer_batch(([image, image],), {}).samples == 3  # images alone: as before
+    assert infer_batch(([(image, object()), (image, object())],), {}).samples == 3
+    assert infer_batch(([image, image], torch.zeros(5)), {}).samples == 3  # labels of another length
+    targets = {"cls": torch.zeros(8), "box": torch.zeros(8, 4)}  # batched targets beside batched inputs
+    assert infer_batch(([(x, targets), (x, targets)],), {}).samples == 8
+    boxes = {"boxes": torch.zeros(2, 4), "labels": torch.zeros(2)}  # one image's targets
+    assert infer_batch(([(image, boxes)] * 5,), {}).samples == 5  # rows of images with their boxes
+    assert infer_batch(([x, x], torch.zeros(8)), {}).samples == 8  # two views of one batch beside its labels
+    labels = torch.zeros(8, dtype=torch.long)
+    assert infer_batch(([x, labels], [0.1, 0.01]), {}).samples == 8  # an (inputs, labels) list beside two rates
+    assert infer_batch(([x, labels], torch.tensor([1, 3])), {}).samples == 8  # ... beside two class weights: unlike
+    assert infer_batch(([x, x], torch.tensor([0.3, 0.7])), {}).samples == 8  # two views beside float weights
+
+
 @pytest.mark.parametrize("as_kwargs", [False, True])
 def test_padded_dict_batches_count_only_real_tokens(as_kwargs):
     data = Sequences(57)
@@ -251,7 +323,7 @@ def test_a_list_of_tensor_micro_batches_counts_them_all():
     images, masks, labels = torch.randn(6, 3, 8, 8), torch.ones(6, 8, 8), torch.zeros(6, dtype=torch.long)
     assert infer_batch((((images, masks), (labels, labels.float())),), {}).samples == 6  # one batch's parts
     per_sample = [(torch.randn(3, 8, 8), torch.tensor(1)) for _ in range(5)]
-    assert infer_batch((per_sample,), {}).samples != 3 * 5  # not taken for micro-batches of 3
+    assert infer_batch((per_sample,), {}).samples == 5  # samples one by one (below), not micro-batches of 3
     assert infer_batch(([pairs[0], {"lr": 0.1}],), {}).samples == 8
     assert infer_batch(([pairs[0], (torch.randn(8, 4), torch.randn(8))],), {}).samples == 8  # not alike (dtype)
     assert infer_batch(([pairs[0]] * 65,), {}).samples == 8  # past the cap: the first one's

@@ -488,6 +488,35 @@ def test_a_long_list_batch_is_counted_by_its_length(tmp_path):
         tt.shutdown()
 
 
+def test_images_of_different_sizes_given_one_by_one_count_as_images(tmp_path):
+    """A classifier over images that cannot be stacked (different sizes), its loader's
+    ``collate_fn=lambda rows: rows`` giving ``(image, label)`` rows: the step's samples are
+    the rows, in its record and in ``torchtrace_samples_total``, not the first image's 3
+    channels. Reference: a plain count of the dataset's rows."""
+    _configure(tmp_path)
+    try:
+        torch.manual_seed(0)
+        conv, head = torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 5)
+        model = torch.nn.ModuleDict({"conv": conv, "head": head})
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(rows):
+            opt.zero_grad()
+            logits = torch.stack([head(conv(image[None]).mean((2, 3))[0]) for image, _ in rows])
+            torch.nn.functional.cross_entropy(logits, torch.tensor([label for _, label in rows])).backward()
+            opt.step()
+
+        data = [(torch.rand(3, 8 + i, 9 + 2 * (i % 3)), i % 5) for i in range(14)]
+        for rows in torch.utils.data.DataLoader(data, batch_size=4, collate_fn=lambda rows: rows):
+            train_step(rows)
+        rt = get_runtime()
+        assert [s["samples"] for s in rt.history.steps()] == [4, 4, 4, 2]
+        assert rt.metrics.value(semconv.M_SAMPLES, {"operation": "train_step"}) == len(data)
+    finally:
+        tt.shutdown()
+
+
 def test_a_trainers_method_reads_its_batch_not_the_trainer(tmp_path):
     """A step decorated as a method of a trainer dataclass: the instance comes first among the
     arguments, and its tensor fields (class weights) were read as the batch, 4 samples every

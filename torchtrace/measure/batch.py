@@ -23,8 +23,13 @@ Rules, in order (the first argument that gives an answer wins):
      tensors that agree on their first dimension (micro-batches of ``(inputs, targets)``):
      their samples summed;
    - a list of tensors beside a list of mappings of the same length (images and their
-     targets, torchvision's detection batch), as arguments or as the items of one tuple:
-     samples = that length;
+     targets, torchvision's detection batch), or beside a tensor or a list of numbers that
+     many long (images of different sizes and their labels), as arguments or as the items
+     of one tuple: samples = that length;
+   - a list or tuple of alike tuples, lists or mappings, each holding one tensor with
+     dimensions (or several that disagree on the first) beside numbers, strings, 0-d
+     tensors or mappings of per-sample targets (samples one by one with their labels,
+     ``collate_fn=lambda rows: rows``): samples = their number;
    - any other mapping, tuple or list, or a dataclass instance: the rules applied to its
      values (a dataclass's fields, in order), first answer wins (``(inputs, labels)``
      batches, ``{"x": ..., "y": ...}`` batches, ``Batch(inputs=..., targets=...)``); a
@@ -47,7 +52,6 @@ BatchSize(samples=32, tokens=None)
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -66,6 +70,7 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"  # a packed row's: each sequence's positions start at 0
 
+_NUMBER = numbers.Number
 _SKIP = (torch.nn.Module, torch.optim.Optimizer, str, bytes, bytearray, int, float, complex, bool, type(None))
 
 
@@ -148,6 +153,8 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
             found = _micro_batches(value, depth)
         if found is None:
             found = _tensor_micro_batches(value)
+        if found is None:
+            found = _sample_items(value)
         if found is not None:
             return found
         for item in value[:MAX_ITEMS]:
@@ -168,17 +175,62 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
 
 
 def _per_sample(items: Any) -> BatchSize | None:
-    """Images and their targets, one per sample: a list of tensors beside a list of mappings
-    of the same length (torchvision's detection models take ``model(images, targets)``, and
-    its reference collate makes ``(images, targets)`` batches). Samples = that length; read
-    by the first tensor, it was the first image's channels."""
+    """Samples given one by one beside their targets: a list of tensors beside a list of
+    mappings of the same length (torchvision's detection models take ``model(images,
+    targets)``, and its reference collate makes ``(images, targets)`` batches), or a list of
+    alike tensors beside class labels as long (a 1-d integer tensor or a list of integers:
+    images of different sizes). Samples = that length; read by the first tensor, it was the
+    first image's channels. (Float values beside a list, loss weights, say nothing of it.)"""
     lists = [v for v in items[:MAX_ITEMS] if type(v) in (list, tuple) and v]
     for images in lists:
         if all(isinstance(t, torch.Tensor) for t in images[:MAX_ITEMS]):
-            for targets in lists:
-                if len(targets) == len(images) and all(isinstance(m, Mapping) for m in targets[:MAX_ITEMS]):
-                    return BatchSize(samples=len(images))
+            n = len(images)
+            if any(len(targets) == n and all(isinstance(m, Mapping) for m in targets[:MAX_ITEMS]) for targets in lists):
+                return BatchSize(samples=n)
+            if len({(t.dim(), t.dtype) for t in images[:MAX_ITEMS]}) == 1 and any(
+                    _labels(v, n) for v in items[:MAX_ITEMS] if v is not images):
+                return BatchSize(samples=n)
     return None
+
+
+def _labels(value: Any, n: int) -> bool:
+    """True for ``n`` class labels: a 1-d integer tensor or a list or tuple of integers."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 1 and value.size(0) == n and not value.is_floating_point() and not value.is_complex()
+    return (type(value) in (list, tuple) and len(value) == n
+            and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in value[:MAX_ITEMS]))
+
+
+def _sample_items(items: Any) -> BatchSize | None:
+    """Samples one by one, each with its label or target (``collate_fn=lambda rows: rows`` over
+    ``(image, label)`` rows): alike tuples, lists or mappings, each holding one tensor with
+    dimensions (or several that disagree on the first: an image and its mask) beside numbers,
+    strings, 0-d tensors or mappings of per-sample targets. Samples = their number; read by
+    the first tensor, they were its first dimension (an image's channels). Not rows: tensors
+    that share a first dimension, or targets that share it with them (micro-batches)."""
+    form = None
+    for item in items[:MAX_ITEMS]:
+        values = list(item.values()) if isinstance(item, Mapping) else item if type(item) in (tuple, list) else None
+        if len(values or ()) < 2 or len(values) > MAX_ITEMS:  # (a tensor without its label: a micro-batch's)
+            return None
+        tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
+        firsts = {int(t.size(0)) for t in tensors}
+        if not tensors or len(tensors) > 1 and len(firsts) == 1:
+            return None
+        for v in values:
+            if isinstance(v, Mapping):
+                inner = [t for t in list(v.values())[:MAX_ITEMS] if isinstance(t, torch.Tensor) and t.dim() > 0]
+                if inner and {int(t.size(0)) for t in inner} == firsts:
+                    return None  # batched targets beside batched inputs
+            elif not (v is None or isinstance(v, (torch.Tensor, str, _NUMBER))):
+                return None
+        shape = (type(item), tuple(item) if isinstance(item, Mapping) else len(values),
+                 tuple((t.dim(), t.dtype) for t in tensors))
+        if form is None:
+            form = shape
+        elif shape != form:
+            return None
+    return BatchSize(samples=len(items)) if form is not None else None
 
 
 def _micro_batches(items: Any, depth: int) -> BatchSize | None:
@@ -305,54 +357,6 @@ def _has_key(batch: Mapping[str, Any], key: str) -> bool:
         return key in batch
     except TypeError:  # a mapping keyed by something unhashable with str
         return False
-
-
-def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None) -> tuple[tuple, str | None]:
-    """What ``StepScope.record_batch`` was given, each value that is not valid left out (so
-    that what torchtrace infers or counts stands in for it), and a message naming every such
-    argument with its accepted values (None when all were valid). Never raises: it runs
-    inside the user's step. Counters only grow, so a negative count is not valid.
-
-    >>> checked_overrides(samples=8, tokens="512")
-    ((8, None, None), "tokens='512' ignored; accepted values: an integer >= 0 or a one-element device tensor")
-    """
-    problems: list[str] = []
-    samples = _checked_count("samples", samples, problems)
-    tokens = _checked_count("tokens", tokens, problems)
-    if flops is not None:
-        if isinstance(flops, numbers.Real) and not isinstance(flops, bool) and math.isfinite(flops) and flops >= 0:
-            flops = float(flops)
-        else:
-            problems.append(f"flops={flops!r} ignored; accepted values: a finite number >= 0")
-            flops = None
-    return (samples, tokens, flops), "; ".join(problems) or None
-
-
-def _checked_count(name: str, value: Any, problems: list[str]) -> int | torch.Tensor | None:
-    """A count ``record_batch`` was given: an integer, or a one-element device tensor (read
-    with the step's one read, checked then); None, with a problem named, for anything else."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() == 1 and not value.is_complex():
-            return value.detach().reshape(())
-        problems.append(f"{name}=<tensor of shape {tuple(value.shape)}> ignored; accepted values: an integer >= 0 "
-                        "or a one-element device tensor")
-        return None
-    if _is_count(value):
-        return int(value)
-    problems.append(f"{name}={value!r} ignored; accepted values: an integer >= 0 or a one-element device tensor")
-    return None
-
-
-def device_count(value: float) -> int | None:
-    """A device count (tokens, samples) as read to the host: None when it is no count (NaN,
-    Inf, negative)."""
-    return int(value) if math.isfinite(value) and value >= 0 else None
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 def same_arguments(call: tuple[tuple, dict], args: tuple, kwargs: dict) -> bool:

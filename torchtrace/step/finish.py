@@ -17,7 +17,7 @@ import torch
 from torchtrace import semconv
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import gradients as grad_measure
-from torchtrace.measure.batch import device_count
+from torchtrace.measure.counts import device_count
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import StepRecord
 from torchtrace.export.spans import apply_record

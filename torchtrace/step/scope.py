@@ -21,7 +21,7 @@ from torchtrace.errors import NonFiniteError
 from torchtrace.export.spans import clean_attributes
 from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import memory as mem_measure
-from torchtrace.measure.batch import checked_overrides
+from torchtrace.measure.counts import checked_overrides
 from torchtrace.measure.loss import LossValue, classify_loss
 from torchtrace.record.reads import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
