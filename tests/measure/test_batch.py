@@ -140,6 +140,10 @@ def test_rows_one_by_one_are_told_from_micro_batches_and_batch_parts():
     assert infer_batch(([(x, targets), (x, targets)],), {}).samples == 8
     boxes = {"boxes": torch.zeros(2, 4), "labels": torch.zeros(2)}  # one image's targets
     assert infer_batch(([(image, boxes)] * 5,), {}).samples == 5  # rows of images with their boxes
+    three = {"boxes": torch.zeros(3, 4), "labels": torch.zeros(3)}  # as many boxes as channels, in one row
+    assert infer_batch(([(image, boxes), (image, three), (image, boxes), (image, boxes)],), {}).samples == 4
+    pairs = [(torch.randint(0, 9, (n,)), torch.randint(0, 9, (m,))) for n, m in ((5, 7), (6, 6), (4, 9))]
+    assert infer_batch((pairs,), {}).samples == 3  # source and target sequences, one of equal lengths
     assert infer_batch(([x, x], torch.zeros(8)), {}).samples == 8  # two views of one batch beside its labels
     labels = torch.zeros(8, dtype=torch.long)
     assert infer_batch(([x, labels], [0.1, 0.01]), {}).samples == 8  # an (inputs, labels) list beside two rates

@@ -27,9 +27,9 @@ Rules, in order (the first argument that gives an answer wins):
      many long (images of different sizes and their labels), as arguments or as the items
      of one tuple: samples = that length;
    - a list or tuple of alike tuples, lists or mappings, each holding one tensor with
-     dimensions (or several that disagree on the first) beside numbers, strings, 0-d
-     tensors or mappings of per-sample targets (samples one by one with their labels,
-     ``collate_fn=lambda rows: rows``): samples = their number;
+     dimensions or several beside numbers, strings, 0-d tensors or mappings (samples one by
+     one with their labels or targets, ``collate_fn=lambda rows: rows``), unless every
+     item's tensors share a first dimension (micro-batches): samples = their number;
    - any other mapping, tuple or list, or a dataclass instance: the rules applied to its
      values (a dataclass's fields, in order), first answer wins (``(inputs, labels)``
      batches, ``{"x": ..., "y": ...}`` batches, ``Batch(inputs=..., targets=...)``); a
@@ -204,33 +204,36 @@ def _labels(value: Any, n: int) -> bool:
 def _sample_items(items: Any) -> BatchSize | None:
     """Samples one by one, each with its label or target (``collate_fn=lambda rows: rows`` over
     ``(image, label)`` rows): alike tuples, lists or mappings, each holding one tensor with
-    dimensions (or several that disagree on the first: an image and its mask) beside numbers,
-    strings, 0-d tensors or mappings of per-sample targets. Samples = their number; read by
-    the first tensor, they were its first dimension (an image's channels). Not rows: tensors
-    that share a first dimension, or targets that share it with them (micro-batches)."""
-    form = None
+    dimensions (or several: an image and its mask, a source and a target sequence) beside
+    numbers, strings, 0-d tensors or mappings. Samples = their number; read by the first
+    tensor, they were its first dimension (an image's channels). Not rows: items whose tensors
+    all share a first dimension, or share it with their targets' (micro-batches), every one."""
+    form, batched = None, 0
     for item in items[:MAX_ITEMS]:
         values = list(item.values()) if isinstance(item, Mapping) else item if type(item) in (tuple, list) else None
         if len(values or ()) < 2 or len(values) > MAX_ITEMS:  # (a tensor without its label: a micro-batch's)
             return None
         tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
-        firsts = {int(t.size(0)) for t in tensors}
-        if not tensors or len(tensors) > 1 and len(firsts) == 1:
+        if not tensors:
             return None
+        firsts = {int(t.size(0)) for t in tensors}
+        shared = len(tensors) > 1 and len(firsts) == 1
         for v in values:
             if isinstance(v, Mapping):
                 inner = [t for t in list(v.values())[:MAX_ITEMS] if isinstance(t, torch.Tensor) and t.dim() > 0]
-                if inner and {int(t.size(0)) for t in inner} == firsts:
-                    return None  # batched targets beside batched inputs
+                shared = shared or bool(inner) and {int(t.size(0)) for t in inner} == firsts
             elif not (v is None or isinstance(v, (torch.Tensor, str, _NUMBER))):
                 return None
+        batched += shared
         shape = (type(item), tuple(item) if isinstance(item, Mapping) else len(values),
                  tuple((t.dim(), t.dtype) for t in tensors))
         if form is None:
             form = shape
         elif shape != form:
             return None
-    return BatchSize(samples=len(items)) if form is not None else None
+    if form is None or batched == min(len(items), MAX_ITEMS):
+        return None  # every item holds a batch dimension: micro-batches, not samples
+    return BatchSize(samples=len(items))
 
 
 def _micro_batches(items: Any, depth: int) -> BatchSize | None:
