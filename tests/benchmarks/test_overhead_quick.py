@@ -51,3 +51,29 @@ def test_median_interval_holds_the_true_median_and_tells_a_shift_from_noise():
     assert 0.6 * theory < (hi - lo) / 2 < 1.5 * theory
     lo, hi = bench.median_interval([v + 0.5 for v in values])
     assert lo > 0.0
+
+
+def test_the_verdict_calls_within_noise_only_an_interval_that_holds_0():
+    """Synthetic rounds: a difference that sits inside the A/A pair's spread but whose own
+    interval excludes 0 is not called "within noise" (it was, and a slow day's 70 us read so);
+    one whose interval holds 0 is; one far past the A/A spread is above noise."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("overhead_bench", ROOT / "benchmarks" / "overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def verdict(shift: float, aa_spread: float) -> str:
+        # Differences spread evenly on both sides of their median: the bootstrap interval of a
+        # zero shift holds 0, and one of a 20 us shift with a spread of 2 us excludes it.
+        n = 301
+        noise = [((i % 21) - 10) / 10 for i in range(n)]
+        basic = [1e-3] * n
+        nothr = [b - shift - 2e-6 * e for b, e in zip(basic, noise)]
+        aa = [b - aa_spread * e for b, e in zip(basic, noise[7:] + noise[:7])]
+        lines = bench.throughput_verdict({"bare": basic, "basic": basic, "basic-nothr": nothr, "basic-aa": aa})
+        return next(line for line in lines if line.startswith("throughput features: ")).split(": ", 1)[1]
+
+    assert verdict(0.0, 2e-6).startswith("within noise (the interval holds 0)")
+    assert verdict(20e-6, 1e-3).startswith("not told apart from noise")  # 20 us against an A/A interval of about +-100 us
+    assert verdict(20e-6, 2e-6) == "above noise"
