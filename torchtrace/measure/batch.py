@@ -23,9 +23,9 @@ Rules, in order (the first argument that gives an answer wins):
      tensors that agree on their first dimension (micro-batches of ``(inputs, targets)``):
      their samples summed;
    - a list of tensors beside a list of mappings of the same length (images and their
-     targets, torchvision's detection batch), or beside a tensor or a list of numbers that
-     many long (images of different sizes and their labels), as arguments or as the items
-     of one tuple: samples = that length;
+     targets, torchvision's detection batch), or a list of alike tensors beside as many
+     class labels (a 1-d integer tensor or a list of integers: images of different sizes),
+     as arguments or as the items of one tuple: samples = that length;
    - a list or tuple of alike tuples, lists or mappings, each holding one tensor with
      dimensions or several beside numbers, strings, 0-d tensors or mappings (samples one by
      one with their labels or targets, ``collate_fn=lambda rows: rows``), unless every
