@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import pytest
@@ -1049,10 +1050,12 @@ def test_a_model_under_activation_checkpointing_keeps_its_phases(tmp_path):
         tt.shutdown()
 
 
-def test_a_forward_called_past_the_model_keeps_the_optimizer_phase(tmp_path):
+def test_a_forward_called_past_the_model_keeps_the_optimizer_phase(tmp_path, caplog):
     """``model.forward(x)`` called directly goes past the call seam: the step has no forward
     or backward phase (where the backward began is not known), but its optimizer phase (a
-    planted 30 ms in a step pre-hook) is still measured. Without an optimizer either, no phases."""
+    planted 30 ms in a step pre-hook) is still measured, and the log says once why the others
+    are missing. Without an optimizer either, no phases."""
+    caplog.set_level(logging.WARNING, logger="torchtrace")
     _configure(tmp_path)
     try:
         model = _mlp()
@@ -1083,6 +1086,8 @@ def test_a_forward_called_past_the_model_keeps_the_optimizer_phase(tmp_path):
         assert rt.metrics.registry.get_sample_value("torchtrace_step_phase_seconds_count", labels) == 3
         labels["phase"] = "forward"
         assert not rt.metrics.registry.get_sample_value("torchtrace_step_phase_seconds_count", labels)
+        said = [r.getMessage() for r in caplog.records if "forward was not" in r.getMessage()]
+        assert len(said) == 1 and "model(...)" in said[0], said
     finally:
         tt.shutdown()
 

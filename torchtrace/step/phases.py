@@ -164,6 +164,10 @@ class StepClock:
     def _optimizer_only(self) -> dict[str, float] | None:
         if self.optimizer_start is None or self.optimizer_end is None:
             return None
+        if self.forward_start is None and (rt := current.runtime(create=False)) is not None:  # (a call not seen)
+            rt.warn_once(("phases", "unseen"), "torchtrace: a step ran its optimizer but its model's forward was not "
+                         "seen (model.forward(x), another method or module called): its phases hold the optimizer "
+                         "only; call the model as model(...) to split forward and backward")
         seconds = self._between(self.optimizer_start, self.optimizer_end)
         return {"optimizer": seconds} if seconds is not None else None
 
