@@ -210,23 +210,21 @@ def _sample_items(items: Any) -> BatchSize | None:
     all share a first dimension, or share it with their targets' (micro-batches), every one."""
     form, batched = None, 0
     for item in items[:MAX_ITEMS]:
-        values = list(item.values()) if isinstance(item, Mapping) else item if type(item) in (tuple, list) else None
-        if len(values or ()) < 2 or len(values) > MAX_ITEMS:  # (a tensor without its label: a micro-batch's)
+        parts = _parts(item)
+        if parts is None or not 2 <= len(parts[1]) <= MAX_ITEMS:  # (a tensor without its label: a micro-batch's)
             return None
-        tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
+        shape, values, tensors = parts
         if not tensors:
             return None
         firsts = {int(t.size(0)) for t in tensors}
         shared = len(tensors) > 1 and len(firsts) == 1
         for v in values:
             if isinstance(v, Mapping):
-                inner = [t for t in list(v.values())[:MAX_ITEMS] if isinstance(t, torch.Tensor) and t.dim() > 0]
+                inner = _parts(v)[2]
                 shared = shared or bool(inner) and {int(t.size(0)) for t in inner} == firsts
             elif not (v is None or isinstance(v, (torch.Tensor, str, _NUMBER))):
                 return None
         batched += shared
-        shape = (type(item), tuple(item) if isinstance(item, Mapping) else len(values),
-                 tuple((t.dim(), t.dtype) for t in tensors))
         if form is None:
             form = shape
         elif shape != form:
@@ -265,23 +263,34 @@ def _tensor_micro_batches(items: Any) -> BatchSize | None:
         return None
     total, alike = 0, None
     for item in items:
-        if isinstance(item, Mapping):
-            keys, values = tuple(item.keys()), list(item.values())
-        elif type(item) in (tuple, list):
-            keys, values = len(item), item
-        else:
+        parts = _parts(item)
+        if parts is None:
             return None
-        tensors = [v for v in values[:MAX_ITEMS] if isinstance(v, torch.Tensor) and v.dim() > 0]
+        form, _, tensors = parts
         dims = {int(t.size(0)) for t in tensors}
         if len(tensors) < 2 or len(dims) != 1:
             return None
-        form = (keys, tuple((t.dim(), t.dtype) for t in tensors))
         if alike is None:
             alike = form
         elif form != alike:  # not micro-batches but the parts of one batch ((images, masks), (labels, weights))
             return None
         total += dims.pop()
     return BatchSize(samples=total)
+
+
+def _parts(item: Any) -> tuple[Any, list, list[torch.Tensor]] | None:
+    """``(form, values, tensors)`` of one item of a list of micro-batches or rows (a tuple, list
+    or mapping; None for anything else): its values, its tensors with dimensions among the first
+    :data:`MAX_ITEMS`, and its form (its keys or length, and those tensors' ranks and dtypes),
+    alike for items of one kind."""
+    if isinstance(item, Mapping):
+        keys, values = tuple(item.keys()), list(item.values())
+    elif type(item) in (tuple, list):
+        keys, values = len(item), list(item)
+    else:
+        return None
+    tensors = [v for v in values[:MAX_ITEMS] if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return (keys, tuple((t.dim(), t.dtype) for t in tensors)), values, tensors
 
 
 _ARRAY_MODULES = frozenset({"numpy", "pandas", "cupy", "jax", "jaxlib"})
