@@ -1391,3 +1391,89 @@ def test_an_epoch_holding_steps_is_not_counted_and_its_steps_are(tmp_path):
         assert rt.throughput.flops.counts == 1  # one step ran under the counter: the first training step
     finally:
         tt.shutdown()
+
+
+def test_the_rate_set_between_a_clip_and_the_update_is_the_one_recorded(tmp_path):
+    """A warm-up that sets the rate after clip_grad_norm_ (which measures the gradients early)
+    and before optimizer.step(): the step records the rate its update used."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        used, recorded = [], []
+        for it in range(5):
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                opt.zero_grad()
+                model(torch.randn(4, 16)).pow(2).mean().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                for group in opt.param_groups:
+                    group["lr"] = 1e-3 * min(1.0, (it + 1) / 4)
+                used.append(opt.param_groups[0]["lr"])
+                opt.step()
+            recorded.append(step.record.lr[0])
+        assert recorded == used
+        assert used[:4] == [0.00025, 0.0005, 0.00075, 0.001]
+    finally:
+        tt.shutdown()
+
+
+class _Delegating(torch.optim.Optimizer):
+    """A wrapper that never runs ``Optimizer.__init__`` and keeps the real optimizer under a
+    name of its own (not ``.optimizer``): torch's step hooks cannot be registered on it."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.defaults = inner.defaults
+
+    @property
+    def param_groups(self):
+        return self._inner.param_groups
+
+    @property
+    def state(self):
+        return self._inner.state
+
+    def step(self, closure=None):
+        return self._inner.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self._inner.zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_an_optimizer_wrapper_without_torchs_hooks_keeps_every_record(tmp_path, hidden):
+    """The wrapper's real optimizer is found among its attributes; a wrapper holding none it can
+    name (``hidden=False``: two) is measured at the step's end. Either way every step has its
+    record, loss, learning rate and goodput; no internal error."""
+    _configure(tmp_path)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = _Delegating(sgd)
+        if not hidden:
+            opt._spare = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.5)
+
+        @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        rt = get_runtime()
+        losses, rates = [], []
+        for _ in range(5):
+            losses.append(train_step(torch.randn(4, 8)).item())
+            rates.append(rt.history.last_record.lr)
+        rt.finish_deferred(block=True)
+        steps = rt.history.steps()
+        assert [s["loss"] for s in steps] == pytest.approx(losses)
+        assert rates == [[0.1]] * 5
+        assert all(s.get("grad_norm") is not None for s in steps)
+        assert rt.summary()["throughput"]["productive_s"] > 0
+        if hidden:  # the real optimizer's hooks: the update's phase
+            assert all("optimizer" in s["phases"] for s in steps)
+    finally:
+        tt.shutdown()

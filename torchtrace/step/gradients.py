@@ -25,6 +25,7 @@ from torchtrace.measure import gradients as grad_measure
 from torchtrace.record import readout
 from torchtrace.record.policy import GuardPolicy, agree_any
 from torchtrace.step.throughput import learning_rates
+from torchtrace.step.watched import hookable
 
 
 _NO_GRADIENTS = frozenset({"evaluation", "checkpoint"})  # operation kinds that make no gradients
@@ -50,7 +51,11 @@ class GradientCheck:
         self._hook = None
 
     def hook(self, optimizer: Any) -> None:
-        self._hook = optimizer.register_step_pre_hook(self._pre_hook)
+        """Measure the gradients as ``optimizer.step()`` begins. An optimizer without torch's
+        step hooks (a wrapper that never ran ``Optimizer.__init__``) is not hooked: its step's
+        gradients are measured at the step's end (:meth:`measure_at_end`)."""
+        if hookable(optimizer):
+            self._hook = optimizer.register_step_pre_hook(self._pre_hook)
 
     def unhook(self) -> None:
         if self._hook is not None:
@@ -67,6 +72,10 @@ class GradientCheck:
             if len(args) > 1:
                 return (args[0], measured, *args[2:]), kwargs
             return args, {**kwargs, "closure": measured}
+        if self.fired:  # measured earlier (a clip call): the rates are read as the update begins
+            if self.scope.active and self.scope.features.throughput:
+                self.lr = learning_rates(optimizer)
+            return None
         self.before_update(optimizer)
         return None
 
@@ -119,7 +128,8 @@ class GradientCheck:
         optimizer that did not step, no update used them: nothing to measure. An evaluation or
         checkpoint operation makes none: what it would find are the last training step's.)"""
         scope = self.scope
-        if self.fired or scope.model is None or scope.optimizer is not None or scope.kind in _NO_GRADIENTS:
+        if self.fired or scope.model is None or scope.kind in _NO_GRADIENTS or \
+                scope.optimizer is not None and hookable(scope.optimizer):
             return
         self.fired = True
         self.stats = grad_measure.gradient_norms(self.rt.params_for(scope.model, None))

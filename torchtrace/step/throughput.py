@@ -32,6 +32,7 @@ from torchtrace.record.goodput import MAX_PEAKS, GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.call_keys import MANY, CallKeys
 from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
+from torchtrace.step.watched import hookable
 
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
@@ -175,7 +176,7 @@ class RunThroughput:
         elif hooks.state(model) is None:
             hooks.detach()  # a seam the user compiled over: put the marks around their compiled call
             hooks.attach(model)
-        if optimizer is not None and optimizer not in self._optimizers:
+        if optimizer is not None and optimizer not in self._optimizers and hookable(optimizer):
             self._optimizers[optimizer] = OptimizerMarks(optimizer)
         try:  # weak references only: a model the user drops is not kept alive here
             last = (weakref.ref(model), weakref.ref(optimizer) if optimizer is not None else none_ref, hooks)

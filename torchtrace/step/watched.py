@@ -86,7 +86,8 @@ def instance_first(fn: Callable[..., Any]) -> bool:
 def real_optimizer(optimizer: Any) -> Any:
     """The torch optimizer behind a wrapper that never initialised torch's ``Optimizer`` (its
     hooks cannot be registered on it): accelerate's ``AcceleratedOptimizer`` holds the real one
-    in ``.optimizer``. Anything else is returned as it is.
+    in ``.optimizer``; another wrapper may keep it under a name of its own (the one initialised
+    optimizer among its attributes). Anything else is returned as it is; see :func:`hookable`.
 
     >>> sgd = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     >>> class Wrapper(torch.optim.Optimizer):
@@ -94,15 +95,28 @@ def real_optimizer(optimizer: Any) -> Any:
     ...         self.optimizer = optimizer
     >>> real_optimizer(Wrapper(sgd)) is sgd and real_optimizer(sgd) is sgd
     True
+    >>> class Hidden(torch.optim.Optimizer):
+    ...     def __init__(self, optimizer):
+    ...         self._inner = optimizer
+    >>> real_optimizer(Hidden(sgd)) is sgd
+    True
     """
     for _ in range(4):  # wrappers of wrappers, a few deep at most
-        if optimizer is None or hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        if optimizer is None or hookable(optimizer):
             return optimizer
         inner = getattr(optimizer, "optimizer", None)
         if not isinstance(inner, _Optimizer):
-            return optimizer
+            held = [v for v in getattr(optimizer, "__dict__", {}).values() if isinstance(v, _Optimizer)]
+            if len(held) != 1:  # none, or two it cannot choose between
+                return optimizer
+            inner = held[0]
         optimizer = inner
     return optimizer
+
+
+def hookable(optimizer: Any) -> bool:
+    """True when torch's step hooks can be registered on ``optimizer`` (its ``Optimizer.__init__`` ran)."""
+    return hasattr(optimizer, "_optimizer_step_pre_hooks")
 
 
 def _attributes_of(obj: Any) -> tuple[Any, Any, Any]:
@@ -146,4 +160,4 @@ def _find(obj: Any) -> tuple[str | None, str | None, str | None]:
     return model_name, optimizer_name, scaler_name
 
 
-__all__ = ["instance_first", "real_optimizer", "watched"]
+__all__ = ["hookable", "instance_first", "real_optimizer", "watched"]
