@@ -1477,3 +1477,44 @@ def test_an_optimizer_wrapper_without_torchs_hooks_keeps_every_record(tmp_path, 
             assert all("optimizer" in s["phases"] for s in steps)
     finally:
         tt.shutdown()
+
+
+def test_each_operation_has_room_for_its_own_shapes(tmp_path):
+    """A training operation whose images change height and width every step fills its own
+    room in the FLOP table, not the evaluation's: the evaluation that starts later, on one
+    shape, gets FlopCounterMode's count."""
+    import random
+
+    _configure(tmp_path)
+    try:
+        torch.manual_seed(0)
+        rng = random.Random(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                  torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+        @tt.debug_operation(name="train_step", model=net, optimizer=opt)
+        def train_step(x, y):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+
+        @tt.debug_operation(name="evaluate", model=net, kind="evaluation")
+        def evaluate(x):
+            with torch.no_grad():
+                return net(x)
+
+        for _ in range(45):
+            train_step(torch.randn(2, 3, rng.randint(8, 40), rng.randint(8, 40)), torch.randint(0, 10, (2,)))
+        x = torch.randn(2, 3, 32, 32)
+        for _ in range(3):
+            evaluate(x)
+        with torch.no_grad():
+            reference = _counted(net, x)
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        assert rt.throughput.flops.counts >= 32  # the training filled its room
+        flops = [s.get("flops") for s in rt.history.steps() if s["operation"] == "evaluate"]
+        assert flops == [reference] * 3
+    finally:
+        tt.shutdown()

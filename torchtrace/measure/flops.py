@@ -36,10 +36,13 @@ from torchtrace.measure import peaks
 from torchtrace.measure.flop_fit import FlopFits
 from torchtrace.measure.shape_keys import KEY_MAX_DEPTH, KEY_MAX_ITEMS, LOOSE, NESTED, countable, grown, shape_key
 
-#: How many distinct shape keys one counter counts. Past it, a step with a new shape gets
-#: no FLOP count (its throughput still counts samples and tokens): a job whose every batch
-#: has a new shape must not pay for a counted step every step.
+#: How many distinct shape keys one counter counts per operation (keys ``(operation, shapes)``).
+#: Past it, a step of that operation with a new shape gets no FLOP count (its throughput still
+#: counts samples and tokens): a job whose every batch has a new shape must not pay for a
+#: counted step every step. An operation's shapes never take another's room: an evaluation
+#: that starts after a training run of many shapes is counted all the same.
 DEFAULT_MAX_SHAPES = 32
+MAX_KEYS = 256  # keys of all operations together
 
 peak_flops = peaks.peak_flops
 precision_key = peaks.precision_key
@@ -56,12 +59,18 @@ class LateKey:
         self.value: Hashable | None = None
 
 
+def _operation(key: Hashable) -> Hashable:
+    """The operation of an ``(operation, shapes)`` key; None for a key of another form."""
+    return key[0] if type(key) is tuple and len(key) == 2 and type(key[0]) is str else None
+
+
 def _resolved(key: Hashable) -> Hashable | None:
     return key.value if type(key) is LateKey else key
 
 
 class StepFlops:
-    """FLOPs of a step per shape key: counted once each, at most ``max_shapes`` keys.
+    """FLOPs of a step per shape key: counted once each, at most ``max_shapes`` keys per
+    operation (the first item of an ``(operation, shapes)`` key) and :data:`MAX_KEYS` in all.
 
     Key it by operation as well as shape (``(name, shape_key(args, kwargs))``) when several
     operations share one counter. Not thread-safe: use one per step thread.
@@ -85,6 +94,7 @@ class StepFlops:
             raise ValueError(f"max_shapes={max_shapes!r} is not valid; accepted values: an integer >= 1")
         self.max_shapes = max_shapes
         self._flops: dict[Hashable, int | None] = {}  # None: a key that is never counted
+        self._per_operation: dict[Hashable, int] = {}  # keys held per operation
         self._dtypes: dict[Hashable, torch.dtype] = {}  # the dtype most of a count's FLOPs ran in
         self.counts = 0  # how many steps were counted
         self.failures = 0  # steps that raised in an op under the counter (their keys are skipped)
@@ -107,7 +117,7 @@ class StepFlops:
         key = self.table_key(key)
         if key in self._flops:
             return self._flops[key]
-        return self.fits.predict(key, spot_check=len(self._flops) < self.max_shapes)
+        return self.fits.predict(key, spot_check=self._room(key))
 
     def compute_dtype(self, key: Hashable) -> torch.dtype | None:
         """The dtype most of ``key``'s counted FLOPs ran in (the operands' dtype: bfloat16 under a
@@ -119,20 +129,31 @@ class StepFlops:
     def needs_count(self, key: Hashable) -> bool:
         """True when ``key`` has no FLOPs yet, no fit gives it any, and there is room to count it."""
         key = self.table_key(key)
-        return key not in self._flops and len(self._flops) < self.max_shapes and \
+        return key not in self._flops and self._room(key) and \
             self.fits.predict(key, spot_check=True) is None
 
     def skip(self, key: Hashable) -> None:
         """Never count ``key`` (its lookups give None); room permitting, like a count."""
         key = self.table_key(key)
-        if key not in self._flops and len(self._flops) < self.max_shapes:
-            self._flops[key] = None
+        if key not in self._flops and self._room(key):
+            self._hold(key, None)
 
     def record(self, key: Hashable, flops: int) -> None:
         """Record FLOPs for ``key`` (a count, or FLOPs the user supplied); room permitting."""
         key = self.table_key(key)
-        if key in self._flops or len(self._flops) < self.max_shapes:
+        if key in self._flops:
             self._flops[key] = int(flops)
+        elif self._room(key):
+            self._hold(key, int(flops))
+
+    def _room(self, key: Hashable) -> bool:
+        """True when ``key``'s operation may hold one more key (and the table one more)."""
+        return len(self._flops) < MAX_KEYS and self._per_operation.get(_operation(key), 0) < self.max_shapes
+
+    def _hold(self, key: Hashable, flops: int | None) -> None:
+        self._flops[key] = flops
+        operation = _operation(key)
+        self._per_operation[operation] = self._per_operation.get(operation, 0) + 1
 
     def _learn(self, key: Hashable, flops: int) -> None:
         """Mark the arguments in which ``key`` differs from an earlier count of the same
