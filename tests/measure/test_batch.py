@@ -331,3 +331,17 @@ def test_a_list_of_tensor_micro_batches_counts_them_all():
     assert infer_batch(([pairs[0], {"lr": 0.1}],), {}).samples == 8
     assert infer_batch(([pairs[0], (torch.randn(8, 4), torch.randn(8))],), {}).samples == 8  # not alike (dtype)
     assert infer_batch(([pairs[0]] * 65,), {}).samples == 8  # past the cap: the first one's
+
+
+@pytest.mark.parametrize("lengths", [[5, 6, 7, 5], [6, 7], [3]])
+def test_a_packed_sequence_counts_its_sequences_not_its_time_steps(lengths):
+    """``pack_padded_sequence``'s batch (an RNN's input, alone or beside its labels): samples
+    are its sequences, as many as the lengths given, not the time steps of all of them."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
+
+    padded = pad_sequence([torch.randn(n, 4) for n in lengths], batch_first=True)
+    packed = pack_padded_sequence(padded, torch.tensor(lengths), batch_first=True, enforce_sorted=False)
+    labels = torch.zeros(len(lengths), dtype=torch.long)
+    assert infer_batch((packed, labels), {}).samples == len(lengths)
+    assert infer_batch((packed,), {}).samples == len(lengths)
+    assert infer_batch(({"x": packed, "y": labels},), {}).samples == len(lengths)

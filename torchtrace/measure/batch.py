@@ -8,6 +8,8 @@ Rules, in order (the first argument that gives an answer wins):
    ``Optimizer`` objects, numbers, strings, ``None`` and 0-d tensors:
 
    - a tensor with at least one dimension: samples = its first dimension;
+   - a ``PackedSequence`` (``pack_padded_sequence``): samples = its sequences (the
+     batch size of its first time step, a host value), not its time steps;
    - a mapping (a ``dict`` or a transformers ``BatchEncoding``) with ``input_ids``:
      samples = ``input_ids.shape[0]`` (1 for an unbatched 1-d sequence) and tokens =
      ``input_ids.numel()``, or, with an ``attention_mask`` of the same shape, the number of
@@ -72,6 +74,7 @@ POSITION_IDS = "position_ids"  # a packed row's: each sequence's positions start
 
 _NUMBER = numbers.Number
 _SKIP = (torch.nn.Module, torch.optim.Optimizer, str, bytes, bytearray, int, float, complex, bool, type(None))
+_PACKED = torch.nn.utils.rnn.PackedSequence
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ def infer_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchSize:
 def _infer(value: Any, depth: int) -> BatchSize | None:
     if isinstance(value, torch.Tensor):  # size(0): a nested tensor's number of components too
         return BatchSize(samples=int(value.size(0))) if value.dim() > 0 else None
+    if isinstance(value, _PACKED):  # its first time step holds every sequence (batch_sizes is on the host)
+        return BatchSize(samples=int(value.batch_sizes[0])) if value.batch_sizes.numel() else None
     if isinstance(value, _SKIP) or depth >= MAX_DEPTH:
         return None
     if isinstance(value, Mapping):
