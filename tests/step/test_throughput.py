@@ -1518,3 +1518,46 @@ def test_each_operation_has_room_for_its_own_shapes(tmp_path):
         assert flops == [reference] * 3
     finally:
         tt.shutdown()
+
+
+@pytest.mark.parametrize("form", ["many", "deep", "tokens"])
+def test_batches_the_shape_key_sees_only_part_of_are_counted_every_step(tmp_path, form):
+    """Over 32 micro-batches (the key holds the first 32), or micro-batches nested three
+    containers deep (the key holds their container's type): a short last micro-batch, or
+    smaller micro-batches, change the samples the key does not see. Each step's samples (and
+    tokens, for token ids without a mask) equal a plain count over its micro-batches."""
+    _configure(tmp_path)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Embedding(10, 3) if form == "tokens" else torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def batches(sizes):
+            if form == "tokens":
+                return [{"input_ids": torch.ones(k, 8, dtype=torch.long)} for k in sizes]
+            micro = [(torch.rand(k, 4), torch.randint(0, 3, (k,))) for k in sizes]
+            return micro if form == "many" else {"student": {"micro": micro}}
+
+        @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+        def train_step(batch):
+            opt.zero_grad()
+            if form == "tokens":
+                for mb in batch:
+                    model(mb["input_ids"]).mean().backward()
+            else:
+                for x, y in (batch if form == "many" else batch["student"]["micro"]):
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        plans = ([[4, 4], [4, 4], [2, 2], [4, 1]] if form == "deep"
+                 else [[2] * 40, [2] * 40, [2] * 39 + [1], [2] * 33 + [1] * 7])
+        for sizes in plans:
+            train_step(batches(sizes))
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        steps = rt.history.steps()
+        assert [s.get("samples") for s in steps] == [sum(p) for p in plans]
+        if form == "tokens":
+            assert [s.get("tokens") for s in steps] == [8 * sum(p) for p in plans]
+    finally:
+        tt.shutdown()

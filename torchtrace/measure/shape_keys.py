@@ -7,6 +7,7 @@ index or a learning rate does not make every step new.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Hashable, Mapping
 
 import torch
@@ -145,6 +146,26 @@ def _items_key(kind: type, value: Any, depth: int) -> Hashable:
     and length too (a list of 40 same-size images is not a list of 64)."""
     items = tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]])
     return items if len(value) <= KEY_MAX_ITEMS else (kind, len(value), items)
+
+
+def truncated(key: Hashable) -> bool:
+    """True when ``key`` left out part of the arguments: a sequence, mapping or dataclass
+    deeper than :data:`KEY_MAX_DEPTH` (keyed by its type alone), or a sequence past
+    :data:`KEY_MAX_ITEMS` items (keyed by its first ones). What is inferred from the whole
+    batch (its samples) is then not the key's to keep: two batches of one key may differ in it.
+
+    >>> truncated(shape_key(([torch.zeros(2)] * 40,), {})), truncated(shape_key(([torch.zeros(2)] * 4,), {}))
+    (True, False)
+    >>> truncated(shape_key(({"a": {"b": [(torch.zeros(2), torch.zeros(2))]}},), {}))
+    True
+    """
+    if isinstance(key, type):
+        return issubclass(key, (list, tuple, Mapping)) or dataclasses.is_dataclass(key)
+    if type(key) is not tuple:
+        return False
+    if len(key) == 3 and key[0] in (list, tuple) and type(key[1]) is int and type(key[2]) is tuple:
+        return True  # (type, length, the first items' keys): past KEY_MAX_ITEMS
+    return any(truncated(k) for k in key)
 
 
 class _Loose:

@@ -26,7 +26,7 @@ from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
 from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, eager_for_now, leave_counter, \
     shape_key
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
-from torchtrace.measure.shape_keys import loose_shape_key
+from torchtrace.measure.shape_keys import loose_shape_key, truncated
 from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import MAX_PEAKS, GoodputLedger
 from torchtrace.record.step import Anomaly, StepRecord
@@ -269,13 +269,14 @@ class RunThroughput:
                 called = batch_of(forward)
                 if called.samples is not None and self.calls.adopt(scope, key, flops, forward):
                     return flops, called
-            if not batch.pending and len(self._batches) < MAX_SHAPES:
+            if not batch.pending and len(self._batches) < MAX_SHAPES and not truncated(key):
                 self._batches[key] = batch
         return self._kept(key, flops, batch)
 
     def _kept(self, key: Hashable, flops: float | None, batch: BatchSize) -> tuple[float | None, BatchSize]:
         """``(flops, batch)``, kept for the key's later steps once final (see :meth:`_shape_of`)."""
-        if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES:
+        if not batch.pending and not self.flops.needs_count(key) and len(self._shapes) < MAX_SHAPES \
+                and not truncated(key):  # (a key that leaves part of the batch out: its samples may differ)
             self._shapes[key] = (flops, batch)
         return flops, batch
 
