@@ -369,3 +369,39 @@ def test_posted_steps_with_a_scraping_thread_lose_nothing():
     assert sum(map(len, expect)) >= 5
     assert got == expect
     assert posted.closed() == at_once.closed()
+
+
+def test_time_inside_an_operation_that_no_step_inside_covers_is_that_operations():
+    """Hand-computed: an evaluation pass from 10 to 20 holds two evaluation steps (12-13,
+    15-16) and loads between them; an epoch from 20 to 40 holds two training steps (22-25,
+    28-31) and then validates until 40 without a step; a training step from 40 to 50 holds
+    a loss function decorated on its own (43-44)."""
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.add_step(FinishedStep(5.0, 8.0))
+    evaluation = (10.0, "evaluation")
+    ledger.add_step(FinishedStep(12.0, 13.0, kind=EVALUATION, operation="eval_step", enclosing=evaluation))
+    ledger.add_step(FinishedStep(15.0, 16.0, kind=EVALUATION, operation="eval_step", enclosing=evaluation))
+    ledger.add_step(FinishedStep(10.0, 20.0, kind=EVALUATION, operation="evaluate"))
+    ledger.add_step(FinishedStep(22.0, 25.0))  # inside the epoch: its gaps are data wait, as without it
+    ledger.add_step(FinishedStep(28.0, 31.0))
+    ledger.add_step(FinishedStep(20.0, 40.0, operation="epoch", holds_steps=True))
+    ledger.add_step(FinishedStep(43.0, 44.0, operation="loss", enclosing=(40.0, "productive")))
+    ledger.add_step(FinishedStep(40.0, 50.0))
+    g = ledger.closed()
+    # startup 0-5; productive 5-8, 22-25, 28-31, 40-50; data wait 8-10, 20-22, 25-28, 31-40;
+    # evaluation 10-20.
+    assert g.badput["startup"] == approx(5.0)
+    assert g.productive_s == approx(3.0 + 3.0 + 3.0 + 10.0)
+    assert g.badput["data_wait"] == approx(2.0 + 2.0 + 3.0 + 9.0)
+    assert g.badput["evaluation"] == approx(10.0)
+    assert g.wall_s == 50.0 and total(g) == approx(50.0)
+
+
+def test_an_enclosed_step_with_a_replay_before_it_counts_every_second_once():
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.add_step(FinishedStep(0.0, 2.0))
+    ledger.add_forensics(3.0, 5.0)  # between the steps, inside the evaluation pass below
+    ledger.add_step(FinishedStep(6.0, 7.0, kind=EVALUATION, operation="eval_step", enclosing=(2.5, "evaluation")))
+    g = ledger.closed()
+    assert g.badput["data_wait"] == approx(0.5) and g.badput["forensics"] == approx(2.0)
+    assert g.badput["evaluation"] == approx(1.5 + 1.0) and total(g) == approx(7.0)

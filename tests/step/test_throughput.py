@@ -1561,3 +1561,64 @@ def test_batches_the_shape_key_sees_only_part_of_are_counted_every_step(tmp_path
             assert [s.get("tokens") for s in steps] == [8 * sum(p) for p in plans]
     finally:
         tt.shutdown()
+
+
+def test_goodput_of_operations_that_hold_steps(tmp_path):
+    """An evaluation pass (``kind="evaluation"``) around evaluation steps: its loading between
+    them (planted sleeps) is evaluation, not data wait. An epoch operation around training
+    steps: its validation after them (a planted sleep, no step) is data wait, not productive;
+    productive is its steps' own time."""
+    _configure(tmp_path)
+    try:
+        model = torch.nn.Linear(16, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        own = []
+
+        @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+        def train_step(x):
+            t = time.perf_counter()
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            time.sleep(0.01)
+            opt.step()
+            own.append(time.perf_counter() - t)
+
+        @tt.debug_operation(name="eval_step", model=model, kind="evaluation")
+        def eval_step(x):
+            with torch.no_grad():
+                return model(x).pow(2).mean()
+
+        def load():
+            time.sleep(0.02)
+            return torch.randn(8, 16)
+
+        rt = get_runtime()
+
+        def booked():
+            s = rt.summary()["throughput"]
+            return dict(s["badput_s"], productive=s["productive_s"])
+
+        for _ in range(2):
+            train_step(load())
+        before = booked()
+        with tt.debug_context("evaluate", kind="evaluation"):
+            for _ in range(5):
+                eval_step(load())
+        after = booked()
+        assert after["evaluation"] - before["evaluation"] >= 0.1  # the five loads, at least
+        assert after["data_wait"] - before["data_wait"] < 0.005
+
+        @tt.debug_operation(name="epoch")
+        def epoch():
+            for _ in range(4):
+                train_step(load())
+            time.sleep(0.15)  # validation and a checkpoint, no step of their own
+
+        own.clear()
+        before = booked()
+        epoch()
+        after = booked()
+        assert after["productive"] - before["productive"] == pytest.approx(sum(own), abs=0.01)
+        assert after["data_wait"] - before["data_wait"] >= 0.15 + 3 * 0.02
+    finally:
+        tt.shutdown()

@@ -17,6 +17,11 @@ once, in exactly one class, so that ``productive + sum(badput) == wall``:
   only leaves it out of throughput);
 - *data_wait*: every instant after the first step's start that no step covers (the input
   pipeline, and everything else the loop does between steps);
+- inside an operation that holds steps, the instants its steps do not cover are of its kind
+  (an evaluation pass's loading between its evaluation steps is evaluation; a training step's
+  time around a loss function decorated on its own is productive), except in an operation
+  that holds training steps (an epoch): there they are data wait, as without it, not
+  productive (the pipeline says so: ``enclosing`` and ``holds_steps`` of :meth:`GoodputLedger.post`);
 - *forensics*: the seconds of forensic replays, taken out of whatever class the instants
   they covered would otherwise have been (a replay that ran between two steps is not data
   wait). A replay reported after its instants were already counted (they cannot be
@@ -82,6 +87,8 @@ class FinishedStep:
     flops: int | None = None
     kind: str = TRAIN
     operation: str = "train_step"
+    enclosing: tuple[float, str] | None = None  # see GoodputLedger.post
+    holds_steps: bool = False
 
 
 class StepAccount(NamedTuple):
@@ -140,8 +147,8 @@ class GoodputLedger:
     # ------------------------------------------------------------ input
     def add_step(self, step: FinishedStep) -> StepAccount:
         """Count one finished step; returns its data wait and what the rules found."""
-        return self.add(step.start, step.end, step.applied, step.excluded, step.samples, step.tokens, step.flops,
-                        step.kind, step.operation)
+        return StepAccount(*self.post(step.start, step.end, step.applied, step.excluded, step.samples, step.tokens,
+                                      step.flops, step.kind, step.operation, None, step.enclosing, step.holds_steps))
 
     def add(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
             tokens: int | None, flops: int | None, kind: str, operation: str) -> StepAccount:
@@ -150,10 +157,12 @@ class GoodputLedger:
 
     def post(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
              tokens: int | None, flops: int | None, kind: str, operation: str,
-             device_cycle: float | None = None) -> tuple[float | None, tuple]:
+             device_cycle: float | None = None, enclosing: tuple[float, str] | None = None,
+             holds_steps: bool = False) -> tuple[float | None, tuple]:
         """The step pipeline's call (from one step thread): ``(the step's data wait, what the
         rules found on it)``. ``device_cycle``: on a GPU, the step's cycle in device time, the
-        time base of its rates (``OperationWindow.add``).
+        time base of its rates (``OperationWindow.add``). ``enclosing`` and ``holds_steps``: see
+        the module's docstring (operations that hold steps) and :func:`enclosing`.
 
         Every step pays for this, booked at once under the lock (uncontended but for a scrape):
         queueing steps to book them in batches costs more per step than the lock does (a tuple
@@ -166,6 +175,8 @@ class GoodputLedger:
         if end < start:
             end = start
         own = (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind]
+        if holds_steps and kind == TRAIN:
+            own = "data_wait"
         with self._lock:
             if self._paused_at is not None:
                 self._resume(start)
@@ -178,6 +189,8 @@ class GoodputLedger:
                 if end > last:
                     self._last_end = end
             gap = "data_wait" if self._started else "startup"
+            if enclosing is not None and cursor < start and enclosing[0] < start:
+                cursor = self._enclosed(cursor, start, enclosing, gap)
             if not self._replays and not self._debt:  # the common case: no replay to take out
                 totals = self._totals
                 if start > cursor:
@@ -201,6 +214,15 @@ class GoodputLedger:
             found = window.add(end - start, wait if same_operation and wait is not None else 0.0, samples, tokens,
                                flops, kind == TRAIN, device_cycle if same_operation else None)
         return wait, found
+
+    def _enclosed(self, cursor: float, start: float, enclosing: tuple[float, str], gap: str) -> float:
+        """Count the time up to ``start`` of a step inside an operation (the lock is held): as
+        ``gap`` until the operation began, then as the operation's class. Returns the cursor."""
+        cut = enclosing[0] if enclosing[0] > cursor else cursor
+        if cut > cursor:
+            self._count(cursor, cut, gap)
+        self._count(cut, start, enclosing[1])
+        return start
 
     def pause(self, now: float) -> None:
         """Measuring stopped at ``now``: until the next step, time is not counted (see the
@@ -330,6 +352,21 @@ class GoodputLedger:
     def _goodput(self, totals: dict[str, float], until: float, unmeasured: float = 0.0) -> Goodput:
         wall = self._prior_wall + (until - self.configured_at) - self._unmeasured - unmeasured
         return Goodput(wall, totals[_PRODUCTIVE], {k: totals[k] for k in semconv.BADPUT_KINDS})
+
+
+def enclosing(kind: str, start: float, holds_steps: bool) -> tuple[float, str] | None:
+    """What :meth:`GoodputLedger.post` takes as ``enclosing`` for a step inside an operation of
+    ``kind`` that started at ``start``: its time that no step inside it covers is of its kind
+    (an evaluation pass's loading is evaluation), productive for a training step (a loss
+    function decorated on its own inside it), and data wait, as without it, for an operation
+    that holds training steps (an epoch): then None.
+
+    >>> enclosing(EVALUATION, 2.0, False), enclosing(TRAIN, 2.0, False), enclosing(TRAIN, 2.0, True)
+    ((2.0, 'evaluation'), (2.0, 'productive'), None)
+    """
+    if kind != TRAIN:
+        return start, _BADPUT_OF_KIND[kind]
+    return None if holds_steps else (start, _PRODUCTIVE)
 
 
 def _split(a: float, b: float, replays: list[tuple[float, float]],

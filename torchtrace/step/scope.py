@@ -45,7 +45,7 @@ class StepScope:
 
     __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind",
                  "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
-                 "inputs", "batch_skip", "flops_key", "shape", "clock", "started_at", "scale_before", "stepped", "_flops_counter", "step_end", "_step_arg", "_level_arg",
+                 "inputs", "batch_skip", "flops_key", "shape", "clock", "started_at", "parent", "holds_steps", "scale_before", "stepped", "_flops_counter", "step_end", "_step_arg", "_level_arg",
                  "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
                  "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
 
@@ -207,7 +207,7 @@ class StepScope:
         self.step = rt.step_number(self.name, self._step_arg)
         if current.orphan_check is not None and current.step() is not None:
             current.orphan_check()  # a framework's step its loop left by an exception ends first
-        outermost = current.step() is None
+        parent = current.step()  # the operation this step runs inside, if any
         self._loss = None
         self._batch = None
         self._states = None
@@ -234,7 +234,7 @@ class StepScope:
             self._anomaly_cm = torch.autograd.detect_anomaly(check_nan=True)
             self._anomaly_cm.__enter__()
         if feats.throughput:
-            self.flops_key, self.clock, self._flops_counter = rt.throughput.start(self, outermost)
+            self.flops_key, self.clock, self._flops_counter = rt.throughput.start(self, parent)
         self._active = True
         self._states = rt.probes.enter(self)
         t1 = time.perf_counter()

@@ -5,10 +5,9 @@ On the training thread a step pays for: reading the batch's shapes (no host read
 token count rides in the step's one read), a dictionary lookup of the FLOPs of its input
 shapes (counted once per shape under ``FlopCounterMode``; that step is left out of
 throughput), the optimizer's learning rates, and five clock reads at the phase boundaries
-(forward, backward, optimizer, step end; CUDA events on a GPU, read with the step's deferred
-read).
-:class:`RunThroughput` then books each finished record in the goodput ledger
-(:mod:`torchtrace.record.goodput`), which gives the data wait, MFU and the throughput rules.
+(CUDA events on a GPU, read with the step's deferred read). :class:`RunThroughput` then books
+each finished record in the goodput ledger (:mod:`torchtrace.record.goodput`), which gives
+the data wait, MFU and the throughput rules.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
 from torchtrace.measure.shape_keys import loose_shape_key, truncated
 from torchtrace.measure.scaler import scale_at_start, skipped_update
-from torchtrace.record.goodput import MAX_PEAKS, GoodputLedger
+from torchtrace.record.goodput import MAX_PEAKS, TRAIN, GoodputLedger, enclosing
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.call_keys import MANY, CallKeys
 from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
@@ -63,18 +62,19 @@ class RunThroughput:
         self.calls = CallKeys(self.flops)  # steps keyed by their model's call (no batch in their arguments)
         self._opaque = self.calls.opaque  # (the same set: looked up every step)
         self._given: set[str] = set()  # operations whose steps gave their FLOPs (record_batch, a framework)
-        # The step whose FLOP counter was last opened (open while its _flops_counter is), weakly.
-        self._counting: Any = none_ref
+        self._counting: Any = none_ref  # the step whose FLOP counter was last opened (while open), weakly
 
     # ------------------------------------------------------------ step start and end
-    def start(self, scope: Any, outermost: bool) -> tuple[Hashable | None, StepClock | None, Any]:
-        """At a step's start: its FLOP key, phase clock and FLOP counter (None unless this step
-        counts). A failure here costs the step its throughput figures, never its record.
-
-        The FLOP key: the operation and its inputs' shapes past ``batch_skip`` (a method's
-        instance), less the arguments the FLOP table learnt do not decide FLOPs (a growing
-        list). Every step pays for this: a step like the one before takes the shortest way.
-        """
+    def start(self, scope: Any, parent: Any) -> tuple[Hashable | None, StepClock | None, Any]:
+        """At a step's start (``parent``: the step it runs inside, or None): its FLOP key, phase
+        clock and FLOP counter (None unless this step counts); a failure here costs the step its
+        throughput figures, never its record. The FLOP key: the operation and its inputs' shapes
+        past ``batch_skip`` (a method's instance), less the arguments the FLOP table learnt do not
+        decide FLOPs (a growing list). Every step pays for this: a step like the one before takes
+        the shortest way."""
+        scope.parent, scope.holds_steps, outermost = parent, False, parent is None
+        if parent is not None and scope.optimizer is not None and scope.kind == TRAIN:
+            parent.holds_steps = True  # (goodput: the time its steps do not cover is not its own)
         try:
             inputs = scope.inputs
             name = scope.name
@@ -319,12 +319,14 @@ class RunThroughput:
         flops = record.flops
         if flops is not None and operation not in self._peaked:
             self._look_up_peak(scope, operation)
-        start = scope.started_at
+        start, parent = scope.started_at, scope.parent
         record.data_wait_s, findings = self.ledger.post(
             start, start + record.duration_s,
             not (record.skipped or record.scaler_overflow) and record.exception_type is None,  # update applied
             record.flops_counted, record.samples, record.tokens, int(flops) if flops is not None else None,
-            record.kind, operation, device_cycle)
+            record.kind, operation, device_cycle,
+            enclosing(parent.kind, parent.started_at, getattr(parent, "holds_steps", False)) if parent else None,
+            scope.holds_steps)
         for finding in findings:
             record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation,
                                             dict(finding.data)))
