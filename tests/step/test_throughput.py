@@ -1622,3 +1622,48 @@ def test_goodput_of_operations_that_hold_steps(tmp_path):
         assert after["data_wait"] - before["data_wait"] >= 0.15 + 3 * 0.02
     finally:
         tt.shutdown()
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_flops_follow_parameters_frozen_or_unfrozen(tmp_path, change):
+    """Fine-tuning that freezes the backbone (or unfreezes it) after a few steps: the backward
+    computes other FLOPs. The step that finds the change has none (not the old count), the next
+    one is counted again, and every later step's FLOPs equal FlopCounterMode's on a copy of the
+    model as it then is."""
+    import copy
+
+    _configure(tmp_path)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                  torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+        backbone = list(net.parameters())[:4]
+        if change == "unfreeze":
+            for p in backbone:
+                p.requires_grad_(False)
+
+        def body(model, x, y):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+
+        @tt.debug_operation(name="train_step", model=net, optimizer=opt)
+        def train_step(x, y):
+            opt.zero_grad()
+            body(net, x, y)
+            opt.step()
+
+        expected = []
+        for i in range(7):
+            if i == 3:
+                for p in backbone:
+                    p.requires_grad_(change == "unfreeze")
+            x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+            expected.append(_counted(body, copy.deepcopy(net), x, y))
+            train_step(x, y)
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        steps = rt.history.steps()
+        assert expected[0] != expected[3]
+        assert [s.get("flops") for s in steps] == expected[:3] + [None] + expected[4:]
+    finally:
+        tt.shutdown()

@@ -343,6 +343,12 @@ class FlopFits:
             if where is not None:
                 family.add(where, flops, dtype)
 
+    def forget(self, operation: str) -> None:
+        """Drop the counts and families of ``operation``'s keys (``(operation, shapes)``)."""
+        for structure in [s for s in self._points if type(s) is tuple and s and s[0] == operation]:
+            del self._points[structure]
+            self._families.pop(structure, None)
+
     def predict(self, key: Hashable, spot_check: bool = False) -> int | None:
         """``key``'s FLOPs from a trusted family, or None (with ``spot_check``: also None for
         the lengths kept for a spot check; see :meth:`_Family.value`)."""

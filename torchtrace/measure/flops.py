@@ -146,6 +146,15 @@ class StepFlops:
         elif self._room(key):
             self._hold(key, int(flops))
 
+    def forget(self, operation: str) -> None:
+        """Drop every count of ``operation`` (and the fits made of them): its steps are counted
+        again, shape by shape (what it computes changed: parameters frozen or unfrozen)."""
+        for key in [k for k in self._flops if _operation(k) == operation]:
+            del self._flops[key]
+            self._dtypes.pop(key, None)
+        self._per_operation.pop(operation, None)
+        self.fits.forget(operation)
+
     def _room(self, key: Hashable) -> bool:
         """True when ``key``'s operation may hold one more key (and the table one more)."""
         return len(self._flops) < MAX_KEYS and self._per_operation.get(_operation(key), 0) < self.max_shapes

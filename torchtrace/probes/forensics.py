@@ -122,7 +122,7 @@ class ForensicsProbe(Probe):
             report = replay.replay(scope.model, scope.replayer(), state.rng, opts, scalers, extract_loss)
         finally:
             rt.replaying = False
-            rt.throughput.replay(t0, time.perf_counter())  # badput: forensics
+            rt.throughput.ledger.add_forensics(t0, time.perf_counter())  # badput: forensics
         report.update(step=scope.step, operation=scope.name, rank=rt.identity.rank, params_updated=params_updated,
                       replay_number=self.replays)
         return report

@@ -31,8 +31,8 @@ from torchtrace.record.goodput import MAX_PEAKS, TRAIN, GoodputLedger, enclosing
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.call_keys import MANY, CallKeys
 from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
+from torchtrace.step.trainable import TrainedParameters
 from torchtrace.step.watched import hookable
-
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
 _NOT_READ = object()  # a step's learning rates before they were read
@@ -57,6 +57,7 @@ class RunThroughput:
         # and batch size of each key whose FLOPs are final (see _shape_of).
         self._batches: dict[Hashable, BatchSize] = {}
         self._shapes: dict[Hashable, tuple[float | None, BatchSize]] = {}
+        self.trained = TrainedParameters(self.flops, rt.warn_once, self._shapes.clear)  # FLOPs recounted on a change
         self._no_scaler: set[str] = set()  # operations whose arguments hold no GradScaler
         self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
         self.calls = CallKeys(self.flops)  # steps keyed by their model's call (no batch in their arguments)
@@ -317,6 +318,9 @@ class RunThroughput:
         device_cycle = cycles.cycle(operation, clock) if cycles.last is not None or (
             clock is not None and clock.cuda) else None
         flops = record.flops
+        if flops is not None and operation not in self._given and self.trained.changed(
+                operation, scope.gradients, record.flops_counted):  # counted with other parameters trained
+            flops = record.flops = None
         if flops is not None and operation not in self._peaked:
             self._look_up_peak(scope, operation)
         start, parent = scope.started_at, scope.parent
@@ -336,10 +340,6 @@ class RunThroughput:
         loop, a checkpoint save) and the step pipeline saw no step of: badput of that kind
         instead of data wait (perf_counter seconds; an operation named for the record)."""
         self.ledger.post(start, end, True, True, None, None, None, kind, operation)
-
-    def replay(self, start: float, end: float) -> None:
-        """A forensic replay ran from ``start`` to ``end`` (perf_counter seconds)."""
-        self.ledger.add_forensics(start, end)
 
     def scrape(self) -> tuple[float | None, dict[str, float], dict[str, float | None]]:
         """For ``/metrics``: the goodput ratio now, badput seconds by kind (final counts: they
