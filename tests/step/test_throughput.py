@@ -1667,3 +1667,38 @@ def test_flops_follow_parameters_frozen_or_unfrozen(tmp_path, change):
         assert [s.get("flops") for s in steps] == expected[:3] + [None] + expected[4:]
     finally:
         tt.shutdown()
+
+
+def test_a_closure_step_keeps_the_optimizer_phase_and_says_why_once(tmp_path, caplog):
+    """optimizer.step(closure) (LBFGS): the forward and backward run inside the update, with
+    no boundary to split them at; the phases hold the whole update as the optimizer's, its
+    time within the step's, and the log says why, once."""
+    caplog.set_level(logging.WARNING, logger="torchtrace")
+    _configure(tmp_path)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+        x, y = torch.randn(64, 32), torch.randn(64, 1)
+
+        @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+        def train_step(x, y):
+            def closure():
+                opt.zero_grad()
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                return loss
+            return opt.step(closure)
+
+        for _ in range(3):
+            train_step(x, y)
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        steps = rt.history.steps()
+        assert all(set(s["phases"]) == {"optimizer"} and 0 < s["phases"]["optimizer"] <= s["duration_s"]
+                   for s in steps)
+        said = [r.getMessage() for r in caplog.records if "inside optimizer.step(closure)" in r.getMessage()]
+        assert len(said) == 1
+        assert not [r for r in caplog.records if "forward was not seen" in r.getMessage()]
+    finally:
+        tt.shutdown()

@@ -22,8 +22,6 @@ from torchtrace.step.call_keys import MANY, note_call
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 # The frame that calls the seam: PyTorch's Module.__call__ (``_wrapped_call_impl``).
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
-
-
 MAX_GAPS = 32  # on a GPU, the pauses between forward calls a step keeps (two events each)
 
 
@@ -164,10 +162,12 @@ class StepClock:
     def _optimizer_only(self) -> dict[str, float] | None:
         if self.optimizer_start is None or self.optimizer_end is None:
             return None
-        if self.forward_start is None and (rt := current.runtime(create=False)) is not None:  # (a call not seen)
-            rt.warn_once(("phases", "unseen"), "torchtrace: a step ran its optimizer but its model's forward was not "
-                         "seen (model.forward(x), another method or module called): its phases hold the optimizer "
-                         "only; call the model as model(...) to split forward and backward")
+        if (rt := current.runtime(create=False)) is not None and self.forward_end is None:
+            inside = self.forward_start is not None  # (in optimizer.step(closure), LBFGS: no boundary to split at)
+            rt.warn_once(("phases", "closure" if inside else "unseen"), "torchtrace: a step ran its optimizer but its "
+                         "model's forward %s: its phases hold the optimizer only%s", "ran inside optimizer.step("
+                         "closure)" if inside else "was not seen (model.forward(x), another method or module called)",
+                         "" if inside else "; call the model as model(...) to split forward and backward")
         seconds = self._between(self.optimizer_start, self.optimizer_end)
         return {"optimizer": seconds} if seconds is not None else None
 
