@@ -9,7 +9,7 @@ from torchtrace.step.trainable import MAX_RECOUNTS, TrainedParameters
 
 
 def _grads(n):
-    return SimpleNamespace(stats=SimpleNamespace(count=n))
+    return SimpleNamespace(stats=SimpleNamespace(names=[f"p{i}" for i in range(n)]))
 
 
 def test_a_change_drops_only_that_operations_counts_and_a_flapping_one_stops_after_the_limit():

@@ -39,7 +39,7 @@ class TrainedParameters:
         stats = gradients.stats if gradients is not None else None
         if stats is None:
             return False
-        n = stats.count
+        n = len(stats.names)  # (GradStats.count, without the property's call: every step pays for this)
         if counted:
             if operation in self.counted_with or len(self.counted_with) < MAX_OPERATIONS:
                 self.counted_with[operation] = n
