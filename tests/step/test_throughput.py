@@ -1606,7 +1606,7 @@ def test_goodput_of_operations_that_hold_steps(tmp_path):
                 eval_step(load())
         after = booked()
         assert after["evaluation"] - before["evaluation"] >= 0.1  # the five loads, at least
-        assert after["data_wait"] - before["data_wait"] < 0.005
+        assert after["data_wait"] - before["data_wait"] < 0.05  # (the loads were 0.1 s of it; now the entry's only)
 
         @tt.debug_operation(name="epoch")
         def epoch():
@@ -1618,7 +1618,7 @@ def test_goodput_of_operations_that_hold_steps(tmp_path):
         before = booked()
         epoch()
         after = booked()
-        assert after["productive"] - before["productive"] == pytest.approx(sum(own), abs=0.01)
+        assert after["productive"] - before["productive"] == pytest.approx(sum(own), abs=0.02)  # (not the 0.15 s)
         assert after["data_wait"] - before["data_wait"] >= 0.15 + 3 * 0.02
     finally:
         tt.shutdown()

@@ -4,10 +4,10 @@ clock is :mod:`torchtrace.step.phases`), and the run's goodput accounting.
 On the training thread a step pays for: reading the batch's shapes (no host read: a mask's
 token count rides in the step's one read), a dictionary lookup of the FLOPs of its input
 shapes (counted once per shape under ``FlopCounterMode``; that step is left out of
-throughput), the optimizer's learning rates, and five clock reads at the phase boundaries
-(CUDA events on a GPU, read with the step's deferred read). :class:`RunThroughput` then books
-each finished record in the goodput ledger (:mod:`torchtrace.record.goodput`), which gives
-the data wait, MFU and the throughput rules.
+throughput), the optimizer's learning rates, five clock reads at the phase boundaries (forward,
+backward, optimizer, step end; CUDA events on a GPU, read with the step's deferred read). Each
+finished record is booked in the goodput ledger (:mod:`torchtrace.record.goodput`): data wait,
+MFU, the throughput rules.
 """
 
 from __future__ import annotations
