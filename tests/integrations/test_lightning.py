@@ -347,3 +347,24 @@ def test_lightnings_own_throughput_monitor_beside_torchtrace_agrees(tmp_path):
     ours = get_runtime().throughput.ledger.throughput("train_step")
     assert ours.steps == 20
     assert ours.samples_per_s == pytest.approx(peer[-1], rel=0.05)
+
+
+def test_a_run_resumed_from_its_checkpoint_goes_on_counting_steps(tmp_path):
+    """Resumed with ``ckpt_path`` from the checkpoint of step 4, in a new run (a new
+    process's), the training steps are numbered 4 to 7, Lightning's batches, not 0 to 3 again."""
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last", every_n_train_steps=4)
+
+    def trainer(steps, callbacks):
+        return pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=callbacks, limit_val_batches=0,
+                          num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+
+    first = configure(tmp_path / "first")
+    trainer(4, [TorchtraceCallback(), ckpt]).fit(Module(), loaders()[0])
+    tt.shutdown()
+    resumed = configure(tmp_path / "resumed")
+    trainer(8, [TorchtraceCallback()]).fit(Module(), loaders()[0], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    tt.flush()
+    steps = [[s["attributes"][semconv.STEP] for s in read_spans(r.spans_path) if s["name"] == "train_step"]
+             for r in (first, resumed)]
+    assert steps == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -622,7 +622,7 @@ def test_a_trainer_that_raises_mid_step_leaves_no_open_step_behind(tmp_path):
     spans = read_spans(result.spans_path)
     assert [(s["name"], s["attributes"][semconv.STEP]) for s in spans] == \
         [("train_step", 0), ("train_step", 1), ("train_step", 2)] + [("manual", i) for i in range(3)] + \
-        [("train_step", 3), ("train_step", 4)]
+        [("train_step", 0), ("train_step", 1)]  # (a new Trainer's steps are numbered as it numbers them)
     assert [s["status"] for s in spans] == ["UNSET", "UNSET", "ERROR"] + ["UNSET"] * 5
     assert [s["parent_span_id"] for s in spans] == [None] * 8  # none a child of the dead step
     assert not tt.current_step()
@@ -662,3 +662,64 @@ def test_a_users_own_step_inside_a_trainer_step_is_nested_not_ended(tmp_path):
     inner = [s for s in spans if s["name"] == "inner"]
     assert [s["status"] for s in outer] == ["UNSET"] * 3 and len(inner) == 3
     assert [s["parent_span_id"] for s in inner] == [s["span_id"] for s in outer]
+
+
+class _LMData(torch.utils.data.Dataset):
+    """16 token sequences of length 8 whose labels are their ids (a causal LM's batch)."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(1, 64, (16, 8), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_a_causal_lms_loss_under_accumulation_is_the_trainers(tmp_path, accumulation):
+    """A causal LM is given ``num_items_in_batch``: each micro-batch's loss is divided by the
+    whole step's tokens, so the step's loss is their sum, which the Trainer logs. The spans'
+    losses equal the Trainer's logged ones and the sum of the model's outputs (before, under
+    accumulation of 4: a quarter of them)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    result = configure(tmp_path)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                                       bos_token_id=0, eos_token_id=0))
+    outputs = []
+    handle = model.register_forward_hook(lambda m, a, out: outputs.append(float(out.loss.detach().double())))
+    kw = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=1, report_to=[],
+              use_cpu=True, save_strategy="no", logging_strategy="steps", logging_steps=1, disable_tqdm=True,
+              seed=0, data_seed=0, gradient_accumulation_steps=accumulation)
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**kw), train_dataset=_LMData(),
+                                   callbacks=[TorchtraceCallback()])
+    trainer.train()
+    handle.remove()
+    losses = [s["attributes"][semconv.LOSS] for s in read_spans(result.spans_path)]
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    sums = [sum(outputs[i * accumulation:(i + 1) * accumulation]) for i in range(3)]
+    assert len(losses) == len(logged) == 3
+    assert losses == pytest.approx(sums, rel=1e-6)
+    assert losses == pytest.approx(logged, abs=1e-4)  # (the Trainer logs its loss rounded)
+
+
+def test_a_resumed_trainer_goes_on_counting_steps(tmp_path):
+    """Resumed from its checkpoint at step 2 in a new run (a new process's), the steps are
+    numbered 2 and 3, as the Trainer's, not 0 and 1 again."""
+    first = configure(tmp_path / "first")
+    out = tmp_path / "out"
+    kw = dict(output_dir=str(out), per_device_train_batch_size=4, report_to=[], use_cpu=True, logging_strategy="no",
+              disable_tqdm=True, max_grad_norm=0.0, seed=0, data_seed=0, save_strategy="steps", save_steps=2)
+    transformers.Trainer(model=tiny_bert(), args=transformers.TrainingArguments(max_steps=2, **kw),
+                         train_dataset=Data(), callbacks=[TorchtraceCallback()]).train()
+    tt.shutdown()
+    assert [s["attributes"][semconv.STEP] for s in read_spans(first.spans_path)] == [0, 1]
+    resumed = configure(tmp_path / "resumed")
+    transformers.Trainer(model=tiny_bert(), args=transformers.TrainingArguments(max_steps=4, **kw),
+                         train_dataset=Data(), callbacks=[TorchtraceCallback()]).train(
+        resume_from_checkpoint=str(out / "checkpoint-2"))
+    tt.flush()
+    assert [s["attributes"][semconv.STEP] for s in read_spans(resumed.spans_path)] == [2, 3]

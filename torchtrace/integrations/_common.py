@@ -38,6 +38,7 @@ class StepDriver:
         self.kind = kind  # the operation kind of goodput: train, evaluation, ...
         self.scope: api.StepScope | None = None
         self._losses: list[torch.Tensor] = []
+        self._summed = False  # the micro-batch losses are parts of the step's (summed, not averaged)
         self._samples: Any = None
         self._tokens: Any = None
         self._flops: int | None = None
@@ -46,19 +47,20 @@ class StepDriver:
     def active(self) -> bool:
         return self.scope is not None and self.scope.active
 
-    def begin(self, model: torch.nn.Module | None, batch: Any = None, loop: Any = None) -> None:
+    def begin(self, model: torch.nn.Module | None, batch: Any = None, loop: Any = None, step: int | None = None) -> None:
         """Open the step; ``batch`` (when the framework hands it over) gives its samples,
         tokens and input shapes (FLOPs counted once per shape). ``loop``: the frame of the
         framework's training loop, for a framework that tells no callback when an exception
         leaves its loop: while such a step is open, a step that opens in this thread, and
-        shutdown, first end it when that frame has left the stack."""
+        shutdown, first end it when that frame has left the stack. ``step``: the framework's
+        own step number (a run resumed from a checkpoint goes on counting where it was)."""
         self.abort(None)  # a scope left open by an interrupted step ends here
         rt = api.get_runtime()
         if rt is None or rt.off:
             return
         # No optimizer on the scope: its pre-hook would fire at the wrong moment (see module doc).
         scope = api.StepScope(self.name, model=model, inputs=((batch,), {}) if batch is not None else None,
-                              kind=self.kind)
+                              kind=self.kind, step=step if isinstance(step, int) and step >= 0 else None)
         scope.__enter__()
         # A guard="raise" decided inside the framework's own clip_grad_norm_ call (torchtrace
         # measures there, before clipping) must end this span as measure() does.
@@ -68,6 +70,7 @@ class StepDriver:
             _LOOPS[id(scope)] = (self, loop)
             current.orphan_check = _end_orphan
         self._losses = []
+        self._summed = False
         self._samples = None
         self._tokens = None
         self._flops = None
@@ -120,10 +123,13 @@ class StepDriver:
         if self.active and flops is not None:
             self._flops = (self._flops or 0) + flops
 
-    def add_loss(self, loss: Any) -> None:
-        """Collect a micro-batch loss (device tensor, no host read); averaged at the end."""
+    def add_loss(self, loss: Any, part: bool = False) -> None:
+        """Collect a micro-batch loss (device tensor, no host read); averaged at the end, or
+        summed when ``part`` says the framework normalised it by the whole step's items (the
+        Hugging Face Trainer passing ``num_items_in_batch``: each is a part of the step's loss)."""
         if self.active and isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self._losses.append(loss.detach().reshape(()))
+            self._summed = self._summed or part
 
     def end(self, exc: BaseException | None = None, loss: Any = None) -> StepRecord | None:
         scope, self.scope = self.scope, None
@@ -136,9 +142,12 @@ class StepDriver:
                 scope.record_loss(loss)
             elif self._losses and not scope.has_loss:
                 losses = self._losses
-                scope.record_loss(losses[0] if len(losses) == 1 else torch.stack(
-                    [t.to(losses[0].device, torch.float32) for t in losses]).mean())
-            self._losses = []
+                if len(losses) == 1:
+                    scope.record_loss(losses[0])
+                else:
+                    stacked = torch.stack([t.to(losses[0].device, torch.float32) for t in losses])
+                    scope.record_loss(stacked.sum() if self._summed else stacked.mean())
+            self._losses, self._summed = [], False
             if self._samples is not None or self._tokens is not None or self._flops is not None:
                 # What the user gave with record_batch inside the step wins over the framework's.
                 user = scope._batch or (None, None, None)

@@ -8,6 +8,8 @@ Needs ``pip install "torchtrace[transformers]"``.
 
 from __future__ import annotations
 
+import inspect
+
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -46,8 +48,12 @@ class TorchtraceCallback(_tf.TrainerCallback):
     - The loss: the Trainer does not hand it to callbacks, so a forward hook on the model
       (registered in ``on_train_begin``, removed in ``on_train_end``) keeps the model
       output's ``loss`` while a step is open, as a device tensor (no host read); the
-      micro-batch losses are averaged. A custom ``compute_loss`` whose loss is not the
-      model output's can call ``torchtrace.current_step().record_loss(loss)`` instead.
+      micro-batch losses are averaged, or summed when the Trainer passes the model
+      ``num_items_in_batch`` and the model's loss function takes it (it then divides each
+      by the whole step's tokens: a causal or masked LM's loss under gradient accumulation,
+      which the Trainer logs as that sum). A custom
+      ``compute_loss`` whose loss is not the model output's can call
+      ``torchtrace.current_step().record_loss(loss)`` instead.
     - Evaluation and checkpoints between steps: ``on_evaluate`` and ``on_save`` come when the
       Trainer's evaluation loop or checkpoint save has ended; the time since the step before
       (or since the one before it ended) is evaluation or checkpoint badput in goodput, not
@@ -75,10 +81,12 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._max_grad_norm = max_grad_norm
         self._handle = None
         self._params: int | None = None
+        self._parts: bool | None = None  # the model's loss is divided by the step's items (see _divides_by_items)
         self._boundary: float | None = None  # perf_counter() when the last step (or evaluation, save) ended
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._params = None  # parameters outside the embeddings, counted at the first forward
+        self._parts = None
         self._note_precision(args)
         if model is not None and self._handle is None:
             self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
@@ -91,7 +99,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
             self._handle = None
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
-        self._driver.begin(model, loop=loop_frame("transformers.trainer_callback"))
+        self._driver.begin(model, loop=loop_frame("transformers.trainer_callback"), step=state.global_step)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
@@ -143,9 +151,23 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def _on_forward(self, module, args, kwargs, output) -> None:
         if self._driver.active and module.training:
-            self._driver.add_loss(_output_loss(output))
+            self._driver.add_loss(_output_loss(output), part=kwargs.get("num_items_in_batch") is not None
+                                  and self._divides_by_items(module))
             self._driver.add_batch(args, kwargs)  # samples and non-padding tokens of the micro-batch
             self._driver.add_flops(self._flops_of(module, kwargs))
+
+    def _divides_by_items(self, model: Any) -> bool:
+        """True when the model's loss function takes ``num_items_in_batch`` (a causal or masked
+        LM's): given it, each micro-batch's loss is a part of the step's, divided by the whole
+        step's tokens, and the step's loss is their sum. A model whose loss ignores it (a
+        sequence classifier's mean) gives a loss per micro-batch: they are averaged."""
+        if self._parts is None:
+            try:
+                function = getattr(model, "loss_function", None)
+                self._parts = function is not None and "num_items_in_batch" in inspect.signature(function).parameters
+            except Exception:  # (no signature to read: averaged, as before)
+                self._parts = False
+        return self._parts
 
     def _flops_of(self, model: Any, kwargs: Mapping[str, Any]) -> int | None:
         """The Trainer's estimate of a micro-batch's FLOPs (``Trainer.floating_point_ops``):
