@@ -55,6 +55,7 @@ class Spy(pl.Callback):
         self.norms: list[float] = []
         self.before: list[list[torch.Tensor]] = []
         self.after: list[list[torch.Tensor]] = []
+        self.validation: list[float] = []  # wall time of each validation loop (the sanity check's left out)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.before.append([p.detach().clone() for p in pl_module.parameters()])
@@ -64,6 +65,13 @@ class Spy(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after.append([p.detach().clone() for p in pl_module.parameters()])
+
+    def on_validation_start(self, trainer, pl_module):
+        self._validating = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.validation.append(time.perf_counter() - self._validating)
 
 
 def loaders():
@@ -110,14 +118,20 @@ def test_spans_loss_grad_norm_and_validation(tmp_path):
     assert value(samples, "torchtrace_grad_norm", operation="train_step") == pytest.approx(spy.norms[-1], rel=1e-6)
     # Lightning's own logged metrics are exactly what the module logged: nothing added.
     assert set(trainer.logged_metrics) == {"train_loss", "val_loss"}
-    # Validation is evaluation in goodput: its batches' time is badput, not productive time.
+    # Validation is evaluation in goodput: the whole loop (its batches' steps, and its loading
+    # and bookkeeping around them, inside its own span) is badput, not productive time.
     rt = tt.api.get_runtime()
     records = [r for r in rt.history.steps()]
     val_seconds = sum(r["duration_s"] for r in records if r["operation"] == "validation_step")
+    loops = [r for r in records if r["operation"] == "validation_step_loop"]
     train_seconds = sum(r["duration_s"] for r in records if r["operation"] == "train_step")
     good = rt.throughput.ledger.closed()
-    assert good.badput["evaluation"] == pytest.approx(val_seconds, rel=1e-6, abs=1e-9) and val_seconds > 0
+    assert len(loops) == 1 and loops[0]["duration_s"] > val_seconds > 0
+    assert good.badput["evaluation"] == pytest.approx(loops[0]["duration_s"], rel=1e-6, abs=1e-9)
+    assert loops[0]["duration_s"] == pytest.approx(spy.validation[0], abs=0.005)  # (Lightning's own loop, timed)
     assert good.productive_s == pytest.approx(train_seconds, rel=1e-6, abs=1e-9)
+    loop_span = next(s for s in spans if s["name"] == "validation_step_loop")
+    assert all(s["parent_span_id"] == loop_span["span_id"] for s in val)
 
 
 def test_weights_equal_uninstrumented_run(tmp_path):

@@ -37,7 +37,9 @@ class TorchtraceCallback(_pl.Callback):
       clears the gradients so the optimizer leaves every parameter unchanged; ``raise``
       ends the span and raises :class:`torchtrace.NonFiniteError` through ``trainer.fit``.
     - ``on_validation_batch_start/end`` open and close a ``validation_step`` span (no
-      gradient statistics; the sanity check is not traced).
+      gradient statistics; the sanity check is not traced), inside a ``validation_step_loop``
+      span that ``on_validation_start/end`` open and close: in goodput the whole loop is
+      evaluation, its loading between batches included.
 
     Nothing is logged through ``LightningModule.log``: Lightning's own logged metrics are
     untouched; torchtrace's numbers go to its spans, Prometheus metrics and report.
@@ -52,6 +54,7 @@ class TorchtraceCallback(_pl.Callback):
         self._train = StepDriver(name)
         # Validation batches are evaluation in goodput (badput), not training steps.
         self._val = StepDriver(validation_name, kind="evaluation") if validation_name else None
+        self._loop = StepDriver(f"{validation_name}_loop" if validation_name else "validation_loop", kind="evaluation")
 
     # ------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
@@ -77,6 +80,15 @@ class TorchtraceCallback(_pl.Callback):
         self._train.end(None, extract_loss(outputs))
 
     # ------------------------------------------------------------ validation
+    def on_validation_start(self, trainer, pl_module) -> None:
+        # The loop's own span (kind evaluation) around its batches' steps: in goodput, its
+        # loading between them and its end (metrics, logging) are evaluation, not data wait.
+        if self._val is not None and not trainer.sanity_checking:
+            self._loop.begin(None)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._loop.end(None)
+
     def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         if self._val is not None and not trainer.sanity_checking:
@@ -92,3 +104,4 @@ class TorchtraceCallback(_pl.Callback):
         self._train.abort(exception)
         if self._val is not None:
             self._val.abort(exception)
+        self._loop.abort(exception)
