@@ -435,11 +435,13 @@ def test_a_vision_model_gets_counted_flops_not_the_token_estimate(tmp_path):
     assert value(samples, "torchtrace_samples_total", operation="train_step") == 12
 
 
-def test_evaluation_and_checkpoints_between_steps_are_their_own_badput(tmp_path, monkeypatch):
+@pytest.mark.parametrize("eval_on_start", [False, True])
+def test_evaluation_and_checkpoints_between_steps_are_their_own_badput(tmp_path, monkeypatch, eval_on_start):
     """The Trainer evaluates every 2 steps and saves every 3: that time is evaluation and
     checkpoint badput, not data wait. Reference: the time spent inside ``Trainer.evaluate``
     and ``Trainer._save_checkpoint``, timed by wrapping them (each slowed by a planted sleep
-    so that it is clearly more than the loop's own work between steps)."""
+    so that it is clearly more than the loop's own work between steps). With
+    ``eval_on_start``, the evaluation before the first step is evaluation too, not startup."""
     configure(tmp_path)
     spent = {"evaluate": 0.0, "save": 0.0}
 
@@ -458,13 +460,14 @@ def test_evaluation_and_checkpoints_between_steps_are_their_own_badput(tmp_path,
                         timed("save", transformers.Trainer._save_checkpoint, 0.03))
     try:
         train(tmp_path, [TorchtraceCallback()], steps=6, eval_strategy="steps", eval_steps=2,
-              save_strategy="steps", save_steps=3, eval_dataset=Data(8), per_device_eval_batch_size=4)
+              save_strategy="steps", save_steps=3, eval_dataset=Data(8), per_device_eval_batch_size=4,
+              eval_on_start=eval_on_start)
         rt = tt.api.get_runtime()
         badput = rt.throughput.ledger.closed().badput
-        # 3 evaluations (steps 2, 4, 6) and 2 saves (steps 3, 6). The booking ends at the
-        # callback (inside the call, a little before it returns) and holds the Trainer's own
-        # work before the call (logging): within a few ms of the calls' time either way.
-        assert spent["evaluate"] >= 3 * 0.05 and spent["save"] >= 2 * 0.03
+        # 3 evaluations (steps 2, 4, 6; one more at the start) and 2 saves (steps 3, 6). The
+        # booking ends at the callback (inside the call, a little before it returns) and holds
+        # the Trainer's own work before the call (logging): within a few ms of the calls' time.
+        assert spent["evaluate"] >= (4 if eval_on_start else 3) * 0.05 and spent["save"] >= 2 * 0.03
         assert badput["evaluation"] == pytest.approx(spent["evaluate"], abs=0.03)
         assert badput["checkpoint"] == pytest.approx(spent["save"], abs=0.03)
         assert badput["data_wait"] < 0.05

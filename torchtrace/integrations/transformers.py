@@ -56,8 +56,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
       ``torchtrace.current_step().record_loss(loss)`` instead.
     - Evaluation and checkpoints between steps: ``on_evaluate`` and ``on_save`` come when the
       Trainer's evaluation loop or checkpoint save has ended; the time since the step before
-      (or since the one before it ended) is evaluation or checkpoint badput in goodput, not
-      data wait.
+      (or since the one before it ended, or since training began: ``eval_on_start``) is
+      evaluation or checkpoint badput in goodput, not data wait or startup.
     - FLOPs: the Trainer's own estimate (what it adds to ``total_flos``), six times the
       main input's elements times the parameters outside the embeddings, summed over the
       micro-batches: the step's batch is not known when it starts, so torchtrace's own
@@ -87,6 +87,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._params = None  # parameters outside the embeddings, counted at the first forward
         self._parts = None
+        self._boundary = time.perf_counter()  # (an evaluation before the first step, eval_on_start, is evaluation)
         self._note_precision(args)
         if model is not None and self._handle is None:
             self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
