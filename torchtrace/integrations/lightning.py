@@ -54,7 +54,7 @@ class TorchtraceCallback(_pl.Callback):
         self._train = StepDriver(name)
         # Validation batches are evaluation in goodput (badput), not training steps.
         self._val = StepDriver(validation_name, kind="evaluation") if validation_name else None
-        self._loop = StepDriver(f"{validation_name}_loop" if validation_name else "validation_loop", kind="evaluation")
+        self._loop = StepDriver(f"{validation_name}_loop", kind="evaluation") if validation_name else None
 
     # ------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
@@ -83,11 +83,12 @@ class TorchtraceCallback(_pl.Callback):
     def on_validation_start(self, trainer, pl_module) -> None:
         # The loop's own span (kind evaluation) around its batches' steps: in goodput, its
         # loading between them and its end (metrics, logging) are evaluation, not data wait.
-        if self._val is not None and not trainer.sanity_checking:
+        if self._loop is not None and not trainer.sanity_checking:
             self._loop.begin(None)
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self._loop.end(None)
+        if self._loop is not None:
+            self._loop.end(None)
 
     def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
@@ -104,4 +105,4 @@ class TorchtraceCallback(_pl.Callback):
         self._train.abort(exception)
         if self._val is not None:
             self._val.abort(exception)
-        self._loop.abort(exception)
+            self._loop.abort(exception)

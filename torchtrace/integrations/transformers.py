@@ -9,7 +9,6 @@ Needs ``pip install "torchtrace[transformers]"``.
 from __future__ import annotations
 
 import inspect
-
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -51,9 +50,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
       micro-batch losses are averaged, or summed when the Trainer passes the model
       ``num_items_in_batch`` and the model's loss function takes it (it then divides each
       by the whole step's tokens: a causal or masked LM's loss under gradient accumulation,
-      which the Trainer logs as that sum). A custom
-      ``compute_loss`` whose loss is not the model output's can call
-      ``torchtrace.current_step().record_loss(loss)`` instead.
+      which the Trainer logs as that sum). A custom ``compute_loss`` whose loss is not the
+      model output's can call ``torchtrace.current_step().record_loss(loss)`` instead.
     - Evaluation and checkpoints between steps: ``on_evaluate`` and ``on_save`` come when the
       Trainer's evaluation loop or checkpoint save has ended; the time since the step before
       (or since the one before it ended, or since training began: ``eval_on_start``) is
