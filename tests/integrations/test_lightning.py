@@ -363,10 +363,13 @@ def test_lightnings_own_throughput_monitor_beside_torchtrace_agrees(tmp_path):
     assert ours.samples_per_s == pytest.approx(peer[-1], rel=0.05)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning:lightning")  # (its advice on resuming mid-epoch: not the subject)
 def test_a_run_resumed_from_its_checkpoint_goes_on_counting_steps(tmp_path):
-    """Resumed with ``ckpt_path`` from the checkpoint of step 4, in a new run (a new
-    process's), the training steps are numbered 4 to 7, Lightning's batches, not 0 to 3 again."""
-    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last", every_n_train_steps=4)
+    """Resumed with ``ckpt_path`` from the checkpoint of step 4 (mid-epoch: Lightning warns
+    that a plain loader restarts its epoch), in a new run (a new process's), the training steps
+    are numbered 4 to 7, Lightning's batches, not 0 to 3 again."""
+    def ckpt():
+        return pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="last", every_n_train_steps=4)
 
     def trainer(steps, callbacks):
         return pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
@@ -374,7 +377,7 @@ def test_a_run_resumed_from_its_checkpoint_goes_on_counting_steps(tmp_path):
                           num_sanity_val_steps=0, default_root_dir=str(tmp_path))
 
     first = configure(tmp_path / "first")
-    trainer(4, [TorchtraceCallback(), ckpt]).fit(Module(), loaders()[0])
+    trainer(4, [TorchtraceCallback(), ckpt()]).fit(Module(), loaders()[0])
     tt.shutdown()
     resumed = configure(tmp_path / "resumed")
     trainer(8, [TorchtraceCallback()]).fit(Module(), loaders()[0], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
