@@ -726,3 +726,29 @@ def test_a_resumed_trainer_goes_on_counting_steps(tmp_path):
         resume_from_checkpoint=str(out / "checkpoint-2"))
     tt.flush()
     assert [s["attributes"][semconv.STEP] for s in read_spans(resumed.spans_path)] == [2, 3]
+
+
+class _TwoPasses(transformers.Trainer):
+    """R-Drop: the model runs twice on each micro-batch (dropout differs), the loss is both."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        first, second = model(**inputs), model(**inputs)
+        loss = (first.loss + second.loss) / 2
+        return (loss, first) if return_outputs else loss
+
+
+def test_a_compute_loss_that_runs_the_model_twice_counts_its_batch_once(tmp_path):
+    """Each step's samples, tokens and FLOP estimate are its micro-batches', counted once
+    however many times the model ran on them (before: twice), against a plain count."""
+    result = configure(tmp_path)
+    kw = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, report_to=[],
+              use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, max_grad_norm=0.0,
+              seed=0, data_seed=0, gradient_accumulation_steps=2)
+    model = tiny_bert()
+    _TwoPasses(model=model, args=transformers.TrainingArguments(**kw), train_dataset=Data(),
+               callbacks=[TorchtraceCallback()]).train()
+    spans = read_spans(result.spans_path)
+    params = model.num_parameters(exclude_embeddings=True)
+    assert [s["attributes"][semconv.SAMPLES] for s in spans] == [8, 8, 8]  # 2 micro-batches of 4
+    assert [s["attributes"][semconv.TOKENS] for s in spans] == [64, 64, 64]  # of 8 ids each, no mask
+    assert [s["attributes"][semconv.FLOPS] for s in spans] == [6 * 64 * params] * 3

@@ -80,6 +80,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._handle = None
         self._params: int | None = None
         self._parts: bool | None = None  # the model's loss is divided by the step's items (see _divides_by_items)
+        self._inputs: list[Any] = []  # the first input tensor of each micro-batch counted in the open step
         self._boundary: float | None = None  # perf_counter() when the last step (or evaluation, save) ended
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -92,12 +93,14 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._boundary = None
+        self._inputs = []
         self._driver.abort(None)
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._inputs = []
         self._driver.begin(model, loop=loop_frame("transformers.trainer_callback"), step=state.global_step)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -112,6 +115,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._driver.mark("optimizer_end")
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._inputs = []
         self._driver.end(None)
         self._boundary = time.perf_counter()
 
@@ -152,6 +156,11 @@ class TorchtraceCallback(_tf.TrainerCallback):
         if self._driver.active and module.training:
             self._driver.add_loss(_output_loss(output), part=kwargs.get("num_items_in_batch") is not None
                                   and self._divides_by_items(module))
+            first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+            if first is not None:
+                if any(t is first for t in self._inputs):
+                    return  # the same micro-batch again (a compute_loss that runs the model twice: R-Drop)
+                self._inputs.append(first)  # (held until the step ends: the Trainer holds them as long)
             self._driver.add_batch(args, kwargs)  # samples and non-padding tokens of the micro-batch
             self._driver.add_flops(self._flops_of(module, kwargs))
 
