@@ -17,6 +17,7 @@ import torch
 
 from torchtrace import api
 from torchtrace.integrations._common import StepDriver, loop_frame, require
+from torchtrace.measure.batch import same_arguments
 
 _tf = require("transformers", "transformers", "Hugging Face transformers")
 if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transformers 4.42
@@ -80,7 +81,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._handle = None
         self._params: int | None = None
         self._parts: bool | None = None  # the model's loss is divided by the step's items (see _divides_by_items)
-        self._inputs: list[Any] = []  # the first input tensor of each micro-batch counted in the open step
+        self._inputs: list[tuple[tuple, dict]] = []  # the calls whose micro-batches the open step counted
         self._boundary: float | None = None  # perf_counter() when the last step (or evaluation, save) ended
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -156,11 +157,9 @@ class TorchtraceCallback(_tf.TrainerCallback):
         if self._driver.active and module.training:
             self._driver.add_loss(_output_loss(output), part=kwargs.get("num_items_in_batch") is not None
                                   and self._divides_by_items(module))
-            first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
-            if first is not None:
-                if any(t is first for t in self._inputs):
-                    return  # the same micro-batch again (a compute_loss that runs the model twice: R-Drop)
-                self._inputs.append(first)  # (held until the step ends: the Trainer holds them as long)
+            if any(same_arguments(call, args, kwargs) for call in self._inputs):
+                return  # the same micro-batch again (a compute_loss that runs the model twice: R-Drop)
+            self._inputs.append((args, kwargs))  # (held until the step ends: the Trainer holds them as long)
             self._driver.add_batch(args, kwargs)  # samples and non-padding tokens of the micro-batch
             self._driver.add_flops(self._flops_of(module, kwargs))
 
