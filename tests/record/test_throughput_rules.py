@@ -85,15 +85,31 @@ def test_steps_known_in_part_divide_by_their_own_time():
     assert w.throughput().samples_per_s == 10.0
 
 
-def test_a_different_operation_in_between_is_not_data_wait():
+def test_an_operation_of_another_kind_in_between_is_not_data_wait():
     ledger = GoodputLedger(configured_at=0.0)
     ledger.add_step(FinishedStep(0.0, 1.0))
     ledger.add_step(FinishedStep(1.0, 31.0, kind=EVALUATION, operation="eval"))  # 30 s of evaluation
-    ledger.add_step(FinishedStep(31.0, 32.0, operation="eval"))
+    ledger.add_step(FinishedStep(31.0, 32.0, kind=EVALUATION, operation="eval"))
     account = ledger.add_step(FinishedStep(32.5, 33.5))
     assert account.data_wait_s == 0.5  # the contract's data wait: since the previous step of any operation
     assert ledger.throughput("train_step").data_wait_share == 0.0  # but not this operation's input pipeline
     assert ledger.throughput("eval").seconds == 31.0  # 30 + 1, the wait before it was training
+
+
+def test_training_operations_that_alternate_wait_for_their_data():
+    """A GAN's discriminator and generator steps alternate: the loader's wait before each
+    discriminator step follows a generator step (another operation, the same kind). It is the
+    discriminator's input pipeline, and a loader that makes it wait is a data stall."""
+    ledger = GoodputLedger(configured_at=0.0, rules=RuleSettings(stall_window=4, stall_min_steps=4))
+    found, t = [], 0.0
+    for _ in range(5):
+        t += 0.3  # the loader: 0.3 s before the discriminator's step
+        found += ledger.add_step(FinishedStep(t, t + 0.1, operation="train_d")).findings
+        found += ledger.add_step(FinishedStep(t + 0.1, t + 0.2, operation="train_g")).findings
+        t += 0.2
+    assert ledger.throughput("train_d").data_wait_share == pytest.approx(1.2 / 1.7)  # (the first has no wait)
+    assert ledger.throughput("train_g").data_wait_share == 0.0
+    assert [f.kind for f in found] == [semconv.DATA_STALL]
 
 
 # ---------------------------------------------------------------- no false alarms

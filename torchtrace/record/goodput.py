@@ -16,7 +16,8 @@ once, in exactly one class, so that ``productive + sum(badput) == wall``:
   same name. The FLOP-counting step made its update: it is productive (its slow-down
   only leaves it out of throughput);
 - *data_wait*: every instant after the first step's start that no step covers (the input
-  pipeline, and everything else the loop does between steps);
+  pipeline, and everything else the loop does between steps), but torchtrace's own work
+  between two steps (``entered`` and ``left`` of :meth:`GoodputLedger.post`), which is *other*;
 - inside an operation that holds steps, the instants its steps do not cover are of its kind
   (an evaluation pass's loading between its evaluation steps is evaluation; a training step's
   time around a loss function decorated on its own is productive), except in an operation
@@ -57,6 +58,7 @@ from typing import Any, NamedTuple
 
 from torchtrace import semconv
 from torchtrace.record.throughput import Finding, OperationWindow, RuleSettings, Throughput, settings_state
+from torchtrace.record.timeline import own_time, split_replays
 
 TRAIN, CHECKPOINT, EVALUATION, OTHER = "train", "checkpoint", "evaluation", "other"
 OPERATION_KINDS = (TRAIN, CHECKPOINT, EVALUATION, OTHER)
@@ -76,6 +78,13 @@ class FinishedStep:
     ``applied``: the optimizer update was applied (False when the guard skipped it).
     ``excluded``: left out of throughput (the step whose FLOPs were counted).
     ``kind``: one of :data:`OPERATION_KINDS`.
+    ``device_cycle`` (:meth:`GoodputLedger.post` only): on a GPU, the step's cycle in device
+    time, the time base of its rates (``OperationWindow.add``).
+    ``enclosing`` and ``holds_steps``: see the module's docstring (operations that hold steps)
+    and :func:`enclosing`.
+    ``entered``: when torchtrace began the step (before ``start``); ``left``: when it was done
+    with the step before. Its own time between the two steps is *other*, not data wait
+    (:func:`~torchtrace.record.timeline.own_time`).
     """
 
     start: float
@@ -87,8 +96,10 @@ class FinishedStep:
     flops: int | None = None
     kind: str = TRAIN
     operation: str = "train_step"
-    enclosing: tuple[float, str] | None = None  # see GoodputLedger.post
+    enclosing: tuple[float, str] | None = None
     holds_steps: bool = False
+    entered: float | None = None
+    left: float | None = None
 
 
 class StepAccount(NamedTuple):
@@ -135,6 +146,7 @@ class GoodputLedger:
         self._cursor = self.configured_at  # everything before it is counted
         self._started = False
         self._last_operation: str | None = None
+        self._last_kind: str | None = None
         self._totals: dict[str, float] = {_PRODUCTIVE: 0.0, **{k: 0.0 for k in semconv.BADPUT_KINDS}}
         self._prior_wall = 0.0  # wall time of a run restored with load_state_dict
         self._unmeasured = 0.0  # seconds while paused: in no class, not in wall time
@@ -148,26 +160,21 @@ class GoodputLedger:
     def add_step(self, step: FinishedStep) -> StepAccount:
         """Count one finished step; returns its data wait and what the rules found."""
         return StepAccount(*self.post(step.start, step.end, step.applied, step.excluded, step.samples, step.tokens,
-                                      step.flops, step.kind, step.operation, None, step.enclosing, step.holds_steps))
+                                      step.flops, step.kind, step.operation, None, step.enclosing, step.holds_steps,
+                                      step.entered, step.left))
 
     def add(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
             tokens: int | None, flops: int | None, kind: str, operation: str) -> StepAccount:
         """:meth:`add_step` with the step's fields as arguments."""
         return StepAccount(*self.post(start, end, applied, excluded, samples, tokens, flops, kind, operation))
 
-    def post(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
-             tokens: int | None, flops: int | None, kind: str, operation: str,
-             device_cycle: float | None = None, enclosing: tuple[float, str] | None = None,
-             holds_steps: bool = False) -> tuple[float | None, tuple]:
-        """The step pipeline's call (from one step thread): ``(the step's data wait, what the
-        rules found on it)``. ``device_cycle``: on a GPU, the step's cycle in device time, the
-        time base of its rates (``OperationWindow.add``). ``enclosing`` and ``holds_steps``: see
-        the module's docstring (operations that hold steps) and :func:`enclosing`.
-
-        Every step pays for this, booked at once under the lock (uncontended but for a scrape):
-        queueing steps to book them in batches costs more per step than the lock does (a tuple
-        built and taken apart again, and a call per step to book it).
-        """
+    def post(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None, tokens: int | None,
+             flops: int | None, kind: str, operation: str, device_cycle: float | None = None,
+             enclosing: tuple[float, str] | None = None, holds_steps: bool = False, entered: float | None = None,
+             left: float | None = None) -> tuple[float | None, tuple]:
+        """The step pipeline's call (from one step thread), with :class:`FinishedStep`'s fields:
+        ``(the step's data wait, what the rules found on it)``. Booked at once under the lock
+        (uncontended but for a scrape): queueing steps to book in batches cost more per step."""
         if kind not in _KINDS:
             raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
         if start < self.configured_at:
@@ -189,31 +196,51 @@ class GoodputLedger:
                 if end > last:
                     self._last_end = end
             gap = "data_wait" if self._started else "startup"
+            mine = 0.0  # torchtrace's own time before the step, after the step before (not data wait)
             if enclosing is not None and cursor < start and enclosing[0] < start:
                 cursor = self._enclosed(cursor, start, enclosing, gap)
+            elif enclosing is None and wait and entered is not None:
+                mine = own_time(last, start, entered, left)
+                wait -= mine
             if not self._replays and not self._debt:  # the common case: no replay to take out
                 totals = self._totals
                 if start > cursor:
-                    totals[gap] += start - cursor
+                    if mine:
+                        mine = mine if mine < start - cursor else start - cursor
+                        totals["other"] += mine
+                    totals[gap] += start - cursor - mine
                     cursor = start
                 if end > cursor:
                     totals[own] += end - cursor
                     cursor = end
                 self._cursor = cursor
             else:
-                if start > cursor:
-                    self._count(cursor, start, gap)
-                if end > self._cursor:
-                    self._count(max(start, self._cursor), end, own)
+                self._count_step(cursor, start, end, gap, own, mine)
             self._started = True
             same_operation, self._last_operation = self._last_operation == operation, operation
+            same_kind, self._last_kind = self._last_kind == kind, kind
             window = self._windows.get(operation) or self._window(operation)
             if window is None or excluded:
                 return wait, ()
-            # The wait before the first step after a step of another operation is not this one's.
-            found = window.add(end - start, wait if same_operation and wait is not None else 0.0, samples, tokens,
-                               flops, kind == TRAIN, device_cycle if same_operation else None)
+            # The wait after a step of another kind (training, then the first evaluation step) is not
+            # this one's input pipeline; after one of the same kind (a GAN's two steps) it is. Rates
+            # are per second of wall time: torchtrace's own time between the steps is in the cycle.
+            found = window.add(end - start + mine if same_kind else end - start,
+                               wait if same_kind and wait is not None else 0.0, samples, tokens, flops,
+                               kind == TRAIN, device_cycle if same_operation else None)
         return wait, found
+
+    def _count_step(self, cursor: float, start: float, end: float, gap: str, own: str, mine: float) -> None:
+        """:meth:`post`'s counting when forensic seconds are to be taken out (the lock is held):
+        up to ``start`` as ``gap``, less torchtrace's own ``mine`` seconds at its end, then the
+        step as ``own``."""
+        if start > cursor:
+            mine = mine if mine < start - cursor else start - cursor
+            self._count(cursor, start - mine, gap)
+            if mine:
+                self._count(start - mine, start, "other")
+        if end > self._cursor:
+            self._count(max(start, self._cursor), end, own)
 
     def _enclosed(self, cursor: float, start: float, enclosing: tuple[float, str], gap: str) -> float:
         """Count the time up to ``start`` of a step inside an operation (the lock is held): as
@@ -265,19 +292,22 @@ class GoodputLedger:
         with self._lock:
             return self._goodput(self._totals, self._cursor)
 
-    def snapshot(self, now: float) -> Goodput:
-        """Accounting up to ``now``: the open stretch since the last step as startup or data wait."""
+    def snapshot(self, now: float, left: float | None = None) -> Goodput:
+        """Accounting up to ``now``: the open stretch since the last step as startup or data
+        wait, but torchtrace's own time after it (up to ``left``, when it was done with it) as other."""
         with self._lock:
             totals = dict(self._totals)
-            until, unmeasured = now, 0.0
+            until, unmeasured, cursor = now, 0.0, self._cursor
             if self._paused_at is not None and now > self._paused_at:
-                until, unmeasured = max(self._paused_at, self._cursor), now - max(self._paused_at, self._cursor)
-            if until > self._cursor:
+                until, unmeasured = max(self._paused_at, cursor), now - max(self._paused_at, cursor)
+            if until > cursor:
+                mine = min(left, until) - cursor if self._started and left is not None and left > cursor else 0.0
                 kind = "data_wait" if self._started else "startup"
-                _, inside, repaid = _split(self._cursor, until, self._replays, self._debt)
-                totals[kind] += (until - self._cursor) - inside - repaid
+                _, inside, repaid = split_replays(cursor, until, self._replays, self._debt)
+                totals[kind] += (until - cursor) - inside - repaid - mine
+                totals["other"] += mine
                 totals["forensics"] += inside + repaid
-            return self._goodput(totals, max(now, self._cursor), unmeasured)
+            return self._goodput(totals, max(now, cursor), unmeasured)
 
     def throughput(self, operation: str) -> Throughput | None:
         """The operation's throughput over its last ``rules.window`` steps; None before its first."""
@@ -343,7 +373,7 @@ class GoodputLedger:
 
     def _count(self, a: float, b: float, kind: str) -> None:
         """Count [a, b] as ``kind``, less the forensic seconds in it; advance the cursor."""
-        self._replays, inside, repaid = _split(a, b, self._replays, self._debt)
+        self._replays, inside, repaid = split_replays(a, b, self._replays, self._debt)
         self._debt -= repaid
         self._totals[kind] += (b - a) - inside - repaid
         self._totals["forensics"] += inside + repaid
@@ -367,15 +397,3 @@ def enclosing(kind: str, start: float, holds_steps: bool) -> tuple[float, str] |
     if kind != TRAIN:
         return start, _BADPUT_OF_KIND[kind]
     return None if holds_steps else (start, _PRODUCTIVE)
-
-
-def _split(a: float, b: float, replays: list[tuple[float, float]],
-           debt: float) -> tuple[list[tuple[float, float]], float, float]:
-    """Forensic seconds in [a, b]: ``(replays left after b, seconds replayed inside, debt repaid)``.
-
-    Replays do not overlap each other; the debt is repaid from what the replays leave of [a, b].
-    """
-    inside = sum(max(0.0, min(e, b) - max(s, a)) for s, e in replays)
-    rest = [(max(s, b), e) for s, e in replays if e > b]
-    repaid = min(debt, max(0.0, (b - a) - inside))
-    return rest, inside, repaid

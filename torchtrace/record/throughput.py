@@ -2,8 +2,9 @@
 
 Host values in (seconds, counts), findings out. Every step of an operation adds one entry:
 its *cycle* is its duration plus the data wait before it when the step before it was of the
-same operation (the wait before the first evaluation step after a stretch of training is
-the training, not the evaluation's input pipeline). The step whose FLOPs were counted is
+same kind (the wait before the first evaluation step after a stretch of training is the
+training, not the evaluation's input pipeline; the wait before a GAN's discriminator step,
+after its generator's, is the discriminator's). The step whose FLOPs were counted is
 left out: the counter slowed it down.
 
 Rules (their settings are :class:`RuleSettings`; defaults are the constants below):

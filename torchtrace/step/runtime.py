@@ -319,7 +319,7 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
-        deadline = time.monotonic() + self.settings.shutdown_timeout_s
+        deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
         if at_exit:
             for proc in self.processors:
                 proc.prepare_exit()
@@ -327,6 +327,7 @@ class Runtime:
             self.finish_deferred(block=True)
         except Exception as exc:
             self.errors.report("record", exc)
+        self.throughput.ledger.pause(closing)  # (shutdown's own time is not the job's: not in wall time)
         self.probes.close()
         self.throughput.close()
         self._write_report_safely()

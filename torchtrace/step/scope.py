@@ -43,11 +43,12 @@ class StepScope:
     scope's own.
     """
 
-    __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind",
-                 "step", "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s",
-                 "inputs", "batch_skip", "flops_key", "shape", "clock", "started_at", "parent", "holds_steps", "scale_before", "stepped", "_flops_counter", "step_end", "_step_arg", "_level_arg",
-                 "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm",
-                 "_t0", "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
+    __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind", "step",
+                 "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s", "inputs",
+                 "batch_skip", "flops_key", "shape", "clock", "started_at", "parent", "holds_steps", "entered_at",
+                 "left_before", "scale_before", "stepped", "_flops_counter", "step_end", "_step_arg", "_level_arg",
+                 "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm", "_t0",
+                 "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
 
     def __init__(self, name: str = "step", *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
@@ -82,6 +83,7 @@ class StepScope:
         self.shape: Any = None  # (FLOPs, batch size) known for that key, or None
         self.clock: StepClock | None = None  # phase boundaries (forward, backward, optimizer)
         self.started_at = 0.0  # perf_counter() when the step's body started
+        self.entered_at = self.left_before = None  # when torchtrace began it, and left the step before
         self.scale_before: Any = None  # the GradScaler's scale at the start (throughput: skipped updates)
         self.stepped: list[Any] | None = None  # other optimizers and schedulers that stepped (step.updaters)
 
@@ -208,15 +210,8 @@ class StepScope:
         if current.orphan_check is not None and current.step() is not None:
             current.orphan_check()  # a framework's step its loop left by an exception ends first
         parent = current.step()  # the operation this step runs inside, if any
-        self._loss = None
-        self._batch = None
-        self._states = None
-        self._anomalies = None
-        self._anomaly_cm = None
-        self._flops_counter = None
-        self.step_end = None
-        self.clock = None
-        self.stepped = None
+        self._loss = self._batch = self._states = self._anomalies = self._anomaly_cm = None
+        self._flops_counter = self.step_end = self.clock = self.stepped = None
         self._overhead = 0.0
         self.gradients = None
         self.raised = None
@@ -233,7 +228,8 @@ class StepScope:
         if feats.anomaly_mode:
             self._anomaly_cm = torch.autograd.detect_anomaly(check_nan=True)
             self._anomaly_cm.__enter__()
-        if feats.throughput:
+        if feats.throughput:  # (entered, and when torchtrace left the step before: its own time between)
+            self.entered_at, self.left_before = t0, rt.throughput.left_at
             self.flops_key, self.clock, self._flops_counter = rt.throughput.start(self, parent)
         self._active = True
         self._states = rt.probes.enter(self)
@@ -260,6 +256,8 @@ class StepScope:
                 rt.errors.report("step", err)
             finally:
                 self._abandon()
+        if self.features.throughput:
+            rt.throughput.left_at = time.perf_counter()  # (the next step's data wait starts here)
         if exc is None and self.pending_error is not None:
             error, self.pending_error = self.pending_error, None
             raise error  # a guard policy decided on the host record

@@ -64,6 +64,7 @@ class RunThroughput:
         self._opaque = self.calls.opaque  # (the same set: looked up every step)
         self._given: set[str] = set()  # operations whose steps gave their FLOPs (record_batch, a framework)
         self._counting: Any = none_ref  # the step whose FLOP counter was last opened (while open), weakly
+        self.left_at: float | None = None  # when the last step's bookkeeping ended (perf_counter)
 
     # ------------------------------------------------------------ step start and end
     def start(self, scope: Any, parent: Any) -> tuple[Hashable | None, StepClock | None, Any]:
@@ -330,10 +331,9 @@ class RunThroughput:
             record.flops_counted, record.samples, record.tokens, int(flops) if flops is not None else None,
             record.kind, operation, device_cycle,
             enclosing(parent.kind, parent.started_at, getattr(parent, "holds_steps", False)) if parent else None,
-            scope.holds_steps)
+            scope.holds_steps, scope.entered_at, scope.left_before)
         for finding in findings:
-            record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation,
-                                            dict(finding.data)))
+            record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation, dict(finding.data)))
 
     def book(self, start: float, end: float, kind: str, operation: str) -> None:
         """Time between steps that a framework spent on an operation of ``kind`` (its evaluation
@@ -349,7 +349,7 @@ class RunThroughput:
             tp = self.ledger.throughput(name)
             if tp is not None and tp.mfu is not None:
                 mfu[name] = tp.mfu
-        return self.ledger.snapshot(time.perf_counter()).ratio, self.ledger.closed().badput, mfu
+        return self.ledger.snapshot(time.perf_counter(), self.left_at).ratio, self.ledger.closed().badput, mfu
 
     def _look_up_peak(self, scope: Any, operation: str) -> None:
         """The operation's peak, once: at its first step with FLOPs and a model (whose device
@@ -368,7 +368,7 @@ class RunThroughput:
         return peaks.model_peak(scope.model, dtype if dtype is not None else self.framework_dtype, self._peaks)
 
     def section(self) -> dict[str, Any]:
-        g = self.ledger.snapshot(time.perf_counter())
+        g = self.ledger.snapshot(time.perf_counter(), self.left_at)
         ops = {}
         for name in list(self.rt.history.operations):
             tp = self.ledger.throughput(name)
