@@ -56,8 +56,28 @@ def test_port_fallback_strides_by_local_world_size():
 def test_skew_is_slowest_over_median():
     assert skew([1.0, 1.0, 1.0]) == 1.0
     assert skew([1.0, 2.0, 4.0]) == 2.0
-    assert skew([0.01, 0.03]) == pytest.approx(0.03 / 0.02)
     assert skew([0.0, 0.0]) == 1.0
+
+
+@pytest.mark.parametrize("times", [
+    [0.00705, 0.03266],                # two ranks 4.63x apart (the probe's torchrun run)
+    [0.01, 0.03], [0.03, 0.01],
+    [0.01, 0.01, 0.01, 0.05],          # an even world, one straggler
+    [0.02, 0.01, 0.04, 0.03, 0.05, 0.06],
+    [1.0, 2.0, 4.0], [3.0, 1.0, 1.0, 1.0, 2.0],  # odd worlds: the median is a rank already
+])
+def test_skew_divides_by_a_real_rank_the_lower_median(times):
+    # The "median rank" is a rank: the lower of the two middle ones when the world is even (with
+    # two ranks, the faster one), so two ranks 4.63x apart read 4.63, not max over their mean
+    # (which can never reach 2 and kept RankStraggler quiet on a 3x straggler).
+    lower_middle = sorted(times)[(len(times) - 1) // 2]
+    assert lower_middle in times
+    assert skew(times) == pytest.approx(max(times) / lower_middle)
+
+
+def test_two_ranks_three_times_apart_cross_the_straggler_threshold():
+    assert skew([0.01, 0.03]) == pytest.approx(3.0)
+    assert skew([0.01, 0.016]) > 1.5
 
 
 def test_settings_for_distributed_features():

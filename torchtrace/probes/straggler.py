@@ -1,5 +1,6 @@
 """Stragglers: every ``rank_skew_interval`` steps, each rank's mean step time is gathered and the
-skew (slowest rank over the median rank) exported as ``torchtrace_rank_step_skew``."""
+skew (slowest rank over the median rank, the lower middle one when the world size is even)
+exported as ``torchtrace_rank_step_skew``."""
 
 from __future__ import annotations
 
@@ -30,10 +31,16 @@ def gather_step_times(mean_s: float) -> list[float] | None:
 def skew(times: Sequence[float]) -> float:
     """Slowest rank's time over the median rank's (1.0 when all are equal).
 
+    The median rank is a rank: with an even world size, the lower of the two middle ones
+    (``statistics.median_low``; with two ranks, the faster). The mean of the two middle ranks
+    would cap two ranks' skew below 2 whatever the imbalance.
+
     >>> skew([1.0, 1.0, 3.0])
     3.0
+    >>> skew([1.0, 3.0])
+    3.0
     """
-    med = statistics.median(times)
+    med = statistics.median_low(times)
     if med <= 0:
         return 1.0
     return max(times) / med
