@@ -11,6 +11,7 @@ from __future__ import annotations
 ATTR_PREFIX = "torchtrace."
 STEP = "torchtrace.step"
 OPERATION = "torchtrace.operation"
+OPERATION_KIND = "torchtrace.operation.kind"  # evaluation, checkpoint or other; absent on a training step
 LEVEL = "torchtrace.level"
 RANK = "torchtrace.rank"
 LOSS = "torchtrace.loss"

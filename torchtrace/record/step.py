@@ -114,6 +114,7 @@ class StepRecord:
         bad = self.grad_nonfinite_params
         out = {
             "operation": self.operation,
+            "kind": self.kind,
             "step": self.step,
             "start_unix_ns": self.start_unix_ns,
             "duration_s": self.duration_s,

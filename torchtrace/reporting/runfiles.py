@@ -94,6 +94,7 @@ def _step_from_span(span: dict[str, Any]) -> dict[str, Any] | None:
     forensics = [_forensic_from_event(e) for e in span.get("events") or [] if e.get("name") == semconv.EVENT_FORENSICS]
     return {
         "operation": attrs.get(semconv.OPERATION, span.get("name")),
+        "kind": attrs.get(semconv.OPERATION_KIND, "train"),
         "step": attrs.get(semconv.STEP),
         "start_unix_ns": start,
         "duration_s": (end - start) / 1e9 if end and start else None,

@@ -119,6 +119,8 @@ class Runtime:
     def open_span(self, scope: Any, level: DebugLevel, attributes: dict[str, Any] | None, start_ns: int) -> Any:
         attrs = {semconv.STEP: scope.step, semconv.OPERATION: scope.name, semconv.LEVEL: level.value,
                  semconv.RANK: self.identity.rank}
+        if scope.kind != "train":
+            attrs[semconv.OPERATION_KIND] = scope.kind
         if attributes:
             attrs.update(attributes)
         forced = step_trace_id(self.settings.run_id, scope.name, scope.step) if self.shared_step_trace else 0
