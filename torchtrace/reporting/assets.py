@@ -201,7 +201,7 @@ JS = r"""
     return d;
   }
 
-  function renderSummary(box, data, replays) {
+  function renderSummary(box, data, replays, main) {
     var s = data.summary || {}, tr = data.training || {}, tot = s.totals || {};
     box.textContent = "";
     var g = el("div", {"class": "stats"});
@@ -211,9 +211,10 @@ JS = r"""
     g.appendChild(stat("non-finite steps", String(tot.nonfinite_steps || 0)));
     g.appendChild(stat("skipped updates", String(tot.skipped_steps || 0)));
     g.appendChild(stat("forensic replays", String(replays)));
-    var last = s.last_step || {};
-    g.appendChild(stat("last loss", fmt(num(last.loss))));
-    g.appendChild(stat("last grad norm", fmt(num(last.grad_norm))));
+    /* the charted operation's last step (a run of one operation: the run's last step) */
+    var last = main.step || s.last_step || {}, of = main.several ? " (" + main.name + ")" : "";
+    g.appendChild(stat("last loss" + of, fmt(num(last.loss))));
+    g.appendChild(stat("last grad norm" + of, fmt(num(last.grad_norm))));
     var tel = s.telemetry || {};
     var dropped = 0; for (var k in (tel.spans_dropped || {})) dropped += tel.spans_dropped[k];
     g.appendChild(stat("spans exported / dropped", (tel.spans_exported || 0) + " / " + dropped));
@@ -226,6 +227,15 @@ JS = r"""
       Object.keys(kinds).sort().forEach(function (k) { p.appendChild(el("span", {"class": "badge bad"}, k + " " + kinds[k])); p.appendChild(document.createTextNode(" ")); });
       box.appendChild(p);
     }
+  }
+
+  /* Which operation the charts show, and the operations left out of them with their steps. */
+  function renderOperations(box, main, n, others) {
+    if (!main) return;
+    var names = Object.keys(others).sort();
+    var text = "Charts: " + main + " (" + n + " steps).";
+    if (names.length) text += " Not charted: " + names.map(function (k) { return k + " (" + others[k] + ")"; }).join(", ") + ".";
+    box.appendChild(el("p", {"class": "muted", "id": "tt-operations"}, text));
   }
 
   function renderSettings(box, settings) {
@@ -249,27 +259,33 @@ JS = r"""
     document.getElementById("tt-run").textContent = s.run_id || "?";
     document.getElementById("tt-service").textContent = (s.service_name || "") + " · rank " + (s.rank || 0) + "/" + (s.world_size || 1);
     var lv = document.getElementById("tt-level"); lv.textContent = "level " + (s.level || "?");
-    var counts = {}, axes = {};
+    var counts = {}, axes = {}, main = window.ttMainOperation(steps), others = {};
+    var shown = steps.filter(function (x) { return String(x.operation) === main; });
+    steps.forEach(function (x) { var op = String(x.operation); if (op !== main) others[op] = (others[op] || 0) + 1; });
     SERIES.forEach(function (spec) {
       var c = document.getElementById("chart-" + spec.id);
-      counts[spec.id] = window.ttChart(c, steps, spec).points;
+      counts[spec.id] = window.ttChart(c, shown, spec).points;
+      c.setAttribute("data-operation", main || "");
       axes[spec.id] = {x: c.getAttribute("data-xlabel"), y: c.getAttribute("data-ylabel"),
                        xticks: c.getAttribute("data-xticks"), yrange: c.getAttribute("data-yrange")};
       var lastv = null;
-      for (var i = steps.length - 1; i >= 0 && lastv === null; i--) lastv = spec.get(steps[i]);
-      document.getElementById("last-" + spec.id).textContent = "last " + fmt(lastv) + spec.unit;
+      for (var i = shown.length - 1; i >= 0 && lastv === null; i--) lastv = spec.get(shown[i]);
+      document.getElementById("last-" + spec.id).textContent = (main ? main + " · " : "") + "last " + fmt(lastv) + spec.unit;
     });
     var reports = forensicReports(events);
     var rows = anomalyRows(events, steps);
     renderAnomalies(document.getElementById("tt-anomalies"), rows, reports);
     renderForensics(document.getElementById("tt-forensics"), reports);
-    renderSummary(document.getElementById("tt-summary"), data, reports.length);
+    renderSummary(document.getElementById("tt-summary"), data, reports.length,
+                  {name: main, step: shown[shown.length - 1], several: Object.keys(others).length > 0});
+    renderOperations(document.getElementById("tt-summary"), main, shown.length, others);
     renderSettings(document.getElementById("tt-settings"), data.settings);
     var goodputParts = renderGoodput(document.getElementById("tt-goodput"), s.throughput);
     var state = document.getElementById("tt-state");
     var prev = {}; try { prev = JSON.parse(state.textContent || "{}"); } catch (e) { prev = {}; }
     state.textContent = JSON.stringify({
       renders: (prev.renders || 0) + 1, steps: steps.length, charts: counts, axes: axes, level: s.level,
+      operation: main, others: others,
       anomalies: rows.map(function (r) { return {step: r.step, kind: r.kind}; }),
       skipped: steps.filter(function (x) { return x.skipped; }).map(function (x) { return x.step; }),
       goodput: goodputParts,

@@ -1,6 +1,9 @@
 """The charts' JavaScript: axes with step ticks, markers for anomalies and skipped updates.
 
-``ttChart(canvas, steps, spec)`` draws one series on a canvas and writes what it drew into
+``ttMainOperation(steps)`` picks the operation the charts show (the training operation with the
+most steps; other operations' step numbers, rates and losses are not training's, and drawn on
+its axis they would break its ticks and its last values). ``ttChart(canvas, steps, spec)``
+draws one series on a canvas and writes what it drew into
 the canvas's ``data-*`` attributes (points, x ticks, y range, skipped steps), so a headless
 browser test reads the same numbers the picture shows. Rules, each from a misreading:
 
@@ -58,6 +61,22 @@ CHARTS_JS = r"""
     var x0 = pos.length ? pos[0] : 0, x1 = pos.length ? pos[pos.length - 1] : 1;
     return {pos: pos, x0: x0, x1: x1, label: function (t) { return mono ? t : steps[Math.round(t)].step; }};
   }
+
+  /* The operation the charts show: of the steps of kind "train" (a step without a kind is one),
+     the operation with the most steps, a tie to the one seen first; with no training step, the
+     operation with the most steps. The same rule as torchtrace.reporting.summary.main_operation. */
+  window.ttMainOperation = function (steps) {
+    var train = steps.filter(function (s) { return (s.kind || "train") === "train"; });
+    var counts = Object.create(null), order = [];
+    (train.length ? train : steps).forEach(function (s) {
+      var op = String(s.operation);
+      if (!(op in counts)) { counts[op] = 0; order.push(op); }
+      counts[op] += 1;
+    });
+    var best = null;
+    order.forEach(function (op) { if (best === null || counts[op] > counts[best]) best = op; });
+    return best;
+  };
 
   window.ttChart = function (canvas, steps, spec) {
     var dpr = window.devicePixelRatio || 1;

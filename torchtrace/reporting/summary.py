@@ -39,6 +39,25 @@ def training_summary_from_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def main_operation(steps: list[dict[str, Any]]) -> str | None:
+    """The operation the charts and the step-time and loss lines show: of the steps of kind
+    ``train`` (a step without a kind, from older files, is one), the operation with the most
+    steps, a tie going to the one seen first; with no training step, the operation with the
+    most steps. The live page's ``ttMainOperation`` is the same rule.
+
+    >>> main_operation([{"operation": "train_step"}] * 3 + [{"operation": "eval_step", "kind": "evaluation"}] * 5)
+    'train_step'
+    """
+    counts: collections.Counter[str] = collections.Counter()
+    for s in steps:
+        if s.get("kind", "train") == "train":
+            counts[s.get("operation")] += 1
+    if not counts:
+        counts.update(s.get("operation") for s in steps)
+    best = max(counts.values(), default=0)
+    return next((op for op in counts if counts[op] == best), None)
+
+
 def finite(values: list[Any]) -> list[float]:
     return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace.reporting.runfiles import load_run
-from torchtrace.reporting.summary import finite, seconds_text, throughput_rows, training_summary_from_steps
+from torchtrace.reporting.summary import finite, main_operation, seconds_text, throughput_rows, \
+    training_summary_from_steps
 
 _BARS = "▁▂▃▄▅▆▇█"
 MAX_ANOMALY_LINES = 20
@@ -93,7 +94,10 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
     run = load_run(run_dir, rank)
     summary = run.summary
     lines = _header_lines(summary, run.steps, run.run_dir)
-    lines += _series_lines(run.steps)
+    label, shown = _main_steps(run.steps)
+    lines += _step_time_lines(shown, label)
+    lines += _series_lines(shown, label)
+    lines += _memory_lines(run.steps)
     lines += [f"  {label}: {text}" for label, text in throughput_rows(summary.get("throughput") or {})]
     lines += _anomaly_lines(run.steps, run.events)
     lines.extend(_forensic_lines(run.forensics))
@@ -105,7 +109,7 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
 
 
 def _header_lines(s: dict[str, Any], steps: list[dict[str, Any]], run_dir: Path) -> list[str]:
-    """The run's identity, its step count and wall time, and the step-time quantiles."""
+    """The run's identity, its step count and wall time."""
     lines = [f"torchtrace run {s.get('run_id', run_dir.name)}"
              f"  service {s.get('service_name', '?')}  rank {s.get('rank', 0)}/{s.get('world_size', 1)}"
              f"  level {s.get('level', '?')}"]
@@ -115,19 +119,34 @@ def _header_lines(s: dict[str, Any], steps: list[dict[str, Any]], run_dir: Path)
         wall = (steps[-1]["start_unix_ns"] - steps[0]["start_unix_ns"]) / 1e9 + steps[-1]["duration_s"]
     lines.append(f"  steps: {len(steps)}" + (f" ({', '.join(f'{k} {v}' for k, v in sorted(ops.items()))})" if ops else "")
                  + (f" over {seconds_text(wall)}" if wall is not None else ""))
-    durations = finite([st.get("duration_s") for st in steps])
-    if durations:
-        q = sorted(durations)
-        p95 = q[min(len(q) - 1, int(0.95 * len(q)))]
-        lines.append(f"  step time: median {statistics.median(q) * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, "
-                     f"max {q[-1] * 1e3:.2f} ms")
     return lines
 
 
-def _series_lines(steps: list[dict[str, Any]]) -> list[str]:
-    """Loss and gradient norm (first, last, range, non-finite count, sparkline), then RSS."""
+def _main_steps(steps: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """The steps of the main operation (:func:`main_operation`), and the label suffix that names
+    it (empty when the run has one operation): evaluation losses and a checkpoint's time are not
+    training's."""
+    main = main_operation(steps)
+    if len({st.get("operation") for st in steps}) <= 1:
+        return "", steps
+    return f" {main}", [st for st in steps if st.get("operation") == main]
+
+
+def _step_time_lines(steps: list[dict[str, Any]], label: str) -> list[str]:
+    """The step-time median, p95 and max of ``steps``."""
+    durations = finite([st.get("duration_s") for st in steps])
+    if not durations:
+        return []
+    q = sorted(durations)
+    p95 = q[min(len(q) - 1, int(0.95 * len(q)))]
+    return [f"  step time{label}: median {statistics.median(q) * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, "
+            f"max {q[-1] * 1e3:.2f} ms"]
+
+
+def _series_lines(steps: list[dict[str, Any]], label: str = "") -> list[str]:
+    """Loss and gradient norm (first, last, range, non-finite count, sparkline)."""
     lines: list[str] = []
-    for label, key in (("loss", "loss"), ("grad norm", "grad_norm")):
+    for name, key in (("loss", "loss"), ("grad norm", "grad_norm")):
         series = [st.get(key) for st in steps]
         ok = finite(series)
         if not ok and not any(v is not None for v in series):
@@ -135,18 +154,22 @@ def _series_lines(steps: list[dict[str, Any]]) -> list[str]:
         bad = sum(1 for v in series if v is not None and not math.isfinite(v))
         first = next((v for v in series if v is not None), None)
         last = next((v for v in reversed(series) if v is not None), None)
-        text = f"  {label}: first {_fmt(first)}, last {_fmt(last)}"
+        text = f"  {name}{label}: first {_fmt(first)}, last {_fmt(last)}"
         if ok:
             text += f", min {_fmt(min(ok))}, max {_fmt(max(ok))}"
         if bad:
             text += f", non-finite at {bad} step(s)"
         lines.append(text)
         lines.append(f"    {sparkline(series)}")
-    rss = [st.get("memory", {}).get("rss_bytes") for st in steps]
-    rss_ok = finite(rss)
-    if rss_ok:
-        lines.append(f"  memory (rss): first {_mib(rss_ok[0])}, last {_mib(rss_ok[-1])}, max {_mib(max(rss_ok))}")
     return lines
+
+
+def _memory_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """The process's RSS over every step, whatever its operation."""
+    rss_ok = finite([st.get("memory", {}).get("rss_bytes") for st in steps])
+    if not rss_ok:
+        return []
+    return [f"  memory (rss): first {_mib(rss_ok[0])}, last {_mib(rss_ok[-1])}, max {_mib(max(rss_ok))}"]
 
 
 def _anomaly_lines(steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[str]:
