@@ -20,8 +20,15 @@ from torchtrace.config import Settings
     ({"guard": "ignore"}, "guard", "warn, skip, raise"),
     ({"otlp_endpoint": "localhost:4317"}, "otlp_endpoint", "http://"),
     ({"run_id": "../etc"}, "run_id", "letters, digits"),
-    ({"peak_flops": 0}, "peak_flops", "positive finite number"),
-    ({"peak_flops": "fast"}, "peak_flops", "positive finite number"),
+    ({"peak_flops": 0}, "peak_flops", "finite number of FLOP/s >= 1"),
+    ({"peak_flops": "fast"}, "peak_flops", "finite number"),
+    # Too large for a float: the same ValueError, never an OverflowError from float().
+    ({"peak_flops": 10**400}, "peak_flops", "finite number"),
+    ({"grad_explosion_threshold": 10**400}, "grad_explosion_threshold", "positive finite number"),
+    ({"export_timeout_s": 10**400}, "export_timeout_s", "positive finite number"),
+    # A peak below 1 FLOP/s (a subnormal 1e-320 made every MFU infinite) is no device's.
+    ({"peak_flops": 1e-320}, "peak_flops", "a finite number of FLOP/s >= 1"),
+    ({"peak_flops": 0.5}, "peak_flops", "a finite number of FLOP/s >= 1"),
 ])
 def test_bad_argument_raises_naming_setting_and_accepted_values(kwargs, setting, accepted):
     with pytest.raises(ValueError) as err:
@@ -65,6 +72,8 @@ def test_peak_flops_from_argument_environment_or_none():
     assert Settings.resolve({}, environ={"TORCHTRACE_PEAK_FLOPS": "989e12"}).peak_flops == 989e12
     assert Settings.resolve({"peak_flops": 3e14}, environ={"TORCHTRACE_PEAK_FLOPS": "989e12"}).peak_flops == 3e14
     assert Settings.resolve({}, environ={"TORCHTRACE_PEAK_FLOPS": "-1"}).peak_flops is None  # logged, ignored
+    assert Settings.resolve({}, environ={"TORCHTRACE_PEAK_FLOPS": "1e-320"}).peak_flops is None
+    assert Settings.resolve({"peak_flops": 1}, environ={}).peak_flops == 1.0  # the least accepted
 
 
 def test_port_off_and_run_id_from_torchrun():

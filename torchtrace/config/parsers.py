@@ -128,17 +128,34 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
-def _positive_float(value: Any, setting: str) -> float:
-    accepted = "accepted values: a positive finite number"
+def _positive_float(value: Any, setting: str, least: float = 0.0,
+                    accepted: str = "accepted values: a positive finite number") -> float:
+    """A finite number above 0 (at least ``least`` when that is given); a number too large for
+    a float (``10**400``) is as invalid as ``inf``."""
     if _is_bool(value):
-        raise ValueError(f"{setting}={value!r} is not valid; {accepted}")
+        raise ValueError(f"{setting}={_shown(value)} is not valid; {accepted}")
     try:
         number = float(value.strip() if isinstance(value, str) else value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{setting}={value!r} is not valid; {accepted}") from None
-    if not (number > 0 and number != float("inf")):
-        raise ValueError(f"{setting}={value!r} is not valid; {accepted}")
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{setting}={_shown(value)} is not valid; {accepted}") from None
+    if not (number > 0 and number >= least and number != float("inf")):
+        raise ValueError(f"{setting}={_shown(value)} is not valid; {accepted}")
     return number
+
+
+def _peak_flops(value: Any, setting: str) -> float:
+    """A device's peak FLOP/s: at least 1 (a smaller peak, a subnormal ``1e-320`` say, is no
+    device's and would make every MFU infinite)."""
+    return _positive_float(value, setting, least=1.0, accepted="accepted values: a finite number of FLOP/s >= 1")
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for an error message, cut short (``10**400`` has 401 digits)."""
+    try:
+        text = repr(value)
+    except Exception:  # (a repr that fails, or an int past the digits limit)
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= 60 else f"{text[:40]}...<{len(text)} characters>"
 
 
 def _positive_int(value: Any, setting: str) -> int:
@@ -327,7 +344,7 @@ VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "metrics_export_interval_s": _positive_float,
     "otlp_metrics_endpoint": _check_endpoint,
     "otlp_certificate": _readable_file,
-    "peak_flops": _positive_float,
+    "peak_flops": _peak_flops,
     "throughput": _bool,
 }
 
@@ -358,6 +375,6 @@ ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "metrics_export_interval_s": ((ENV_METRICS_EXPORT_INTERVAL,), _positive_float),
     "otlp_metrics_endpoint": ((ENV_OTLP_METRICS_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),
     "otlp_certificate": ((ENV_OTLP_TRACES_CERTIFICATE, ENV_OTLP_CERTIFICATE), _readable_file),
-    "peak_flops": ((ENV_PEAK_FLOPS,), _positive_float),
+    "peak_flops": ((ENV_PEAK_FLOPS,), _peak_flops),
     "throughput": ((ENV_THROUGHPUT,), _bool),
 }
