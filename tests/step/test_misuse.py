@@ -184,7 +184,16 @@ def test_an_evaluation_with_the_model_does_not_report_the_last_training_steps_gr
         tt.shutdown()
 
 
+class _NoRepr:
+    """A value whose repr fails (a lazy proxy not yet materialised)."""
+
+    def __repr__(self):
+        raise RuntimeError("not materialised yet")
+
+
 @pytest.mark.parametrize("given,name", [
+    (dict(flops=10**400), "flops"), (dict(samples=_NoRepr()), "samples"), (dict(flops=_NoRepr()), "flops"),
+    (dict(tokens=10**5000), "tokens"),
     (dict(samples="8"), "samples"), (dict(samples=-1), "samples"), (dict(samples=2.5), "samples"),
     (dict(samples=True), "samples"), (dict(tokens=torch.tensor([1, 2])), "tokens"), (dict(tokens=float("nan")), "tokens"),
     (dict(tokens=-3), "tokens"), (dict(flops="x"), "flops"), (dict(flops=-5), "flops"), (dict(flops=float("inf")), "flops"),

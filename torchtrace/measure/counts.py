@@ -10,6 +10,11 @@ from typing import Any
 import torch
 
 
+#: What ``record_batch`` accepts for a count (one limit: an int64, what a device count holds).
+COUNTS = "an integer >= 0 (below 2**63) or a one-element device tensor"
+_MAX_COUNT = 2**63
+
+
 def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None) -> tuple[tuple, str | None]:
     """What ``StepScope.record_batch`` was given, each value that is not valid left out (so
     that what torchtrace infers or counts stands in for it), and a message naming every such
@@ -17,18 +22,32 @@ def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None
     inside the user's step. Counters only grow, so a negative count is not valid.
 
     >>> checked_overrides(samples=8, tokens="512")
-    ((8, None, None), "tokens='512' ignored; accepted values: an integer >= 0 or a one-element device tensor")
+    ((8, None, None), "tokens='512' ignored; accepted values: an integer >= 0 (below 2**63) or a one-element device tensor")
+    >>> checked_overrides(flops=10**400)[1]
+    'flops=1000000000000000000000000000000000000000...<401 characters> ignored; accepted values: a finite number >= 0'
     """
     problems: list[str] = []
-    samples = _checked_count("samples", samples, problems)
-    tokens = _checked_count("tokens", tokens, problems)
-    if flops is not None:
-        if isinstance(flops, numbers.Real) and not isinstance(flops, bool) and math.isfinite(flops) and flops >= 0:
-            flops = float(flops)
-        else:
-            problems.append(f"flops={flops!r} ignored; accepted values: a finite number >= 0")
-            flops = None
+    try:
+        samples = _checked_count("samples", samples, problems)
+        tokens = _checked_count("tokens", tokens, problems)
+        flops = _checked_flops(flops, problems)
+    except Exception as exc:  # a value that fails even its checks (a broken __eq__, say): all left out
+        return (None, None, None), f"the values could not be checked ({type(exc).__name__}) and are ignored"
     return (samples, tokens, flops), "; ".join(problems) or None
+
+
+def _checked_flops(flops: Any, problems: list[str]) -> float | None:
+    if flops is None:
+        return None
+    if isinstance(flops, numbers.Real) and not isinstance(flops, bool):
+        try:
+            number = float(flops)  # (an int past the float range raises OverflowError)
+        except (OverflowError, ValueError, TypeError):
+            number = math.nan
+        if math.isfinite(number) and number >= 0:
+            return number
+    problems.append(f"flops={shown(flops)} ignored; accepted values: a finite number >= 0")
+    return None
 
 
 def _checked_count(name: str, value: Any, problems: list[str]) -> int | torch.Tensor | None:
@@ -39,13 +58,22 @@ def _checked_count(name: str, value: Any, problems: list[str]) -> int | torch.Te
     if isinstance(value, torch.Tensor):
         if value.numel() == 1 and not value.is_complex():
             return value.detach().reshape(())
-        problems.append(f"{name}=<tensor of shape {tuple(value.shape)}> ignored; accepted values: an integer >= 0 "
-                        "or a one-element device tensor")
+        problems.append(f"{name}=<tensor of shape {tuple(value.shape)}> ignored; accepted values: {COUNTS}")
         return None
     if _is_count(value):
         return int(value)
-    problems.append(f"{name}={value!r} ignored; accepted values: an integer >= 0 or a one-element device tensor")
+    problems.append(f"{name}={shown(value)} ignored; accepted values: {COUNTS}")
     return None
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for a warning, cut short; never raises (a lazy proxy's repr may, and so
+    does an int past Python's 4300 digits)."""
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= 60 else f"{text[:40]}...<{len(text)} characters>"
 
 
 def device_count(value: float) -> int | None:
@@ -55,4 +83,4 @@ def device_count(value: float) -> int | None:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < _MAX_COUNT
