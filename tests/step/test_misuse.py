@@ -229,3 +229,66 @@ def test_bad_record_batch_values_are_left_out_with_a_warning(tt_runtime, model_a
     samples = scrape(tt_runtime.metrics_url)
     assert value(samples, "torchtrace_samples_total", operation="train_step") == 8
     assert rt.errors.total == 0
+
+
+@pytest.mark.parametrize("given,name,when", [
+    (dict(samples=torch.tensor(-3)), "samples", "read"), (dict(tokens=torch.tensor(-7)), "tokens", "read"),
+    (dict(samples=torch.tensor(float("nan"))), "samples", "dtype"), (dict(samples=torch.tensor(2.7)), "samples", "dtype"),
+    (dict(tokens=torch.tensor(float("inf"))), "tokens", "dtype"), (dict(tokens=torch.tensor(True)), "tokens", "dtype"),
+])
+def test_bad_record_batch_tensors_leave_what_was_inferred(tmp_path, caplog, given, name, when):
+    """A one-element tensor that is no count: a bool or floating one is left out at once (its
+    dtype is host metadata), a negative integer one when the step's one read lands. Either way
+    a warning names it, what torchtrace inferred stands (the batch's 4 rows, its mask's real
+    tokens: a plain count), and no host read is added (one per step, as without it)."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    try:
+        emb = torch.nn.Embedding(50, 8)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+        @tt.debug_operation(model=emb, optimizer=opt)
+        def train_step(batch, give):
+            opt.zero_grad()
+            (emb(batch["input_ids"]) * batch["attention_mask"].unsqueeze(-1)).pow(2).mean().backward()
+            opt.step()
+            if give:
+                tt.current_step().record_batch(**given)
+
+        ids = torch.randint(0, 50, (4, 6))
+        mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3, [1] * 5 + [0], [1] * 2 + [0] * 4])
+        real = sum(int(v) for row in mask.tolist() for v in row)  # a plain count: 16
+        from torchtrace.record import readout
+        with caplog.at_level(logging.WARNING, logger="torchtrace"):
+            train_step({"input_ids": ids, "attention_mask": mask}, False)
+            reads = readout.reads()
+            for _ in range(2):
+                train_step({"input_ids": ids, "attention_mask": mask}, True)
+            rt = get_runtime()
+            rt.finish_deferred(block=True)
+        assert readout.reads() - reads == 2  # the step's one read each, no more
+        warned = [r.getMessage() for r in caplog.records if "record_batch" in r.getMessage()]
+        assert len(warned) == 1 and f"{name}=" in warned[0] and "accepted values" in warned[0], warned
+        assert [(s["samples"], s["tokens"]) for s in rt.history.steps()] == [(4, real)] * 3
+        assert rt.metrics.value("torchtrace_samples_total", {"operation": "train_step"}) == 12
+        assert rt.metrics.value("torchtrace_tokens_total", {"operation": "train_step"}) == 3 * real
+        assert rt.errors.total == 0
+    finally:
+        tt.shutdown()
+
+
+def test_good_record_batch_tensors_win_in_the_steps_one_read(tmp_path):
+    """Integer tensors (a mask's sum) given to record_batch win over what was inferred, read
+    with the step's one read: against a plain count."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    try:
+        from torchtrace.record import readout
+        with tt.debug_context("train_step", inputs=torch.zeros(8, 3)) as step:
+            pass
+        reads = readout.reads()
+        mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+        with tt.debug_context("train_step", inputs=torch.zeros(8, 3)) as step:
+            step.record_batch(samples=(mask.sum(dim=1) > 1).sum(), tokens=mask.sum(), flops=10.0)
+        assert readout.reads() - reads <= 1
+        assert (step.record.samples, step.record.tokens, step.record.flops) == (1, 3, 10.0)
+    finally:
+        tt.shutdown()

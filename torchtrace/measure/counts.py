@@ -11,7 +11,7 @@ import torch
 
 
 #: What ``record_batch`` accepts for a count (one limit: an int64, what a device count holds).
-COUNTS = "an integer >= 0 (below 2**63) or a one-element device tensor"
+COUNTS = "an integer >= 0 (below 2**63) or a one-element integer device tensor"
 _MAX_COUNT = 2**63
 
 
@@ -22,7 +22,7 @@ def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None
     inside the user's step. Counters only grow, so a negative count is not valid.
 
     >>> checked_overrides(samples=8, tokens="512")
-    ((8, None, None), "tokens='512' ignored; accepted values: an integer >= 0 (below 2**63) or a one-element device tensor")
+    ((8, None, None), "tokens='512' ignored; accepted values: an integer >= 0 (below 2**63) or a one-element integer device tensor")
     >>> checked_overrides(flops=10**400)[1]
     'flops=1000000000000000000000000000000000000000...<401 characters> ignored; accepted values: a finite number >= 0'
     """
@@ -56,9 +56,12 @@ def _checked_count(name: str, value: Any, problems: list[str]) -> int | torch.Te
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        if value.numel() == 1 and not value.is_complex():
-            return value.detach().reshape(())
-        problems.append(f"{name}=<tensor of shape {tuple(value.shape)}> ignored; accepted values: {COUNTS}")
+        if value.numel() != 1:
+            problems.append(f"{name}=<tensor of shape {tuple(value.shape)}> ignored; accepted values: {COUNTS}")
+        elif value.dtype == torch.bool or value.is_floating_point() or value.is_complex():  # (host metadata)
+            problems.append(f"{name}=<tensor of dtype {value.dtype}> ignored; accepted values: {COUNTS}")
+        else:
+            return value.detach().reshape(())  # its sign is checked when the step's read lands
         return None
     if _is_count(value):
         return int(value)
@@ -74,6 +77,38 @@ def shown(value: Any) -> str:
     except Exception:
         return f"<{type(value).__name__} object>"
     return text if len(text) <= 60 else f"{text[:40]}...<{len(text)} characters>"
+
+
+def plan_given(given: tuple | None, plan: Any) -> tuple | None:
+    """``given`` (what ``record_batch`` kept) for the host: its device counts are added to the
+    step's one read instead (``given_samples``, ``given_tokens``), checked by
+    :func:`read_given` when it lands, so that what was inferred is still at hand when one
+    turns out to be no count. None when nothing is left for the host."""
+    if given is None:
+        return None
+    host = list(given)
+    for i, name in ((0, "given_samples"), (1, "given_tokens")):
+        if isinstance(host[i], torch.Tensor):
+            plan.add(name, host[i].to(torch.float64))
+            host[i] = None
+    return tuple(host) if any(v is not None for v in host) else None
+
+
+def read_given(plan: Any, values: list[float] | None) -> tuple[dict[str, int], list[str]]:
+    """The device counts ``record_batch`` was given, as read: ``({field: count}, problems)``,
+    one that is no count (negative) left out and named in ``problems``."""
+    counts: dict[str, int] = {}
+    problems: list[str] = []
+    for field in ("samples", "tokens"):
+        value = plan.first("given_" + field, values)
+        if value is None:
+            continue
+        count = device_count(value)
+        if count is None:
+            problems.append(f"{field}=<tensor holding {value:g}> ignored; accepted values: {COUNTS}")
+        else:
+            counts[field] = count
+    return counts, problems
 
 
 def device_count(value: float) -> int | None:

@@ -17,7 +17,7 @@ import torch
 from torchtrace import semconv
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import gradients as grad_measure
-from torchtrace.measure.counts import device_count
+from torchtrace.measure.counts import device_count, read_given
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import StepRecord
 from torchtrace.export.spans import apply_record
@@ -75,6 +75,11 @@ def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float
         samples = plan.first("samples", values)
         if samples is not None:
             record.samples = device_count(samples)
+        given, problems = read_given(plan, values)  # record_batch's device counts win when they are counts
+        for field, count in given.items():
+            setattr(record, field, count)
+        for problem in problems:
+            rt.warn_once(("batch", problem), "torchtrace: %s: record_batch: %s", scope.name, problem)
         if (plan.first("scaler_skipped", values) or 0.0) > 0:  # the loss scaler skipped the update
             record.scaler_overflow = True
         if "lr" in plan:  # learning rates on a device

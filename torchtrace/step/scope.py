@@ -21,7 +21,7 @@ from torchtrace.errors import NonFiniteError
 from torchtrace.export.spans import clean_attributes
 from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import memory as mem_measure
-from torchtrace.measure.counts import checked_overrides
+from torchtrace.measure.counts import checked_overrides, plan_given
 from torchtrace.measure.loss import LossValue, classify_loss
 from torchtrace.record.reads import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
@@ -292,7 +292,7 @@ class StepScope:
         throughput = None
         if self.features.throughput:
             try:
-                throughput = rt.throughput.finish_step(self, self._flops_counter, exc, self._batch, plan)
+                throughput = rt.throughput.finish_step(self, self._flops_counter, exc, plan_given(self._batch, plan), plan)
             except Exception as terr:  # costs the step its throughput figures, never its record
                 rt.errors.report("step", terr)
                 if self._flops_counter is not None:  # (a second exit of a closed one does nothing)
