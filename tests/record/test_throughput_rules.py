@@ -247,3 +247,17 @@ def test_one_slow_window_is_not_a_drop():
     """A shared machine's load spike slows one window; the next is back to pace: no drop."""
     durations = [0.1] * 300 + [0.3] * WINDOW + [0.1] * 200
     assert run(GoodputLedger(0.0), durations, [0.0] * len(durations), samples=8) == []
+
+
+def test_flops_past_the_float_range_make_an_infinite_rate_not_an_error():
+    """Given FLOPs so large (1e307 per step) that their sum passes the float range: the FLOP
+    rate and MFU are infinite, and the other rates are those of a plain count, not lost."""
+    import math
+
+    w = OperationWindow(RuleSettings(window=20))
+    for _ in range(20):
+        w.add(duration=0.04, wait=0.01, samples=4, tokens=32, flops=int(1e307))
+    tp = w.throughput(peak_flops=1e12)
+    assert tp.samples_per_s == pytest.approx(20 * 4 / (20 * 0.05)) and tp.tokens_per_s == pytest.approx(32 / 0.05)
+    assert math.isinf(tp.flops_per_s) and math.isinf(tp.mfu)
+    assert tp.data_wait_share == pytest.approx(0.2)

@@ -28,6 +28,7 @@ Rules (their settings are :class:`RuleSettings`; defaults are the constants belo
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -202,7 +203,12 @@ class OperationWindow:
         def rate(index: int) -> float | None:
             known = [(e[0], e[index]) for e in self.entries if e[index] is not None]
             time = sum(c for c, _ in known)
-            return sum(v for _, v in known) / time if known and time > 0 else None
+            if not known or time <= 0:
+                return None
+            try:
+                return sum(v for _, v in known) / time
+            except OverflowError:  # FLOPs past the float range (given ones, 1e307 a step): an infinite rate
+                return math.inf
 
         flops_per_s = rate(4)
         mfu = flops_per_s / peak_flops if flops_per_s is not None and peak_flops else None
