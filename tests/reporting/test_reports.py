@@ -152,6 +152,64 @@ def test_throughput_rows_say_why_there_is_no_mfu_and_scale_the_flop_rate():
         assert 1 <= float(value.replace(",", "")) < 1000
 
 
+def test_non_finite_rates_are_printed_not_a_crash(run):
+    """report.json writes a non-finite number as a strict-JSON string ("Infinity", "NaN"): the
+    throughput and goodput rows print it by name (an MFU over a peak of 1e-320, FLOPs that
+    overflowed), and the finite figures beside it as before; `torchtrace report` prints the run."""
+    from torchtrace.reporting.summary import throughput_rows
+
+    ops = {"train_step": {"steps": 20, "samples_per_s": 640.0, "tokens_per_s": "NaN", "flops_per_s": "Infinity",
+                          "mfu": "Infinity"}}
+    rows = dict(throughput_rows({"operations": ops, "goodput_ratio": "NaN",
+                                 "badput_s": {"data_wait": "Infinity", "startup": 0.05}}))
+    assert rows["throughput"] == ("NaN tokens/s, 640 samples/s, Infinity FLOP/s, MFU Infinity, "
+                                  "over the last 20 steps")
+    assert rows["goodput"] == "NaN of wall time in applied updates; the rest: data_wait Infinity, startup 50 ms"
+    run_dir, _ = run
+    report = json.loads((run_dir / "report.json").read_text())
+    window = report["throughput"]["operations"]["train_step"]
+    window["mfu"] = "Infinity"
+    (run_dir / "report.json").write_text(json.dumps(report))
+    text = terminal_report(run_dir)
+    assert f"{round(window['samples_per_s']):,} samples/s" in text and "MFU Infinity" in text, text
+
+
+def test_one_huge_flops_figure_leaves_the_rest_of_the_throughput_section(tmp_path):
+    """record_batch(flops=1e307) every step (a valid, finite number): the FLOP rate overflows
+    to Infinity, and report.json still has goodput, badput and the samples rate (a plain
+    count of the 4-row batches over the window's seconds); nothing is an internal error."""
+    import torch
+
+    import torchtrace as tt
+    from torchtrace.api import get_runtime
+
+    tt.configure(run_dir=str(tmp_path), run_id="huge", prometheus_port="off", register_atexit=False, strict=True)
+    try:
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            tt.current_step().record_batch(flops=1e307)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+        for _ in range(25):
+            train_step(torch.randn(4, 8))
+        errors = get_runtime().errors.total
+    finally:
+        tt.shutdown()
+    assert errors == 0
+    section = json.loads((tmp_path / "huge" / "report.json").read_text())["throughput"]
+    window = section["operations"]["train_step"]
+    assert window["flops_per_s"] == "Infinity"
+    assert window["samples_per_s"] == pytest.approx(4 * window["steps"] / window["seconds"])
+    assert 0 < section["goodput_ratio"] <= 1 and "badput_s" in section
+    text = terminal_report(tmp_path / "huge")
+    assert "Infinity FLOP/s" in text and "\n  goodput: " in text, text
+
+
 def test_html_report_is_self_contained_and_holds_the_run(run):
     run_dir, history_steps = run
     html = html_report(run_dir)

@@ -77,30 +77,53 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     ops = section.get("operations") or {}
     for name, op in sorted(ops.items())[:MAX_OPERATION_ROWS]:
+        tokens, samples, flops, mfu = (_number(op.get(k)) for k in ("tokens_per_s", "samples_per_s", "flops_per_s", "mfu"))
         parts = []
-        if op.get("tokens_per_s") is not None:
-            parts.append(f"{op['tokens_per_s']:,.0f} tokens/s")
-        if op.get("samples_per_s") is not None:
-            parts.append(f"{op['samples_per_s']:,.0f} samples/s")
-        elif op.get("tokens_per_s") is None:
+        if tokens is not None:
+            parts.append(_shown(tokens, "{:,.0f}") + " tokens/s")
+        if samples is not None:
+            parts.append(_shown(samples, "{:,.0f}") + " samples/s")
+        elif tokens is None:
             parts.append("no samples/s (no batch in the step's arguments or its model's call: give inputs= "
                          "or record_batch(samples=...))")
-        if op.get("flops_per_s"):
-            parts.append(flops_text(op["flops_per_s"]))
-        if op.get("mfu") is not None:
-            parts.append(f"MFU {op['mfu']:.1%}")
-        elif not op.get("flops_per_s"):
+        if flops:
+            parts.append(flops_text(flops) if math.isfinite(flops) else f"{_shown(flops, '')} FLOP/s")
+        if mfu is not None:
+            parts.append("MFU " + _shown(mfu, "{:.1%}"))
+        elif not flops:
             parts.append("no MFU (no FLOPs: none counted or given for this operation)")
         else:
             parts.append("no MFU (this device's peak is unknown: set peak_flops)")
         rows.append(("throughput" if len(ops) == 1 else f"throughput {name}",
                      f"{', '.join(parts)}, over the last {op.get('steps', 0)} steps"))
-    ratio = section.get("goodput_ratio")
+    ratio = _number(section.get("goodput_ratio"))
     if ratio is not None:
-        badput = sorted(((v, k) for k, v in (section.get("badput_s") or {}).items() if v > 0), reverse=True)
-        lost = ", ".join(f"{k} {seconds_text(v)}" for v, k in badput) or "none"
-        rows.append(("goodput", f"{ratio:.0%} of wall time in applied updates; the rest: {lost}"))
+        lost = _badput_text(section.get("badput_s") or {})
+        rows.append(("goodput", f"{_shown(ratio, '{:.0%}')} of wall time in applied updates; the rest: {lost}"))
     return rows
+
+
+def _badput_text(badput_s: dict[str, Any]) -> str:
+    """The badput kinds above zero, largest first: ``data_wait 1.50 s, startup 50 ms`` (or "none")."""
+    figures = ((_number(v), k) for k, v in badput_s.items())
+    badput = sorted(((v, k) for v, k in figures if v is not None and not v <= 0),  # (a NaN is shown, last)
+                    key=lambda p: (-math.inf if math.isnan(p[0]) else p[0], p[1]), reverse=True)
+    return ", ".join(f"{k} {seconds_text(v) if math.isfinite(v) else _shown(v, '')}" for v, k in badput) or "none"
+
+
+def _number(value: Any) -> float | None:
+    """A figure of report.json as a float: a number, or the strict-JSON string of a non-finite
+    one ("Infinity", "-Infinity", "NaN"); None for anything else (absent, not a figure)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}.get(value) if isinstance(value, str) else None
+
+
+def _shown(value: float, spec: str) -> str:
+    """``value`` formatted by ``spec``; a non-finite one by its strict-JSON name (Infinity, NaN)."""
+    if math.isfinite(value):
+        return spec.format(value)
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
 def seconds_text(value: float) -> str:
