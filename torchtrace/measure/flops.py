@@ -228,19 +228,36 @@ _current_mode = getattr(_python_dispatch, "_get_current_dispatch_mode", None)  #
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-def _nested_among(args: Any, kwargs: Any) -> bool:
-    return any(isinstance(leaf, torch.Tensor) and leaf.is_nested for leaf in tree_leaves((args, kwargs)))
+_NESTED, _META = 1, 2
+
+
+def _uncounted(args: Any, kwargs: Any) -> int:
+    """:data:`_NESTED` when a nested tensor is among an op's arguments, :data:`_META` when a
+    tensor on the meta device is (and none is nested), else 0."""
+    found = 0
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.is_nested:
+                return _NESTED
+            if leaf.is_meta:
+                found = _META
+    return found
 
 
 if _INNER is not None:
     class _Declining(_INNER):  # type: ignore[misc, valid-type]
         """FlopCounterMode's dispatch mode, except that an op on a nested tensor runs uncounted
         (torch's own mode fails those ops, and the user's step with them) and marks the
-        count incomplete."""
+        count incomplete, and an op on meta tensors runs uncounted: it computes nothing (a
+        FLOP measurement of the user's on a meta-device copy of the model, Lightning's
+        ``measure_flops``, doubled the step's count). A mode of the user's below this one
+        still sees the op and counts it."""
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if _nested_among(args, kwargs):
-                self.counter.incomplete = True
+            uncounted = _uncounted(args, kwargs)
+            if uncounted:
+                if uncounted == _NESTED:
+                    self.counter.incomplete = True
                 return func(*args, **(kwargs or {}))
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
