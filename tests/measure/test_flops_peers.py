@@ -5,6 +5,8 @@ against FlopCounterMode on a plain copy of the model, outside torchtrace."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -65,6 +67,19 @@ def _records(operation):
     return [r for r in rt.history.steps() if r["operation"] == operation]
 
 
+def _recorded(step):
+    """``step``, keeping each call's record (which says whether it ran under the counter)."""
+    kept = []
+
+    def call(*args):
+        out = step(*args)
+        kept.append(get_runtime().history.last_record)
+        return out
+
+    call.records = kept
+    return call
+
+
 # ------------------------------------------------------------------ meta-device ops
 def test_ops_on_meta_tensors_inside_a_count_are_not_counted():
     """Meta tensors compute nothing: a meta copy's forward and backward inside the counted
@@ -123,3 +138,79 @@ def test_the_users_mode_around_a_count_still_counts_meta_ops(run):
         train_step(*_batch())
     assert mine.get_total_flops() == ref.get_total_flops()
     assert [r["flops"] for r in _records("train_step")] == [_reference()]
+
+
+# ------------------------------------------------------------------ profilers
+def _profiled(steps, n):
+    """``n`` steps under the user's ``torch.profiler.profile(with_flops=True)``: its
+    ``aten::addmm`` calls, its FLOPs and its PythonDispatchMode events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        for _ in range(n):
+            steps(*_batch())
+    events = prof.key_averages()
+    return (sum(e.count for e in events if e.key == "aten::addmm"), sum(e.flops for e in events),
+            sum(e.count for e in events if e.key == "PythonDispatchMode"))
+
+
+def test_the_users_profiler_sees_the_steps_as_without_torchtrace_and_the_count_waits(run):
+    """A user's profiler around steps that would be counted: it saw the counted step's ops
+    twice (10 addmm for 8, 25 % more FLOPs) and the counter's PythonDispatchMode. Now the
+    count waits for the first step without a profiler, and its FLOPs equal a plain count."""
+    torch.manual_seed(0)
+    plain = _mlp()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    expected = _profiled(lambda x, y: _body(plain, plain_opt, x, y), 4)
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = _recorded(tt.debug_operation(model=model, optimizer=opt, name="train_step")(
+        lambda x, y: _body(model, opt, x, y)))
+    assert _profiled(train_step, 4) == expected and expected[0] == 8 and expected[2] == 0
+    for _ in range(3):
+        train_step(*_batch())
+    records = train_step.records
+    assert [r.flops_counted for r in records] == [False] * 4 + [True, False, False]
+    assert [r.flops for r in records] == [None] * 4 + [_reference()] * 3
+    assert get_runtime().throughput.flops.counts == 1
+
+
+def test_a_context_without_inputs_waits_for_a_step_without_a_profiler(run):
+    """The same for a step keyed by its model's call (a ``debug_context`` without inputs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = []
+    for profiled in (True, True, False, False):
+        with profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext():
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                _body(model, opt, *_batch())
+        records.append(step.record)
+    assert [r.flops_counted for r in records] == [False, False, True, False]
+    assert [r.flops for r in records] == [None, None, _reference(), _reference()]
+
+
+def test_torchtraces_own_profiler_window_postpones_the_count_too(run, tmp_path):
+    """torchtrace's own window over the first steps: their trace shows the steps as they run
+    (no counter's PythonDispatchMode, each addmm once), and the first step after the window
+    is counted."""
+    import json
+
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = _recorded(tt.debug_operation(model=model, optimizer=opt, name="train_step")(
+        lambda x, y: _body(model, opt, x, y)))
+    with tt.profiling(tmp_path / "prof" / "t.json", tt.ProfileSchedule(steps=[0], active=2)) as result:
+        for _ in range(4):
+            train_step(*_batch())
+    assert len(result["windows"]) == 1
+    names = [e.get("name") for e in json.loads(open(result["path"]).read())["traceEvents"]]
+    assert names.count("aten::addmm") == 4 and "PythonDispatchMode" not in names
+    records = train_step.records
+    assert [r.flops_counted for r in records] == [False, False, True, False]
+    assert [r.flops for r in records] == [None, None, _reference(), _reference()]
+

@@ -28,6 +28,7 @@ import torch
 
 from torchtrace import files
 from torchtrace.distributed import rank_file_name
+from torchtrace.measure.flop_modes import leave_counter, profiler_running
 from torchtrace.probes.base import Probe
 
 logger = logging.getLogger(__name__)
@@ -199,14 +200,7 @@ def write_trace(prof: Any, path: Path, max_bytes: int, private: bool = True) -> 
     return dropped
 
 
-def _someone_profiling() -> bool:
-    """True while a profiler session is open in this process (not one of torchtrace's windows:
-    the probe asks before opening one)."""
-    enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
-    try:
-        return bool(enabled()) if enabled is not None else False
-    except Exception:
-        return False
+_someone_profiling = profiler_running  # (not one of torchtrace's windows: the probe asks before opening one)
 
 
 class ProfilerProbe(Probe):
@@ -278,6 +272,11 @@ class ProfilerProbe(Probe):
                 return None
             self.armed = None
             w = self.window = self._open(sched, scope, reason)
+            counter = getattr(scope, "_flops_counter", None)
+            if counter is not None and leave_counter(counter):
+                # The step's FLOP count, opened before the window: the trace would hold its every
+                # op twice. The count waits for a step outside windows (as under the user's profiler).
+                scope._flops_counter = None
         w.rec = torch.profiler.record_function(f"ProfilerStep#{scope.step}")
         w.rec.__enter__()
         w.steps.append(scope.step)

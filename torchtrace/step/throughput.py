@@ -12,7 +12,6 @@ MFU, the throughput rules.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import weakref
 from typing import Any, Hashable
@@ -22,8 +21,7 @@ import torch
 from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
-from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, eager_for_now, leave_counter, \
-    shape_key
+from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, leave_counter, shape_key
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
 from torchtrace.measure.shape_keys import loose_shape_key, truncated
 from torchtrace.measure.scaler import scale_at_start, skipped_update
@@ -134,16 +132,9 @@ class RunThroughput:
                 return None
         elif not (outermost and key is not None and self.flops.needs_count(key)) or self._skipped(key):
             return None
-        self._counting = weakref.ref(scope)  # weak: a scope holds the user's model
-        counter = contextlib.ExitStack()
-        try:
-            # A module compiled with torch.compile runs eagerly for this one step: first called
-            # under the FLOP counter's dispatch mode, torch would never compile it after.
-            counter.enter_context(eager_for_now())
-            counter.enter_context(self.flops.counting(key))
-        except BaseException:
-            counter.close()
-            raise
+        counter = self.flops.begin(key)  # (None while a profiler records: a later step counts)
+        if counter is not None:
+            self._counting = weakref.ref(scope)  # weak: a scope holds the user's model
         return counter
 
     def _release_container(self) -> bool:
