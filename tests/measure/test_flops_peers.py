@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
 
 import torchtrace as tt
@@ -214,3 +215,40 @@ def test_torchtraces_own_profiler_window_postpones_the_count_too(run, tmp_path):
     assert [r.flops_counted for r in records] == [False, False, True, False]
     assert [r.flops for r in records] == [None, None, _reference(), _reference()]
 
+
+# ------------------------------------------------------------------ the user's mode inside an epoch
+@pytest.mark.parametrize("form", ["decorated", "context with a model"])
+def test_an_epoch_holding_steps_inside_the_users_mode_is_not_counted_and_its_steps_are(run, form):
+    """An epoch operation holding training steps, the user's FlopCounterMode entered inside it
+    around the steps: the epoch's count, below the user's mode, cannot be left as the first
+    step begins. It recorded the whole epoch's FLOPs (and an MFU) while from the second epoch
+    on its steps had FLOPs for the same work, and the first epoch's steps had none. Now the
+    epoch's count records nothing and every step has its FLOPs; the user's count is that of
+    the same loop without torchtrace."""
+    def epoch_of(train_step, x, y):
+        with FlopCounterMode(display=False) as mine:
+            for _ in range(3):
+                train_step(x, y)
+        return mine.get_total_flops()
+
+    torch.manual_seed(0)
+    plain = _mlp()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    reference_epoch = epoch_of(lambda x, y: _body(plain, plain_opt, x, y), *_batch(6))
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = tt.debug_operation(model=model, optimizer=opt, name="train_step")(
+        lambda x, y: _body(model, opt, x, y))
+    if form == "decorated":
+        epoch = tt.debug_operation(name="epoch")(epoch_of)
+    else:  # keyed by its model's call, known only at its end (a LateKey)
+        def epoch(*args):
+            with tt.debug_context("epoch", model=model):
+                return epoch_of(*args)
+    counts = [epoch(train_step, *_batch(6)) for _ in range(3)]
+    assert counts == [reference_epoch] * 3
+    assert [r.get("flops") for r in _records("epoch")] == [None] * 3
+    assert [r.get("flops") for r in _records("train_step")] == [_reference(6)] * 9
+    assert get_runtime().throughput.section()["operations"]["epoch"]["mfu"] is None
+    assert _get_current_dispatch_mode_stack() == []

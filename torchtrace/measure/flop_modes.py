@@ -93,10 +93,11 @@ class _GlobalOnly:
 class _Counter(FlopCounterMode):
     """A FlopCounterMode that counts the global total only (:class:`_GlobalOnly`), lets ops on
     nested tensors run (``incomplete`` says it saw some) and notes an op that raised under it
-    (``failed``)."""
+    (``failed``); a ``void`` count records nothing (:func:`release_counter`)."""
 
     incomplete = False
     failed = False
+    void = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -166,4 +167,17 @@ def leave_counter(counter: Any) -> bool:
     return True
 
 
-__all__ = ["drop_counter", "eager_for_now", "leave_counter", "profiler_running"]
+def release_counter(counter: Any) -> bool:
+    """Take a count off a step that turned out to hold steps (an epoch): left at once when its
+    dispatch mode is the innermost one (True, :func:`leave_counter`); else, below a mode of
+    the user's, it stays open to be closed in its turn and records nothing (False). Left open
+    and recorded, it counted the whole epoch, work its steps count too."""
+    if leave_counter(counter):
+        return True
+    mode = getattr(counter, "mode", None)
+    if isinstance(mode, _Counter):
+        mode.void = True
+    return False
+
+
+__all__ = ["drop_counter", "eager_for_now", "leave_counter", "profiler_running", "release_counter"]

@@ -31,7 +31,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure import peaks
 from torchtrace.measure.flop_fit import FlopFits
-from torchtrace.measure.flop_modes import _Counter, drop_counter, eager_for_now, leave_counter, profiler_running
+from torchtrace.measure.flop_modes import _Counter, drop_counter, eager_for_now, leave_counter, profiler_running, \
+    release_counter
 from torchtrace.measure.shape_keys import KEY_MAX_DEPTH, KEY_MAX_ITEMS, LOOSE, NESTED, countable, grown, shape_key
 
 #: How many distinct shape keys one counter counts per operation (keys ``(operation, shapes)``).
@@ -183,25 +184,29 @@ class StepFlops:
                 return
 
     @contextlib.contextmanager
-    def counting(self, key: Hashable) -> Iterator[None]:
+    def counting(self, key: Hashable) -> Iterator[_Counter]:
         """Count the FLOPs of the code inside and record them for ``key``.
 
         ``key`` may be a :class:`LateKey`, read when the code inside has run.
         The count is recorded only when the code inside finishes without an exception: a
         step that raised halfway would record a partial count for good. A count of zero is no
         count: the work ran in kernels the counter has no formula for (the fused inference path
-        of ``nn.TransformerEncoder``, custom extensions), and the key gets no FLOPs.
+        of ``nn.TransformerEncoder``, custom extensions), and the key gets no FLOPs. A count
+        made void while it ran (:func:`~torchtrace.measure.flop_modes.release_counter`) records
+        nothing either.
         """
         mode = _Counter(display=False)
         try:
             with mode:
-                yield
+                yield mode
         except BaseException:
             if mode.failed:  # an op raised under the counter: never run it there again
                 if _resolved(key) is not None:
                     self.skip(_resolved(key))
                 self.failures += 1
             raise
+        if mode.void:
+            return
         self.counts += 1
         key = _resolved(key)
         if key is None:
@@ -228,7 +233,7 @@ class StepFlops:
         counter = contextlib.ExitStack()
         try:
             counter.enter_context(eager_for_now())
-            counter.enter_context(self.counting(key))
+            counter.mode = counter.enter_context(self.counting(key))  # type: ignore[attr-defined]
         except BaseException:
             counter.close()
             raise
@@ -254,4 +259,4 @@ def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
 
 __all__ = ["DEFAULT_MAX_SHAPES", "KEY_MAX_DEPTH", "KEY_MAX_ITEMS", "LOOSE", "NESTED", "LateKey", "StepFlops",
            "count_flops", "countable", "drop_counter", "eager_for_now", "leave_counter", "peak_flops", "precision_key",
-           "profiler_running", "shape_key"]
+           "profiler_running", "release_counter", "shape_key"]

@@ -21,7 +21,7 @@ import torch
 from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
-from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, leave_counter, shape_key
+from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, release_counter, shape_key
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
 from torchtrace.measure.shape_keys import loose_shape_key, truncated
 from torchtrace.measure.scaler import scale_at_start, skipped_update
@@ -141,13 +141,15 @@ class RunThroughput:
         """A step with an optimizer began inside another operation: that operation holds steps
         (an epoch), so its FLOPs are not counted, and the FLOP counter it holds open, if any, is
         dropped now (counting a whole epoch slowed it down several times, and its steps were
-        never counted). True when the step may count its own FLOPs: no counter is open."""
+        never counted; one below a mode of the user's runs on and records nothing). True when
+        the step may count its own FLOPs."""
         owner = self._counting()
         if owner is None or owner._flops_counter is None:
             return True
-        if not owner.active or not leave_counter(owner._flops_counter):  # (a mode of the user's above it)
+        if not owner.active:
             return False
-        owner._flops_counter = None
+        if release_counter(owner._flops_counter):  # (else below a mode of the user's: it records nothing)
+            owner._flops_counter = None
         if type(owner.flops_key) is LateKey:
             self.calls.dropped(owner.name)
         else:
