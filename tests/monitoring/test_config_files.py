@@ -636,6 +636,31 @@ def test_runbook_sections_are_current_alerts(alerts):
             assert part in section, f"{name} section lacks {part}"
 
 
+def deploy_readme_alert_table() -> dict[str, str]:
+    """Alert name -> severity, from the `| alert | severity | fires when |` table of
+    deploy/README.md."""
+    lines = (DEPLOY / "README.md").read_text(encoding="utf-8").splitlines()
+    header = lines.index("| alert | severity | fires when |")
+    rows: dict[str, str] = {}
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        name, severity, fires_when = (cell.strip() for cell in line.strip("|").split("|"))
+        assert name not in rows, f"deploy/README.md lists {name} twice"
+        assert fires_when, f"deploy/README.md: {name} has no 'fires when'"
+        rows[name] = severity
+    return rows
+
+
+def test_deploy_readme_alert_table_lists_every_alert(alerts):
+    """Each alert of the rules file has a row, with its severity; a removed alert loses it."""
+    table = deploy_readme_alert_table()
+    expected = {a["alert"]: a["labels"]["severity"] for a in alerts}
+    assert set(expected) - set(table) == set(), "alerts without a row in deploy/README.md"
+    assert set(table) - set(expected) == set(), "deploy/README.md rows for alerts that do not exist"
+    assert table == expected, "severities in deploy/README.md differ from the rules"
+
+
 # ------------------------------------------------------------------------- Kubernetes
 
 
