@@ -446,7 +446,7 @@ def export_costs(n: int = 2000) -> dict[str, float]:
     record = StepRecord(operation="train_step", step=1, level="basic", start_unix_ns=time.time_ns(),
                         end_unix_ns=time.time_ns(), duration_s=0.01, loss=0.5, grad_norm=1.0,
                         grad_names=names, memory={"rss_bytes": 1 << 30}, trace_id="0" * 32)
-    scope = SimpleNamespace(name="train_step", step=1)
+    scope = SimpleNamespace(name="train_step", step=1, kind="train")
     t0 = time.perf_counter()
     for i in range(n):
         scope.step = i

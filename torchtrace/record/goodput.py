@@ -225,9 +225,8 @@ class GoodputLedger:
             # The wait after a step of another kind (training, then the first evaluation step) is not
             # this one's input pipeline; after one of the same kind (a GAN's two steps) it is. Rates
             # are per second of wall time: torchtrace's own time between the steps is in the cycle.
-            found = window.add(end - start + mine if same_kind else end - start,
-                               wait if same_kind and wait is not None else 0.0, samples, tokens, flops,
-                               kind == TRAIN, device_cycle if same_operation else None)
+            found = window.add(end - start + mine, wait if same_kind and wait is not None else 0.0, samples, tokens,
+                               flops, kind == TRAIN, device_cycle if same_operation else None)
         return wait, found
 
     def _count_step(self, cursor: float, start: float, end: float, gap: str, own: str, mine: float) -> None:

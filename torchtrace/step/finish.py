@@ -75,11 +75,12 @@ def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float
         samples = plan.first("samples", values)
         if samples is not None:
             record.samples = device_count(samples)
-        given, problems = read_given(plan, values)  # record_batch's device counts win when they are counts
-        for field, count in given.items():
-            setattr(record, field, count)
-        for problem in problems:
-            rt.warn_once(("batch", problem), "torchtrace: %s: record_batch: %s", scope.name, problem)
+        if "given_samples" in plan or "given_tokens" in plan:  # record_batch's device counts win when counts
+            given, problems = read_given(plan, values)
+            for field, count in given.items():
+                setattr(record, field, count)
+            for problem in problems:
+                rt.warn_once(("batch", problem), "torchtrace: %s: record_batch: %s", scope.name, problem)
         if (plan.first("scaler_skipped", values) or 0.0) > 0:  # the loss scaler skipped the update
             record.scaler_overflow = True
         if "lr" in plan:  # learning rates on a device

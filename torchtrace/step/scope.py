@@ -292,7 +292,8 @@ class StepScope:
         throughput = None
         if self.features.throughput:
             try:
-                throughput = rt.throughput.finish_step(self, self._flops_counter, exc, plan_given(self._batch, plan), plan)
+                given = self._batch and plan_given(self._batch, plan)  # (record_batch's device counts ride in the read)
+                throughput = rt.throughput.finish_step(self, self._flops_counter, exc, given, plan)
             except Exception as terr:  # costs the step its throughput figures, never its record
                 rt.errors.report("step", terr)
                 if self._flops_counter is not None:  # (a second exit of a closed one does nothing)
