@@ -45,16 +45,21 @@ def evaluate_and_save(model: torch.nn.Module, g: torch.Generator) -> None:
         time.sleep(CHECKPOINT_S)
 
 
-def make_mixed_run(tmp_path: Path) -> Path:
-    """Run, shut down, and return the run directory."""
-    result = tt.configure(service_name="mixed-test", prometheus_port="off", run_dir=str(tmp_path / "runs"),
-                          register_atexit=False, strict=True)
+def run_mixed_steps() -> None:
+    """The run's steps (training, the evaluation pass, the checkpoint), in the configured runtime."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
     train_for(model, opt, g, TRAIN_STEPS)
     evaluate_and_save(model, g)
+
+
+def make_mixed_run(tmp_path: Path) -> Path:
+    """Run, shut down, and return the run directory."""
+    result = tt.configure(service_name="mixed-test", prometheus_port="off", run_dir=str(tmp_path / "runs"),
+                          register_atexit=False, strict=True)
+    run_mixed_steps()
     tt.shutdown()
     return Path(result.run_dir)
 

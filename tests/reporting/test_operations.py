@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 import torchtrace as tt
 from torchtrace.reporting.htmlreport import write_html_report
@@ -17,8 +16,8 @@ from torchtrace.reporting.terminal import terminal_report
 
 from ..conftest import require_binary
 from ..export.debug_helpers import runtime
-from .mixed_run import CHECKPOINT_S, EVAL_STEPS, TRAIN_STEPS, cycle_rate, evaluate_and_save, make_mixed_run, \
-    spans_of, train_for
+from .mixed_run import CHECKPOINT_S, EVAL_STEPS, TRAIN_STEPS, cycle_rate, make_mixed_run, run_mixed_steps, \
+    spans_of
 from .test_browser import assert_round_ticks, canvas_attrs, chromium, page_state, render
 
 CHARTS = ("loss", "grad_norm", "step_time", "memory", "throughput")
@@ -103,12 +102,7 @@ def test_main_operation_rule(steps, expected):
 def test_live_page_charts_the_training_operation(tt_runtime, tmp_path):
     binary = require_binary("chromium")
     rt = runtime()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(1)
-    train_for(model, opt, g, TRAIN_STEPS)
-    evaluate_and_save(model, g)
+    run_mixed_steps()
     tt.flush()
     history = rt.history.steps()
     last_train = [s for s in history if s["operation"] == "train_step"][-1]

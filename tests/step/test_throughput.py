@@ -646,17 +646,23 @@ def test_a_numpy_batch_gives_samples_and_flops_per_shape(tmp_path):
         tt.shutdown()
 
 
+def _waits_after(sleeps):
+    """The data wait of a step after each planted sleep (the loader's), checked: none before the first."""
+    waits = []
+    for pause in sleeps:
+        time.sleep(pause)  # the loader
+        with tt.debug_context("train_step") as step:
+            pass
+        waits.append(step.record.data_wait_s)
+    assert waits[0] is None  # nothing before the first step
+    return waits
+
+
 def test_data_wait_against_planted_sleeps(tmp_path):
     _configure(tmp_path)
     try:
         sleeps = [0.0, 0.03, 0.06, 0.0, 0.09]
-        waits = []
-        for pause in sleeps:
-            time.sleep(pause)  # the loader
-            with tt.debug_context("train_step") as step:
-                pass
-            waits.append(step.record.data_wait_s)
-        assert waits[0] is None  # nothing before the first step
+        waits = _waits_after(sleeps)
         for wait, pause in zip(waits[1:], sleeps[1:]):
             assert pause <= wait < pause + 0.02
     finally:
@@ -677,13 +683,7 @@ def test_torchtraces_own_work_between_steps_is_not_data_wait(tmp_path, monkeypat
     _configure(tmp_path)
     try:
         sleeps = [0.0, 0.04, 0.0, 0.06]
-        waits = []
-        for pause in sleeps:
-            time.sleep(pause)  # the loader
-            with tt.debug_context("train_step") as step:
-                pass
-            waits.append(step.record.data_wait_s)
-        assert waits[0] is None  # nothing before the first step
+        waits = _waits_after(sleeps)
         for wait, pause in zip(waits[1:], sleeps[1:]):
             assert pause <= wait < pause + 0.015
         badput = get_runtime().summary()["throughput"]["badput_s"]

@@ -133,13 +133,13 @@ def _positive_float(value: Any, setting: str, least: float = 0.0,
     """A finite number above 0 (at least ``least`` when that is given); a number too large for
     a float (``10**400``) is as invalid as ``inf``."""
     if _is_bool(value):
-        raise ValueError(f"{setting}={_shown(value)} is not valid; {accepted}")
+        raise ValueError(f"{setting}={shown(value)} is not valid; {accepted}")
     try:
         number = float(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{setting}={_shown(value)} is not valid; {accepted}") from None
+        raise ValueError(f"{setting}={shown(value)} is not valid; {accepted}") from None
     if not (number > 0 and number >= least and number != float("inf")):
-        raise ValueError(f"{setting}={_shown(value)} is not valid; {accepted}")
+        raise ValueError(f"{setting}={shown(value)} is not valid; {accepted}")
     return number
 
 
@@ -149,12 +149,13 @@ def _peak_flops(value: Any, setting: str) -> float:
     return _positive_float(value, setting, least=1.0, accepted="accepted values: a finite number of FLOP/s >= 1")
 
 
-def _shown(value: Any) -> str:
-    """``repr(value)`` for an error message, cut short (``10**400`` has 401 digits)."""
+def shown(value: Any) -> str:
+    """``repr(value)`` for a message, cut short (``10**400`` has 401 digits); never raises (a
+    lazy proxy's repr may, and so does an int past Python's 4300 digits)."""
     try:
         text = repr(value)
-    except Exception:  # (a repr that fails, or an int past the digits limit)
-        return f"<{type(value).__name__}>"
+    except Exception:
+        return f"<{type(value).__name__} object>"
     return text if len(text) <= 60 else f"{text[:40]}...<{len(text)} characters>"
 
 

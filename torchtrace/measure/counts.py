@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from torchtrace.config.parsers import shown
+
 
 #: What ``record_batch`` accepts for a count (one limit: an int64, what a device count holds).
 COUNTS = "an integer >= 0 (below 2**63) or a one-element integer device tensor"
@@ -67,16 +69,6 @@ def _checked_count(name: str, value: Any, problems: list[str]) -> int | torch.Te
         return int(value)
     problems.append(f"{name}={shown(value)} ignored; accepted values: {COUNTS}")
     return None
-
-
-def shown(value: Any) -> str:
-    """``repr(value)`` for a warning, cut short; never raises (a lazy proxy's repr may, and so
-    does an int past Python's 4300 digits)."""
-    try:
-        text = repr(value)
-    except Exception:
-        return f"<{type(value).__name__} object>"
-    return text if len(text) <= 60 else f"{text[:40]}...<{len(text)} characters>"
 
 
 def plan_given(given: tuple | None, plan: Any) -> tuple | None:
