@@ -28,6 +28,7 @@ from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import MAX_PEAKS, TRAIN, GoodputLedger, enclosing
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.call_keys import MANY, CallKeys
+from torchtrace.step.nesting import hold_steps
 from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
 from torchtrace.step.trainable import TrainedParameters
 from torchtrace.step.watched import hookable
@@ -61,6 +62,7 @@ class RunThroughput:
         self.calls = CallKeys(self.flops)  # steps keyed by their model's call (no batch in their arguments)
         self._opaque = self.calls.opaque  # (the same set: looked up every step)
         self._given: set[str] = set()  # operations whose steps gave their FLOPs (record_batch, a framework)
+        self._containers: set[str] = set()  # operations that held training steps (an epoch)
         self._counting: Any = none_ref  # the step whose FLOP counter was last opened (while open), weakly
         self.left_at: float | None = None  # when the last step's bookkeeping ended (perf_counter)
 
@@ -74,7 +76,7 @@ class RunThroughput:
         the shortest way."""
         scope.parent, scope.holds_steps, outermost = parent, False, parent is None
         if parent is not None and scope.optimizer is not None and scope.kind == TRAIN:
-            parent.holds_steps = True  # (goodput: the time its steps do not cover is not its own)
+            hold_steps(parent, self._containers)  # (goodput: the time their steps do not cover is not their own)
         try:
             inputs = scope.inputs
             name = scope.name
