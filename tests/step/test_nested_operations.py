@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import torchtrace as tt
 from torchtrace.api import get_runtime
@@ -34,6 +35,53 @@ def _steps():
             return model(x).mean()
 
     return model, train_step, eval_step
+
+
+@pytest.mark.parametrize("validate_op", [False, True])
+def test_evaluation_inside_an_epoch_gets_its_flops(tmp_path, validate_op):
+    """A decorated epoch: training steps, then evaluation steps (directly, or inside a decorated
+    validation pass). The epoch holds training steps, so its count is dropped; the evaluation
+    steps inside it had no FLOPs at all (every epoch, before and after their shapes were seen),
+    as if an outer operation counted them. Now the evaluation is counted as it is without the
+    epoch: each evaluation step's FLOPs (or the validation pass's, the outermost below the
+    epoch) are FlopCounterMode's, counted once."""
+    _configure(tmp_path)
+    try:
+        model, train_step, eval_step = _steps()
+
+        @tt.debug_operation(kind="evaluation")
+        def validate():
+            for _ in range(3):
+                eval_step(torch.randn(4, 8))
+
+        @tt.debug_operation(name="epoch")
+        def epoch():
+            for _ in range(3):
+                train_step(torch.randn(4, 8))
+            if validate_op:
+                validate()
+            else:
+                for _ in range(3):
+                    eval_step(torch.randn(4, 8))
+
+        for _ in range(3):
+            epoch()
+        with FlopCounterMode(display=False) as reference:
+            with torch.no_grad():
+                model(torch.randn(4, 8)).mean()
+        per_eval = reference.get_total_flops()
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        rows = rt.history.steps()
+        flops = {op: [r.get("flops") for r in rows if r["operation"] == op] for op in ("eval_step", "validate", "epoch")}
+        assert flops["epoch"] == [None] * 3
+        if validate_op:
+            assert flops["validate"] == [3 * per_eval] * 3
+            assert flops["eval_step"] == [None] * 9  # (the pass holds their count: not twice)
+        else:
+            assert flops["eval_step"] == [per_eval] * 9
+    finally:
+        tt.shutdown()
 
 
 def test_the_tail_of_a_run_of_epochs_is_data_wait(tmp_path):

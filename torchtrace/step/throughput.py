@@ -28,7 +28,7 @@ from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import MAX_PEAKS, TRAIN, GoodputLedger, enclosing
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.call_keys import MANY, CallKeys
-from torchtrace.step.nesting import hold_steps
+from torchtrace.step.nesting import below_containers, hold_steps
 from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
 from torchtrace.step.trainable import TrainedParameters
 from torchtrace.step.watched import hookable
@@ -75,8 +75,11 @@ class RunThroughput:
         decide FLOPs (a growing list). Every step pays for this: a step like the one before takes
         the shortest way."""
         scope.parent, scope.holds_steps, outermost = parent, False, parent is None
-        if parent is not None and scope.optimizer is not None and scope.kind == TRAIN:
-            hold_steps(parent, self._containers)  # (goodput: the time their steps do not cover is not their own)
+        if parent is not None:
+            if scope.optimizer is not None and scope.kind == TRAIN:
+                hold_steps(parent, self._containers)
+            else:  # inside operations that hold training steps (an epoch): counted as without them
+                outermost = below_containers(parent, self._containers)
         try:
             inputs = scope.inputs
             name = scope.name
