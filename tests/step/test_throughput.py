@@ -256,6 +256,29 @@ def test_record_batch_overrides_what_is_inferred(tmp_path):
         tt.shutdown()
 
 
+def test_record_batch_calls_in_one_step_each_give_only_what_they_name(tmp_path):
+    """Two calls in one step (samples where the batch is unpacked, FLOPs where the loss is
+    computed): the second names only its own values and leaves the first's. Before, each call
+    replaced the whole override, so the samples given first were lost (16 inferred, not 5) and
+    a later bad value dropped an earlier good one."""
+    _configure(tmp_path)
+    try:
+        with tt.debug_context("train_step", inputs=torch.zeros(16, 3)) as step:
+            step.record_batch(samples=5, tokens=40)
+            step.record_batch(flops=1e6)
+        assert (step.record.samples, step.record.tokens, step.record.flops) == (5, 40, 1e6)
+        with tt.debug_context("train_step", inputs=torch.zeros(16, 3)) as step:
+            step.record_batch(samples=5)
+            step.record_batch(samples=-1, tokens=7)  # the bad samples left out: the 5 given stand
+        assert (step.record.samples, step.record.tokens) == (5, 7)
+        with tt.debug_context("train_step", inputs=torch.zeros(16, 3)) as step:
+            step.record_batch(samples=5)
+            step.record_batch(samples=6)  # a value given again: the later one wins
+        assert step.record.samples == 6
+    finally:
+        tt.shutdown()
+
+
 def test_learning_rate_of_each_group_under_a_scheduler(tmp_path):
     _configure(tmp_path)
     try:

@@ -17,17 +17,31 @@ COUNTS = "an integer >= 0 (below 2**63) or a one-element integer device tensor"
 _MAX_COUNT = 2**63
 
 
-def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None) -> tuple[tuple, str | None]:
+def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None,
+                      earlier: tuple | None = None) -> tuple[tuple, str | None]:
     """What ``StepScope.record_batch`` was given, each value that is not valid left out (so
     that what torchtrace infers or counts stands in for it), and a message naming every such
     argument with its accepted values (None when all were valid). Never raises: it runs
     inside the user's step. Counters only grow, so a negative count is not valid.
 
+    ``earlier`` is what the step's earlier calls gave: a value this call does not give (or
+    gives invalid) keeps the earlier one, so ``record_batch(samples=...)`` then
+    ``record_batch(flops=...)`` keeps both.
+
     >>> checked_overrides(samples=8, tokens="512")
     ((8, None, None), "tokens='512' ignored; accepted values: an integer >= 0 (below 2**63) or a one-element integer device tensor")
     >>> checked_overrides(flops=10**400)[1]
     'flops=1000000000000000000000000000000000000000...<401 characters> ignored; accepted values: a finite number >= 0'
+    >>> checked_overrides(flops=1e6, earlier=(8, None, None))[0]
+    (8, None, 1000000.0)
     """
+    given, problem = _checked_all(samples, tokens, flops)
+    if earlier is not None:
+        given = tuple(old if new is None else new for new, old in zip(given, earlier))
+    return given, problem
+
+
+def _checked_all(samples: Any, tokens: Any, flops: Any) -> tuple[tuple, str | None]:
     problems: list[str] = []
     try:
         samples = _checked_count("samples", samples, problems)

@@ -113,7 +113,7 @@ class StepScope:
         A value that is not valid is left out, with a warning that names it (once per message).
         """
         if self._active:
-            self._batch, problem = checked_overrides(samples, tokens, flops)
+            self._batch, problem = checked_overrides(samples, tokens, flops, self._batch)
             if problem is not None:
                 self._rt.warn_once(("batch", problem), "torchtrace: %s: record_batch: %s", self.name, problem)
 
