@@ -261,3 +261,24 @@ def test_flops_past_the_float_range_make_an_infinite_rate_not_an_error():
     assert tp.samples_per_s == pytest.approx(20 * 4 / (20 * 0.05)) and tp.tokens_per_s == pytest.approx(32 / 0.05)
     assert math.isinf(tp.flops_per_s) and math.isinf(tp.mfu)
     assert tp.data_wait_share == pytest.approx(0.2)
+
+
+def test_the_docs_state_every_data_stall_threshold():
+    """docs/throughput.md's data_stall rule names each threshold the rule applies, the 10 ms
+    floor included: a user whose loader waits 6 ms before each 12 ms step (a third of the
+    time) read that every step waited, saw the DataLoaderStall share rule fire and no
+    data_stall anomaly, because waits under the floor never count."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "throughput.md").read_text()
+    bullet = text.split("- `data_stall`:", 1)[1].split("\n\n", 1)[0]
+    bullet = " ".join(bullet.split())
+    s = RuleSettings()
+    assert f"{s.stall_share:.0%}" in bullet and f"{s.stall_seconds:g} s" in bullet
+    assert f"{s.stall_min_wait_s * 1e3:g} ms" in bullet, bullet
+    assert f"{s.stall_min_steps} waiting steps among the last {s.stall_window}" in bullet
+    # and the floor is what the rule does: 6 ms before each 12 ms step never stalls
+    w = OperationWindow(RuleSettings())
+    assert not any(f for _ in range(40) for f in w.add(0.012, 0.006, 8, None, None))
+    w = OperationWindow(RuleSettings())
+    assert any(f.kind == semconv.DATA_STALL for _ in range(40) for f in w.add(0.012, 0.011, 8, None, None))
