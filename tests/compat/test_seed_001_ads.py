@@ -289,6 +289,30 @@ def test_async_logger_really_logs_asynchronously():
         target.removeHandler(handler)
 
 
+@pytest.mark.parametrize("lr,shown", [
+    (torch.tensor([1e-3]), "lr 0.001"), (torch.tensor(2e-3), "lr 0.002"), ("1e-3", "lr 0.001"),
+    (torch.tensor([1e-3, 2e-3]), "lr tensor([0.0010, 0.0020])"), (None, None),
+])
+def test_update_progress_takes_any_learning_rate_the_optimizer_holds(lr, shown):
+    """The seed passes ``optimizer.param_groups[0]['lr']``, which PyTorch lets be a one-element
+    tensor (``Adam(params, lr=torch.tensor([1e-3]))``): before, formatting it raised TypeError
+    inside the training loop (and a string ValueError). Now it is logged as its value."""
+    target = logging.getLogger("seed001.lr")
+    target.setLevel(logging.INFO)
+    handler = SlowHandler(0.0)
+    target.addHandler(handler)
+    log = AsyncTrainingLogger(user_id=1, model_name="tiny", logger=target)
+    try:
+        result = asyncio.run(log.update_progress_async(epoch=0, step=1, loss=0.5, learning_rate=lr))
+        assert result["learning_rate"] is lr
+        assert log.flush(timeout=5.0)
+        message = handler.records[-1].getMessage()
+        assert (shown in message) if shown else ("lr" not in message), message
+    finally:
+        log.close()
+        target.removeHandler(handler)
+
+
 def test_async_training_logger_example(tt_runtime):
     model = small_classifier()
     logger = AsyncTrainingLogger(

@@ -240,7 +240,7 @@ class AsyncTrainingLogger:
         if value is not None:
             parts.append(f"loss {value:.6g}" if math.isfinite(value) else f"loss {value}")
         if learning_rate is not None:
-            parts.append(f"lr {learning_rate:.6g}")
+            parts.append(f"lr {_shown_rate(learning_rate)}")
         parts += [f"{k} {v}" for k, v in metrics.items()]
         self.log_info(", ".join(parts), TrainingPhase.TRAINING, dict(self.progress))
         return Result(self.progress)
@@ -257,6 +257,19 @@ class AsyncTrainingLogger:
                                     learning_rate: float | None = None, **metrics: Any) -> Result:
         """:meth:`update_progress` (it only queues a record: nothing to wait for)."""
         return self.update_progress(epoch, step, loss, learning_rate, **metrics)
+
+
+def _shown_rate(rate: Any) -> str:
+    """A learning rate as the log shows it: its value when it has one (a float, a one-element
+    tensor as ``Adam(lr=torch.tensor([1e-3]))`` holds, a numeric string), else as it prints.
+    Never raises: it runs inside the user's training loop."""
+    try:
+        return f"{float(rate):.6g}"
+    except Exception:
+        try:
+            return str(rate)
+        except Exception:
+            return f"<{type(rate).__name__}>"
 
 
 __all__ = ["AsyncTrainingLogger", "TrainingPhase"]
