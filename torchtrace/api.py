@@ -289,7 +289,7 @@ class _Operation:
             @functools.wraps(fn)
             async def async_wrapper(*args, **kwargs):
                 rt = current.runtime()
-                if rt is None or (level is None and rt.off):
+                if rt is None or (level is None and rt.skips_steps):
                     return await fn(*args, **kwargs)
                 result = None  # stays None when the guard absorbs the step's exception (out of memory)
                 with op.scope(None, args, kwargs, method) as scope:
@@ -302,7 +302,7 @@ class _Operation:
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             rt = current.runtime()
-            if rt is None or (level is None and rt.off):
+            if rt is None or (level is None and rt.skips_steps):
                 return fn(*args, **kwargs)
             result = None  # stays None when the guard absorbs the step's exception (out of memory)
             with op.scope(fn, args, kwargs, method) as scope:

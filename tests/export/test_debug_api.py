@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 import torchtrace as tt
 from torchtrace.export import debug_api
@@ -98,6 +99,44 @@ def test_valid_level_change_applies_at_next_step_not_before(api):
     assert summary["level"] == "advanced" and summary["pending_changes"] == 0
     events = [e for e in rt.history.events() if e.event_type == "level_changed"]
     assert [e.data["level"] for e in events] == ["advanced"]
+
+
+@pytest.mark.parametrize("form", ["debug_context", "decorator"])
+def test_level_off_then_on_through_the_api_measures_again(api, form):
+    """An operator turns torchtrace off through the API for a while, then on again. The way
+    back must apply: at level off a step skips torchtrace (the decorator calls the function
+    as it is, a context stays inert), and before, the queued change waited for a step
+    boundary no step reached, so the run stayed off for good (pending_changes stayed 1)."""
+    rt, port, token, trainer = api
+    auth = {"Authorization": f"Bearer {token}"}
+
+    @tt.debug_operation(name="train_step", model=trainer.model, optimizer=trainer.opt)
+    def decorated(x, y):
+        trainer.opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(trainer.model(x), y)
+        loss.backward()
+        trainer.opt.step()
+        return loss
+
+    def step():
+        if form == "decorator":
+            decorated(trainer.x, trainer.y)
+        else:
+            trainer.step()
+
+    assert call(port, "POST", "/debug/level/off", auth)[0] == 202
+    step()
+    assert rt.level.value == "off"
+    recorded = rt.history.totals["steps"]
+    for _ in range(3):
+        step()
+    assert rt.history.totals["steps"] == recorded  # nothing measured while off
+    assert call(port, "POST", "/debug/level/basic", auth)[0] == 202
+    step()
+    assert rt.level.value == "basic" and get_json(port, "/debug/summary")["pending_changes"] == 0
+    step()
+    assert rt.history.totals["steps"] == recorded + 2
+    assert [e.data["level"] for e in rt.history.events() if e.event_type == "level_changed"] == ["off", "basic"]
 
 
 def test_valid_clear_applies_at_next_step_not_before(api):

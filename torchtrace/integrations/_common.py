@@ -56,7 +56,7 @@ class StepDriver:
         own step number (a run resumed from a checkpoint goes on counting where it was)."""
         self.abort(None)  # a scope left open by an interrupted step ends here
         rt = api.get_runtime()
-        if rt is None or rt.off:
+        if rt is None or rt.skips_steps:
             return
         # No optimizer on the scope: its pre-hook would fire at the wrong moment (see module doc).
         scope = api.StepScope(self.name, model=model, inputs=((batch,), {}) if batch is not None else None,

@@ -105,6 +105,12 @@ class Runtime:
     def off(self) -> bool:
         return not self.features.enabled
 
+    @property
+    def skips_steps(self) -> bool:
+        """A step may skip torchtrace: nothing is measured, and no change the debug API
+        queued waits (the way back on from level off must reach a step to apply)."""
+        return not self.features.enabled and not self._changes
+
     def step_number(self, operation: str, given: int | None) -> int:
         """The step's number: ``given``, or counted per operation."""
         counters = self.step_counters

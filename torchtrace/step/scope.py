@@ -185,12 +185,12 @@ class StepScope:
         rt = current.runtime()
         if rt is None or rt.replaying:  # a forensic replay records nothing itself
             return self
-        level = self._level_arg or rt.level
-        if level is DebugLevel.OFF:
-            return self
         t0 = time.perf_counter()
         try:
-            self._begin(rt, level, t0)
+            rt.at_step_boundary()  # queued changes apply before the level is read (the way back on from off too)
+            level = self._level_arg or rt.level
+            if level is not DebugLevel.OFF:
+                self._begin(rt, level, t0)
         except Exception as exc:
             self._active = False
             rt.errors.report("step", exc)
@@ -199,7 +199,6 @@ class StepScope:
 
     def _begin(self, rt: Any, level: DebugLevel, t0: float) -> None:
         self._span = self._token = self._ctx_token = None
-        rt.at_step_boundary()
         self._rt = rt
         mode = self._mode_arg or rt.mode
         if level is rt.level and mode is rt.mode:
