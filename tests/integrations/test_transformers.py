@@ -237,6 +237,37 @@ def test_custom_compute_loss_records_its_loss(tmp_path):
     assert [s["attributes"][semconv.SAMPLES] for s in spans] == [4] * 3  # the framework's, where the user gave none
 
 
+def test_custom_compute_loss_under_gradient_accumulation_gives_the_whole_steps_values(tmp_path):
+    """With ``gradient_accumulation_steps=2`` the Trainer calls ``compute_loss`` once per
+    micro-batch, each recording its loss and its batch. The step gets the mean of its
+    micro-batches' losses and the sum of their counts (computed here by hand). Before, each
+    call replaced the last: the step's loss was its last micro-batch's and its samples and
+    FLOPs half the step's (4 and 4000, not 8 and 8000)."""
+    result = configure(tmp_path)
+    seen: list[float] = []
+
+    class Custom(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            loss = torch.nn.functional.cross_entropy(outputs.logits, labels) * 3.0
+            rows = inputs["input_ids"].shape[0]
+            tt.current_step().record_loss(loss)
+            tt.current_step().record_batch(samples=rows, flops=1000.0 * rows)
+            seen.append(float(loss.detach().double()))
+            return (loss, outputs) if return_outputs else loss
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                                          gradient_accumulation_steps=2, report_to=[], use_cpu=True,
+                                          save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    Custom(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[TorchtraceCallback()]).train()
+    spans = read_spans(result.spans_path)
+    expected = [(seen[2 * i] + seen[2 * i + 1]) / 2 for i in range(3)]
+    assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx(expected, rel=1e-6)
+    assert [s["attributes"][semconv.SAMPLES] for s in spans] == [8] * 3
+    assert [s["attributes"][semconv.FLOPS] for s in spans] == [8000.0] * 3
+
+
 class PaddedData(Data):
     """Sequences of 8 token ids with an attention mask: row i has 3 + i % 6 real tokens."""
 

@@ -18,6 +18,7 @@ import torch
 from torchtrace import api, current
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure.batch import infer_batch
+from torchtrace.measure.loss import classify_loss
 from torchtrace.record.step import StepRecord
 from torchtrace.step.phases import StepClock
 
@@ -42,6 +43,7 @@ class StepDriver:
         self._samples: Any = None
         self._tokens: Any = None
         self._flops: int | None = None
+        self._given: list[tuple[Any, Any]] = []  # (loss, batch) the user gave for each earlier micro-batch
 
     @property
     def active(self) -> bool:
@@ -74,6 +76,17 @@ class StepDriver:
         self._samples = None
         self._tokens = None
         self._flops = None
+        self._given = []
+
+    def next_micro_batch(self) -> None:
+        """Another micro-batch of the open step begins: what the user gave for the one before
+        (``record_loss``, ``record_batch`` in a custom ``compute_loss``, called once per
+        micro-batch) is kept apart, so that the step ends with the values of all its
+        micro-batches (:func:`combined_given`), not those of the last one."""
+        scope = self.scope
+        if scope is not None and scope.active and (scope._loss is not None or scope._batch is not None):
+            self._given.append((scope._loss, scope._batch))
+            scope._loss = scope._batch = None
 
     def measure(self, model: torch.nn.Module | None, optimizer) -> None:
         """Gradient statistics and the guard policy, right before the optimizer's update.
@@ -138,6 +151,9 @@ class StepDriver:
         if _LOOPS.pop(id(scope), None) is not None and not _LOOPS:
             current.orphan_check = None
         if scope.active:
+            if self._given:
+                given, self._given = self._given, []
+                scope._loss, scope._batch = combined_given(given + [(scope._loss, scope._batch)])
             if loss is not None:
                 scope.record_loss(loss)
             elif self._losses and not scope.has_loss:
@@ -160,6 +176,29 @@ class StepDriver:
     def abort(self, exc: BaseException | None) -> None:
         if self.scope is not None:
             self.end(exc if exc is not None else RuntimeError("step interrupted"))
+
+
+def combined_given(given: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """One step's values from what the user gave for each of its micro-batches: the mean of
+    the losses given (on the device, no host read) and, for samples, tokens and FLOPs, the sum
+    of the values given."""
+    losses = [loss for loss, _ in given if loss is not None]
+    loss = None
+    if losses:
+        device = next((v.tensor.device for v in losses if v.tensor is not None), None)
+        parts = [v.tensor.detach().reshape(()).to(torch.float32) if v.tensor is not None
+                 else torch.tensor(v.number, dtype=torch.float32, device=device) for v in losses]
+        loss = classify_loss(torch.stack([t.to(parts[0].device) for t in parts]).mean())
+    batches = [batch for _, batch in given if batch is not None]
+    batch = tuple(_summed([v for v in values if v is not None]) for values in zip(*batches)) if batches else None
+    return loss, batch
+
+
+def _summed(values: list[Any]) -> Any:
+    total = None
+    for value in values:
+        total = value if total is None else total + value
+    return total
 
 
 # The open steps of drivers given their loop's frame: id(scope) -> (driver, frame). The frame

@@ -159,6 +159,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
                                   and self._divides_by_items(module))
             if any(same_arguments(call, args, kwargs) for call in self._inputs):
                 return  # the same micro-batch again (a compute_loss that runs the model twice: R-Drop)
+            if self._inputs:
+                self._driver.next_micro_batch()  # what a custom compute_loss gave for the one before
             self._inputs.append((args, kwargs))  # (held until the step ends: the Trainer holds them as long)
             self._driver.add_batch(args, kwargs)  # samples and non-padding tokens of the micro-batch
             self._driver.add_flops(self._flops_of(module, kwargs))
