@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,13 @@ def _returning(value):
                                              (torch.tensor(0.5, dtype=torch.float64), 0.5)])
 def test_numbers_and_scalars_are_recorded(tt_runtime, value, expected):
     assert _returning(value).loss == expected
+
+
+@pytest.mark.parametrize("value", [np.float32(0.375), np.float16(0.375), np.float64(0.375)])
+def test_a_returned_numpy_scalar_is_recorded_as_record_loss_would(tt_runtime, value):
+    # np.float64 is a float subclass; np.float32 and np.float16 are not, and were dropped
+    # without a word when returned, though record_loss took them.
+    assert _returning(value).loss == 0.375
 
 
 def test_a_float_loss_given_to_record_loss(tt_runtime):

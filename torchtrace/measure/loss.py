@@ -59,7 +59,7 @@ def classify_loss(loss: Any) -> LossValue:
 
 
 def extract_loss(result: Any) -> Any:
-    """The loss from a step's return value: a tensor, a Python number, a dict's "loss", an object's .loss.
+    """The loss from a step's return value: a tensor, a number, a dict's "loss", an object's .loss.
 
     Whatever is found is judged by :func:`classify_loss` (a non-scalar tensor is reported, not
     silently cut to its first element).
@@ -69,8 +69,8 @@ def extract_loss(result: Any) -> Any:
     >>> extract_loss(0.5)
     0.5
     """
-    if isinstance(result, (torch.Tensor, int, float)) and not isinstance(result, bool):
-        return result
+    if isinstance(result, (torch.Tensor, numbers.Real)) and not isinstance(result, bool):
+        return result  # a NumPy scalar too (np.float32 is no float), as record_loss takes it
     if isinstance(result, dict):
         return result.get("loss")
     return getattr(result, "loss", None)
