@@ -384,7 +384,7 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
         level = DebugLevel.OFF
 
     def decorate(fn):
-        return _Operation(name or getattr(fn, "__name__", "operation"), model, optimizer, level, mode, attributes,
+        return _Operation(checks.operation_name(fn, name), model, optimizer, level, mode, attributes,
                           replay, scaler, kind).wrap(fn)
 
     if func is not None:

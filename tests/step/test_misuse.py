@@ -292,3 +292,25 @@ def test_good_record_batch_tensors_win_in_the_steps_one_read(tmp_path):
         assert (step.record.samples, step.record.tokens, step.record.flops) == (1, 3, 10.0)
     finally:
         tt.shutdown()
+
+
+def test_a_generator_function_is_refused_at_decoration(tt_runtime, model_and_opt):
+    # Decorated, the step ran around the generator's creation only: a span of no work with the
+    # batch's samples and no loss, the training itself outside it, and nothing said.
+    model, opt = model_and_opt
+
+    def steps(x):
+        yield model(x).sum()
+
+    async def async_steps(x):
+        yield model(x).sum()
+
+    for fn in (steps, async_steps):
+        with pytest.raises(TypeError, match=r"debug_operation: .*steps is a generator function.*one training step"):
+            tt.debug_operation(model=model, optimizer=opt)(fn)
+        with pytest.raises(TypeError, match="is a generator function"):
+            tt.debug_operation(fn)
+    with pytest.raises(TypeError, match="got a torch.nn.Module where the function to decorate belongs"):
+        tt.debug_operation(model=model)(model)  # the keyword form checks what it decorates too
+    assert get_runtime().history.totals["steps"] == 0
+

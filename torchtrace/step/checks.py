@@ -4,6 +4,7 @@ decoration raise ``TypeError`` with the correct call, instead of failing later i
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -125,3 +126,18 @@ def check_decorator_arguments(func: Any, name: Any, model: Any, optimizer: Any, 
     if kind not in STEP_KINDS:
         raise ValueError(f"{where}: kind={kind!r} is not valid; accepted values: {', '.join(STEP_KINDS)}")
     check_attributes(attributes, where)
+
+
+def operation_name(fn: Any, name: str | None) -> str:
+    """The operation a decorated ``fn`` is: ``name=``, else the function's name.
+
+    Raises:
+        TypeError: a module or an optimizer where the function belongs, or a generator
+            function (calling it only makes the generator; its body would run outside the step).
+    """
+    check_decorator_target(fn)
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(f"debug_operation: {getattr(fn, '__qualname__', _kind(fn))} is a generator function: "
+                        "a call only creates the generator and its body runs later, outside the step; "
+                        "decorate the function that runs one training step")
+    return name or getattr(fn, "__name__", "operation")
