@@ -314,3 +314,25 @@ def test_a_generator_function_is_refused_at_decoration(tt_runtime, model_and_opt
         tt.debug_operation(model=model)(model)  # the keyword form checks what it decorates too
     assert get_runtime().history.totals["steps"] == 0
 
+
+def test_an_operation_without_a_name_of_its_own_is_named_after_what_it_calls(tt_runtime, model_and_opt):
+    # A functools.partial and a callable object have no __name__: both were "operation", so
+    # two different steps shared one operation's step count, throughput and FLOP counts.
+    import functools
+
+    model, opt = model_and_opt
+
+    def train_step(x, scale):
+        return model(x).sum() * scale
+
+    class Evaluate:
+        def __call__(self, x):
+            return model(x).sum()
+
+    train = tt.debug_operation(model=model)(functools.partial(train_step, scale=2.0))
+    evaluate = tt.debug_operation(kind="evaluation")(Evaluate())
+    with torch.no_grad():
+        train(torch.randn(4, 8))
+        evaluate(torch.randn(4, 8))
+    assert get_runtime().history.totals["steps"] == 2
+    assert dict(get_runtime().history.operations) == {"train_step": 1, "Evaluate": 1}

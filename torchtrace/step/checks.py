@@ -4,6 +4,7 @@ decoration raise ``TypeError`` with the correct call, instead of failing later i
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -129,7 +130,8 @@ def check_decorator_arguments(func: Any, name: Any, model: Any, optimizer: Any, 
 
 
 def operation_name(fn: Any, name: str | None) -> str:
-    """The operation a decorated ``fn`` is: ``name=``, else the function's name.
+    """The operation a decorated ``fn`` is: ``name=``, else the function's name (a
+    ``functools.partial``'s function, a callable object's class).
 
     Raises:
         TypeError: a module or an optimizer where the function belongs, or a generator
@@ -140,4 +142,9 @@ def operation_name(fn: Any, name: str | None) -> str:
         raise TypeError(f"debug_operation: {getattr(fn, '__qualname__', _kind(fn))} is a generator function: "
                         "a call only creates the generator and its body runs later, outside the step; "
                         "decorate the function that runs one training step")
-    return name or getattr(fn, "__name__", "operation")
+    if name:
+        return name
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    own = getattr(fn, "__name__", None)
+    return own if isinstance(own, str) and own else _kind(fn)
