@@ -18,7 +18,7 @@ from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
-from torchtrace.measure.loss import extract_loss
+from torchtrace.measure.loss import extract_loss, not_a_loss
 from torchtrace.step import checks, clipping, updaters
 from torchtrace.step.scope import StepScope
 from torchtrace.step.watched import instance_first, watched
@@ -323,8 +323,8 @@ def _take_returned_loss(scope: StepScope, result: Any) -> None:
             if rt is not None:
                 rt.errors.report("step", exc)
             return
-        if scope.kind != "train" and isinstance(loss, torch.Tensor) and loss.numel() != 1:
-            return  # an evaluation's predictions, not a loss: nothing to warn about
+        if scope.kind != "train" and not_a_loss(loss):
+            return  # an evaluation's predictions (and labels), not a loss: nothing to warn about
         scope.record_loss(loss)
     if scope.has_loss and scope.model is None and scope.optimizer is None and scope.kind == "train" \
             and scope.features.grad_stats:

@@ -153,3 +153,24 @@ def test_an_evaluation_that_returns_its_predictions_warns_of_no_loss(tmp_path, c
         assert get_runtime().history.last_record.loss == 0.75
     finally:
         tt.shutdown()
+
+
+def test_a_training_step_returning_a_tuple_is_told_its_loss_was_not_recorded(tmp_path, caplog):
+    """``return loss, logits`` gave the step no loss and said nothing; which item is the loss is
+    the user's to say, so torchtrace warns once (a training step only: an evaluation returning
+    its predictions and labels has no loss to give)."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    try:
+        caplog.set_level(logging.WARNING, logger="torchtrace")
+        loss, logits = torch.tensor(0.5), torch.randn(4, 3)
+        for kind in ("evaluation", "train"):
+            step = tt.debug_operation(name=f"step_{kind}", kind=kind)(lambda: (loss, logits))
+            for _ in range(2):
+                step()
+            tt.flush()
+            assert get_runtime().history.last_record.loss is None
+        said = [r.getMessage() for r in caplog.records if "loss was not recorded" in r.getMessage()]
+        assert len(said) == 1 and "step_train" in said[0] and "record_loss" in said[0], said
+        assert get_runtime().errors.total == 0
+    finally:
+        tt.shutdown()

@@ -98,7 +98,8 @@ class TorchtraceCallback(_pl.Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         if self._val is not None:
-            self._val.end(None, extract_loss(outputs))
+            loss = extract_loss(outputs)  # a tuple (predictions, labels) is no loss, and left unsaid
+            self._val.end(None, None if isinstance(loss, (tuple, list)) else loss)
 
     # ------------------------------------------------------------ failures
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

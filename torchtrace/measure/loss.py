@@ -55,6 +55,9 @@ def classify_loss(loss: Any) -> LossValue:
         return LossValue(problem="a loss of type bool is not a number")
     if isinstance(loss, numbers.Real):  # int, float, NumPy scalars
         return LossValue(number=float(loss))
+    if isinstance(loss, (tuple, list)):  # a step's `return loss, logits`: which item is the loss is not ours to guess
+        return LossValue(problem=f"a step that returns a {type(loss).__name__} gives no loss; return the loss (or a "
+                                 "dict with \"loss\"), or call record_loss(loss)")
     return LossValue(problem=f"a loss of type {type(loss).__name__} is not a number")
 
 
@@ -73,4 +76,12 @@ def extract_loss(result: Any) -> Any:
         return result  # a NumPy scalar too (np.float32 is no float), as record_loss takes it
     if isinstance(result, dict):
         return result.get("loss")
+    if isinstance(result, (tuple, list)) and result:
+        return result  # judged by classify_loss: a tuple is said to hold no loss
     return getattr(result, "loss", None)
+
+
+def not_a_loss(value: Any) -> bool:
+    """What an evaluation returns that is no loss: its predictions (a tensor of many values),
+    or a tuple or list (predictions and labels)."""
+    return isinstance(value, (tuple, list)) or isinstance(value, torch.Tensor) and value.numel() != 1
