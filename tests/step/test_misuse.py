@@ -336,3 +336,21 @@ def test_an_operation_without_a_name_of_its_own_is_named_after_what_it_calls(tt_
         evaluate(torch.randn(4, 8))
     assert get_runtime().history.totals["steps"] == 2
     assert dict(get_runtime().history.operations) == {"train_step": 1, "Evaluate": 1}
+
+
+@pytest.mark.parametrize("value, shown", [(object(), "object"), (torch.tensor(0.1), "Tensor"),
+                                          ([1, object()], "object"), ({"inner": object()}, "object")])
+def test_attribute_values_a_span_cannot_hold_are_refused_where_given(tt_runtime, caplog, value, shown):
+    """They were taken, then the SDK warned of them on every step's span (two lines a step for
+    two such values) and wrote None or their str() instead."""
+    pattern = rf"attributes\['cfg'\] holds a {shown}; accepted values: str, bool, int, float"
+    with pytest.raises(TypeError, match=pattern):
+        tt.debug_operation(attributes={"cfg": value})
+    with pytest.raises(TypeError, match=pattern):
+        tt.debug_context("train_step", attributes={"cfg": value})
+    caplog.set_level(logging.WARNING)
+    step = tt.debug_operation(attributes={"a": "x", "b": [1, 2.5], "c": {"d": (True, b"e")}, "n": None})(
+        lambda x: x * 2)
+    for _ in range(3):
+        step(torch.ones(1))
+    assert not [r for r in caplog.records if "Invalid type" in r.getMessage()]

@@ -58,13 +58,30 @@ def check_scaler(scaler: Any, where: str) -> None:
 
 
 def check_attributes(attributes: Any, where: str) -> None:
-    """``attributes=``: None or a mapping of string keys (values the span cannot hold are
-    dropped, as the OpenTelemetry SDK does)."""
+    """``attributes=``: None or a mapping of string keys to values a span holds (the SDK would
+    warn of any other on every step's span and write None or its str() instead)."""
     if attributes is None:
         return
     if not isinstance(attributes, Mapping) or not all(isinstance(k, str) for k in attributes):
         raise TypeError(f"{where}: attributes= must be a dict of string keys to values (str, bool, int, float, or "
                         f"lists of them), got {_kind(attributes)}; for example attributes={{\"dataset\": \"train\"}}")
+    for key, value in attributes.items():
+        odd = _odd_attribute_value(value)
+        if odd is not None:
+            raise TypeError(f"{where}: attributes[{key!r}] holds a {_kind(odd)}; accepted values: str, bool, int, "
+                            "float, bytes, None, or lists and dicts of them (convert it: str(value), float(value))")
+
+
+def _odd_attribute_value(value: Any, depth: int = 0) -> Any:
+    """The first value inside ``value`` that a span attribute cannot hold, or None."""
+    if value is None or isinstance(value, (str, bool, int, float, bytes)):  # as the SDK judges them
+        return None
+    if depth < 8 and isinstance(value, (list, tuple)):
+        return next((odd for odd in (_odd_attribute_value(v, depth + 1) for v in value) if odd is not None), None)
+    if depth < 8 and isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return next((odd for odd in (_odd_attribute_value(v, depth + 1) for v in value.values()) if odd is not None),
+                    None)
+    return value
 
 
 def check_scope_arguments(name: Any, model: Any, optimizer: Any, scaler: Any, replay: Any, step: Any,
