@@ -226,3 +226,43 @@ def test_a_modules_own_method_watches_the_optimizer_it_keeps(tmp_path):
         assert len(record.grad_names) == 2 and record.grad_norm is not None
     finally:
         tt.shutdown()
+
+
+class LazyTrainer:
+    """Builds its optimizer (and scheduler) in its first step, as some scripts do."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        self.optimizer = None
+        self.best = None
+
+    @tt.debug_operation(name="lazy_step")
+    def train_step(self, x, y):
+        if self.optimizer is None:
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.best = loss.item() if self.best is None else min(self.best, loss.item())
+        return loss
+
+
+def test_an_optimizer_set_on_the_object_after_the_first_step_is_watched_from_the_next(tmp_path):
+    """The attributes were worked out once, at the first call, when ``self.optimizer`` was
+    still None: the optimizer was never watched (no learning rate, no phases, no skip guard)
+    and nothing was said. An attribute that was None is looked at again once it is set."""
+    _configure(tmp_path, guard="skip")
+    try:
+        trainer = LazyTrainer()
+        x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+        for _ in range(3):
+            trainer.train_step(x, y)
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        rows = rt.history.steps()
+        assert [row.get("phases") and "optimizer" in row["phases"] for row in rows][1:] == [True, True]
+        assert rt.history.last_record.lr == [0.05]
+    finally:
+        tt.shutdown()

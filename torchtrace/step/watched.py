@@ -15,7 +15,9 @@ GradScaler among the attributes of its ``self``:
   else none is chosen.
 
 Which attributes they are is worked out once per class and read on every call, so a model
-replaced on the object (wrapped, compiled) is the one watched from the next step.
+replaced on the object (wrapped, compiled) is the one watched from the next step. Attributes
+that were None then (an optimizer a trainer builds in its first step) are looked at again
+once one of them is set, and the attributes worked out anew.
 
 >>> import torch
 >>> class Trainer:
@@ -42,8 +44,10 @@ _Optimizer = torch.optim.Optimizer
 _PLAIN = (torch.Tensor, _Module, _Optimizer, tuple, list, dict, str, bytes, int, float, bool, type(None))
 _MAX_CLASSES = 256
 _MAX_ATTRIBUTES = 256  # attributes of an object looked at, at most
-# class -> the names of its model, optimizer and scaler attributes
-_fields: dict[type, tuple[str | None, str | None, str | None]] = {}
+_MAX_PENDING = 16  # attributes that were None when the class was looked at, watched for being set
+_MAX_LOOKS = 8  # looks at a class, at most (an attribute that goes back and forth to None costs no more)
+# class -> the names of its model, optimizer and scaler attributes, of those that were None, and the looks
+_fields: dict[type, tuple[tuple[str | None, str | None, str | None], tuple[str, ...], int]] = {}
 
 
 def watched(model: Any, optimizer: Any, scaler: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
@@ -121,15 +125,26 @@ def hookable(optimizer: Any) -> bool:
 
 def _attributes_of(obj: Any) -> tuple[Any, Any, Any]:
     kind = type(obj)
-    names = _fields.get(kind)
-    if names is None:
-        names = _find(obj)
-        if len(_fields) < _MAX_CLASSES:
-            _fields[kind] = names
+    known = _fields.get(kind)
+    if known is None or (known[1] and any(getattr(obj, name, None) is not None for name in known[1])):
+        looks = known[2] + 1 if known is not None else 1  # first seen, or an attribute that was None is set now
+        known = (_find(obj), _unset(obj) if looks < _MAX_LOOKS else (), looks)
+        if len(_fields) < _MAX_CLASSES or kind in _fields:
+            _fields[kind] = known
+    names = known[0]
     model, optimizer, scaler = (getattr(obj, name, None) if name is not None else None for name in names)
     return (model if isinstance(model, _Module) else None,
             optimizer if isinstance(optimizer, _Optimizer) else None,
             scaler if _is_scaler(scaler) else None)
+
+
+def _unset(obj: Any) -> tuple[str, ...]:
+    """The names of ``obj``'s attributes that are None (a model or optimizer still to come)."""
+    try:
+        items = list(vars(obj).items())[:_MAX_ATTRIBUTES]
+    except TypeError:
+        return ()
+    return tuple(name for name, value in items if value is None)[:_MAX_PENDING]
 
 
 def _is_scaler(value: Any) -> bool:
