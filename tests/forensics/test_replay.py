@@ -414,3 +414,28 @@ def test_replay_blames_attention_like_debug_forward_pass(tmp_path, monkeypatch):
     assert report["cause"] == "forward" and report["module"] == "self_attn"
     assert report["module_type"] == "MultiheadAttention"
     assert tt.debug_forward_pass(layer, {"src": x, "src_key_padding_mask": mask})["first_nonfinite_layer"] == "self_attn"
+
+
+@pytest.mark.parametrize("convert", [float, __import__("numpy").float32])
+def test_a_returned_nan_number_is_replayed_as_the_losss_own(tmp_path, convert):
+    """A step returning its loss as a number (a NumPy float32 is no float) that is NaN while its
+    gradients are finite: the replay finds the loss non-finite, and adds no gradient anomaly
+    (with np.float32 it read no loss, blamed "unknown ... born in None" and added nonfinite_grad)."""
+    _configure(tmp_path, guard="skip")
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return convert(loss.item() * float("nan"))
+
+    train_step(torch.randn(4, 8))
+    rt = get_runtime()
+    rt.finish_deferred(block=True)
+    record = rt.history.last_record
+    assert [a.kind for a in record.anomalies] == [semconv.NONFINITE_LOSS]
+    assert record.forensics["cause"] == "loss"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import re
 import time
 import warnings
@@ -266,7 +267,7 @@ def _run_once(model, run, rng, optimizers, scalers, extract_loss, params, rec: _
                     except Exception as exc:
                         error = type(exc).__qualname__
                 loss_value = readout.read(loss.detach().reshape(-1)[:1].to(torch.float64).cpu())[0]
-            elif isinstance(loss, (int, float)):
+            elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):  # a NumPy float too
                 loss_value = float(loss)
     finally:
         if rec is not None:
