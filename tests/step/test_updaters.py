@@ -5,6 +5,7 @@ torchtrace. Each case runs the same loop bare and instrumented and compares the 
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -207,3 +208,38 @@ def test_an_unnamed_scaler_backs_off_once_for_a_nan_batch(tmp_path):
     # scale is what matters: backed off once.
     assert bare_scales == [1024.0, 512.0, 512.0] and scales[-1] == 512.0
     assert all(torch.equal(a, b) for a, b in zip(bare_params, params))
+
+
+@pytest.mark.parametrize("guard, warned", [("skip", True), ("warn", False)])
+def test_a_second_optimizer_the_skip_guard_does_not_cover_is_named_once(tmp_path, caplog, guard, warned):
+    """A GAN step given both optimizers as arguments watches the first: under guard='skip' a
+    NaN in the other's gradients was applied (its model's parameters all NaN from then on)
+    while the step read "skipped", and nothing said that update was not guarded."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, guard=guard)
+    try:
+        caplog.set_level(logging.WARNING, logger="torchtrace")
+        torch.manual_seed(0)
+        gen, disc = torch.nn.Linear(4, 6), torch.nn.Linear(6, 1)
+        opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+        opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+
+        @tt.debug_operation
+        def gan_step(real, z, opt_g, opt_d):
+            opt_d.zero_grad()
+            (disc(real).mean() - disc(gen(z).detach()).mean()).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            loss = -disc(gen(z)).mean()
+            loss.backward()
+            opt_g.step()
+            return loss
+
+        for _ in range(3):
+            gan_step(torch.randn(8, 6), torch.randn(8, 4), opt_g, opt_d)
+        said = [r.getMessage() for r in caplog.records if "does not cover" in r.getMessage()]
+        assert len(said) == (1 if warned else 0), said
+        if warned:
+            assert "gan_step" in said[0] and "SGD" in said[0] and "optimizer=" in said[0]
+        assert get_runtime().errors.total == 0
+    finally:
+        tt.shutdown()

@@ -43,6 +43,7 @@ from torch.optim import optimizer as optimizer_module
 from torchtrace import current
 from torchtrace.measure.scaler import scale_at_start
 from torchtrace.step.clipping import is_compiling
+from torchtrace.step.watched import real_optimizer
 
 _METHODS = ("scale", "step")
 AVERAGE = "update_parameters"  # the method of a weight average (AveragedModel) a replay must not call
@@ -82,6 +83,18 @@ def _safely(note: Callable[[Any], None], obj: Any) -> None:
 
 def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
     _safely(_note, optimizer)
+    _safely(_unguarded, optimizer)
+
+
+def _unguarded(optimizer: Any) -> None:
+    """A second optimizer stepping in a step that has one of its own (the other of a GAN's two):
+    the skip guard cannot act on it, which the runtime says once."""
+    scope = current.step()
+    if scope is not None and scope.active and scope.optimizer is not None and optimizer is not scope.optimizer \
+            and real_optimizer(optimizer) is not scope.optimizer:
+        rt = current.runtime(create=False)
+        if rt is not None:
+            rt.guard_other_optimizer(scope, optimizer)
 
 
 def _wrap(original: Callable[..., Any], note: Callable[[Any], None]) -> Callable[..., Any]:
