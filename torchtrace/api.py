@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
-import logging
 from typing import Any, Callable, TypeVar, overload
 
 import torch
@@ -22,8 +21,9 @@ from torchtrace.measure.loss import extract_loss, not_a_loss
 from torchtrace.step import checks, clipping, updaters
 from torchtrace.step.scope import StepScope
 from torchtrace.step.watched import instance_first, watched
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace")
+logger = get_logger("torchtrace")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _atexit_registered = False

@@ -6,7 +6,41 @@ import logging
 import threading
 from typing import Any, Callable
 
-logger = logging.getLogger("torchtrace")
+
+
+class _GuardedLogger(logging.Logger):
+    """A torchtrace logger: a handler of the application's that raises never raises out of a log call.
+
+    A handler's ``emit`` should catch its own failures (``handleError``); one that does not
+    would make torchtrace's log calls raise into the training step or lose its record.
+    """
+
+    def handle(self, record: logging.LogRecord) -> None:
+        try:
+            super().handle(record)
+        except Exception:
+            pass  # the application's handler failed: nothing of torchtrace's to report it through
+
+
+_guarded_classes: dict[type, type] = {logging.Logger: _GuardedLogger}
+
+
+def get_logger(name: str) -> logging.Logger:
+    """``logging.getLogger(name)``, made to swallow the failures of the handlers it reaches."""
+    log = logging.getLogger(name)
+    cls = type(log)
+    if not isinstance(log, _GuardedLogger):
+        guarded = _guarded_classes.get(cls)
+        if guarded is None:  # the application's own logger class: the same guard on top of it
+            guarded = _guarded_classes[cls] = type("Guarded" + cls.__name__, (_GuardedLogger, cls), {})
+        try:
+            log.__class__ = guarded
+        except TypeError:
+            pass
+    return log
+
+
+logger = get_logger("torchtrace")
 
 
 class NonFiniteError(FloatingPointError):

@@ -32,6 +32,7 @@ from torchtrace import semconv
 from torchtrace.compat import checks, steps
 from torchtrace.compat.results import Result
 from torchtrace.config import DEFAULT_GRAD_EXPLOSION_THRESHOLD, DEFAULT_GRAD_VANISHING_THRESHOLD
+from torchtrace.errors import get_logger
 
 _STOP = object()
 
@@ -81,7 +82,7 @@ class AsyncTrainingLogger:
         self.user_id = user_id
         self.model_name = model_name
         self.enable_autograd_debug = enable_autograd_debug
-        self.logger = logger if logger is not None else logging.getLogger("torchtrace.training")
+        self.logger = logger if logger is not None else get_logger("torchtrace.training")
         self.dropped = 0
         self.progress: dict[str, Any] = {"epoch": None, "step": None, "loss": None, "learning_rate": None}
         self.training: dict[str, Any] = {"active": False}

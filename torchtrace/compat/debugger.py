@@ -30,14 +30,14 @@ from torchtrace.compat.records import DebugMetrics, OptimizationMetrics
 from torchtrace.compat.results import Result
 from torchtrace.compat.settings import DebugConfig, build_config, debug_mode_setting, flag, is_logger
 from torchtrace.compat.timeline import Timeline, iso, make_sink
-from torchtrace.errors import NonFiniteError
+from torchtrace.errors import NonFiniteError, get_logger
 from torchtrace.forensics.anomaly import anomaly_detection as core_anomaly_detection
 from torchtrace.levels import DebugLevel, DebugMode
 from torchtrace.record.growth import DEFAULT_THRESHOLD, GrowthTracker
 from torchtrace.tools import memory as memory_tools
 from torchtrace.tools.profiling import profiling as core_profiling
 
-logger = logging.getLogger("torchtrace.debugger")
+logger = get_logger("torchtrace.debugger")
 
 
 def _split_positional(first: Any, second: Any) -> tuple[Any, Any, Any]:
@@ -107,7 +107,7 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         if isinstance(config, (DebugLevel, str)):
             settings.setdefault("level", config)
         self.config = build_config(config if isinstance(config, DebugConfig) else None, settings)
-        self.logger = logger if logger is not None else logging.getLogger("torchtrace.debugger")
+        self.logger = logger if logger is not None else get_logger("torchtrace.debugger")
         sinks = [make_sink(self.logger)]
         if training_logger is not None:
             sinks.append(make_sink(training_logger, "training_logger"))

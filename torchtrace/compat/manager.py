@@ -15,7 +15,6 @@ Each is a thin facade over the core; each honours its :class:`PyTorchDebugConfig
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import Any, Iterator
 
@@ -31,8 +30,9 @@ from torchtrace.forensics.anomaly import anomaly_detection
 from torchtrace.measure.snapshots import tracker
 from torchtrace.tools import inspection, memory
 from torchtrace.tools.profiling import profiling
+from torchtrace.errors import get_logger
 
-_logger = logging.getLogger("torchtrace.debugger")
+_logger = get_logger("torchtrace.debugger")
 
 
 def _config(config: PyTorchDebugConfig | None) -> PyTorchDebugConfig:

@@ -16,7 +16,6 @@ True
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable, Iterable
 
@@ -29,8 +28,9 @@ from torchtrace.compat.results import Result
 from torchtrace.levels import OptimizationMode
 from torchtrace.optimize import benchmark as bench
 from torchtrace.optimize import optimize_model as core_optimize_model
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace.optimize")
+logger = get_logger("torchtrace.optimize")
 DEFAULT_LR = 1e-3
 
 

@@ -16,8 +16,9 @@ import torch
 from torchtrace.compat.results import Result
 from torchtrace.compat.settings import positive
 from torchtrace.measure.memory import cuda_counters
+from torchtrace.errors import get_logger
 
-_logger = logging.getLogger("torchtrace.resources")
+_logger = get_logger("torchtrace.resources")
 
 
 def _gpu() -> dict[str, Any]:

@@ -19,8 +19,9 @@ import logging
 from typing import Any, Callable
 
 from torchtrace.record.history import DebugEvent, History
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace.debugger")
+logger = get_logger("torchtrace.debugger")
 
 ANOMALY_EVENTS = frozenset({
     "nonfinite_gradient", "gradient_explosion", "gradient_vanishing", "tensor_anomaly", "parameter_anomaly",

@@ -32,8 +32,9 @@ from torchtrace.levels import DebugLevel
 from torchtrace.measure import memory as mem_measure
 from torchtrace.record.monitor import TrainingMonitor
 from torchtrace.tools import inspection, memory, pipeline
+from torchtrace.errors import get_logger
 
-_logger = logging.getLogger("torchtrace.debugger")
+_logger = get_logger("torchtrace.debugger")
 
 
 def _split(first: Any) -> tuple[DebugLevel | None, Any, int | None]:

@@ -11,7 +11,6 @@ setting in :mod:`torchtrace.config.parsers`; their public names are importable f
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import secrets
 import time
@@ -64,6 +63,7 @@ from torchtrace.config.parsers import (
     valid_host,
 )
 from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.errors import get_logger
 
 __all__ = [
     "DEFAULT_GRAD_EXPLOSION_THRESHOLD", "DEFAULT_GRAD_VANISHING_THRESHOLD", "Settings", "new_run_id",
@@ -78,7 +78,7 @@ __all__ = [
     "ENV_OTLP_TRACES_CERTIFICATE", "ENV_PEAK_FLOPS", "ENV_THROUGHPUT",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # ---------------------------------------------------------------- one default per threshold
 DEFAULT_GRAD_EXPLOSION_THRESHOLD = 1e3

@@ -20,10 +20,11 @@ The collectives, by purpose:
 from __future__ import annotations
 
 import collections
-import logging
 from typing import Any, Sequence
 
-logger = logging.getLogger("torchtrace")
+from torchtrace.errors import get_logger
+
+logger = get_logger("torchtrace")
 
 
 class _State:

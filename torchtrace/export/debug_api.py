@@ -41,7 +41,6 @@ polling the live page costs the training thread next to nothing.
 from __future__ import annotations
 
 import hmac
-import logging
 import operator
 import secrets
 from typing import Any, Callable
@@ -60,12 +59,13 @@ from torchtrace.export.bounded_json import (
 )
 from torchtrace.export.debug_summary import history_training_summary, retry_copy
 from torchtrace.levels import DebugLevel
+from torchtrace.errors import get_logger
 
 __all__ = ["DebugAPI", "LOOPBACK_HOSTS", "MAX_BODY_BYTES", "MAX_ITEM_BYTES", "MAX_LIST_ITEMS", "MAX_RESPONSE_BYTES",
            "MAX_STEPS_RETURNED", "MAX_STRING_CHARS", "bounded_json", "history_training_summary", "install_debug_api",
            "shrink"]
 
-logger = logging.getLogger("torchtrace")
+logger = get_logger("torchtrace")
 
 MAX_BODY_BYTES = 4096
 """Largest request body accepted; the API's POSTs need no body at all."""

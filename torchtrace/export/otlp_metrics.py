@@ -17,7 +17,6 @@ Name mapping (so that a collector's Prometheus exporter gives back the scraped n
 
 from __future__ import annotations
 
-import logging
 import os
 import ssl
 import threading
@@ -32,8 +31,9 @@ from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 from prometheus_client import CollectorRegistry
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _CUMULATIVE = metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 

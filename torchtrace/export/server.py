@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import http.server
-import logging
 import os
 import socket
 import socketserver
@@ -22,8 +21,9 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # A route handler gets the request handler and returns (status, content type, body bytes).
 Handler = Callable[[http.server.BaseHTTPRequestHandler], "tuple[int, str, bytes]"]

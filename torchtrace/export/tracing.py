@@ -12,7 +12,6 @@ re-exported here.
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import threading
 import time
@@ -26,11 +25,12 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from torchtrace.export.http_session import HttpSpanExporter, abortable_session
 from torchtrace.export.span_file import JsonLinesSpanExporter, span_line, span_to_dict
 from torchtrace.export.spans import readable
+from torchtrace.errors import get_logger
 
 __all__ = ["BoundedBatchSpanProcessor", "DropCallback", "JsonLinesSpanExporter", "otlp_span_exporter", "span_line",
            "span_to_dict", "tracer_provider"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DropCallback = Callable[[str, int], None]
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
-import logging
 from urllib.parse import urlsplit
 
-logger = logging.getLogger(__name__)
+from torchtrace.errors import get_logger
+
+logger = get_logger(__name__)
 
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 

@@ -5,14 +5,14 @@ Re-exported by :mod:`torchtrace.files`.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from pathlib import Path
 
 from torchtrace.files.private import O_CLOEXEC, O_NOFOLLOW
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace.files")
+logger = get_logger("torchtrace.files")
 
 _claims: dict[str, tuple[int, Path]] = {}
 _claims_lock = threading.Lock()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import threading
 from pathlib import Path
@@ -15,8 +14,9 @@ from typing import Any
 
 from torchtrace.files.private import ensure_parent_dir, open_private
 from torchtrace.files.strict_json import dumps
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace.files")
+logger = get_logger("torchtrace.files")
 
 class JsonLinesFile:
     """An append-only JSON-lines file, mode 0600, never through a symlink, that stops

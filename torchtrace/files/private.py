@@ -6,7 +6,6 @@ Re-exported by :mod:`torchtrace.files`, whose docstring states the rules.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import secrets
 import stat
@@ -14,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace.files.strict_json import dumps
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace.files")
+logger = get_logger("torchtrace.files")
 
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from typing import Callable, Iterator
 
 import torch
 
 from torchtrace import current, semconv
-from torchtrace.errors import NonFiniteError
+from torchtrace.errors import NonFiniteError, get_logger
 
-logger = logging.getLogger("torchtrace.forensics")
+logger = get_logger("torchtrace.forensics")
 ANOMALY_MODES = ("detect", "warn", "raise")
 
 

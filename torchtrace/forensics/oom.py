@@ -4,7 +4,6 @@ or, with the ``skip`` guard, drop the batch after freeing the cache."""
 from __future__ import annotations
 
 import gc
-import logging
 import time
 from typing import Any
 
@@ -12,8 +11,9 @@ import torch
 
 from torchtrace.measure import memory as mem_measure
 from torchtrace.record.policy import GuardPolicy
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace.forensics")
+logger = get_logger("torchtrace.forensics")
 
 
 def is_oom(exc: BaseException) -> bool:

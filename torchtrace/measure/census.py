@@ -10,7 +10,6 @@ starts an investigation are in :mod:`torchtrace.record.growth`.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import tracemalloc
 import warnings
@@ -18,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_CONFIRM_STEPS = 8
 MAX_REPORTED = 8

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import os
 import shutil
 import weakref
@@ -26,8 +25,9 @@ from torchtrace import current, semconv
 from torchtrace.levels import OptimizationMode
 from torchtrace.optimize import amp as amp_mod, checkpointing
 from torchtrace.optimize.amp import _DTYPES, AmpState, _current_amp, amp_step, current_amp  # noqa: F401
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 AMP, COMPILE, CHECKPOINT = "amp", "compilation", "activation_checkpointing"
 _WANTS = {

@@ -11,7 +11,6 @@ distinct incident after recovery gets its own replay.
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import time
 from typing import Any
@@ -21,8 +20,9 @@ from torchtrace.forensics import oom, replay
 from torchtrace.measure.loss import extract_loss
 from torchtrace.probes.base import Probe
 from torchtrace.record.step import Anomaly, StepRecord
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace.forensics")
+logger = get_logger("torchtrace.forensics")
 
 MAX_REPORTS_KEPT = 20
 

@@ -15,7 +15,6 @@ as ``torchtrace.profile.op`` events, so the breakdown is visible in Jaeger witho
 from __future__ import annotations
 
 import json
-import logging
 import os
 import statistics
 import tempfile
@@ -30,8 +29,9 @@ from torchtrace import files
 from torchtrace.distributed import rank_file_name
 from torchtrace.measure.flop_modes import leave_counter, profiler_running
 from torchtrace.probes.base import Probe
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 TOP_OPS = 10
 

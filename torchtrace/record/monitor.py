@@ -7,7 +7,6 @@ after ``backward()``. Each call reads the loss and the global gradient norm to t
 from __future__ import annotations
 
 import collections
-import logging
 import math
 from typing import Any
 
@@ -17,8 +16,9 @@ from torchtrace import current, semconv
 from torchtrace.config import DEFAULT_GRAD_EXPLOSION_THRESHOLD, DEFAULT_GRAD_VANISHING_THRESHOLD
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.record import readout
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace.monitor")
+logger = get_logger("torchtrace.monitor")
 
 
 class TrainingMonitor:

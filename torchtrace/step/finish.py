@@ -8,14 +8,13 @@ metrics, history, log).
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import torch
 
 from torchtrace import semconv
-from torchtrace.errors import NonFiniteError
+from torchtrace.errors import NonFiniteError, get_logger
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure.counts import device_count, read_given
 from torchtrace.record import policy, readout, rules
@@ -23,7 +22,7 @@ from torchtrace.record.step import StepRecord
 from torchtrace.export.spans import apply_record
 from torchtrace.measure.learning_rates import read_rates
 
-logger = logging.getLogger("torchtrace")
+logger = get_logger("torchtrace")
 
 _LOG_FIRST = 10  # anomalies of one kind logged individually before thinning out
 _LOG_EVERY = 100

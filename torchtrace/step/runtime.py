@@ -9,7 +9,6 @@ finished by :func:`torchtrace.step.finish.finish` once its host values are known
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import time
 import weakref
@@ -20,7 +19,7 @@ from torchtrace import files, semconv
 from torchtrace._version import __version__
 from torchtrace.config import Settings
 from torchtrace.distributed import Identity, identity
-from torchtrace.errors import InternalErrors
+from torchtrace.errors import InternalErrors, get_logger
 from torchtrace.export import spans as span_export
 from torchtrace.export.metrics import Metrics
 from torchtrace.export.server import TelemetryServer
@@ -35,7 +34,7 @@ from torchtrace.record.step import StepRecord
 from torchtrace.step import finish, report, setup
 from torchtrace.step.throughput import RunThroughput
 
-logger = logging.getLogger("torchtrace")
+logger = get_logger("torchtrace")
 
 
 class _Deferred:

@@ -3,7 +3,6 @@ span exporters, the metrics server with the debug API, the OTLP metrics pusher, 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,9 @@ from torchtrace.probes.leaks import LeakProbe
 from torchtrace.probes.memory import MemoryProbe
 from torchtrace.probes.profiler import ProfilerProbe
 from torchtrace.probes.straggler import StragglerProbe
+from torchtrace.errors import get_logger
 
-logger = logging.getLogger("torchtrace")
+logger = get_logger("torchtrace")
 
 
 def resource(rt: Any) -> Resource:
