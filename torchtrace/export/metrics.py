@@ -12,9 +12,10 @@ are prometheus_client instruments.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter as _Counter, Gauge as _Gauge, values
 
 from torchtrace import semconv
 from torchtrace.export.labels import MAX_DEVICE_VALUES, MAX_LABEL_VALUES, OVERFLOW, LabelBudget
@@ -22,6 +23,28 @@ from torchtrace.export.step_metrics import StepMetrics
 from torchtrace.record.step import StepRecord
 
 __all__ = ["MAX_DEVICE_VALUES", "MAX_LABEL_VALUES", "OVERFLOW", "LabelBudget", "Metrics"]
+
+
+class Counter(_Counter):
+    """A counter whose values live in this process, always.
+
+    With ``PROMETHEUS_MULTIPROC_DIR`` set (for the application's own multiprocess metrics),
+    prometheus_client would keep every value in a file of that directory, where the
+    application's ``MultiProcessCollector`` serves it: torchtrace's registry is private.
+    """
+
+    def _metric_init(self) -> None:
+        self._value = values.MutexValue(self._type, self._name, self._name + "_total", self._labelnames,
+                                        self._labelvalues, self._documentation)
+        self._created = time.time()
+
+
+class Gauge(_Gauge):
+    """A gauge whose values live in this process, always (see :class:`Counter`)."""
+
+    def _metric_init(self) -> None:
+        self._value = values.MutexValue(self._type, self._name, self._name, self._labelnames, self._labelvalues,
+                                        self._documentation)
 
 
 def _base(name: str) -> str:
