@@ -238,3 +238,19 @@ def test_a_bad_host_argument_is_refused_before_anything_is_created(tmp_path, mon
         tt.configure(prometheus_host="not a host", prometheus_port=0, run_dir=str(tmp_path / "r"),
                      register_atexit=False)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("exporter, expected", [
+    ("none", None),
+    (" None ", None),
+    ("otlp", "http://collector:4318"),
+    ("console", "http://collector:4318"),
+])
+def test_otel_traces_exporter_none_turns_the_environment_endpoint_off(exporter, expected):
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_TRACES_EXPORTER": exporter}
+    assert Settings.resolve({}, env).otlp_endpoint == expected
+
+
+def test_otel_traces_exporter_none_leaves_an_endpoint_argument_alone():
+    env = {"OTEL_TRACES_EXPORTER": "none"}
+    assert Settings.resolve({"otlp_endpoint": "http://collector:4318"}, env).otlp_endpoint == "http://collector:4318"

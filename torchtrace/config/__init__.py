@@ -31,6 +31,7 @@ from torchtrace.config.env import (
     ENV_MODE,
     ENV_OTEL_SDK_DISABLED,
     ENV_OTEL_SERVICE_NAME,
+    ENV_OTEL_TRACES_EXPORTER,
     ENV_OTLP_CERTIFICATE,
     ENV_OTLP_ENDPOINT,
     ENV_OTLP_METRICS_ENDPOINT,
@@ -178,6 +179,8 @@ class Settings:
                 except ValueError as exc:
                     logger.warning("ignoring %s: %s; using the default", env_name, exc)
                 break
+        if env.get(ENV_OTEL_TRACES_EXPORTER, "").strip().lower() == "none":
+            values.pop("otlp_endpoint", None)  # the platform's "no trace exporter"; an argument still wins
         # Arguments are validated strictly.
         for name, value in given.items():
             validator = VALIDATORS.get(name)
