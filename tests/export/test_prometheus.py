@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -91,6 +92,28 @@ def test_exemplar_trace_id_is_a_span_of_the_run(tt_runtime, tiny_model):
     trace_ids = {sp["trace_id"] for sp in spans}
     for _name, _labels, ex in exemplars:
         assert ex.labels["trace_id"] in trace_ids
+
+
+def test_unsampled_steps_give_no_exemplar_and_no_trace_id(tmp_path, monkeypatch, tiny_model):
+    """With a sampler (here OTEL_TRACES_SAMPLER), a step whose span was not sampled names no
+    trace: an exemplar or a report row must lead to a trace the backend has."""
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_")):
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    result = tt.configure(prometheus_port=0, run_dir=str(tmp_path), debug_api=False, register_atexit=False)
+    try:
+        records = run_steps(tiny_model, 60)
+        trace_ids = {sp["trace_id"] for sp in read_spans(result.spans_path)}
+        s = scrape(result.metrics_url, openmetrics=True)
+    finally:
+        tt.shutdown()
+    assert 0 < len(trace_ids) < 60  # some steps were sampled, some not
+    assert {r.trace_id for r in records if r.trace_id is not None} == trace_ids
+    exemplars = [e for e in s["exemplars"] if e[0] == "torchtrace_step_duration_seconds_bucket"]
+    assert exemplars
+    assert all(ex.labels["trace_id"] in trace_ids for _name, _labels, ex in exemplars)
 
 
 def test_port_zero_picks_a_free_port_and_result_reports_it(tt_runtime):

@@ -333,8 +333,8 @@ class StepScope:
         if throughput is not None:
             record.samples, record.tokens, record.flops, record.flops_counted, record.lr = throughput
         ctx = self._span.get_span_context()
-        record.trace_id = format(ctx.trace_id, "032x")
-        record.span_id = format(ctx.span_id, "016x")
+        if ctx.trace_flags.sampled:  # an unsampled span is exported nowhere: no exemplar or report link to it
+            record.trace_id, record.span_id = format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
         self.record = record
         self._overhead += time.perf_counter() - t0
         record.overhead_s = self._overhead
