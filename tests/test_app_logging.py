@@ -76,3 +76,33 @@ def test_raising_handler_neither_raises_nor_loses_records(raising_root_handler, 
         assert rt.errors.by_component == {}
     finally:
         tt.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["anomaly_detection", "full_debug"])
+def test_warnings_as_errors_keep_anomaly_mode_working(tmp_path, monkeypatch, mode):
+    """``warnings.simplefilter("error")`` (or ``-W error``) in the application: turning autograd's
+    anomaly mode on for a step must not raise a warning that aborts torchtrace's step set-up."""
+    import warnings
+
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_")):
+            monkeypatch.delenv(name, raising=False)
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), mode=mode, register_atexit=False)
+    seen = []
+    try:
+        torch.manual_seed(0)
+        model = TinyNet()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                with tt.debug_context("train_step", model=model) as step:
+                    seen.append(torch.is_anomaly_enabled())
+                    loss = model(torch.randn(4, 8)).pow(2).mean()
+                    loss.backward()
+                    step.record_loss(loss)
+        tt.flush()
+        assert get_runtime().errors.by_component == {}
+    finally:
+        tt.shutdown()
+    assert seen == [True, True, True]
+    assert not torch.is_anomaly_enabled()

@@ -225,7 +225,7 @@ class StepScope:
             if self.optimizer is not None:
                 self.gradients.hook(self.optimizer)
         if feats.anomaly_mode:
-            self._anomaly_cm = torch.autograd.detect_anomaly(check_nan=True)
+            self._anomaly_cm = torch.autograd.set_detect_anomaly(True, check_nan=True)  # no warning to raise
             self._anomaly_cm.__enter__()
         if feats.throughput:  # (entered, and when torchtrace left the step before: its own time between)
             self.entered_at, self.left_before = t0, rt.throughput.left_at
