@@ -267,3 +267,15 @@ def test_bad_token_in_environment_is_logged_and_replaced(tmp_path, monkeypatch, 
         tt.configure(prometheus_port=0, write_files=False, register_atexit=False)
     assert "ignoring TORCHTRACE_DEBUG_TOKEN" in caplog.text and "short" not in caplog.text
     assert runtime().debug_api.token != "short" and len(runtime().debug_api.token) >= 40
+
+
+@pytest.mark.parametrize("query", ["/debug/steps?limit=%C2%B2", "/debug/steps?before=%C2%B2",
+                                   "/debug/events?since=%E2%91%A0", "/debug/events?limit=%C2%B3",
+                                   "/debug/steps?limit=%D9%A3", "/debug/events?since=%EF%BC%93"])
+def test_numbers_in_other_scripts_are_bad_arguments(api, query):
+    # "²".isdigit() is True but int("²") raises: the route answered 500. Arabic-Indic and
+    # full-width digits were taken as numbers. Only ASCII digits are integers here: 400.
+    rt, port, token, trainer = api
+    status, _, body = call(port, "GET", query)
+    assert status == 400, (status, body)
+    assert b"integer" in body

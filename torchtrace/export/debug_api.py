@@ -311,7 +311,8 @@ def _int_arg(query: dict[str, list[str]], name: str, default: int) -> int | None
     if not values:
         return default
     raw = values[-1].strip()
-    if not raw.lstrip("-").isdigit() or len(raw) > 18:
+    # ASCII digits only: str.isdigit() is also true of "²", which int() refuses (a 500).
+    if not (raw.isascii() and raw.lstrip("-").isdigit()) or len(raw) > 18:
         return None
     return int(raw)
 
