@@ -22,6 +22,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from torchtrace.errors import get_logger
+from torchtrace.export.pacing import RequestPacer
 
 logger = get_logger(__name__)
 
@@ -221,10 +222,13 @@ def _make_handler(server: "TelemetryServer"):
         def handle_one_request(self) -> None:
             self.rfile.reset()
             self.server.set_phase(self.connection, "head")
+            cpu0 = time.thread_time()
             try:
                 super().handle_one_request()
             except _HeadTooLarge as exc:
                 _refuse_head(self, exc)
+            finally:
+                server.pacer.charge(time.thread_time() - cpu0)
 
         def log_message(self, fmt, *args):  # quiet: no per-request logging
             return
@@ -232,7 +236,8 @@ def _make_handler(server: "TelemetryServer"):
         def _dispatch(self, method: str) -> None:
             self.server.set_phase(self.connection, "busy")
             try:
-                status, ctype, body, headers = server.handle(method, self)
+                with server.pacer.turn():  # one route at a time, the server busy a bounded share
+                    status, ctype, body, headers = server.handle(method, self)
             except Exception:
                 logger.debug("telemetry server route failed", exc_info=True)
                 status, ctype, body, headers = 500, "text/plain; charset=utf-8", b"internal error\n", {}
@@ -296,6 +301,7 @@ class TelemetryServer:
         self.host = host
         self.port: int | None = None
         self.routes: list[Route] = []
+        self.pacer = RequestPacer()
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
         self.add_route("GET", "/metrics", self._metrics)
