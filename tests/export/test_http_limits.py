@@ -197,3 +197,24 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout(tt_runtime):
         assert idle.recv(10) == b""
         closed_at = time.monotonic() - t0
     assert server_mod.IDLE_TIMEOUT_S - 0.5 < closed_at < server_mod.IDLE_TIMEOUT_S + 2
+
+
+def test_requests_on_a_kept_alive_connection_answer_without_the_nagle_delay(tt_runtime):
+    """The head and the body are two writes; with Nagle's algorithm on, the body waited for
+    the client's delayed ACK: every request after the first few on a kept-alive connection
+    (Prometheus's, the live page's fetches) took 44 ms instead of about 1 ms."""
+    import http.client
+
+    port = runtime().server.port
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    times = []
+    try:
+        for _ in range(30):
+            t0 = time.perf_counter()
+            conn.request("GET", "/healthz", headers={"Host": "127.0.0.1"})
+            resp = conn.getresponse()
+            resp.read()
+            times.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+    assert statistics.median(times) < 0.02, [round(t * 1e3, 1) for t in times]
