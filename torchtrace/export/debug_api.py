@@ -18,7 +18,8 @@ Routes (all served by the runtime's :class:`~torchtrace.export.server.TelemetryS
 
 Safety rules, in the order they are checked:
 
-1. Only the methods above; others get 405 (the server's routing does this).
+1. Only the methods above; others get 405 (the server's routing does this), or 501 for a
+   method the server does not implement at all (``TRACE``, a made-up one).
 2. The ``Host`` header must name a loopback address (or the address the server was told to
    bind): a DNS-rebinding page cannot reach the API through a name it controls. 403.
 3. A browser ``Origin`` header is refused on every POST, and on a GET unless it is the
