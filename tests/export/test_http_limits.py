@@ -218,3 +218,17 @@ def test_requests_on_a_kept_alive_connection_answer_without_the_nagle_delay(tt_r
     finally:
         conn.close()
     assert statistics.median(times) < 0.02, [round(t * 1e3, 1) for t in times]
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/healthz"), ("POST", "/metrics"), ("POST", "/nope"),
+                                          ("HEAD", "/metrics")])
+def test_a_body_the_route_does_not_read_is_never_served_as_a_request(tt_runtime, method, path):
+    """A GET (or a refused POST) with a body kept the connection open and parsed the body as the
+    next request: a request hidden in a body reached /debug/* past a proxy that only lets
+    /metrics through. A request with a body now ends its connection."""
+    port = runtime().server.port
+    inner = b"GET /debug/summary HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(inner)}\r\n\r\n".encode()
+    answer = _raw(port, head + inner)
+    assert answer.count(b"HTTP/1.1 ") == 1, answer[:300]
+    assert b"Connection: close" in answer

@@ -283,7 +283,12 @@ def _refuse_head(handler: http.server.BaseHTTPRequestHandler, exc: Exception) ->
 
 def _respond(handler: http.server.BaseHTTPRequestHandler, method: str, status: int, ctype: str, body: bytes,
              headers: dict[str, str]) -> None:
-    """Send a route's answer: status, the common headers, the route's headers, the body (none to HEAD)."""
+    """Send a route's answer: status, the common headers, the route's headers, the body (none to HEAD).
+
+    A request that came with a body ends its connection: a body no route read must not be
+    parsed as the next request (a request hidden in a body would pass a proxy's path rules)."""
+    if handler.headers.get("Content-Length", "0").strip() not in ("", "0") or handler.headers.get("Transfer-Encoding"):
+        headers = {**headers, "Connection": "close"}
     handler.send_response(status)
     handler.send_header("Content-Type", ctype)
     handler.send_header("Content-Length", str(len(body)))
