@@ -7,7 +7,6 @@ import threading
 from typing import Any, Callable
 
 
-
 class _GuardedLogger(logging.Logger):
     """A torchtrace logger: a handler of the application's that raises never raises out of a log call.
 
