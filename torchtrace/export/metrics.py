@@ -34,8 +34,12 @@ class Counter(_Counter):
     """
 
     def _metric_init(self) -> None:
-        self._value = values.MutexValue(self._type, self._name, self._name + "_total", self._labelnames,
-                                        self._labelvalues, self._documentation)
+        try:
+            self._value = values.MutexValue(self._type, self._name, self._name + "_total", self._labelnames,
+                                            self._labelvalues, self._documentation)
+        except (AttributeError, TypeError):  # another prometheus_client's internals: its own way
+            super()._metric_init()
+            return
         self._created = time.time()
 
 
@@ -43,8 +47,11 @@ class Gauge(_Gauge):
     """A gauge whose values live in this process, always (see :class:`Counter`)."""
 
     def _metric_init(self) -> None:
-        self._value = values.MutexValue(self._type, self._name, self._name, self._labelnames, self._labelvalues,
-                                        self._documentation)
+        try:
+            self._value = values.MutexValue(self._type, self._name, self._name, self._labelnames,
+                                            self._labelvalues, self._documentation)
+        except (AttributeError, TypeError):  # (as Counter's)
+            super()._metric_init()
 
 
 def _base(name: str) -> str:
