@@ -289,7 +289,8 @@ def test_bad_state_and_bad_kind_are_refused():
         ledger.add_step(FinishedStep(1.0, 2.0, kind="training"))
 
 
-@pytest.mark.parametrize("module", ["torchtrace.record.goodput", "torchtrace.record.throughput"])
+@pytest.mark.parametrize("module", ["torchtrace.record.goodput", "torchtrace.record.goodput_types",
+                                    "torchtrace.record.throughput"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib

@@ -53,74 +53,21 @@ as startup or data wait (for the goodput gauge; a step running now is counted wh
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from torchtrace import semconv
-from torchtrace.record.throughput import Finding, OperationWindow, RuleSettings, Throughput, settings_state
+from torchtrace.record.goodput_types import BADPUT_OF_KIND as _BADPUT_OF_KIND
+from torchtrace.record.goodput_types import CHECKPOINT, EVALUATION, OPERATION_KINDS, OTHER, TRAIN
+from torchtrace.record.goodput_types import PRODUCTIVE as _PRODUCTIVE
+from torchtrace.record.goodput_types import FinishedStep, Goodput, StepAccount, enclosing
+from torchtrace.record.throughput import OperationWindow, RuleSettings, Throughput, settings_state
 from torchtrace.record.timeline import own_time, split_replays
 
-TRAIN, CHECKPOINT, EVALUATION, OTHER = "train", "checkpoint", "evaluation", "other"
-OPERATION_KINDS = (TRAIN, CHECKPOINT, EVALUATION, OTHER)
 MAX_OPERATIONS = 32  # operations with their own throughput window; later ones share none
 MAX_PEAKS = 4 * MAX_OPERATIONS  # operations with a peak FLOP/s of their own (later ones have no MFU)
 MAX_PENDING_REPLAYS = 64
 _KINDS = frozenset(OPERATION_KINDS)
-_BADPUT_OF_KIND = {CHECKPOINT: "checkpoint", EVALUATION: "evaluation", OTHER: "other"}
-_PRODUCTIVE = "productive"
 STATE_VERSION = 1
-
-
-@dataclass(slots=True)
-class FinishedStep:
-    """One finished operation call, as the step pipeline saw it (times in seconds, one clock).
-
-    ``applied``: the optimizer update was applied (False when the guard skipped it).
-    ``excluded``: left out of throughput (the step whose FLOPs were counted).
-    ``kind``: one of :data:`OPERATION_KINDS`.
-    ``device_cycle`` (:meth:`GoodputLedger.post` only): on a GPU, the step's cycle in device
-    time, the time base of its rates (``OperationWindow.add``).
-    ``enclosing`` and ``holds_steps``: see the module's docstring (operations that hold steps)
-    and :func:`enclosing`.
-    ``entered``: when torchtrace began the step (before ``start``); ``left``: when it was done
-    with the step before. Its own time between the two steps is *other*, not data wait
-    (:func:`~torchtrace.record.timeline.own_time`).
-    """
-
-    start: float
-    end: float
-    applied: bool = True
-    excluded: bool = False
-    samples: int | None = None
-    tokens: int | None = None
-    flops: int | None = None
-    kind: str = TRAIN
-    operation: str = "train_step"
-    enclosing: tuple[float, str] | None = None
-    holds_steps: bool = False
-    entered: float | None = None
-    left: float | None = None
-
-
-class StepAccount(NamedTuple):
-    """What the ledger made of one step: its data wait (None for the first) and findings."""
-
-    data_wait_s: float | None
-    findings: tuple[Finding, ...] = ()
-
-
-@dataclass(frozen=True)
-class Goodput:
-    """Wall time since configure split into productive time and badput by kind."""
-
-    wall_s: float
-    productive_s: float
-    badput: dict[str, float] = field(default_factory=dict)  # every kind of semconv.BADPUT_KINDS
-
-    @property
-    def ratio(self) -> float | None:
-        """Productive time over wall time; None before any wall time passed."""
-        return self.productive_s / self.wall_s if self.wall_s > 0 else None
 
 
 class GoodputLedger:
@@ -155,6 +102,9 @@ class GoodputLedger:
         self._debt = 0.0  # forensic seconds reported after their instants were counted
         self._windows: dict[str, OperationWindow] = {}
         self._last_end: float | None = None  # the latest end of a step (data wait's origin)
+        # The operation whose next training step may take post's short way, and its window (see post).
+        self._steady: str | None = None
+        self._steady_window: OperationWindow | None = None
 
     # ------------------------------------------------------------ input
     def add_step(self, step: FinishedStep) -> StepAccount:
@@ -174,7 +124,49 @@ class GoodputLedger:
              left: float | None = None) -> tuple[float | None, tuple]:
         """The step pipeline's call (from one step thread), with :class:`FinishedStep`'s fields:
         ``(the step's data wait, what the rules found on it)``. Booked at once under the lock
-        (uncontended but for a scrape): queueing steps to book in batches cost more per step."""
+        (uncontended but for a scrape): queueing steps to book in batches cost more per step.
+
+        Every step pays for this: a training step of the operation of the step before, when
+        nothing is to be resumed or taken out (``_steady``: set by :meth:`_post`, cleared by a
+        pause, a replay, a restore), outside any other step and with its times in the usual
+        order, takes the short way below: :meth:`_post`'s counting, ``own_time`` and
+        ``OperationWindow.add``'s usual step in one piece, with the same results."""
+        with self._lock:
+            last = self._cursor  # (= the last end: see _post)
+            if operation == self._steady and kind == TRAIN and enclosing is None and not holds_steps \
+                    and left is not None and entered is not None and last < left <= entered <= start <= end:
+                span = start - last
+                mine = start - entered + (left - last)  # own_time(last, start, entered, left) in this order
+                if not mine < span:
+                    mine = span
+                wait = span - mine
+                totals, duration = self._totals, end - start
+                totals["other"] += mine
+                totals["data_wait"] += wait
+                totals[_PRODUCTIVE if applied else "skipped_step"] += duration
+                self._cursor = self._last_end = end
+                if excluded:
+                    return wait, ()
+                # OperationWindow.add's usual step (no clamp: both are >= 0 here)
+                window = self._steady_window
+                duration += mine
+                cycle = duration + wait
+                rated = device_cycle if device_cycle is not None and device_cycle > 0.0 else cycle
+                window.entries.append((rated, wait, samples, tokens, flops, cycle))
+                window.seen = seen = window.seen + 1
+                if seen < window.due and wait < window.min_wait:
+                    return wait, ()
+                return wait, window.judge(seen, rated, wait, cycle, samples, tokens)
+        return self._post(start, end, applied, excluded, samples, tokens, flops, kind, operation, device_cycle,
+                          enclosing, holds_steps, entered, left)
+
+    def _post(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
+              tokens: int | None, flops: int | None, kind: str, operation: str, device_cycle: float | None,
+              enclosing: tuple[float, str] | None, holds_steps: bool, entered: float | None,
+              left: float | None) -> tuple[float | None, tuple]:
+        """:meth:`post`, every case. Sets ``_steady`` when the next step of the operation may
+        take post's short way: a training step, its window kept, no replay to take out, and the
+        cursor at the last end (it is after any step but a pause's first)."""
         if kind not in _KINDS:
             raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
         if start < self.configured_at:
@@ -185,41 +177,13 @@ class GoodputLedger:
         if holds_steps and kind == TRAIN:
             own = "data_wait"
         with self._lock:
-            if self._paused_at is not None:
-                self._resume(start)
-            last, cursor = self._last_end, self._cursor
-            if last is None:
-                wait = None
-                self._last_end = end
-            else:
-                wait = start - last if start > last else 0.0
-                if end > last:
-                    self._last_end = end
-            gap = "data_wait" if self._started else "startup"
-            mine = 0.0  # torchtrace's own time before the step, after the step before (not data wait)
-            if enclosing is not None and cursor < start and enclosing[0] < start:
-                cursor = self._enclosed(cursor, start, enclosing, gap)
-            elif enclosing is None and wait and entered is not None:
-                mine = own_time(last, start, entered, left)
-                wait -= mine
-            if not self._replays and not self._debt:  # the common case: no replay to take out
-                totals = self._totals
-                if start > cursor:
-                    if mine:
-                        mine = mine if mine < start - cursor else start - cursor
-                        totals["other"] += mine
-                    totals[gap] += start - cursor - mine
-                    cursor = start
-                if end > cursor:
-                    totals[own] += end - cursor
-                    cursor = end
-                self._cursor = cursor
-            else:
-                self._count_step(cursor, start, end, gap, own, mine)
-            self._started = True
+            wait, mine = self._book(start, end, own, enclosing, entered, left)
             same_operation, self._last_operation = self._last_operation == operation, operation
             same_kind, self._last_kind = self._last_kind == kind, kind
             window = self._windows.get(operation) or self._window(operation)
+            steady = kind == TRAIN and window is not None and not self._replays and not self._debt \
+                and self._last_end == self._cursor
+            self._steady, self._steady_window = (operation, window) if steady else (None, None)
             if window is None or excluded:
                 return wait, ()
             # The wait after a step of another kind (training, then the first evaluation step) is not
@@ -228,6 +192,44 @@ class GoodputLedger:
             found = window.add(end - start + mine, wait if same_kind and wait is not None else 0.0, samples, tokens,
                                flops, kind == TRAIN, device_cycle if same_operation else None)
         return wait, found
+
+    def _book(self, start: float, end: float, own: str, enclosing: tuple[float, str] | None, entered: float | None,
+              left: float | None) -> tuple[float | None, float]:
+        """:meth:`_post`'s counting of the step's time as ``own`` and of the time before it (the
+        lock is held): ``(its data wait, torchtrace's own seconds in the wait)``."""
+        if self._paused_at is not None:
+            self._resume(start)
+        last, cursor = self._last_end, self._cursor
+        if last is None:
+            wait = None
+            self._last_end = end
+        else:
+            wait = start - last if start > last else 0.0
+            if end > last:
+                self._last_end = end
+        gap = "data_wait" if self._started else "startup"
+        mine = 0.0  # torchtrace's own time before the step, after the step before (not data wait)
+        if enclosing is not None and cursor < start and enclosing[0] < start:
+            cursor = self._enclosed(cursor, start, enclosing, gap)
+        elif enclosing is None and wait and entered is not None:
+            mine = own_time(last, start, entered, left)
+            wait -= mine
+        if not self._replays and not self._debt:  # the common case: no replay to take out
+            totals = self._totals
+            if start > cursor:
+                if mine:
+                    mine = mine if mine < start - cursor else start - cursor
+                    totals["other"] += mine
+                totals[gap] += start - cursor - mine
+                cursor = start
+            if end > cursor:
+                totals[own] += end - cursor
+                cursor = end
+            self._cursor = cursor
+        else:
+            self._count_step(cursor, start, end, gap, own, mine)
+        self._started = True
+        return wait, mine
 
     def _count_step(self, cursor: float, start: float, end: float, gap: str, own: str, mine: float) -> None:
         """:meth:`post`'s counting when forensic seconds are to be taken out (the lock is held):
@@ -256,6 +258,7 @@ class GoodputLedger:
         with self._lock:
             if self._paused_at is None:
                 self._paused_at = max(now, self._cursor)
+                self._steady = None
 
     def _resume(self, start: float) -> None:
         """The first step after a pause starts at ``start`` (the lock is held): the time up to
@@ -273,6 +276,7 @@ class GoodputLedger:
     def add_forensics(self, start: float, end: float) -> None:
         """Count a forensic replay that ran from ``start`` to ``end``."""
         with self._lock:
+            self._steady = None  # (post's short way takes no replay out)
             start, end = max(start, self.configured_at), max(end, start)
             if start < self._cursor:  # already counted as something else: repay later
                 self._debt += min(end, self._cursor) - start
@@ -362,6 +366,7 @@ class GoodputLedger:
             self._totals = {k: float(state["totals"].get(k, 0.0)) + self._totals[k] for k in self._totals}
             self._debt = float(state["debt_s"]) + self._debt
             self._windows = windows
+            self._steady = None
 
     # ------------------------------------------------------------ internals
     def _window(self, operation: str) -> OperationWindow | None:
@@ -383,16 +388,5 @@ class GoodputLedger:
         return Goodput(wall, totals[_PRODUCTIVE], {k: totals[k] for k in semconv.BADPUT_KINDS})
 
 
-def enclosing(kind: str, start: float, holds_steps: bool) -> tuple[float, str] | None:
-    """What :meth:`GoodputLedger.post` takes as ``enclosing`` for a step inside an operation of
-    ``kind`` that started at ``start``: its time that no step inside it covers is of its kind
-    (an evaluation pass's loading is evaluation), productive for a training step (a loss
-    function decorated on its own inside it), and data wait, as without it, for an operation
-    that holds training steps (an epoch): then None.
-
-    >>> enclosing(EVALUATION, 2.0, False), enclosing(TRAIN, 2.0, False), enclosing(TRAIN, 2.0, True)
-    ((2.0, 'evaluation'), (2.0, 'productive'), None)
-    """
-    if kind != TRAIN:
-        return start, _BADPUT_OF_KIND[kind]
-    return None if holds_steps else (start, _PRODUCTIVE)
+__all__ = ["CHECKPOINT", "EVALUATION", "MAX_OPERATIONS", "MAX_PEAKS", "OPERATION_KINDS", "OTHER", "TRAIN",
+           "FinishedStep", "Goodput", "GoodputLedger", "StepAccount", "enclosing"]
