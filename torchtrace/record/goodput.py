@@ -101,7 +101,7 @@ class GoodputLedger:
         self._replays: list[tuple[float, float]] = []  # forensic intervals not yet counted
         self._debt = 0.0  # forensic seconds reported after their instants were counted
         self._windows: dict[str, OperationWindow] = {}
-        self._last_end: float | None = None  # the latest end of a step (data wait's origin)
+        self._last_end: float | None = None  # the latest end of a step (data wait's origin; see _unsteady)
         # The operation whose next training step may take post's short way, and its window (see post).
         self._steady: str | None = None
         self._steady_window: OperationWindow | None = None
@@ -144,7 +144,7 @@ class GoodputLedger:
                 totals["other"] += mine
                 totals["data_wait"] += wait
                 totals[_PRODUCTIVE if applied else "skipped_step"] += duration
-                self._cursor = self._last_end = end
+                self._cursor = end  # (and the last end: see _unsteady)
                 if excluded:
                     return wait, ()
                 # OperationWindow.add's usual step (no clamp: both are >= 0 here)
@@ -177,6 +177,7 @@ class GoodputLedger:
         if holds_steps and kind == TRAIN:
             own = "data_wait"
         with self._lock:
+            self._unsteady()
             wait, mine = self._book(start, end, own, enclosing, entered, left)
             same_operation, self._last_operation = self._last_operation == operation, operation
             same_kind, self._last_kind = self._last_kind == kind, kind
@@ -258,7 +259,7 @@ class GoodputLedger:
         with self._lock:
             if self._paused_at is None:
                 self._paused_at = max(now, self._cursor)
-                self._steady = None
+                self._unsteady()
 
     def _resume(self, start: float) -> None:
         """The first step after a pause starts at ``start`` (the lock is held): the time up to
@@ -276,7 +277,7 @@ class GoodputLedger:
     def add_forensics(self, start: float, end: float) -> None:
         """Count a forensic replay that ran from ``start`` to ``end``."""
         with self._lock:
-            self._steady = None  # (post's short way takes no replay out)
+            self._unsteady()  # (post's short way takes no replay out)
             start, end = max(start, self.configured_at), max(end, start)
             if start < self._cursor:  # already counted as something else: repay later
                 self._debt += min(end, self._cursor) - start
@@ -366,9 +367,15 @@ class GoodputLedger:
             self._totals = {k: float(state["totals"].get(k, 0.0)) + self._totals[k] for k in self._totals}
             self._debt = float(state["debt_s"]) + self._debt
             self._windows = windows
-            self._steady = None
+            self._unsteady()
 
     # ------------------------------------------------------------ internals
+    def _unsteady(self) -> None:
+        """Steps take the long way from now on (the lock is held): the last end, the cursor's while steady, is set."""
+        if self._steady is not None:
+            self._last_end = self._cursor
+            self._steady = self._steady_window = None
+
     def _window(self, operation: str) -> OperationWindow | None:
         window = self._windows.get(operation)
         if window is None and len(self._windows) < MAX_OPERATIONS:

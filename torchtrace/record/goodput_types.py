@@ -71,11 +71,11 @@ class Goodput:
 
 
 def enclosing(kind: str, start: float, holds_steps: bool) -> tuple[float, str] | None:
-    """What :meth:`~torchtrace.record.goodput.GoodputLedger.post` takes as ``enclosing`` for a step inside an operation of
-    ``kind`` that started at ``start``: its time that no step inside it covers is of its kind
-    (an evaluation pass's loading is evaluation), productive for a training step (a loss
-    function decorated on its own inside it), and data wait, as without it, for an operation
-    that holds training steps (an epoch): then None.
+    """What :meth:`~torchtrace.record.goodput.GoodputLedger.post` takes as ``enclosing`` for a
+    step inside an operation of ``kind`` that started at ``start``: its time that no step inside
+    it covers is of its kind (an evaluation pass's loading is evaluation), productive for a
+    training step (a loss function decorated on its own inside it), and data wait, as without
+    it, for an operation that holds training steps (an epoch): then None.
 
     >>> enclosing(EVALUATION, 2.0, False), enclosing(TRAIN, 2.0, False), enclosing(TRAIN, 2.0, True)
     ((2.0, 'evaluation'), (2.0, 'productive'), None)

@@ -165,9 +165,9 @@ class OperationWindow:
         ``device_cycle`` (a GPU step's cycle in device time) is the time base of the rates and
         of the drop rule when given; the data wait and the stall rule stay on the host's clock.
 
-        Every step pays for this: the usual step (its wait under ``min_wait``, its rate not the
-        one that may fill the window) only adds its entry. Its rules' per-step part (a rate, a
-        waited flag: False) is pending, applied in one batch (:meth:`_settle`) by the next step
+        Every step pays for this: the usual step (it did not wait, and its rate cannot fill the
+        window: ``due``; a wait under ``min_wait`` is told at once) only adds its entry. Its
+        rules' per-step part (a rate, a waited flag: False) is pending, applied in one batch (:meth:`_settle`) by the next step
         that could report something, or by :meth:`state_dict`: the same rates and flags, the
         same findings on the same steps as applying them one by one.
         (:meth:`GoodputLedger.post <torchtrace.record.goodput.GoodputLedger.post>` inlines this
