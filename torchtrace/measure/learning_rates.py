@@ -30,9 +30,9 @@ def learning_rates(optimizer: Any) -> list[float] | None:
     tensor on a device, a :class:`DeviceRates` holding a copy of it (no host read here)."""
     if optimizer is None:
         return None
-    try:  # every step pays for this: plain float rates, read without a Python loop
+    try:  # every step pays for this: plain float rates, read without a Python loop (none: below)
         rates = list(map(_RATE, optimizer.param_groups))
-        if rates and set(map(type, rates)) == _FLOATS:
+        if set(map(type, rates)) == _FLOATS:
             return rates
     except (KeyError, TypeError):  # a group without a rate, groups that are not dicts: the careful way
         pass

@@ -8,6 +8,7 @@ post-hooks (:class:`OptimizerMarks`). Both find the open step through :mod:`torc
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import weakref
@@ -18,10 +19,12 @@ import torch
 from torchtrace import current
 from torchtrace.record import events
 from torchtrace.step.call_keys import MANY, note_call
+from torchtrace.step.cycles import DeviceCycles  # noqa: F401  (imported from here before)
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 # The frame that calls the seam: PyTorch's Module.__call__ (``_wrapped_call_impl``).
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
+_open_step = current.step  # (bound once: the optimizer's hooks call it every step)
 MAX_GAPS = 32  # on a GPU, the pauses between forward calls a step keeps (two events each)
 
 
@@ -29,7 +32,11 @@ class StepClock:
     """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
 
     # Every step makes one: the fields start at the class's values, and __init__ sets only what
-    # differs (a clock on the host pays for two stores).
+    # differs; a clock on the host needs no __init__ at all (see host_clock).
+    # The (args, kwargs) of the model's call, for a step whose arguments do not give its batch;
+    # MANY once called on other tensors, or from the start when the arguments give it.
+    batch: Any = None
+    cuda = False
     forward_start: Any = None
     forward_end: Any = None
     optimizer_start: Any = None
@@ -45,11 +52,10 @@ class StepClock:
     mark: Callable[[], Any] = time.perf_counter
 
     def __init__(self, cuda: bool, batch: Any = None) -> None:
-        # The (args, kwargs) of the model's call, for a step whose arguments do not give its batch;
-        # MANY once called on other tensors, or from the start when the arguments give it.
-        self.batch: Any = batch
-        self.cuda = cuda
+        if batch is not None:
+            self.batch = batch
         if cuda:
+            self.cuda = True
             self.gaps = []
             self.mark = events.TIMING.recorded
 
@@ -177,39 +183,9 @@ class StepClock:
         return b - a
 
 
-class DeviceCycles:
-    """On a GPU, each step's cycle in device time: from the last mark of the step before (of
-    the same operation) to the step's own last mark (the optimizer's end, else the step's end,
-    else the forward's end), CUDA events read once the step's copy has landed.
-
-    The host runs ahead of the GPU until CUDA's launch queue fills, so the host's time between
-    step ends can be shorter or longer than the GPU's: rates over a window of host cycles were
-    5-10 % off the device's on an H100, and 44 % off with other processes on the GPU. The
-    device's cycle holds what the GPU did and any time it sat idle waiting for the host (a
-    loader, the loop's own work), which is the step's real throughput either way.
-    """
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last: tuple[str, Any] | None = None  # (operation, last mark) of the step finished before
-
-    def cycle(self, operation: str, clock: StepClock | None) -> float | None:
-        """Seconds from the step before's last mark to this step's (called once per finished
-        step, in step order, after ``clock.phases()``); None on the host, for an operation's
-        first step, after a step of another operation, or when a mark is missing."""
-        end = clock.last if clock is not None and clock.cuda else None
-        last, self.last = self.last, ((operation, end) if end is not None else None)
-        if last is None:
-            return None
-        seconds = None
-        try:
-            if end is not None and last[0] == operation:
-                seconds = events.seconds_between(last[1], end)
-        except RuntimeError:  # marks on two devices (the current device changed between steps)
-            seconds = None
-        events.TIMING.give_back(last[1])
-        return seconds if seconds is not None and seconds > 0 else None
+# A clock on the host with no batch yet: StepClock(False) without a Python call (the step
+# pipeline's fast way makes one every step).
+host_clock: Callable[[], StepClock] = functools.partial(object.__new__, StepClock)
 
 
 class ModelMarks:
@@ -330,31 +306,34 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
     ref = weakref.ref(model)
     impl = type(model)._call_impl if inner is None else (lambda target, *args, **kwargs: inner(*args, **kwargs))
     # Every forward call pays for what follows: names are bound here, not looked up per call.
-    compiling, frame, seam, open_step, grad_enabled, many = _COMPILING, sys._getframe, _SEAM_CODE, current.step, \
-        torch.is_grad_enabled, MANY
+    compiling, frame, seam, open_step, grad_enabled, many = _COMPILING or _never, sys._getframe, _SEAM_CODE, \
+        current.step, torch.is_grad_enabled, MANY
 
     def call_with_marks(*args: Any, **kwargs: Any) -> Any:
-        if compiling is not None and compiling():  # traced by torch.compile: no frames, no marks
+        if compiling():  # traced by torch.compile: no frames, no marks
             return impl(ref(), *args, **kwargs)
-        caller = frame(1)
         target = ref()
-        if caller.f_code is seam:
-            module = caller.f_locals.get("self")
-            if module is not target and module is not None:  # a copy (a replica): its own call, no marks
-                return type(module)._call_impl(module, *args, **kwargs)
+        caller = frame(1)
+        if caller.f_code is seam and caller.f_locals["self"] is not target:
+            module = caller.f_locals["self"]  # a copy (a replica): its own call, no marks
+            return type(module)._call_impl(module, *args, **kwargs)
         scope = open_step()
-        clock = scope.clock if scope is not None else None
-        if clock is None:
+        if scope is None or scope.clock is None:
             return impl(target, *args, **kwargs)
+        clock = scope.clock
         if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
             note_call(scope, clock, args, kwargs)
-        again = None
-        if clock.forward_start is None:
+        if clock.forward_start is None:  # the step's first call (the usual step's only one)
             clock.forward_start = clock.mark()
-        elif clock.forward_end is not None and clock.optimizer_start is None:
-            again = clock.mark()  # called again: since its last call ended, a pause (if this call ends)
+            out = impl(target, *args, **kwargs)
+            if clock.optimizer_start is None:  # StepClock.end_forward, inline
+                clock.forward_end = clock.mark()
+                clock.graph = grad_enabled()
+            return out
+        again = clock.mark() if clock.forward_end is not None and clock.optimizer_start is None else None
+        # (called again: since its last call ended, a pause if this call ends)
         out = impl(target, *args, **kwargs)
-        if clock.optimizer_start is None:  # StepClock.end_forward, inline
+        if clock.optimizer_start is None:
             if again is not None:
                 clock.pause(again)
             clock.forward_end = clock.mark()
@@ -376,22 +355,28 @@ class OptimizerMarks:
         if hasattr(pre, "move_to_end") and self.handles[0].id in pre:
             pre.move_to_end(self.handles[0].id, last=False)
 
+    # One call each per optimizer.step(): the open step's clock, read once.
     @staticmethod
     def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        scope = current.step()
-        if scope is not None and scope.clock is not None and scope.clock.optimizer_start is None:
-            scope.clock.optimizer_start = scope.clock.mark()
+        scope = _open_step()
+        if scope is not None and (clock := scope.clock) is not None and clock.optimizer_start is None:
+            clock.optimizer_start = clock.mark()
 
     @staticmethod
     def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        scope = current.step()
-        if scope is not None and scope.clock is not None and scope.clock.optimizer_start is not None:
-            scope.clock.optimizer_end = scope.clock.mark()
+        scope = _open_step()
+        if scope is not None and (clock := scope.clock) is not None and clock.optimizer_start is not None:
+            clock.optimizer_end = clock.mark()
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _never() -> bool:
+    """torch.compiler.is_compiling where PyTorch has none: never compiling."""
+    return False
 
 
 def none_ref() -> None:

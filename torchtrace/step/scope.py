@@ -229,7 +229,7 @@ class StepScope:
             self._anomaly_cm.__enter__()
         if feats.throughput:  # (entered, and when torchtrace left the step before: its own time between)
             self.entered_at, self.left_before = t0, rt.throughput.left_at
-            self.flops_key, self.clock, self._flops_counter = rt.throughput.start(self, parent)
+            rt.throughput.start(self, parent)  # (sets flops_key, clock and _flops_counter)
         self._active = True
         self._states = rt.probes.enter(self)
         t1 = time.perf_counter()

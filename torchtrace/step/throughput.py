@@ -21,23 +21,26 @@ import torch
 from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
-from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, release_counter, shape_key
+from torchtrace.measure.flops import LateKey, StepFlops, drop_counter, shape_key
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
 from torchtrace.measure.shape_keys import loose_shape_key, truncated
 from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import MAX_PEAKS, TRAIN, GoodputLedger, enclosing
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.call_keys import MANY, CallKeys
+from torchtrace.step.flop_counting import FlopCounting
 from torchtrace.step.nesting import below_containers, hold_steps
-from torchtrace.step.phases import DeviceCycles, ModelMarks, OptimizerMarks, StepClock, none_ref
+from torchtrace.step.cycles import DeviceCycles
+from torchtrace.step.phases import ModelMarks, OptimizerMarks, StepClock, host_clock, none_ref
 from torchtrace.step.trainable import TrainedParameters
 from torchtrace.step.watched import hookable
 
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
 _NOT_READ = object()  # a step's learning rates before they were read
+_NO_FAST = (None, none_ref, none_ref, None, none_ref)  # RunThroughput._fast when no step may take the short way
 
 
-class RunThroughput:
+class RunThroughput(FlopCounting):
     """The runtime's side: FLOPs per input shape, phase hooks, peak FLOP/s and the goodput ledger."""
 
     def __init__(self, rt: Any) -> None:
@@ -57,8 +60,13 @@ class RunThroughput:
         self._batches: dict[Hashable, BatchSize] = {}
         self._shapes: dict[Hashable, tuple[float | None, BatchSize]] = {}
         self.trained = TrainedParameters(self.flops, rt.warn_once, self._shapes.clear)  # FLOPs recounted on a change
+        self._counted_with = self.trained.counted_with  # (the same dict: looked up every step)
         self._no_scaler: set[str] = set()  # operations whose arguments hold no GradScaler
         self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
+        # What lets start() take the short way: (operation, model ref, optimizer ref, the marks'
+        # call-through, the model's first parameter's ref) of the step before, when it was an
+        # outermost step without a GradScaler (none in its arguments) and the marks sit in the seam.
+        self._fast: tuple[Any, ...] = _NO_FAST
         self.calls = CallKeys(self.flops)  # steps keyed by their model's call (no batch in their arguments)
         self._opaque = self.calls.opaque  # (the same set: looked up every step)
         self._given: set[str] = set()  # operations whose steps gave their FLOPs (record_batch, a framework)
@@ -67,14 +75,56 @@ class RunThroughput:
         self.left_at: float | None = None  # when the last step's bookkeeping ended (perf_counter)
 
     # ------------------------------------------------------------ step start and end
-    def start(self, scope: Any, parent: Any) -> tuple[Hashable | None, StepClock | None, Any]:
-        """At a step's start (``parent``: the step it runs inside, or None): its FLOP key, phase
-        clock and FLOP counter (None unless this step counts); a failure here costs the step its
-        throughput figures, never its record. The FLOP key: the operation and its inputs' shapes
-        past ``batch_skip`` (a method's instance), less the arguments the FLOP table learnt do not
-        decide FLOPs (a growing list). Every step pays for this: a step like the one before takes
-        the shortest way."""
-        scope.parent, scope.holds_steps, outermost = parent, False, parent is None
+    def start(self, scope: Any, parent: Any) -> None:
+        """At a step's start (``parent``: the step it runs inside, or None): the scope's FLOP key,
+        phase clock and FLOP counter (``flops_key``, ``clock``, ``_flops_counter``; the counter
+        is None unless this step counts, as the scope's fields were); a failure here costs the
+        step its throughput figures, never its record. The FLOP key: the operation and its
+        inputs' shapes past ``batch_skip`` (a method's instance), less the arguments the FLOP
+        table learnt do not decide FLOPs (a growing list). Every step pays for this: a step like
+        the one before (an outermost step of the same operation, model and optimizer, no
+        GradScaler, the marks still in the model's seam) takes the shortest way, :meth:`_start`
+        every other."""
+        scope.parent = parent
+        scope.holds_steps = False
+        inputs = scope.inputs
+        name = scope.name
+        fast_name, model_ref, optimizer_ref, call, first_ref = self._fast
+        if parent is not None or inputs is None or fast_name is not name or scope.scaler is not None:
+            scope.flops_key, scope.clock, scope._flops_counter = self._start(scope, parent)
+            return
+        try:
+            model = scope.model
+            # (The references are weak: a dead one says None, which no model is.)
+            if model is None or model_ref() is not model or optimizer_ref() is not scope.optimizer \
+                    or model.__dict__.get("_compiled_call_impl") is not call:
+                scope.flops_key, scope.clock, scope._flops_counter = self._start(scope, parent)
+                return
+            skip, loose = scope.batch_skip, self.flops.loose
+            args = inputs[0][skip:] if skip else inputs[0]
+            key = (name, loose_shape_key(args, inputs[1], loose[name]) if loose and name in loose
+                   else shape_key(args, inputs[1]))
+            if self._opaque and key in self._opaque:
+                key = None  # arguments that hold no batch (an iterator): keyed by the model's call
+            scope.flops_key = key
+            scope.shape = shape = self._shapes.get(key) if key is not None else None
+            first = first_ref()
+            scope.clock = clock = host_clock() if first is None or not first.is_cuda else StepClock(True)
+            if shape is not None:
+                clock.batch = MANY  # (the seam keeps the batch of the model's call unless the arguments gave one)
+                return  # its FLOPs are known: nothing to count
+            if key is None and self.calls.counts(name) and name not in self._given:
+                key = scope.flops_key = LateKey()  # no batch in its arguments, a model: its call's key
+            scope._flops_counter = self._counter(scope, key, True)
+        except Exception as exc:
+            self.rt.errors.report("step", exc)
+            scope.flops_key = scope.clock = scope._flops_counter = None
+
+    def _start(self, scope: Any, parent: Any) -> tuple[Hashable | None, StepClock | None, Any]:
+        """:meth:`start`, every way (a nested step, a scaler, another model or operation than
+        the step before's, marks to put back); it notes a step :meth:`start` may take the short
+        way for next."""
+        outermost = parent is None
         if parent is not None:
             if scope.optimizer is not None and scope.kind == TRAIN:
                 hold_steps(parent, self._containers)
@@ -100,12 +150,16 @@ class RunThroughput:
                 scope.scale_before = scale_at_start(scope.scaler)
             model = scope.model
             clock = None
+            self._fast = _NO_FAST
             if model is not None:
                 last = self._last
                 cuda = last[2].state(model) if last is not None and last[0]() is model \
                     and last[1]() is scope.optimizer else None
                 if cuda is None:  # not the model and optimizer of the step before, or its marks were displaced
-                    cuda = self._hooks_for(model, scope.optimizer)[2].state(model)
+                    last = self._hooks_for(model, scope.optimizer)
+                    cuda = last[2].state(model)
+                if outermost and scope.scaler is None and name in self._no_scaler and last[2].seam and last[0] is not none_ref:
+                    self._fast = (name, last[0], last[1], last[2].call, last[2].first)
                 # (The seam keeps the batch of the model's call unless the arguments gave one.)
                 clock = StepClock(cuda, MANY if shape is not None else None)
             if shape is not None and outermost:
@@ -114,6 +168,7 @@ class RunThroughput:
                 key = scope.flops_key = LateKey()  # no batch in its arguments, a model: its call's key
             return key, clock, self._counter(scope, key, outermost)
         except Exception as exc:
+            self._fast = _NO_FAST
             self.rt.errors.report("step", exc)
             return None, None, None
 
@@ -124,50 +179,6 @@ class RunThroughput:
         scope.scaler = scalers[0] if scalers else None
         if scope.scaler is None and len(self._no_scaler) < 1024:
             self._no_scaler.add(scope.name)
-
-    def _counter(self, scope: Any, key: Hashable | None, outermost: bool) -> Any:
-        """The FLOP counter of a step whose inputs' shapes were not counted yet, if it counts."""
-        if not outermost and scope.optimizer is not None:
-            # A training step inside another operation (an epoch): that one is a container.
-            outermost = self._release_container()
-        if scope.name in self._given:
-            return None
-        if type(key) is LateKey:
-            if not outermost:
-                return None
-        elif not (outermost and key is not None and self.flops.needs_count(key)) or self._skipped(key):
-            return None
-        counter = self.flops.begin(key)  # (None while a profiler records: a later step counts)
-        if counter is not None:
-            self._counting = weakref.ref(scope)  # weak: a scope holds the user's model
-        return counter
-
-    def _release_container(self) -> bool:
-        """A step with an optimizer began inside another operation: that operation holds steps
-        (an epoch), so its FLOPs are not counted, and the FLOP counter it holds open, if any, is
-        dropped now (counting a whole epoch slowed it down several times, and its steps were
-        never counted; one below a mode of the user's runs on and records nothing). True when
-        the step may count its own FLOPs."""
-        owner = self._counting()
-        if owner is None or owner._flops_counter is None:
-            return True
-        if not owner.active:
-            return False
-        if release_counter(owner._flops_counter):  # (else below a mode of the user's: it records nothing)
-            owner._flops_counter = None
-        if type(owner.flops_key) is LateKey:
-            self.calls.dropped(owner.name)
-        else:
-            self.flops.skip(owner.flops_key)
-        self._counting = none_ref
-        return True
-
-    def _skipped(self, key: Hashable) -> bool:
-        """True (and the key is never counted) when the counter cannot run on the step's inputs."""
-        if countable(key):
-            return False
-        self.flops.skip(key)
-        return True
 
     def _hooks_for(self, model: Any, optimizer: Any) -> tuple[Any, Any, ModelMarks]:
         hooks = self._models.get(model)
@@ -196,13 +207,14 @@ class RunThroughput:
         """
         shape = scope.shape
         grads = scope.gradients
-        lr: Any = _NOT_READ
         if shape is not None and counter is None and given is None and scope.scaler is None:
             # The usual step: its input shapes' FLOPs and batch are known and final (host values).
             lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
-            if lr is None or type(lr) is list:
-                flops, batch = shape
-                return batch.samples, batch.tokens, flops, False, lr
+            if type(lr) is list or lr is None:
+                batch = shape[1]
+                return batch.samples, batch.tokens, shape[0], False, lr
+        else:
+            lr = _NOT_READ
         counted = False
         by_call = shape is None and scope.clock is not None and (scope.flops_key is None
                                                                  or type(scope.flops_key) is LateKey)
@@ -280,29 +292,6 @@ class RunThroughput:
             self._shapes[key] = (flops, batch)
         return flops, batch
 
-    def _close_counter(self, scope: Any, counter: Any, exc: BaseException | None) -> bool:
-        """Leave the step's FLOP counter; True when it counted the whole step."""
-        try:
-            if exc is None:
-                counter.__exit__(None, None, None)
-                return True
-            failures = self.flops.failures
-            counter.__exit__(type(exc), exc, None)
-            if self.flops.failures > failures:
-                self._counter_failed(scope, exc)
-        except Exception as err:
-            self.rt.errors.report("other", err)
-        return False
-
-    def _counter_failed(self, scope: Any, exc: BaseException) -> None:
-        """An op of the step raised under the FLOP counter: that key is never counted again (so
-        the user's next try runs without the counter); say so once."""
-        self.rt.warn_once(("flops", scope.name),
-                          "torchtrace: %s: an op raised while the step's FLOPs were being counted (%s: %s); "
-                          "steps with these input shapes are not counted again (record_batch(flops=...) gives "
-                          "their FLOPs)", scope.name,
-                          type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
-
     # ------------------------------------------------------------ finished records
     def account(self, scope: Any, record: StepRecord) -> None:
         """The record's phases, and its booking in the goodput ledger: its data wait, and the
@@ -310,18 +299,24 @@ class RunThroughput:
         metrics are scraped.)"""
         clock = scope.clock
         operation = record.operation
+        # On the host there is no device cycle (DeviceCycles.cycle would say None): no call.
         if clock is not None:
             record.phases = clock.phases(scope.step_end)  # on CUDA once its events completed
-        cycles = self._cycles
-        # On the host there is no device cycle (DeviceCycles.cycle would say None): no call.
-        device_cycle = cycles.cycle(operation, clock) if cycles.last is not None or (
-            clock is not None and clock.cuda) else None
+            device_cycle = self._cycles.cycle(operation, clock) if clock.cuda or self._cycles.last is not None else None
+        else:
+            device_cycle = self._cycles.cycle(operation, None) if self._cycles.last is not None else None
         flops = record.flops
-        if flops is not None and operation not in self._given and self.trained.changed(
-                operation, scope.gradients, record.flops_counted):  # counted with other parameters trained
-            flops = record.flops = None
-        if flops is not None and operation not in self._peaked:
-            self._look_up_peak(scope, operation)
+        if flops is not None:
+            if operation not in self._given:
+                # TrainedParameters.changed, called only where it may say True: a count now, or
+                # FLOPs counted with another number of parameter tensors with gradients.
+                grads = scope.gradients
+                stats = grads.stats if grads is not None else None
+                if stats is not None and (record.flops_counted or self._counted_with.get(operation) not in (
+                        None, len(stats.names))) and self.trained.changed(operation, grads, record.flops_counted):
+                    flops = record.flops = None  # counted with other parameters trained
+            if flops is not None and operation not in self._peaked:
+                self._look_up_peak(scope, operation)
         start, parent = scope.started_at, scope.parent
         record.data_wait_s, findings = self.ledger.post(
             start, start + record.duration_s,
@@ -330,8 +325,9 @@ class RunThroughput:
             record.kind, operation, device_cycle,
             enclosing(parent.kind, parent.started_at, getattr(parent, "holds_steps", False)) if parent else None,
             scope.holds_steps, scope.entered_at, scope.left_before)
-        for finding in findings:
-            record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation, dict(finding.data)))
+        if findings:
+            for finding in findings:
+                record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation, dict(finding.data)))
 
     def book(self, start: float, end: float, kind: str, operation: str) -> None:
         """Time between steps that a framework spent on an operation of ``kind`` (its evaluation
@@ -388,7 +384,7 @@ class RunThroughput:
             hooks.detach()
 
     def close(self) -> None:
-        self._last = None
+        self._last, self._fast = None, _NO_FAST
         for hooks in list(self._models.values()) + list(self._optimizers.values()):
             hooks.remove()
         self._models.clear()
