@@ -133,11 +133,16 @@ class StepClock:
                 self.forward_start = self.forward_end = self.optimizer_start = self.optimizer_end = None
         # Host times: plain differences (the common case, kept short). The marks come from one
         # monotonic clock in the order the rules above set them, so no difference is negative.
-        f0, f1, o0, o1 = self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end
+        f0 = self.forward_start
+        f1 = self.forward_end
         if f0 is None or f1 is None:
             return self._optimizer_only()
+        o0 = self.optimizer_start
+        o1 = self.optimizer_end
         gaps = self.gaps
         if o0 is not None and o1 is not None:
+            if not gaps:  # (one forward call: x - 0.0 is x)
+                return {"forward": f1 - f0, "backward": o0 - f1, "optimizer": o1 - o0}
             return {"forward": f1 - f0 - gaps, "backward": o0 - f1 + gaps, "optimizer": o1 - o0}
         if step_end is None or not self.graph:
             return {"forward": f1 - f0 - gaps}
@@ -313,10 +318,9 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         if compiling():  # traced by torch.compile: no frames, no marks
             return impl(ref(), *args, **kwargs)
         target = ref()
-        caller = frame(1)
-        if caller.f_code is seam and caller.f_locals["self"] is not target:
-            module = caller.f_locals["self"]  # a copy (a replica): its own call, no marks
-            return type(module)._call_impl(module, *args, **kwargs)
+        module = frame(1).f_locals.get("self", target)  # (the model itself: the caller's frame is not asked again)
+        if module is not target and module is not None and frame(1).f_code is seam:
+            return type(module)._call_impl(module, *args, **kwargs)  # a copy (a replica): its own call, no marks
         scope = open_step()
         if scope is None or scope.clock is None:
             return impl(target, *args, **kwargs)
