@@ -322,9 +322,8 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         if module is not target and module is not None and frame(1).f_code is seam:
             return type(module)._call_impl(module, *args, **kwargs)  # a copy (a replica): its own call, no marks
         scope = open_step()
-        if scope is None or scope.clock is None:
+        if scope is None or (clock := scope.clock) is None:
             return impl(target, *args, **kwargs)
-        clock = scope.clock
         if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
             note_call(scope, clock, args, kwargs)
         if clock.forward_start is None:  # the step's first call (the usual step's only one)

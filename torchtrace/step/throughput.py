@@ -105,9 +105,11 @@ class RunThroughput(FlopCounting):
             key = (name, loose_shape_key(args, inputs[1], loose[name]) if loose and name in loose
                    else shape_key(args, inputs[1]))
             if self._opaque and key in self._opaque:
-                key = None  # arguments that hold no batch (an iterator): keyed by the model's call
-            scope.flops_key = key
-            scope.shape = shape = self._shapes.get(key) if key is not None else None
+                # Arguments that hold no batch (an iterator): keyed by the model's call.
+                key = scope.flops_key = scope.shape = shape = None
+            else:
+                scope.flops_key = key
+                scope.shape = shape = self._shapes.get(key)
             first = first_ref()
             scope.clock = clock = host_clock() if first is None or not first.is_cuda else StepClock(True)
             if shape is not None:
@@ -203,16 +205,16 @@ class RunThroughput(FlopCounting):
         Closes the step's FLOP counter (``counted``: the step ran under it, so its time is not
         throughput) and adds to the step's one read what only the device knows (a mask's token
         count, whether a GradScaler skipped the update). ``given`` is what ``record_batch``
-        said: it wins over what was inferred or counted.
-        """
+        said: it wins over what was inferred or counted."""
         shape = scope.shape
         grads = scope.gradients
         if shape is not None and counter is None and given is None and scope.scaler is None:
             # The usual step: its input shapes' FLOPs and batch are known and final (host values).
-            lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
-            if type(lr) is list or lr is None:
-                batch = shape[1]
-                return batch.samples, batch.tokens, shape[0], False, lr
+            lr = grads.lr if grads is not None else None
+            if lr is None:
+                lr = learning_rates(scope.optimizer)
+            if lr.__class__ is list or lr is None:  # (else a DeviceRates: read with the step)
+                return shape[1].samples, shape[1].tokens, shape[0], False, lr
         else:
             lr = _NOT_READ
         counted = False
