@@ -28,9 +28,9 @@ from torchtrace.measure.scaler import scale_at_start, skipped_update
 from torchtrace.record.goodput import MAX_PEAKS, TRAIN, GoodputLedger, enclosing
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.call_keys import MANY, CallKeys
+from torchtrace.step.cycles import DeviceCycles
 from torchtrace.step.flop_counting import FlopCounting
 from torchtrace.step.nesting import below_containers, hold_steps
-from torchtrace.step.cycles import DeviceCycles
 from torchtrace.step.phases import ModelMarks, OptimizerMarks, StepClock, host_clock, none_ref
 from torchtrace.step.trainable import TrainedParameters
 from torchtrace.step.watched import hookable
@@ -160,8 +160,10 @@ class RunThroughput(FlopCounting):
                 if cuda is None:  # not the model and optimizer of the step before, or its marks were displaced
                     last = self._hooks_for(model, scope.optimizer)
                     cuda = last[2].state(model)
-                if outermost and scope.scaler is None and name in self._no_scaler and last[2].seam and last[0] is not none_ref:
-                    self._fast = (name, last[0], last[1], last[2].call, last[2].first)
+                hooks = last[2]
+                if outermost and hooks.seam and scope.scaler is None and name in self._no_scaler \
+                        and last[0] is not none_ref:
+                    self._fast = (name, last[0], last[1], hooks.call, hooks.first)  # (see __init__)
                 # (The seam keeps the batch of the model's call unless the arguments gave one.)
                 clock = StepClock(cuda, MANY if shape is not None else None)
             if shape is not None and outermost:
@@ -327,9 +329,8 @@ class RunThroughput(FlopCounting):
             record.kind, operation, device_cycle,
             enclosing(parent.kind, parent.started_at, getattr(parent, "holds_steps", False)) if parent else None,
             scope.holds_steps, scope.entered_at, scope.left_before)
-        if findings:
-            for finding in findings:
-                record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation, dict(finding.data)))
+        for finding in findings:
+            record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation, dict(finding.data)))
 
     def book(self, start: float, end: float, kind: str, operation: str) -> None:
         """Time between steps that a framework spent on an operation of ``kind`` (its evaluation
