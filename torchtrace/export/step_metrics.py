@@ -12,8 +12,10 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from operator import itemgetter
-from typing import Callable, Iterator
+from functools import partial, reduce
+from itertools import chain
+from operator import add, attrgetter, is_not, itemgetter, sub
+from typing import Any, Callable, Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Exemplar
@@ -23,7 +25,11 @@ from torchtrace.export.labels import MAX_DEVICE_VALUES, MAX_LABEL_VALUES, OVERFL
 from torchtrace.record.step import StepRecord
 
 _LR_GROUP_CAP = f"{semconv.MAX_LR_GROUPS}+"
-FOLD_EVERY = 64  # data waits and phase times kept before they are bucketed without a scrape
+FOLD_EVERY = 64  # steps' throughput values kept before they are added up and bucketed without a scrape
+# A record's throughput values, as one tuple (one call in C); a step without any keeps nothing.
+_THROUGHPUT = attrgetter("samples", "tokens", "flops", "lr", "data_wait_s", "phases")
+_ABSENT = (None,) * 6
+_PRESENT = partial(is_not, None)
 
 
 def _base(name: str) -> str:
@@ -50,18 +56,15 @@ class _Histogram:
 
     def observe_all(self, values: list[float]) -> None:
         """Many observations without exemplars (values kept since a scrape): sorted once, then
-        one search per bucket bound instead of one per value. A value lands where
-        :meth:`observe` puts it: the first bucket whose bound is not below it."""
+        the number of values at or below each bound found in C, one search per bound. A value
+        lands where :meth:`observe` puts it: the first bucket whose bound is not below it."""
+        if not values:
+            return
         ordered = sorted(values)
-        counts, bounds, below, n = self.counts, self.bounds, 0, len(ordered)
-        # From the first bucket that can hold the smallest value, until every value is placed.
-        i, last = (bisect.bisect_left(bounds, ordered[0]) if n else 0), len(bounds)
-        while below < n and i < last:
-            upto = bisect.bisect_right(ordered, bounds[i], below)
-            counts[i] += upto - below
-            below = upto
-            i += 1
-        counts[-1] += n - below
+        upto = list(map(partial(bisect.bisect_right, ordered), self.bounds))
+        upto.append(len(ordered))
+        # Bucket i holds upto[i] - upto[i - 1] of them.
+        self.counts[:] = map(add, self.counts, map(sub, upto, chain((0,), upto)))
         self.total += sum(values)
 
     def buckets(self) -> list[tuple]:
@@ -102,17 +105,28 @@ class _Operation:
         self.data_wait: _Histogram | None = None
         self.phases: dict[str, _Histogram] | None = None
         self.rank_step_seconds: float | None = None
-        self.unfolded: list[tuple[float | None, dict[str, float] | None]] = []  # (data wait, phases) to bucket
+        self.unfolded: list[tuple] = []  # _THROUGHPUT's values of the steps since the last fold
 
     def fold(self) -> None:
-        """Bucket the data waits and phase times kept since the last fold (the lock is held)."""
+        """Add up and bucket the throughput values kept since the last fold (the lock is held):
+        each column of the kept steps is filtered and summed in C, in step order (the float sums
+        are those of one addition per step)."""
         entries, self.unfolded = self.unfolded, []
-        waits = [wait for wait, _ in entries if wait is not None]
+        if not entries:
+            return
+        samples, tokens, flops, rates, waits, runs = zip(*entries)
+        self.samples = _added(self.samples, samples, 0)
+        self.tokens = _added(self.tokens, tokens, 0)
+        self.flops = _added(self.flops, flops, 0.0)
+        rates = [*filter(None, rates)]
+        if rates:
+            self.lr = rates[-1]  # a record's values are not changed after it is finished
+        waits = [*filter(_PRESENT, waits)]
         if waits:
             if self.data_wait is None:
                 self.data_wait = _Histogram(semconv.DATA_WAIT_BUCKETS)
             self.data_wait.observe_all(waits)
-        runs = [phases for _, phases in entries if phases]
+        runs = [*filter(None, runs)]
         if runs:
             if self.phases is None:
                 self.phases = {p: _Histogram(semconv.DATA_WAIT_BUCKETS) for p in semconv.PHASES}
@@ -122,6 +136,13 @@ class _Operation:
                 except KeyError:
                     values = [run[phase] for run in runs if phase in run]
                 hist.observe_all(values)
+
+
+def _added(total: Any, values: tuple, zero: Any) -> Any:
+    """``total`` plus the values that are not None, added one at a time in their order (as a
+    step at a time would); ``total`` unchanged, None included, when there are none."""
+    present = [*filter(_PRESENT, values)]
+    return reduce(add, present, total or zero) if present else total
 
 
 class StepMetrics:
@@ -176,7 +197,12 @@ class StepMetrics:
             self._memory_of(record)
             if record.rank_step_seconds is not None:
                 op.rank_step_seconds = record.rank_step_seconds
-            self._throughput_of(op, record)
+            values = _THROUGHPUT(record)
+            if values != _ABSENT:  # added up and bucketed at the next scrape, or every FOLD_EVERY steps
+                unfolded = op.unfolded
+                unfolded.append(values)
+                if len(unfolded) >= FOLD_EVERY:
+                    op.fold()
 
     def _memory_of(self, record: StepRecord) -> None:
         mem = record.memory
@@ -192,22 +218,6 @@ class StepMetrics:
         if record.memory_slopes:
             for device, slope in record.memory_slopes.items():
                 self._growth[self._device(str(device))] = slope
-
-    def _throughput_of(self, op: _Operation, record: StepRecord) -> None:
-        if record.samples is not None:
-            op.samples = (op.samples or 0) + record.samples
-        if record.tokens is not None:
-            op.tokens = (op.tokens or 0) + record.tokens
-        if record.flops is not None:
-            op.flops = (op.flops or 0.0) + record.flops
-        if record.lr:
-            op.lr = record.lr  # a record's values are not changed after it is finished
-        wait, phases = record.data_wait_s, record.phases
-        if wait is not None or phases:
-            # Bucketed at the next scrape, or every FOLD_EVERY steps: a step pays an append.
-            op.unfolded.append((wait, phases))
-            if len(op.unfolded) >= FOLD_EVERY:
-                op.fold()
 
     def count_anomaly(self, operation: str, kind: str, n: int = 1) -> None:
         with self._lock:
