@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from operator import attrgetter
 from typing import Any, Callable
 
 from opentelemetry import trace
@@ -31,6 +32,7 @@ from opentelemetry.trace.status import Status, StatusCode
 from torchtrace import semconv
 from torchtrace._version import __version__
 from torchtrace.record.step import StepRecord, capped
+from torchtrace.semconv import DATA_WAIT_S, FLOPS, LR, SAMPLES, TOKENS
 
 SCOPE = InstrumentationScope("torchtrace", __version__)
 _UNSET = Status(StatusCode.UNSET)
@@ -286,24 +288,28 @@ def _health(attrs: dict[str, Any], record: StepRecord) -> None:
 
 _PHASE_ATTRIBUTES = dict(zip(semconv.PHASES, (semconv.PHASE_FORWARD_S, semconv.PHASE_BACKWARD_S,
                                                semconv.PHASE_OPTIMIZER_S)))
+_PHASE_ATTRIBUTE = _PHASE_ATTRIBUTES.__getitem__
+_THROUGHPUT = attrgetter("samples", "tokens", "flops", "lr", "data_wait_s", "phases")
 
 
 def _throughput(attrs: dict[str, Any], record: StepRecord) -> None:
-    if record.samples is not None:
-        attrs[semconv.SAMPLES] = record.samples
-    if record.tokens is not None:
-        attrs[semconv.TOKENS] = record.tokens
-    if record.flops is not None:
-        attrs[semconv.FLOPS] = record.flops
-    if record.lr:
-        attrs[semconv.LR] = record.lr[0]
-    if record.data_wait_s is not None:
-        attrs[semconv.DATA_WAIT_S] = record.data_wait_s
-    phases = record.phases
+    # Every step pays for this: the record's fields read by one call in C, the attribute names
+    # as module globals, the phases set by one update.
+    samples, tokens, flops, lr, wait, phases = _THROUGHPUT(record)
+    if samples is not None:
+        attrs[SAMPLES] = samples
+    if tokens is not None:
+        attrs[TOKENS] = tokens
+    if flops is not None:
+        attrs[FLOPS] = flops
+    if lr:
+        attrs[LR] = lr[0]
+    if wait is not None:
+        attrs[DATA_WAIT_S] = wait
     if phases:
-        if phases.keys() <= _PHASE_ATTRIBUTES.keys():  # every step's: no Python loop over the phases
-            attrs.update(zip(map(_PHASE_ATTRIBUTES.__getitem__, phases), phases.values()))
-        else:
+        try:  # every step's phases are known ones: no Python loop over them
+            attrs.update(zip(map(_PHASE_ATTRIBUTE, phases), phases.values()))
+        except KeyError:  # another phase: the known ones, in their order (those set already stay where they are)
             for phase, seconds in phases.items():
                 key = _PHASE_ATTRIBUTES.get(phase)
                 if key is not None:
