@@ -8,6 +8,7 @@ index or a learning rate does not make every step new.
 from __future__ import annotations
 
 import dataclasses
+from operator import attrgetter
 from typing import Any, Hashable, Mapping
 
 import torch
@@ -34,16 +35,20 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     """
     out = []
     try:
-        # Every step pays for this: plain tensors, and tuples and lists of them, are keyed here
-        # without a call per value; everything else goes through _key.
-        for value in args[:KEY_MAX_ITEMS]:
+        # Every step pays for this: plain tensors, models and optimizers met before, and tuples
+        # and lists of plain tensors are keyed here in C, without a Python call per value;
+        # everything else goes through _key.
+        for value in args[_FIRST_ITEMS]:
             kind = type(value)
             if kind is _TENSOR:
-                out.append((value.shape, value.dtype))
-            elif (kind is tuple or kind is list) and len(value) <= KEY_MAX_ITEMS:
-                out.append(tuple([(v.shape, v.dtype) if type(v) is _TENSOR else _key(v, 1) for v in value]))
+                out.append(_SHAPE_DTYPE(value))
             elif kind in _KEYED_BY_TYPE:  # the model, the optimizer
                 out.append(kind)
+            elif (kind is tuple or kind is list) and len(value) <= KEY_MAX_ITEMS:
+                if _ALL_TENSORS(map(type, value)):
+                    out.append(tuple(map(_SHAPE_DTYPE, value)))
+                else:
+                    out.append(tuple([(v.shape, v.dtype) if type(v) is _TENSOR else _key(v, 1) for v in value]))
             else:
                 out.append(_key(value, 0))
     except RuntimeError:  # a nested tensor of the strided layout has no sizes: the careful way
@@ -73,6 +78,9 @@ def loose_shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any], loose: fro
 
 
 _TENSOR = torch.Tensor
+_SHAPE_DTYPE = attrgetter("shape", "dtype")  # a plain tensor's key, (shape, dtype), in one call in C
+_ALL_TENSORS = frozenset({_TENSOR}).issuperset  # of the items' types: every item a plain tensor
+_FIRST_ITEMS = slice(KEY_MAX_ITEMS)
 # Classes of models and optimizers met among steps' arguments: their key is their class, found
 # without a call when the next step passes them again.
 _KEYED_BY_TYPE: set[type] = set()
