@@ -110,7 +110,10 @@ class StepRecord:
         return bool(anomalies) and any(a.kind in NONFINITE_KINDS for a in anomalies)
 
     def summary(self) -> dict[str, Any]:
-        """A compact, JSON-ready view, bounded in size whatever the model (names capped)."""
+        """A compact, JSON-ready view, bounded in size whatever the model (names capped).
+
+        Every step pays for this (the history keeps it): the name lists and anomaly kinds of a
+        healthy step are empty lists without a call."""
         bad = self.grad_nonfinite_params
         out = {
             "operation": self.operation,
@@ -121,10 +124,10 @@ class StepRecord:
             "loss": self.loss,
             "grad_norm": self.grad_norm,
             "grad_nonfinite_count": len(bad),
-            "grad_nonfinite_params": capped(bad),
+            "grad_nonfinite_params": capped(bad) if bad else [],
             "grad_nonfinite_params_omitted": max(0, len(bad) - MAX_NAMES),
             "update_ratio": self.update_ratio,
-            "anomalies": self.anomaly_kinds,
+            "anomalies": self.anomaly_kinds if self.anomalies else [],
             "memory": self.memory,
             "exception_type": self.exception_type,
             "skipped": self.skipped,
