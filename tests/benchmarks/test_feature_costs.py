@@ -42,6 +42,7 @@ rt.flush(5.0)
 last = rt.history.steps()[-1]
 spans = [json.loads(line) for line in open(rt.spans_path)]
 attrs = spans[-1]["attributes"]
+list(rt.metrics.steps.collect())  # a scrape: the step series' throughput values are added up then
 op = rt.metrics.steps._by_name["train_step"]
 print(json.dumps({"record": {k: last.get(k) for k in ("samples", "flops", "data_wait_s", "phases")},
                   "span": sorted(k for k in attrs if k.startswith("torchtrace.") and k.split(".")[1] in

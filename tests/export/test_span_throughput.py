@@ -46,5 +46,43 @@ def test_throughput_attributes_equal_the_plain_reading(seed):
         rec.data_wait_s = rng.choice([None, 0.0, 0.004])
         rec.phases = rng.choice([None, {}, {p: rng.random() for p in rng.sample(names, rng.randrange(1, 6))}])
         attrs: dict[str, object] = {"before": 1}
-        spans._throughput(attrs, rec)
+        spans._throughput_values(attrs, spans._THROUGHPUT(rec))
         assert list(attrs.items()) == _reference(rec), rec
+
+
+def _span(sink: list) -> spans.StepSpan:
+    from opentelemetry.trace import SpanContext
+
+    context = SpanContext(1, 2, is_remote=False, trace_flags=spans._SAMPLED)
+    return spans.StepSpan("train_step", context, None, None, {"torchtrace.step": 1}, 1, sink.append)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_step_spans_attributes_are_those_set_in_order_on_the_training_thread(seed):
+    """The throughput values the step hands over, set when the exporter reads the span, give
+    the attributes (names, values, order) that setting them all at once gives."""
+    rng = random.Random(seed)
+    for i in range(300):
+        rec = StepRecord(operation="train_step", step=i, level="basic", start_unix_ns=1, end_unix_ns=5,
+                         loss=rng.choice([None, 0.5]), memory={"rss_bytes": 10})
+        rec.samples = rng.choice([None, 32])
+        rec.flops = rng.choice([None, 1.5e9])
+        rec.lr = rng.choice([None, [0.1]])
+        rec.data_wait_s = rng.choice([None, 0.004])
+        rec.phases = rng.choice([None, {"forward": 0.1, "backward": 0.2, "optimizer": 0.3}])
+        if rng.random() < 0.2:
+            rec.profile = {"path": "/tmp/p.json", "window": 3, "reason": "scheduled", "top_ops": []}
+        want: dict[str, object] = {"torchtrace.step": 1}
+        spans._health(want, rec)
+        spans._throughput_values(want, spans._THROUGHPUT(rec))
+        spans._probe_events([], want, rec)
+        sink: list = []
+        span = _span(sink)
+        if rng.random() < 0.3:
+            span.set_attribute("user.key", 3)
+            want["user.key"] = 3
+        spans.apply_record(span, rec, None, False)
+        assert sink == [span]
+        assert list(span.attributes.items()) == list(want.items())
+        assert list(span.attributes.items()) == list(want.items())  # read again: set once
+        assert list(spans.readable(span).attributes.items()) == list(want.items())

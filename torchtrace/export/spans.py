@@ -6,9 +6,10 @@ step (it is the current span, so the user's own spans become its children, and
 span checks every attribute as it is set (about 3 µs each) and builds its read-only view at
 ``end()``; torchtrace's own attributes are typed by construction, so a StepSpan stores them as
 they are, checks only what user code sets, and leaves the conversion to the SDK's
-``ReadableSpan`` to the exporter thread (:func:`readable`). It reads like a ``ReadableSpan``
-(``name``, ``attributes``, ``events``, ``status``, ...), so ``spans.jsonl`` is written from it
-directly.
+``ReadableSpan`` to the exporter thread (:func:`readable`), the throughput attributes too (the
+step hands their values over; the span sets them when first read). It reads like a
+``ReadableSpan`` (``name``, ``attributes``, ``events``, ``status``, ...), so ``spans.jsonl`` is
+written from it directly.
 
 :func:`apply_record` is the one place a finished :class:`~torchtrace.record.step.StepRecord`
 becomes span attributes, events and status.
@@ -57,7 +58,7 @@ class StepSpan(trace.Span):
     finished (``end`` hands it to ``sink``, the runtime's span processors)."""
 
     __slots__ = ("name", "_context", "parent", "resource", "start_time", "end_time", "_own", "_user", "_events",
-                 "status", "_sink", "instrumentation_scope")
+                 "status", "_sink", "instrumentation_scope", "_pending")
 
     def __init__(self, name: str, context: SpanContext, parent: SpanContext | None, resource: Any,
                  attributes: dict[str, Any], start_time: int, sink: Callable[["StepSpan"], None]) -> None:
@@ -73,6 +74,7 @@ class StepSpan(trace.Span):
         self.status = _UNSET
         self._sink = sink
         self.instrumentation_scope = SCOPE
+        self._pending: tuple | None = None  # the record's throughput values, set as attributes when read
 
     # ------------------------------------------------------------ the user's span API
     def get_span_context(self) -> SpanContext:
@@ -130,11 +132,22 @@ class StepSpan(trace.Span):
 
     @property
     def attributes(self) -> dict[str, Any]:
+        if self._pending is not None:
+            self._settle()
         if not self._user:
             return self._own
         merged = dict(self._own)
         merged.update(self._user)
         return merged
+
+    def _settle(self) -> None:
+        """Set the throughput attributes :func:`apply_record` left to the first reader (the exporter
+        thread), last. Two exporters reading at once each build the same dict; ``_pending`` is cleared after."""
+        values, own = self._pending, dict(self._own)
+        if values is not None:
+            _throughput_values(own, values)
+            self._own = own
+            self._pending = None
 
     @property
     def events(self) -> list[SpanEvent]:
@@ -209,10 +222,18 @@ def _finite(v: float) -> float:
 
 def apply_record(span: Any, record: StepRecord, exc: BaseException | None, exception_messages: bool) -> None:
     """Set the record's attributes, events and status on its span, and end the span."""
-    attrs: dict[str, Any] = span._own if isinstance(span, StepSpan) else {}
+    step_span = isinstance(span, StepSpan)
+    attrs: dict[str, Any] = span._own if step_span else {}
     _health(attrs, record)
-    _throughput(attrs, record)
-    events = span._events if isinstance(span, StepSpan) else None
+    values = _THROUGHPUT(record)
+    if values != _ABSENT:
+        # The training thread hands the values over; the span sets them when the exporter reads
+        # it. They go last, so not so on a profiled step, whose profile attributes come after them.
+        if step_span and record.profile is None:
+            span._pending = values
+        else:
+            _throughput_values(attrs, values)
+    events = span._events if step_span else None
     now = record.end_unix_ns
     found: list[tuple[str, dict[str, Any]]] = []
     for anomaly in record.anomalies:
@@ -290,12 +311,12 @@ _PHASE_ATTRIBUTES = dict(zip(semconv.PHASES, (semconv.PHASE_FORWARD_S, semconv.P
                                                semconv.PHASE_OPTIMIZER_S)))
 _PHASE_ATTRIBUTE = _PHASE_ATTRIBUTES.__getitem__
 _THROUGHPUT = attrgetter("samples", "tokens", "flops", "lr", "data_wait_s", "phases")
+_ABSENT = (None,) * 6
 
 
-def _throughput(attrs: dict[str, Any], record: StepRecord) -> None:
-    # Every step pays for this: the record's fields read by one call in C, the attribute names
-    # as module globals, the phases set by one update.
-    samples, tokens, flops, lr, wait, phases = _THROUGHPUT(record)
+def _throughput_values(attrs: dict[str, Any], values: tuple) -> None:
+    """Set the throughput attributes of a record's ``_THROUGHPUT`` values (one call in C) on ``attrs``."""
+    samples, tokens, flops, lr, wait, phases = values
     if samples is not None:
         attrs[SAMPLES] = samples
     if tokens is not None:
