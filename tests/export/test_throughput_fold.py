@@ -1,5 +1,7 @@
 """The throughput series kept unfolded until a scrape (or FOLD_EVERY steps) against the one
-addition per step they stand for: counters, FLOPs (bit for bit), the last learning rates."""
+addition per step they stand for: counters, FLOPs (bit for bit), the last learning rates; and
+the data-wait and phase histograms' sums against bucketing FOLD_EVERY steps with either at a
+time, and the rest at a scrape (bit for bit too)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from torchtrace.record.step import StepRecord
 
 
 def _values(m: Metrics) -> dict[tuple, float]:
-    wanted = {semconv.M_SAMPLES, semconv.M_TOKENS, semconv.M_FLOPS, semconv.M_LEARNING_RATE}
+    wanted = {semconv.M_SAMPLES, semconv.M_TOKENS, semconv.M_FLOPS, semconv.M_LEARNING_RATE,
+              semconv.M_DATA_WAIT + "_sum", semconv.M_DATA_WAIT + "_count",
+              semconv.M_STEP_PHASE + "_sum", semconv.M_STEP_PHASE + "_count"}
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in m.registry.collect() for s in fam.samples if s.name in wanted}
 
@@ -34,13 +38,45 @@ def _reference(records: list[StepRecord]) -> dict[str, object]:
     return {"samples": samples, "tokens": tokens, "flops": flops, "lr": lr}
 
 
+class _Histograms:
+    """The data-wait and phase sums and counts of one operation, bucketed the step-at-a-time way:
+    the steps with either kept, and added FOLD_EVERY of them at a time or at a scrape."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+        self.wait: list[float] | None = None  # [sum, count]
+        self.phases: dict[str, list[float]] | None = None
+
+    def step(self, r: StepRecord) -> None:
+        if r.data_wait_s is not None or r.phases:
+            self.pending.append((r.data_wait_s, r.phases))
+            if len(self.pending) >= FOLD_EVERY:
+                self.fold()
+
+    def fold(self) -> None:
+        entries, self.pending = self.pending, []
+        waits = [w for w, _ in entries if w is not None]
+        if waits:
+            self.wait = self.wait or [0.0, 0]
+            self.wait[0] += sum(waits)
+            self.wait[1] += len(waits)
+        runs = [p for _, p in entries if p]
+        if runs:
+            self.phases = self.phases or {p: [0.0, 0] for p in semconv.PHASES}
+            for phase, acc in self.phases.items():
+                values = [run[phase] for run in runs if phase in run]
+                acc[0] += sum(values)
+                acc[1] += len(values)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_folded_series_equal_a_step_at_a_time(seed):
     rng = random.Random(seed)
     m = Metrics("run", 0, "0", "basic")
     ops = ["train_step", "eval_step"]
     seen: dict[str, list[StepRecord]] = {op: [] for op in ops}
-    for i in range(3 * FOLD_EVERY + 11):
+    hists = {op: _Histograms() for op in ops}
+    for i in range(8 * FOLD_EVERY + 11):
         op = rng.choice(ops)
         rec = StepRecord(operation=op, step=i, level="basic", start_unix_ns=1, end_unix_ns=2, duration_s=0.01,
                          memory={})
@@ -51,17 +87,30 @@ def test_folded_series_equal_a_step_at_a_time(seed):
         if rng.random() < 0.7:
             rec.flops = rng.choice([rng.uniform(0, 1e12), 0.1, 1e-3, 3, 0.0])
         rec.lr = rng.choice([None, [], [rng.random()], [rng.random(), rng.random()]])
-        if rng.random() < 0.2:
-            rec.data_wait_s = rng.uniform(0, 0.01)
+        if rng.random() < 0.6:  # of all magnitudes: a sum's rounding tells how the values were batched
+            rec.data_wait_s = rng.uniform(0, 10.0) * 10.0 ** -rng.randrange(0, 8)
+        if rng.random() < 0.6:
+            rec.phases = {p: rng.uniform(0, 3.0) * 10.0 ** -rng.randrange(0, 8) for p in semconv.PHASES
+                          if rng.random() < 0.9}
         seen[op].append(rec)
+        hists[op].step(rec)
         m.observe_step(rec)
-        if rng.random() < 0.05 or i == FOLD_EVERY - 1:
-            _check(m, seen)
-    _check(m, seen)
+        if rng.random() < 0.005 or i == FOLD_EVERY - 1:
+            _check(m, seen, hists)
+    _check(m, seen, hists)
 
 
-def _check(m: Metrics, seen: dict[str, list[StepRecord]]) -> None:
+def _check(m: Metrics, seen: dict[str, list[StepRecord]], hists: dict[str, _Histograms]) -> None:
     got = _values(m)
+    for op, h in hists.items():  # a scrape buckets what is pending
+        h.fold()
+        labels = {"run_id": "run", "rank": "0", "operation": op}
+        wait = [got.get((semconv.M_DATA_WAIT + end, tuple(sorted(labels.items())))) for end in ("_sum", "_count")]
+        assert wait == (h.wait or [None, None])
+        for phase in semconv.PHASES:
+            key = tuple(sorted({**labels, "phase": phase}.items()))
+            sums = [got.get((semconv.M_STEP_PHASE + end, key)) for end in ("_sum", "_count")]
+            assert sums == (h.phases[phase] if h.phases else [None, None]), phase
     for op, records in seen.items():
         want = _reference(records)
         labels = {"run_id": "run", "rank": "0", "operation": op}

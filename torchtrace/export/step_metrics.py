@@ -13,8 +13,8 @@ import bisect
 import threading
 import time
 from functools import partial, reduce
-from itertools import chain
-from operator import add, attrgetter, is_not, itemgetter, sub
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, is_not, itemgetter, or_, sub, truth
 from typing import Any, Callable, Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -85,7 +85,8 @@ class _Operation:
     """Everything one operation label holds."""
 
     __slots__ = ("label", "created", "steps", "duration", "loss", "grad_norm", "grad_nonfinite", "last_ts", "skipped",
-                 "anomalies", "samples", "tokens", "flops", "lr", "data_wait", "phases", "rank_step_seconds", "unfolded")
+                 "anomalies", "samples", "tokens", "flops", "lr", "data_wait", "phases", "rank_step_seconds", "unfolded",
+                 "unbucketed")
 
     def __init__(self, label: str, kinds: tuple[str, ...]) -> None:
         self.label = label
@@ -106,21 +107,33 @@ class _Operation:
         self.phases: dict[str, _Histogram] | None = None
         self.rank_step_seconds: float | None = None
         self.unfolded: list[tuple] = []  # _THROUGHPUT's values of the steps since the last fold
+        self.unbucketed: list[tuple] = []  # (data wait, phases) of the steps with either, not yet bucketed
 
-    def fold(self) -> None:
-        """Add up and bucket the throughput values kept since the last fold (the lock is held):
-        each column of the kept steps is filtered and summed in C, in step order (the float sums
-        are those of one addition per step)."""
+    def fold(self, scrape: bool = False) -> None:
+        """Add up the throughput values kept since the last fold (the lock is held): each column
+        of the kept steps filtered and summed in C, in step order (the float sums are those of one
+        addition per step). The data waits and phase times are bucketed FOLD_EVERY steps with
+        either at a time, and all of them at a ``scrape``: the batches (so the histograms' float
+        sums) that bucketing them as the steps came gave."""
         entries, self.unfolded = self.unfolded, []
-        if not entries:
-            return
-        samples, tokens, flops, rates, waits, runs = zip(*entries)
-        self.samples = _added(self.samples, samples, 0)
-        self.tokens = _added(self.tokens, tokens, 0)
-        self.flops = _added(self.flops, flops, 0.0)
-        rates = [*filter(None, rates)]
-        if rates:
-            self.lr = rates[-1]  # a record's values are not changed after it is finished
+        if entries:
+            samples, tokens, flops, rates, waits, runs = zip(*entries)
+            self.samples = _added(self.samples, samples, 0)
+            self.tokens = _added(self.tokens, tokens, 0)
+            self.flops = _added(self.flops, flops, 0.0)
+            rates = [*filter(None, rates)]
+            if rates:
+                self.lr = rates[-1]  # a record's values are not changed after it is finished
+            # The steps with a data wait or phase times: (wait is not None) or phases, in C.
+            self.unbucketed += compress(zip(waits, runs), map(or_, map(is_not, waits, repeat(None)), map(truth, runs)))
+        pending = self.unbucketed
+        while len(pending) >= FOLD_EVERY or (scrape and pending):
+            self._bucket(pending[:FOLD_EVERY])
+            pending = pending[FOLD_EVERY:]
+        self.unbucketed = pending
+
+    def _bucket(self, batch: list[tuple]) -> None:
+        waits, runs = zip(*batch)
         waits = [*filter(_PRESENT, waits)]
         if waits:
             if self.data_wait is None:
@@ -233,8 +246,8 @@ class StepMetrics:
         with self._lock:
             ops = list(self._ops.values())
             for o in ops:
-                if o.unfolded:
-                    o.fold()
+                if o.unfolded or o.unbucketed:
+                    o.fold(scrape=True)
             snapshot = [(o, o.duration.buckets(), o.duration.total, dict(o.anomalies),
                          (o.data_wait.buckets(), o.data_wait.total) if o.data_wait else None,
                          {p: (h.buckets(), h.total) for p, h in o.phases.items()} if o.phases else None,
