@@ -33,7 +33,7 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     >>> shape_key((torch.zeros(4, 3), 8), {}) == shape_key((torch.ones(4, 3), 9), {})
     True
     """
-    out = []
+    out: tuple = ()  # grown a key at a time (no list to turn into a tuple): at most KEY_MAX_ITEMS of them
     try:
         # Every step pays for this: plain tensors, models and optimizers met before, and tuples
         # and lists of plain tensors are keyed here in C, without a Python call per value;
@@ -41,24 +41,24 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
         for value in args[_FIRST_ITEMS]:
             kind = type(value)
             if kind is _TENSOR:
-                out.append(_SHAPE_DTYPE(value))
+                out += (_SHAPE_DTYPE(value),)
             elif kind in _KEYED_BY_TYPE:  # the model, the optimizer
-                out.append(kind)
+                out += (kind,)
             elif (kind is tuple or kind is list) and len(value) <= KEY_MAX_ITEMS:
                 if _ALL_TENSORS(map(type, value)):
-                    out.append(tuple(map(_SHAPE_DTYPE, value)))
+                    out += (tuple(map(_SHAPE_DTYPE, value)),)
                 else:
-                    out.append(tuple([(v.shape, v.dtype) if type(v) is _TENSOR else _key(v, 1) for v in value]))
+                    out += (tuple([(v.shape, v.dtype) if type(v) is _TENSOR else _key(v, 1) for v in value]),)
             else:
-                out.append(_key(value, 0))
+                out += (_key(value, 0),)
     except RuntimeError:  # a nested tensor of the strided layout has no sizes: the careful way
-        out = [_key(value, 0) for value in args[:KEY_MAX_ITEMS]]
+        out = tuple([_key(value, 0) for value in args[:KEY_MAX_ITEMS]])
     if kwargs:
         for index, (name, value) in enumerate(kwargs.items()):
             if index >= KEY_MAX_ITEMS:
                 break
-            out.append((name, _key(value, 0)))
-    return tuple(out)
+            out += ((name, _key(value, 0)),)
+    return out
 
 
 def loose_shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any], loose: frozenset[int]) -> Hashable:
