@@ -30,6 +30,7 @@ FOLD_EVERY = 64  # steps' throughput values kept before they are added up and bu
 _THROUGHPUT = attrgetter("samples", "tokens", "flops", "lr", "data_wait_s", "phases")
 _ABSENT = (None,) * 6
 _PRESENT = partial(is_not, None)
+_FOLDED_AT = slice(FOLD_EVERY - 1, None)
 
 
 def _base(name: str) -> str:
@@ -61,8 +62,7 @@ class _Histogram:
         if not values:
             return
         ordered = sorted(values)
-        upto = list(map(partial(bisect.bisect_right, ordered), self.bounds))
-        upto.append(len(ordered))
+        upto = [*map(partial(bisect.bisect_right, ordered), self.bounds), len(ordered)]
         # Bucket i holds upto[i] - upto[i - 1] of them.
         self.counts[:] = map(add, self.counts, map(sub, upto, chain((0,), upto)))
         self.total += sum(values)
@@ -212,9 +212,8 @@ class StepMetrics:
                 op.rank_step_seconds = record.rank_step_seconds
             values = _THROUGHPUT(record)
             if values != _ABSENT:  # added up and bucketed at the next scrape, or every FOLD_EVERY steps
-                unfolded = op.unfolded
-                unfolded.append(values)
-                if len(unfolded) >= FOLD_EVERY:
+                op.unfolded.append(values)
+                if op.unfolded[_FOLDED_AT]:  # FOLD_EVERY of them (a slice of one or none: no len() call)
                     op.fold()
 
     def _memory_of(self, record: StepRecord) -> None:
