@@ -142,10 +142,14 @@ class StepSpan(trace.Span):
 
     def _settle(self) -> None:
         """Set the throughput attributes :func:`apply_record` left to the first reader (the exporter
-        thread), last. Two exporters reading at once each build the same dict; ``_pending`` is cleared after."""
-        values, own = self._pending, dict(self._own)
+        thread) where it would have set them: last, or before a profiled step's profile attributes.
+        Two exporters reading at once each build the same dict; ``_pending`` is cleared after."""
+        values, items = self._pending, list(self._own.items())
         if values is not None:
+            at = next((i for i, (name, _) in enumerate(items) if name == semconv.PROFILE_TRACE_PATH), len(items))
+            own = dict(items[:at])
             _throughput_values(own, values)
+            own.update(items[at:])
             self._own = own
             self._pending = None
 
@@ -226,10 +230,8 @@ def apply_record(span: Any, record: StepRecord, exc: BaseException | None, excep
     attrs: dict[str, Any] = span._own if step_span else {}
     _health(attrs, record)
     values = _THROUGHPUT(record)
-    if values != _ABSENT:
-        # The training thread hands the values over; the span sets them when the exporter reads
-        # it. They go last, so not so on a profiled step, whose profile attributes come after them.
-        if step_span and record.profile is None:
+    if values != _ABSENT:  # the training thread hands them over; the span sets them when the exporter reads it
+        if step_span:
             span._pending = values
         else:
             _throughput_values(attrs, values)
