@@ -1,4 +1,4 @@
-"""The throughput series kept unfolded until a scrape (or FOLD_EVERY steps) against the one
+"""The throughput series kept unfolded until a scrape (or KEEP_STEPS steps) against the one
 addition per step they stand for: counters, FLOPs (bit for bit), the last learning rates; and
 the data-wait and phase histograms' sums against bucketing FOLD_EVERY steps with either at a
 time, and the rest at a scrape (bit for bit too)."""
@@ -11,7 +11,7 @@ import pytest
 
 from torchtrace import semconv
 from torchtrace.export.metrics import Metrics
-from torchtrace.export.step_metrics import FOLD_EVERY
+from torchtrace.export.step_metrics import FOLD_EVERY, KEEP_STEPS
 from torchtrace.record.step import StepRecord
 
 
@@ -76,7 +76,7 @@ def test_folded_series_equal_a_step_at_a_time(seed):
     ops = ["train_step", "eval_step"]
     seen: dict[str, list[StepRecord]] = {op: [] for op in ops}
     hists = {op: _Histograms() for op in ops}
-    for i in range(8 * FOLD_EVERY + 11):
+    for i in range(5 * KEEP_STEPS + 11):
         op = rng.choice(ops)
         rec = StepRecord(operation=op, step=i, level="basic", start_unix_ns=1, end_unix_ns=2, duration_s=0.01,
                          memory={})
@@ -95,7 +95,7 @@ def test_folded_series_equal_a_step_at_a_time(seed):
         seen[op].append(rec)
         hists[op].step(rec)
         m.observe_step(rec)
-        if rng.random() < 0.005 or i == FOLD_EVERY - 1:
+        if rng.random() < 0.002 or i in (FOLD_EVERY - 1, KEEP_STEPS + 1):
             _check(m, seen, hists)
     _check(m, seen, hists)
 

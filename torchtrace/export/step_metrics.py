@@ -25,12 +25,13 @@ from torchtrace.export.labels import MAX_DEVICE_VALUES, MAX_LABEL_VALUES, OVERFL
 from torchtrace.record.step import StepRecord
 
 _LR_GROUP_CAP = f"{semconv.MAX_LR_GROUPS}+"
-FOLD_EVERY = 64  # steps' throughput values kept before they are added up and bucketed without a scrape
+FOLD_EVERY = 64  # data waits and phase times bucketed together (at most; a scrape buckets what there is)
+KEEP_STEPS = 4 * FOLD_EVERY  # steps' throughput values kept before they are added up without a scrape
 # A record's throughput values, as one tuple (one call in C); a step without any keeps nothing.
 _THROUGHPUT = attrgetter("samples", "tokens", "flops", "lr", "data_wait_s", "phases")
 _ABSENT = (None,) * 6
 _PRESENT = partial(is_not, None)
-_FOLDED_AT = slice(FOLD_EVERY - 1, None)
+_FOLDED_AT = slice(KEEP_STEPS - 1, None)
 
 
 def _base(name: str) -> str:
@@ -113,7 +114,7 @@ class _Operation:
         """Add up the throughput values kept since the last fold (the lock is held): each column
         of the kept steps filtered and summed in C, in step order (the float sums are those of one
         addition per step). The data waits and phase times are bucketed FOLD_EVERY steps with
-        either at a time, and all of them at a ``scrape``: the batches (so the histograms' float
+        either at a time, and the rest at a ``scrape``: the batches (so the histograms' float
         sums) that bucketing them as the steps came gave."""
         entries, self.unfolded = self.unfolded, []
         if entries:
@@ -211,9 +212,9 @@ class StepMetrics:
             if record.rank_step_seconds is not None:
                 op.rank_step_seconds = record.rank_step_seconds
             values = _THROUGHPUT(record)
-            if values != _ABSENT:  # added up and bucketed at the next scrape, or every FOLD_EVERY steps
+            if values != _ABSENT:  # added up and bucketed at the next scrape, or every KEEP_STEPS steps
                 op.unfolded.append(values)
-                if op.unfolded[_FOLDED_AT]:  # FOLD_EVERY of them (a slice of one or none: no len() call)
+                if op.unfolded[_FOLDED_AT]:  # KEEP_STEPS of them (a slice of one or none: no len() call)
                     op.fold()
 
     def _memory_of(self, record: StepRecord) -> None:
