@@ -1,7 +1,8 @@
 """The per-step series, kept as plain numbers and built into metric families only at scrape time.
 
-A step updates a handful of counters, a histogram bucket and a few floats under one lock (about
-2 µs); prometheus_client instruments would cost several times that per step, for numbers that
+A step updates a handful of counters, a histogram bucket and a few floats under one lock, and
+keeps its throughput values as one tuple, added up and bucketed every few hundred steps or at a
+scrape (about 2 µs in all); prometheus_client instruments would cost several times that per step, for numbers that
 are only read when Prometheus scrapes (every 15 s or so). :class:`StepMetrics` is a
 prometheus_client collector registered on the runtime's private registry, so ``/metrics``,
 ``get_sample_value`` and the OTLP metrics push see it like any other instrument.
