@@ -1,7 +1,7 @@
 """What torchtrace costs per training step, next to the alternatives users would reach for.
 
-Variants run interleaved in one process (round-robin, so drift in the machine hits them all
-alike), each round timing ``--steps`` steps per variant after one untimed step (the switch
+Variants run interleaved in one process (each round in a fresh order, so drift in the machine
+and the variant before hit them all alike), each round timing ``--steps`` steps per variant after one untimed step (the switch
 from the variant before is not part of any variant's cost). For each workload the table shows
 the median ms/step over rounds, the min-max spread, the paired ratio to the bare loop, and
 each level's cost beyond the floor (paired: the median over rounds of variant - floor), in µs
@@ -392,8 +392,14 @@ def run_workload(wl: Workload, variants, rounds: int, steps: int, warmup: int, d
     rt.flush(5.0)
     bg0 = _torchtrace_threads_cpu()
     t_start = time.perf_counter()
+    # Each round runs the variants in a fresh order (seeded: the same run gives the same orders).
+    # Alternating a fixed order with its reverse ran the variant at either end twice in a row
+    # (the end of one round, the start of the next), with its code and data still in the caches:
+    # on the toy model the A/A pair read +24.6 us [+21.3, +28.0] apart with basic-aa at an end.
+    shuffled = random.Random(1)
+    order = list(variants)
     for r in range(rounds):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        shuffled.shuffle(order)
         for v in order:
             # One step untimed first: it pays for the switch from the variant before (a level or
             # setting change, code and data the other variant pushed out of the caches), which a
@@ -605,6 +611,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per variant per round")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of timed rounds per workload (default: 25 to 75 by workload); a longer run "
+                        "narrows the intervals, the A/A pair's with them")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.threads:
@@ -659,6 +668,8 @@ def main(argv=None) -> int:
             if wl.n_tensors > 1000:
                 vs = [v for v in variants if v not in ("seed", "anomaly")]
             budget, n, r = 30, 2, min(rounds, 15)
+        if args.budget is not None:
+            budget, r = args.budget, args.rounds or 100_000  # (rounds: until the budget is spent)
         started = leak_probe.investigations if leak_probe is not None else 0
         times, background = run_workload(wl, vs, r, n, warmup, device, budget)
         print(fmt_table(wl.name, wl, times, background), flush=True)

@@ -77,3 +77,34 @@ def test_the_verdict_calls_within_noise_only_an_interval_that_holds_0():
     assert verdict(0.0, 2e-6).startswith("within noise (the interval holds 0)")
     assert verdict(20e-6, 1e-3).startswith("not told apart from noise")  # 20 us against an A/A interval of about +-100 us
     assert verdict(20e-6, 2e-6) == "above noise"
+
+
+def test_no_variant_runs_twice_in_a_row_more_often_than_chance(monkeypatch):
+    """The rounds' orders: a fixed order alternating with its reverse ran the variants at its two
+    ends twice in a row every other round (warm caches: the A/A pair read 24.6 us apart on the
+    toy model with basic-aa at an end). Each variant now follows itself about as often as chance
+    has it (1 in 8 round boundaries with 8 variants), never every other round."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("overhead_bench", ROOT / "benchmarks" / "overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    variants = ["bare", "floor", "marks", "least", "ideal", "basic", "basic-nothr", "basic-aa"]
+    ran: list[str] = []
+
+    class Runtime:
+        def flush(self, timeout):
+            return True
+
+    monkeypatch.setattr(bench, "make_runner", lambda v, wl: lambda: ran.append(v))
+    monkeypatch.setattr(bench.tt_api, "get_runtime", lambda: Runtime())
+    rounds = 400
+    times, _ = bench.run_workload(None, variants, rounds, 2, 0, bench.torch.device("cpu"), budget_s=1e9)
+    assert all(len(times[v]) == rounds for v in variants)
+    blocks = [v for i, v in enumerate(ran) if i % 3 == 0]  # each block: one untimed step, then two timed
+    assert len(blocks) == rounds * len(variants) and all(ran[3 * i:3 * i + 3] == [b] * 3 for i, b in enumerate(blocks))
+    for v in variants:
+        again = sum(1 for a, b in zip(blocks, blocks[1:]) if a == b == v)
+        assert again < 0.25 * rounds * 0.5, f"{v} ran twice in a row at {again} of {rounds} round boundaries"
+    firsts = {v: sum(1 for r in range(rounds) if blocks[r * len(variants)] == v) for v in variants}
+    assert max(firsts.values()) < 0.3 * rounds, firsts  # no variant always opens a round
