@@ -635,7 +635,8 @@ def main(argv=None) -> int:
                  register_atexit=False)
     print(f"# torchtrace overhead benchmark: torch {torch.__version__}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, device {device}")
-    print(f"# up to {rounds} interleaved rounds x {steps} steps per variant (each workload has a time budget);"
+    shown = f"{args.budget:g} s of" if args.budget is not None and not args.rounds else f"up to {rounds}"
+    print(f"# {shown} interleaved rounds x {steps} steps per variant (each workload has a time budget);"
           f" medians and min-max over rounds; 'paired' = median over rounds of the round's ratio to bare")
     total0 = time.perf_counter()
     wls = workloads(args, device)
