@@ -75,6 +75,38 @@ def test_a_pause_is_no_class_and_no_wall_time():
     assert ledger.snapshot(now=200.0).wall_s == approx(g.wall_s + 1.0)
 
 
+def test_the_time_after_the_last_step_until_shutdown_is_other_not_data_wait():
+    """Data wait runs from one step's end to the next one's start: after the last step no step
+    follows, so the stretch up to shutdown (saving the model, a demo's page kept open) is
+    other. Hand-computed; the snapshot said data wait while a next step could still come."""
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.add_step(FinishedStep(1.0, 2.0))
+    ledger.add_step(FinishedStep(2.5, 3.0))
+    assert ledger.snapshot(now=9.0).badput["data_wait"] == approx(0.5 + 6.0)  # (while the run goes on)
+    ledger.pause(10.0, last=True)
+    for g in (ledger.snapshot(now=12.0), ledger.closed()):
+        assert g.wall_s == approx(10.0) and g.productive_s == approx(1.5)
+        assert g.badput["startup"] == approx(1.0) and g.badput["data_wait"] == approx(0.5)
+        assert g.badput["other"] == approx(7.0) and total(g) == approx(g.wall_s, abs=1e-12)
+    # Measuring stopped earlier (level off at 4.0), then the run ended: 3.0-4.0 is other, the rest in no class.
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.add_step(FinishedStep(1.0, 3.0))
+    ledger.pause(4.0)
+    ledger.pause(50.0, last=True)
+    g = ledger.snapshot(now=60.0)
+    assert g.wall_s == approx(4.0) and g.badput["other"] == approx(1.0) and g.badput["data_wait"] == 0.0
+    # A replay between the last step and shutdown stays forensics; no step at all: startup to the end.
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.add_step(FinishedStep(1.0, 2.0))
+    ledger.add_forensics(2.5, 3.5)
+    ledger.pause(5.0, last=True)
+    assert ledger.closed().badput == approx({"startup": 1.0, "data_wait": 0.0, "skipped_step": 0.0, "forensics": 1.0,
+                                             "checkpoint": 0.0, "evaluation": 0.0, "other": 2.0})
+    ledger = GoodputLedger(configured_at=0.0)
+    ledger.pause(5.0, last=True)
+    assert ledger.snapshot(now=8.0).badput["startup"] == approx(5.0) and ledger.snapshot(now=8.0).wall_s == approx(5.0)
+
+
 def test_a_pause_before_the_first_step_keeps_the_startup_before_it():
     ledger = GoodputLedger(configured_at=0.0)
     ledger.pause(2.0)  # configured at level off; turned on much later

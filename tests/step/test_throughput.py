@@ -741,6 +741,21 @@ def test_shutdowns_own_time_is_not_the_jobs(tmp_path, monkeypatch):
     assert section["badput_s"]["data_wait"] < 0.1
 
 
+def test_the_time_after_the_last_step_is_not_data_wait_in_the_report(tmp_path):
+    """After the loop (0.4 s planted: a save, a demo's page kept open) and before shutdown no
+    step waited for data: the run report counts that stretch as other, not as data wait."""
+    import json
+
+    _configure(tmp_path, run_id="tail")
+    _, train_step = _watched(_mlp())
+    for _ in range(3):
+        train_step(torch.randn(8, 16))
+    time.sleep(0.4)
+    tt.shutdown()
+    badput = json.loads((tmp_path / "tail" / "report.json").read_text())["throughput"]["badput_s"]
+    assert badput["data_wait"] < 0.1 and badput["other"] >= 0.4
+
+
 def test_goodput_against_a_hand_computed_timeline(tmp_path):
     """configure, a slow first batch, three steps (the second's update skipped by the guard),
     a slow loader between them: productive time is the two applied steps, and every second of

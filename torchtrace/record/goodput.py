@@ -15,9 +15,9 @@ once, in exactly one class, so that ``productive + sum(badput) == wall``:
   *skipped_step*; ``checkpoint``, ``evaluation`` and ``other`` operations are badput of the
   same name. The FLOP-counting step made its update: it is productive (its slow-down
   only leaves it out of throughput);
-- *data_wait*: every instant after the first step's start that no step covers (the input
-  pipeline, and everything else the loop does between steps), but torchtrace's own work
-  between two steps (``entered`` and ``left`` of :meth:`GoodputLedger.post`), which is *other*;
+- *data_wait*: every instant after the first step's start that no step covers (the input pipeline,
+  and everything else the loop does between steps), but torchtrace's own work between two steps
+  (``entered``, ``left`` of :meth:`GoodputLedger.post`) and the run's end (``pause(last=True)``): *other*;
 - inside an operation that holds steps, the instants its steps do not cover are of its kind
   (an evaluation pass's loading between its evaluation steps is evaluation; a training step's
   time around a loss function decorated on its own is productive), except in an operation
@@ -71,9 +71,8 @@ STATE_VERSION = 1
 
 
 class GoodputLedger:
-    """Goodput accounting, throughput windows and their rules for one process.
-
-    Thread-safe: the step thread adds, an exporter thread may take snapshots.
+    """Goodput accounting, throughput windows and their rules for one process. Thread-safe: the
+    step thread adds, an exporter thread may take snapshots.
 
     >>> ledger = GoodputLedger(configured_at=100.0, peak_flops=1e9)
     >>> for i in range(3):
@@ -253,13 +252,15 @@ class GoodputLedger:
         self._count(cut, start, enclosing[1])
         return start
 
-    def pause(self, now: float) -> None:
-        """Measuring stopped at ``now``: until the next step, time is not counted (see the
-        module docstring). Idempotent."""
+    def pause(self, now: float, last: bool = False) -> None:
+        """Measuring stopped at ``now``: until the next step, time is not counted (see the module
+        docstring). Idempotent. ``last``: the run ends; the time since the last step is other."""
         with self._lock:
+            self._unsteady()
             if self._paused_at is None:
                 self._paused_at = max(now, self._cursor)
-                self._unsteady()
+            if last and self._started and self._paused_at > self._cursor:
+                self._count(self._cursor, self._paused_at, OTHER)
 
     def _resume(self, start: float) -> None:
         """The first step after a pause starts at ``start`` (the lock is held): the time up to

@@ -343,7 +343,7 @@ class Runtime:
             self.finish_deferred(block=True)
         except Exception as exc:
             self.errors.report("record", exc)
-        self.throughput.ledger.pause(closing)  # (shutdown's own time is not the job's: not in wall time)
+        self.throughput.ledger.pause(closing, last=True)  # (shutdown's own time is not the job's: not in wall time)
         self.probes.close()
         self.throughput.close()
         self._write_report_safely()
