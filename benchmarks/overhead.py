@@ -1,12 +1,13 @@
 """What torchtrace costs per training step, next to the alternatives users would reach for.
 
 Variants run interleaved in one process (each round in a fresh order, so drift in the machine
-and the variant before hit them all alike), each round timing ``--steps`` steps per variant after one untimed step (the switch
-from the variant before is not part of any variant's cost). For each workload the table shows
-the median ms/step over rounds, the min-max spread, the paired ratio to the bare loop, and
-each level's cost beyond the floor (paired: the median over rounds of variant - floor), in µs
-per step and as a share of the bare step; then the training thread's CPU time and the CPU
-time torchtrace's own background threads (span export, HTTP) spent per step meanwhile.
+and the variant before hit them all alike), each round timing ``--steps`` steps per variant
+after one untimed step (the switch from the variant before is not part of any variant's cost).
+For each workload the table shows the median ms/step over rounds, the min-max spread, the
+paired ratio to the bare loop, and each level's cost beyond the floor (paired: the median over
+rounds of variant - floor), in µs per step and as a share of the bare step; then the training
+thread's CPU time and the CPU time torchtrace's own background threads (span export, HTTP)
+spent per step meanwhile.
 
     python benchmarks/overhead.py            # full run (a few minutes on 2 CPU cores)
     python benchmarks/overhead.py --quick    # CI smoke: tiny sizes, asserts nothing about time
