@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "torchtrace"
 LAYERS: list[tuple[str, ...]] = [
     ("torchtrace._version", "torchtrace.semconv", "torchtrace.levels", "torchtrace.errors", "torchtrace.config",
      "torchtrace.current", "torchtrace.files"),
-    ("torchtrace.distributed",),
+    ("torchtrace.distributed", "torchtrace.job"),
     ("torchtrace.measure",),
     ("torchtrace.record",),
     ("torchtrace.forensics", "torchtrace.reporting"),

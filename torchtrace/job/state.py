@@ -1,0 +1,116 @@
+"""Each rank's black box: a small JSON file that says where the rank is and how it ended.
+
+One file per rank and attempt, beside the rank's ``spans.jsonl``. It is rewritten whole (a
+temporary file renamed over the old one), so a reader sees the last complete version and
+never a torn one, also after the process was SIGKILLed. The training thread only stores into
+:attr:`RankState.fields` (a dict update: no I/O, no lock); a background thread, a signal
+handler and shutdown call :meth:`RankState.write`.
+
+The fields, all optional for a reader (a file from an older attempt may lack some):
+
+========================  =============================================================
+``pid``, ``rank``,        who wrote the file
+``world_size``,
+``job_id``, ``attempt``,
+``run_id``, ``started``
+``time``                  unix time of the write: the rank's heartbeat
+``step``, ``step_time``   the last step finished and when (unix time)
+``phase``,                what the training thread is doing now and since when
+``phase_since``
+``collective_seq``,       the collectives this rank entered: count, the last one's op
+``collective_op``,        and group
+``collective_group``
+``rss_bytes``,            memory when last sampled
+``cuda_allocated_bytes``,
+``memory_limit_bytes``
+``loss``,                 the last step's loss and anomaly kinds
+``last_anomaly``
+``checkpoint_step``       the step of the last checkpoint saved
+``ended``                 None while running; ``completed``, ``exception``,
+                          ``preempted`` or ``hang`` when the process said how it ended
+``end_detail``,           what ended it (the exception's type, the signal) and when
+``end_time``
+========================  =============================================================
+
+>>> import tempfile
+>>> from pathlib import Path
+>>> box = RankState(Path(tempfile.mkdtemp()) / "state.json", {"rank": 0, "attempt": 0})
+>>> box.fields.update(step=12, phase="forward")
+>>> box.write()
+True
+>>> [s["step"] for s in read_states(box.path.parent)]
+[12]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from torchtrace import files
+
+logger = logging.getLogger(__name__)
+
+STATE_GLOB = "state*.json"
+"""The black boxes' file names: ``state.json``, ``state.rank3.json`` and any attempt suffix."""
+
+
+class RankState:
+    """This rank's black box.
+
+    Args:
+        path: the file; None keeps the fields in memory only (``write_files=False``).
+        fields: what is known at configure time (rank, attempt, pid ...).
+    """
+
+    def __init__(self, path: Path | None, fields: dict[str, Any] | None = None) -> None:
+        self.path = path
+        self.fields: dict[str, Any] = {"pid": os.getpid(), "started": time.time(), "ended": None}
+        self.fields.update(fields or {})
+        self.writes = 0
+
+    def write(self) -> bool:
+        """Rewrite the file now from the current fields; False when it could not be written.
+
+        Safe from any thread and from a signal handler on the main thread: it copies the
+        fields first, and an error is logged at DEBUG and swallowed (the black box must never
+        break the job).
+        """
+        if self.path is None:
+            return False
+        snapshot = dict(self.fields)
+        snapshot["time"] = time.time()
+        try:
+            files.write_json_atomic(self.path, snapshot)
+        except (OSError, ValueError) as exc:
+            logger.debug("black box %s not written: %s", self.path, exc)
+            return False
+        self.writes += 1
+        return True
+
+
+def read_states(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every black box under ``path`` (the directory and its subdirectories, two levels deep),
+    each with ``file`` added; unreadable or partial files are left out. Sorted by attempt,
+    then rank."""
+    root = Path(path)
+    found: list[dict[str, Any]] = []
+    for pattern in (STATE_GLOB, f"*/{STATE_GLOB}", f"*/*/{STATE_GLOB}"):
+        for file in sorted(root.glob(pattern)):
+            try:
+                value = json.loads(file.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(value, dict):
+                value["file"] = str(file)
+                found.append(value)
+    found.sort(key=lambda s: (_int(s.get("attempt")), _int(s.get("rank"))))
+    return found
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) else 0
