@@ -13,7 +13,7 @@ def test_fields_written_are_read_back(tmp_path):
     assert box.write()
     (state,) = read_states(tmp_path)
     assert (state["rank"], state["attempt"], state["step"], state["phase"]) == (1, 2, 7, "backward")
-    assert state["loss"] is None  # strict JSON: a NaN is written as null
+    assert state["loss"] == "NaN"  # strict JSON: a NaN is written as the string "NaN"
     assert state["ended"] is None and state["time"] >= state["started"]
 
 
