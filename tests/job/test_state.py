@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from torchtrace.job.state import RankState, read_states
 
@@ -53,3 +54,15 @@ def test_no_path_keeps_fields_in_memory(tmp_path):
     box = RankState(None, {"rank": 0})
     box.fields["step"] = 3
     assert box.write() is False and box.fields["step"] == 3
+
+
+def test_the_writer_thread_keeps_the_file_current_and_stops(tmp_path):
+    box = RankState(tmp_path / "state.json", {"rank": 0})
+    box.start(0.01)
+    box.fields["step"] = 5
+    deadline = time.monotonic() + 5
+    while box.writes < 3 and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    box.stop()
+    assert box.writes >= 3 and read_states(tmp_path)[0]["step"] == 5
+    assert not any(t.name == "torchtrace-blackbox" for t in threading.enumerate())

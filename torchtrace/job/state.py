@@ -14,6 +14,7 @@ The fields, all optional for a reader (a file from an older attempt may lack som
 ``job_id``, ``attempt``,
 ``run_id``, ``started``
 ``time``                  unix time of the write: the rank's heartbeat
+``current_step``          the step in progress (entered, not yet finished)
 ``step``, ``step_time``   the last step finished and when (unix time)
 ``phase``,                what the training thread is doing now and since when
 ``phase_since``
@@ -47,6 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,26 @@ class RankState:
         self.fields: dict[str, Any] = {"pid": os.getpid(), "started": time.time(), "ended": None}
         self.fields.update(fields or {})
         self.writes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, period_s: float) -> None:
+        """Rewrite the file every ``period_s`` seconds on a daemon thread until :meth:`stop`."""
+        if self.path is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, args=(period_s,), name="torchtrace-blackbox", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """End the writer thread (waiting at most ``timeout_s``); the file stays as last written."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def _run(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            self.write()
 
     def write(self) -> bool:
         """Rewrite the file now from the current fields; False when it could not be written.
@@ -80,7 +102,8 @@ class RankState:
         fields first, and an error is logged at DEBUG and swallowed (the black box must never
         break the job).
         """
-        if self.path is None:
+        # A forked child (a DataLoader worker) must not overwrite its parent's black box.
+        if self.path is None or os.getpid() != self.fields["pid"]:
             return False
         snapshot = dict(self.fields)
         snapshot["time"] = time.time()
