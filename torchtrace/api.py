@@ -276,9 +276,9 @@ class _Operation:
         if self.replay is not False:
             # Forensics replays the call (with its optimizers' and scalers' updates neutralised).
             if callable(self.replay):
-                scope.replay = self.replay
+                scope.forensics.replay = self.replay
             elif fn is not None:
-                scope.replay_fn = fn
+                scope.forensics.function = fn
         return scope
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -352,18 +352,18 @@ def _random_run(seed: int, n: int = 600) -> list[tuple]:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_reads_between_posted_steps_change_nothing_they_find(seed):
-    """The step pipeline's ``post`` with reads (a scrape: ``snapshot``) at random points in
-    between finds what a ledger that is never read finds through ``add``: the same findings on
-    the same steps, the same data waits, totals and windows."""
+def test_reads_between_steps_change_nothing_they_find(seed):
+    """A ledger read (a scrape: ``snapshot``) at random points between its steps finds what a
+    ledger that is never read finds: the same findings on the same steps, the same data waits,
+    totals and windows."""
     rules = RuleSettings(window=5, warmup_steps=3, min_baseline_windows=2, stall_window=6, stall_min_steps=4)
     at_once, posted = GoodputLedger(0.0, rules=rules), GoodputLedger(0.0, rules=rules)
     rng = random.Random(seed + 100)
     expect, got = [], []
     for i, step in enumerate(_random_run(seed)):
-        a = at_once.add(*step)
+        a = at_once.add_step(FinishedStep(*step))
         expect.append((a.data_wait_s, [f.kind for f in a.findings]))
-        wait, findings = posted.post(*step)
+        wait, findings = posted.add_step(FinishedStep(*step))
         got.append((wait, [f.kind for f in findings]))
         if rng.random() < 0.05:
             posted.snapshot(step[1] + 0.001)
@@ -384,7 +384,7 @@ def test_posted_steps_with_a_scraping_thread_lose_nothing():
     rules = RuleSettings(window=5, warmup_steps=3, min_baseline_windows=2, stall_window=6, stall_min_steps=4)
     at_once, posted = GoodputLedger(0.0, rules=rules), GoodputLedger(0.0, rules=rules)
     run = _random_run(7, n=3000)
-    expect = [[f.kind for f in at_once.add(*step).findings] for step in run]
+    expect = [[f.kind for f in at_once.add_step(FinishedStep(*step)).findings] for step in run]
     stop = threading.Event()
 
     def scrape() -> None:
@@ -395,7 +395,7 @@ def test_posted_steps_with_a_scraping_thread_lose_nothing():
     scraper = threading.Thread(target=scrape)
     scraper.start()
     try:
-        got = [[f.kind for f in posted.post(*step)[1]] for step in run]
+        got = [[f.kind for f in posted.add_step(FinishedStep(*step)).findings] for step in run]
     finally:
         stop.set()
         scraper.join()

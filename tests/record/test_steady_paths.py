@@ -1,7 +1,6 @@
-"""The short ways of the hot path against the long ones: a throughput window whose usual steps
-leave their rule state pending (``OperationWindow.add``) against one that applies it step by
-step, and the ledger's steady steps (``GoodputLedger.post``) against its general path. Random
-runs, compared exactly: every data wait, finding, total, window and state."""
+"""Throughput windows and the goodput ledger over long random runs: what they find does not
+depend on when they are read, saved or restored. Random runs, compared exactly: every data
+wait, finding, total, window and state."""
 
 from __future__ import annotations
 
@@ -9,40 +8,10 @@ import random
 
 import pytest
 
-from torchtrace.record.goodput import CHECKPOINT, EVALUATION, OTHER, TRAIN, GoodputLedger
+from torchtrace.record.goodput import CHECKPOINT, EVALUATION, OTHER, TRAIN, FinishedStep, GoodputLedger
 from torchtrace.record.throughput import Finding, OperationWindow, RuleSettings
 
 RULES = RuleSettings(window=5, warmup_steps=3, min_baseline_windows=2, stall_window=6, stall_min_steps=4)
-
-
-class StepByStep(OperationWindow):
-    """The reference: each step's rule state applied as it comes (a plain loop, no pending steps)."""
-
-    def add(self, duration, wait, samples, tokens, flops, rules=True, device_cycle=None):
-        duration, wait = max(duration, 0.0), max(wait, 0.0)
-        cycle = duration + wait
-        rated = device_cycle if device_cycle is not None and device_cycle > 0.0 else cycle
-        self.entries.append((rated, wait, samples, tokens, flops, cycle))
-        self.seen += 1
-        if not rules:
-            return ()
-        s, found = self.settings, []
-        if self.seen > s.warmup_steps and rated > 0:
-            if self.unit is None:
-                self.unit = "tokens" if tokens is not None else "samples" if samples is not None else "steps"
-            amount = {"tokens": tokens, "samples": samples, "steps": 1}[self.unit]
-            if amount is not None:
-                self.rates.append(amount / rated)
-                if len(self.rates) >= s.window:
-                    found.append(self._judge_window())
-        waited = cycle > 0 and (wait > s.stall_share * cycle and wait >= s.stall_min_wait_s or wait > s.stall_seconds)
-        self.waited.append(waited)
-        if waited and len(self.waited) >= s.stall_window:
-            found.append(self._stall())
-        return tuple(f for f in found if f is not None)
-
-    def _settle(self, until: int) -> None:
-        pass  # nothing is ever pending
 
 
 def window_steps(seed: int, n: int = 400) -> list[tuple]:
@@ -67,29 +36,28 @@ def same_window(a: OperationWindow, b: OperationWindow) -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_pending_rule_state_finds_what_step_by_step_finds(seed):
+def test_a_window_read_and_restored_midway_finds_what_one_left_alone_finds(seed):
     rng = random.Random(seed + 1000)
     settings = RULES if seed % 2 else RuleSettings(window=7, warmup_steps=0, min_baseline_windows=1, stall_window=3,
                                                    stall_min_steps=2, stall_min_wait_s=0.0)
-    lazy, eager = OperationWindow(settings), StepByStep(settings)
+    read, alone = OperationWindow(settings), OperationWindow(settings)
     found = []
     for i, step in enumerate(window_steps(seed)):
-        got, want = lazy.add(*step), eager.add(*step)
+        got, want = read.add(*step), alone.add(*step)
         assert got == want, f"step {i}"
         found += [f.kind for f in got]
-        if rng.random() < 0.03:  # a read settles what is pending: nothing changes
-            same_window(lazy, eager)
+        if rng.random() < 0.03:  # a read changes nothing
+            same_window(read, alone)
         if rng.random() < 0.01:  # a restart from a saved state
-            state = eager.state_dict()
-            lazy, eager = OperationWindow(settings), StepByStep(settings)
-            lazy.load_state_dict(state)
-            eager.load_state_dict(state)
+            restored = OperationWindow(settings)
+            restored.load_state_dict(read.state_dict())
+            read = restored
     assert {"throughput_drop", "data_stall"} <= set(found)  # both rules are exercised
-    same_window(lazy, eager)
+    same_window(read, alone)
 
 
 def ledger_run(seed: int, n: int = 700) -> list[tuple]:
-    """Events for a ledger: ``("post", args)`` with post's 14 arguments, as the step pipeline
+    """Events for a ledger: ``("step", FinishedStep)``, as the step pipeline
     sends them (torchtrace's own time around each step), ``("pause", now)`` and
     ``("replay", start, end)``. Two training operations and others, skipped and excluded
     steps, steps inside an operation (an evaluation pass, an epoch), times out of order,
@@ -121,9 +89,9 @@ def ledger_run(seed: int, n: int = 700) -> list[tuple]:
         elif r < 0.12:
             out.append(("replay", t + wait / 4, t + wait / 3 + rng.choice([0.0, 0.05])))
         device_cycle = rng.choice([None, None, 0.011])
-        out.append(("post", (start, end, rng.random() < 0.95, rng.random() < 0.02, rng.choice([8, 8, None]),
-                             rng.choice([None, 512]), 10**6, kind, operation, device_cycle, enclosing, holds,
-                             entered, left)))
+        out.append(("step", FinishedStep(start, end, rng.random() < 0.95, rng.random() < 0.02,
+                                          rng.choice([8, 8, None]), rng.choice([None, 512]), 10**6, kind, operation,
+                                          enclosing, holds, entered, left, device_cycle)))
         left = end + rng.choice([0.0, 0.0001, 0.0002, 0.0001, 0.0002])
         t = left if rng.random() < 0.97 else end  # (torchtrace is done with a step before the next one)
     return out
@@ -138,47 +106,42 @@ def same_ledger(a: GoodputLedger, b: GoodputLedger, now: float, left: float | No
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_steady_steps_book_what_the_general_path_books(seed):
-    """``post`` (its short way for the steady steps, pending window state) against ``_post``
-    alone with windows that apply every step: the same data waits and findings, step by step,
-    and the same totals, throughput and state whenever read."""
+def test_a_ledger_read_at_random_points_books_what_one_never_read_books(seed):
+    """Steps as the step pipeline sends them (torchtrace's own time around each, nested steps,
+    pauses, replays): the same data waits and findings, step by step, and the same totals,
+    throughput and state whenever read; a restore into both ends with the same state."""
     rng = random.Random(seed + 2000)
-    fast, general = GoodputLedger(0.0, rules=RULES), GoodputLedger(0.0, rules=RULES)
-    general._window = lambda operation: general._windows.setdefault(operation, StepByStep(RULES))
-    found, general_steps, posts = [], [], 0
-    long_way = fast._post
-    fast._post = lambda *args: general_steps.append(args) or long_way(*args)
+    read, alone = GoodputLedger(0.0, rules=RULES), GoodputLedger(0.0, rules=RULES)
+    found, steps = [], 0
     for event in ledger_run(seed):
         if event[0] == "pause":
-            fast.pause(event[1])
-            general.pause(event[1])
+            read.pause(event[1])
+            alone.pause(event[1])
         elif event[0] == "replay":
-            fast.add_forensics(*event[1:])
-            general.add_forensics(*event[1:])
+            read.add_forensics(*event[1:])
+            alone.add_forensics(*event[1:])
         else:
-            args = event[1]
-            posts += 1
-            got, want = fast.post(*args), general._post(*args)
+            step = event[1]
+            steps += 1
+            got, want = read.add_step(step), alone.add_step(step)
             assert got == want
-            found += [f.kind for f in got[1] if isinstance(f, Finding)]
+            found += [f.kind for f in got.findings if isinstance(f, Finding)]
             if rng.random() < 0.02:
-                same_ledger(fast, general, args[1] + 0.001, args[1] + 0.0005)
-            if posts == 600:  # a restore (into ledgers that counted already) ends the steady run
-                state = general.state_dict()
-                fast.load_state_dict(state)
-                general.load_state_dict(state)
+                same_ledger(read, alone, step.end + 0.001, step.end + 0.0005)
+            if steps == 600:  # a restore into ledgers that counted already
+                state = alone.state_dict()
+                read.load_state_dict(state)
+                alone.load_state_dict(state)
     assert {"throughput_drop", "data_stall"} <= set(found)
-    assert 150 < len(general_steps) < posts - 250  # both ways are exercised
-    same_ledger(fast, general, 1e4, None)
+    same_ledger(read, alone, 1e4, None)
 
 
-def test_own_time_rounded_past_the_gap_is_cut_to_it_on_the_short_way_too():
-    """(start - entered) + (left - last) can round past start - last: own_time cuts it there."""
-    fast, general = GoodputLedger(0.0, rules=RULES), GoodputLedger(0.0, rules=RULES)
-    steps = [(0.1, 0.463, True, False, 8, None, None, TRAIN, "train_step", None, None, False, 0.1, None),
-             (1.291, 1.3, True, False, 8, None, None, TRAIN, "train_step", None, None, False, 0.987, 0.987)]
-    for args in steps:
-        assert fast.post(*args) == general._post(*args)
-    assert fast._steady == "train_step"
-    same_ledger(fast, general, 2.0, None)
-    assert fast.closed().badput["data_wait"] == 0.0
+def test_own_time_rounded_past_the_gap_is_cut_to_it():
+    """(start - entered) + (left - last) can round past start - last: the step's data wait is
+    then 0.0, never negative, and the gap is torchtrace's own time (other)."""
+    ledger = GoodputLedger(0.0, rules=RULES)
+    ledger.add_step(FinishedStep(0.1, 0.463, samples=8, entered=0.1))
+    account = ledger.add_step(FinishedStep(1.291, 1.3, samples=8, entered=0.987, left=0.987))
+    assert account.data_wait_s == 0.0
+    assert ledger.closed().badput["data_wait"] == 0.0
+    assert ledger.closed().badput["other"] == pytest.approx(1.291 - 0.463, abs=1e-12)

@@ -837,8 +837,7 @@ def test_on_a_gpu_the_rates_are_in_device_time(tmp_path, monkeypatch):
             return other.at - self.at
 
     from torchtrace.record import events
-    from torchtrace.step import throughput as throughput_module
-    from torchtrace.step.phases import ModelMarks, StepClock
+    from torchtrace.step.phases import ModelMarks
 
     monkeypatch.setattr(torch.cuda, "Event", DeviceEvent)
     for pool in (events.TIMING, events.LANDED):  # on a GPU machine they hold real events of earlier tests
@@ -846,8 +845,6 @@ def test_on_a_gpu_the_rates_are_in_device_time(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     on_host = ModelMarks.state  # (None while the marks are off or displaced, else whether on a GPU)
     monkeypatch.setattr(ModelMarks, "state", lambda self, model: None if on_host(self, model) is None else True)
-    # (A step like the one before asks the model's first parameter, not ModelMarks.state.)
-    monkeypatch.setattr(throughput_module, "host_clock", lambda: StepClock(True))
     _configure(tmp_path)
     try:
         _, train_step = _watched(_mlp())

@@ -116,7 +116,7 @@ def side_effect_owners(scope: Any) -> tuple[list[Any], list[Any]]:
     in a replay), the scope's own, and the other optimizers and learning-rate schedulers that
     stepped in it (a scheduler's ``step`` is neutralised like an optimizer's)."""
     opts, scalers = find_side_effect_owners(*scope.inputs) if scope.inputs is not None else ([], [])
-    for optimizer in (scope.optimizer, *(scope.stepped or ())):
+    for optimizer in (scope.optimizer, *(scope.forensics.stepped or ())):
         if optimizer is not None and optimizer not in opts:
             opts.append(optimizer)
     if scope.scaler is not None and scope.scaler not in scalers:

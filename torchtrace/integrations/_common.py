@@ -84,9 +84,8 @@ class StepDriver:
         micro-batch) is kept apart, so that the step ends with the values of all its
         micro-batches (:func:`combined_given`), not those of the last one."""
         scope = self.scope
-        if scope is not None and scope.active and (scope._loss is not None or scope._batch is not None):
-            self._given.append((scope._loss, scope._batch))
-            scope._loss = scope._batch = None
+        if scope is not None and scope.active and (scope.given.loss is not None or scope.given.batch is not None):
+            self._given.append(scope.given.take())
 
     def measure(self, model: torch.nn.Module | None, optimizer) -> None:
         """Gradient statistics and the guard policy, right before the optimizer's update.
@@ -115,9 +114,12 @@ class StepDriver:
         if scope is None or not scope.active or not scope.features.throughput:
             return
         try:
-            if scope.clock is None:
-                scope.clock = StepClock(cuda=cuda)
-            scope.clock.announce(point)
+            state = scope.throughput
+            if state is None:
+                return
+            if state.clock is None:
+                state.clock = StepClock(cuda=cuda)
+            state.clock.announce(point)
         except Exception as exc:
             api.get_runtime().errors.report("other", exc)
 
@@ -153,7 +155,7 @@ class StepDriver:
         if scope.active:
             if self._given:
                 given, self._given = self._given, []
-                scope._loss, scope._batch = combined_given(given + [(scope._loss, scope._batch)])
+                scope.given.loss, scope.given.batch = combined_given(given + [scope.given.take()])
             if loss is not None:
                 scope.record_loss(loss)
             elif self._losses and not scope.has_loss:
@@ -166,7 +168,7 @@ class StepDriver:
             self._losses, self._summed = [], False
             if self._samples is not None or self._tokens is not None or self._flops is not None:
                 # What the user gave with record_batch inside the step wins over the framework's.
-                user = scope._batch or (None, None, None)
+                user = scope.given.batch or (None, None, None)
                 scope.record_batch(*(mine if theirs is None else theirs
                                      for mine, theirs in zip((self._samples, self._tokens, self._flops), user)))
             self._samples = self._tokens = self._flops = None

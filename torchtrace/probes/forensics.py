@@ -56,7 +56,7 @@ class ForensicsProbe(Probe):
     # ------------------------------------------------------------ policy helpers
     def replayable(self, scope: Any) -> bool:
         return bool(self.rt.settings.forensics and scope.features.forensics
-                    and (scope.replay is not None or scope.replay_fn is not None))
+                    and (scope.forensics.replay is not None or scope.forensics.function is not None))
 
     def budget_left(self) -> bool:
         return self.replays < self.rt.settings.forensics_max_replays

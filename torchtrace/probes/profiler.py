@@ -272,11 +272,11 @@ class ProfilerProbe(Probe):
                 return None
             self.armed = None
             w = self.window = self._open(sched, scope, reason)
-            counter = getattr(scope, "_flops_counter", None)
-            if counter is not None and leave_counter(counter):
+            state = scope.throughput
+            if state is not None and state.counter is not None and leave_counter(state.counter):
                 # The step's FLOP count, opened before the window: the trace would hold its every
                 # op twice. The count waits for a step outside windows (as under the user's profiler).
-                scope._flops_counter = None
+                state.counter = None
         w.rec = torch.profiler.record_function(f"ProfilerStep#{scope.step}")
         w.rec.__enter__()
         w.steps.append(scope.step)

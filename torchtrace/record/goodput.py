@@ -17,12 +17,12 @@ once, in exactly one class, so that ``productive + sum(badput) == wall``:
   only leaves it out of throughput);
 - *data_wait*: every instant after the first step's start that no step covers (the input pipeline,
   and everything else the loop does between steps), but torchtrace's own work between two steps
-  (``entered``, ``left`` of :meth:`GoodputLedger.post`) and the run's end (``pause(last=True)``): *other*;
+  (``entered``, ``left`` of :meth:`GoodputLedger.add_step`) and the run's end (``pause(last=True)``): *other*;
 - inside an operation that holds steps, the instants its steps do not cover are of its kind
   (an evaluation pass's loading between its evaluation steps is evaluation; a training step's
   time around a loss function decorated on its own is productive), except in an operation
   that holds training steps (an epoch): there they are data wait, as without it, not
-  productive (the pipeline says so: ``enclosing`` and ``holds_steps`` of :meth:`GoodputLedger.post`);
+  productive (the pipeline says so: ``enclosing`` and ``holds_steps`` of :meth:`GoodputLedger.add_step`);
 - *forensics*: the seconds of forensic replays, taken out of whatever class the instants
   they covered would otherwise have been (a replay that ran between two steps is not data
   wait). A replay reported after its instants were already counted (they cannot be
@@ -100,102 +100,43 @@ class GoodputLedger:
         self._replays: list[tuple[float, float]] = []  # forensic intervals not yet counted
         self._debt = 0.0  # forensic seconds reported after their instants were counted
         self._windows: dict[str, OperationWindow] = {}
-        self._last_end: float | None = None  # the latest end of a step (data wait's origin; see _unsteady)
-        # The operation whose next training step may take post's short way, and its window (see post).
-        self._steady: str | None = None
-        self._steady_window: OperationWindow | None = None
+        self._last_end: float | None = None  # the latest end of a step (data wait's origin)
 
     # ------------------------------------------------------------ input
     def add_step(self, step: FinishedStep) -> StepAccount:
-        """Count one finished step; returns its data wait and what the rules found."""
-        return StepAccount(*self.post(step.start, step.end, step.applied, step.excluded, step.samples, step.tokens,
-                                      step.flops, step.kind, step.operation, None, step.enclosing, step.holds_steps,
-                                      step.entered, step.left))
+        """Count one finished step (from the step thread); returns its data wait (None after a
+        pause and for the first step) and what the throughput rules found on it. Booked at once
+        under the lock (uncontended but for a scrape).
 
-    def add(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
-            tokens: int | None, flops: int | None, kind: str, operation: str) -> StepAccount:
-        """:meth:`add_step` with the step's fields as arguments."""
-        return StepAccount(*self.post(start, end, applied, excluded, samples, tokens, flops, kind, operation))
-
-    def post(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None, tokens: int | None,
-             flops: int | None, kind: str, operation: str, device_cycle: float | None = None,
-             enclosing: tuple[float, str] | None = None, holds_steps: bool = False, entered: float | None = None,
-             left: float | None = None) -> tuple[float | None, tuple]:
-        """The step pipeline's call (from one step thread), with :class:`FinishedStep`'s fields:
-        ``(the step's data wait, what the rules found on it)``. Booked at once under the lock
-        (uncontended but for a scrape): queueing steps to book in batches cost more per step.
-
-        Every step pays for this: a training step of the operation of the step before, when
-        nothing is to be resumed or taken out (``_steady``: set by :meth:`_post`, cleared by a
-        pause, a replay, a restore), outside any other step and with its times in the usual
-        order, takes the short way below: :meth:`_post`'s counting, ``own_time`` and
-        ``OperationWindow.add``'s usual step in one piece, with the same results."""
-        with self._lock:
-            last = self._cursor  # (= the last end: see _post)
-            if operation == self._steady and kind == TRAIN and enclosing is None and not holds_steps \
-                    and left is not None and entered is not None and last < left <= entered <= start <= end:
-                span = start - last
-                mine = start - entered + (left - last)  # own_time(last, start, entered, left) in this order
-                if not mine < span:
-                    mine = span
-                wait = span - mine
-                totals, duration = self._totals, end - start
-                totals["other"] += mine
-                totals["data_wait"] += wait
-                totals[_PRODUCTIVE if applied else "skipped_step"] += duration
-                self._cursor = end  # (and the last end: see _unsteady)
-                if excluded:
-                    return wait, ()
-                # OperationWindow.add's usual step (no clamp: both are >= 0 here)
-                window = self._steady_window
-                duration += mine
-                cycle = duration + wait
-                rated = device_cycle if device_cycle is not None and device_cycle > 0.0 else cycle
-                window.entries.append((rated, wait, samples, tokens, flops, cycle))
-                window.seen = seen = window.seen + 1
-                if seen < window.due and wait < window.min_wait:
-                    return wait, ()
-                return wait, window.judge(seen, rated, wait, cycle, samples, tokens)
-        return self._post(start, end, applied, excluded, samples, tokens, flops, kind, operation, device_cycle,
-                          enclosing, holds_steps, entered, left)
-
-    def _post(self, start: float, end: float, applied: bool, excluded: bool, samples: int | None,
-              tokens: int | None, flops: int | None, kind: str, operation: str, device_cycle: float | None,
-              enclosing: tuple[float, str] | None, holds_steps: bool, entered: float | None,
-              left: float | None) -> tuple[float | None, tuple]:
-        """:meth:`post`, every case. Sets ``_steady`` when the next step of the operation may
-        take post's short way: a training step, its window kept, no replay to take out, and the
-        cursor at the last end (it is after any step but a pause's first)."""
+        Raises:
+            ValueError: ``step.kind`` is not one of :data:`OPERATION_KINDS`.
+        """
+        kind, operation = step.kind, step.operation
         if kind not in _KINDS:
             raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
-        if start < self.configured_at:
-            start = self.configured_at
-        if end < start:
-            end = start
-        own = (_PRODUCTIVE if applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind]
-        if holds_steps and kind == TRAIN:
+        start = max(step.start, self.configured_at)
+        end = max(step.end, start)
+        own = (_PRODUCTIVE if step.applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind]
+        if step.holds_steps and kind == TRAIN:
             own = "data_wait"
         with self._lock:
-            self._unsteady()
-            wait, mine = self._book(start, end, own, enclosing, entered, left)
+            wait, mine = self._book(start, end, own, step.enclosing, step.entered, step.left)
             same_operation, self._last_operation = self._last_operation == operation, operation
             same_kind, self._last_kind = self._last_kind == kind, kind
-            window = self._windows.get(operation) or self._window(operation)
-            steady = kind == TRAIN and window is not None and not self._replays and not self._debt \
-                and self._last_end == self._cursor
-            self._steady, self._steady_window = (operation, window) if steady else (None, None)
-            if window is None or excluded:
-                return wait, ()
+            window = self._window(operation)
+            if window is None or step.excluded:
+                return StepAccount(wait, ())
             # The wait after a step of another kind (training, then the first evaluation step) is not
             # this one's input pipeline; after one of the same kind (a GAN's two steps) it is. Rates
             # are per second of wall time: torchtrace's own time between the steps is in the cycle.
-            found = window.add(end - start + mine, wait if same_kind and wait is not None else 0.0, samples, tokens,
-                               flops, kind == TRAIN, device_cycle if same_operation else None)
-        return wait, found
+            found = window.add(end - start + mine, wait if same_kind and wait is not None else 0.0, step.samples,
+                               step.tokens, step.flops, kind == TRAIN,
+                               step.device_cycle if same_operation else None)
+        return StepAccount(wait, found)
 
     def _book(self, start: float, end: float, own: str, enclosing: tuple[float, str] | None, entered: float | None,
               left: float | None) -> tuple[float | None, float]:
-        """:meth:`_post`'s counting of the step's time as ``own`` and of the time before it (the
+        """:meth:`add_step`'s counting of the step's time as ``own`` and of the time before it (the
         lock is held): ``(its data wait, torchtrace's own seconds in the wait)``."""
         if self._paused_at is not None:
             self._resume(start)
@@ -232,7 +173,7 @@ class GoodputLedger:
         return wait, mine
 
     def _count_step(self, cursor: float, start: float, end: float, gap: str, own: str, mine: float) -> None:
-        """:meth:`post`'s counting when forensic seconds are to be taken out (the lock is held):
+        """:meth:`add_step`'s counting when forensic seconds are to be taken out (the lock is held):
         up to ``start`` as ``gap``, less torchtrace's own ``mine`` seconds at its end, then the
         step as ``own``."""
         if start > cursor:
@@ -256,7 +197,6 @@ class GoodputLedger:
         """Measuring stopped at ``now``: until the next step, time is not counted (see the module
         docstring). Idempotent. ``last``: the run ends; the time since the last step is other."""
         with self._lock:
-            self._unsteady()
             if self._paused_at is None:
                 self._paused_at = max(now, self._cursor)
             if last and self._started and self._paused_at > self._cursor:
@@ -278,7 +218,6 @@ class GoodputLedger:
     def add_forensics(self, start: float, end: float) -> None:
         """Count a forensic replay that ran from ``start`` to ``end``."""
         with self._lock:
-            self._unsteady()  # (post's short way takes no replay out)
             start, end = max(start, self.configured_at), max(end, start)
             if start < self._cursor:  # already counted as something else: repay later
                 self._debt += min(end, self._cursor) - start
@@ -368,15 +307,8 @@ class GoodputLedger:
             self._totals = {k: float(state["totals"].get(k, 0.0)) + self._totals[k] for k in self._totals}
             self._debt = float(state["debt_s"]) + self._debt
             self._windows = windows
-            self._unsteady()
 
     # ------------------------------------------------------------ internals
-    def _unsteady(self) -> None:
-        """Steps take the long way from now on (the lock is held): the last end, the cursor's while steady, is set."""
-        if self._steady is not None:
-            self._last_end = self._cursor
-            self._steady = self._steady_window = None
-
     def _window(self, operation: str) -> OperationWindow | None:
         window = self._windows.get(operation)
         if window is None and len(self._windows) < MAX_OPERATIONS:

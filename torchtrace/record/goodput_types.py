@@ -24,8 +24,8 @@ class FinishedStep:
     ``applied``: the optimizer update was applied (False when the guard skipped it).
     ``excluded``: left out of throughput (the step whose FLOPs were counted).
     ``kind``: one of :data:`OPERATION_KINDS`.
-    ``device_cycle`` (:meth:`~torchtrace.record.goodput.GoodputLedger.post` only): on a GPU, the step's cycle in device
-    time, the time base of its rates (``OperationWindow.add``).
+    ``device_cycle``: on a GPU, the step's cycle in device time, the time base of its rates
+    (``OperationWindow.add``); None on the host.
     ``enclosing`` and ``holds_steps``: see :mod:`torchtrace.record.goodput`'s docstring
     (operations that hold steps) and :func:`enclosing`.
     ``entered``: when torchtrace began the step (before ``start``); ``left``: when it was done
@@ -46,6 +46,7 @@ class FinishedStep:
     holds_steps: bool = False
     entered: float | None = None
     left: float | None = None
+    device_cycle: float | None = None
 
 
 class StepAccount(NamedTuple):
@@ -69,9 +70,8 @@ class Goodput:
         return self.productive_s / self.wall_s if self.wall_s > 0 else None
 
 
-
 def enclosing(kind: str, start: float, holds_steps: bool) -> tuple[float, str] | None:
-    """What :meth:`~torchtrace.record.goodput.GoodputLedger.post` takes as ``enclosing`` for a
+    """What :class:`FinishedStep` takes as ``enclosing`` for a
     step inside an operation of ``kind`` that started at ``start``: its time that no step inside
     it covers is of its kind (an evaluation pass's loading is evaluation), productive for a
     training step (a loss function decorated on its own inside it), and data wait, as without

@@ -28,10 +28,7 @@ Rules (their settings are :class:`RuleSettings`; defaults are the constants belo
 from __future__ import annotations
 
 import collections
-import functools
-import itertools
 import math
-import operator
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -128,9 +125,6 @@ class Throughput:
 # One window entry: (cycle_s, wait_s, samples, tokens, flops, host_cycle_s). The first is the
 # rates' time base: the device's cycle where one was measured (a GPU), else the host's.
 Entry = tuple[float, float, int | None, int | None, int | None, float]
-_RATED = operator.itemgetter(0)
-_AMOUNT = {"samples": operator.itemgetter(2), "tokens": operator.itemgetter(3)}  # by the drop rule's unit
-_POSITIVE = functools.partial(operator.lt, 0)  # rated > 0, in C
 
 
 class OperationWindow:
@@ -146,17 +140,12 @@ class OperationWindow:
     def __init__(self, settings: RuleSettings) -> None:
         self.settings = settings
         self.entries: collections.deque[Entry] = collections.deque(maxlen=settings.window)
-        self.seen = 0  # steps added (excluded ones not counted)
+        self.seen = 0  # steps added
         self.unit: str | None = None  # the drop rule's rate: tokens, samples or steps
         self.rates: list[float] = []  # this window's per-step rates
         self.baseline: collections.deque[float] = collections.deque(maxlen=settings.baseline_windows)
         self.low = 0  # low windows in a row
         self.waited: collections.deque[bool] = collections.deque(maxlen=settings.stall_window)
-        # The rule state of the steps after ``settled`` is pending (see add); ``due`` is the first
-        # step whose rate may fill the window, ``min_wait`` the least wait that may be a stall.
-        self.settled = 0
-        self.due = settings.warmup_steps + settings.window
-        self.min_wait = settings.stall_min_wait_s
 
     def add(self, duration: float, wait: float, samples: int | None, tokens: int | None,
             flops: int | None, rules: bool = True, device_cycle: float | None = None) -> tuple[Finding, ...]:
@@ -164,54 +153,30 @@ class OperationWindow:
 
         ``device_cycle`` (a GPU step's cycle in device time) is the time base of the rates and
         of the drop rule when given; the data wait and the stall rule stay on the host's clock.
-
-        Every step pays for this: the usual step (it did not wait, and its rate cannot fill the
-        window: ``due``; a wait under ``min_wait`` is told at once) only adds its entry. Its
-        rules' per-step part (a rate, a waited flag: False) is pending, applied in one batch (:meth:`_settle`) by the next step
-        that could report something, or by :meth:`state_dict`: the same rates and flags, the
-        same findings on the same steps as applying them one by one.
-        (:meth:`GoodputLedger.post <torchtrace.record.goodput.GoodputLedger.post>` inlines this
-        for its steady steps: keep the two alike.)
         """
-        if duration < 0.0:
-            duration = 0.0
-        if wait < 0.0:
-            wait = 0.0
+        duration, wait = max(duration, 0.0), max(wait, 0.0)
         cycle = duration + wait
         rated = device_cycle if device_cycle is not None and device_cycle > 0.0 else cycle
         self.entries.append((rated, wait, samples, tokens, flops, cycle))
-        self.seen = seen = self.seen + 1
-        if not rules:  # no rule state of its own: the pending steps' first
-            self._settle(seen - 1)
-            self._settled_at(seen)
+        self.seen += 1
+        if not rules:
             return ()
-        if seen < self.due and wait < self.min_wait:
-            return ()
-        return self.judge(seen, rated, wait, cycle, samples, tokens)
-
-    def judge(self, seen: int, rated: float, wait: float, cycle: float, samples: int | None,
-              tokens: int | None) -> tuple[Finding, ...]:
-        """The rules on step ``seen``, just added with its ``rated`` and host ``cycle``: what they
-        found (the step stays pending when it did not wait and its rate cannot fill the window)."""
         s = self.settings
-        # data_stall: whether this step waited; reported on a step that waited, once the window is full
-        waited = cycle > 0 and (wait > s.stall_share * cycle and wait >= s.stall_min_wait_s or wait > s.stall_seconds)
-        if not waited and seen < self.due:
-            return ()
-        self._settle(seen - 1)
-        found: tuple[Finding, ...] = ()
-        # throughput_drop: one rate per step after the warm-up
-        if seen > s.warmup_steps and rated > 0 and self._rate(rated, samples, tokens) and len(self.rates) >= s.window:
+        found: list[Finding] = []
+        # throughput_drop: one rate per step after the warm-up, judged a window at a time
+        if self.seen > s.warmup_steps and rated > 0 and self._rate(rated, samples, tokens) \
+                and len(self.rates) >= s.window:
             drop = self._judge_window()
             if drop is not None:
-                found = (drop,)
+                found.append(drop)
+        # data_stall: whether this step waited; reported on a step that waited, once the window is full
+        waited = cycle > 0 and (wait > s.stall_share * cycle and wait >= s.stall_min_wait_s or wait > s.stall_seconds)
         self.waited.append(waited)
         if waited and len(self.waited) >= s.stall_window:
             stall = self._stall()
             if stall is not None:
-                found = (*found, stall)
-        self._settled_at(seen)
-        return found
+                found.append(stall)
+        return tuple(found)
 
     def _rate(self, rated: float, samples: int | None, tokens: int | None) -> bool:
         """Add a step's rate to the drop rule's window (the first sets the unit); False without one."""
@@ -223,37 +188,6 @@ class OperationWindow:
             return False
         self.rates.append(amount / rated)
         return True
-
-    def _settle(self, until: int) -> None:
-        """Apply the pending rule state of the steps up to ``until`` (see :meth:`add`): none
-        waited, and each after the warm-up whose rated cycle is positive adds its rate (none
-        fills the window: ``due`` is past them). Their entries are the window's last but
-        ``seen - until``; in one batch of C calls when the unit is known and every step has one."""
-        s, settled = self.settings, self.settled
-        if until <= settled:
-            return
-        self.waited.extend(itertools.repeat(False, until - settled))
-        first = settled if settled > s.warmup_steps else s.warmup_steps  # the steps after it rate
-        if until > first:
-            stop = len(self.entries) - (self.seen - until)
-            batch = list(itertools.islice(self.entries, stop - (until - first), stop))
-            unit = self.unit
-            rated = list(map(_RATED, batch))
-            if unit is not None and all(map(_POSITIVE, rated)):
-                amounts = [1] * len(batch) if unit == "steps" else list(map(_AMOUNT[unit], batch))
-                if None not in amounts:
-                    self.rates.extend(map(operator.truediv, amounts, rated))
-                    batch = []
-            for e in batch:  # (the first rates, which set the unit; a step without a rate)
-                if e[0] > 0:
-                    self._rate(e[0], e[2], e[3])
-        self.settled = until
-
-    def _settled_at(self, seen: int) -> None:
-        """The rule state is applied up to step ``seen``: the next step that may fill the window."""
-        s = self.settings
-        self.settled = seen
-        self.due = (seen if seen > s.warmup_steps else s.warmup_steps) + s.window - len(self.rates)
 
     # ------------------------------------------------------------ windows
     def throughput(self, peak_flops: float | None = None) -> Throughput | None:
@@ -317,8 +251,6 @@ class OperationWindow:
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        self._settle(self.seen)
-        self._settled_at(self.seen)
         return {"entries": [list(e) for e in self.entries], "seen": self.seen, "unit": self.unit,
                 "rates": list(self.rates), "baseline": list(self.baseline), "waited": list(self.waited),
                 "low": self.low}
@@ -334,7 +266,6 @@ class OperationWindow:
         self.baseline = collections.deque((float(b) for b in state["baseline"]), maxlen=s.baseline_windows)
         self.low = int(state.get("low", 0))
         self.waited = collections.deque((bool(w) for w in state["waited"]), maxlen=s.stall_window)
-        self._settled_at(self.seen)
 
 
 def settings_state(settings: RuleSettings) -> dict[str, Any]:

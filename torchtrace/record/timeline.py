@@ -13,9 +13,6 @@ def own_time(last: float, start: float, entered: float, left: float | None) -> f
 
     >>> own_time(1.0, 2.0, 1.75, 1.25)  # 0.25 s after the step before, 0.25 s before this one
     0.5
-
-    (:meth:`GoodputLedger.post <torchtrace.record.goodput.GoodputLedger.post>` inlines it for
-    times in this order, ``last < left <= entered <= start``: keep the two alike.)
     """
     head = start - (entered if entered > last else last)
     tail = ((left if left < entered else entered) - last) if left is not None and left > last else 0.0

@@ -13,28 +13,33 @@ the step's end fills in.
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Hashable
 
 from torchtrace.measure.batch import same_arguments
 from torchtrace.measure.flops import LateKey, StepFlops, countable, leave_counter, shape_key
+
+if TYPE_CHECKING:
+    from torchtrace.step.state import StepThroughput
 
 MAX_KEYS = 256  # operations, and keys of each kind below, kept
 MANY = object()  # StepClock.batch once the model was called on another batch in the step
 
 
-def note_call(scope: Any, clock: Any, args: tuple, kwargs: dict) -> None:
-    """The model was called in a step whose arguments gave no batch (``clock.batch`` is not
-    MANY): keep the call's arguments, or, on another batch than the first call's (two views, an
-    evaluation loop), mark the step as having none and end its count if it is keyed by the
-    call (an activation checkpoint's recomputation passes the same tensors: one batch)."""
+def note_call(state: StepThroughput, args: tuple, kwargs: dict) -> None:
+    """The model was called in a step whose arguments gave no batch (``state.clock.batch`` is
+    not MANY): keep the call's arguments, or, on another batch than the first call's (two
+    views, an evaluation loop), mark the step as having none and end its count if it is keyed
+    by the call (an activation checkpoint's recomputation passes the same tensors: one batch)."""
+    clock = state.clock
+    assert clock is not None
     batch = clock.batch
     if batch is None:
         clock.batch = (args, kwargs)
     elif batch is not MANY and not same_arguments(batch, args, kwargs):
         clock.batch = MANY
-        counter = scope._flops_counter
-        if counter is not None and type(scope.flops_key) is LateKey and leave_counter(counter):
-            scope._flops_counter = None
+        counter = state.counter
+        if counter is not None and type(state.key) is LateKey and leave_counter(counter):
+            state.counter = None
 
 
 class CallKeys:
@@ -53,11 +58,12 @@ class CallKeys:
         return last is LateKey or (last is not None and self.flops.needs_count(last) and last not in self.missed
                                    and countable(last))
 
-    def resolve(self, scope: Any) -> None:
+    def resolve(self, name: str, state: StepThroughput) -> None:
         """At a step's end: its FLOP key is its model's call's (None when the model was not
         called, or called on several batches), which its count, if it ran under one, is
         recorded for; remembered for the operation's next step (:meth:`counts`)."""
-        forward, late, name = scope.clock.batch, scope.flops_key, scope.name
+        assert state.clock is not None
+        forward, late = state.clock.batch, state.key
         key = (name, shape_key(forward[0], forward[1])) if forward is not None and forward is not MANY else None
         if type(late) is LateKey:
             if key is not None and countable(key) and self.flops.needs_count(key):
@@ -66,16 +72,16 @@ class CallKeys:
                 self.missed.add(self.last[name])  # shapes of one step (a short last batch): not again
         if name in self.last or len(self.last) < MAX_KEYS:
             self.last[name] = key
-        scope.flops_key = key
+        state.key = key
 
-    def adopt(self, scope: Any, key: Hashable, flops: float | None, forward: tuple) -> bool:
+    def adopt(self, name: str, key: Hashable, flops: float | None, forward: tuple) -> bool:
         """The step's arguments (``key``) hold no batch and it called its model on one: the
         operation's steps with these arguments are keyed by the model's call from now on, and
         this step's FLOPs are that call's shapes'. False when no more keys are kept."""
         if len(self.opaque) >= MAX_KEYS:
             return False
         self.opaque.add(key)
-        self.last[scope.name] = call = (scope.name, shape_key(forward[0], forward[1]))
+        self.last[name] = call = (name, shape_key(forward[0], forward[1]))
         if flops is not None:
             self.flops.record(call, flops)
         return True

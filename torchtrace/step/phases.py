@@ -8,11 +8,10 @@ post-hooks (:class:`OptimizerMarks`). Both find the open step through :mod:`torc
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -21,10 +20,21 @@ from torchtrace.record import events
 from torchtrace.step.call_keys import MANY, note_call
 from torchtrace.step.cycles import DeviceCycles  # noqa: F401  (imported from here before)
 
+if TYPE_CHECKING:
+    from torchtrace.step.state import StepThroughput
+
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 # The frame that calls the seam: PyTorch's Module.__call__ (``_wrapped_call_impl``).
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
-_open_step = current.step  # (bound once: the optimizer's hooks call it every step)
+
+
+def _open_clock() -> StepClock | None:
+    """The open step's phase clock, or None (no step open, or it measures no throughput)."""
+    scope = current.step()
+    state = scope.throughput if scope is not None else None
+    return state.clock if state is not None else None
+
+
 MAX_GAPS = 32  # on a GPU, the pauses between forward calls a step keeps (two events each)
 
 
@@ -32,7 +42,7 @@ class StepClock:
     """The phase boundaries of one step: host times, or CUDA events when the model is on a GPU."""
 
     # Every step makes one: the fields start at the class's values, and __init__ sets only what
-    # differs; a clock on the host needs no __init__ at all (see host_clock).
+    # differs: a clock on the host sets nothing.
     # The (args, kwargs) of the model's call, for a step whose arguments do not give its batch;
     # MANY once called on other tensors, or from the start when the arguments give it.
     batch: Any = None
@@ -188,11 +198,6 @@ class StepClock:
         return b - a
 
 
-# A clock on the host with no batch yet: StepClock(False) without a Python call (the step
-# pipeline's fast way makes one every step).
-host_clock: Callable[[], StepClock] = functools.partial(object.__new__, StepClock)
-
-
 class ModelMarks:
     """The marks of the open step's forward phase, kept on a model.
 
@@ -257,23 +262,25 @@ class ModelMarks:
         return first is not None and first.is_cuda
 
     @staticmethod
-    def _clock() -> StepClock | None:
+    def _throughput() -> StepThroughput | None:
+        """The open step's throughput state, when it has a clock; None inside a torch.compile trace."""
         if _COMPILING is not None and _COMPILING():  # inside a torch.compile trace: stay out of the graph
             return None
         scope = current.step()
-        return scope.clock if scope is not None else None
+        state = scope.throughput if scope is not None else None
+        return state if state is not None and state.clock is not None else None
 
     def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
-        clock = self._clock()
-        if clock is not None:
-            if clock.batch is not MANY:  # (as in the seam)
-                note_call(current.step(), clock, args, kwargs)
-            clock.announce("forward_start")  # a later call's start is kept in clock.again
+        state = self._throughput()
+        if state is not None:
+            if state.clock.batch is not MANY:  # (as in the seam)
+                note_call(state, args, kwargs)
+            state.clock.announce("forward_start")  # a later call's start is kept in clock.again
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
-        clock = self._clock()
-        if clock is not None:
-            clock.announce("forward_end")
+        state = self._throughput()
+        if state is not None:
+            state.clock.announce("forward_end")
 
     remove = detach
 
@@ -322,10 +329,11 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         if module is not target and module is not None and frame(1).f_code is seam:
             return type(module)._call_impl(module, *args, **kwargs)  # a copy (a replica): its own call, no marks
         scope = open_step()
-        if scope is None or (clock := scope.clock) is None:
+        state = scope.throughput if scope is not None else None
+        if state is None or (clock := state.clock) is None:
             return impl(target, *args, **kwargs)
         if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
-            note_call(scope, clock, args, kwargs)
+            note_call(state, args, kwargs)
         if clock.forward_start is None:  # the step's first call (the usual step's only one)
             clock.forward_start = clock.mark()
             out = impl(target, *args, **kwargs)
@@ -361,14 +369,14 @@ class OptimizerMarks:
     # One call each per optimizer.step(): the open step's clock, read once.
     @staticmethod
     def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        scope = _open_step()
-        if scope is not None and (clock := scope.clock) is not None and clock.optimizer_start is None:
+        clock = _open_clock()
+        if clock is not None and clock.optimizer_start is None:
             clock.optimizer_start = clock.mark()
 
     @staticmethod
     def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        scope = _open_step()
-        if scope is not None and (clock := scope.clock) is not None and clock.optimizer_start is not None:
+        clock = _open_clock()
+        if clock is not None and clock.optimizer_start is not None:
             clock.optimizer_end = clock.mark()
 
     def remove(self) -> None:

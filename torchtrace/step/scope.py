@@ -11,7 +11,7 @@ it on to export. One scope serves ``with``, ``async with`` and the decorators.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from opentelemetry import context as otel_context, trace
@@ -27,8 +27,12 @@ from torchtrace.record.reads import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck
-from torchtrace.step.throughput import StepClock, drop_counter, learning_rates
+from torchtrace.step.state import Given, StepForensics, StepThroughput
+from torchtrace.step.throughput import drop_counter, learning_rates
 from torchtrace.step.watched import real_optimizer
+
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
 
 STEP_KINDS = checks.STEP_KINDS
 
@@ -38,17 +42,18 @@ class StepScope:
 
     Use through :func:`torchtrace.debug_context` or :func:`torchtrace.debug_operation`.
     Inside the block, :meth:`record_loss` hands over the loss and :meth:`record_batch` the
-    batch size. Probes read the public attributes (``name``, ``model``, ``optimizer``,
-    ``step``, ``features``, ``gradients``, ``replay``, ``scaler``); everything else is the
-    scope's own.
+    batch size. What the step used is public (``name``, ``model``, ``optimizer``, ``scaler``,
+    ``kind``, ``step``, ``features``, ``inputs``); so is its state, one object per concern
+    (:mod:`torchtrace.step.state`): ``given`` (what the user handed over), ``throughput``
+    (None when not measured), ``gradients`` and ``forensics``. Attributes with a leading
+    underscore are the scope's own.
     """
 
-    __slots__ = ("name", "model", "optimizer", "scaler", "replay", "replay_fn", "on_guard_raise", "kind", "step",
-                 "features", "record", "gradients", "raised", "pending_error", "suppress", "duration_s", "inputs",
-                 "batch_skip", "flops_key", "shape", "clock", "started_at", "parent", "holds_steps", "entered_at",
-                 "left_before", "scale_before", "stepped", "_flops_counter", "step_end", "_step_arg", "_level_arg",
-                 "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm", "_t0",
-                 "_start_ns", "_overhead", "_loss", "_batch", "_states", "_anomalies", "__weakref__")
+    __slots__ = ("name", "model", "optimizer", "scaler", "kind", "step", "features", "inputs", "batch_skip",
+                 "on_guard_raise", "record", "duration_s", "given", "throughput", "gradients", "forensics", "raised",
+                 "pending_error", "suppress", "_step_arg", "_level_arg", "_mode_arg", "_attributes", "_rt", "_active",
+                 "_span", "_token", "_ctx_token", "_anomaly_cm", "_t0", "_start_ns", "_overhead", "_states",
+                 "_anomalies", "__weakref__")
 
     def __init__(self, name: str = "step", *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
@@ -60,8 +65,7 @@ class StepScope:
         self.model = model
         self.optimizer = real_optimizer(optimizer)  # the torch optimizer behind accelerate's wrapper
         self.scaler = scaler
-        self.replay = replay
-        self.replay_fn: Callable[..., Any] | None = None  # the decorated function: replayed with ``inputs``
+        self.forensics = StepForensics(replay)
         self.on_guard_raise: Callable[[BaseException], Any] | None = None  # a framework callback ends its span
         self.kind = kind
         self._step_arg = step
@@ -73,19 +77,14 @@ class StepScope:
         self.step: int | None = None
         self.features: Features | None = None
         self.gradients: GradientCheck | None = None
+        self.given = Given()
+        self.throughput: StepThroughput | None = None
         self.raised: NonFiniteError | None = None  # the guard's error, raised from the optimizer hook
         self.pending_error: NonFiniteError | None = None  # decided on the host record, raised at the step's end
         self.suppress = False  # an exception the guard absorbs (out of memory under "skip")
         self.duration_s = 0.0  # the step's wall time, once it has ended
         self.inputs = inputs  # (args, kwargs) of the step: its batch and input shapes
         self.batch_skip = 0  # leading positional inputs that are not the batch (a method's instance)
-        self.flops_key: Any = None  # the FLOP table's key: the operation and its inputs' shapes
-        self.shape: Any = None  # (FLOPs, batch size) known for that key, or None
-        self.clock: StepClock | None = None  # phase boundaries (forward, backward, optimizer)
-        self.started_at = 0.0  # perf_counter() when the step's body started
-        self.entered_at = self.left_before = None  # when torchtrace began it, and left the step before
-        self.scale_before: Any = None  # the GradScaler's scale at the start (throughput: skipped updates)
-        self.stepped: list[Any] | None = None  # other optimizers and schedulers that stepped (step.updaters)
 
     # ------------------------------------------------------------ user API
     def record_loss(self, loss: Any) -> None:
@@ -102,7 +101,7 @@ class StepScope:
                                "torchtrace: step %s of %s: the loss was not recorded: %s", self.step, self.name,
                                value.problem)
             return
-        self._loss = value
+        self.given.loss = value
 
     def record_batch(self, samples: int | Any | None = None, tokens: int | Any | None = None,
                      flops: float | None = None) -> None:
@@ -113,7 +112,7 @@ class StepScope:
         A value that is not valid is left out, with a warning that names it (once per message).
         """
         if self._active:
-            self._batch, problem = checked_overrides(samples, tokens, flops, self._batch)
+            self.given.batch, problem = checked_overrides(samples, tokens, flops, self.given.batch)
             if problem is not None:
                 self._rt.warn_once(("batch", problem), "torchtrace: %s: record_batch: %s", self.name, problem)
 
@@ -143,7 +142,7 @@ class StepScope:
 
     @property
     def has_loss(self) -> bool:
-        return self._active and self._loss is not None
+        return self._active and self.given.loss is not None
 
     def add_overhead(self, seconds: float) -> None:
         """Time spent inside torchtrace during the step (hooks), for ``torchtrace_overhead_seconds_total``."""
@@ -197,7 +196,7 @@ class StepScope:
             self._abandon()  # a half-begun step leaves no span, context or hook behind for the next
         return self
 
-    def _begin(self, rt: Any, level: DebugLevel, t0: float) -> None:
+    def _begin(self, rt: Runtime, level: DebugLevel, t0: float) -> None:
         self._span = self._token = self._ctx_token = None
         self._rt = rt
         mode = self._mode_arg or rt.mode
@@ -209,8 +208,10 @@ class StepScope:
         if current.orphan_check is not None and current.step() is not None:
             current.orphan_check()  # a framework's step its loop left by an exception ends first
         parent = current.step()  # the operation this step runs inside, if any
-        self._loss = self._batch = self._states = self._anomalies = self._anomaly_cm = None
-        self._flops_counter = self.step_end = self.clock = self.stepped = None
+        self._states = self._anomalies = self._anomaly_cm = None
+        self.given.take()
+        self.throughput = None
+        self.forensics.stepped = None
         self._overhead = 0.0
         self.gradients = None
         self.raised = None
@@ -227,22 +228,24 @@ class StepScope:
         if feats.anomaly_mode:
             self._anomaly_cm = torch.autograd.set_detect_anomaly(True, check_nan=True)  # no warning to raise
             self._anomaly_cm.__enter__()
-        if feats.throughput:  # (entered, and when torchtrace left the step before: its own time between)
-            self.entered_at, self.left_before = t0, rt.throughput.left_at
-            rt.throughput.start(self, parent)  # (sets flops_key, clock and _flops_counter)
+        if feats.throughput:
+            self.throughput = rt.throughput.start(self, parent, t0)
         self._active = True
         self._states = rt.probes.enter(self)
         t1 = time.perf_counter()
         self._overhead += t1 - t0
-        self._t0 = self.started_at = t1
+        self._t0 = t1
+        if self.throughput is not None:
+            self.throughput.started_at = t1
 
     # ------------------------------------------------------------ exit
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self._active:
             return False
-        clock = self.clock
+        state = self.throughput
+        clock = state.clock if state is not None else None
         if clock is not None and clock.optimizer_end is None and clock.forward_end is not None and clock.graph:
-            self.step_end = clock.mark()  # where the backward ends when no optimizer mark ends it
+            state.step_end = clock.mark()  # where the backward ends when no optimizer mark ends it
         t0 = time.perf_counter()
         self.duration_s = duration = t0 - self._t0
         end_ns = time.time_ns()
@@ -264,7 +267,8 @@ class StepScope:
 
     def _abandon(self) -> None:
         """After an internal error in ``_begin`` or ``_finish``: restore every global, end the span."""
-        for undo in (lambda: self._flops_counter is not None and drop_counter(self._flops_counter),
+        state = self.throughput
+        for undo in (lambda: state is not None and state.counter is not None and drop_counter(state.counter),
                      lambda: self._anomaly_cm is not None and self._anomaly_cm.__exit__(None, None, None),
                      lambda: self.gradients is not None and self.gradients.unhook(),
                      lambda: self._ctx_token is not None and current.leave_step(self._ctx_token),
@@ -274,7 +278,9 @@ class StepScope:
                 undo()
             except Exception:
                 pass
-        self._anomaly_cm = self._ctx_token = self._token = self._flops_counter = None
+        self._anomaly_cm = self._ctx_token = self._token = None
+        if state is not None:
+            state.counter = None
 
     def _restore(self) -> None:
         if self._anomaly_cm is not None:
@@ -285,23 +291,25 @@ class StepScope:
         current.leave_step(self._ctx_token)
         self._ctx_token = None
 
-    def _finish(self, rt: Any, exc: BaseException | None, duration: float, end_ns: int, t0: float) -> None:
+    def _finish(self, rt: Runtime, exc: BaseException | None, duration: float, end_ns: int, t0: float) -> None:
         self._restore()
         plan = ReadPlan()
-        throughput = None
-        if self.features.throughput:
+        figures = None
+        state = self.throughput
+        if state is not None:
             try:
-                given = self._batch and plan_given(self._batch, plan)  # (record_batch's device counts ride in the read)
-                throughput = rt.throughput.finish_step(self, self._flops_counter, exc, given, plan)
+                # record_batch's device counts ride in the step's one read.
+                given = self.given.batch and plan_given(self.given.batch, plan)
+                figures = rt.throughput.finish_step(self, state, exc, given, plan)
             except Exception as terr:  # costs the step its throughput figures, never its record
                 rt.errors.report("step", terr)
-                if self._flops_counter is not None:  # (a second exit of a closed one does nothing)
+                if state.counter is not None:  # (a second exit of a closed one does nothing)
                     try:
-                        drop_counter(self._flops_counter)
+                        drop_counter(state.counter)
                     except Exception:  # the error above is reported already
                         pass
-        self._flops_counter = None
-        loss = self._loss
+            state.counter = None
+        loss = self.given.loss
         if loss is not None and loss.tensor is not None:
             plan.add("loss", loss.tensor)
         grads = self._plan_gradients(rt, plan)
@@ -330,8 +338,8 @@ class StepScope:
             record.anomalies.extend(Anomaly(k, d, record.step, record.operation, x) for k, d, x in self._anomalies)
         if loss is not None and loss.number is not None:
             record.loss = loss.number
-        if throughput is not None:
-            record.samples, record.tokens, record.flops, record.flops_counted, record.lr = throughput
+        if figures is not None:
+            record.samples, record.tokens, record.flops, record.flops_counted, record.lr = figures
         ctx = self._span.get_span_context()
         if ctx.trace_flags.sampled:  # an unsampled span is exported nowhere: no exemplar or report link to it
             record.trace_id, record.span_id = format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
@@ -340,7 +348,7 @@ class StepScope:
         record.overhead_s = self._overhead
         rt.submit(self, record, plan, pending, self._span, exc)
 
-    def _plan_gradients(self, rt: Any, plan: ReadPlan) -> GradientCheck | None:
+    def _plan_gradients(self, rt: Runtime, plan: ReadPlan) -> GradientCheck | None:
         """Measure the gradients if no hook did, and add their norms to the step's one read."""
         grads = self.gradients
         if grads is None and self.model is not None and self.features.grad_stats:
@@ -368,24 +376,23 @@ class StepScope:
 
     def replayer(self) -> Callable[[], Any] | None:
         """What replays the step: ``replay=``, or the decorated function with its arguments."""
-        if self.replay is not None:
-            return self.replay
-        if self.replay_fn is not None and self.inputs is not None:
-            fn, (args, kwargs) = self.replay_fn, self.inputs
+        forensics = self.forensics
+        if forensics.replay is not None:
+            return forensics.replay
+        if forensics.function is not None and self.inputs is not None:
+            fn, (args, kwargs) = forensics.function, self.inputs
             return lambda: fn(*args, **kwargs)
         return None
 
     def release(self) -> None:
         """After the record is finished: drop every reference to tensors and callables."""
         self.inputs = None
-        self.clock = None
-        self.step_end = None
+        if self.throughput is not None:
+            self.throughput.clock = self.throughput.step_end = None
         self._states = None
-        self._loss = None
-        self._batch = None
+        self.given.take()
         self.gradients = None
-        self.replay = None
-        self.replay_fn = None
+        self.forensics = StepForensics(None)
 
     # ------------------------------------------------------------ async
     async def __aenter__(self) -> "StepScope":

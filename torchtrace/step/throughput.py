@@ -14,43 +14,62 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple
 
 import torch
 
 from torchtrace.forensics.replay import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
-from torchtrace.measure.flops import LateKey, StepFlops, drop_counter, shape_key
+from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, release_counter, shape_key
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
-from torchtrace.measure.shape_keys import loose_shape_key, truncated
 from torchtrace.measure.scaler import scale_at_start, skipped_update
-from torchtrace.record.goodput import MAX_PEAKS, TRAIN, GoodputLedger, enclosing
+from torchtrace.measure.shape_keys import loose_shape_key, truncated
+from torchtrace.record.goodput import MAX_PEAKS, TRAIN, FinishedStep, GoodputLedger, enclosing
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.call_keys import MANY, CallKeys
 from torchtrace.step.cycles import DeviceCycles
-from torchtrace.step.flop_counting import FlopCounting
-from torchtrace.step.nesting import below_containers, hold_steps
-from torchtrace.step.phases import ModelMarks, OptimizerMarks, StepClock, host_clock, none_ref
+from torchtrace.step.phases import ModelMarks, OptimizerMarks, StepClock, none_ref
+from torchtrace.step.state import StepThroughput
 from torchtrace.step.trainable import TrainedParameters
 from torchtrace.step.watched import hookable
 
+if TYPE_CHECKING:
+    from contextlib import ExitStack
+
+    from torchtrace.record.reads import ReadPlan
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
+
 MAX_SHAPES = 256  # input-shape keys whose FLOPs and batch size are kept
+MAX_CONTAINERS = 256  # operation names remembered as holding training steps
 _NOT_READ = object()  # a step's learning rates before they were read
-_NO_FAST = (None, none_ref, none_ref, None, none_ref)  # RunThroughput._fast when no step may take the short way
 
 
-class RunThroughput(FlopCounting):
-    """The runtime's side: FLOPs per input shape, phase hooks, peak FLOP/s and the goodput ledger."""
+class StepFigures(NamedTuple):
+    """A step's throughput figures for its record: None where a device read fills them in
+    (a mask's token count, learning rates on a device). ``counted``: the step ran under the
+    FLOP counter (its time is not throughput)."""
 
-    def __init__(self, rt: Any) -> None:
+    samples: int | None
+    tokens: int | None
+    flops: float | None
+    counted: bool
+    lr: list[float] | None
+
+
+class RunThroughput:
+    """The runtime's side: FLOPs per input shape, phase marks, peak FLOP/s and the goodput ledger."""
+
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.flops = StepFlops()
         self.ledger = GoodputLedger(configured_at=time.perf_counter(), peak_flops=rt.settings.peak_flops)
         if not rt.features.throughput:  # configured at level off or with throughput=False: not measuring
             self.ledger.pause(self.ledger.configured_at)
-        self._models: "weakref.WeakKeyDictionary[Any, ModelMarks]" = weakref.WeakKeyDictionary()
-        self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerMarks]" = weakref.WeakKeyDictionary()
+        self._models: weakref.WeakKeyDictionary[torch.nn.Module, ModelMarks] = weakref.WeakKeyDictionary()
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerMarks] = \
+            weakref.WeakKeyDictionary()
         self._peaks: dict[str, float | None] = {}  # peak FLOP/s by device and dtype
         self._peaked: set[str] = set()  # operations whose peak was looked up
         self._cycles = DeviceCycles()  # on a GPU, the rates' time base
@@ -59,73 +78,29 @@ class RunThroughput(FlopCounting):
         # and batch size of each key whose FLOPs are final (see _shape_of).
         self._batches: dict[Hashable, BatchSize] = {}
         self._shapes: dict[Hashable, tuple[float | None, BatchSize]] = {}
-        self.trained = TrainedParameters(self.flops, rt.warn_once, self._shapes.clear)  # FLOPs recounted on a change
-        self._counted_with = self.trained.counted_with  # (the same dict: looked up every step)
+        # FLOPs are recounted when the trained parameters change.
+        self.trained = TrainedParameters(self.flops, rt.warn_once, self._shapes.clear)
         self._no_scaler: set[str] = set()  # operations whose arguments hold no GradScaler
-        self._last: tuple[Any, Any, ModelMarks] | None = None  # (model ref, optimizer ref, hooks) of the last step
-        # What lets start() take the short way: (operation, model ref, optimizer ref, the marks'
-        # call-through, the model's first parameter's ref) of the step before, when it was an
-        # outermost step without a GradScaler (none in its arguments) and the marks sit in the seam.
-        self._fast: tuple[Any, ...] = _NO_FAST
         self.calls = CallKeys(self.flops)  # steps keyed by their model's call (no batch in their arguments)
-        self._opaque = self.calls.opaque  # (the same set: looked up every step)
         self._given: set[str] = set()  # operations whose steps gave their FLOPs (record_batch, a framework)
         self._containers: set[str] = set()  # operations that held training steps (an epoch)
-        self._counting: Any = none_ref  # the step whose FLOP counter was last opened (while open), weakly
+        # The step whose FLOP counter was last opened (while open), weakly: a scope holds the user's model.
+        self._counting: Callable[[], StepScope | None] = none_ref
         self.left_at: float | None = None  # when the last step's bookkeeping ended (perf_counter)
 
     # ------------------------------------------------------------ step start and end
-    def start(self, scope: Any, parent: Any) -> None:
-        """At a step's start (``parent``: the step it runs inside, or None): the scope's FLOP key,
-        phase clock and FLOP counter (``flops_key``, ``clock``, ``_flops_counter``; the counter
-        is None unless this step counts, as the scope's fields were); a failure here costs the
-        step its throughput figures, never its record. The FLOP key: the operation and its
-        inputs' shapes past ``batch_skip`` (a method's instance), less the arguments the FLOP
-        table learnt do not decide FLOPs (a growing list). Every step pays for this: a step like
-        the one before (an outermost step of the same operation, model and optimizer, no
-        GradScaler, the marks still in the model's seam) takes the shortest way, :meth:`_start`
-        every other."""
-        scope.parent = parent
-        scope.holds_steps = False
-        inputs = scope.inputs
-        name = scope.name
-        fast_name, model_ref, optimizer_ref, call, first_ref = self._fast
-        if parent is not None or inputs is None or fast_name is not name or scope.scaler is not None:
-            scope.flops_key, scope.clock, scope._flops_counter = self._start(scope, parent)
-            return
-        try:
-            model = scope.model
-            # (The references are weak: a dead one says None, which no model is.)
-            if model is None or model_ref() is not model or optimizer_ref() is not scope.optimizer \
-                    or model.__dict__.get("_compiled_call_impl") is not call:
-                scope.flops_key, scope.clock, scope._flops_counter = self._start(scope, parent)
-                return
-            skip, loose = scope.batch_skip, self.flops.loose
-            args = inputs[0][skip:] if skip else inputs[0]
-            key = (name, loose_shape_key(args, inputs[1], loose[name]) if loose and name in loose
-                   else shape_key(args, inputs[1]))
-            if self._opaque and key in self._opaque:
-                # Arguments that hold no batch (an iterator): keyed by the model's call.
-                key = scope.flops_key = scope.shape = shape = None
-            else:
-                scope.flops_key = key
-                scope.shape = shape = self._shapes.get(key)
-            first = first_ref()
-            scope.clock = clock = host_clock() if first is None or not first.is_cuda else StepClock(True)
-            if shape is not None:
-                clock.batch = MANY  # (the seam keeps the batch of the model's call unless the arguments gave one)
-                return  # its FLOPs are known: nothing to count
-            if key is None and self.calls.counts(name) and name not in self._given:
-                key = scope.flops_key = LateKey()  # no batch in its arguments, a model: its call's key
-            scope._flops_counter = self._counter(scope, key, True)
-        except Exception as exc:
-            self.rt.errors.report("step", exc)
-            scope.flops_key = scope.clock = scope._flops_counter = None
+    def start(self, scope: StepScope, parent: StepScope | None, entered_at: float) -> StepThroughput:
+        """At a step's start: its throughput state (:class:`~torchtrace.step.state.StepThroughput`).
 
-    def _start(self, scope: Any, parent: Any) -> tuple[Hashable | None, StepClock | None, Any]:
-        """:meth:`start`, every way (a nested step, a scaler, another model or operation than
-        the step before's, marks to put back); it notes a step :meth:`start` may take the short
-        way for next."""
+        ``parent`` is the step this one runs inside (or None); ``entered_at``, when torchtrace
+        began it. The state holds the step's FLOP key (the operation and its inputs' shapes past
+        ``batch_skip``, a method's instance, less the arguments the FLOP table learnt do not
+        decide FLOPs), the FLOPs and batch size known for that key, the phase clock (the marks
+        put on the model and optimizer where they are not) and, on a step whose shapes were not
+        counted yet, the open FLOP counter. A failure here costs the step its throughput
+        figures, never its record.
+        """
+        state = StepThroughput(parent, entered_at, self.left_at)
         outermost = parent is None
         if parent is not None:
             if scope.optimizer is not None and scope.kind == TRAIN:
@@ -133,82 +108,74 @@ class RunThroughput(FlopCounting):
             else:  # inside operations that hold training steps (an epoch): counted as without them
                 outermost = below_containers(parent, self._containers)
         try:
-            inputs = scope.inputs
-            name = scope.name
-            if inputs is None:
-                key = None
-            else:
-                skip, loose = scope.batch_skip, self.flops.loose
-                args = inputs[0][skip:] if skip else inputs[0]
-                key = (name, loose_shape_key(args, inputs[1], loose[name]) if loose and name in loose
-                       else shape_key(args, inputs[1]))
-                if self._opaque and key in self._opaque:
-                    key = None  # arguments that hold no batch (an iterator): keyed by the model's call
-            scope.flops_key = key
-            scope.shape = shape = self._shapes.get(key) if key is not None else None
+            name, inputs = scope.name, scope.inputs
+            key = self._input_key(scope) if inputs is not None else None
+            shape = self._shapes.get(key) if key is not None else None
+            state.key, state.shape = key, shape
             if scope.scaler is None and inputs is not None and name not in self._no_scaler:
-                self._find_scaler(scope, inputs)
+                scope.scaler = self._find_scaler(name, inputs)
             if scope.scaler is not None:
-                scope.scale_before = scale_at_start(scope.scaler)
-            model = scope.model
-            clock = None
-            self._fast = _NO_FAST
-            if model is not None:
-                last = self._last
-                cuda = last[2].state(model) if last is not None and last[0]() is model \
-                    and last[1]() is scope.optimizer else None
-                if cuda is None:  # not the model and optimizer of the step before, or its marks were displaced
-                    last = self._hooks_for(model, scope.optimizer)
-                    cuda = last[2].state(model)
-                hooks = last[2]
-                if outermost and hooks.seam and scope.scaler is None and name in self._no_scaler \
-                        and last[0] is not none_ref:
-                    self._fast = (name, last[0], last[1], hooks.call, hooks.first)  # (see __init__)
-                # (The seam keeps the batch of the model's call unless the arguments gave one.)
-                clock = StepClock(cuda, MANY if shape is not None else None)
+                state.scale_before = scale_at_start(scope.scaler)
+            if scope.model is not None:
+                # The seam keeps the batch of the model's call unless the arguments gave one.
+                state.clock = StepClock(self._marks_on(scope.model, scope.optimizer),
+                                        MANY if shape is not None else None)
             if shape is not None and outermost:
-                return key, clock, None  # its FLOPs are known: nothing to count
-            if key is None and clock is not None and self.calls.counts(scope.name) and name not in self._given:
-                key = scope.flops_key = LateKey()  # no batch in its arguments, a model: its call's key
-            return key, clock, self._counter(scope, key, outermost)
+                return state  # its FLOPs are known: nothing to count
+            if key is None and state.clock is not None and self.calls.counts(name) and name not in self._given:
+                key = state.key = LateKey()  # no batch in its arguments, a model: its call's key
+            state.counter = self._counter(scope, key, outermost)
         except Exception as exc:
-            self._fast = _NO_FAST
             self.rt.errors.report("step", exc)
-            return None, None, None
+            state.key = state.shape = state.clock = state.counter = None
+        return state
 
-    def _find_scaler(self, scope: Any, inputs: tuple) -> None:
-        """A GradScaler passed to the step function; an operation whose first step had none is
-        not searched again."""
+    def _input_key(self, scope: StepScope) -> Hashable | None:
+        """The FLOP key of the step's inputs; None for arguments that hold no batch (an iterator),
+        which are keyed by the model's call."""
+        assert scope.inputs is not None
+        args, kwargs = scope.inputs
+        if scope.batch_skip:
+            args = args[scope.batch_skip:]
+        name, loose = scope.name, self.flops.loose
+        key = (name, loose_shape_key(args, kwargs, loose[name]) if name in loose else shape_key(args, kwargs))
+        return None if key in self.calls.opaque else key
+
+    def _find_scaler(self, name: str, inputs: tuple[tuple, dict]) -> Any:
+        """A GradScaler passed to the step function, or None; an operation whose first step had
+        none is not searched again."""
         scalers = find_side_effect_owners(*inputs)[1]
-        scope.scaler = scalers[0] if scalers else None
-        if scope.scaler is None and len(self._no_scaler) < 1024:
-            self._no_scaler.add(scope.name)
+        if scalers:
+            return scalers[0]
+        if len(self._no_scaler) < 1024:
+            self._no_scaler.add(name)
+        return None
 
-    def _hooks_for(self, model: Any, optimizer: Any) -> tuple[Any, Any, ModelMarks]:
-        hooks = self._models.get(model)
-        if hooks is None:
-            hooks = self._models[model] = ModelMarks(model)
-        elif hooks.state(model) is None:
-            hooks.detach()  # a seam the user compiled over: put the marks around their compiled call
-            hooks.attach(model)
+    def _marks_on(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Put the phase marks on the model and its optimizer where they are not (a new model,
+        marks a ``model.compile()`` displaced: they go around the compiled call); whether the
+        model is on a GPU (its clock then records CUDA events)."""
+        marks = self._models.get(model)
+        if marks is None:
+            marks = self._models[model] = ModelMarks(model)
+        elif marks.state(model) is None:
+            marks.detach()
+            marks.attach(model)
         if optimizer is not None and optimizer not in self._optimizers and hookable(optimizer):
             self._optimizers[optimizer] = OptimizerMarks(optimizer)
-        try:  # weak references only: a model the user drops is not kept alive here
-            last = (weakref.ref(model), weakref.ref(optimizer) if optimizer is not None else none_ref, hooks)
-        except TypeError:  # an object without weak references: looked up every step
-            return none_ref, none_ref, hooks
-        self._last = last
-        return last
+        return bool(marks.state(model))
 
-    def finish_step(self, scope: Any, counter: Any, exc: BaseException | None, given: tuple | None,
-                    plan: Any) -> tuple[int | None, int | None, float | None, bool, list[float] | None]:
-        """At a step's end: ``(samples, tokens, flops, counted, learning rates)`` for its record.
+    def finish_step(self, scope: StepScope, state: StepThroughput, exc: BaseException | None,
+                    given: tuple | None, plan: ReadPlan) -> StepFigures:
+        """At a step's end: the throughput figures of its record.
 
         Closes the step's FLOP counter (``counted``: the step ran under it, so its time is not
         throughput) and adds to the step's one read what only the device knows (a mask's token
         count, whether a GradScaler skipped the update). ``given`` is what ``record_batch``
-        said: it wins over what was inferred or counted."""
-        shape = scope.shape
+        said: it wins over what was inferred or counted. The usual step (its input shapes'
+        FLOPs and batch known and final, no count, nothing given, no GradScaler, learning rates
+        on the host) returns after the first lines."""
+        shape, counter = state.shape, state.counter
         grads = scope.gradients
         if shape is not None and counter is None and given is None and scope.scaler is None:
             # The usual step: its input shapes' FLOPs and batch are known and final (host values).
@@ -216,20 +183,20 @@ class RunThroughput(FlopCounting):
             if lr is None:
                 lr = learning_rates(scope.optimizer)
             if lr.__class__ is list or lr is None:  # (else a DeviceRates: read with the step)
-                return shape[1].samples, shape[1].tokens, shape[0], False, lr
+                return StepFigures(shape[1].samples, shape[1].tokens, shape[0], False, lr)
         else:
             lr = _NOT_READ
         counted = False
-        by_call = shape is None and scope.clock is not None and (scope.flops_key is None
-                                                                 or type(scope.flops_key) is LateKey)
+        by_call = shape is None and state.clock is not None and (state.key is None or type(state.key) is LateKey)
         if by_call:
-            self.calls.resolve(scope)
+            self.calls.resolve(scope.name, state)
         if counter is not None:
+            state.counter = None
             ended = self.flops.fits.ended
             counted = self._close_counter(scope, counter, exc)
             if self.flops.fits.ended != ended:  # a count disagreed with a fit: forget what it gave
                 self._shapes.clear()
-        flops, batch = shape if shape is not None else self._shape_of(scope, by_call)
+        flops, batch = shape if shape is not None else self._shape_of(scope, state, by_call)
         if given is not None:
             batch = (batch or NOTHING).with_overrides(samples=given[0], tokens=given[1])
         samples = tokens = None
@@ -245,7 +212,7 @@ class RunThroughput(FlopCounting):
                 samples = None  # filled from the read
         if scope.scaler is not None:
             try:
-                skipped = skipped_update(scope.scaler, scope.optimizer, scope.scale_before)
+                skipped = skipped_update(scope.scaler, scope.optimizer, state.scale_before)
                 if skipped is not None:
                     plan.add("scaler_skipped", skipped)
             except Exception as err:
@@ -259,14 +226,15 @@ class RunThroughput(FlopCounting):
         if lr is not None and type(lr) is not list:  # some rates are on a device: read with the step
             plan_rates(lr, plan)
             lr = None  # filled from the read
-        return samples, tokens, flops, counted, lr
+        return StepFigures(samples, tokens, flops, counted, lr)
 
-    def _shape_of(self, scope: Any, by_call: bool) -> tuple[float | None, BatchSize | None]:
+    def _shape_of(self, scope: StepScope, state: StepThroughput,
+                  by_call: bool) -> tuple[float | None, BatchSize | None]:
         """``(FLOPs, batch size)`` of a step's input shapes: looked up after a count, inferred
         from the inputs. Kept for the shapes' later steps once final: the FLOPs are counted (or
         never will be) and the batch size is not a device count (a mask's). ``by_call``: the
         step is keyed by its model's call (:mod:`torchtrace.step.call_keys`), whose batch is its batch."""
-        key, clock, forward = scope.flops_key, scope.clock, None
+        key, clock, forward = state.key, state.clock, None
         if clock is not None:
             forward, clock.batch = clock.batch, None  # its tensors are not kept past this
             forward = None if forward is MANY else forward
@@ -283,7 +251,7 @@ class RunThroughput(FlopCounting):
             batch = batch_of(scope.inputs, scope.batch_skip)
             if batch.samples is None and batch.tokens is None and forward is not None:
                 called = batch_of(forward)
-                if called.samples is not None and self.calls.adopt(scope, key, flops, forward):
+                if called.samples is not None and self.calls.adopt(scope.name, key, flops, forward):
                     return flops, called
             if not batch.pending and len(self._batches) < MAX_SHAPES and not truncated(key):
                 self._batches[key] = batch
@@ -297,15 +265,17 @@ class RunThroughput(FlopCounting):
         return flops, batch
 
     # ------------------------------------------------------------ finished records
-    def account(self, scope: Any, record: StepRecord) -> None:
+    def account(self, scope: StepScope, record: StepRecord) -> None:
         """The record's phases, and its booking in the goodput ledger: its data wait, and the
         throughput rules' anomalies. (MFU, goodput and badput are read from the ledger when
         metrics are scraped.)"""
-        clock = scope.clock
+        state = scope.throughput
+        assert state is not None
+        clock = state.clock
         operation = record.operation
         # On the host there is no device cycle (DeviceCycles.cycle would say None): no call.
         if clock is not None:
-            record.phases = clock.phases(scope.step_end)  # on CUDA once its events completed
+            record.phases = clock.phases(state.step_end)  # on CUDA once its events completed
             device_cycle = self._cycles.cycle(operation, clock) if clock.cuda or self._cycles.last is not None else None
         else:
             device_cycle = self._cycles.cycle(operation, None) if self._cycles.last is not None else None
@@ -316,27 +286,30 @@ class RunThroughput(FlopCounting):
                 # FLOPs counted with another number of parameter tensors with gradients.
                 grads = scope.gradients
                 stats = grads.stats if grads is not None else None
-                if stats is not None and (record.flops_counted or self._counted_with.get(operation) not in (
+                if stats is not None and (record.flops_counted or self.trained.counted_with.get(operation) not in (
                         None, len(stats.names))) and self.trained.changed(operation, grads, record.flops_counted):
                     flops = record.flops = None  # counted with other parameters trained
             if flops is not None and operation not in self._peaked:
                 self._look_up_peak(scope, operation)
-        start, parent = scope.started_at, scope.parent
-        record.data_wait_s, findings = self.ledger.post(
+        parent = state.parent.throughput if state.parent is not None else None
+        start = state.started_at
+        account = self.ledger.add_step(FinishedStep(
             start, start + record.duration_s,
-            not (record.skipped or record.scaler_overflow) and record.exception_type is None,  # update applied
-            record.flops_counted, record.samples, record.tokens, int(flops) if flops is not None else None,
-            record.kind, operation, device_cycle,
-            enclosing(parent.kind, parent.started_at, getattr(parent, "holds_steps", False)) if parent else None,
-            scope.holds_steps, scope.entered_at, scope.left_before)
-        for finding in findings:
+            applied=not (record.skipped or record.scaler_overflow) and record.exception_type is None,
+            excluded=record.flops_counted, samples=record.samples, tokens=record.tokens,
+            flops=int(flops) if flops is not None else None, kind=record.kind, operation=operation,
+            enclosing=enclosing(state.parent.kind, parent.started_at, parent.holds_steps) if parent else None,
+            holds_steps=state.holds_steps, entered=state.entered_at, left=state.left_before,
+            device_cycle=device_cycle))
+        record.data_wait_s = account.data_wait_s
+        for finding in account.findings:
             record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation, dict(finding.data)))
 
     def book(self, start: float, end: float, kind: str, operation: str) -> None:
         """Time between steps that a framework spent on an operation of ``kind`` (its evaluation
         loop, a checkpoint save) and the step pipeline saw no step of: badput of that kind
         instead of data wait (perf_counter seconds; an operation named for the record)."""
-        self.ledger.post(start, end, True, True, None, None, None, kind, operation)
+        self.ledger.add_step(FinishedStep(start, end, excluded=True, kind=kind, operation=operation))
 
     def scrape(self) -> tuple[float | None, dict[str, float], dict[str, float | None]]:
         """For ``/metrics``: the goodput ratio now, badput seconds by kind (final counts: they
@@ -348,7 +321,7 @@ class RunThroughput(FlopCounting):
                 mfu[name] = tp.mfu
         return self.ledger.snapshot(time.perf_counter(), self.left_at).ratio, self.ledger.closed().badput, mfu
 
-    def _look_up_peak(self, scope: Any, operation: str) -> None:
+    def _look_up_peak(self, scope: StepScope, operation: str) -> None:
         """The operation's peak, once: at its first step with FLOPs and a model (whose device
         and dtype say which peak)."""
         if scope.model is None and self.ledger.peak_flops is None:
@@ -358,10 +331,11 @@ class RunThroughput(FlopCounting):
             if self.ledger.peak_flops is None:
                 self.ledger.set_peak(operation, self._peak(scope))
 
-    def _peak(self, scope: Any) -> float | None:
+    def _peak(self, scope: StepScope) -> float | None:
         # The dtype the counted step's FLOPs ran in; without a count (FLOPs the user or a
         # framework gave), the framework's mixed precision, then peaks.model_peak's.
-        dtype = self.flops.compute_dtype(scope.flops_key) if scope.flops_key is not None else None
+        key = scope.throughput.key if scope.throughput is not None else None
+        dtype = self.flops.compute_dtype(key) if key is not None else None
         return peaks.model_peak(scope.model, dtype if dtype is not None else self.framework_dtype, self._peaks)
 
     def section(self) -> dict[str, Any]:
@@ -387,11 +361,116 @@ class RunThroughput(FlopCounting):
             hooks.detach()
 
     def close(self) -> None:
-        self._last, self._fast = None, _NO_FAST
         for hooks in list(self._models.values()) + list(self._optimizers.values()):
             hooks.remove()
         self._models.clear()
         self._optimizers.clear()
 
 
-__all__ = ["RunThroughput", "StepClock", "drop_counter", "learning_rates"]
+    # ------------------------------------------------------------ the FLOP counter (a few steps of a run)
+    def _counter(self, scope: StepScope, key: Hashable | None, outermost: bool) -> ExitStack | None:
+        """The FLOP counter of a step whose inputs' shapes were not counted yet, if it counts."""
+        if not outermost and scope.optimizer is not None:
+            # A training step inside another operation (an epoch): that one is a container.
+            outermost = self._release_container()
+        if scope.name in self._given:
+            return None
+        if type(key) is LateKey:
+            if not outermost:
+                return None
+        elif not (outermost and key is not None and self.flops.needs_count(key)) or self._skipped(key):
+            return None
+        counter = self.flops.begin(key)  # (None while a profiler records: a later step counts)
+        if counter is not None:
+            self._counting = weakref.ref(scope)  # weak: a scope holds the user's model
+        return counter
+
+    def _release_container(self) -> bool:
+        """A step with an optimizer began inside another operation: that operation holds steps
+        (an epoch), so its FLOPs are not counted, and the FLOP counter it holds open, if any, is
+        dropped now (counting a whole epoch slowed it down several times, and its steps were
+        never counted; one below a mode of the user's runs on and records nothing). True when
+        the step may count its own FLOPs."""
+        owner = self._counting()
+        state = owner.throughput if owner is not None else None
+        if owner is None or state is None or state.counter is None:
+            return True
+        if not owner.active:
+            return False
+        if release_counter(state.counter):  # (else below a mode of the user's: it records nothing)
+            state.counter = None
+        if type(state.key) is LateKey:
+            self.calls.dropped(owner.name)
+        else:
+            self.flops.skip(state.key)
+        self._counting = none_ref
+        return True
+
+    def _skipped(self, key: Hashable) -> bool:
+        """True (and the key is never counted) when the counter cannot run on the step's inputs."""
+        if countable(key):
+            return False
+        self.flops.skip(key)
+        return True
+
+    def _close_counter(self, scope: StepScope, counter: ExitStack, exc: BaseException | None) -> bool:
+        """Leave the step's FLOP counter; True when it counted the whole step."""
+        try:
+            if exc is None:
+                counter.__exit__(None, None, None)
+                return True
+            failures = self.flops.failures
+            counter.__exit__(type(exc), exc, None)
+            if self.flops.failures > failures:
+                self._counter_failed(scope, exc)
+        except Exception as err:
+            self.rt.errors.report("other", err)
+        return False
+
+    def _counter_failed(self, scope: StepScope, exc: BaseException) -> None:
+        """An op of the step raised under the FLOP counter: that key is never counted again (so
+        the user's next try runs without the counter); say so once."""
+        self.rt.warn_once(("flops", scope.name),
+                          "torchtrace: %s: an op raised while the step's FLOPs were being counted (%s: %s); "
+                          "steps with these input shapes are not counted again (record_batch(flops=...) gives "
+                          "their FLOPs)", scope.name,
+                          type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+
+
+def hold_steps(holder: StepScope | None, containers: set[str]) -> None:
+    """A training step began inside ``holder``: mark it and the operations around it as
+    holding steps, and remember their names in ``containers``.
+
+    A step with an optimizer inside another operation makes that one, and every operation
+    around it, a container: goodput counts the time their steps do not cover as data wait, not
+    as their own (productive), and their FLOPs are not counted (the steps' are).
+    """
+    while holder is not None:
+        state = holder.throughput
+        if state is not None and state.holds_steps:
+            return
+        if len(containers) < MAX_CONTAINERS:
+            containers.add(holder.name)
+        if state is None:
+            return
+        state.holds_steps = True
+        holder = state.parent
+
+
+def below_containers(parent: StepScope | None, containers: set[str]) -> bool:
+    """True when every operation from ``parent`` outwards holds training steps (now, or in an
+    earlier call: an epoch's validation before its first step) and none has a FLOP count open:
+    a step without an optimizer there (an evaluation step in an epoch) is counted as it is
+    without them."""
+    while parent is not None:
+        state = parent.throughput
+        if state is not None and state.counter is not None:
+            return False
+        if not (state is not None and state.holds_steps or parent.name in containers):
+            return False
+        parent = state.parent if state is not None else None
+    return True
+
+
+__all__ = ["RunThroughput", "StepClock", "StepFigures", "below_containers", "drop_counter", "hold_steps",
+           "learning_rates"]

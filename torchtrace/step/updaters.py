@@ -54,19 +54,15 @@ def _note_scaler(scaler: Any) -> None:
     scope = current.step()
     if scope is not None and scope.active and scope.scaler is None:
         scope.scaler = scaler
-        if scope.features.throughput:  # the scale before this step's update, for goodput
-            scope.scale_before = scale_at_start(scaler)
+        if scope.throughput is not None:  # the scale before this step's update, for goodput
+            scope.throughput.scale_before = scale_at_start(scaler)
 
 
 def _note(updater: Any) -> None:
     """An optimizer or scheduler stepped in the open step: a replay must not step it again."""
     scope = current.step()
     if scope is not None and scope.active and updater is not scope.optimizer:
-        stepped = scope.stepped
-        if stepped is None:
-            scope.stepped = [updater]
-        elif len(stepped) < 64 and not any(u is updater for u in stepped):
-            stepped.append(updater)
+        scope.forensics.note_stepped(updater)
 
 
 def _safely(note: Callable[[Any], None], obj: Any) -> None:
