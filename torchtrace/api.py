@@ -16,12 +16,12 @@ import torch
 from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
+from torchtrace.errors import get_logger
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
 from torchtrace.step import checks, clipping, updaters
 from torchtrace.step.scope import StepScope
 from torchtrace.step.watched import instance_first, watched
-from torchtrace.errors import get_logger
 
 logger = get_logger("torchtrace")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -71,7 +71,8 @@ class ConfigureResult:
     def __repr__(self) -> str:
         if not self.enabled:
             return "ConfigureResult(disabled)"
-        return f"ConfigureResult(run_id={self.run_id!r}, metrics_url={self.metrics_url!r}, run_dir={str(self.run_dir)!r})"
+        return (f"ConfigureResult(run_id={self.run_id!r}, metrics_url={self.metrics_url!r}, "
+                f"run_dir={str(self.run_dir)!r})")
 
 
 def configure(
@@ -353,7 +354,8 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
     When no model is given and the first or second argument is an ``nn.Module`` (``self`` of a
     module method, or ``train_step(model, batch)``), that module is watched; an optimizer among
     the arguments is hooked likewise; a method of another class (a trainer object) watches the
-    model, optimizer and GradScaler among its ``self``'s attributes (:mod:`torchtrace.step.watched`). Exceptions are recorded on the span and re-raised unchanged.
+    model, optimizer and GradScaler among its ``self``'s attributes (:mod:`torchtrace.step.watched`).
+    Exceptions are recorded on the span and re-raised unchanged.
 
     Forensics: a non-finite step is replayed by calling the undecorated function again with
     the same arguments, its optimizers' ``step`` neutralised, so the function must be

@@ -46,7 +46,7 @@ def test_throughput_attributes_equal_the_plain_reading(seed):
         rec.data_wait_s = rng.choice([None, 0.0, 0.004])
         rec.phases = rng.choice([None, {}, {p: rng.random() for p in rng.sample(names, rng.randrange(1, 6))}])
         attrs: dict[str, object] = {"before": 1}
-        spans._throughput_values(attrs, spans._THROUGHPUT(rec))
+        spans._throughput(attrs, rec)
         assert list(attrs.items()) == _reference(rec), rec
 
 
@@ -59,8 +59,8 @@ def _span(sink: list) -> spans.StepSpan:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_step_spans_attributes_are_those_set_in_order_on_the_training_thread(seed):
-    """The throughput values the step hands over, set when the exporter reads the span, give
-    the attributes (names, values, order) that setting them all at once gives."""
+    """A step span's attributes are those the training thread set, in its order: the step's
+    health, its throughput, then the probes' findings."""
     rng = random.Random(seed)
     for i in range(300):
         rec = StepRecord(operation="train_step", step=i, level="basic", start_unix_ns=1, end_unix_ns=5,
@@ -74,7 +74,7 @@ def test_a_step_spans_attributes_are_those_set_in_order_on_the_training_thread(s
             rec.profile = {"path": "/tmp/p.json", "window": 3, "reason": "scheduled", "top_ops": []}
         want: dict[str, object] = {"torchtrace.step": 1}
         spans._health(want, rec)
-        spans._throughput_values(want, spans._THROUGHPUT(rec))
+        spans._throughput(want, rec)
         spans._probe_events([], want, rec)
         sink: list = []
         span = _span(sink)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-from operator import attrgetter
 from typing import Any, Callable
 
 from opentelemetry import trace
@@ -58,7 +57,7 @@ class StepSpan(trace.Span):
     finished (``end`` hands it to ``sink``, the runtime's span processors)."""
 
     __slots__ = ("name", "_context", "parent", "resource", "start_time", "end_time", "_own", "_user", "_events",
-                 "status", "_sink", "instrumentation_scope", "_pending")
+                 "status", "_sink", "instrumentation_scope")
 
     def __init__(self, name: str, context: SpanContext, parent: SpanContext | None, resource: Any,
                  attributes: dict[str, Any], start_time: int, sink: Callable[["StepSpan"], None]) -> None:
@@ -74,7 +73,6 @@ class StepSpan(trace.Span):
         self.status = _UNSET
         self._sink = sink
         self.instrumentation_scope = SCOPE
-        self._pending: tuple | None = None  # the record's throughput values, set as attributes when read
 
     # ------------------------------------------------------------ the user's span API
     def get_span_context(self) -> SpanContext:
@@ -132,26 +130,11 @@ class StepSpan(trace.Span):
 
     @property
     def attributes(self) -> dict[str, Any]:
-        if self._pending is not None:
-            self._settle()
         if not self._user:
             return self._own
         merged = dict(self._own)
         merged.update(self._user)
         return merged
-
-    def _settle(self) -> None:
-        """Set the throughput attributes :func:`apply_record` left to the first reader (the exporter
-        thread) where it would have set them: last, or before a profiled step's profile attributes.
-        Two exporters reading at once each build the same dict; ``_pending`` is cleared after."""
-        values, items = self._pending, list(self._own.items())
-        if values is not None:
-            at = next((i for i, (name, _) in enumerate(items) if name == semconv.PROFILE_TRACE_PATH), len(items))
-            own = dict(items[:at])
-            _throughput_values(own, values)
-            own.update(items[at:])
-            self._own = own
-            self._pending = None
 
     @property
     def events(self) -> list[SpanEvent]:
@@ -229,18 +212,14 @@ def apply_record(span: Any, record: StepRecord, exc: BaseException | None, excep
     step_span = isinstance(span, StepSpan)
     attrs: dict[str, Any] = span._own if step_span else {}
     _health(attrs, record)
-    values = _THROUGHPUT(record)
-    if values != _ABSENT:  # the training thread hands them over; the span sets them when the exporter reads it
-        if step_span:
-            span._pending = values
-        else:
-            _throughput_values(attrs, values)
+    _throughput(attrs, record)
     events = span._events if step_span else None
     now = record.end_unix_ns
     found: list[tuple[str, dict[str, Any]]] = []
     for anomaly in record.anomalies:
+        detail = anomaly.detail[:semconv.MAX_ATTRIBUTE_LENGTH]
         found.append((semconv.EVENT_ANOMALY, {semconv.EVENT_ANOMALY_KIND: anomaly.kind,
-                                              semconv.EVENT_ANOMALY_DETAIL: anomaly.detail[:semconv.MAX_ATTRIBUTE_LENGTH]}))
+                                              semconv.EVENT_ANOMALY_DETAIL: detail}))
     _probe_events(found, attrs, record)
     if exc is not None:
         event = {"exception.type": type(exc).__qualname__}
@@ -311,32 +290,25 @@ def _health(attrs: dict[str, Any], record: StepRecord) -> None:
 
 _PHASE_ATTRIBUTES = dict(zip(semconv.PHASES, (semconv.PHASE_FORWARD_S, semconv.PHASE_BACKWARD_S,
                                                semconv.PHASE_OPTIMIZER_S)))
-_PHASE_ATTRIBUTE = _PHASE_ATTRIBUTES.__getitem__
-_THROUGHPUT = attrgetter("samples", "tokens", "flops", "lr", "data_wait_s", "phases")
-_ABSENT = (None,) * 6
 
 
-def _throughput_values(attrs: dict[str, Any], values: tuple) -> None:
-    """Set the throughput attributes of a record's ``_THROUGHPUT`` values (one call in C) on ``attrs``."""
-    samples, tokens, flops, lr, wait, phases = values
-    if samples is not None:
-        attrs[SAMPLES] = samples
-    if tokens is not None:
-        attrs[TOKENS] = tokens
-    if flops is not None:
-        attrs[FLOPS] = flops
-    if lr:
-        attrs[LR] = lr[0]
-    if wait is not None:
-        attrs[DATA_WAIT_S] = wait
-    if phases:
-        try:  # every step's phases are known ones: no Python loop over them
-            attrs.update(zip(map(_PHASE_ATTRIBUTE, phases), phases.values()))
-        except KeyError:  # another phase: the known ones, in their order (those set already stay where they are)
-            for phase, seconds in phases.items():
-                key = _PHASE_ATTRIBUTES.get(phase)
-                if key is not None:
-                    attrs[key] = seconds
+def _throughput(attrs: dict[str, Any], record: StepRecord) -> None:
+    """The record's throughput attributes (batch, FLOPs, learning rate, data wait, phases) on ``attrs``."""
+    if record.samples is not None:
+        attrs[SAMPLES] = record.samples
+    if record.tokens is not None:
+        attrs[TOKENS] = record.tokens
+    if record.flops is not None:
+        attrs[FLOPS] = record.flops
+    if record.lr:
+        attrs[LR] = record.lr[0]
+    if record.data_wait_s is not None:
+        attrs[DATA_WAIT_S] = record.data_wait_s
+    if record.phases:
+        for phase, seconds in record.phases.items():
+            key = _PHASE_ATTRIBUTES.get(phase)
+            if key is not None:
+                attrs[key] = seconds
 
 
 def _probe_events(found: list, attrs: dict[str, Any], record: StepRecord) -> None:

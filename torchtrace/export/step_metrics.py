@@ -13,10 +13,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from functools import partial, reduce
-from itertools import chain, compress, repeat
-from operator import add, attrgetter, is_not, itemgetter, or_, sub, truth
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Exemplar
@@ -28,11 +25,9 @@ from torchtrace.record.step import StepRecord
 _LR_GROUP_CAP = f"{semconv.MAX_LR_GROUPS}+"
 FOLD_EVERY = 64  # data waits and phase times bucketed together (at most; a scrape buckets what there is)
 KEEP_STEPS = 4 * FOLD_EVERY  # steps' throughput values kept before they are added up without a scrape
-# A record's throughput values, as one tuple (one call in C); a step without any keeps nothing.
-_THROUGHPUT = attrgetter("samples", "tokens", "flops", "lr", "data_wait_s", "phases")
+# A record's throughput values (samples, tokens, flops, lr, data wait, phases) when it has none:
+# such a step keeps nothing.
 _ABSENT = (None,) * 6
-_PRESENT = partial(is_not, None)
-_FOLDED_AT = slice(KEEP_STEPS - 1, None)
 
 
 def _base(name: str) -> str:
@@ -58,15 +53,10 @@ class _Histogram:
             self.exemplars[i] = (trace_id, value, now)
 
     def observe_all(self, values: list[float]) -> None:
-        """Many observations without exemplars (values kept since a scrape): sorted once, then
-        the number of values at or below each bound found in C, one search per bound. A value
-        lands where :meth:`observe` puts it: the first bucket whose bound is not below it."""
-        if not values:
-            return
-        ordered = sorted(values)
-        upto = [*map(partial(bisect.bisect_right, ordered), self.bounds), len(ordered)]
-        # Bucket i holds upto[i] - upto[i - 1] of them.
-        self.counts[:] = map(add, self.counts, map(sub, upto, chain((0,), upto)))
+        """Many observations without exemplars (values kept since a scrape), each where
+        :meth:`observe` puts it: the first bucket whose bound is not below it."""
+        for value in values:
+            self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += sum(values)
 
     def buckets(self) -> list[tuple]:
@@ -86,9 +76,9 @@ class _Histogram:
 class _Operation:
     """Everything one operation label holds."""
 
-    __slots__ = ("label", "created", "steps", "duration", "loss", "grad_norm", "grad_nonfinite", "last_ts", "skipped",
-                 "anomalies", "samples", "tokens", "flops", "lr", "data_wait", "phases", "rank_step_seconds", "unfolded",
-                 "unbucketed")
+    __slots__ = ("label", "created", "steps", "duration", "loss", "grad_norm", "grad_nonfinite", "last_ts",
+                 "skipped", "anomalies", "samples", "tokens", "flops", "lr", "data_wait", "phases", "rank_step_seconds",
+                 "unfolded", "unbucketed")
 
     def __init__(self, label: str, kinds: tuple[str, ...]) -> None:
         self.label = label
@@ -112,22 +102,22 @@ class _Operation:
         self.unbucketed: list[tuple] = []  # (data wait, phases) of the steps with either, not yet bucketed
 
     def fold(self, scrape: bool = False) -> None:
-        """Add up the throughput values kept since the last fold (the lock is held): each column
-        of the kept steps filtered and summed in C, in step order (the float sums are those of one
-        addition per step). The data waits and phase times are bucketed FOLD_EVERY steps with
-        either at a time, and the rest at a ``scrape``: the batches (so the histograms' float
-        sums) that bucketing them as the steps came gave."""
+        """Add up the throughput values kept since the last fold (the lock is held), in step
+        order. The data waits and phase times are bucketed FOLD_EVERY steps with either at a
+        time, and the rest at a ``scrape``: the batches (so the histograms' float sums) that
+        bucketing them as the steps came gave."""
         entries, self.unfolded = self.unfolded, []
-        if entries:
-            samples, tokens, flops, rates, waits, runs = zip(*entries)
-            self.samples = _added(self.samples, samples, 0)
-            self.tokens = _added(self.tokens, tokens, 0)
-            self.flops = _added(self.flops, flops, 0.0)
-            rates = [*filter(None, rates)]
-            if rates:
-                self.lr = rates[-1]  # a record's values are not changed after it is finished
-            # The steps with a data wait or phase times: (wait is not None) or phases, in C.
-            self.unbucketed += compress(zip(waits, runs), map(or_, map(is_not, waits, repeat(None)), map(truth, runs)))
+        for samples, tokens, flops, lr, wait, phases in entries:
+            if samples is not None:
+                self.samples = (self.samples or 0) + samples
+            if tokens is not None:
+                self.tokens = (self.tokens or 0) + tokens
+            if flops is not None:
+                self.flops = (self.flops or 0.0) + flops
+            if lr:
+                self.lr = lr  # a record's values are not changed after it is finished
+            if wait is not None or phases:
+                self.unbucketed.append((wait, phases))
         pending = self.unbucketed
         while len(pending) >= FOLD_EVERY or (scrape and pending):
             self._bucket(pending[:FOLD_EVERY])
@@ -136,28 +126,17 @@ class _Operation:
 
     def _bucket(self, batch: list[tuple]) -> None:
         waits, runs = zip(*batch)
-        waits = [*filter(_PRESENT, waits)]
+        waits = [wait for wait in waits if wait is not None]
         if waits:
             if self.data_wait is None:
                 self.data_wait = _Histogram(semconv.DATA_WAIT_BUCKETS)
             self.data_wait.observe_all(waits)
-        runs = [*filter(None, runs)]
+        runs = [run for run in runs if run]
         if runs:
             if self.phases is None:
                 self.phases = {p: _Histogram(semconv.DATA_WAIT_BUCKETS) for p in semconv.PHASES}
             for phase, hist in self.phases.items():
-                try:  # each run has every phase (the usual case): no Python loop over the runs
-                    values = list(map(itemgetter(phase), runs))
-                except KeyError:
-                    values = [run[phase] for run in runs if phase in run]
-                hist.observe_all(values)
-
-
-def _added(total: Any, values: tuple, zero: Any) -> Any:
-    """``total`` plus the values that are not None, added one at a time in their order (as a
-    step at a time would); ``total`` unchanged, None included, when there are none."""
-    present = [*filter(_PRESENT, values)]
-    return reduce(add, present, total or zero) if present else total
+                hist.observe_all([run[phase] for run in runs if phase in run])
 
 
 class StepMetrics:
@@ -212,10 +191,10 @@ class StepMetrics:
             self._memory_of(record)
             if record.rank_step_seconds is not None:
                 op.rank_step_seconds = record.rank_step_seconds
-            values = _THROUGHPUT(record)
+            values = (record.samples, record.tokens, record.flops, record.lr, record.data_wait_s, record.phases)
             if values != _ABSENT:  # added up and bucketed at the next scrape, or every KEEP_STEPS steps
                 op.unfolded.append(values)
-                if op.unfolded[_FOLDED_AT]:  # KEEP_STEPS of them (a slice of one or none: no len() call)
+                if len(op.unfolded) >= KEEP_STEPS:
                     op.fold()
 
     def _memory_of(self, record: StepRecord) -> None:

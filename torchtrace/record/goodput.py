@@ -57,9 +57,18 @@ from typing import Any
 
 from torchtrace import semconv
 from torchtrace.record.goodput_types import BADPUT_OF_KIND as _BADPUT_OF_KIND
-from torchtrace.record.goodput_types import CHECKPOINT, EVALUATION, OPERATION_KINDS, OTHER, TRAIN
+from torchtrace.record.goodput_types import (
+    CHECKPOINT,
+    EVALUATION,
+    OPERATION_KINDS,
+    OTHER,
+    TRAIN,
+    FinishedStep,
+    Goodput,
+    StepAccount,
+    enclosing,
+)
 from torchtrace.record.goodput_types import PRODUCTIVE as _PRODUCTIVE
-from torchtrace.record.goodput_types import FinishedStep, Goodput, StepAccount, enclosing
 from torchtrace.record.throughput import OperationWindow, RuleSettings, Throughput, settings_state
 from torchtrace.record.timeline import own_time, split_replays
 

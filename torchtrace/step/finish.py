@@ -15,12 +15,12 @@ import torch
 
 from torchtrace import semconv
 from torchtrace.errors import NonFiniteError, get_logger
+from torchtrace.export.spans import apply_record
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure.counts import device_count, read_given
+from torchtrace.measure.learning_rates import read_rates
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import StepRecord
-from torchtrace.export.spans import apply_record
-from torchtrace.measure.learning_rates import read_rates
 
 logger = get_logger("torchtrace")
 

@@ -297,7 +297,8 @@ def _seam_free(model: Any) -> bool:
 
 
 def _seam_compiled(model: Any) -> bool:
-    """True when the module's call goes through ``Module.__call__`` and its seam holds someone's ``Module.compile()``."""
+    """True when the module's call goes through ``Module.__call__`` and its seam holds someone's
+    ``Module.compile()``."""
     impl = model.__dict__.get("_compiled_call_impl") if isinstance(model, torch.nn.Module) else None
     return (impl is not None and not getattr(impl, _MARKS, False) and _SEAM_CODE is not None
             and type(model).__call__ is torch.nn.Module.__call__)

@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from opentelemetry import context as otel_context, trace
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from torchtrace import current, semconv
 from torchtrace.errors import NonFiniteError

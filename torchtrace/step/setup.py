@@ -12,6 +12,7 @@ from torchtrace import files, semconv
 from torchtrace._version import __version__
 from torchtrace.distributed import rank_file_name
 from torchtrace.distributed.collectives import STATE as COLLECTIVES
+from torchtrace.errors import get_logger
 from torchtrace.export import transport
 from torchtrace.export.server import TelemetryServer
 from torchtrace.export.tracing import BoundedBatchSpanProcessor, JsonLinesSpanExporter, otlp_span_exporter
@@ -21,7 +22,6 @@ from torchtrace.probes.leaks import LeakProbe
 from torchtrace.probes.memory import MemoryProbe
 from torchtrace.probes.profiler import ProfilerProbe
 from torchtrace.probes.straggler import StragglerProbe
-from torchtrace.errors import get_logger
 
 logger = get_logger("torchtrace")
 
