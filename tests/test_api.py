@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -304,3 +305,43 @@ def test_current_step_outside_a_step_is_inert(tmp_path, setup):
         assert rt is None or (rt.history.steps() == [] and rt.history.totals.get("steps", 0) == 0)
     finally:
         tt.shutdown()
+
+
+def test_import_patches_nothing_configure_patches_and_shutdown_puts_torch_back(tmp_path):
+    """``import torchtrace`` leaves torch and logging as they are; ``configure()`` wraps the clip
+    functions, GradScaler, the schedulers and the weight average and adds the global optimizer
+    hook; ``shutdown()`` puts back the very functions it found."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = r"""
+import json, logging, sys, torch
+from torch.optim import lr_scheduler, optimizer as optimizer_module, swa_utils
+def found():
+    return [torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_,
+            torch.nn.utils.clip_grad.clip_grad_norm_, torch.amp.GradScaler.scale, torch.amp.GradScaler.step,
+            lr_scheduler.LRScheduler.step, swa_utils.AveragedModel.update_parameters]
+def patched():
+    return [getattr(f, "__torchtrace_wrapped__", False) for f in found()] + [
+        bool(optimizer_module._global_optimizer_pre_hooks)]
+before = found()
+import torchtrace as tt
+imported = patched() + [type(logging.getLogger("torchtrace")) is not logging.Logger]
+tt.configure(run_dir=sys.argv[1], prometheus_port="off", register_atexit=False)
+configured = patched()
+tt.shutdown()
+print(json.dumps({"imported": imported, "configured": configured, "shut_down": patched(),
+                  "same": [a is b for a, b in zip(before, found())]}))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not any(got["imported"]), got
+    assert all(got["configured"]), got
+    assert not any(got["shut_down"]), got
+    assert all(got["same"]), got

@@ -90,7 +90,20 @@ def test_explain_reports_no_break_inside_a_step(tt_runtime):
     assert explanation.graph_count == 1
 
 
-def test_clip_wrapper_adds_no_graph_break():
+@pytest.fixture
+def patched_torch():
+    """torch as ``configure()`` leaves it (the clip functions, GradScaler, schedulers wrapped; the
+    global optimizer hook added), put back afterwards as ``shutdown()`` does."""
+    from torchtrace.step import clipping, updaters
+
+    clipping.install()
+    updaters.install()
+    yield
+    clipping.uninstall()
+    updaters.uninstall()
+
+
+def test_clip_wrapper_adds_no_graph_break(patched_torch):
     # torchtrace wraps clip_grad_norm_ (to measure before clipping); inside a compiled
     # function the wrapper must trace like torch's own function.
     from torch._dynamo.utils import counters
@@ -181,7 +194,7 @@ def test_a_compiled_model_has_its_flops_and_phases(tt_runtime, form):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_a_compiled_optimizer_step_gets_no_graph_break_from_torchtrace():
+def test_a_compiled_optimizer_step_gets_no_graph_break_from_torchtrace(patched_torch):
     """torchtrace's global optimizer step pre-hook (which notes optimizers stepped inside a
     step) stays out of a compiled ``optimizer.step()``: the same graph breaks as without the
     hook (torch's own), none from reading torchtrace's context variable."""
@@ -191,8 +204,7 @@ def test_a_compiled_optimizer_step_gets_no_graph_break_from_torchtrace():
     breaks = {}
     for hooked in (False, True):
         if not hooked:
-            updaters._hook_handle.remove()
-            updaters._hook_handle = None
+            updaters.uninstall()
         else:
             updaters.install()
         dynamo.reset()

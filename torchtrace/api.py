@@ -139,7 +139,12 @@ def shutdown(timeout_s: float | None = None) -> None:
     if rt is not None:
         if timeout_s is not None:
             rt.settings = rt.settings.replace(shutdown_timeout_s=timeout_s)
-        rt.close()
+        try:
+            rt.close()
+        finally:
+            # torch as it was: the clip functions, GradScaler, schedulers and the optimizer hook
+            clipping.uninstall()
+            updaters.uninstall()
 
 
 def _shutdown_at_exit() -> None:
@@ -393,10 +398,3 @@ def debug_operation(func=None, *, name=None, model=None, optimizer=None, level=N
         return decorate(func)
     return decorate
 
-
-# At import, so modules imported after torchtrace that bind the clip functions by name get
-# the wrapped ones (the wrappers are inert until a step is open). Disabled by the
-# environment, torchtrace leaves torch as it is.
-if not disabled_by_environment():
-    clipping.install()
-    updaters.install()

@@ -7,36 +7,49 @@ import threading
 from typing import Any, Callable
 
 
-class _GuardedLogger(logging.Logger):
+class GuardedLogger(logging.LoggerAdapter):
     """A torchtrace logger: a handler of the application's that raises never raises out of a log call.
 
     A handler's ``emit`` should catch its own failures (``handleError``); one that does not
-    would make torchtrace's log calls raise into the training step or lose its record.
+    would make torchtrace's log calls raise into the training step or lose its record. The
+    guard wraps the logger; the logger itself (``logging.getLogger(name)``, the application's
+    to configure) is left as it is.
+
+    >>> log = get_logger("torchtrace.example")
+    >>> log.logger is logging.getLogger("torchtrace.example")
+    True
     """
 
-    def handle(self, record: logging.LogRecord) -> None:
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logger, None)
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return msg, kwargs
+
+    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.isEnabledFor(level):
+            return
+        # The record names the caller of debug(), warning()..., not this method.
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
         try:
-            super().handle(record)
+            self.logger.log(level, msg, *args, **kwargs)
         except Exception:
             pass  # the application's handler failed: nothing of torchtrace's to report it through
 
-
-_guarded_classes: dict[type, type] = {logging.Logger: _GuardedLogger}
-
-
-def get_logger(name: str) -> logging.Logger:
-    """``logging.getLogger(name)``, made to swallow the failures of the handlers it reaches."""
-    log = logging.getLogger(name)
-    cls = type(log)
-    if not isinstance(log, _GuardedLogger):
-        guarded = _guarded_classes.get(cls)
-        if guarded is None:  # the application's own logger class: the same guard on top of it
-            guarded = _guarded_classes[cls] = type("Guarded" + cls.__name__, (_GuardedLogger, cls), {})
+    def handle(self, record: logging.LogRecord) -> None:
+        """Hand a record made elsewhere (a queue's) to the logger's handlers, guarded likewise."""
         try:
-            log.__class__ = guarded
-        except TypeError:
+            self.logger.handle(record)
+        except Exception:
             pass
-    return log
+
+    def makeRecord(self, *args: Any, **kwargs: Any) -> logging.LogRecord:  # noqa: N802 (logging's name)
+        return self.logger.makeRecord(*args, **kwargs)
+
+
+def get_logger(name: str) -> GuardedLogger:
+    """``logging.getLogger(name)``, guarded against the failures of the handlers it reaches."""
+    return GuardedLogger(logging.getLogger(name))
 
 
 logger = get_logger("torchtrace")

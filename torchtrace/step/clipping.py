@@ -1,10 +1,10 @@
 """Gradient clipping inside a step is measured first: the recorded norm is the one before clipping.
 
-``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` are wrapped (once, at import and
-at configure): inside an open step the wrapper lets the step measure (and guard) the gradients
+``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` are wrapped at ``configure()`` and
+put back at ``shutdown()``: inside an open step the wrapper lets the step measure (and guard) the gradients
 as backward left them, then clips. Outside a step it only reads a context variable. Without
 it the optimizer hook would see clipped gradients and an explosion would read as
-``max_norm``. A function bound by name before torchtrace was imported
+``max_norm``. A function bound by name before ``configure()``
 (``from torch.nn.utils import clip_grad_norm_``) is not reached (documented).
 """
 
@@ -59,3 +59,15 @@ def install() -> None:
         setattr(nn_utils, name, wrapped)
         if getattr(clip_module, name, None) is existing:
             setattr(clip_module, name, wrapped)
+
+
+def uninstall() -> None:
+    """Put torch's own clip functions back where :func:`install` put the wrappers (idempotent)."""
+    import torch.nn.utils as nn_utils
+    from torch.nn.utils import clip_grad as clip_module
+
+    for module in (nn_utils, clip_module):
+        for name in ("clip_grad_norm_", "clip_grad_value_"):
+            wrapped = getattr(module, name, None)
+            if getattr(wrapped, "__torchtrace_wrapped__", False):
+                setattr(module, name, wrapped.__wrapped__)

@@ -3,7 +3,8 @@ reached them.
 
 **Loss scalers.**
 
-``torch.amp.GradScaler.scale`` and ``.step`` are wrapped (once, at import and at configure):
+``torch.amp.GradScaler.scale`` and ``.step`` are wrapped (at ``configure()``; every patch of
+this module is undone at ``shutdown()``):
 the first call inside an open step that has no scaler yet makes that scaler the step's, as
 if it had been passed as ``scaler=``. A scaler the step knows of is what tells an overflow
 (which the scaler handles by skipping the update) from a non-finite gradient, is left
@@ -134,4 +135,21 @@ def install() -> None:
         setattr(scaler_class, name, _wrap(existing, _note_scaler))
 
 
-__all__ = ["install"]
+def uninstall() -> None:
+    """Undo :func:`install`: torch's own methods back, the global optimizer hook removed (idempotent)."""
+    global _hook_handle
+    if _hook_handle is not None:
+        _hook_handle.remove()
+        _hook_handle = None
+    classes = [c for c in vars(lr_scheduler).values() if isinstance(c, type)]
+    classes += [getattr(swa_utils, "AveragedModel", None),
+                getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)]
+    for cls in classes:
+        if cls is None:
+            continue
+        for name, method in list(vars(cls).items()):
+            if getattr(method, "__torchtrace_wrapped__", False):
+                setattr(cls, name, method.__wrapped__)
+
+
+__all__ = ["install", "uninstall"]
