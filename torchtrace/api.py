@@ -9,7 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
-from typing import Any, Callable, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
 
 import torch
 
@@ -23,6 +23,9 @@ from torchtrace.step import checks, clipping, updaters
 from torchtrace.step.scope import StepScope
 from torchtrace.step.watched import instance_first, watched
 
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
+
 logger = get_logger("torchtrace")
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,7 +35,7 @@ _atexit_registered = False
 class ConfigureResult:
     """What ``configure()`` set up: where metrics are served, where files are written."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
 
     @property

@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
 
 lock = threading.RLock()
 """Held while the runtime is replaced (configure, shutdown)."""
 
-_runtime: Any = None  # torchtrace.step.runtime.Runtime, or None
+_runtime: Runtime | None = None
 _disabled = False  # configured with disabled=True, or the environment said so
-_auto_configure: Callable[[], Any] | None = None  # set by torchtrace.api
-_step: contextvars.ContextVar[Any] = contextvars.ContextVar("torchtrace_step", default=None)
+_auto_configure: Callable[[], Runtime | None] | None = None  # set by torchtrace.api
+_step: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar("torchtrace_step", default=None)
 
 
-def runtime(create: bool = True) -> Any:
+def runtime(create: bool = True) -> Runtime | None:
     """The configured runtime; on first use configures one from the environment.
 
     None when torchtrace is disabled, or when ``create`` is False and nothing is configured.
@@ -35,7 +39,7 @@ def runtime(create: bool = True) -> Any:
     return _auto_configure()
 
 
-def set_runtime(rt: Any) -> None:
+def set_runtime(rt: Runtime | None) -> None:
     global _runtime, _disabled
     _runtime = rt
     if rt is not None:
@@ -51,7 +55,7 @@ def disabled() -> bool:
     return _disabled
 
 
-def set_auto_configure(fn: Callable[[], Any]) -> None:
+def set_auto_configure(fn: Callable[[], Runtime | None]) -> None:
     """Who builds a runtime on first use (``torchtrace.api`` registers it at import)."""
     global _auto_configure
     _auto_configure = fn
@@ -59,7 +63,7 @@ def set_auto_configure(fn: Callable[[], Any]) -> None:
 
 # step(): the innermost open step scope of this thread or task, or None. The context
 # variable's own getter (a C call): the phase marks ask it on every forward and optimizer step.
-step: Callable[[], Any] = _step.get
+step: Callable[[], StepScope | None] = _step.get
 
 
 orphan_check: Callable[[], None] | None = None
@@ -76,7 +80,7 @@ def end_orphan() -> None:
         check()
 
 
-def enter_step(scope: Any) -> contextvars.Token:
+def enter_step(scope: StepScope) -> contextvars.Token:
     return _step.set(scope)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -33,6 +33,9 @@ from torchtrace import semconv
 from torchtrace._version import __version__
 from torchtrace.record.step import StepRecord, capped
 from torchtrace.semconv import DATA_WAIT_S, FLOPS, LR, SAMPLES, TOKENS
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 SCOPE = InstrumentationScope("torchtrace", __version__)
 _UNSET = Status(StatusCode.UNSET)
@@ -191,7 +194,7 @@ def open_span(tracer_provider: Any, name: str, attributes: dict[str, Any], start
     return StepSpan(name, context, parent, tracer_provider.resource, attributes, start_ns, sink)
 
 
-def readable(span: Any) -> ReadableSpan:
+def readable(span: Span) -> ReadableSpan:
     """The SDK's ``ReadableSpan`` of a step span (on the exporter thread); other spans as they are."""
     if not isinstance(span, StepSpan):
         return span
@@ -207,7 +210,7 @@ def _finite(v: float) -> float:
     return v if math.isfinite(v) else float("nan")
 
 
-def apply_record(span: Any, record: StepRecord, exc: BaseException | None, exception_messages: bool) -> None:
+def apply_record(span: Span, record: StepRecord, exc: BaseException | None, exception_messages: bool) -> None:
     """Set the record's attributes, events and status on its span, and end the span."""
     step_span = isinstance(span, StepSpan)
     attrs: dict[str, Any] = span._own if step_span else {}

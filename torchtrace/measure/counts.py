@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchtrace.config.parsers import shown
+
+if TYPE_CHECKING:
+    from torchtrace.record.reads import ReadPlan
 
 
 #: What ``record_batch`` accepts for a count (one limit: an int64, what a device count holds).
@@ -85,7 +88,7 @@ def _checked_count(name: str, value: Any, problems: list[str]) -> int | torch.Te
     return None
 
 
-def plan_given(given: tuple | None, plan: Any) -> tuple | None:
+def plan_given(given: tuple | None, plan: ReadPlan) -> tuple | None:
     """``given`` (what ``record_batch`` kept) for the host: its device counts are added to the
     step's one read instead (``given_samples``, ``given_tokens``), checked by
     :func:`read_given` when it lands, so that what was inferred is still at hand when one
@@ -100,7 +103,7 @@ def plan_given(given: tuple | None, plan: Any) -> tuple | None:
     return tuple(host) if any(v is not None for v in host) else None
 
 
-def read_given(plan: Any, values: list[float] | None) -> tuple[dict[str, int], list[str]]:
+def read_given(plan: ReadPlan, values: list[float] | None) -> tuple[dict[str, int], list[str]]:
     """The device counts ``record_batch`` was given, as read: ``({field: count}, problems)``,
     one that is no count (negative) left out and named in ``problems``."""
     counts: dict[str, int] = {}

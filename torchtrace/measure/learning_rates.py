@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import numbers
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torchtrace.record.reads import ReadPlan
 
 
 _RATE = itemgetter("lr")
@@ -56,7 +59,7 @@ def learning_rates(optimizer: Any) -> list[float] | None:
     return out or None
 
 
-def plan_rates(rates: DeviceRates, plan: Any) -> None:
+def plan_rates(rates: DeviceRates, plan: ReadPlan) -> None:
     """Add a :class:`DeviceRates`' device values to the step's one read (slot ``"lr"``, the
     rates as its label: the read's values take the tensors' places, see ``step.finish``)."""
     tensors = [r for r in rates if isinstance(r, torch.Tensor)]
@@ -65,7 +68,7 @@ def plan_rates(rates: DeviceRates, plan: Any) -> None:
              label=[None if isinstance(r, torch.Tensor) else r for r in rates])
 
 
-def read_rates(plan: Any, values: list[float] | None) -> list[float] | None:
+def read_rates(plan: ReadPlan, values: list[float] | None) -> list[float] | None:
     """The learning rates of a step whose rates were partly on a device, once the read has
     landed; None when nothing was read (no rate rather than a wrong one)."""
     read = plan.take("lr", values)

@@ -9,12 +9,15 @@ attribute check per step. The runtime installs them from one list
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtrace.probes.base import Probe, ProbeSet
 
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
 
-def find_probe(runtime: Any, kind: type) -> Any:
+
+def find_probe(runtime: Runtime, kind: type) -> Any:
     """The runtime's probe of class ``kind``, or None."""
     return runtime.probes.find(kind) if runtime is not None else None
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchtrace.measure.activations import LayerHooks
 from torchtrace.probes.base import Probe
 from torchtrace.record.step import StepRecord
+
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
 
 
 class _State:
@@ -32,12 +36,12 @@ class ActivationProbe(Probe):
 
     name = "activations"
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self._kept: weakref.WeakKeyDictionary[torch.nn.Module, LayerHooks] = weakref.WeakKeyDictionary()
         self._runtime_extreme = bool(runtime.features.activations)
 
-    def enter(self, scope: Any) -> _State | None:
+    def enter(self, scope: StepScope) -> _State | None:
         if not (scope.features.activations and scope.model is not None):
             return None
         hooks = self._kept.get(scope.model)
@@ -48,7 +52,7 @@ class ActivationProbe(Probe):
         hooks.active = True
         return _State(hooks)
 
-    def exit(self, scope: Any, state: _State | None, exc: BaseException | None) -> torch.Tensor | None:
+    def exit(self, scope: StepScope, state: _State | None, exc: BaseException | None) -> torch.Tensor | None:
         if state is None:
             return None
         hooks = state.hooks
@@ -65,7 +69,7 @@ class ActivationProbe(Probe):
         state.taken = hooks
         return stacked
 
-    def finish(self, scope: Any, state: _State | None, record: StepRecord, values: list[float] | None) -> None:
+    def finish(self, scope: StepScope, state: _State | None, record: StepRecord, values: list[float] | None) -> None:
         if state is None or state.taken is None or values is None:
             return
         record.activations = state.taken.rows(values)

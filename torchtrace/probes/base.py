@@ -17,11 +17,15 @@ A probe's failure is counted under its ``component`` and the step goes on.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from torchtrace.record.step import StepRecord
+
+if TYPE_CHECKING:
+    from torchtrace.record.reads import ReadPlan
+    from torchtrace.step.scope import StepScope
 
 
 class Probe:
@@ -37,13 +41,13 @@ class Probe:
     name = "probe"  # the report section's name
     component = "other"  # torchtrace_internal_errors_total{component} of its failures
 
-    def enter(self, scope: Any) -> Any:
+    def enter(self, scope: StepScope) -> Any:
         return None
 
-    def exit(self, scope: Any, state: Any, exc: BaseException | None) -> torch.Tensor | None:
+    def exit(self, scope: StepScope, state: Any, exc: BaseException | None) -> torch.Tensor | None:
         return None
 
-    def finish(self, scope: Any, state: Any, record: StepRecord, values: list[float] | None) -> None:
+    def finish(self, scope: StepScope, state: Any, record: StepRecord, values: list[float] | None) -> None:
         return None
 
     def on_level(self, features: Any) -> None:
@@ -103,7 +107,7 @@ class ProbeSet:
         return states[i] if states is not None and i is not None else None
 
     # ------------------------------------------------------------ step hooks
-    def enter(self, scope: Any) -> list | None:
+    def enter(self, scope: StepScope) -> list | None:
         states = None
         for i, probe in self._enter:
             try:
@@ -117,7 +121,7 @@ class ProbeSet:
                 states[i] = state
         return states
 
-    def exit(self, scope: Any, states: list | None, exc: BaseException | None, plan: Any) -> None:
+    def exit(self, scope: StepScope, states: list | None, exc: BaseException | None, plan: ReadPlan) -> None:
         for i, probe in self._exit:
             try:
                 tensor = probe.exit(scope, states[i] if states is not None else None, exc)
@@ -126,7 +130,8 @@ class ProbeSet:
             except Exception as err:
                 self._errors.report(probe.component, err)
 
-    def finish(self, scope: Any, states: list | None, record: StepRecord, plan: Any, values: list[float] | None) -> None:
+    def finish(self, scope: StepScope, states: list | None, record: StepRecord, plan: ReadPlan,
+               values: list[float] | None) -> None:
         for i, probe in self._finish:
             try:
                 probe.finish(scope, states[i] if states is not None else None, record,

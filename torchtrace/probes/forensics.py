@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtrace import semconv
 from torchtrace.forensics import oom, replay
@@ -21,6 +21,10 @@ from torchtrace.measure.loss import extract_loss
 from torchtrace.probes.base import Probe
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.errors import get_logger
+
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
 
 logger = get_logger("torchtrace.forensics")
 
@@ -43,7 +47,7 @@ class ForensicsProbe(Probe):
     name = "forensics"
     component = "forensics"
 
-    def __init__(self, rt: Any) -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.replays = 0
         self.incidents = 0
@@ -54,21 +58,21 @@ class ForensicsProbe(Probe):
         self.ooms: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REPORTS_KEPT)
 
     # ------------------------------------------------------------ policy helpers
-    def replayable(self, scope: Any) -> bool:
+    def replayable(self, scope: StepScope) -> bool:
         return bool(self.rt.settings.forensics and scope.features.forensics
                     and (scope.forensics.replay is not None or scope.forensics.function is not None))
 
     def budget_left(self) -> bool:
         return self.replays < self.rt.settings.forensics_max_replays
 
-    def wants_early_look(self, scope: Any, stats: Any) -> bool:
+    def wants_early_look(self, scope: StepScope, stats: Any) -> bool:
         """Read the gradient norms in the optimizer hook under ``warn`` too? Only where that read is
         free (gradients on the CPU): a replay then sees the parameters before the update."""
         return (not self.in_incident and self.replayable(scope) and self.budget_left()
                 and stats.norms.device.type == "cpu")
 
     # ------------------------------------------------------------ step hooks
-    def enter(self, scope: Any) -> _State | None:
+    def enter(self, scope: StepScope) -> _State | None:
         if not scope.features.forensics:
             return None
         state = _State()
@@ -76,7 +80,7 @@ class ForensicsProbe(Probe):
             state.rng = replay.capture_rng()
         return state
 
-    def exit(self, scope: Any, state: _State | None, exc: BaseException | None) -> None:
+    def exit(self, scope: StepScope, state: _State | None, exc: BaseException | None) -> None:
         if exc is not None and state is not None and oom.is_oom(exc):
             info = oom.handle(self.rt, scope, exc)
             self.ooms.append(info)
@@ -85,7 +89,7 @@ class ForensicsProbe(Probe):
                 scope.suppress = True
         return None
 
-    def replay_now(self, scope: Any, params_updated: bool) -> dict[str, Any] | None:
+    def replay_now(self, scope: StepScope, params_updated: bool) -> dict[str, Any] | None:
         """Replay the step now (the caller guarantees the parameters are as the step saw them, or
         says they were updated). Once per step; once per incident."""
         state = scope.state_of(self)
@@ -111,7 +115,7 @@ class ForensicsProbe(Probe):
         state.report = self._replay(scope, state, params_updated)
         return state.report
 
-    def _replay(self, scope: Any, state: _State, params_updated: bool) -> dict[str, Any]:
+    def _replay(self, scope: StepScope, state: _State, params_updated: bool) -> dict[str, Any]:
         self.replays += 1
         self.incidents += 1
         opts, scalers = replay.side_effect_owners(scope)
@@ -127,7 +131,7 @@ class ForensicsProbe(Probe):
                       replay_number=self.replays)
         return report
 
-    def finish(self, scope: Any, state: _State | None, record: StepRecord, values: list[float] | None) -> None:
+    def finish(self, scope: StepScope, state: _State | None, record: StepRecord, values: list[float] | None) -> None:
         if state is None:
             return
         self._scaler_overflow(scope, record)
@@ -146,7 +150,7 @@ class ForensicsProbe(Probe):
         state.rng = None  # keep no tensors alive past the step
 
     # ------------------------------------------------------------ helpers
-    def _scaler_overflow(self, scope: Any, record: StepRecord) -> None:
+    def _scaler_overflow(self, scope: StepScope, record: StepRecord) -> None:
         """With a GradScaler, Inf/NaN gradients under a finite loss are the scaler's business."""
         if not any(a.kind == semconv.NONFINITE_GRAD for a in record.anomalies):
             return

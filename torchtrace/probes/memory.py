@@ -3,11 +3,15 @@ inside ``memory_tracking()``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtrace.measure.snapshots import tracker
 from torchtrace.probes.base import Probe
 from torchtrace.record.step import StepRecord
+
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
 
 _TRACKER = tracker()
 
@@ -18,9 +22,9 @@ class MemoryProbe(Probe):
     name = "memory_samples"
     component = "memory"
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
 
-    def finish(self, scope: Any, state: Any, record: StepRecord, values: list[float] | None) -> None:
+    def finish(self, scope: StepScope, state: Any, record: StepRecord, values: list[float] | None) -> None:
         if scope.features.memory_profiling or _TRACKER.active:
             _TRACKER.add_sample(record.step, record.operation, record.memory)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import statistics
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,10 @@ from torchtrace.distributed import collectives
 from torchtrace.probes.base import Probe
 from torchtrace.record import readout
 from torchtrace.record.step import StepRecord
+
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
 
 
 def gather_step_times(mean_s: float) -> list[float] | None:
@@ -67,17 +71,17 @@ class StragglerProbe(Probe):
     name = "rank_skew"
     component = "distributed"
 
-    def __init__(self, rt: Any, interval: int) -> None:
+    def __init__(self, rt: Runtime, interval: int) -> None:
         self.rt = rt
         self.interval = interval
         self._sum: collections.Counter[str] = collections.Counter()
         self._n: collections.Counter[str] = collections.Counter()
         self.last: dict[str, Any] | None = None
 
-    def enter(self, scope: Any) -> _State:
+    def enter(self, scope: StepScope) -> _State:
         return _State()
 
-    def exit(self, scope: Any, state: _State, exc: BaseException | None) -> None:
+    def exit(self, scope: StepScope, state: _State, exc: BaseException | None) -> None:
         if current.step() is not None:  # nested operation: only outermost steps count
             return None
         op = scope.name
@@ -99,7 +103,7 @@ class StragglerProbe(Probe):
         state.skew = (value, slowest)
         return None
 
-    def finish(self, scope: Any, state: _State, record: StepRecord, values: list[float] | None) -> None:
+    def finish(self, scope: StepScope, state: _State, record: StepRecord, values: list[float] | None) -> None:
         if state.mean is not None:
             record.rank_step_seconds = state.mean[1]
         record.rank_skew = state.skew

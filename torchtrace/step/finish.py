@@ -9,7 +9,7 @@ metrics, history, log).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,13 +22,20 @@ from torchtrace.measure.learning_rates import read_rates
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import StepRecord
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from torchtrace.record.reads import ReadPlan
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
+
 logger = get_logger("torchtrace")
 
 _LOG_FIRST = 10  # anomalies of one kind logged individually before thinning out
 _LOG_EVERY = 100
 
 
-def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float] | None, span: Any,
+def finish(rt: Runtime, scope: StepScope, record: StepRecord, plan: ReadPlan, values: list[float] | None, span: Span,
            exc: BaseException | None) -> None:
     """Turn host values into the record's fields, anomalies, policy decisions and telemetry.
 
@@ -49,14 +56,14 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
     scope.release()
 
 
-def _guarded(rt: Any, stage: Any, *args: Any) -> None:
+def _guarded(rt: Runtime, stage: Any, *args: Any) -> None:
     try:
         stage(*args)
     except Exception as err:
         rt.errors.report("record", err)
 
 
-def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float] | None) -> None:
+def _fill(rt: Runtime, scope: StepScope, record: StepRecord, plan: ReadPlan, values: list[float] | None) -> None:
     """The host values of the step's one read into the record: loss, gradients, parameters,
     tokens and samples counted on the device, the loss scaler's skipped update, learning
     rates held in device tensors."""
@@ -89,7 +96,7 @@ def _fill(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float
         _evaluate_grads(rt, scope, record, check.values)
 
 
-def _judge(rt: Any, scope: Any, record: StepRecord, exc: BaseException | None) -> None:
+def _judge(rt: Runtime, scope: StepScope, record: StepRecord, exc: BaseException | None) -> None:
     """The rules on the filled record (loss, exception), and the parameters of a bad step."""
     rules.evaluate_loss(record)
     if exc is not None:
@@ -98,7 +105,7 @@ def _judge(rt: Any, scope: Any, record: StepRecord, exc: BaseException | None) -
         _check_parameters_now(rt, scope, record)
 
 
-def export(rt: Any, record: StepRecord, span: Any, exc: BaseException | None) -> None:
+def export(rt: Runtime, record: StepRecord, span: Span, exc: BaseException | None) -> None:
     """Hand the finished record to every sink: span, metrics, history, log."""
     try:
         apply_record(span, record, exc, rt.settings.record_exception_messages)
@@ -118,7 +125,7 @@ def export(rt: Any, record: StepRecord, span: Any, exc: BaseException | None) ->
         _log_anomaly(rt, anomaly)
 
 
-def _apply_policy(rt: Any, scope: Any, record: StepRecord) -> None:
+def _apply_policy(rt: Runtime, scope: StepScope, record: StepRecord) -> None:
     """The guard's follow-ups that need the host record: stop after K bad steps, raise without an optimizer."""
     run = rt.consecutive_bad + 1 if record.nonfinite else 0
     rt.consecutive_bad = run
@@ -133,7 +140,7 @@ def _apply_policy(rt: Any, scope: Any, record: StepRecord) -> None:
                                                      report)
 
 
-def _evaluate_grads(rt: Any, scope: Any, record: StepRecord, norms: list[float]) -> None:
+def _evaluate_grads(rt: Runtime, scope: StepScope, record: StepRecord, norms: list[float]) -> None:
     stats = scope.gradients.stats
     total = grad_measure.global_norm(norms)
     record.grad_norm_scope = stats.scope
@@ -154,7 +161,8 @@ def _overflowed(stats: Any, norms: list[float]) -> list[str]:
     return [stats.names[i] for i, r in zip(idx, real) if not r]
 
 
-def _evaluate_parameters(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[float]) -> None:
+def _evaluate_parameters(rt: Runtime, scope: StepScope, record: StepRecord, plan: ReadPlan,
+                         values: list[float]) -> None:
     norms = plan.take("params", values)
     if norms is None:
         return
@@ -166,7 +174,7 @@ def _evaluate_parameters(rt: Any, scope: Any, record: StepRecord, plan: Any, val
         rules.evaluate_updates(record, names, updates, norms)
 
 
-def _check_parameters_now(rt: Any, scope: Any, record: StepRecord) -> None:
+def _check_parameters_now(rt: Runtime, scope: StepScope, record: StepRecord) -> None:
     """A non-finite step outside the parameter-check cadence: name the non-finite parameters now
     (a second host read, on the anomaly path only)."""
     if scope.model is None and scope.optimizer is None:
@@ -182,7 +190,7 @@ def _check_parameters_now(rt: Any, scope: Any, record: StepRecord) -> None:
         rt.errors.report("gradients", exc)
 
 
-def _log_anomaly(rt: Any, anomaly: Any) -> None:
+def _log_anomaly(rt: Runtime, anomaly: Any) -> None:
     counts = rt.log_counts
     n = counts[anomaly.kind] = counts[anomaly.kind] + 1
     if n <= _LOG_FIRST or n % _LOG_EVERY == 0:

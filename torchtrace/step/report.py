@@ -11,15 +11,18 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from torchtrace import files
 from torchtrace._version import __version__
 from torchtrace.config import Settings
 
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
 
-def summary(rt: Any) -> dict[str, Any]:
+
+def summary(rt: Runtime) -> dict[str, Any]:
     """The run so far: totals, anomalies by kind, telemetry health, last step, report sections."""
     h = rt.history
     totals = dict(h.totals)
@@ -53,7 +56,7 @@ def summary(rt: Any) -> dict[str, Any]:
     return out
 
 
-def telemetry(rt: Any) -> dict[str, Any]:
+def telemetry(rt: Runtime) -> dict[str, Any]:
     """Where the telemetry goes and what was lost on the way."""
     dropped: collections.Counter[str] = collections.Counter()
     exported = 0
@@ -74,7 +77,7 @@ def telemetry(rt: Any) -> dict[str, Any]:
     }
 
 
-def full_report(rt: Any) -> dict[str, Any]:
+def full_report(rt: Runtime) -> dict[str, Any]:
     """The summary plus recent steps, the event timeline and the settings."""
     out = summary(rt)
     out["steps"] = rt.history.steps()
@@ -84,7 +87,7 @@ def full_report(rt: Any) -> dict[str, Any]:
     return out
 
 
-def write(rt: Any, path: str | os.PathLike[str] | None = None) -> Path | None:
+def write(rt: Runtime, path: str | os.PathLike[str] | None = None) -> Path | None:
     target = Path(path) if path is not None else rt.report_path
     if target is None:
         return None

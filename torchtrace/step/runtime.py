@@ -13,7 +13,7 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from torchtrace import files, semconv
 from torchtrace._version import __version__
@@ -33,6 +33,12 @@ from torchtrace.record.policy import GuardPolicy
 from torchtrace.record.step import StepRecord
 from torchtrace.step import finish, report, setup
 from torchtrace.step.throughput import RunThroughput
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from torchtrace.record.reads import ReadPlan
+    from torchtrace.step.scope import StepScope
 
 logger = get_logger("torchtrace")
 
@@ -121,7 +127,7 @@ class Runtime:
             counters[operation] = given + 1
         return given
 
-    def open_span(self, scope: Any, level: DebugLevel, attributes: dict[str, Any] | None, start_ns: int) -> Any:
+    def open_span(self, scope: StepScope, level: DebugLevel, attributes: dict[str, Any] | None, start_ns: int) -> Any:
         attrs = {semconv.STEP: scope.step, semconv.OPERATION: scope.name, semconv.LEVEL: level.value,
                  semconv.RANK: self.identity.rank}
         if scope.kind != "train":
@@ -132,7 +138,7 @@ class Runtime:
         return span_export.open_span(self.tracer_provider, scope.name, attrs, start_ns, self._span_ended,
                                      forced)
 
-    def _span_ended(self, span: Any) -> None:
+    def _span_ended(self, span: Span) -> None:
         for proc in self.processors:
             proc.on_end(span)
 
@@ -152,7 +158,7 @@ class Runtime:
         self._param_cache[key_obj] = (signature, refs)
         return refs
 
-    def plan_parameter_check(self, scope: Any, plan: Any) -> None:
+    def plan_parameter_check(self, scope: StepScope, plan: ReadPlan) -> None:
         """ADVANCED: parameter norms into the step's read every ``param_check_interval`` steps, and
         update norms on the steps whose parameters were snapshotted before the update."""
         feats = scope.features
@@ -186,14 +192,14 @@ class Runtime:
         self._warned.add(key)
         logger.warning(message, *args)
 
-    def guard_without_optimizer(self, scope: Any) -> None:
+    def guard_without_optimizer(self, scope: StepScope) -> None:
         if self.guard is GuardPolicy.SKIP:
             self.warn_once(("guard", scope.name),
                            "torchtrace: guard='skip' cannot skip the updates of %s: the step has no optimizer, so "
                            "its gradients are checked only after the update; pass optimizer= to debug_context or "
                            "debug_operation (or clip with torch.nn.utils.clip_grad_norm_ inside the step)", scope.name)
 
-    def guard_other_optimizer(self, scope: Any, optimizer: Any) -> None:
+    def guard_other_optimizer(self, scope: StepScope, optimizer: Any) -> None:
         """An optimizer other than the step's own stepped in it: the skip guard does not cover it."""
         if self.guard is GuardPolicy.SKIP:
             self.warn_once(("guard-other", scope.name),
@@ -202,7 +208,7 @@ class Runtime:
                            "applied; give each optimizer's update a step of its own, with optimizer=",
                            type(optimizer).__name__, scope.name, type(scope.optimizer).__name__)
 
-    def guard_could_not_act(self, scope: Any, record: StepRecord) -> None:
+    def guard_could_not_act(self, scope: StepScope, record: StepRecord) -> None:
         self.guard_unable[record.operation] += 1
 
     def _guard_section(self) -> dict[str, Any]:
@@ -255,7 +261,7 @@ class Runtime:
                 self.errors.report("step", exc)
 
     # ------------------------------------------------------------ recording
-    def submit(self, scope: Any, record: StepRecord, plan: Any, pending: Any, span: Any,
+    def submit(self, scope: StepScope, record: StepRecord, plan: ReadPlan, pending: Any, span: Span,
                exc: BaseException | None) -> None:
         """Hand over a step: finished now if its values are on the host, else deferred."""
         item = _Deferred(scope, record, plan, pending, span, exc)

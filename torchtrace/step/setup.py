@@ -4,7 +4,7 @@ span exporters, the metrics server with the debug API, the OTLP metrics pusher, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.resources import Resource
 
@@ -23,10 +23,13 @@ from torchtrace.probes.memory import MemoryProbe
 from torchtrace.probes.profiler import ProfilerProbe
 from torchtrace.probes.straggler import StragglerProbe
 
+if TYPE_CHECKING:
+    from torchtrace.step.runtime import Runtime
+
 logger = get_logger("torchtrace")
 
 
-def resource(rt: Any) -> Resource:
+def resource(rt: Runtime) -> Resource:
     """service.name, run id, rank identity, host and version; OTEL_RESOURCE_ATTRIBUTES merged in."""
     ident = rt.identity
     attrs: dict[str, Any] = {
@@ -47,7 +50,7 @@ def resource(rt: Any) -> Resource:
     return res
 
 
-def run_files(rt: Any) -> None:
+def run_files(rt: Runtime) -> None:
     """The run directory and this rank's file names (none with ``write_files=False``)."""
     if not rt.settings.write_files:
         return
@@ -61,7 +64,7 @@ def run_files(rt: Any) -> None:
         rt.run_path = rt.spans_path = rt.report_path = None
 
 
-def span_exporters(rt: Any) -> None:
+def span_exporters(rt: Runtime) -> None:
     """One bounded batch processor per exporter: spans.jsonl, and OTLP when an endpoint is set."""
     s = rt.settings
     exporters = []
@@ -78,7 +81,7 @@ def span_exporters(rt: Any) -> None:
         rt.tracer_provider.add_span_processor(proc)
 
 
-def server(rt: Any) -> None:
+def server(rt: Runtime) -> None:
     """/metrics (and the debug API) on ``prometheus_port`` (+ local rank), by the port policy."""
     s = rt.settings
     if s.prometheus_port is None or s.metrics_exporter in ("otlp", "none"):
@@ -99,7 +102,7 @@ def server(rt: Any) -> None:
         rt.errors.report("server", exc)
 
 
-def metrics_push(rt: Any) -> None:
+def metrics_push(rt: Runtime) -> None:
     """OTLP metrics push for fleets (``metrics_exporter`` otlp or both)."""
     s = rt.settings
     if s.metrics_exporter not in ("otlp", "both"):
@@ -122,7 +125,7 @@ def metrics_push(rt: Any) -> None:
         rt.errors.report("metrics", exc)
 
 
-def probes(rt: Any) -> None:
+def probes(rt: Runtime) -> None:
     """The probes every runtime runs, in order; forensics last among the step's own checks."""
     rt.probes.add(ProfilerProbe(rt))
     rt.probes.add(ActivationProbe(rt))
@@ -137,7 +140,7 @@ def probes(rt: Any) -> None:
         rt.metrics.set_rank_skew(1.0)
 
 
-def distributed_section(rt: Any) -> dict[str, Any]:
+def distributed_section(rt: Runtime) -> dict[str, Any]:
     ident = rt.identity
     straggler = rt.probes.find(StragglerProbe)
     return {"rank": ident.rank, "local_rank": ident.local_rank, "world_size": ident.world_size,
