@@ -224,6 +224,7 @@ FUNCTION_LINES = 60
 REVIEWED = {
     "step/throughput.py": "a step's throughput, start to end: FLOP key, phase marks, FLOP counter, goodput booking",
     "step/scope.py": "the user's step and the pipeline's walk through it, top to bottom",
+    "api.py": "the public entry points (configure, shutdown, debug_context, debug_operation) with their examples",
     "step/throughput.py: finish_step": "the step's figures in the order they are decided; its first lines end "
                                        "the usual step",
 }
