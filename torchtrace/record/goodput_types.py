@@ -30,7 +30,7 @@ class FinishedStep:
     (operations that hold steps) and :func:`enclosing`.
     ``entered``: when torchtrace began the step (before ``start``); ``left``: when it was done
     with the step before. Its own time between the two steps is *other*, not data wait
-    (:func:`~torchtrace.record.timeline.own_time`).
+    (:func:`~torchtrace.record.goodput.own_time`).
     """
 
     start: float

@@ -210,7 +210,7 @@ class StepScope:
             current.orphan_check()  # a framework's step its loop left by an exception ends first
         parent = current.step()  # the operation this step runs inside, if any
         self._states = self._anomalies = self._anomaly_cm = None
-        self.given.take()
+        self.given.loss = self.given.batch = None
         self.throughput = None
         self.forensics.stepped = None
         self._overhead = 0.0
@@ -391,9 +391,10 @@ class StepScope:
         if self.throughput is not None:
             self.throughput.clock = self.throughput.step_end = None
         self._states = None
-        self.given.take()
+        self.given.loss = self.given.batch = None
         self.gradients = None
-        self.forensics = StepForensics(None)
+        forensics = self.forensics
+        forensics.replay = forensics.function = forensics.stepped = None
 
     # ------------------------------------------------------------ async
     async def __aenter__(self) -> "StepScope":

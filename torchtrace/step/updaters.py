@@ -38,12 +38,12 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch.compiler import is_compiling
 from torch.optim import lr_scheduler, swa_utils
 from torch.optim import optimizer as optimizer_module
 
 from torchtrace import current
 from torchtrace.measure.scaler import scale_at_start
-from torchtrace.step.clipping import is_compiling
 from torchtrace.step.watched import real_optimizer
 
 _METHODS = ("scale", "step")
