@@ -18,7 +18,7 @@ from torchtrace.errors import NonFiniteError, get_logger
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure.counts import device_count, read_given
 from torchtrace.record import policy, readout, rules
-from torchtrace.record.step import StepRecord
+from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.export.spans import apply_record
 from torchtrace.measure.learning_rates import read_rates
 
@@ -37,6 +37,8 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
     """
     states, _ = scope.hand_over()
     _guarded(rt, _fill, rt, scope, record, plan, values)
+    if rt.watchdog is not None and rt.watchdog.unmarked:  # the watchdog found this step hung
+        _guarded(rt, _mark_hang, rt, record)
     _guarded(rt, _judge, rt, scope, record, exc)
     _guarded(rt, rt.probes.finish, scope, states, record, plan, values)
     if scope.features.throughput:
@@ -47,6 +49,15 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
     _guarded(rt, _apply_policy, rt, scope, record)
     export(rt, record, span, exc)
     scope.release()
+
+
+def _mark_hang(rt: Any, record: StepRecord) -> None:
+    """A step the watchdog found hung has ended after all: its span carries the ``hang`` anomaly."""
+    finding = rt.watchdog.take(record.step)
+    if finding is not None:
+        record.anomalies.append(Anomaly(semconv.HANG, f"no progress for {finding['stalled_s']:.1f} s in phase "
+                                        f"{finding['phase']} (timeout {finding['timeout_s']:.1f} s)", record.step,
+                                        record.operation, {"phase": finding["phase"], "stalled_s": finding["stalled_s"]}))
 
 
 def _guarded(rt: Any, stage: Any, *args: Any) -> None:
