@@ -122,6 +122,10 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
         out["reason"] = "no black box found"
         return out
     died = [r for r, c in conditions.items() if c in ("gone", "ended:exception", "ended:killed")]
+    # A rank its peers saw gone while they still ran is the first to go: the others died of it.
+    named = {r for s in boxes for r in (s.get("peers_gone") or []) if r in died}
+    if named:
+        died = sorted(named)
     if died:
         out.update(verdict="died", culprit_ranks=died,
                    reason="; ".join(f"rank {r} {'is gone (its process no longer exists)' if conditions[r] == 'gone' else 'ended with an exception'}"

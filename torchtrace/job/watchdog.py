@@ -48,6 +48,8 @@ WARMUP_STEPS = 2
 """Steps that must have finished before the adaptive or given timeout applies."""
 WINDOW = 100
 """Recent observations the adaptive timeout looks at (about as many seconds)."""
+PEER_EVERY = 2
+"""Ticks between two looks at the other ranks' black boxes (a peer whose process is gone)."""
 HANG_EXIT_CODE = 124
 """The exit status under ``on_hang="abort"``."""
 
@@ -153,6 +155,8 @@ class Watchdog:
         f = self.fields
         self._read_collectives(f)
         self._read_dump(now)
+        if self.ticks % PEER_EVERY == 1:
+            self.check_peers()
         phase, since, steps = f.get("phase"), f.get("progress"), f.get("steps_done") or 0
         self._observe(f, since, steps, now)
         timeout = hang_timeout(self.given, phase, steps, self.recent)
@@ -273,6 +277,29 @@ class Watchdog:
         if self.on_hang == "abort":
             self._abort(finding)
         return finding
+
+    def check_peers(self) -> list[int]:
+        """The ranks of this attempt whose process is gone without saying how it ended
+        (SIGKILL, the OOM killer): kept in ``peers_gone`` and logged once each."""
+        if self.peers is None:
+            return []
+        f = self.fields
+        try:
+            gone = [s.get("rank") for s in self.peers()
+                    if s.get("attempt") == f.get("attempt") and s.get("rank") != f.get("rank")
+                    and not s.get("ended") and culprit.pid_alive(s) is False]
+        except Exception as exc:
+            logger.debug("torchtrace: peers not read: %r", exc)
+            return []
+        known = f.get("peers_gone") or []
+        new = [r for r in gone if r not in known]
+        if new:
+            f["peers_gone"] = sorted(set(known) | set(new))
+            threading.Thread(target=logger.error, args=(
+                "torchtrace: rank(s) %s of this job are gone: their process no longer exists and never said how it "
+                "ended (SIGKILL, the OOM killer); rank %s waits for them in vain", new, f.get("rank")),
+                name="torchtrace-hang-log", daemon=True).start()
+        return gone
 
     def _judge_peers(self, now: float) -> dict[str, Any] | None:
         if self.peers is None:

@@ -4,6 +4,7 @@ span exporters, the metrics server with the debug API, the OTLP metrics pusher, 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -191,13 +192,18 @@ def close_black_box(rt: Any) -> None:
     """At shutdown: the watchdog stops, the phase is idle, the black box says how it ended."""
     if rt.watchdog is not None:
         rt.watchdog.stop()
+        # A last look: a peer that vanished is why this rank ends now (an exception from gloo).
+        rt.watchdog.check_peers()
     box = rt.rank_state
     if box is None:
         return
     progress.untrack(box.fields)
     box.stop()
     if box.fields.get("ended") is None:
-        box.fields.update(ended="completed", end_time=time.time())
+        # At interpreter exit after an uncaught exception, Python has set sys.last_value.
+        error = getattr(sys, "last_value", None)
+        box.fields.update(ended="exception" if error is not None else "completed", end_time=time.time(),
+                          end_detail=type(error).__qualname__ if error is not None else None)
     box.write()
 
 
