@@ -49,8 +49,9 @@ def track(fields: dict[str, Any]) -> None:
     """Make ``fields`` the dict the marks store into, starting idle."""
     global _fields, _train
     now = _clock()
+    # The thread that configures is usually the one that trains (a step sets it again).
     fields.update(phase="idle", phase_since=now, progress=now, current_step=None, step_kind=None,
-                  steps_done=0, collective_seq=fields.get("collective_seq") or 0)
+                  steps_done=0, collective_seq=fields.get("collective_seq") or 0, thread=_ident())
     _train = True
     _fields = fields
 

@@ -29,6 +29,7 @@ _LIBRARY_DIRS = tuple(os.path.normcase(os.path.realpath(p)) + os.sep for p in {
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # torchtrace
 } if p)
 _MAX_FRAMES = 64
+_STDLIB = re.compile(r"[/\\]lib[/\\]python\d+(\.\d+)?[/\\]")
 
 
 def is_user_file(filename: str) -> bool:
@@ -36,7 +37,8 @@ def is_user_file(filename: str) -> bool:
     if not filename or filename.startswith("<"):
         return filename in ("<stdin>", "<string>")
     path = os.path.normcase(os.path.realpath(filename))
-    if "site-packages" in path or "dist-packages" in path:
+    # Installed packages, and any Python's standard library (a dump read on another machine).
+    if "site-packages" in path or "dist-packages" in path or _STDLIB.search(path):
         return False
     return not path.startswith(_LIBRARY_DIRS)
 
@@ -102,6 +104,11 @@ def parse_faulthandler(text: str, training: int | None) -> list[dict[str, Any]]:
             frames.append(_frame(entry.group(1), int(number) if number.isdigit() else None, entry.group(3)))
     if frames is not None:
         threads.append(_thread(ident, name, frames, training))
+    if threads and not any(t["training"] for t in threads):
+        # The training thread unknown: the first with a frame of the user's code.
+        first = next((t for t in threads if t["where"] and t["where"]["user"]), None)
+        if first is not None:
+            first["training"] = True
     threads.sort(key=lambda t: not t["training"])
     return threads
 

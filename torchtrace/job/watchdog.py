@@ -99,7 +99,7 @@ class Watchdog:
         self.period_s = period_s
         self.collectives = collectives
         self.recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self.findings: list[dict[str, Any]] = []
+        self.findings: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
         self.unmarked: dict[int, dict[str, Any]] = {}  # step -> finding, for the step's span when it ends
         self._seen_progress: float | None = None
         self._seen_stall = 0.0
@@ -161,15 +161,20 @@ class Watchdog:
         self._observe(f, since, steps, now)
         timeout = hang_timeout(self.given, phase, steps, self.recent)
         f["hang_timeout_s"] = timeout
+        # faulthandler is armed from what this tick sees, but the training thread may start a
+        # step and get stuck before the next tick: arm with the timeout of a regular step
+        # (no warm-up allowance) unless a checkpoint or evaluation step is running now.
+        armed = timeout if phase in progress.SLOW_KINDS else hang_timeout(self.given, None, WARMUP_STEPS, self.recent)
+        grace = 2 * self.period_s + 1.0
         if phase in (None, "idle") or not isinstance(since, (int, float)):
-            self._disarm()
+            self._arm(armed + grace)
             return None
         stalled = now - since
         if self._flagged_since == since:
             return None  # this stall is recorded already; it may still end
         if stalled > timeout:
             return self.flag(now, stalled, timeout)
-        self._arm(timeout - stalled + 2 * self.period_s + 1.0)
+        self._arm(max(armed - stalled, 0.0) + grace)
         return None
 
     def _observe(self, f: dict[str, Any], since: Any, steps: int, now: float) -> None:
@@ -232,10 +237,18 @@ class Watchdog:
             return
         self._dumped = size
         self._armed = False
-        threads = stacks.parse_faulthandler(text, self.fields.get("thread"))
-        since = self.fields.get("progress")
+        f = self.fields
+        threads = stacks.parse_faulthandler(text, f.get("thread"))
+        since = f.get("progress")
         stalled = now - since if isinstance(since, (int, float)) else 0.0
-        self.flag(now, stalled, self.fields.get("hang_timeout_s") or 0.0, threads=threads, source="faulthandler")
+        timeout = hang_timeout(self.given, f.get("phase"), f.get("steps_done") or 0, self.recent)
+        if f.get("phase") in (None, "idle") or stalled <= timeout:
+            # The GIL was held past the dump's deadline, but the stall that applies ended (a
+            # long first step, a C call that returned): the dump stays in the file, no hang.
+            logger.warning("torchtrace: no Python thread could run for a while (the GIL was held); the stacks "
+                           "faulthandler wrote then are in %s", self.stack_path)
+            return
+        self.flag(now, stalled, timeout, threads=threads, source="faulthandler")
 
     # ------------------------------------------------------------ a hang
     def flag(self, now: float, stalled: float, timeout: float, threads: list[dict[str, Any]] | None = None,
