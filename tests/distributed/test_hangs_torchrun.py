@@ -45,11 +45,20 @@ def _why(tmp: Path) -> dict:
     return json.loads(out.stdout)
 
 
-def _end(proc: subprocess.Popen) -> tuple[str, str]:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _end(proc: subprocess.Popen, tmp: Path) -> tuple[str, str]:
+    """Kill torchrun and its workers (their pids are in the black boxes: torchrun gives each
+    worker a process group of its own)."""
+    pids = [proc.pid]
+    for path in (tmp / "runs").glob("*/state.rank*.json"):
+        try:
+            pids.append(json.loads(path.read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return proc.communicate(timeout=60)
 
 
@@ -82,7 +91,7 @@ def test_rank_stuck_in_its_input_is_named_while_the_others_wait_in_the_all_reduc
             assert finding["peers"]["culprit_ranks"] == [2]
             assert finding["stalled_s"] < 4.0 + 4.0  # hang_timeout_s=4, ticks of 1 s
     finally:
-        _end(proc)
+        _end(proc, tmp_path)
 
 
 @pytest.mark.timeout(240)
@@ -91,7 +100,7 @@ def test_rank_sigkilled_mid_step_is_named_gone_by_the_others(tmp_path):
     try:
         proc.wait(timeout=150)
     finally:
-        out, err = _end(proc)
+        out, err = _end(proc, tmp_path)
     assert proc.returncode != 0
     report = _why(tmp_path)
     assert report["verdict"] == "died"
@@ -103,6 +112,4 @@ def test_rank_sigkilled_mid_step_is_named_gone_by_the_others(tmp_path):
     # The others saw it gone, while they still ran.
     assert any(2 in (states[r].get("peers_gone") or []) for r in (0, 1)), {r: states[r].get("peers_gone") for r in states}
     assert "rank(s) [2] of this job are gone" in err
-    attempts = report["job"]["attempts"]
-    assert attempts == [{"attempt": 0, "ended": "killed", "last_step": ranks[0]["last_finished_step"]}] or \
-        attempts[0]["ended"] == "killed"
+    assert [a["ended"] for a in report["job"]["attempts"]] == ["killed"]

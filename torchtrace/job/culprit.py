@@ -4,7 +4,9 @@ Only the black boxes are read (files in the run directory), never the communicat
 be the thing that hangs. The rules, in order:
 
 1. a rank that ended with an exception, or whose process is gone without saying how it
-   ended (SIGKILL, the OOM killer), is blamed: verdict ``died``;
+   ended (SIGKILL, the OOM killer), is blamed: verdict ``died``. Ranks the others saw gone
+   while they ran come first, then ranks gone without a word (the others' exceptions are
+   most likely their collectives failing for want of it);
 2. a rank whose heartbeat stopped while its process lives (a thread holding the GIL in a C
    call stops every Python thread, the black box's writer too), or whose watchdog flagged a
    hang with no progress since, is stuck: verdict ``hang``. Among the stuck ranks the
@@ -124,8 +126,13 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
     died = [r for r, c in conditions.items() if c in ("gone", "ended:exception", "ended:killed")]
     # A rank its peers saw gone while they still ran is the first to go: the others died of it.
     named = {r for s in boxes for r in (s.get("peers_gone") or []) if r in died}
+    vanished = [r for r in died if conditions[r] == "gone"]
     if named:
         died = sorted(named)
+    elif vanished:
+        # A rank that vanished without a word, beside ranks that ended with an exception: the
+        # exceptions are most likely the collective failing for want of it.
+        died = vanished
     if died:
         out.update(verdict="died", culprit_ranks=died,
                    reason="; ".join(f"rank {r} {'is gone (its process no longer exists)' if conditions[r] == 'gone' else 'ended with an exception'}"
@@ -137,8 +144,10 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
         if silent and len(silent) < len(boxes):
             culprits, why = silent, "heartbeat stopped while the process lives (a thread holds the GIL, or the process is stopped)"
         else:
-            # The ranks waiting on a stuck peer are stuck too: judge among every rank not finished.
-            pool = [s for s in boxes if not str(conditions[s["rank"]]).startswith("ended:") or s.get("ended") == "hang"]
+            # The ranks waiting on a stuck peer are stuck too, flagged or not yet (stalled):
+            # judge among every rank that makes no progress.
+            pool = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent", "stalled")
+                    or s.get("ended") == "hang"]
             culprits, why = stuck_culprits(pool)
         out.update(verdict="hang", culprit_ranks=culprits, reason=why)
         return out

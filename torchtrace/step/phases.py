@@ -26,7 +26,6 @@ _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 # The frame that calls the seam: PyTorch's Module.__call__ (``_wrapped_call_impl``).
 _SEAM_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
 _open_step = current.step  # (bound once: the optimizer's hooks call it every step)
-_phase_mark = progress.mark
 MAX_GAPS = 32  # on a GPU, the pauses between forward calls a step keeps (two events each)
 
 
@@ -339,10 +338,8 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
             out = impl(target, *args, **kwargs)
             if clock.optimizer_start is None:  # StepClock.end_forward, inline
                 clock.forward_end = clock.mark()
-                if grad_enabled():
-                    phase_mark("backward")
-                else:
-                    clock.graph = False
+                clock.graph = graph = grad_enabled()
+                phase_mark("backward" if graph else "forward")
             return out
         again = clock.mark() if clock.forward_end is not None and clock.optimizer_start is None else None
         # (called again: since its last call ended, a pause if this call ends)
@@ -376,7 +373,7 @@ class OptimizerMarks:
     def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         scope = _open_step()
         if scope is not None and (clock := scope.clock) is not None and clock.optimizer_start is None:
-            _phase_mark("optimizer")
+            progress.mark("optimizer")
             clock.optimizer_start = clock.mark()
 
     @staticmethod
@@ -384,7 +381,7 @@ class OptimizerMarks:
         scope = _open_step()
         if scope is not None and (clock := scope.clock) is not None and clock.optimizer_start is not None:
             clock.optimizer_end = clock.mark()
-            _phase_mark("optimizer")  # (progress: the update is done)
+            progress.mark("optimizer")  # (progress: the update is done)
 
     def remove(self) -> None:
         for h in self.handles:

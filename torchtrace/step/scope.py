@@ -380,8 +380,7 @@ class StepScope:
 
     def release(self) -> None:
         """After the record is finished: drop every reference to tensors and callables."""
-        self.inputs = None
-        self.clock = None
+        self.inputs = self.clock = None
         self.step_end = None
         self._states = None
         self._loss = None
