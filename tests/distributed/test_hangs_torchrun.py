@@ -33,7 +33,8 @@ def _launch(mode: str, tmp: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_", "TORCH_FR"))}
     env.update(PYTHONPATH=str(ROOT), HANG_MODE=mode, HANG_RUN_DIR=str(tmp / "runs"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=3",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "--max_restarts=0", str(WORKER)]
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", f"--rdzv_id=hang-{mode}",
+           "--max_restarts=0", str(WORKER)]
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 

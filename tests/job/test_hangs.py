@@ -189,3 +189,19 @@ def test_no_false_alarm_on_steps_of_three_seconds_with_the_adaptive_timeout(tmp_
     state = json.loads(next(tmp_path.glob("*/state.json")).read_text())
     # The adaptive timeout learnt from 3 s steps: ten times the period, above the floor.
     assert state["hang_timeout_s"] >= 30.0 and state["ended"] == "completed"
+
+
+def test_on_hang_abort_writes_everything_and_exits_non_zero(tmp_path):
+    proc = start("forward", tmp_path, timeout="2", TORCHTRACE_ON_HANG="abort")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 124, err[-3000:]
+    state = json.loads(next(tmp_path.glob("*/state.json")).read_text())
+    assert state["ended"] == "hang" and state["hangs"] == 1
+    report = json.loads(next(tmp_path.glob("*/report.json")).read_text())
+    assert report["hangs"]["hangs"] == 1 and report["hangs"]["last"]["phase"] == "forward"
+    spans = [json.loads(line) for line in next(tmp_path.glob("*/spans.jsonl")).read_text().splitlines()]
+    hang_spans = [s for s in spans if s["name"] == "torchtrace.hang"]
+    assert len(hang_spans) == 1 and hang_spans[0]["attributes"]["torchtrace.hang.phase"] == "forward"
+    assert len([s for s in spans if s["name"] == "train_step"]) == 5  # the steps before it, all written
+    verdict = why(tmp_path)
+    assert verdict["verdict"] == "hang" and verdict["job"]["attempts"][0]["ended"] == "hang"

@@ -48,7 +48,7 @@ WARMUP_STEPS = 2
 """Steps that must have finished before the adaptive or given timeout applies."""
 WINDOW = 100
 """Recent observations the adaptive timeout looks at (about as many seconds)."""
-PEER_EVERY = 2
+PEER_EVERY = 1
 """Ticks between two looks at the other ranks' black boxes (a peer whose process is gone)."""
 HANG_EXIT_CODE = 124
 """The exit status under ``on_hang="abort"``."""
@@ -80,6 +80,8 @@ class Watchdog:
         on_finding: called with each finding (telemetry: span, metrics); errors are swallowed.
         on_abort: under ``abort``: write everything and flush, before the process exits.
         period_s: seconds between ticks.
+        collectives: the last collective the flight recorder holds (:func:`torchtrace.distributed.flight.last_collective`).
+        on_peers_gone: called when a peer is newly found gone.
     """
 
     def __init__(self, fields: dict[str, Any], *, given_timeout_s: float | None = None, on_hang: str = "record",
@@ -87,7 +89,8 @@ class Watchdog:
                  peers: Callable[[], list[dict[str, Any]]] | None = None,
                  on_finding: Callable[[dict[str, Any]], None] | None = None,
                  on_abort: Callable[[], None] | None = None, period_s: float = 1.0,
-                 collectives: Callable[[], dict[str, Any] | None] | None = None) -> None:
+                 collectives: Callable[[], dict[str, Any] | None] | None = None,
+                 on_peers_gone: Callable[[], Any] | None = None) -> None:
         self.fields = fields
         self.given = given_timeout_s
         self.on_hang = on_hang
@@ -98,6 +101,7 @@ class Watchdog:
         self.on_abort = on_abort
         self.period_s = period_s
         self.collectives = collectives
+        self.on_peers_gone = on_peers_gone  # (the black box written at once: this process may be ended next)
         self.recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.findings: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
         self.unmarked: dict[int, dict[str, Any]] = {}  # step -> finding, for the step's span when it ends
@@ -155,7 +159,7 @@ class Watchdog:
         f = self.fields
         self._read_collectives(f)
         self._read_dump(now)
-        if self.ticks % PEER_EVERY == 1:
+        if self.ticks % PEER_EVERY == 0:
             self.check_peers()
         phase, since, steps = f.get("phase"), f.get("progress"), f.get("steps_done") or 0
         self._observe(f, since, steps, now)
@@ -308,6 +312,8 @@ class Watchdog:
         new = [r for r in gone if r not in known]
         if new:
             f["peers_gone"] = sorted(set(known) | set(new))
+            if self.on_peers_gone is not None:
+                self.on_peers_gone()
             threading.Thread(target=logger.error, args=(
                 "torchtrace: rank(s) %s of this job are gone: their process no longer exists and never said how it "
                 "ended (SIGKILL, the OOM killer); rank %s waits for them in vain", new, f.get("rank")),

@@ -37,8 +37,11 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
     """
     states, _ = scope.hand_over()
     _guarded(rt, _fill, rt, scope, record, plan, values)
-    if rt.watchdog is not None and rt.watchdog.unmarked:  # the watchdog found this step hung
-        _guarded(rt, _mark_hang, rt, record)
+    if rt.watchdog is not None:
+        if rt.watchdog.unmarked:  # the watchdog found this step hung
+            _guarded(rt, _mark_hang, rt, record)
+        if exc is not None and rt.identity.distributed:  # a collective that failed: was a peer lost?
+            _guarded(rt, rt.watchdog.check_peers)
     _guarded(rt, _judge, rt, scope, record, exc)
     _guarded(rt, rt.probes.finish, scope, states, record, plan, values)
     if scope.features.throughput:

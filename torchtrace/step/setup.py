@@ -170,8 +170,8 @@ def black_box(rt: Any) -> None:
     progress.track(fields)
     # DDP's all-reduce runs in C++: only the flight recorder sees it. Without one, count the
     # torch.distributed calls made from Python.
-    recorder = flight.enable()
-    if not recorder:
+    recorder = flight.enable() if ident.distributed else flight.enabled()
+    if ident.distributed and not recorder:
         flight.count_calls(progress.collective_began, progress.collective_ended)
     run_path = rt.run_path
     rt.watchdog = Watchdog(
@@ -180,7 +180,7 @@ def black_box(rt: Any) -> None:
         hang_path=run_path / rank_file_name("hang", ".json", ident) if run_path is not None else None,
         peers=(lambda: read_states(run_path)) if run_path is not None else None,
         on_finding=lambda finding: hang_telemetry(rt, finding), on_abort=lambda: flush_for_abort(rt),
-        collectives=flight.last_collective if recorder else None)
+        collectives=flight.last_collective if recorder else None, on_peers_gone=rt.rank_state.write)
     rt.metrics.registry.register(HangMetrics(s.run_id, str(ident.rank), progress.tracked))
     rt.report_sections["hangs"] = rt.watchdog.summary
     rt.rank_state.write()
