@@ -81,7 +81,8 @@ class Watchdog:
         on_abort: under ``abort``: write everything and flush, before the process exits.
         period_s: seconds between ticks.
         collectives: the last collective the flight recorder holds (:func:`torchtrace.distributed.flight.last_collective`).
-        on_peers_gone: called when a peer is newly found gone.
+        persist: writes the black box now (after a finding, or a peer found gone: this process
+            may be ended next, and readers should not wait for the next heartbeat).
     """
 
     def __init__(self, fields: dict[str, Any], *, given_timeout_s: float | None = None, on_hang: str = "record",
@@ -90,7 +91,7 @@ class Watchdog:
                  on_finding: Callable[[dict[str, Any]], None] | None = None,
                  on_abort: Callable[[], None] | None = None, period_s: float = 1.0,
                  collectives: Callable[[], dict[str, Any] | None] | None = None,
-                 on_peers_gone: Callable[[], Any] | None = None) -> None:
+                 persist: Callable[[], Any] | None = None) -> None:
         self.fields = fields
         self.given = given_timeout_s
         self.on_hang = on_hang
@@ -101,7 +102,7 @@ class Watchdog:
         self.on_abort = on_abort
         self.period_s = period_s
         self.collectives = collectives
-        self.on_peers_gone = on_peers_gone  # (the black box written at once: this process may be ended next)
+        self.persist = persist
         self.recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.findings: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
         self.unmarked: dict[int, dict[str, Any]] = {}  # step -> finding, for the step's span when it ends
@@ -284,6 +285,8 @@ class Watchdog:
         step = finding["step"]
         if isinstance(step, int):
             self.unmarked[step] = finding
+        # The black box first: a reader that waits for the hang file finds the box saying so.
+        self._persist()
         self._write(finding, threads)
         if self.on_finding is not None:
             try:
@@ -312,13 +315,19 @@ class Watchdog:
         new = [r for r in gone if r not in known]
         if new:
             f["peers_gone"] = sorted(set(known) | set(new))
-            if self.on_peers_gone is not None:
-                self.on_peers_gone()
+            self._persist()
             threading.Thread(target=logger.error, args=(
                 "torchtrace: rank(s) %s of this job are gone: their process no longer exists and never said how it "
                 "ended (SIGKILL, the OOM killer); rank %s waits for them in vain", new, f.get("rank")),
                 name="torchtrace-hang-log", daemon=True).start()
         return gone
+
+    def _persist(self) -> None:
+        if self.persist is not None:
+            try:
+                self.persist()
+            except Exception as exc:
+                logger.debug("torchtrace: black box not written: %r", exc)
 
     def _judge_peers(self, now: float) -> dict[str, Any] | None:
         if self.peers is None:

@@ -180,7 +180,7 @@ def black_box(rt: Any) -> None:
         hang_path=run_path / rank_file_name("hang", ".json", ident) if run_path is not None else None,
         peers=(lambda: read_states(run_path)) if run_path is not None else None,
         on_finding=lambda finding: hang_telemetry(rt, finding), on_abort=lambda: flush_for_abort(rt),
-        collectives=flight.last_collective if recorder else None, on_peers_gone=rt.rank_state.write)
+        collectives=flight.last_collective if recorder else None, persist=rt.rank_state.write)
     rt.metrics.registry.register(HangMetrics(s.run_id, str(ident.rank), progress.tracked))
     rt.report_sections["hangs"] = rt.watchdog.summary
     rt.rank_state.write()
