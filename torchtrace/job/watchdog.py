@@ -5,6 +5,7 @@ It reads the black box's fields (stored by :mod:`torchtrace.job.progress`), neve
 lock the training thread may hold, and never raises: an error in a tick is logged at DEBUG
 and the next tick runs. Each tick (every second):
 
+* looks at the other ranks' black boxes for a peer whose process is gone;
 * learns the step period from the steps finished since the last tick, and the longest
   pause between two marks it saw end;
 * computes the hang timeout (:func:`hang_timeout`) and how long the training thread has
@@ -48,8 +49,6 @@ WARMUP_STEPS = 2
 """Steps that must have finished before the adaptive or given timeout applies."""
 WINDOW = 100
 """Recent observations the adaptive timeout looks at (about as many seconds)."""
-PEER_EVERY = 1
-"""Ticks between two looks at the other ranks' black boxes (a peer whose process is gone)."""
 HANG_EXIT_CODE = 124
 """The exit status under ``on_hang="abort"``."""
 
@@ -160,8 +159,7 @@ class Watchdog:
         f = self.fields
         self._read_collectives(f)
         self._read_dump(now)
-        if self.ticks % PEER_EVERY == 0:
-            self.check_peers()
+        self.check_peers()
         phase, since, steps = f.get("phase"), f.get("progress"), f.get("steps_done") or 0
         self._observe(f, since, steps, now)
         timeout = hang_timeout(self.given, phase, steps, self.recent)
