@@ -68,6 +68,12 @@ M_RANK_SKEW = "torchtrace_rank_step_skew"  # gauge
 M_OVERHEAD = "torchtrace_overhead_seconds_total"  # counter
 M_BUILD_INFO = "torchtrace_build_info"  # gauge {version, level}
 M_RANK_STEP_SECONDS = "torchtrace_rank_step_seconds"  # gauge {operation}: this rank's mean step time, last skew window
+# Hangs (docs/hangs.md): read from the black box's fields when /metrics is scraped.
+M_STALLED_SECONDS = "torchtrace_stalled_seconds"  # gauge: seconds since the training thread last made progress
+M_HANGS = "torchtrace_hangs_total"  # counter: hangs detected (no progress beyond the hang timeout)
+M_PHASE = "torchtrace_phase"  # gauge {phase}: 1 for what the training thread is doing now
+M_COLLECTIVES = "torchtrace_collectives_total"  # counter: collectives this rank has entered (its sequence number)
+M_HANG_TIMEOUT = "torchtrace_hang_timeout_seconds"  # gauge: the watchdog's hang timeout now (for TrainingHung)
 
 ALL_METRICS = (
     M_STEPS, M_STEP_DURATION, M_LOSS, M_GRAD_NORM, M_GRAD_NONFINITE, M_ANOMALIES,
@@ -92,12 +98,15 @@ NONFINITE_OUTPUT = "nonfinite_output"
 UNIFORM_OUTPUT = "uniform_output"
 OOM = "oom"
 STEP_TIME_REGRESSION = "step_time_regression"
+HANG = "hang"  # no progress beyond the hang timeout (torchtrace.job.watchdog)
 
 ANOMALY_KINDS_ALL = (
     NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, GRAD_EXPLOSION, GRAD_VANISHING,
     LOSS_SPIKE, MEMORY_LEAK, NONFINITE_INPUT, NONFINITE_OUTPUT, UNIFORM_OUTPUT, OOM,
-    STEP_TIME_REGRESSION,
+    STEP_TIME_REGRESSION, HANG,
 )
+# What the training thread is doing (torchtrace_phase{phase}, the black box's ``phase``).
+TRAINING_PHASES = ("data_wait", "forward", "backward", "optimizer", "collective", "checkpoint", "evaluation", "idle")
 # Kinds that make a step "non-finite": span status ERROR, guard policies apply.
 NONFINITE_KINDS = frozenset({NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM})
 

@@ -91,10 +91,13 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
                 "torchtrace_badput_seconds": len(semconv.BADPUT_KINDS), "torchtrace_goodput_ratio": 1,
                 "torchtrace_learning_rate": 1, "torchtrace_data_wait_seconds": 1,
                 "torchtrace_step_phase_seconds": len(semconv.PHASES),
-                "torchtrace_samples": 1, "torchtrace_flops": 1}  # "samples, tokens and FLOPs add one counter each"
+                "torchtrace_samples": 1, "torchtrace_flops": 1,  # "samples, tokens and FLOPs add one counter each"
+                # the hang series (docs/hangs.md): one phase series per phase
+                "torchtrace_stalled_seconds": 1, "torchtrace_hang_timeout_seconds": 1, "torchtrace_hangs": 1,
+                "torchtrace_collectives": 1, "torchtrace_phase": len(semconv.TRAINING_PHASES)}
     assert {k: v for k, v in seen.items() if v} == expected
-    assert sum(expected.values()) - 2 == 55 + cuda
-    # docs/reliability.md: each extra operation adds 27 (6 gauges and histograms, every anomaly
+    assert sum(expected.values()) - 2 == 68 + cuda
+    # docs/reliability.md: each extra operation adds 28 (6 gauges and histograms, every anomaly
     # kind, skipped, learning rate, data wait, 3 phases).
     with tt.debug_context("finetune_step", model=tiny_model, optimizer=opt) as step:
         loss = tiny_model(torch.ones(4, 8)).pow(2).mean()
@@ -102,5 +105,5 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
         step.record_loss(loss)
         opt.step()
     rt.finish_deferred(block=True)
-    added = sum(_series_per_family(rt.metrics.registry).values()) - 55 - 2 - cuda
-    assert added - 2 == 6 + len(semconv.ANOMALY_KINDS_ALL) + 1 + 1 + 1 + len(semconv.PHASES) == 27  # and samples, FLOPs
+    added = sum(_series_per_family(rt.metrics.registry).values()) - 68 - 2 - cuda
+    assert added - 2 == 6 + len(semconv.ANOMALY_KINDS_ALL) + 1 + 1 + 1 + len(semconv.PHASES) == 28  # and samples, FLOPs

@@ -43,6 +43,12 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "torchtrace_step_phase_seconds": (HISTOGRAM, frozenset({"operation", "phase"})),
     "torchtrace_goodput_ratio": (GAUGE, frozenset()),
     "torchtrace_badput_seconds_total": (COUNTER, frozenset({"kind"})),
+    # hangs (DESIGN.md, "Hangs, deaths and restarts"); the timeout gauge is what TrainingHung compares with
+    "torchtrace_stalled_seconds": (GAUGE, frozenset()),
+    "torchtrace_hang_timeout_seconds": (GAUGE, frozenset()),
+    "torchtrace_hangs_total": (COUNTER, frozenset()),
+    "torchtrace_phase": (GAUGE, frozenset({"phase"})),
+    "torchtrace_collectives_total": (COUNTER, frozenset()),
 }
 
 #: Closed sets of label values, where the contract fixes them.
@@ -50,11 +56,13 @@ ANOMALY_KINDS = frozenset({
     "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_explosion",
     "grad_vanishing", "loss_spike", "memory_leak", "nonfinite_input",
     "nonfinite_output", "uniform_output", "oom", "step_time_regression",
-    "throughput_drop", "data_stall",
+    "throughput_drop", "data_stall", "hang",
 })
 MEMORY_KINDS = frozenset({"rss", "allocated", "reserved", "peak_allocated"})
 DROP_REASONS = frozenset({"queue_full", "export_failed", "shutdown"})
 PHASES = frozenset({"forward", "backward", "optimizer"})
+TRAINING_PHASES = frozenset({"data_wait", "forward", "backward", "optimizer", "collective", "checkpoint",
+                             "evaluation", "idle"})
 BADPUT_KINDS = frozenset({"startup", "data_wait", "skipped_step", "forensics", "checkpoint", "evaluation", "other"})
 LR_GROUPS = frozenset({*map(str, range(8)), "8+"})  # the group index, capped
 
@@ -66,6 +74,7 @@ CLOSED_LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("torchtrace_step_phase_seconds", "phase"): PHASES,
     ("torchtrace_badput_seconds_total", "kind"): BADPUT_KINDS,
     ("torchtrace_learning_rate", "group"): LR_GROUPS,
+    ("torchtrace_phase", "phase"): TRAINING_PHASES,
 }
 
 

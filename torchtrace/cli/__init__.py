@@ -1,4 +1,4 @@
-"""The ``torchtrace`` command: ``demo`` and ``report``."""
+"""The ``torchtrace`` command: ``demo``, ``report`` and ``why``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     from torchtrace.reporting.cli import add_report_subcommand
 
     add_report_subcommand(sub)
+    from torchtrace.cli import why
+
+    why.add_subcommand(sub)
     return parser
 
 

@@ -150,6 +150,8 @@ class Settings:
     otlp_certificate: str | None = None
     peak_flops: float | None = None  # FLOP/s of one device for MFU; None: the table of known accelerators
     throughput: bool = True  # samples, tokens, FLOPs, learning rate, phases and goodput at every level but OFF
+    hang_timeout_s: float | None = None  # no progress this long is a hang; None: adaptive (docs/hangs.md)
+    on_hang: str = "record"  # record: report it and keep waiting; abort: write everything and exit non-zero
 
     # ------------------------------------------------------------ resolution
     @classmethod

@@ -44,6 +44,8 @@ from torchtrace.config.env import (
     ENV_PROMETHEUS_HOST,
     ENV_PROMETHEUS_PORT,
     ENV_RANK_SKEW_INTERVAL,
+    ENV_HANG_TIMEOUT_S,
+    ENV_ON_HANG,
     ENV_RUN_DIR,
     ENV_RUN_ID,
     ENV_SHARED_STEP_TRACE,
@@ -57,6 +59,7 @@ from torchtrace.levels import DebugLevel, DebugMode
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 GUARD_POLICIES = ("warn", "skip", "raise")
+HANG_POLICIES = ("record", "abort")
 PORT_POLICIES = ("next", "ephemeral", "off")
 METRICS_EXPORTERS = ("prometheus", "otlp", "both", "none")
 
@@ -170,6 +173,13 @@ def _optional_positive_int(value: Any, setting: str) -> int | None:
     if isinstance(value, str) and value.strip().lower() in ("off", "none", ""):
         return None
     return _positive_int(value, setting)
+
+
+def _hang_timeout(value: Any, setting: str) -> float | None:
+    """Seconds without progress that make a hang, or None (``adaptive``): the rule in docs/hangs.md."""
+    if isinstance(value, str) and value.strip().lower() in ("adaptive", "auto", ""):
+        return None
+    return _positive_float(value, setting, accepted="accepted values: a positive number of seconds, or 'adaptive'")
 
 
 def _non_negative_int(value: Any, setting: str) -> int:
@@ -347,6 +357,8 @@ VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "otlp_certificate": _readable_file,
     "peak_flops": _peak_flops,
     "throughput": _bool,
+    "hang_timeout_s": lambda v, s: _hang_timeout(v, s),
+    "on_hang": _choice(HANG_POLICIES),
 }
 
 # setting -> (environment variables in order of precedence, parser)
@@ -378,4 +390,6 @@ ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "otlp_certificate": ((ENV_OTLP_TRACES_CERTIFICATE, ENV_OTLP_CERTIFICATE), _readable_file),
     "peak_flops": ((ENV_PEAK_FLOPS,), _peak_flops),
     "throughput": ((ENV_THROUGHPUT,), _bool),
+    "hang_timeout_s": ((ENV_HANG_TIMEOUT_S,), lambda v, s: _hang_timeout(v, s)),
+    "on_hang": ((ENV_ON_HANG,), _choice(HANG_POLICIES)),
 }

@@ -114,6 +114,7 @@ class DebugAPI:
         add("GET", "/debug/training/summary", self._guarded(self._training))
         add("GET", "/debug/steps", self._guarded(self._steps))
         add("GET", "/debug/events", self._guarded(self._events))
+        add("GET", "/debug/hang", self._guarded(self._hang))
         add("POST", "/debug/level/", self._guarded(self._level, mutating=True))
         add("POST", "/debug/clear", self._guarded(self._clear, mutating=True))
         # Seed 001's routes (/training-logs/debug/...): aliases of the four above, same handlers
@@ -277,6 +278,18 @@ class DebugAPI:
         if events:
             self._cache.prune("event", events[0].seq)
         return 200, _JSON, page_json("events", items, {"last_seq": last, "more": len(items) < len(events)}), {}
+
+    def _hang(self, request):
+        """The watchdog now: phase, stall, timeout, hangs; the last finding with the training
+        thread's stack (every thread's stack is in the run directory's stacks file)."""
+        watchdog = self.runtime.watchdog
+        if watchdog is None:
+            return self._json({"enabled": False})
+        out = watchdog.summary()
+        last = watchdog.findings[-1] if watchdog.findings else None
+        if last is not None:
+            out["finding"] = {k: v for k, v in last.items() if k != "threads"}
+        return self._json(out)
 
     def _page(self, request):
         from torchtrace.reporting.page import live_page

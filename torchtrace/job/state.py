@@ -31,6 +31,17 @@ The fields, all optional for a reader (a file from an older attempt may lack som
                           ``preempted`` or ``hang`` when the process said how it ended
 ``end_detail``,           what ended it (the exception's type, the signal) and when
 ``end_time``
+``host``                  the host name (a pid is checked only on the same host)
+``progress``,             the hang watchdog's view (:mod:`torchtrace.job.progress`): the
+``step_kind``,            last progress (unix time), the open step's kind, steps finished,
+``steps_done``,           the training thread's ident
+``thread``
+``collective_active``     the last collective the flight recorder holds is in flight
+``hang_timeout_s``        the watchdog's hang timeout now
+``hang``, ``hangs``       the last hang found (since, detected, step, phase, stalled_s,
+                          timeout_s, where, source) and how many
+``culprit_ranks``         the ranks the last hang blamed
+``peers_gone``            ranks of this attempt whose process this rank saw gone
 ========================  =============================================================
 
 >>> import tempfile

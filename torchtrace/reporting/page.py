@@ -32,8 +32,12 @@ _LIVE_JS = """
           if (events.length > %(max_events)d) events = events.slice(-%(max_events)d);
           lastSeq = ev.last_seq || lastSeq;
           window.ttRender({summary: summary, training: res[1], steps: res[2].steps || [], events: events});
-          status.textContent = "live · " + new Date().toLocaleTimeString();
-          status.className = "badge ok";
+          var hang = summary.hangs || {}, now = new Date().toLocaleTimeString();
+          var stuck = hang.timeout_s && hang.stalled_s > hang.timeout_s;
+          status.textContent = stuck ? "HUNG: no progress for " + Math.round(hang.stalled_s) + " s in " + hang.phase +
+            (hang.last && hang.last.where ? " at " + hang.last.where : "") + " · " + now
+            : "live · " + (hang.phase ? hang.phase + " · " : "") + now;
+          status.className = stuck ? "badge bad" : "badge ok";
         });
       })
       .catch(function (err) { status.textContent = "disconnected: " + err.message; status.className = "badge bad"; })

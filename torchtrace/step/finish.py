@@ -20,7 +20,7 @@ from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure.counts import device_count, read_given
 from torchtrace.measure.learning_rates import read_rates
 from torchtrace.record import policy, readout, rules
-from torchtrace.record.step import StepRecord
+from torchtrace.record.step import Anomaly, StepRecord
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -44,6 +44,11 @@ def finish(rt: Runtime, scope: StepScope, record: StepRecord, plan: ReadPlan, va
     """
     states, _ = scope.hand_over()
     _guarded(rt, _fill, rt, scope, record, plan, values)
+    if rt.watchdog is not None:
+        if rt.watchdog.unmarked:  # the watchdog found this step hung
+            _guarded(rt, _mark_hang, rt, record)
+        if exc is not None and rt.identity.distributed:  # a collective that failed: was a peer lost?
+            _guarded(rt, rt.watchdog.check_peers)
     _guarded(rt, _judge, rt, scope, record, exc)
     _guarded(rt, rt.probes.finish, scope, states, record, plan, values)
     if scope.features.throughput:
@@ -54,6 +59,15 @@ def finish(rt: Runtime, scope: StepScope, record: StepRecord, plan: ReadPlan, va
     _guarded(rt, _apply_policy, rt, scope, record)
     export(rt, record, span, exc)
     scope.release()
+
+
+def _mark_hang(rt: Runtime, record: StepRecord) -> None:
+    """A step the watchdog found hung has ended after all: its span carries the ``hang`` anomaly."""
+    finding = rt.watchdog.take(record.step)
+    if finding is not None:
+        record.anomalies.append(Anomaly(semconv.HANG, f"no progress for {finding['stalled_s']:.1f} s in phase "
+                                        f"{finding['phase']} (timeout {finding['timeout_s']:.1f} s)", record.step,
+                                        record.operation, {"phase": finding["phase"], "stalled_s": finding["stalled_s"]}))
 
 
 def _guarded(rt: Runtime, stage: Any, *args: Any) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from torchtrace import current
+from torchtrace.job import progress
 from torchtrace.record import events
 from torchtrace.step.call_keys import MANY, note_call
 from torchtrace.step.cycles import DeviceCycles  # noqa: F401  (imported from here before)
@@ -76,20 +77,24 @@ class StepClock:
         a pause between forward calls), a forward end only before the optimizer started, an
         optimizer end only after it did."""
         if point == "forward_start":
+            progress.mark("forward")  # (what the training thread does now: the watchdog's view)
             if self.forward_start is None:
                 self.forward_start = self.mark()
             elif self.forward_end is not None and self.optimizer_start is None:
                 self.again = self.mark()
         elif point == "forward_end":
+            progress.mark("backward" if torch.is_grad_enabled() else "forward")
             if self.forward_start is not None and self.optimizer_start is None:
                 if self.again is not None:
                     self.again, again = None, self.again
                     self.pause(again)
                 self.end_forward()
         elif point == "optimizer_start":
+            progress.mark("optimizer")
             if self.optimizer_start is None:
                 self.optimizer_start = self.mark()
         elif point == "optimizer_end":
+            progress.mark("optimizer")
             if self.optimizer_start is not None:
                 self.optimizer_end = self.mark()
         else:
@@ -321,6 +326,7 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
     # Every forward call pays for what follows: names are bound here, not looked up per call.
     compiling, frame, seam, open_step, grad_enabled, many = _COMPILING or _never, sys._getframe, _SEAM_CODE, \
         current.step, torch.is_grad_enabled, MANY
+    phase_mark = progress.mark
 
     def call_with_marks(*args: Any, **kwargs: Any) -> Any:
         if compiling():  # traced by torch.compile: no frames, no marks
@@ -336,20 +342,24 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
             note_call(state, args, kwargs)
         if clock.forward_start is None:  # the step's first call (the usual step's only one)
+            phase_mark("forward")
             clock.forward_start = clock.mark()
             out = impl(target, *args, **kwargs)
             if clock.optimizer_start is None:  # StepClock.end_forward, inline
                 clock.forward_end = clock.mark()
-                clock.graph = grad_enabled()
+                clock.graph = graph = grad_enabled()
+                phase_mark("backward" if graph else "forward")
             return out
         again = clock.mark() if clock.forward_end is not None and clock.optimizer_start is None else None
         # (called again: since its last call ended, a pause if this call ends)
+        phase_mark("forward")
         out = impl(target, *args, **kwargs)
         if clock.optimizer_start is None:
             if again is not None:
                 clock.pause(again)
             clock.forward_end = clock.mark()
             clock.graph = grad_enabled()
+        phase_mark("backward" if grad_enabled() else "forward")
         return out
 
     setattr(call_with_marks, _MARKS, True)
@@ -372,6 +382,7 @@ class OptimizerMarks:
     def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         clock = _open_clock()
         if clock is not None and clock.optimizer_start is None:
+            progress.mark("optimizer")
             clock.optimizer_start = clock.mark()
 
     @staticmethod
@@ -379,6 +390,7 @@ class OptimizerMarks:
         clock = _open_clock()
         if clock is not None and clock.optimizer_start is not None:
             clock.optimizer_end = clock.mark()
+            progress.mark("optimizer")  # (progress: the update is done)
 
     def remove(self) -> None:
         for h in self.handles:

@@ -85,6 +85,8 @@ class Runtime:
         self.debug_api = None  # torchtrace.export.debug_api.DebugAPI when served
         self.metrics_pusher = None
         self.forensics = None  # torchtrace.probes.forensics.ForensicsProbe
+        self.rank_state = None  # torchtrace.job.state.RankState: this rank's black box
+        self.watchdog = None  # torchtrace.job.watchdog.Watchdog
 
         self.metrics = Metrics(settings.run_id, self.identity.rank, __version__, self.level.value)
         self.errors = InternalErrors(self.metrics.internal_error, settings.strict)
@@ -104,6 +106,7 @@ class Runtime:
         setup.server(self)
         setup.probes(self)
         setup.metrics_push(self)
+        setup.black_box(self)
 
     # ------------------------------------------------------------ per-step services
     @property
@@ -341,6 +344,10 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
+        try:  # first: the watchdog stops, so a slow shutdown is never taken for a hang
+            setup.close_black_box(self)
+        except Exception as exc:
+            self.errors.report("files", exc)
         deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
         if at_exit:
             for proc in self.processors:

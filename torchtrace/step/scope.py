@@ -20,6 +20,7 @@ from opentelemetry import trace
 from torchtrace import current, semconv
 from torchtrace.errors import NonFiniteError
 from torchtrace.export.spans import clean_attributes
+from torchtrace.job import progress
 from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.counts import checked_overrides, plan_given
@@ -206,6 +207,7 @@ class StepScope:
         else:  # an operation pinned at its own level or mode
             self.features = feats = Features.for_level(level, mode, rt.settings.throughput)
         self.step = rt.step_number(self.name, self._step_arg)
+        progress.step_began(self.step, self.kind)  # (the watchdog's view: a few dict stores)
         if current.orphan_check is not None and current.step() is not None:
             current.orphan_check()  # a framework's step its loop left by an exception ends first
         parent = current.step()  # the operation this step runs inside, if any
@@ -243,6 +245,7 @@ class StepScope:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self._active:
             return False
+        progress.step_ended(self.step)
         state = self.throughput
         clock = state.clock if state is not None else None
         if clock is not None and clock.optimizer_end is None and clock.forward_end is not None and clock.graph:

@@ -1,0 +1,219 @@
+"""The watchdog's pieces without a subprocess: the timeout rule, a tick, the culprit rule,
+faulthandler's format, the phase marks, the hang series, the settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import torchtrace as tt
+from torchtrace import semconv
+from torchtrace.config import Settings
+from torchtrace.export.hang_metrics import HangMetrics
+from torchtrace.job import culprit, progress, stacks
+from torchtrace.job.watchdog import FLOOR_S, SLOW_S, Watchdog, hang_timeout
+
+
+# ---------------------------------------------------------------- the timeout rule
+def test_adaptive_timeout_is_ten_times_the_longest_recent_period_at_least_the_floor():
+    assert hang_timeout(None, "forward", 10, [0.01, 0.02]) == FLOOR_S == 30.0
+    assert hang_timeout(None, "forward", 10, [0.5, 5.0, 1.0]) == 50.0
+    assert hang_timeout(7.0, "forward", 10, [5.0]) == 7.0  # hang_timeout_s overrides
+
+
+@pytest.mark.parametrize("phase,steps", [("checkpoint", 10), ("evaluation", 10), ("forward", 0), ("data_wait", 1)])
+def test_first_steps_and_marked_phases_keep_their_allowance(phase, steps):
+    assert hang_timeout(None, phase, steps, [0.01]) == SLOW_S
+    assert hang_timeout(2.0, phase, steps, [0.01]) == SLOW_S
+
+
+# ---------------------------------------------------------------- ticks
+def _fields(**kw):
+    f = {"rank": 0, "attempt": 0}
+    progress.track(f)
+    progress.untrack(f)
+    f.update(kw)
+    return f
+
+
+def test_a_tick_flags_a_stall_once_and_learns_periods(tmp_path):
+    release = threading.Event()
+    trainer = threading.Thread(target=release.wait, args=(10,), name="trainer")
+    trainer.start()
+    f = _fields(phase="forward", progress=100.0, steps_done=5, step_time=99.0, current_step=5, thread=trainer.ident)
+    dog = Watchdog(f, given_timeout_s=None, stack_path=tmp_path / "stacks.txt", hang_path=tmp_path / "hang.json")
+    dog._stack_file = open(tmp_path / "stacks.txt", "ab")
+    try:
+        assert dog.tick(101.0) is None
+        f.update(progress=101.5, steps_done=7, step_time=101.5)  # two steps of 1.25 s
+        assert dog.tick(102.0) is None
+        assert max(dog.recent) == pytest.approx(1.25)
+        assert f["hang_timeout_s"] == 30.0
+        assert dog.tick(101.5 + 30.0) is None  # not beyond
+        finding = dog.tick(101.5 + 31.0)
+        assert finding is not None and finding["phase"] == "forward" and finding["step"] == 5
+        assert dog.tick(101.5 + 40.0) is None  # once per stall
+        assert f["hangs"] == 1 and f["hang"]["since"] == 101.5
+        on_disk = json.loads((tmp_path / "hang.json").read_text())
+        assert on_disk["stalled_s"] == 31.0 and on_disk["threads"][0]["name"] == "trainer"
+        assert on_disk["stack"][0]["function"] == "wait"
+        assert "torchtrace: hang at" in (tmp_path / "stacks.txt").read_text()
+        # The step ends after all: its record gets the finding once.
+        assert dog.take(5) is finding and dog.take(5) is None
+    finally:
+        release.set()
+        trainer.join()
+        dog.stop()
+
+
+def test_idle_is_never_a_hang():
+    f = _fields(phase="idle", progress=0.0, steps_done=100)
+    dog = Watchdog(f, given_timeout_s=1.0)
+    assert dog.tick(10_000.0) is None and "hangs" not in f
+
+
+def test_a_tick_that_fails_does_not_end_the_thread():
+    class Broken(dict):
+        def get(self, *a):
+            raise RuntimeError("boom")
+
+    dog = Watchdog(Broken(), period_s=0.01)
+    dog.start()
+    time.sleep(0.1)
+    assert dog._thread is not None and dog._thread.is_alive() and dog.ticks >= 2
+    dog.stop()
+
+
+def test_the_stack_names_the_stuck_thread_and_the_users_frame_first():
+    release = threading.Event()
+
+    def users_wait():
+        release.wait(10)
+
+    t = threading.Thread(target=users_wait, name="stuck")
+    t.start()
+    try:
+        time.sleep(0.05)
+        threads = stacks.capture(t.ident)
+        first = threads[0]
+        assert first["training"] and first["name"] == "stuck"
+        assert first["where"]["function"] == "users_wait" and first["where"]["file"] == __file__
+        assert not first["stack"][-1]["user"]  # threading's frames come after
+    finally:
+        release.set()
+        t.join()
+
+
+def test_faulthandler_dump_is_parsed_and_the_training_thread_found():
+    text = ("junk\nTimeout (0:00:05)!\nThread 0x00007f0000000002 (most recent call first):\n"
+            '  File "/usr/lib/python3.11/threading.py", line 331 in wait\n\n'
+            "Thread 0x00007f0000000001 (most recent call first):\n"
+            '  File "/usr/lib/python3.11/re/__init__.py", line 166 in match\n'
+            '  File "/home/u/train.py", line 12 in forward\n')
+    threads = stacks.parse_faulthandler(text, 0x7F0000000001)
+    assert threads[0]["training"] and threads[0]["ident"] == 0x7F0000000001
+    assert threads[0]["where"] == {"file": "/home/u/train.py", "line": 12, "function": "forward", "user": True}
+    assert [t["training"] for t in stacks.parse_faulthandler(text, None)] == [True, False]
+
+
+# ---------------------------------------------------------------- the culprit rule
+def _box(rank, **kw):
+    box = {"rank": rank, "attempt": 0, "world_size": 3, "pid": os.getpid(), "time": 1000.0, "ended": None,
+           "progress": 990.0, "phase": "collective", "current_step": 8, "hang_timeout_s": 4.0}
+    box.update(kw)
+    return box
+
+
+def test_culprit_is_the_rank_not_inside_the_collective_the_others_wait_in():
+    hang = {"since": 990.0}
+    boxes = [_box(0, collective_seq=17, hang=hang), _box(1, collective_seq=17, hang=hang),
+             _box(2, collective_seq=16, phase="data_wait", hang=hang)]
+    verdict = culprit.judge(boxes, now=1000.5)
+    assert verdict["verdict"] == "hang" and verdict["culprit_ranks"] == [2]
+    assert "#17" in verdict["reason"]
+
+
+def test_without_collective_counts_the_rank_behind_is_blamed():
+    hang = {"since": 990.0}
+    boxes = [_box(0, hang=hang, phase="backward"), _box(1, hang=hang, phase="backward"),
+             _box(2, hang=hang, phase="data_wait")]
+    assert culprit.judge(boxes, now=1000.5)["culprit_ranks"] == [2]
+
+
+def test_a_gone_rank_named_by_its_peers_is_the_culprit_not_the_ranks_that_then_failed():
+    dead = 2 ** 22 + 12345  # (no such pid)
+    boxes = [_box(0, ended="exception", peers_gone=[2]), _box(1, ended="exception"), _box(2, pid=dead)]
+    verdict = culprit.judge(boxes, now=1000.5)
+    assert verdict["verdict"] == "died" and verdict["culprit_ranks"] == [2]
+    assert verdict["conditions"] == {0: "ended:exception", 1: "ended:exception", 2: "gone"}
+
+
+def test_a_silent_heartbeat_of_a_live_process_is_a_hang():
+    boxes = [_box(0, phase="forward", time=900.0), _box(1, phase="forward")]
+    verdict = culprit.judge(boxes, now=1000.5)
+    assert verdict["verdict"] == "hang" and verdict["culprit_ranks"] == [0]
+
+
+def test_healthy_completed_and_running():
+    assert culprit.judge([_box(0, progress=999.9, phase="forward")], now=1000.0)["verdict"] == "running"  # 1 of 3
+    one = [{**_box(0, progress=999.9, phase="forward"), "world_size": 1}]
+    assert culprit.judge(one, now=1000.0)["verdict"] == "healthy"
+    assert culprit.judge([{**one[0], "progress": 990.0}], now=1000.0)["verdict"] == "running"  # past half its timeout
+    assert culprit.judge([{**one[0], "ended": "completed"}], now=1000.0)["verdict"] == "completed"
+
+
+# ---------------------------------------------------------------- marks and series
+def test_phase_marks_of_a_real_step(tt_runtime, tiny_model):
+    rt = tt.current.runtime()
+    f = rt.rank_state.fields
+    opt = __import__("torch").optim.SGD(tiny_model.parameters(), lr=0.1)
+    seen = []
+    orig = progress.mark
+
+    with tt.debug_context("train_step", model=tiny_model, optimizer=opt):
+        seen.append(f["phase"])
+        loss = tiny_model(__import__("torch").ones(2, 8)).sum()
+        seen.append(f["phase"])
+        loss.backward()
+        opt.step()
+        seen.append(f["phase"])
+        assert f["current_step"] == 0
+    seen.append(f["phase"])
+    with tt.debug_context("save", kind="checkpoint"):
+        seen.append(f["phase"])
+        tiny_model(__import__("torch").ones(2, 8))
+        seen.append(f["phase"])
+    assert seen == ["data_wait", "backward", "optimizer", "data_wait", "checkpoint", "checkpoint"]
+    assert f["step"] == 0 and f["steps_done"] == 2 and orig is progress.mark
+    tt.shutdown()
+    assert f["phase"] == "idle" and f["ended"] == "completed"
+
+
+def test_hang_series_at_scrape_time():
+    f = {"phase": "forward", "progress": time.time() - 42.0, "hangs": 2, "collective_seq": 17, "hang_timeout_s": 30.0}
+    registry = CollectorRegistry()
+    registry.register(HangMetrics("r", "0", lambda: f))
+    base = {"run_id": "r", "rank": "0"}
+    assert registry.get_sample_value("torchtrace_stalled_seconds", base) == pytest.approx(42.0, abs=1.0)
+    assert registry.get_sample_value("torchtrace_hangs_total", base) == 2.0
+    assert registry.get_sample_value("torchtrace_collectives_total", base) == 17.0
+    assert registry.get_sample_value("torchtrace_hang_timeout_seconds", base) == 30.0
+    phases = {p: registry.get_sample_value("torchtrace_phase", {**base, "phase": p}) for p in semconv.TRAINING_PHASES}
+    assert phases == {p: float(p == "forward") for p in semconv.TRAINING_PHASES}
+    f.update(phase="idle")
+    assert registry.get_sample_value("torchtrace_stalled_seconds", base) == 0.0
+
+
+def test_settings():
+    assert Settings.resolve({}, environ={}).hang_timeout_s is None
+    assert Settings.resolve({}, environ={"TORCHTRACE_HANG_TIMEOUT_S": "45"}).hang_timeout_s == 45.0
+    assert Settings.resolve({"on_hang": "ABORT"}, environ={}).on_hang == "abort"
+    with pytest.raises(ValueError, match="on_hang='exit' is not valid; accepted values: record, abort"):
+        Settings.resolve({"on_hang": "exit"}, environ={})
+    with pytest.raises(ValueError, match="hang_timeout_s=0 is not valid"):
+        Settings.resolve({"hang_timeout_s": 0}, environ={})

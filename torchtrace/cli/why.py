@@ -1,0 +1,172 @@
+"""``torchtrace why PATH [--json]``: what happened to this job, from its run directory.
+
+It reads only files (each rank's black box ``state*.json``, the watchdog's ``hang*.json`` and
+``stacks*.txt``), so it answers while the job is still hung and after it is gone, for one
+rank or many. It prints the verdict (healthy, running, hang, died, completed), the culprit
+ranks and each rank's step, phase and stack (the user's frames first).
+
+>>> import tempfile
+>>> report = why(tempfile.mkdtemp())
+>>> report["verdict"], report["culprit_ranks"]
+('running', [])
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from torchtrace.job import culprit, stacks
+from torchtrace.job.state import read_states
+
+_ENDED_ORDER = ("hang", "killed", "exception", "preempted", "unknown", "completed")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _sibling(state_file: str, stem: str, suffix: str) -> Path:
+    """``hang.rank3.json`` beside ``state.rank3.json``."""
+    path = Path(state_file)
+    return path.with_name(stem + path.name[len("state"):-len(".json")] + suffix)
+
+
+def _stack_of(state: dict[str, Any], condition: str) -> tuple[list[dict[str, Any]], str | None]:
+    """The stuck rank's training-thread stack: the watchdog's hang file for the stall it
+    recorded, else faulthandler's dump written during this stall (a rank whose heartbeat
+    stopped: the GIL was held), else none. A rank that progresses has none."""
+    file = state.get("file")
+    if not file or condition not in ("hung", "silent", "gone", "ended:hang"):
+        return [], None
+    since = state.get("progress")
+    hang = _read_json(_sibling(file, "hang", ".json"))
+    if hang is not None and hang.get("since") == since and hang.get("source") == "watchdog":
+        return list(hang.get("stack") or []), "watchdog"
+    dump = _sibling(file, "stacks", ".txt")
+    try:
+        fresh = not isinstance(since, (int, float)) or dump.stat().st_mtime >= since
+        text = dump.read_text(encoding="utf-8", errors="replace") if fresh else ""
+    except OSError:
+        text = ""
+    if "Timeout (" in text:
+        threads = stacks.parse_faulthandler(text, state.get("thread"))
+        training = next((t for t in threads if t["training"]), threads[0] if threads else None)
+        if training is not None:
+            return training["stack"], "faulthandler"
+    if hang is not None and hang.get("since") == since:
+        return list(hang.get("stack") or []), str(hang.get("source"))
+    return [], None
+
+
+def _rank_view(state: dict[str, Any], condition: str, now: float) -> dict[str, Any]:
+    stack, source = _stack_of(state, condition)
+    progress = state.get("progress")
+    live = state.get("ended") is None and condition not in ("gone",)
+    stalled = (now if live else (state.get("time") or now)) - progress if isinstance(progress, (int, float)) else None
+    phase = state.get("phase")
+    if state.get("collective_active") and phase not in (None, "idle"):
+        phase = "collective"
+    return {
+        "rank": state.get("rank"), "attempt": state.get("attempt"), "pid": state.get("pid"),
+        "host": state.get("host"), "condition": condition,
+        "step": state.get("current_step") if state.get("current_step") is not None else state.get("step"),
+        "in_step": state.get("current_step") is not None, "last_finished_step": state.get("step"),
+        "phase": phase, "stalled_s": round(stalled, 1) if stalled is not None and phase != "idle" else 0.0,
+        "heartbeat_age_s": round(now - state["time"], 1) if isinstance(state.get("time"), (int, float)) else None,
+        "hang_timeout_s": state.get("hang_timeout_s"),
+        "collective": {"seq": state.get("collective_seq"), "op": state.get("collective_op"),
+                       "group": state.get("collective_group"), "active": bool(state.get("collective_active"))},
+        "ended": state.get("ended"), "end_detail": state.get("end_detail"),
+        "where": stacks.where(stack[0]) if stack else None,
+        "stack": [stacks.where(f) + ("" if f.get("user") else " [library]") for f in stack],
+        "stack_source": source, "file": state.get("file"),
+    }
+
+
+def _job_section(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Each attempt's end and last step, from the black boxes (every attempt, every rank)."""
+    by_attempt: dict[int, list[dict[str, Any]]] = {}
+    for s in read_states(path):
+        attempt = s.get("attempt") if isinstance(s.get("attempt"), int) else 0
+        by_attempt.setdefault(attempt, []).append(s)
+    now = time.time()
+    attempts = []
+    for attempt in sorted(by_attempt):
+        boxes = by_attempt[attempt]
+        ends = []
+        for s in boxes:
+            c = culprit.condition(s, now)
+            ends.append(s["ended"] if s.get("ended") else "killed" if c == "gone" else "unknown")
+        ended = min(ends, key=lambda e: _ENDED_ORDER.index(e) if e in _ENDED_ORDER else len(_ENDED_ORDER))
+        if not all(s.get("ended") for s in boxes) and ended == "unknown" and any(
+                culprit.condition(s, now) in ("running", "stalled", "hung", "silent") for s in boxes):
+            ended = None  # still running
+        steps = [s.get("step") for s in boxes if isinstance(s.get("step"), int)]
+        attempts.append({"attempt": attempt, "ended": ended, "last_step": max(steps) if steps else None})
+    return {"attempts": attempts}
+
+
+def why(path: str | os.PathLike[str], now: float | None = None) -> dict[str, Any]:
+    """The verdict on the job whose run directory (or run directories' parent) is ``path``."""
+    now = time.time() if now is None else now
+    states = read_states(path)
+    verdict = culprit.judge(states, now)
+    boxes = culprit.latest_attempt(states)
+    ranks = [_rank_view(s, verdict["conditions"][s["rank"]], now) for s in boxes]
+    return {"path": str(path), "verdict": verdict["verdict"], "culprit_ranks": verdict["culprit_ranks"],
+            "reason": verdict["reason"], "ranks": ranks, "job": _job_section(path)}
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as text: verdict, culprits, then each rank (culprits first)."""
+    lines = [f"verdict: {report['verdict']}" + (f" ({report['reason']})" if report["reason"] else "")]
+    blamed = report["culprit_ranks"]
+    lines.append("culprit ranks: " + (", ".join(str(r) for r in blamed) if blamed else "none"))
+    for r in sorted(report["ranks"], key=lambda r: (r["rank"] not in blamed, r["rank"] or 0)):
+        c = r["collective"]
+        coll = f", collective #{c['seq']} {c['op']} ({c['group']}){' in progress' if c['active'] else ''}" \
+            if c.get("seq") else ""
+        step = f"step {r['step']}" + (" (in progress)" if r["in_step"] else " (finished)") if r["step"] is not None \
+            else "no step yet"
+        lines.append(f"rank {r['rank']}{' [culprit]' if r['rank'] in blamed else ''}: {r['condition']}, {step}, "
+                     f"phase {r['phase']}, no progress for {r['stalled_s']} s{coll}"
+                     + (f", ended {r['ended']}" if r["ended"] else ""))
+        for frame in r["stack"][:12]:
+            lines.append(f"    {frame}")
+    for a in report["job"]["attempts"]:
+        lines.append(f"attempt {a['attempt']}: ended {a['ended'] or 'not yet'}, last step {a['last_step']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not Path(args.path).exists():
+        raise ValueError(f"PATH={args.path!r} does not exist; give a run directory")
+    report = why(args.path)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(report))
+    return 0 if report["ranks"] else 1
+
+
+def add_subcommand(subparsers: Any) -> None:
+    p = subparsers.add_parser("why", help="what happened to this job: verdict, culprit ranks, where each rank is",
+                              description="Read a run directory's black boxes: the verdict (healthy, running, hang, "
+                                          "died, completed), the culprit ranks, each rank's step, phase and stack.")
+    p.add_argument("path", help="a run directory (<run_dir>/<run_id>) or the run_dir holding several")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run(argparse.Namespace(path=sys.argv[1], json="--json" in sys.argv)))

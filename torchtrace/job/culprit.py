@@ -1,0 +1,164 @@
+"""The verdict on a job from its black boxes, and the ranks it blames.
+
+Only the black boxes are read (files in the run directory), never the communicator that may
+be the thing that hangs. The rules, in order:
+
+1. a rank that ended with an exception, or whose process is gone without saying how it
+   ended (SIGKILL, the OOM killer), is blamed: verdict ``died``. Ranks the others saw gone
+   while they ran come first, then ranks gone without a word (the others' exceptions are
+   most likely their collectives failing for want of it);
+2. a rank whose heartbeat stopped while its process lives (a thread holding the GIL in a C
+   call stops every Python thread, the black box's writer too), or whose watchdog flagged a
+   hang with no progress since, is stuck: verdict ``hang``. Among the stuck ranks the
+   culprits are those not inside the collective the others wait in (a lower collective
+   sequence number than theirs); without that difference, those behind the others (a lower
+   step, or the same step at an earlier phase); without any difference, all of them;
+3. every rank ``completed``: ``completed``; every rank alive and progressing within its
+   timeout: ``healthy``; otherwise (some rank stalled beyond half its timeout, or fewer
+   black boxes than the world size): ``running``, no verdict yet.
+
+>>> judge([{"rank": 0, "ended": "completed"}], now=0.0)["verdict"]
+'completed'
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+STALE_S = 10.0
+"""A heartbeat older than this is stopped (the black box is rewritten every 1-2 s)."""
+PHASE_ORDER = {"idle": 0, "data_wait": 1, "forward": 2, "backward": 3, "collective": 3, "optimizer": 4,
+               "evaluation": 1, "checkpoint": 1}
+
+
+def pid_alive(state: dict[str, Any]) -> bool | None:
+    """Whether the rank's process still exists; None when it ran on another host."""
+    pid = state.get("pid")
+    if not isinstance(pid, int) or state.get("host") not in (None, socket.gethostname()):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return None
+    try:
+        # A zombie (ended, not yet reaped by its launcher) is gone.
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def condition(state: dict[str, Any], now: float) -> str:
+    """One rank's condition: ``ended:<how>``, ``gone``, ``silent``, ``hung``, ``stalled`` or ``running``."""
+    if state.get("ended"):
+        return f"ended:{state['ended']}"
+    alive = pid_alive(state)
+    if alive is False:
+        return "gone"
+    heartbeat = state.get("time")
+    hang = state.get("hang")
+    if isinstance(hang, dict) and hang.get("since") == state.get("progress"):
+        return "hung"
+    if isinstance(heartbeat, (int, float)) and now - heartbeat > STALE_S:
+        return "silent"
+    progress, timeout = state.get("progress"), state.get("hang_timeout_s")
+    if (state.get("phase") not in (None, "idle") and isinstance(progress, (int, float))
+            and isinstance(timeout, (int, float)) and now - progress > timeout / 2):
+        return "stalled"
+    return "running"
+
+
+def _position(state: dict[str, Any]) -> tuple[float, int]:
+    current = state.get("current_step")
+    if isinstance(current, int):
+        return float(current), PHASE_ORDER.get(str(state.get("phase")), 0)
+    last = state.get("step")
+    # Between steps: past the last one, before the next's forward.
+    return (float(last) + 0.5 if isinstance(last, int) else -1.0), 0
+
+
+def stuck_culprits(stuck: list[dict[str, Any]]) -> tuple[list[int], str]:
+    """Among the stuck ranks, those the others wait for, and why."""
+    seqs = {s["rank"]: s.get("collective_seq") for s in stuck if isinstance(s.get("collective_seq"), int)}
+    if len(seqs) == len(stuck) and len(set(seqs.values())) > 1:
+        top = max(seqs.values())
+        behind = sorted(r for r, q in seqs.items() if q < top)
+        return behind, f"not inside collective #{top} that the others entered"
+    positions = {s["rank"]: _position(s) for s in stuck}
+    if len(set(positions.values())) > 1:
+        top = max(positions.values())
+        return sorted(r for r, p in positions.items() if p < top), "behind the other ranks (step, phase)"
+    return sorted(positions), "stuck"
+
+
+def latest_attempt(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The black boxes of the last attempt, one per rank (the latest written)."""
+    if not states:
+        return []
+    last = max(s.get("attempt") if isinstance(s.get("attempt"), int) else 0 for s in states)
+    ranks: dict[int, dict[str, Any]] = {}
+    for s in states:
+        if (s.get("attempt") if isinstance(s.get("attempt"), int) else 0) != last:
+            continue
+        rank = s.get("rank") if isinstance(s.get("rank"), int) else 0
+        if rank not in ranks or (s.get("time") or 0) >= (ranks[rank].get("time") or 0):
+            ranks[rank] = dict(s, rank=rank)
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
+    """The verdict on one attempt's black boxes (see the module's rules).
+
+    Returns ``{"verdict", "culprit_ranks", "reason", "conditions": {rank: condition}}``.
+    """
+    boxes = latest_attempt(states)
+    conditions = {s["rank"]: condition(s, now) for s in boxes}
+    out: dict[str, Any] = {"verdict": "running", "culprit_ranks": [], "reason": "", "conditions": conditions}
+    if not boxes:
+        out["reason"] = "no black box found"
+        return out
+    died = [r for r, c in conditions.items() if c in ("gone", "ended:exception", "ended:killed")]
+    # A rank its peers saw gone while they still ran is the first to go: the others died of it.
+    named = {r for s in boxes for r in (s.get("peers_gone") or []) if r in died}
+    vanished = [r for r in died if conditions[r] == "gone"]
+    if named:
+        died = sorted(named)
+    elif vanished:
+        # A rank that vanished without a word, beside ranks that ended with an exception: the
+        # exceptions are most likely the collective failing for want of it.
+        died = vanished
+    if died:
+        out.update(verdict="died", culprit_ranks=died,
+                   reason="; ".join(f"rank {r} {'is gone (its process no longer exists)' if conditions[r] == 'gone' else 'ended with an exception'}"
+                                    for r in died))
+        return out
+    hung_boxes = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent") or s.get("ended") == "hang"]
+    if hung_boxes:
+        silent = [s["rank"] for s in hung_boxes if conditions[s["rank"]] == "silent"]
+        if silent and len(silent) < len(boxes):
+            culprits, why = silent, "heartbeat stopped while the process lives (a thread holds the GIL, or the process is stopped)"
+        else:
+            # The ranks waiting on a stuck peer are stuck too, flagged or not yet (stalled):
+            # judge among every rank that makes no progress.
+            pool = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent", "stalled")
+                    or s.get("ended") == "hang"]
+            culprits, why = stuck_culprits(pool)
+        out.update(verdict="hang", culprit_ranks=culprits, reason=why)
+        return out
+    if all(c == "ended:completed" for c in conditions.values()):
+        out.update(verdict="completed", reason="every rank completed")
+        return out
+    world = max((s.get("world_size") or 1) for s in boxes)
+    if len(boxes) < world:
+        out["reason"] = f"{len(boxes)} of {world} ranks have a black box"
+    elif all(c in ("running", "ended:completed") for c in conditions.values()):
+        out.update(verdict="healthy", reason="every rank is progressing")
+    else:
+        out["reason"] = "some rank is stalled, not yet past its hang timeout"
+    return out

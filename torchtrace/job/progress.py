@@ -1,0 +1,135 @@
+"""What the training thread is doing now: the phase marks' stores into the black box.
+
+The step's existing marks (step entry and exit, the model's forward, the optimizer's step
+hooks, a ``torch.distributed`` call) call the functions below. Each is a handful of plain
+dict stores and one ``time.time()``: no lock, no I/O, no device work. The dict is the black
+box's :attr:`~torchtrace.job.state.RankState.fields`, so the watchdog, the black box's writer
+thread and ``/metrics`` read the same values (a dict store is atomic under the GIL).
+
+Fields written here (besides those :mod:`torchtrace.job.state` lists):
+
+* ``phase``: one of :data:`torchtrace.semconv.TRAINING_PHASES`. ``idle`` before the first
+  step and after shutdown; ``data_wait`` between steps and inside a step before its model's
+  forward (input code); ``forward``, then ``backward`` from the forward's end (the loss
+  counts with it), ``optimizer``; ``collective`` inside a ``torch.distributed`` call;
+  ``checkpoint`` and ``evaluation`` for the whole of a step marked with that ``kind=``.
+* ``progress``: unix time of the last mark of any kind (the watchdog's clock).
+* ``step_kind``: the open step's ``kind=`` (train, evaluation, checkpoint, other).
+* ``steps_done``: steps finished in this process (the watchdog's step-period estimate).
+* ``thread``: the id of the thread that runs the steps (its stack comes first).
+
+>>> fields = {}
+>>> track(fields)
+>>> step_began(3, "train"); mark("forward")
+>>> (fields["current_step"], fields["phase"])
+(3, 'forward')
+>>> step_ended(3); (fields["step"], fields["phase"], fields["current_step"])
+(3, 'data_wait', None)
+>>> untrack(fields)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+# The live black box's fields; a scratch dict when none is tracked (stores then go nowhere).
+_fields: dict[str, Any] = {}
+# Whether the open step is a training step: its forward, backward and optimizer marks name
+# the phase. Inside a checkpoint or evaluation step the phase stays the step's kind (the
+# watchdog gives those their own allowance) and the marks count as progress only.
+_train = True
+_clock = time.time
+_ident = threading.get_ident
+SLOW_KINDS = ("checkpoint", "evaluation")
+
+
+def track(fields: dict[str, Any]) -> None:
+    """Make ``fields`` the dict the marks store into, starting idle."""
+    global _fields, _train
+    now = _clock()
+    # The thread that configures is usually the one that trains (a step sets it again).
+    fields.update(phase="idle", phase_since=now, progress=now, current_step=None, step_kind=None,
+                  steps_done=0, collective_seq=fields.get("collective_seq") or 0, thread=_ident())
+    _train = True
+    _fields = fields
+
+
+def untrack(fields: dict[str, Any]) -> None:
+    """Stop storing into ``fields`` (shutdown): its phase becomes ``idle``."""
+    global _fields
+    if _fields is fields:
+        _fields = {}
+    now = _clock()
+    fields.update(phase="idle", phase_since=now, progress=now, current_step=None)
+
+
+def tracked() -> dict[str, Any]:
+    """The dict the marks store into now."""
+    return _fields
+
+
+def step_began(step: int, kind: str) -> None:
+    """A step was entered (``StepScope``): its number and kind; data_wait until its forward."""
+    global _train
+    f = _fields
+    now = _clock()
+    f["current_step"] = step
+    f["step_kind"] = kind
+    f["thread"] = _ident()
+    if kind in SLOW_KINDS:
+        _train = False
+        f["phase"] = kind
+    else:
+        _train = True
+        f["phase"] = "data_wait"
+    f["phase_since"] = f["progress"] = now
+
+
+def mark(phase: str) -> None:
+    """A boundary inside the step: ``forward``, ``backward`` or ``optimizer`` begins."""
+    f = _fields
+    now = f["progress"] = _clock()
+    if _train:
+        f["phase"] = phase
+        f["phase_since"] = now
+
+
+def step_ended(step: int) -> None:
+    """A step ended (``StepScope.__exit__``): data_wait until the next one."""
+    global _train
+    f = _fields
+    now = _clock()
+    f["step"] = step
+    f["step_time"] = now
+    f["current_step"] = None
+    f["phase"] = "data_wait"
+    f["phase_since"] = f["progress"] = now
+    f["steps_done"] = f.get("steps_done", 0) + 1
+    _train = True
+
+
+def collective_began(op: str, group: str) -> str:
+    """A ``torch.distributed`` call was entered: counted, the phase is ``collective``.
+
+    Returns the phase before it, for :func:`collective_ended`.
+    """
+    f = _fields
+    now = f["progress"] = _clock()
+    before = f.get("phase", "idle")
+    f["collective_seq"] = f.get("collective_seq", 0) + 1
+    f["collective_op"] = op
+    f["collective_group"] = group
+    f["phase"] = "collective"
+    f["phase_since"] = now
+    return before
+
+
+def collective_ended(before: str) -> None:
+    """The call returned (an ``async_op`` call returns before its work completes)."""
+    f = _fields
+    now = f["progress"] = _clock()
+    if f.get("phase") == "collective":
+        f["phase"] = before
+        f["phase_since"] = now

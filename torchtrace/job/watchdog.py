@@ -1,0 +1,399 @@
+"""The hang watchdog: one daemon thread per process that notices when the training thread
+stops making progress, and records where every thread is.
+
+It reads the black box's fields (stored by :mod:`torchtrace.job.progress`), never takes a
+lock the training thread may hold, and never raises: an error in a tick is logged at DEBUG
+and the next tick runs. Each tick (every second):
+
+* looks at the other ranks' black boxes for a peer whose process is gone;
+* learns the step period from the steps finished since the last tick, and the longest
+  pause between two marks it saw end;
+* computes the hang timeout (:func:`hang_timeout`) and how long the training thread has
+  made no progress;
+* re-arms :func:`faulthandler.dump_traceback_later` to fire a little after the hang would
+  be due. If this thread cannot run then (the training thread holds the GIL inside a C
+  call), faulthandler's own C thread writes every thread's stack into the rank's
+  ``stacks*.txt`` without the GIL; the watchdog reads that dump once it runs again;
+* past the timeout: records the hang once per stall (:meth:`Watchdog.flag`).
+
+>>> hang_timeout(None, "forward", steps_done=10, recent=[0.01])
+30.0
+>>> hang_timeout(None, "forward", steps_done=10, recent=[4.0])
+40.0
+>>> hang_timeout(2.0, "checkpoint", steps_done=10, recent=[0.01])
+600.0
+"""
+
+from __future__ import annotations
+
+import collections
+import faulthandler
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from torchtrace import files
+from torchtrace.job import culprit, progress, stacks
+
+logger = logging.getLogger(__name__)
+
+FLOOR_S = 30.0
+"""The adaptive timeout is never shorter: steps of milliseconds are flagged after 30 s."""
+FACTOR = 10.0
+"""The adaptive timeout is this many times the longest recent step period or pause."""
+SLOW_S = 600.0
+"""The allowance for the first steps (compilation, warm-up) and marked checkpoint/evaluation steps."""
+WARMUP_STEPS = 2
+"""Steps that must have finished before the adaptive or given timeout applies."""
+WINDOW = 100
+"""Recent observations the adaptive timeout looks at (about as many seconds)."""
+HANG_EXIT_CODE = 124
+"""The exit status under ``on_hang="abort"``."""
+
+
+def hang_timeout(given: float | None, phase: str | None, steps_done: int, recent: Iterable[float]) -> float:
+    """Seconds without progress that make a hang.
+
+    ``given`` (``hang_timeout_s``) or else ``FACTOR`` times the longest recent step period or
+    pause, at least ``FLOOR_S``; at least ``SLOW_S`` before ``WARMUP_STEPS`` steps finished
+    and inside a step marked ``kind="checkpoint"`` or ``kind="evaluation"``.
+    """
+    base = given if given is not None else max(FLOOR_S, FACTOR * max(recent, default=0.0))
+    if steps_done < WARMUP_STEPS or phase in progress.SLOW_KINDS:
+        return max(base, SLOW_S)
+    return base
+
+
+class Watchdog:
+    """Watches one process's training thread through its black box's ``fields``.
+
+    Args:
+        fields: the black box's fields (:attr:`torchtrace.job.state.RankState.fields`).
+        given_timeout_s: ``hang_timeout_s``; None for the adaptive timeout.
+        on_hang: ``record`` or ``abort``.
+        stack_path: the rank's ``stacks*.txt`` (faulthandler's dump and readable stacks), or None.
+        hang_path: the rank's ``hang*.json`` (the last finding), or None.
+        peers: reads every rank's black box (the run directory), for the culprit.
+        on_finding: called with each finding (telemetry: span, metrics); errors are swallowed.
+        on_abort: under ``abort``: write everything and flush, before the process exits.
+        period_s: seconds between ticks.
+        collectives: the last collective the flight recorder holds (:func:`torchtrace.distributed.flight.last_collective`).
+        persist: writes the black box now (after a finding, or a peer found gone: this process
+            may be ended next, and readers should not wait for the next heartbeat).
+    """
+
+    def __init__(self, fields: dict[str, Any], *, given_timeout_s: float | None = None, on_hang: str = "record",
+                 stack_path: Path | None = None, hang_path: Path | None = None,
+                 peers: Callable[[], list[dict[str, Any]]] | None = None,
+                 on_finding: Callable[[dict[str, Any]], None] | None = None,
+                 on_abort: Callable[[], None] | None = None, period_s: float = 1.0,
+                 collectives: Callable[[], dict[str, Any] | None] | None = None,
+                 persist: Callable[[], Any] | None = None) -> None:
+        self.fields = fields
+        self.given = given_timeout_s
+        self.on_hang = on_hang
+        self.stack_path = stack_path
+        self.hang_path = hang_path
+        self.peers = peers
+        self.on_finding = on_finding
+        self.on_abort = on_abort
+        self.period_s = period_s
+        self.collectives = collectives
+        self.persist = persist
+        self.recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.findings: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
+        self.unmarked: dict[int, dict[str, Any]] = {}  # step -> finding, for the step's span when it ends
+        self._seen_progress: float | None = None
+        self._seen_stall = 0.0
+        self._seen_phase: str | None = None
+        self._seen_steps = 0
+        self._seen_step_time: float | None = None
+        self._flagged_since: float | None = None
+        self._stack_file: Any = None
+        self._dumped = 0  # bytes of the stack file known (written by us or read back)
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ticks = 0
+
+    # ------------------------------------------------------------ life
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        if self.stack_path is not None:
+            try:
+                self._stack_file = open(self.stack_path, "ab")  # noqa: SIM115 (kept open for faulthandler)
+                self._dumped = self._stack_file.tell()
+            except OSError as exc:
+                logger.debug("torchtrace: stack file %s not opened: %s", self.stack_path, exc)
+        self._thread = threading.Thread(target=self._run, name="torchtrace-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """End the thread and disarm faulthandler; the files stay."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+        self._disarm()
+        if self._stack_file is not None:
+            try:
+                self._stack_file.close()
+            except OSError:
+                pass
+            self._stack_file = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.tick(time.time())
+            except Exception as exc:  # the watchdog never takes the process down
+                logger.debug("torchtrace: watchdog tick failed: %r", exc)
+
+    # ------------------------------------------------------------ one tick
+    def tick(self, now: float) -> dict[str, Any] | None:
+        """Look once; returns the finding when this tick found a hang."""
+        self.ticks += 1
+        f = self.fields
+        self._read_collectives(f)
+        self._read_dump(now)
+        self.check_peers()
+        phase, since, steps = f.get("phase"), f.get("progress"), f.get("steps_done") or 0
+        self._observe(f, since, steps, now)
+        timeout = hang_timeout(self.given, phase, steps, self.recent)
+        f["hang_timeout_s"] = timeout
+        # faulthandler is armed from what this tick sees, but the training thread may start a
+        # step and get stuck before the next tick: arm with the timeout of a regular step
+        # (no warm-up allowance) unless a checkpoint or evaluation step is running now.
+        armed = timeout if phase in progress.SLOW_KINDS else hang_timeout(self.given, None, WARMUP_STEPS, self.recent)
+        grace = 2 * self.period_s + 1.0
+        if phase in (None, "idle") or not isinstance(since, (int, float)):
+            self._arm(armed + grace)
+            return None
+        stalled = now - since
+        if self._flagged_since == since:
+            return None  # this stall is recorded already; it may still end
+        if stalled > timeout:
+            return self.flag(now, stalled, timeout)
+        self._arm(max(armed - stalled, 0.0) + grace)
+        return None
+
+    def _observe(self, f: dict[str, Any], since: Any, steps: int, now: float) -> None:
+        """Learn the step period and the pauses that ended since the last tick (outside the
+        slow kinds, which have their own allowance)."""
+        step_time = f.get("step_time")
+        if steps > self._seen_steps and isinstance(step_time, (int, float)) and self._seen_step_time is not None:
+            self.recent.append((step_time - self._seen_step_time) / (steps - self._seen_steps))
+        if steps != self._seen_steps:
+            self._seen_steps, self._seen_step_time = steps, step_time
+        if since != self._seen_progress:
+            if self._seen_progress is not None and self._seen_phase not in progress.SLOW_KINDS + ("idle",):
+                self.recent.append(self._seen_stall)
+            self._seen_progress, self._seen_phase = since, f.get("phase")
+        self._seen_stall = now - since if isinstance(since, (int, float)) else 0.0
+
+    def _read_collectives(self, f: dict[str, Any]) -> None:
+        if self.collectives is None:
+            return
+        last = self.collectives()
+        if last is None:
+            return
+        if last["seq"] >= (f.get("collective_seq") or 0):
+            f["collective_seq"] = last["seq"]
+            f["collective_op"] = last["op"]
+            f["collective_group"] = last["group"]
+        f["collective_active"] = last["active"]
+
+    # ------------------------------------------------------------ faulthandler
+    def _arm(self, seconds: float) -> None:
+        if self._stack_file is None:
+            return
+        try:
+            faulthandler.dump_traceback_later(max(seconds, 1.0), repeat=False, file=self._stack_file,
+                                              exit=self.on_hang == "abort")
+            self._armed = True
+        except (OSError, ValueError, RuntimeError) as exc:
+            logger.debug("torchtrace: faulthandler not armed: %s", exc)
+
+    def _disarm(self) -> None:
+        if self._armed:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed = False
+
+    def _read_dump(self, now: float) -> None:
+        """A dump faulthandler wrote while this thread could not run: record it as a hang."""
+        if self.stack_path is None or self._stack_file is None:
+            return
+        try:
+            size = self.stack_path.stat().st_size
+        except OSError:
+            return
+        if size <= self._dumped:
+            return
+        try:
+            with open(self.stack_path, "rb") as fh:
+                fh.seek(self._dumped)
+                text = fh.read().decode("utf-8", "replace")
+        except OSError:
+            return
+        self._dumped = size
+        self._armed = False
+        f = self.fields
+        threads = stacks.parse_faulthandler(text, f.get("thread"))
+        since = f.get("progress")
+        stalled = now - since if isinstance(since, (int, float)) else 0.0
+        timeout = hang_timeout(self.given, f.get("phase"), f.get("steps_done") or 0, self.recent)
+        if f.get("phase") in (None, "idle") or stalled <= timeout:
+            # The GIL was held past the dump's deadline, but the stall that applies ended (a
+            # long first step, a C call that returned): the dump stays in the file, no hang.
+            logger.warning("torchtrace: no Python thread could run for a while (the GIL was held); the stacks "
+                           "faulthandler wrote then are in %s", self.stack_path)
+            return
+        self.flag(now, stalled, timeout, threads=threads, source="faulthandler")
+
+    # ------------------------------------------------------------ a hang
+    def flag(self, now: float, stalled: float, timeout: float, threads: list[dict[str, Any]] | None = None,
+             source: str = "watchdog") -> dict[str, Any]:
+        """Record a hang: stacks, the black box, the rank's hang file, telemetry, the log."""
+        self._disarm()
+        f = self.fields
+        since = f.get("progress")
+        self._flagged_since = since
+        if threads is None:
+            threads = stacks.capture(f.get("thread"), skip=threading.get_ident())
+        training = next((t for t in threads if t["training"]), threads[0] if threads else None)
+        finding: dict[str, Any] = {
+            "time": now, "rank": f.get("rank", 0), "step": f.get("current_step"), "last_step": f.get("step"),
+            "phase": "collective" if f.get("collective_active") else f.get("phase"),
+            "phase_since": f.get("phase_since"), "since": since, "stalled_s": round(stalled, 3),
+            "timeout_s": timeout, "source": source,
+            "collective": {"seq": f.get("collective_seq"), "op": f.get("collective_op"),
+                           "group": f.get("collective_group"), "active": f.get("collective_active")},
+            "where": training["where"] if training else None,
+            "stack": training["stack"] if training else [], "threads": threads,
+        }
+        f["hangs"] = (f.get("hangs") or 0) + 1
+        f["hang"] = {"since": since, "detected": now, "step": finding["step"], "phase": finding["phase"],
+                     "stalled_s": finding["stalled_s"], "timeout_s": timeout, "where": stacks.where(finding["where"]),
+                     "source": source}
+        finding["peers"] = self._judge_peers(now)
+        self.findings.append(finding)
+        step = finding["step"]
+        if isinstance(step, int):
+            self.unmarked[step] = finding
+        # The black box first: a reader that waits for the hang file finds the box saying so.
+        self._persist()
+        self._write(finding, threads)
+        if self.on_finding is not None:
+            try:
+                self.on_finding(finding)
+            except Exception as exc:
+                logger.debug("torchtrace: hang telemetry failed: %r", exc)
+        self._log(finding)
+        if self.on_hang == "abort":
+            self._abort(finding)
+        return finding
+
+    def check_peers(self) -> list[int]:
+        """The ranks of this attempt whose process is gone without saying how it ended
+        (SIGKILL, the OOM killer): kept in ``peers_gone`` and logged once each."""
+        if self.peers is None:
+            return []
+        f = self.fields
+        try:
+            gone = [s.get("rank") for s in self.peers()
+                    if s.get("attempt") == f.get("attempt") and s.get("rank") != f.get("rank")
+                    and not s.get("ended") and culprit.pid_alive(s) is False]
+        except Exception as exc:
+            logger.debug("torchtrace: peers not read: %r", exc)
+            return []
+        known = f.get("peers_gone") or []
+        new = [r for r in gone if r not in known]
+        if new:
+            f["peers_gone"] = sorted(set(known) | set(new))
+            self._persist()
+            threading.Thread(target=logger.error, args=(
+                "torchtrace: rank(s) %s of this job are gone: their process no longer exists and never said how it "
+                "ended (SIGKILL, the OOM killer); rank %s waits for them in vain", new, f.get("rank")),
+                name="torchtrace-hang-log", daemon=True).start()
+        return gone
+
+    def _persist(self) -> None:
+        if self.persist is not None:
+            try:
+                self.persist()
+            except Exception as exc:
+                logger.debug("torchtrace: black box not written: %r", exc)
+
+    def _judge_peers(self, now: float) -> dict[str, Any] | None:
+        if self.peers is None:
+            return None
+        try:
+            states = self.peers()
+            # This rank's own fields are newer than its file.
+            mine = dict(self.fields, time=now)
+            states = [s for s in states if s.get("rank") != mine.get("rank") or s.get("attempt") != mine.get("attempt")]
+            verdict = culprit.judge(states + [mine], now)
+        except Exception as exc:
+            logger.debug("torchtrace: peers not judged: %r", exc)
+            return None
+        self.fields["culprit_ranks"] = verdict["culprit_ranks"]
+        return verdict
+
+    def _write(self, finding: dict[str, Any], threads: list[dict[str, Any]]) -> None:
+        if self._stack_file is not None:
+            head = (f"\ntorchtrace: hang at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(finding['time']))}: "
+                    f"step {finding['step']}, phase {finding['phase']}, no progress for {finding['stalled_s']:.1f} s "
+                    f"(timeout {finding['timeout_s']:.1f} s)\n")
+            try:
+                self._stack_file.write((head + stacks.format_threads(threads)).encode("utf-8", "replace"))
+                self._stack_file.flush()
+                self._dumped = self._stack_file.tell()
+            except (OSError, ValueError):
+                pass
+        if self.hang_path is not None:
+            try:
+                files.write_json_atomic(self.hang_path, finding)
+            except (OSError, ValueError) as exc:
+                logger.debug("torchtrace: hang file not written: %s", exc)
+
+    def _log(self, finding: dict[str, Any]) -> None:
+        peers = finding.get("peers") or {}
+        blamed = peers.get("culprit_ranks")
+        args = (finding["rank"], finding["stalled_s"], finding["step"], finding["phase"], stacks.where(finding["where"]),
+                f"; culprit rank(s) {blamed}: {peers.get('reason')}" if blamed else "",
+                self.stack_path or "(no run directory)")
+        message = ("torchtrace: training hang on rank %s: no progress for %.1f s in step %s, phase %s, at %s%s; "
+                   "every thread's stack: %s")
+        # A logging handler's lock may be held by the stuck thread (a blocked stderr): log from
+        # a thread of its own, so the watchdog itself never waits on it.
+        threading.Thread(target=logger.error, args=(message, *args), name="torchtrace-hang-log", daemon=True).start()
+
+    def _abort(self, finding: dict[str, Any]) -> None:
+        import os
+
+        f = self.fields
+        f["ended"], f["end_detail"], f["end_time"] = "hang", f"no progress for {finding['stalled_s']:.0f} s", time.time()
+        if self.on_abort is not None:
+            try:
+                self.on_abort()
+            except Exception as exc:
+                logger.debug("torchtrace: abort's flush failed: %r", exc)
+        os._exit(HANG_EXIT_CODE)
+
+    # ------------------------------------------------------------ the step's span
+    def take(self, step: int) -> dict[str, Any] | None:
+        """The finding for ``step`` when it was found hung and has now ended (once)."""
+        return self.unmarked.pop(step, None)
+
+    def summary(self) -> dict[str, Any]:
+        """For the report and the debug API: the timeout, the stall now, the findings (stacks left out)."""
+        f = self.fields
+        since = f.get("progress")
+        stalled = time.time() - since if isinstance(since, (int, float)) and f.get("phase") != "idle" else 0.0
+        return {"timeout_s": f.get("hang_timeout_s"), "given_timeout_s": self.given, "on_hang": self.on_hang,
+                "phase": f.get("phase"), "stalled_s": round(stalled, 3), "hangs": f.get("hangs") or 0,
+                "last": f.get("hang"), "culprit_ranks": f.get("culprit_ranks"), "stack_file": str(self.stack_path)
+                if self.stack_path else None}
