@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from torchtrace.export.http_session import HttpSpanExporter, abortable_session
 from torchtrace.export.span_file import JsonLinesSpanExporter, span_line, span_to_dict
 from torchtrace.export.spans import readable
+from torchtrace.export.transport import hide_sdk_header_echo
 from torchtrace.errors import get_logger
 
 __all__ = ["BoundedBatchSpanProcessor", "DropCallback", "JsonLinesSpanExporter", "otlp_span_exporter", "span_line",
@@ -72,6 +73,9 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.exported = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         self.answered_after_abandon = 0  # spans of abandoned calls that the exporter later acknowledged
+        # Drops the callback has not taken yet (it raised), and the failure kinds already logged.
+        self._undelivered: collections.Counter[str] = collections.Counter()
+        self._callback_failures: set[str] = set()
         self._init_state()
         self._pid = os.getpid()
         ref = weakref.ref(self)
@@ -125,13 +129,42 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                     "in_flight": self._in_flight}
 
     def _notify_drop(self, reason: str, count: int) -> None:
-        """Tell the drop callback (the metric); called without the lock held."""
-        if count <= 0:
+        """Tell the drop callback (the metric); called without the lock held.
+
+        A callback that raises is torchtrace's own failure: it goes to :attr:`on_error` (the
+        internal-error counter, logged once per kind), or is logged as a warning once per
+        exception type without one. The drops it missed are kept and handed to it with the
+        next drop it takes, so ``torchtrace_spans_dropped_total`` catches up when it recovers.
+        """
+        if count <= 0 and not self._undelivered:
             return
+        with self._cond:
+            self._undelivered[reason] += max(0, count)
+            pending = {k: v for k, v in self._undelivered.items() if v > 0}
+            self._undelivered.clear()
+        delivered: collections.Counter[str] = collections.Counter()
         try:
-            self._on_drop(reason, count)
-        except Exception:  # the drop counter must never raise into on_end
-            logger.debug("drop callback failed", exc_info=True)
+            for name, n in pending.items():
+                self._on_drop(name, n)
+                delivered[name] = n
+        except Exception as exc:  # the drop counter must never raise into on_end
+            with self._cond:
+                for name, n in pending.items():
+                    self._undelivered[name] += n - delivered[name]
+            self._report_callback_failure(exc)
+
+    def _report_callback_failure(self, exc: Exception) -> None:
+        if self.on_error is not None:
+            try:
+                self.on_error(exc)
+                return
+            except Exception:
+                pass
+        kind = type(exc).__name__
+        if kind not in self._callback_failures:
+            self._callback_failures.add(kind)
+            logger.warning("torchtrace: counting dropped spans failed (%s); the drops are kept in the report's "
+                           "span_exporters and retried on the counter", kind, exc_info=exc)
 
     # ------------------------------------------------------------ SpanProcessor
     def on_start(self, span, parent_context=None) -> None:  # noqa: D401 - SDK signature
@@ -325,6 +358,7 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=N
     ``shutdown()`` ends a call in flight at once: the gRPC one by closing its channel, the
     HTTP one by closing the connections its session holds, idle or busy.
     """
+    hide_sdk_header_echo()
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 from urllib.parse import urlsplit
 
 from torchtrace.errors import get_logger
@@ -41,3 +42,27 @@ def warn_if_plaintext(endpoint: str, setting: str) -> bool:
     logger.warning("torchtrace %s is plaintext http to %s%s: telemetry and headers travel unencrypted; "
                    "use https:// (with otlp_certificate for a private CA)", setting, parts.hostname, port)
     return True
+
+
+class _NoHeaderEcho(logging.Filter):
+    """Drops the OpenTelemetry SDK's "Header format invalid" warning, which prints the
+    malformed entry of ``OTEL_EXPORTER_OTLP_HEADERS`` (a secret, often) in full. torchtrace
+    has parsed that variable already and named the bad entry by its position."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Header format invalid")
+
+
+_SDK_HEADER_LOGGER = "opentelemetry.util.re"
+_header_filter = _NoHeaderEcho()
+
+
+def hide_sdk_header_echo() -> None:
+    """Install (once) the filter that keeps the SDK from logging header values.
+
+    The SDK's exporters read ``OTEL_EXPORTER_OTLP_HEADERS`` themselves (the HTTP one always,
+    the gRPC one when no headers are passed) and warn about a malformed entry by printing it.
+    """
+    sdk_logger = logging.getLogger(_SDK_HEADER_LOGGER)
+    if _header_filter not in sdk_logger.filters:
+        sdk_logger.addFilter(_header_filter)
