@@ -19,7 +19,7 @@ from torchtrace import files, semconv
 from torchtrace._version import __version__
 from torchtrace.config import Settings
 from torchtrace.distributed import Identity, identity
-from torchtrace.errors import InternalErrors, get_logger
+from torchtrace.errors import InternalErrors, OncePerProcessTree, get_logger
 from torchtrace.export import spans as span_export
 from torchtrace.export.metrics import Metrics
 from torchtrace.export.server import TelemetryServer
@@ -67,7 +67,7 @@ class Runtime:
         self.consecutive_bad = 0
         self.log_counts: collections.Counter[str] = collections.Counter()
         self.guard_unable: collections.Counter[str] = collections.Counter()  # operation -> bad steps not skipped
-        self._warned: set[Any] = set()
+        self._warned = OncePerProcessTree()
         self._deferred: collections.deque[_Deferred] = collections.deque()
         self._changes: collections.deque[Callable[[], None]] = collections.deque()
         self._param_cache: "weakref.WeakKeyDictionary[Any, tuple[Any, list]]" = weakref.WeakKeyDictionary()
@@ -181,10 +181,8 @@ class Runtime:
 
     def warn_once(self, key: Any, message: str, *args: Any) -> None:
         """Log a warning the first time ``key`` is seen (a user's mistake, named once)."""
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        logger.warning(message, *args)
+        if self._warned.first(key):  # once for the process and the DataLoader workers it forks
+            logger.warning(message, *args)
 
     def guard_without_optimizer(self, scope: Any) -> None:
         if self.guard is GuardPolicy.SKIP:
