@@ -234,10 +234,15 @@ class OtlpMetricsPusher:
         """One push within ``timeout_s``; failures are counted and logged once per kind."""
         if os.getpid() != self._pid:
             return False
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             try:
-                self._sender.send(registry_to_request(self.registry, self.resource, self.start_unix_ns),
-                                  max(0.05, timeout_s))
+                request = registry_to_request(self.registry, self.resource, self.start_unix_ns)
+                # The request's build counts against the push's deadline, which is never exceeded.
+                left = deadline - time.monotonic()
+                if left < 0.01:
+                    raise TimeoutError("no time left to push")
+                self._sender.send(request, left)
             except Exception as exc:  # a collector problem must never reach the training thread
                 self.failures += 1
                 self._last_failed = True
