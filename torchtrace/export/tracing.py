@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from torchtrace.export.http_session import HttpSpanExporter, abortable_session
 from torchtrace.export.span_file import JsonLinesSpanExporter, span_line, span_to_dict
 from torchtrace.export.spans import readable
-from torchtrace.export.transport import hide_sdk_header_echo
+from torchtrace.export.transport import grpc_channel_options, hide_sdk_header_echo
 from torchtrace.errors import get_logger
 
 __all__ = ["BoundedBatchSpanProcessor", "DropCallback", "JsonLinesSpanExporter", "otlp_span_exporter", "span_line",
@@ -348,7 +348,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
 
 def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=None,
-                       ca_file: str | None = None) -> SpanExporter:
+                       ca_file: str | None = None, connect_s: float | None = None) -> SpanExporter:
     """The SDK's OTLP exporter for ``protocol`` ("grpc" or "http/protobuf").
 
     ``endpoint`` is the base endpoint, as in ``OTEL_EXPORTER_OTLP_ENDPOINT`` (already parsed
@@ -356,7 +356,8 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=N
     it. TLS follows the scheme: https uses TLS (``ca_file``, or
     ``OTEL_EXPORTER_OTLP_CERTIFICATE``, names a CA file), http does not. Both exporters'
     ``shutdown()`` ends a call in flight at once: the gRPC one by closing its channel, the
-    HTTP one by closing the connections its session holds, idle or busy.
+    HTTP one by closing the connections its session holds, idle or busy. ``connect_s`` bounds
+    each gRPC connection attempt (:func:`torchtrace.export.transport.connect_timeout_s`).
     """
     hide_sdk_header_echo()
     if protocol == "grpc":
@@ -369,8 +370,9 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=N
 
             with open(ca_file, "rb") as fh:
                 credentials = grpc.ssl_channel_credentials(root_certificates=fh.read())
+        options = grpc_channel_options(connect_s if connect_s is not None else timeout_s)
         return GrpcExporter(endpoint=endpoint, insecure=insecure, credentials=credentials, timeout=timeout_s,
-                            headers=dict(headers) if headers else None)
+                            headers=dict(headers) if headers else None, channel_options=options)
     url = endpoint.rstrip("/")
     if not url.endswith("/v1/traces"):
         url += "/v1/traces"

@@ -21,6 +21,7 @@ from torchtrace.config import Settings
 from torchtrace.distributed import Identity, identity
 from torchtrace.errors import InternalErrors, OncePerProcessTree, get_logger
 from torchtrace.export import spans as span_export
+from torchtrace.export import transport
 from torchtrace.export.metrics import Metrics
 from torchtrace.export.server import TelemetryServer
 from torchtrace.export.trace_ids import step_trace_id
@@ -351,7 +352,7 @@ class Runtime:
         # with a twentieth of the deadline to spare for a loaded machine's scheduling.
         timeout = self.settings.shutdown_timeout_s
         reserve = min(1.5 * (time.monotonic() - written) + 0.05 * timeout + 0.02, 0.25 * timeout)
-        self._stop_exporters(deadline - reserve)
+        self._stop_exporters(deadline - reserve, at_exit)
         self._write_report_safely()
         for path in (self.spans_path, self.report_path):
             if path is not None:
@@ -363,7 +364,7 @@ class Runtime:
         except Exception as exc:
             self.errors.report("files", exc)
 
-    def _stop_exporters(self, deadline: float) -> None:
+    def _stop_exporters(self, deadline: float, at_exit: bool = False) -> None:
         n = len(self.processors) + (self.metrics_pusher is not None)
         for i, proc in enumerate(self.processors):
             # Each exporter gets an equal share of what is left, so one stuck collector
@@ -380,6 +381,9 @@ class Runtime:
                 self.metrics_pusher.shutdown(max(0.05, deadline - server_s - time.monotonic()))
             except Exception as exc:
                 self.errors.report("metrics", exc)
+        if not at_exit:  # no socket to a gRPC collector outlives shutdown (at exit, the process's end closes them)
+            transport.wait_for_grpc_disconnect(self.settings, self.metrics_pusher is not None,
+                                               deadline - (_SERVER_STOP_S if self.server is not None else 0.0))
         if self.server is not None:
             try:
                 self.server.stop(max(_SERVER_STOP_S, deadline - time.monotonic()))
