@@ -30,7 +30,7 @@ marks = []
 atexit.register(lambda: print("threads started at exit:", started, "torchtrace exit handler s:",
                               round(time.monotonic() - marks[0], 3), flush=True))  # runs last
 tt.configure(prometheus_port=0, run_dir=sys.argv[1], otlp_endpoint=sys.argv[2], otlp_protocol=sys.argv[3],
-             metrics_exporter="both", metrics_export_interval_s=0.2)
+             metrics_exporter="both", metrics_export_interval_s=float(sys.argv[4]))
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for i in range(20):
@@ -49,7 +49,8 @@ print("trained", flush=True)
 """
 
 
-def _exit_seconds(tmp_path: Path, endpoint: str, protocol: str = "grpc", disabled: bool = False) -> float:
+def _exit_seconds(tmp_path: Path, endpoint: str, protocol: str = "grpc", disabled: bool = False,
+                  interval_s: float = 0.2) -> tuple[float, float]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "child.py"
     script.write_text(CHILD)
@@ -57,7 +58,8 @@ def _exit_seconds(tmp_path: Path, endpoint: str, protocol: str = "grpc", disable
     env["PYTHONPATH"] = str(ROOT)
     if disabled:
         env["TORCHTRACE_DISABLED"] = "1"
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "runs"), endpoint, protocol], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "runs"), endpoint, protocol, str(interval_s)],
+                            cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     t0 = None
     for line in proc.stdout:
@@ -108,3 +110,17 @@ def test_exit_within_two_seconds_of_baseline_in_every_collector_state(tmp_path):
         assert handler[name] < 1.5, (name, handler[name])
         # and the whole exit stays within 2 s of an uninstrumented process's.
         assert seconds - baseline < 2.0, (name, seconds, baseline)
+
+
+def test_the_exit_handler_keeps_the_shutdown_deadline_when_the_final_metrics_push_hangs(tmp_path):
+    """A black hole and no push yet (interval 30 s): the final push is tried and hangs. The
+    exit handler took 1.20 s against shutdown_timeout_s = 1.0; the deadline covers it all."""
+    handlers = {}
+    with BlackHole() as hole:
+        for protocol in ("grpc", "http/protobuf"):
+            _, handlers[protocol] = _exit_seconds(tmp_path / protocol.replace("/", "_"), hole.endpoint, protocol,
+                                                  interval_s=30.0)
+        assert hole.connections >= 2, "the black hole was reached"
+    print(f"exit handler with the final metrics push hanging on a black hole: {handlers} (deadline 1.0 s)")
+    for protocol, seconds in handlers.items():
+        assert seconds < 1.0, (protocol, seconds)

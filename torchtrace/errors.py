@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
+import zlib
 from typing import Any, Callable
 
 
@@ -72,6 +74,46 @@ class NonFiniteError(FloatingPointError):
         self.report = report
 
 
+class OncePerProcessTree:
+    """Says "first" once per key across a process and the children it forks.
+
+    A DataLoader's forked workers each inherit their parent's memory: a plain set of keys
+    already logged is copied into every worker, and each worker then logs its own first
+    time, 600 workers giving 600 "once only" lines. The keys' marks live in one anonymous
+    shared page made before the fork, so a mark set by any process is seen by all. A key is
+    hashed to one of 32,768 bits: two keys sharing a bit (rare among a few dozen kinds) make
+    the second one log never; two processes marking the same key at the same instant may both
+    log. Processes started with spawn or forkserver have pages of their own.
+
+    >>> once = OncePerProcessTree()
+    >>> once.first(("tracing", "OSError")), once.first(("tracing", "OSError"))
+    (True, False)
+    """
+
+    _BYTES = 4096
+
+    def __init__(self) -> None:
+        self._local: set = set()
+        try:
+            self._marks: mmap.mmap | None = mmap.mmap(-1, self._BYTES)  # anonymous and shared: kept across fork
+        except (OSError, ValueError):  # no shared memory here: once per process only
+            self._marks = None
+
+    def first(self, key: object) -> bool:
+        """True the first time ``key`` is seen in this process tree."""
+        if key in self._local:
+            return False
+        self._local.add(key)
+        if self._marks is None:
+            return True
+        bit = zlib.crc32(repr(key).encode()) % (self._BYTES * 8)
+        index, mask = bit // 8, 1 << (bit % 8)
+        if self._marks[index] & mask:
+            return False
+        self._marks[index] |= mask
+        return True
+
+
 class InternalErrors:
     """torchtrace's own failures in the hot path: caught, logged once per kind, counted.
 
@@ -81,7 +123,7 @@ class InternalErrors:
     def __init__(self, count: Callable[[str], None] | None = None, strict: bool = False) -> None:
         self._count = count
         self.strict = strict
-        self._seen: set[tuple[str, str]] = set()
+        self._seen = OncePerProcessTree()
         self._lock = threading.Lock()
         self.total = 0
         self.by_component: dict[str, int] = {}
@@ -90,9 +132,7 @@ class InternalErrors:
         with self._lock:
             self.total += 1
             self.by_component[component] = self.by_component.get(component, 0) + 1
-            key = (component, type(exc).__name__)
-            first = key not in self._seen
-            self._seen.add(key)
+            first = self._seen.first((component, type(exc).__name__))
         if first:
             logger.warning("torchtrace internal error in %s (%s); training continues, further ones are counted",
                            component, type(exc).__name__, exc_info=exc)

@@ -87,14 +87,19 @@ def test_a_diverged_step_is_served_with_its_names_capped_and_counted(tt_runtime)
     assert step["grad_nonfinite_params_omitted"] == 5000 - debug_api.MAX_LIST_ITEMS
     event = get_json(port, "/debug/events?since=0")["events"][-1]
     assert event["data"]["params_omitted"] == 5000 - debug_api.MAX_LIST_ITEMS
-    assert len(event["message"]) == debug_api.MAX_STRING_CHARS
+    # The history keeps 512 characters of a message (torchtrace.record.history.NAME_CHARS),
+    # under the API's own cap of MAX_STRING_CHARS, and says how much it cut.
+    assert len(event["message"]) <= debug_api.MAX_STRING_CHARS
+    assert event["message"].endswith("(99488 characters left out)")
     summary = get_json(port, "/debug/summary")
     assert summary["last_step"]["grad_nonfinite_params_omitted"] == 5000 - debug_api.MAX_LIST_ITEMS
 
 
 def test_a_page_stops_at_the_byte_limit_and_says_what_it_left(tt_runtime, monkeypatch):
     rt = runtime()
-    # Names of 200 characters, 20 kept per step: about 4.4 KB a step, 2,000 steps = 8.8 MB.
+    # Names of 200 characters, 2 kept per step by the history (512 characters of names a list):
+    # about 0.9 KB a step, 1,000 steps kept = 0.9 MB, over a limit lowered to 256 KB.
+    monkeypatch.setattr(debug_api, "MAX_RESPONSE_BYTES", 256 * 1024)
     long_names = [n.ljust(200, "x") for n in NAMES[:40]]
     for i in range(2000):
         rt.history.add_step(_record(i, long_names))

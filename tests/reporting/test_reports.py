@@ -104,7 +104,7 @@ def test_terminal_report(run):
            + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) in text
     assert f"  skipped updates: 2 (step {NAN_STEP}, {INPUT_NAN_STEP})\n" in text
     assert f"    step {NAN_STEP} train_step: nonfinite_loss: loss is nan" in text
-    assert f"  telemetry: {STEPS} spans exported, 0 dropped, internal errors none" in text
+    assert f"  telemetry: spans file: {STEPS} exported; internal errors none" in text
 
 
 def test_terminal_report_says_how_fast_and_where_the_time_went(run):

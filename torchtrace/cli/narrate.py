@@ -13,6 +13,7 @@ from typing import Any
 
 from torchtrace.cli.console import Console
 from torchtrace.reporting.summary import throughput_rows
+from torchtrace.reporting.terminal import sink_summary
 
 MEASURED = {
     "off": "nothing: the step runs bare (level off)",
@@ -146,7 +147,6 @@ def summary(console: Console, summary: dict[str, Any], state, settings, steps: i
     median_ms = 1000 * statistics.median(state.step_times) if state.step_times else 0.0
     kinds = summary.get("anomalies_by_kind", {})
     forensics = summary.get("forensics") or {}
-    dropped = sum((summary.get("telemetry", {}).get("spans_dropped") or {}).values())
     rows = [
         ("steps", f"{totals.get('steps', 0)} of {steps}, median {median_ms:.1f} ms per step"
                   + (f"; stopped at step {state.stopped_at}" if state.stopped_at is not None else "")),
@@ -156,7 +156,7 @@ def summary(console: Console, summary: dict[str, Any], state, settings, steps: i
         ("non-finite steps", str(totals.get("nonfinite_steps", 0))),
         ("forensic replays", f"{forensics.get('replays', state.replays)} (budget {forensics.get('budget', '-')})"),
         ("skipped updates", str(totals.get("skipped_steps", 0))),
-        ("spans dropped", str(dropped)),
+        ("spans", sink_summary(summary.get("telemetry") or {})),
         *throughput_rows(summary.get("throughput") or {}),
     ]
     width = max(len(k) for k, _ in rows)

@@ -33,10 +33,12 @@ from torchtrace.config.env import (
     ENV_OTEL_SERVICE_NAME,
     ENV_OTLP_CERTIFICATE,
     ENV_OTLP_ENDPOINT,
+    ENV_OTLP_HEADERS,
     ENV_OTLP_METRICS_ENDPOINT,
     ENV_OTLP_PROTOCOL,
     ENV_OTLP_TRACES_CERTIFICATE,
     ENV_OTLP_TRACES_ENDPOINT,
+    ENV_OTLP_TRACES_HEADERS,
     ENV_OTLP_TRACES_PROTOCOL,
     ENV_PARAM_CHECK_INTERVAL,
     ENV_PEAK_FLOPS,
@@ -55,6 +57,7 @@ from torchtrace.config.env import (
     FALSE_STRINGS,
     TRUE_STRINGS,
 )
+from torchtrace.config.headers import check_headers, parse_env_headers
 from torchtrace.levels import DebugLevel, DebugMode
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
@@ -326,7 +329,7 @@ VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "port_policy": _choice(PORT_POLICIES),
     "otlp_endpoint": _check_endpoint,
     "otlp_protocol": _choice(OTLP_PROTOCOLS),
-    "otlp_headers": _mapping,
+    "otlp_headers": check_headers,
     "grad_explosion_threshold": _positive_float,
     "grad_vanishing_threshold": _positive_float,
     "guard": _choice(GUARD_POLICIES),
@@ -388,6 +391,7 @@ ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "metrics_export_interval_s": ((ENV_METRICS_EXPORT_INTERVAL,), _positive_float),
     "otlp_metrics_endpoint": ((ENV_OTLP_METRICS_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),
     "otlp_certificate": ((ENV_OTLP_TRACES_CERTIFICATE, ENV_OTLP_CERTIFICATE), _readable_file),
+    "otlp_headers": ((ENV_OTLP_TRACES_HEADERS, ENV_OTLP_HEADERS), parse_env_headers),
     "peak_flops": ((ENV_PEAK_FLOPS,), _peak_flops),
     "throughput": ((ENV_THROUGHPUT,), _bool),
     "hang_timeout_s": ((ENV_HANG_TIMEOUT_S,), lambda v, s: _hang_timeout(v, s)),

@@ -32,6 +32,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 from prometheus_client import CollectorRegistry
 from torchtrace.errors import get_logger
+from torchtrace.export.transport import grpc_channel_options
 
 logger = get_logger(__name__)
 
@@ -144,16 +145,18 @@ def _histogram_points(family, created: dict[tuple, int], start_unix_ns: int,
 
 
 class _GrpcSender:
-    def __init__(self, endpoint: str, headers: Mapping[str, str] | None, ca_file: str | None) -> None:
+    def __init__(self, endpoint: str, headers: Mapping[str, str] | None, ca_file: str | None,
+                 connect_s: float) -> None:
         import grpc
         from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
 
         target = urlsplit(endpoint).netloc.rpartition("@")[2]  # gRPC takes host:port; a path means nothing
         if endpoint.startswith("https://"):
             root = open(ca_file, "rb").read() if ca_file else None
-            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root))
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root),
+                                                options=grpc_channel_options(connect_s))
         else:
-            self._channel = grpc.insecure_channel(target)
+            self._channel = grpc.insecure_channel(target, options=grpc_channel_options(connect_s))
         self._stub = metrics_service_pb2_grpc.MetricsServiceStub(self._channel)
         self._metadata = [(k.lower(), v) for k, v in (headers or {}).items()]
 
@@ -165,7 +168,8 @@ class _GrpcSender:
 
 
 class _HttpSender:
-    def __init__(self, endpoint: str, headers: Mapping[str, str] | None, ca_file: str | None) -> None:
+    def __init__(self, endpoint: str, headers: Mapping[str, str] | None, ca_file: str | None,
+                 connect_s: float) -> None:
         url = endpoint.rstrip("/")
         self.url = url if url.endswith("/v1/metrics") else url + "/v1/metrics"
         self._headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
@@ -192,18 +196,19 @@ class OtlpMetricsPusher:
         timeout_s: deadline of one push.
         headers: sent with every push; never logged.
         ca_file: CA bundle for an https endpoint.
+        connect_s: the longest one gRPC connection attempt may take (default: ``timeout_s``).
     """
 
     def __init__(self, registry: CollectorRegistry, endpoint: str, protocol: str, resource: Mapping[str, Any],
                  interval_s: float = 10.0, timeout_s: float = 5.0, headers: Mapping[str, str] | None = None,
-                 ca_file: str | None = None) -> None:
+                 ca_file: str | None = None, connect_s: float | None = None) -> None:
         self.registry = registry
         self.resource = dict(resource)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.start_unix_ns = time.time_ns()
         sender_cls = _GrpcSender if protocol == "grpc" else _HttpSender
-        self._sender = sender_cls(endpoint, headers, ca_file)
+        self._sender = sender_cls(endpoint, headers, ca_file, connect_s if connect_s is not None else timeout_s)
         self.pushes = 0
         self.failures = 0
         self._last_failed = False
@@ -234,10 +239,15 @@ class OtlpMetricsPusher:
         """One push within ``timeout_s``; failures are counted and logged once per kind."""
         if os.getpid() != self._pid:
             return False
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             try:
-                self._sender.send(registry_to_request(self.registry, self.resource, self.start_unix_ns),
-                                  max(0.05, timeout_s))
+                request = registry_to_request(self.registry, self.resource, self.start_unix_ns)
+                # The request's build counts against the push's deadline, which is never exceeded.
+                left = deadline - time.monotonic()
+                if left < 0.01:
+                    raise TimeoutError("no time left to push")
+                self._sender.send(request, left)
             except Exception as exc:  # a collector problem must never reach the training thread
                 self.failures += 1
                 self._last_failed = True

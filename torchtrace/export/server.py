@@ -133,19 +133,17 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         now = time.monotonic()
         victim = None
         with self._conn_lock:
-            if len(self._conns) >= self.max_connections:
+            full = len(self._conns) >= self.max_connections
+            if full:
                 waiting = [(state[1], sock) for sock, state in self._conns.items()
                            if state[0] == "head" and now - state[1] >= _EVICT_AFTER_S]
-                if not waiting:
-                    self.refused += 1
-                    full = True
-                else:
-                    full = False
+                if waiting:
                     victim = min(waiting, key=lambda item: item[0])[1]
                     del self._conns[victim]
                     self.evicted += 1
-            else:
-                full = False
+                    full = False
+                else:
+                    self.refused += 1
             if not full:
                 self._conns[request] = ["head", now]
         if victim is not None:
@@ -322,6 +320,8 @@ class TelemetryServer:
         return 200, ctype, encoder(self.registry)
 
     def handle(self, method: str, request) -> tuple[int, str, bytes, dict]:
+        if len(request.headers.get_all("Host") or ()) > 1:  # RFC 7230 5.4; the route checks read the first only
+            return 400, "text/plain; charset=utf-8", b"more than one Host header\n", {"Connection": "close"}
         path = request.path.split("?", 1)[0]
         matched = [r for r in self.routes
                    if r.path == path or (r.path.endswith("/") and r.path != "/" and path.startswith(r.path))]

@@ -12,6 +12,7 @@ re-exported here.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -22,7 +23,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from torchtrace.export.http_session import HttpSpanExporter, abortable_session
+from torchtrace.export import sdk_log
+from torchtrace.export.http_session import HttpSpanExporter
+from torchtrace.export.otlp_spans import otlp_span_exporter
 from torchtrace.export.span_file import JsonLinesSpanExporter, span_line, span_to_dict
 from torchtrace.export.spans import readable
 from torchtrace.errors import get_logger
@@ -72,6 +75,11 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.exported = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         self.answered_after_abandon = 0  # spans of abandoned calls that the exporter later acknowledged
+        # Drops the callback has not taken yet (it raised), and the failure kinds already logged.
+        self._undelivered: collections.Counter[str] = collections.Counter()
+        self._callback_failures: set[str] = set()
+        self._sdk_warned = False  # the SDK exporter's first failure was turned into a torchtrace warning
+        sdk_log.install()
         self._init_state()
         self._pid = os.getpid()
         ref = weakref.ref(self)
@@ -125,13 +133,42 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                     "in_flight": self._in_flight}
 
     def _notify_drop(self, reason: str, count: int) -> None:
-        """Tell the drop callback (the metric); called without the lock held."""
-        if count <= 0:
+        """Tell the drop callback (the metric); called without the lock held.
+
+        A callback that raises is torchtrace's own failure: it goes to :attr:`on_error` (the
+        internal-error counter, logged once per kind), or is logged as a warning once per
+        exception type without one. The drops it missed are kept and handed to it with the
+        next drop it takes, so ``torchtrace_spans_dropped_total`` catches up when it recovers.
+        """
+        if count <= 0 and not self._undelivered:
             return
+        with self._cond:
+            self._undelivered[reason] += max(0, count)
+            pending = {k: v for k, v in self._undelivered.items() if v > 0}
+            self._undelivered.clear()
+        delivered: collections.Counter[str] = collections.Counter()
         try:
-            self._on_drop(reason, count)
-        except Exception:  # the drop counter must never raise into on_end
-            logger.debug("drop callback failed", exc_info=True)
+            for name, n in pending.items():
+                self._on_drop(name, n)
+                delivered[name] = n
+        except Exception as exc:  # the drop counter must never raise into on_end
+            with self._cond:
+                for name, n in pending.items():
+                    self._undelivered[name] += n - delivered[name]
+            self._report_callback_failure(exc)
+
+    def _report_callback_failure(self, exc: Exception) -> None:
+        if self.on_error is not None:
+            try:
+                self.on_error(exc)
+                return
+            except Exception:
+                pass
+        kind = type(exc).__name__
+        if kind not in self._callback_failures:
+            self._callback_failures.add(kind)
+            logger.warning("torchtrace: counting dropped spans failed (%s); the drops are kept in the report's "
+                           "span_exporters and retried on the counter", kind, exc_info=exc)
 
     # ------------------------------------------------------------ SpanProcessor
     def on_start(self, span, parent_context=None) -> None:  # noqa: D401 - SDK signature
@@ -170,6 +207,23 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._worker.start()
 
     def _run(self) -> None:
+        sdk_log.route_thread(self._sdk_record)
+        try:
+            self._loop()
+        finally:
+            sdk_log.unroute_thread()
+
+    def _sdk_record(self, record: logging.LogRecord) -> None:
+        """A log record of the SDK's exporter, written on this processor's thread: the first
+        warning becomes one torchtrace warning, everything else a DEBUG line."""
+        if record.levelno >= logging.WARNING and not self._sdk_warned:
+            self._sdk_warned = True
+            logger.warning("torchtrace: span export to the OTLP collector is failing (%s); lost spans are counted "
+                           "in torchtrace_spans_dropped_total and the report, and the exporter's messages go to "
+                           "torchtrace's log at DEBUG", self.exporter_kind)
+        logger.debug("OpenTelemetry %s exporter: %s", self.exporter_kind, record.getMessage())
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 if not self._queue and not self._shutdown and not self._flush_requests:
@@ -308,42 +362,13 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._notify_drop("shutdown", n)
 
     def _stop_exporter(self) -> None:
+        sdk_log.route_thread(self._sdk_record)
         try:
             self.exporter.shutdown()
         except Exception:
             logger.debug("exporter shutdown failed", exc_info=True)
-
-
-def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers=None,
-                       ca_file: str | None = None) -> SpanExporter:
-    """The SDK's OTLP exporter for ``protocol`` ("grpc" or "http/protobuf").
-
-    ``endpoint`` is the base endpoint, as in ``OTEL_EXPORTER_OTLP_ENDPOINT`` (already parsed
-    by the settings); for HTTP, ``/v1/traces`` is appended unless the path already ends with
-    it. TLS follows the scheme: https uses TLS (``ca_file``, or
-    ``OTEL_EXPORTER_OTLP_CERTIFICATE``, names a CA file), http does not. Both exporters'
-    ``shutdown()`` ends a call in flight at once: the gRPC one by closing its channel, the
-    HTTP one by closing the connections its session holds, idle or busy.
-    """
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
-        insecure = endpoint.startswith("http://")
-        credentials = None
-        if not insecure and ca_file:
-            import grpc
-
-            with open(ca_file, "rb") as fh:
-                credentials = grpc.ssl_channel_credentials(root_certificates=fh.read())
-        return GrpcExporter(endpoint=endpoint, insecure=insecure, credentials=credentials, timeout=timeout_s,
-                            headers=dict(headers) if headers else None)
-    url = endpoint.rstrip("/")
-    if not url.endswith("/v1/traces"):
-        url += "/v1/traces"
-    pinned = ca_file if url.startswith("https://") and ca_file else None
-    session = abortable_session(pinned)
-    return HttpSpanExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None,
-                             certificate_file=pinned, session=session)
+        finally:
+            sdk_log.unroute_thread()
 
 
 def tracer_provider(resource: Resource) -> TracerProvider:

@@ -11,6 +11,63 @@ from typing import Any
 from torchtrace.record.step import StepRecord
 
 
+NAME_CHARS = 512
+"""Characters of names one list in a retained step or event keeps (whole names, the first
+always), and characters of a message or ``detail`` text. Past it, names are left out and
+counted in the list's ``<key>_omitted``, and a text ends with how much was cut. With 32 names
+at most per list, short names (``blocks.12.weight``) fit whole; long ones cost the same budget,
+so a step summary stays under about 1.4 KB and an anomaly event under about 2.5 KB whatever
+the model's names: the report grows with the steps it keeps, not the model."""
+_TEXT_KEYS = ("message", "detail")
+
+
+def bounded_names(names: list, budget: int = NAME_CHARS) -> list:
+    """The first names of ``names`` that fit ``budget`` characters together (at least one).
+
+    >>> [len(n) for n in bounded_names(["a" * 300, "b" * 300, "c"])]
+    [300]
+    """
+    kept: list = []
+    used = 0
+    for name in names:
+        used += len(name)
+        if kept and used > budget:
+            break
+        kept.append(name)
+    return kept
+
+
+def bounded_text(text: str, budget: int = NAME_CHARS) -> str:
+    """``text`` cut to ``budget`` characters, saying how many were left out."""
+    if len(text) <= budget:
+        return text
+    return f"{text[:budget]}... ({len(text) - budget} characters left out)"
+
+
+def bounded_entry(value: dict) -> dict:
+    """A step summary or event data with its name lists and texts within :data:`NAME_CHARS`.
+
+    A list of strings keeps what fits and adds what it left to ``<key>_omitted``; the
+    ``message`` and ``detail`` texts are cut; nested dicts are bounded the same way.
+
+    >>> bounded_entry({"params": ["x" * 400, "y" * 400], "params_omitted": 3})["params_omitted"]
+    4
+    """
+    out = dict(value)
+    for key, item in value.items():
+        if isinstance(item, dict):
+            out[key] = bounded_entry(item)
+        elif isinstance(item, str) and key in _TEXT_KEYS:
+            out[key] = bounded_text(item)
+        elif isinstance(item, list) and item and all(isinstance(n, str) for n in item):
+            kept = bounded_names(item)
+            if len(kept) < len(item):
+                out[key] = kept
+                earlier = value.get(key + "_omitted")
+                out[key + "_omitted"] = len(item) - len(kept) + (earlier if isinstance(earlier, int) else 0)
+    return out
+
+
 @dataclass
 class DebugEvent:
     """One entry of the timeline: the seeds' (timestamp, type, message, data)."""
@@ -49,14 +106,14 @@ class History:
     def add_event(self, event_type: str, message: str, data: dict[str, Any] | None = None) -> DebugEvent:
         with self._lock:
             self._seq += 1
-            event = DebugEvent(time.time(), event_type, message, dict(data or {}), self._seq)
+            event = DebugEvent(time.time(), event_type, bounded_text(message), bounded_entry(data or {}), self._seq)
             self._events.append(event)
             self.totals["events"] += 1
             return event
 
     def add_step(self, record: StepRecord) -> None:
         with self._lock:
-            self._steps.append(record.summary())
+            self._steps.append(bounded_entry(record.summary()))
             self.totals["steps"] += 1
             self.operations[record.operation] += 1
             if record.anomalies:

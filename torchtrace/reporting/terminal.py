@@ -192,11 +192,29 @@ def _anomaly_lines(steps: list[dict[str, Any]], events: list[dict[str, Any]]) ->
     return lines
 
 
+def sink_summary(tel: dict[str, Any]) -> str:
+    """Spans exported and dropped per sink ("file: 50 exported; otlp_grpc: 0 exported, 50 dropped
+    (export_failed 10, shutdown 40)"): a sum over the sinks would count each span once per sink.
+    Reports without per-sink books give the totals."""
+    sinks = tel.get("span_exporters")
+    if not sinks:
+        dropped = sum((tel.get("spans_dropped") or {}).values())
+        return f"{tel.get('spans_exported', 0)} spans exported, {dropped} dropped"
+    parts = []
+    for sink in sinks:
+        by_reason = sink.get("dropped") or {}
+        text = f"{sink.get('exporter')}: {sink.get('exported', 0)} exported"
+        if by_reason:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items()))
+            text += f", {sum(by_reason.values())} dropped ({reasons})"
+        parts.append(text)
+    return "; ".join(parts)
+
+
 def _telemetry_lines(tel: dict[str, Any]) -> list[str]:
-    """Spans exported and dropped, and torchtrace's own errors; nothing without telemetry totals."""
+    """Spans exported and dropped per sink, and torchtrace's own errors; nothing without telemetry."""
     if not tel:
         return []
-    dropped = sum((tel.get("spans_dropped") or {}).values())
     errors = tel.get("internal_errors") or {}
-    return [f"  telemetry: {tel.get('spans_exported', 0)} spans exported, {dropped} dropped, internal errors "
+    return [f"  telemetry: spans {sink_summary(tel)}; internal errors "
             + (", ".join(f"{k} {v}" for k, v in sorted(errors.items())) if errors else "none")]

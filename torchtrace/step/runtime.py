@@ -19,8 +19,9 @@ from torchtrace import files, semconv
 from torchtrace._version import __version__
 from torchtrace.config import Settings
 from torchtrace.distributed import Identity, identity
-from torchtrace.errors import InternalErrors, get_logger
+from torchtrace.errors import InternalErrors, OncePerProcessTree, get_logger
 from torchtrace.export import spans as span_export
+from torchtrace.export import transport
 from torchtrace.export.metrics import Metrics
 from torchtrace.export.server import TelemetryServer
 from torchtrace.export.trace_ids import step_trace_id
@@ -73,7 +74,7 @@ class Runtime:
         self.consecutive_bad = 0
         self.log_counts: collections.Counter[str] = collections.Counter()
         self.guard_unable: collections.Counter[str] = collections.Counter()  # operation -> bad steps not skipped
-        self._warned: set[Any] = set()
+        self._warned = OncePerProcessTree()
         self._deferred: collections.deque[_Deferred] = collections.deque()
         self._changes: collections.deque[Callable[[], None]] = collections.deque()
         self._param_cache: "weakref.WeakKeyDictionary[Any, tuple[Any, list]]" = weakref.WeakKeyDictionary()
@@ -190,10 +191,8 @@ class Runtime:
 
     def warn_once(self, key: Any, message: str, *args: Any) -> None:
         """Log a warning the first time ``key`` is seen (a user's mistake, named once)."""
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        logger.warning(message, *args)
+        if self._warned.first(key):  # once for the process and the DataLoader workers it forks
+            logger.warning(message, *args)
 
     def guard_without_optimizer(self, scope: StepScope) -> None:
         if self.guard is GuardPolicy.SKIP:
@@ -359,9 +358,15 @@ class Runtime:
         self.throughput.ledger.pause(closing, last=True)  # (shutdown's own time is not the job's: not in wall time)
         self.probes.close()
         self.throughput.close()
+        written = time.monotonic()
         self._write_report_safely()
-        self._stop_exporters(deadline)
-        self._write_report_safely()  # again, with the final export counts
+        # The deadline covers everything shutdown does: the exporters stop early enough for the
+        # report to be written again (with the final export counts) in the time the first took,
+        # with a twentieth of the deadline to spare for a loaded machine's scheduling.
+        timeout = self.settings.shutdown_timeout_s
+        reserve = min(1.5 * (time.monotonic() - written) + 0.05 * timeout + 0.02, 0.25 * timeout)
+        self._stop_exporters(deadline - reserve, at_exit)
+        self._write_report_safely()
         for path in (self.spans_path, self.report_path):
             if path is not None:
                 files.release_file(path)
@@ -372,7 +377,7 @@ class Runtime:
         except Exception as exc:
             self.errors.report("files", exc)
 
-    def _stop_exporters(self, deadline: float) -> None:
+    def _stop_exporters(self, deadline: float, at_exit: bool = False) -> None:
         n = len(self.processors) + (self.metrics_pusher is not None)
         for i, proc in enumerate(self.processors):
             # Each exporter gets an equal share of what is left, so one stuck collector
@@ -383,15 +388,22 @@ class Runtime:
             except Exception as exc:
                 self.errors.report("tracing", exc)
         if self.metrics_pusher is not None:
+            # The server is stopped after the final push: keep it the time its stop takes.
+            server_s = _SERVER_STOP_S if self.server is not None else 0.0
             try:
-                self.metrics_pusher.shutdown(max(0.05, deadline - time.monotonic()))
+                self.metrics_pusher.shutdown(max(0.05, deadline - server_s - time.monotonic()))
             except Exception as exc:
                 self.errors.report("metrics", exc)
+        if not at_exit:  # no socket to a gRPC collector outlives shutdown (at exit, the process's end closes them)
+            transport.wait_for_grpc_disconnect(self.settings, self.metrics_pusher is not None,
+                                               deadline - (_SERVER_STOP_S if self.server is not None else 0.0))
         if self.server is not None:
             try:
-                self.server.stop(max(0.1, deadline - time.monotonic()))
+                self.server.stop(max(_SERVER_STOP_S, deadline - time.monotonic()))
             except Exception as exc:
                 self.errors.report("server", exc)
 
+
+_SERVER_STOP_S = 0.1  # the HTTP server's stop: its threads see the closed socket and end
 
 __all__ = ["Runtime"]

@@ -81,7 +81,8 @@ def span_exporters(rt: Runtime) -> None:
     if s.otlp_endpoint:
         transport.warn_if_plaintext(s.otlp_endpoint, "otlp_endpoint")
         exporters.append(otlp_span_exporter(s.otlp_endpoint, s.otlp_protocol, s.export_timeout_s, s.otlp_headers,
-                                            s.otlp_certificate))
+                                            s.otlp_certificate,
+                                            transport.connect_timeout_s(s.export_timeout_s, s.shutdown_timeout_s)))
     for exporter in exporters:
         proc = BoundedBatchSpanProcessor(exporter, s.span_queue_size, rt.metrics.drop_spans)
         proc.on_error = rt.exporter_error
@@ -126,7 +127,8 @@ def metrics_push(rt: Runtime) -> None:
     try:
         pusher = OtlpMetricsPusher(rt.metrics.registry, endpoint, s.otlp_protocol,
                                    dict(rt.tracer_provider.resource.attributes), s.metrics_export_interval_s,
-                                   s.export_timeout_s, s.otlp_headers, s.otlp_certificate)
+                                   s.export_timeout_s, s.otlp_headers, s.otlp_certificate,
+                                   transport.connect_timeout_s(s.export_timeout_s, s.shutdown_timeout_s))
         pusher.start()
         rt.metrics_pusher = pusher
     except Exception as exc:

@@ -1,0 +1,50 @@
+"""The OpenTelemetry SDK's OTLP span exporters, set up the way torchtrace needs them.
+
+Re-exported by :mod:`torchtrace.export.tracing`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from torchtrace.export.http_session import HttpSpanExporter, abortable_session
+from torchtrace.export.transport import grpc_channel_options, hide_sdk_header_echo
+
+__all__ = ["otlp_span_exporter"]
+
+
+def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers: Mapping[str, str] | None = None,
+                       ca_file: str | None = None, connect_s: float | None = None) -> SpanExporter:
+    """The SDK's OTLP exporter for ``protocol`` ("grpc" or "http/protobuf").
+
+    ``endpoint`` is the base endpoint, as in ``OTEL_EXPORTER_OTLP_ENDPOINT`` (already parsed
+    by the settings); for HTTP, ``/v1/traces`` is appended unless the path already ends with
+    it. TLS follows the scheme: https uses TLS (``ca_file``, or
+    ``OTEL_EXPORTER_OTLP_CERTIFICATE``, names a CA file), http does not. Both exporters'
+    ``shutdown()`` ends a call in flight at once: the gRPC one by closing its channel, the
+    HTTP one by closing the connections its session holds, idle or busy. ``connect_s`` bounds
+    each gRPC connection attempt (:func:`torchtrace.export.transport.connect_timeout_s`).
+    """
+    hide_sdk_header_echo()
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        insecure = endpoint.startswith("http://")
+        credentials = None
+        if not insecure and ca_file:
+            import grpc
+
+            with open(ca_file, "rb") as fh:
+                credentials = grpc.ssl_channel_credentials(root_certificates=fh.read())
+        options = grpc_channel_options(connect_s if connect_s is not None else timeout_s)
+        return GrpcExporter(endpoint=endpoint, insecure=insecure, credentials=credentials, timeout=timeout_s,
+                            headers=dict(headers) if headers else None, channel_options=options)
+    url = endpoint.rstrip("/")
+    if not url.endswith("/v1/traces"):
+        url += "/v1/traces"
+    pinned = ca_file if url.startswith("https://") and ca_file else None
+    session = abortable_session(pinned)
+    return HttpSpanExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None,
+                             certificate_file=pinned, session=session)
