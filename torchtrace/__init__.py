@@ -22,6 +22,17 @@ Where to read on (the docs/ folder of the source tree):
 ... def train_step(batch): ...
 """
 
+import sys as _sys
+import warnings as _warnings
+
+if "torch" not in _sys.modules:
+    # torch's first argument parse looks for NumPy and, where it is not installed, warns
+    # "Failed to initialize NumPy" once per process. torchtrace needs no NumPy: only that
+    # import-time notice is silenced (a later NumPy conversion still raises with its reason).
+    with _warnings.catch_warnings():
+        _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        import torch as _torch  # noqa: F401
+
 from torchtrace._version import __version__
 from torchtrace.api import (ConfigureResult, StepScope, configure, current_step, debug_context, debug_operation,
                             flush, shutdown)
