@@ -372,7 +372,8 @@ class RunThroughput(FlopCounting):
             if tp is not None:
                 ops[name] = {"steps": tp.steps, "seconds": tp.seconds, "samples_per_s": tp.samples_per_s,
                              "tokens_per_s": tp.tokens_per_s, "flops_per_s": tp.flops_per_s, "mfu": tp.mfu,
-                             "peak_flops": self.ledger.peak_of(name), "data_wait_share": tp.data_wait_share}
+                             "peak_flops": self.ledger.peak_of(name), "data_wait_share": tp.data_wait_share,
+                             "no_flop_rule_share": self.flops.unruled_share(name)}  # (what MFU cannot see)
         return {"wall_s": g.wall_s, "productive_s": g.productive_s, "goodput_ratio": g.ratio, "badput_s": g.badput,
                 "peak_flops": self.ledger.peak_flops, "flop_counted_shapes": len(self.flops), "operations": ops}
 
