@@ -274,15 +274,15 @@ class RunThroughput(FlopCounting):
             if key is None:  # (no one call's batch)
                 return None, None
             cached = self._shapes.get(key)
-            return cached if cached is not None else self._kept(key, self.flops.lookup(key), batch_of(forward))
+            return cached if cached is not None else self._kept(key, self.flops.lookup(key), batch_of(forward, model=scope.model))
         if key is None:
-            return None, batch_of(scope.inputs, scope.batch_skip)
+            return None, batch_of(scope.inputs, scope.batch_skip, scope.model)
         flops = self.flops.lookup(key)
         batch = self._batches.get(key)
         if batch is None:
-            batch = batch_of(scope.inputs, scope.batch_skip)
+            batch = batch_of(scope.inputs, scope.batch_skip, scope.model)  # (the model: token ids, time-major)
             if batch.samples is None and batch.tokens is None and forward is not None:
-                called = batch_of(forward)
+                called = batch_of(forward, model=scope.model)
                 if called.samples is not None and self.calls.adopt(scope, key, flops, forward):
                     return flops, called
             if not batch.pending and len(self._batches) < MAX_SHAPES and not truncated(key):
