@@ -150,3 +150,53 @@ def test_batch_first_models_read_the_first_dimension():
     model = torch.nn.ModuleList([torch.nn.Embedding(VOCAB, 8), torch.nn.LSTM(8, 8, batch_first=True)])
     size = infer_batch((torch.ones(3, 11, dtype=torch.long),), {}, model=model)
     assert (size.samples, size.tokens) == (3, 33)
+
+
+def _accumulating_step(model, opt, micro_batches):
+    """nanoGPT's loop: a forward and a backward per micro-batch, then one update."""
+    for x, y in micro_batches:
+        _, loss = model(x, y)
+        (loss / len(micro_batches)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_gradient_accumulation_in_one_debug_context_counts_every_micro_batch(tmp_path):
+    import copy
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torchtrace.measure.flop_rules import RULES
+
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(2)
+    steps = [[(torch.randint(0, VOCAB, (4, 24), generator=g), torch.randint(0, VOCAB, (4, 24), generator=g))
+              for _ in range(4)] for _ in range(5)]
+    twin = copy.deepcopy(model)
+    with FlopCounterMode(display=False, custom_mapping=RULES) as reference:
+        _accumulating_step(twin, torch.optim.AdamW(twin.parameters(), lr=1e-3), steps[0])
+    for micro_batches in steps:
+        with tt.debug_context("train_step", model=model, optimizer=opt):
+            _accumulating_step(model, opt, micro_batches)
+    records = _records(len(steps))
+    assert [r["samples"] for r in records] == [sum(x.shape[0] for x, _ in mb) for mb in steps]  # 16
+    assert [r["tokens"] for r in records] == [sum(x.numel() for x, _ in mb) for mb in steps]  # 384
+    flops = [r["flops"] for r in records]
+    assert flops[0] == reference.get_total_flops() and all(f == flops[0] for f in flops), flops
+
+
+def test_two_views_of_a_batch_before_one_backward_still_have_no_one_batch(tmp_path):
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(6, 8)
+        with tt.debug_context("train_step", model=model, optimizer=opt):
+            loss = (model(x + 0.1) - model(x - 0.1)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert [r.get("samples") for r in _records(3)] == [None, None, None]

@@ -375,9 +375,32 @@ def same_arguments(call: tuple[tuple, dict], args: tuple, kwargs: dict) -> bool:
             and named.keys() == kwargs.keys() and all(named[k] is kwargs[k] for k in kwargs))
 
 
+class MicroBatches(tuple):
+    """The model's calls on the micro-batches of one step (a backward after each: gradient
+    accumulation), as one ``(args, kwargs)`` pair whose ``args`` are the calls' ``(args,
+    kwargs)``: keyed by their shapes like any call (:func:`shape_key`), and its batch is
+    their samples and tokens summed (:func:`batch_of`).
+
+    >>> calls = MicroBatches.of([((torch.zeros(4, 3),), {}), ((torch.zeros(2, 3),), {})])
+    >>> batch_of(calls)
+    BatchSize(samples=6, tokens=None)
+    """
+
+    @classmethod
+    def of(cls, calls: list[tuple[tuple, dict]]) -> "MicroBatches":
+        return cls((tuple(calls), {}))
+
+
 def batch_of(inputs: tuple[tuple, dict] | None, skip: int = 0, model: torch.nn.Module | None = None) -> BatchSize | None:
     """The batch of a step's inputs ``(args, kwargs)``, past the first ``skip`` positional ones
-    (a method's instance), as ``model`` consumes it (see :func:`infer_batch`); None without inputs."""
+    (a method's instance), as ``model`` consumes it (see :func:`infer_batch`); None without
+    inputs. :class:`MicroBatches`: the sum of their batches (None samples when one has none)."""
     if inputs is None:
         return None
+    if type(inputs) is MicroBatches:
+        sizes = [infer_batch(args, kwargs, model) for args, kwargs in inputs[0]]
+        if any(size.samples is None for size in sizes):
+            return NOTHING
+        tokens = None if any(size.tokens is None for size in sizes) else sum(size.tokens for size in sizes)
+        return BatchSize(samples=sum(size.samples for size in sizes), tokens=tokens)
     return infer_batch(inputs[0][skip:] if skip else inputs[0], inputs[1], model)
