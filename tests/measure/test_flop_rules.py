@@ -138,3 +138,95 @@ def test_the_share_of_time_without_a_flop_rule():
     assert elementwise.unruled_share("elementwise") > 0.5
     assert products.unruled_share("products") < 0.2
     assert elementwise.unruled_share("never counted") is None
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(c, 2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class _NanoGPT(torch.nn.Module):
+    """nanoGPT's model, small: token and position embeddings, causal blocks, a tied head."""
+
+    def __init__(self, vocab: int = 256, block: int = 64, d: int = 64, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(vocab, d), torch.nn.Embedding(block, d)
+        self.blocks = torch.nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
+
+
+def test_nanogpt_step_against_palms_formula():
+    """PaLM's (and nanoGPT's estimate_mfu's) FLOPs a token, 6N + 12 L H Q T, with N the
+    parameters less the position embeddings: the count is within 2 % (it was 14 % low: the
+    CPU attention kernel counted nothing). The README quotes this."""
+    torch.manual_seed(0)
+    vocab, block, d, layers, heads, batch = 256, 64, 64, 2, 4, 4
+    model = _NanoGPT(vocab, block, d, layers, heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx, targets = torch.randint(0, vocab, (batch, block)), torch.randint(0, vocab, (batch, block))
+
+    def step():
+        model(idx, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    palm = (6 * n + 12 * layers * heads * (d // heads) * block) * batch * block
+    counted = _counted(step)
+    assert _within(counted, palm, 0.02), (counted, palm)  # (1.35 % low here)
+    assert counted <= palm  # low, not high: what it misses is element-wise work
+
+
+def test_the_run_report_says_what_share_of_op_time_has_no_flop_rule(tmp_path):
+    import json
+
+    import torchtrace as tt
+
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="rnn", register_atexit=False, strict=True)
+    try:
+        torch.manual_seed(0)
+        lstm, head = torch.nn.LSTM(32, 32), torch.nn.Linear(32, 8)
+        model = torch.nn.ModuleList([lstm, head])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            opt.zero_grad()
+            loss = head(lstm(x)[0]).square().mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        for _ in range(3):
+            train_step(torch.randn(10, 4, 32))
+    finally:
+        tt.shutdown()
+    section = json.loads((tmp_path / "rnn" / "report.json").read_text())["throughput"]["operations"]["train_step"]
+    share = section["no_flop_rule_share"]
+    assert isinstance(share, float) and 0.0 < share < 1.0
+    steps = [json.loads(line) for line in (tmp_path / "rnn" / "spans.jsonl").read_text().splitlines()]
+    flops = [s["attributes"].get("torchtrace.flops") for s in steps if s.get("name") == "train_step"]
+    forward = 2 * 10 * 4 * 4 * 32 * 64 + 2 * 10 * 4 * 32 * 8  # the LSTM and the head
+    # backward: twice the forward, less the LSTM's input gradient (x needs none: the rule
+    # counts it all the same, an overcount of 2 T B 4H I, a sixth of the LSTM's step)
+    assert flops and all(abs(f - 3 * forward) <= 0.10 * 3 * forward for f in flops), (flops, 3 * forward)
