@@ -188,15 +188,18 @@ def test_gradient_accumulation_in_one_debug_context_counts_every_micro_batch(tmp
     assert flops[0] == reference.get_total_flops() and all(f == flops[0] for f in flops), flops
 
 
-def test_two_views_of_a_batch_before_one_backward_still_have_no_one_batch(tmp_path):
+def test_two_views_of_a_batch_before_one_backward_still_have_no_one_batch_and_say_so(tmp_path, caplog):
     tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        x = torch.randn(6, 8)
-        with tt.debug_context("train_step", model=model, optimizer=opt):
-            loss = (model(x + 0.1) - model(x - 0.1)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+    with caplog.at_level(logging.WARNING, logger="torchtrace"):
+        for _ in range(3):
+            x = torch.randn(6, 8)
+            with tt.debug_context("two_views", model=model, optimizer=opt):
+                loss = (model(x + 0.1) - model(x - 0.1)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
     assert [r.get("samples") for r in _records(3)] == [None, None, None]
+    told = [r for r in caplog.records if "no backward between" in r.getMessage()]
+    assert len(told) == 1 and "two_views" in told[0].getMessage()

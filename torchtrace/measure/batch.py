@@ -37,10 +37,8 @@ Rules, in order (the first argument that gives an answer wins):
      batches, ``{"x": ..., "y": ...}`` batches, ``Batch(inputs=..., targets=...)``); a
      dataclass holding an ``nn.Module`` or ``Optimizer`` is a trainer, not a batch: skipped.
 
-Given the step's model (``model=``), a plain tensor batch is read as the model consumes it
-(:mod:`torchtrace.measure.batch_layout`): an integer tensor fed to an ``nn.Embedding`` is
-token ids too (tokens = its elements), and a time-major model's ``(seq, batch)`` input has
-``batch`` samples.
+Given the step's model, a plain tensor batch is read as it consumes it (token ids fed to an
+embedding, a time-major layout: :mod:`torchtrace.measure.batch_layout`).
 
 Only shapes are read, which the host already knows. The masked token count is a device
 tensor (``torch.count_nonzero(mask)``): it is read to the host with the rest of the step's
@@ -49,9 +47,6 @@ values, in the step's one read (:mod:`torchtrace.record.readout`), never here.
 >>> import torch
 >>> infer_batch((torch.zeros(32, 10), torch.zeros(32)), {})
 BatchSize(samples=32, tokens=None)
->>> lm = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 100))
->>> infer_batch((torch.ones(4, 16, dtype=torch.long),), {}, model=lm)
-BatchSize(samples=4, tokens=64)
 >>> ids = torch.ones(2, 5, dtype=torch.long)
 >>> mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
 >>> size = infer_batch(({"input_ids": ids, "attention_mask": mask},), {})
@@ -376,10 +371,9 @@ def same_arguments(call: tuple[tuple, dict], args: tuple, kwargs: dict) -> bool:
 
 
 class MicroBatches(tuple):
-    """The model's calls on the micro-batches of one step (a backward after each: gradient
-    accumulation), as one ``(args, kwargs)`` pair whose ``args`` are the calls' ``(args,
-    kwargs)``: keyed by their shapes like any call (:func:`shape_key`), and its batch is
-    their samples and tokens summed (:func:`batch_of`).
+    """The model's calls on one step's micro-batches (a backward after each), as one ``(args,
+    kwargs)`` pair whose ``args`` are the calls' ``(args, kwargs)``: keyed by their shapes like
+    any call, and its batch is their samples and tokens summed (:func:`batch_of`).
 
     >>> calls = MicroBatches.of([((torch.zeros(4, 3),), {}), ((torch.zeros(2, 3),), {})])
     >>> batch_of(calls)

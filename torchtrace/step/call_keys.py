@@ -17,8 +17,11 @@ from typing import Any, Hashable
 
 import torch
 
+from torchtrace.errors import get_logger
 from torchtrace.measure.batch import MAX_MICRO_BATCHES, MicroBatches, same_arguments
 from torchtrace.measure.flops import LateKey, StepFlops, countable, leave_counter, shape_key
+
+logger = get_logger(__name__)
 
 MAX_KEYS = 256  # operations, and keys of each kind below, kept
 MANY = object()  # StepClock.batch once the model was called on another batch in the step
@@ -56,9 +59,24 @@ def note_call(scope: Any, clock: Any, args: tuple, kwargs: dict) -> None:
         clock.batch.grads = grads
         return
     clock.batch = MANY
+    _say_no_batch(scope)
     counter = scope._flops_counter
     if counter is not None and type(scope.flops_key) is LateKey and leave_counter(counter):
         scope._flops_counter = None
+
+
+_told: set[str] = set()  # operations told that their steps have no one batch
+
+
+def _say_no_batch(scope: Any) -> None:
+    """Say once per operation why its steps get no samples (a warning, not silence)."""
+    name = getattr(scope, "name", None)
+    if not isinstance(name, str) or name in _told or len(_told) >= MAX_KEYS:
+        return
+    _told.add(name)
+    logger.warning("torchtrace: %s called its model on several batches with no backward between them (two views "
+                   "of a batch, an evaluation loop): its steps get no samples, tokens or FLOPs from the model's "
+                   "calls; give step.record_batch(samples=..., tokens=...) or debug_context(inputs=...)", name)
 
 
 def _countable_calls(batch: Any) -> bool:
