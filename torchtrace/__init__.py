@@ -1,16 +1,37 @@
 """torchtrace: production telemetry for PyTorch training steps.
 
-Decorate a training step or wrap it in ``debug_context`` and every call becomes an
-OpenTelemetry span carrying the step's health, the same numbers become Prometheus metrics,
-and a run report is written at exit.
+Decorate a training step (``@torchtrace.debug_operation``) or wrap it in
+``torchtrace.debug_context`` and every call becomes an OpenTelemetry span with the step's
+health (loss, gradient norms, NaN/Inf, memory, anomalies); the same numbers become
+Prometheus metrics, and each run leaves a directory with ``spans.jsonl`` and
+``report.json``. ``torchtrace demo`` shows it on a small model; ``torchtrace report RUN``
+reads a run back.
 
-The seed documents' debugging API (``PyTorchDebugger``, ``TrainingDebugger``...) is
-``torchtrace.compat``; the names the seeds import from their top-level module are here too.
+Where to read on (the docs/ folder of the source tree):
+
+- README.md: install, the two first commands, what you get;
+- docs/usage.md: decorating steps, ``configure`` and its settings (docs/configuration.md);
+- docs/telemetry.md: span attributes and Prometheus metrics, by name;
+- docs/throughput.md: samples, tokens, FLOPs, MFU and goodput;
+- docs/forensics.md: NaN forensics and replaying a bad step;
+- docs/seed-api.md: the older debugging API (``PyTorchDebugger``, ``TrainingDebugger``),
+  kept in ``torchtrace.compat`` and re-exported here.
 
 >>> import torchtrace as tt
 >>> @tt.debug_operation
 ... def train_step(batch): ...
 """
+
+import sys as _sys
+import warnings as _warnings
+
+if "torch" not in _sys.modules:
+    # torch's first argument parse looks for NumPy and, where it is not installed, warns
+    # "Failed to initialize NumPy" once per process. torchtrace needs no NumPy: only that
+    # import-time notice is silenced (a later NumPy conversion still raises with its reason).
+    with _warnings.catch_warnings():
+        _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        import torch as _torch  # noqa: F401
 
 from torchtrace._version import __version__
 from torchtrace.api import (ConfigureResult, StepScope, configure, current_step, debug_context, debug_operation,

@@ -24,6 +24,7 @@ from torchtrace import semconv  # noqa: E402
 from torchtrace.integrations.transformers import TorchtraceCallback  # noqa: E402
 from tests.helpers import read_spans, scrape, value  # noqa: E402
 from torchtrace.api import get_runtime  # noqa: E402
+from torchtrace.measure.flop_rules import RULES  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -447,7 +448,7 @@ def test_a_vision_model_gets_counted_flops_not_the_token_estimate(tmp_path):
             return {"pixel_values": torch.randn(3, 32, 32, generator=g), "labels": torch.tensor(i % 3)}
 
     x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
-    with FlopCounterMode(display=False) as counted:
+    with FlopCounterMode(display=False, custom_mapping=RULES) as counted:  # (with the CPU attention rule)
         model(pixel_values=x, labels=y).loss.backward()
     model.zero_grad(set_to_none=True)
     formula = 6 * x.numel() * model.num_parameters(exclude_embeddings=True)

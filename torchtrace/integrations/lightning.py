@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchtrace import api
+from torchtrace.measure.batch import infer_batch
+from torchtrace.measure.batch_layout import sequence_layout
 from torchtrace.measure.loss import extract_loss
 from torchtrace.integrations._common import StepDriver, require
 
@@ -64,6 +67,7 @@ class TorchtraceCallback(_pl.Callback):
         # The step number is Lightning's batch count over the run (restored when resuming from a checkpoint).
         self._train.begin(None, batch, step=getattr(getattr(trainer.fit_loop, "epoch_loop", None), "total_batch_idx",
                                                     None))
+        _read_as_consumed(self._train, pl_module, batch)
         # The phases come from Lightning's hooks: forward to on_before_backward, backward to
         # on_before_optimizer_step, optimizer to the batch's end (its update, zero_grad, scheduler).
         self._train.mark("forward_start", cuda=getattr(pl_module.device, "type", None) == "cuda")
@@ -107,3 +111,23 @@ class TorchtraceCallback(_pl.Callback):
         if self._val is not None:
             self._val.abort(exception)
             self._loop.abort(exception)
+
+
+def _read_as_consumed(driver: StepDriver, module: Any, batch: Any) -> None:
+    """The batch's samples and tokens as the module consumes it (token ids fed to an
+    embedding, a time-major layout: :mod:`torchtrace.measure.batch_layout`). The module joins
+    the step's scope only at its update, so a batch that only accumulates gradients would be
+    read without it: its reading is given to the step instead (``record_batch``; one the
+    user's ``training_step`` gives later wins)."""
+    scope = driver.scope
+    if scope is None or not scope.active or not scope.features.throughput:
+        return
+    try:
+        layout = sequence_layout(module)
+        if not (layout.embeds or layout.time_major):
+            return
+        read = infer_batch((batch,), {}, model=module)
+        if not read.pending and read.samples is not None:
+            scope.record_batch(samples=read.samples, tokens=read.tokens)
+    except Exception as exc:  # a batch or module that cannot be read: what the step infers stands
+        api.get_runtime().errors.report("other", exc)

@@ -37,6 +37,9 @@ Rules, in order (the first argument that gives an answer wins):
      batches, ``{"x": ..., "y": ...}`` batches, ``Batch(inputs=..., targets=...)``); a
      dataclass holding an ``nn.Module`` or ``Optimizer`` is a trainer, not a batch: skipped.
 
+Given the step's model, a plain tensor batch is read as it consumes it (token ids fed to an
+embedding, a time-major layout: :mod:`torchtrace.measure.batch_layout`).
+
 Only shapes are read, which the host already knows. The masked token count is a device
 tensor (``torch.count_nonzero(mask)``): it is read to the host with the rest of the step's
 values, in the step's one read (:mod:`torchtrace.record.readout`), never here.
@@ -60,11 +63,9 @@ from typing import Any, Mapping
 
 import torch
 
-#: How deep the rules look into nested tuples, lists and mappings.
-MAX_DEPTH = 3
-#: How many elements of one container the rules look at before giving up (a list of
-#: ten thousand strings must not cost ten thousand checks every step).
-MAX_ITEMS = 16
+from torchtrace.measure.batch_layout import MAX_DEPTH, MAX_ITEMS, SKIP, array_shape, as_consumed, \
+    dataclass_values, first_tensor, holds_model, is_dataclass_instance
+
 #: How many micro-batches (tokenizer outputs in one list) are summed; a longer list reads as its first.
 MAX_MICRO_BATCHES = 64
 #: Keys of a mapping batch that hold the token ids and the padding mask.
@@ -73,7 +74,6 @@ ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"  # a packed row's: each sequence's positions start at 0
 
 _NUMBER = numbers.Number
-_SKIP = (torch.nn.Module, torch.optim.Optimizer, str, bytes, bytearray, int, float, complex, bool, type(None))
 _PACKED = torch.nn.utils.rnn.PackedSequence
 
 
@@ -111,8 +111,10 @@ class BatchSize:
 NOTHING = BatchSize()
 
 
-def infer_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchSize:
+def infer_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any], model: torch.nn.Module | None = None) -> BatchSize:
     """Samples and tokens of a step called as ``fn(*args, **kwargs)``; see the module's rules.
+    ``model``: the model that consumes the batch, which tells token ids and a time-major
+    layout (:func:`~torchtrace.measure.batch_layout.sequence_layout`).
 
     Never reads a device value and never raises for an unusual batch: what it cannot read
     gives ``BatchSize(None, None)``.
@@ -121,7 +123,25 @@ def infer_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchSize:
     >>> model = torch.nn.Linear(4, 2)
     >>> infer_batch((model, torch.zeros(16, 4)), {"step": 3})
     BatchSize(samples=16, tokens=None)
+    >>> lstm = torch.nn.LSTM(8, 8)  # batch_first=False: (seq, batch, features)
+    >>> infer_batch((torch.zeros(35, 20, 8),), {}, model=lstm)
+    BatchSize(samples=20, tokens=None)
     """
+    found = _infer_batch(args, kwargs)
+    if model is None or found.tokens is not None or found.samples is None:
+        return found
+    tensor = first_tensor(args, kwargs)
+    if tensor is None or isinstance(found.samples, torch.Tensor) or tensor.dim() < 2 \
+            or found.samples != int(tensor.size(0)):
+        return found  # not the plain tensor rule's answer (the first tensor's first dimension)
+    try:
+        samples, tokens = as_consumed(tensor, model)
+    except Exception:  # a model whose modules() raises: the plain reading stands
+        return found
+    return BatchSize(samples=samples, tokens=tokens)
+
+
+def _infer_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchSize:
     try:
         if INPUT_IDS in kwargs:
             found = _from_mapping(kwargs, 0)
@@ -148,7 +168,7 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
         return BatchSize(samples=int(value.size(0))) if value.dim() > 0 else None
     if isinstance(value, _PACKED):  # its first time step holds every sequence (batch_sizes is on the host)
         return BatchSize(samples=int(value.batch_sizes[0])) if value.batch_sizes.numel() else None
-    if isinstance(value, _SKIP) or depth >= MAX_DEPTH:
+    if isinstance(value, SKIP) or depth >= MAX_DEPTH:
         return None
     if isinstance(value, Mapping):
         return _from_mapping(value, depth)
@@ -298,45 +318,6 @@ def _parts(item: Any) -> tuple[Any, list, list[torch.Tensor]] | None:
     return (keys, tuple((t.dim(), t.dtype) for t in tensors)), values, tensors
 
 
-_ARRAY_MODULES = frozenset({"numpy", "pandas", "cupy", "jax", "jaxlib"})
-
-
-def array_shape(value: Any) -> tuple[int, ...] | None:
-    """The shape of an array of another library (a NumPy array, a pandas frame: a ``shape``
-    tuple of integers on an object of those libraries); None for anything else, such as a
-    settings object with a ``shape`` of its own. Reading it never raises.
-
-    >>> import numpy as np
-    >>> array_shape(np.zeros((3, 2))), array_shape(np.float32(1.0)), array_shape("text")
-    ((3, 2), (), None)
-    """
-    if type(value).__module__.partition(".")[0] not in _ARRAY_MODULES:
-        return None
-    try:
-        shape = getattr(value, "shape", None)
-    except Exception:  # a property that raises
-        return None
-    if type(shape) is not tuple or not all(type(d) is int or isinstance(d, numbers.Integral) for d in shape):
-        return None
-    return tuple(int(d) for d in shape)
-
-
-def holds_model(values: list[Any]) -> bool:
-    """True when an object's fields hold a model or an optimizer: a trainer, not a batch (its
-    other fields, a list of past losses say, may change every step)."""
-    return any(isinstance(v, (torch.nn.Module, torch.optim.Optimizer)) for v in values)
-
-
-def is_dataclass_instance(value: Any) -> bool:
-    """True for an instance of a dataclass (not the class itself)."""
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
-
-
-def dataclass_values(value: Any, limit: int) -> list[Any]:
-    """The first ``limit`` field values of a dataclass instance, in field order."""
-    return [getattr(value, f.name, None) for f in dataclasses.fields(value)[:limit]]
-
-
 def _from_mapping(batch: Mapping[str, Any], depth: int) -> BatchSize | None:
     ids = batch.get(INPUT_IDS) if _has_key(batch, INPUT_IDS) else None
     if isinstance(ids, torch.Tensor) and ids.dim() > 0:
@@ -389,7 +370,31 @@ def same_arguments(call: tuple[tuple, dict], args: tuple, kwargs: dict) -> bool:
             and named.keys() == kwargs.keys() and all(named[k] is kwargs[k] for k in kwargs))
 
 
-def batch_of(inputs: tuple[tuple, dict] | None, skip: int = 0) -> BatchSize | None:
+class MicroBatches(tuple):
+    """The model's calls on one step's micro-batches (a backward after each), as one ``(args,
+    kwargs)`` pair whose ``args`` are the calls' ``(args, kwargs)``: keyed by their shapes like
+    any call, and its batch is their samples and tokens summed (:func:`batch_of`).
+
+    >>> calls = MicroBatches.of([((torch.zeros(4, 3),), {}), ((torch.zeros(2, 3),), {})])
+    >>> batch_of(calls)
+    BatchSize(samples=6, tokens=None)
+    """
+
+    @classmethod
+    def of(cls, calls: list[tuple[tuple, dict]]) -> "MicroBatches":
+        return cls((tuple(calls), {}))
+
+
+def batch_of(inputs: tuple[tuple, dict] | None, skip: int = 0, model: torch.nn.Module | None = None) -> BatchSize | None:
     """The batch of a step's inputs ``(args, kwargs)``, past the first ``skip`` positional ones
-    (a method's instance); None without inputs."""
-    return infer_batch(inputs[0][skip:] if skip else inputs[0], inputs[1]) if inputs is not None else None
+    (a method's instance), as ``model`` consumes it (see :func:`infer_batch`); None without
+    inputs. :class:`MicroBatches`: the sum of their batches (None samples when one has none)."""
+    if inputs is None:
+        return None
+    if type(inputs) is MicroBatches:
+        sizes = [infer_batch(args, kwargs, model) for args, kwargs in inputs[0]]
+        if any(size.samples is None for size in sizes):
+            return NOTHING
+        tokens = None if any(size.tokens is None for size in sizes) else sum(size.tokens for size in sizes)
+        return BatchSize(samples=sum(size.samples for size in sizes), tokens=tokens)
+    return infer_batch(inputs[0][skip:] if skip else inputs[0], inputs[1], model)

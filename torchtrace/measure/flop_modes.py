@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from typing import Any
 
 import torch
 from torch.utils import _python_dispatch, flop_counter
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
+
+from torchtrace.measure.flop_rules import RULES
 
 
 _profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
@@ -63,13 +66,16 @@ if _INNER is not None:
                 if uncounted == _NESTED:
                     self.counter.incomplete = True
                 return func(*args, **(kwargs or {}))
+            began = time.perf_counter()
             try:
-                return super().__torch_dispatch__(func, types, args, kwargs)
+                result = super().__torch_dispatch__(func, types, args, kwargs)
             except _OUT_OF_MEMORY:
                 raise  # the step's own size, not the counter
             except Exception:
                 self.counter.failed = True  # the op itself, or the counter's code around it
                 raise
+            self.counter.note_time(func, args, time.perf_counter() - began)
+            return result
 else:  # pragma: no cover - a torch without it: nested tensors made inside a step fail the count
     _Declining = None
 
@@ -100,10 +106,35 @@ class _Counter(FlopCounterMode):
     void = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("custom_mapping", RULES)  # recurrent layers, attention on a CPU (flop_rules)
         super().__init__(*args, **kwargs)
         if hasattr(self, "mod_tracker"):
             self.mod_tracker = _GlobalOnly()
         self.by_dtype: dict[torch.dtype, int] = {}  # FLOPs counted per dtype of the op's first tensor
+        # Host seconds of the ops run under the count, all and those with no FLOP rule; only on
+        # a CPU are they the ops' run time (a GPU op's launch returns before it ran): `on_device`.
+        self.op_s = 0.0
+        self.unruled_s = 0.0
+        self.on_device = False
+
+    def note_time(self, func: Any, args: Any, seconds: float) -> None:
+        """One op's host time, booked as with or without a FLOP rule (see :meth:`unruled_share`)."""
+        self.op_s += seconds
+        if func._overloadpacket not in self.flop_registry:
+            self.unruled_s += seconds
+        if not self.on_device:
+            for arg in args:
+                if isinstance(arg, torch.Tensor):
+                    self.on_device = arg.device.type != "cpu"
+                    break
+
+    def unruled_share(self) -> float | None:
+        """The share of the counted ops' time spent in ops with no FLOP rule (element-wise work,
+        normalisation, the optimizer's update, kernels the counter does not know); None when an
+        op ran on an accelerator, whose time the host cannot see without a synchronisation."""
+        if self.on_device or self.op_s <= 0.0:
+            return None
+        return self.unruled_s / self.op_s
 
     def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
         """FlopCounterMode's per-op count (torch 2.1 and later), and the op's FLOPs by the dtype

@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure import peaks
 from torchtrace.measure.flop_fit import FlopFits
+from torchtrace.measure.flop_rules import RULES
 from torchtrace.measure.flop_modes import _Counter, drop_counter, eager_for_now, leave_counter, profiler_running, \
     release_counter
 from torchtrace.measure.shape_keys import KEY_MAX_DEPTH, KEY_MAX_ITEMS, LOOSE, NESTED, countable, grown, shape_key
@@ -99,6 +100,34 @@ class StepFlops:
         self.failures = 0  # steps that raised in an op under the counter (their keys are skipped)
         self.loose: dict[Hashable, frozenset[int]] = {}  # operation -> key positions that do not decide FLOPs
         self.fits = FlopFits()  # FLOPs of shapes never counted, from counts differing in one or two lengths
+        # Per operation: host seconds of its counted steps' ops with no FLOP rule, and of all
+        # their ops (CPU counts only; see unruled_share).
+        self._unruled: dict[Hashable, tuple[float, float]] = {}
+
+    def unruled_share(self, operation: str) -> float | None:
+        """The share of the operation's counted steps' op time spent in ops with no FLOP rule
+        (element-wise work, normalisation, the optimizer's update, unknown kernels): what its
+        FLOPs, and so its MFU, cannot see. None when no count of it ran on the CPU alone (a
+        GPU op's host time is its launch, not its run).
+
+        >>> import torch
+        >>> flops, x = StepFlops(), torch.randn(256, 256)
+        >>> with flops.counting(("step", 1)):
+        ...     _ = (x @ x).relu().exp().sin().cos().tanh()
+        >>> 0.0 < flops.unruled_share("step") < 1.0
+        True
+        """
+        seen = self._unruled.get(operation)
+        if seen is None or seen[1] <= 0.0:
+            return None
+        return seen[0] / seen[1]
+
+    def _note_unruled(self, key: Hashable, mode: _Counter) -> None:
+        operation = _operation(key)
+        if mode.unruled_share() is None or (operation not in self._unruled and len(self._unruled) >= MAX_KEYS):
+            return
+        unruled, total = self._unruled.get(operation, (0.0, 0.0))
+        self._unruled[operation] = (unruled + mode.unruled_s, total + mode.op_s)
 
     def table_key(self, key: Hashable) -> Hashable:
         """``key`` as the table holds it: an ``(operation, shape key)`` with the operation's
@@ -213,6 +242,7 @@ class StepFlops:
             return
         total = mode.get_total_flops()
         if total > 0 and not mode.incomplete:
+            self._note_unruled(key, mode)
             self._learn(key, total)
             self.record(key, total)
             key, dtype = self.table_key(key), mode.compute_dtype()
@@ -251,7 +281,7 @@ def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     >>> flops == 2 * 2 * 3 * 4
     True
     """
-    mode = FlopCounterMode(display=False)
+    mode = FlopCounterMode(display=False, custom_mapping=RULES)  # (torch's rules and flop_rules')
     with mode:
         result = fn(*args, **kwargs)
     return result, int(mode.get_total_flops())

@@ -13,7 +13,7 @@ from typing import Any, Hashable, Mapping
 
 import torch
 
-from torchtrace.measure.batch import array_shape, dataclass_values, holds_model, is_dataclass_instance
+from torchtrace.measure.batch_layout import array_shape, dataclass_values, holds_model, is_dataclass_instance
 
 #: How deep and how wide :func:`shape_key` looks into nested arguments.
 KEY_MAX_DEPTH = 3

@@ -13,33 +13,98 @@ the step's end fills in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
-from torchtrace.measure.batch import same_arguments
+import torch
+
+from torchtrace.errors import get_logger
+from torchtrace.measure.batch import MAX_MICRO_BATCHES, MicroBatches, same_arguments
 from torchtrace.measure.flops import LateKey, StepFlops, countable, leave_counter, shape_key
 
+logger = get_logger(__name__)
+
 if TYPE_CHECKING:
-    from torchtrace.step.state import StepThroughput
+    from torchtrace.step.scope import StepScope
 
 MAX_KEYS = 256  # operations, and keys of each kind below, kept
 MANY = object()  # StepClock.batch once the model was called on another batch in the step
 
 
-def note_call(state: StepThroughput, args: tuple, kwargs: dict) -> None:
-    """The model was called in a step whose arguments gave no batch (``state.clock.batch`` is
-    not MANY): keep the call's arguments, or, on another batch than the first call's (two
-    views, an evaluation loop), mark the step as having none and end its count if it is keyed
-    by the call (an activation checkpoint's recomputation passes the same tensors: one batch)."""
-    clock = state.clock
-    assert clock is not None
+class _Call(tuple):
+    """A model call's ``(args, kwargs)``, with the state of the model's gradients when it was
+    made (:func:`_gradient_mark`): a later call after a backward is another micro-batch."""
+
+    grads: Any = None
+
+
+def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
+    """The model was called in a step whose arguments gave no batch (``clock.batch`` is not
+    MANY): keep the call's arguments. A call on another batch after a backward (the model's
+    gradients changed since the call before: gradient accumulation) is one more micro-batch,
+    kept with the others (:class:`MicroBatches`, samples and tokens summed, FLOPs counted over
+    them all). On another batch without a backward between (two views, an evaluation loop) the
+    step has none, and its count ends if it is keyed by the call. An activation checkpoint's
+    recomputation passes the same tensors: one batch."""
+    state = scope.throughput
+    clock = state.clock if state is not None else None
+    if clock is None:
+        return
     batch = clock.batch
     if batch is None:
-        clock.batch = (args, kwargs)
-    elif batch is not MANY and not same_arguments(batch, args, kwargs):
-        clock.batch = MANY
-        counter = state.counter
-        if counter is not None and type(state.key) is LateKey and leave_counter(counter):
-            state.counter = None
+        clock.batch = call = _Call((args, kwargs))
+        call.grads = _gradient_mark(scope)
+        return
+    if batch is MANY:
+        return
+    last = batch[0][-1] if type(batch) is MicroBatches else batch
+    if same_arguments(last, args, kwargs):
+        return
+    grads = _gradient_mark(scope)
+    if grads is not None and grads != batch.grads and _countable_calls(batch):
+        calls = list(batch[0]) if type(batch) is MicroBatches else [tuple(batch)]
+        clock.batch = MicroBatches.of([*calls, (args, kwargs)])
+        clock.batch.grads = grads
+        return
+    clock.batch = MANY
+    _say_no_batch(scope)
+    counter = state.counter
+    if counter is not None and type(state.key) is LateKey and leave_counter(counter):
+        state.counter = None
+
+
+_told: set[str] = set()  # operations told that their steps have no one batch
+
+
+def _say_no_batch(scope: StepScope) -> None:
+    """Say once per operation why its steps get no samples (a warning, not silence)."""
+    name = getattr(scope, "name", None)
+    if not isinstance(name, str) or name in _told or len(_told) >= MAX_KEYS:
+        return
+    _told.add(name)
+    logger.warning("torchtrace: %s called its model on several batches with no backward between them (two views "
+                   "of a batch, an evaluation loop): its steps get no samples, tokens or FLOPs from the model's "
+                   "calls; give step.record_batch(samples=..., tokens=...) or debug_context(inputs=...)", name)
+
+
+def _countable_calls(batch: Any) -> bool:
+    """Room for one more micro-batch (up to the batch rules' limit)."""
+    return type(batch) is not MicroBatches or len(batch[0]) < MAX_MICRO_BATCHES
+
+
+def _gradient_mark(scope: StepScope) -> tuple[int, int] | None:
+    """Where the gradient of the model's first trained parameter stands: its tensor's identity
+    and version (a backward sets it or adds to it in place; a host read of no device value).
+    ``(0, 0)`` before it has one; None without a model or a trained parameter."""
+    model = getattr(scope, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for index, param in enumerate(model.parameters()):
+        if index >= 64:
+            return None
+        if param.requires_grad:
+            grad = param.grad
+            return (id(grad), grad._version) if grad is not None else (0, 0)
+    return None
 
 
 class CallKeys:

@@ -278,8 +278,9 @@ class ModelMarks:
     def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
         state = self._throughput()
         if state is not None:
-            if state.clock.batch is not MANY:  # (as in the seam)
-                note_call(state, args, kwargs)
+            scope = current.step()
+            if state.clock.batch is not MANY and scope is not None:  # (as in the seam)
+                note_call(scope, args, kwargs)
             state.clock.announce("forward_start")  # a later call's start is kept in clock.again
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
@@ -340,7 +341,7 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         if state is None or (clock := state.clock) is None:
             return impl(target, *args, **kwargs)
         if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
-            note_call(state, args, kwargs)
+            note_call(scope, args, kwargs)
         if clock.forward_start is None:  # the step's first call (the usual step's only one)
             phase_mark("forward")
             clock.forward_start = clock.mark()

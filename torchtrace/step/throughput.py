@@ -242,15 +242,15 @@ class RunThroughput:
             if key is None:  # (no one call's batch)
                 return None, None
             cached = self._shapes.get(key)
-            return cached if cached is not None else self._kept(key, self.flops.lookup(key), batch_of(forward))
+            return cached if cached is not None else self._kept(key, self.flops.lookup(key), batch_of(forward, model=scope.model))
         if key is None:
-            return None, batch_of(scope.inputs, scope.batch_skip)
+            return None, batch_of(scope.inputs, scope.batch_skip, scope.model)
         flops = self.flops.lookup(key)
         batch = self._batches.get(key)
         if batch is None:
-            batch = batch_of(scope.inputs, scope.batch_skip)
+            batch = batch_of(scope.inputs, scope.batch_skip, scope.model)  # (the model: token ids, time-major)
             if batch.samples is None and batch.tokens is None and forward is not None:
-                called = batch_of(forward)
+                called = batch_of(forward, model=scope.model)
                 if called.samples is not None and self.calls.adopt(scope.name, key, flops, forward):
                     return flops, called
             if not batch.pending and len(self._batches) < MAX_SHAPES and not truncated(key):
@@ -346,7 +346,8 @@ class RunThroughput:
             if tp is not None:
                 ops[name] = {"steps": tp.steps, "seconds": tp.seconds, "samples_per_s": tp.samples_per_s,
                              "tokens_per_s": tp.tokens_per_s, "flops_per_s": tp.flops_per_s, "mfu": tp.mfu,
-                             "peak_flops": self.ledger.peak_of(name), "data_wait_share": tp.data_wait_share}
+                             "peak_flops": self.ledger.peak_of(name), "data_wait_share": tp.data_wait_share,
+                             "no_flop_rule_share": self.flops.unruled_share(name)}  # (what MFU cannot see)
         return {"wall_s": g.wall_s, "productive_s": g.productive_s, "goodput_ratio": g.ratio, "badput_s": g.badput,
                 "peak_flops": self.ledger.peak_flops, "flop_counted_shapes": len(self.flops), "operations": ops}
 
