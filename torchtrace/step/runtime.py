@@ -343,11 +343,12 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
+        # The deadline and shutdown's own time (not the job's) start here.
+        deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
         try:  # first: the watchdog stops, so a slow shutdown is never taken for a hang
             setup.close_black_box(self)
         except Exception as exc:
             self.errors.report("files", exc)
-        deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
         if at_exit:
             for proc in self.processors:
                 proc.prepare_exit()
