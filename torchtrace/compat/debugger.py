@@ -231,9 +231,12 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         """A ``torch.profiler`` window over the block, written as a Chrome trace.
 
         ``output_file`` relative (or None) goes under ``log_dir`` (default
-        ``profile_<n>.json``); shapes and memory are recorded unless ``options`` say otherwise,
-        Python stacks with ``with_stack=True`` (which slows profiling down); ``options`` are :func:`torchtrace.profiling`'s. ``enabled`` None follows the
-        settings; off, nothing is profiled and ``result["path"]`` is None.
+        ``profile_<n>.json``): ``result["path"]`` is where it went and ``result["log_dir"]``
+        the directory a relative name is taken in. Shapes, memory and Python stack traces
+        (seed 000's "Stack trace collection") are recorded unless ``options`` say otherwise:
+        ``with_stack=False`` profiles faster without the stacks. ``options`` are
+        :func:`torchtrace.profiling`'s. ``enabled`` None follows the settings; off, nothing is
+        profiled and ``result["path"]`` is None.
         """
         if isinstance(enabled, (str, os.PathLike)) and output_file is None:  # profiling("trace.json")
             enabled, output_file = None, enabled
@@ -241,15 +244,16 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         if not on:
             self._log("profiling_skipped", f"profiling off ({self._off('enable_profiling') or 'enabled=False'}); "
                       "nothing is profiled", level=logging.INFO)
-            yield {"path": None, "windows": [], "enabled": False}
+            yield {"path": None, "windows": [], "enabled": False, "log_dir": str(self.config.log_dir)}
             return
         path = self._path(output_file, f"profile_{len(self.profiles_written)}.json")
-        for key in ("record_shapes", "profile_memory"):
+        for key in ("record_shapes", "profile_memory", "with_stack"):
             options.setdefault(key, True)
         self._log("profiling", f"profiling to {path}", {"path": str(path)}, logging.DEBUG)
         self._active["profiling"] += 1
         try:
             with core_profiling(path, **options) as result:
+                result["log_dir"] = str(self.config.log_dir)
                 yield result
         finally:
             self._active["profiling"] -= 1

@@ -36,6 +36,12 @@ from torchtrace.errors import get_logger
 
 _logger = get_logger("torchtrace.debugger")
 
+# The monitor's anomaly kinds as the seeds' event types, each of which counts in
+# ``total_anomalies`` (:data:`torchtrace.compat.timeline.ANOMALY_EVENTS`).
+_EVENT_TYPES = {semconv.GRAD_EXPLOSION: "gradient_explosion", semconv.GRAD_VANISHING: "gradient_vanishing",
+                semconv.NONFINITE_GRAD: "nonfinite_gradient", semconv.NONFINITE_LOSS: "loss_anomaly",
+                semconv.LOSS_SPIKE: "loss_spike"}
+
 
 def _split(first: Any) -> tuple[DebugLevel | None, Any, int | None]:
     """``(level, config, window)`` from the first positional argument, by type."""
@@ -105,8 +111,8 @@ class TrainingDebugger(TrainingMonitor):
     def _report(self, kinds: list[str], step: int, loss: float | None, grad_norm: float | None) -> None:
         steps.report(kinds, "training_step", step=step, loss=loss, grad_norm=grad_norm, in_step=self._in_step)
         for kind in kinds:
-            self.timeline.log(kind if kind != semconv.LOSS_SPIKE else "loss_spike", f"{kind} at step {step}",
-                              {"step": step, "loss": str(loss), "grad_norm": str(grad_norm)}, logging.WARNING)
+            self.timeline.log(_EVENT_TYPES.get(kind, kind), f"{kind} at step {step}",
+                              {"kind": kind, "step": step, "loss": str(loss), "grad_norm": str(grad_norm)}, logging.WARNING)
 
     def _detail(self, info: Result, model: torch.nn.Module | None) -> Result:
         if self.level in (DebugLevel.ADVANCED, DebugLevel.EXTREME):
