@@ -206,7 +206,9 @@ def test_memory_tracking_reports_a_planted_leak_through_the_leak_detector(tt_run
     leaks = tracking["data"]["memory_leaks"]
     assert leaks, tracking
     assert any("per step" in leak for leak in leaks), leaks
-    assert [e for e in debugger.timeline.events() if e["event_type"] == "memory_leak"]
+    leak_events = [e for e in debugger.timeline.events() if e["event_type"] == "memory_leak"]
+    # The detector's robust slope against the plant's size per step (RSS; 10 %).
+    assert leak_events[0]["data"]["bytes_per_step"] == pytest.approx(per_step, rel=0.1)
     assert debugger.get_debug_summary()["total_anomalies"] >= 1
 
 

@@ -22,8 +22,8 @@ from typing import Any, Iterator
 
 import torch
 
-from torchtrace import current
-from torchtrace.compat import resources
+from torchtrace import current, semconv
+from torchtrace.compat import resources, steps
 from torchtrace.compat.inspecting import CheckingMixin
 from torchtrace.compat.operations import OperationsMixin
 from torchtrace.compat.records import DebugMetrics, OptimizationMetrics
@@ -33,11 +33,22 @@ from torchtrace.compat.timeline import Timeline, iso, make_sink
 from torchtrace.errors import NonFiniteError, get_logger
 from torchtrace.forensics.anomaly import anomaly_detection as core_anomaly_detection
 from torchtrace.levels import DebugLevel, DebugMode
-from torchtrace.record.growth import DEFAULT_THRESHOLD, GrowthTracker
+from torchtrace.record.growth import DEFAULT_THRESHOLD, DEFAULT_WINDOW, GrowthTracker
 from torchtrace.tools import memory as memory_tools
 from torchtrace.tools.profiling import profiling as core_profiling
 
 logger = get_logger("torchtrace.debugger")
+
+
+def samples_after(samples: Any, last: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The samples added after ``last`` (all when ``last`` is None or has left the bounded deque)."""
+    out: list[dict[str, Any]] = []
+    for sample in reversed(samples):
+        if sample is last:
+            break
+        out.append(sample)
+    out.reverse()
+    return out
 
 
 def _split_positional(first: Any, second: Any) -> tuple[Any, Any, Any]:
@@ -272,17 +283,42 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
             return
         start = self.profile_memory("memory_tracking_start")
         self._active["memory_tracking"] += 1
+        tracker = memory_tools.tracker()
+        before = tracker.samples[-1] if tracker.samples else None
         try:
             with memory_tools.memory_tracking(enabled=True) as tracker:
                 yield tracker
         finally:
             self._active["memory_tracking"] -= 1
             end = self.profile_memory("memory_tracking_end")
+            step_leaks = self._step_leaks(samples_after(tracker.samples, before))
             delta = end["rss_bytes"] - start["rss_bytes"]
             self._log("memory_tracking", f"process memory changed by {delta / 2 ** 20:+.2f} MB",
                       {"rss_delta_bytes": delta, "cuda_allocated_delta_bytes": None if end["cuda_allocated_bytes"] is None
                        else end["cuda_allocated_bytes"] - (start["cuda_allocated_bytes"] or 0),
-                       "memory_leaks": end["memory_leaks"]})
+                       "memory_leaks": end["memory_leaks"] + step_leaks})
+
+    def _step_leaks(self, samples: list[dict[str, Any]]) -> list[str]:
+        """Leaks in the per-step samples of a ``memory_tracking`` block, by the leak detector's
+        rule with the run's window and threshold (``leak_window``, ``leak_threshold_bytes``);
+        each is logged as a ``memory_leak`` event and counted under the operation
+        ``memory_tracking``."""
+        rt = current.runtime(create=False)
+        window = getattr(rt.settings, "leak_window", None) if rt is not None else None
+        threshold = getattr(rt.settings, "leak_threshold_bytes", None) if rt is not None else None
+        leaks = []
+        for key, what in (("rss_bytes", "process memory"), ("cuda_allocated_bytes", "CUDA memory allocated")):
+            values = [s[key] for s in samples if s.get(key) is not None]
+            slope = memory_tools.sustained_growth(values, window or DEFAULT_WINDOW, threshold or DEFAULT_THRESHOLD)
+            if slope is not None:
+                leak = (f"{what} grew {slope / 2 ** 20:.2f} MB per step over the {len(values)} steps tracked "
+                        "(the leak detector's rule)")
+                leaks.append(leak)
+                self._log("memory_leak", leak, {"source": "memory_tracking", "memory": key,
+                                                "bytes_per_step": slope}, logging.WARNING)
+        if leaks:
+            steps.report([semconv.MEMORY_LEAK] * len(leaks), "memory_tracking", data={"leaks": leaks})
+        return leaks
 
     # ------------------------------------------------------------ memory tools
     def take_memory_snapshot(self, name: str | None = None, census: bool = False) -> Any:

@@ -27,7 +27,9 @@ from torchtrace.compat.timeline import Timeline, make_sink
 from torchtrace.compat.toolconfig import PyTorchDebugConfig
 from torchtrace.compat.training import TrainingDebugger
 from torchtrace.forensics.anomaly import anomaly_detection
+from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.snapshots import tracker
+from torchtrace.record.growth import DEFAULT_THRESHOLD
 from torchtrace.tools import inspection, memory
 from torchtrace.tools.profiling import profiling
 from torchtrace.errors import get_logger
@@ -104,12 +106,22 @@ class GradientDebugger:
         return steps.loss_value(norm)
 
 
+SNAPSHOT_LEAK_WINDOW = 8
+"""Snapshots the leak rule looks back over (as ``PyTorchDebugger.profile_memory``'s calls)."""
+SNAPSHOT_LEAK_WARMUP = 4
+"""First snapshots the leak rule ignores (optimizer state and caches fill then)."""
+
+
 class PyTorchMemoryDebugger:
-    """``track_tensor``, ``take_memory_snapshot``, ``clear_memory`` over the core memory tools."""
+    """``track_tensor``, ``take_memory_snapshot``, ``clear_memory`` over the core memory tools,
+    and seed 002's "Detects memory leaks": :meth:`trend` applies the leak detector's rule
+    (:func:`torchtrace.tools.memory.sustained_growth`) to the bytes in use at each snapshot."""
 
     def __init__(self, config: PyTorchDebugConfig | None = None) -> None:
         self.config = _config(config)
         self.snapshots: list[Any] = []
+        self.in_use: list[int] = []  # heap bytes in use at each snapshot (RSS where glibc's count is missing)
+        self.leak_warned = False
 
     def track_tensor(self, tensor: torch.Tensor, name: str) -> bool:
         """Watch ``tensor`` by weak reference; False (nothing done) when tracking is off."""
@@ -125,6 +137,9 @@ class PyTorchMemoryDebugger:
         snap = memory.take_memory_snapshot(name, census)
         self.snapshots.append(snap)
         del self.snapshots[:-1000]
+        heap = mem_measure.heap_in_use_bytes()
+        self.in_use.append(heap if heap is not None else snap.memory["rss_bytes"])
+        del self.in_use[:-1000]
         return snap
 
     def clear_memory(self) -> dict[str, Any]:
@@ -132,11 +147,22 @@ class PyTorchMemoryDebugger:
         return memory.clear_memory()
 
     def trend(self) -> Result:
-        """RSS (and CUDA allocated) from the first to the last snapshot, bytes."""
-        if len(self.snapshots) < 2:
-            return Result(snapshots=len(self.snapshots), rss_change_bytes=None)
-        first, last = self.snapshots[0].memory, self.snapshots[-1].memory
-        return Result(snapshots=len(self.snapshots), rss_change_bytes=last["rss_bytes"] - first["rss_bytes"])
+        """RSS from the first to the last snapshot (``rss_change_bytes``), and ``leaks``: a
+        sentence when the bytes in use grew by the leak detector's rule (a sustained robust
+        slope over the last :data:`SNAPSHOT_LEAK_WINDOW` snapshots; raw growth is not a
+        leak), with ``leak_bytes_per_snapshot`` (None without a leak). A leak is logged once."""
+        slope = memory.sustained_growth(self.in_use, SNAPSHOT_LEAK_WINDOW, DEFAULT_THRESHOLD, SNAPSHOT_LEAK_WARMUP)
+        leaks = [] if slope is None else [
+            f"memory in use grew {slope / 2 ** 20:.2f} MB per snapshot over the last {SNAPSHOT_LEAK_WINDOW} "
+            "snapshots (the leak detector's rule)"]
+        if leaks and not self.leak_warned:
+            self.leak_warned = True
+            _logger.warning("memory leak: %s", leaks[0])
+        change = None
+        if len(self.snapshots) >= 2:
+            change = self.snapshots[-1].memory["rss_bytes"] - self.snapshots[0].memory["rss_bytes"]
+        return Result(snapshots=len(self.snapshots), rss_change_bytes=change, leaks=leaks,
+                      leak_bytes_per_snapshot=slope)
 
 
 class ModelDebugger:
