@@ -73,6 +73,7 @@ class GradientDebugger:
         self.config = _config(config)
         self.history: list[GradientReport] = []
         self.anomaly_count = 0
+        self.last_flow: Result | None = None  # the latest analyze_gradient_flow, for the report
 
     def check_gradients(self, model: torch.nn.Module, second: Any = None, **kwargs: Any) -> GradientReport:
         """Seed 002's ``check_gradients(model, step)`` (also the loss/threshold forms)."""
@@ -98,7 +99,8 @@ class GradientDebugger:
     def analyze_gradient_flow(self, model: torch.nn.Module) -> Result:
         if not self.config.enable_gradient_debugging:
             return Result(layers=[], no_gradient=[], zero_gradient=[], enabled=False)
-        return checks.gradient_flow(model)
+        self.last_flow = checks.gradient_flow(model)
+        return self.last_flow
 
     def clip_gradients(self, model: torch.nn.Module, max_norm: float = 1.0) -> float:
         """Clip to ``max_norm`` (an explicit request: done whatever the switches); returns the norm before."""
@@ -178,7 +180,13 @@ class ModelDebugger:
         out = Result(inspection.inspect_model(model, input_shape, **kwargs), enabled=True)
         params = checks.analyze_parameters(model)
         out["parameter_anomalies"] = params.summary["nonfinite_params"]
-        self.inspections.append(Result({k: out[k] for k in ("model", "total_parameters", "trainable_parameters")}))
+        # Seed 002's report: "Model Information: parameter statistics, layer analysis, input validation".
+        kept = Result({k: out[k] for k in ("model", "total_parameters", "trainable_parameters")})
+        kept["layers"] = out["layers"]
+        kept["parameter_anomalies"] = out["parameter_anomalies"]
+        kept["input_validation"] = out.get("forward")
+        self.inspections.append(kept)
+        del self.inspections[:-100]
         return out
 
     def _validate_model_inputs(self, model: torch.nn.Module, input_shape: Any, **kwargs: Any) -> Result:
@@ -224,7 +232,8 @@ class PyTorchDebugManager:
                                "anomaly_history": list(self.anomaly_detector.anomalies)},
             gradient_analysis={"checks": len(grads), "steps_with_anomalies": self.gradient_debugger.anomaly_count,
                                "last": grads[-1] if grads else None,
-                               "anomalies": [a for g in grads for a in g["gradient_anomalies"]][-100:]},
+                               "anomalies": [a for g in grads for a in g["gradient_anomalies"]][-100:],
+                               "flow": self.gradient_debugger.last_flow},
             memory={"snapshots": [s.as_dict() for s in self.memory_debugger.snapshots],
                     "tracked_tensors": tracker().tracked(),
                     "trend": self.memory_debugger.trend()},

@@ -166,6 +166,9 @@ class TrainingDebugger(TrainingMonitor):
         grads = out.pop("before_step", None)
         out["gradient_check"] = grads
         out["step"] = a["step"]
+        if a["optimizer"] is not None and inspect:
+            # Seed 002's "Optimizer state analysis", after the update the step made.
+            out["optimizer_state"] = Result(inspection.optimizer_state(a["optimizer"]))
         self.record_step(out["loss"], grads["global_norm"] if grads is not None else None, a["step"])
         if cfg is not None and cfg.enable_memory_debugging and cfg.memory_snapshot_frequency and a["step"] is not None \
                 and a["step"] % cfg.memory_snapshot_frequency == 0:
