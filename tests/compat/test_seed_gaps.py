@@ -207,7 +207,7 @@ def test_memory_tracking_reports_a_planted_leak_through_the_leak_detector(tt_run
     assert leaks, tracking
     assert any("per step" in leak for leak in leaks), leaks
     leak_events = [e for e in debugger.timeline.events() if e["event_type"] == "memory_leak"]
-    # The detector's robust slope against the plant's size per step (RSS; 10 %).
+    # The detector's robust slope against the plant's size per step (heap in use; 10 %).
     assert leak_events[0]["data"]["bytes_per_step"] == pytest.approx(per_step, rel=0.1)
     assert debugger.get_debug_summary()["total_anomalies"] >= 1
 

@@ -299,15 +299,18 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
                        "memory_leaks": end["memory_leaks"] + step_leaks})
 
     def _step_leaks(self, samples: list[dict[str, Any]]) -> list[str]:
-        """Leaks in the per-step samples of a ``memory_tracking`` block, by the leak detector's
-        rule with the run's window and threshold (``leak_window``, ``leak_threshold_bytes``);
+        """Leaks in the per-step samples of a ``memory_tracking`` block (the heap in use where
+        glibc counts it, else RSS; CUDA memory allocated), by the leak detector's rule with the
+        run's window and threshold (``leak_window``, ``leak_threshold_bytes``);
         each is logged as a ``memory_leak`` event and counted under the operation
         ``memory_tracking``."""
         rt = current.runtime(create=False)
         window = getattr(rt.settings, "leak_window", None) if rt is not None else None
         threshold = getattr(rt.settings, "leak_threshold_bytes", None) if rt is not None else None
         leaks = []
-        for key, what in (("rss_bytes", "process memory"), ("cuda_allocated_bytes", "CUDA memory allocated")):
+        heap = any(s.get("heap_in_use_bytes") is not None for s in samples)
+        cpu = ("heap_in_use_bytes", "heap in use") if heap else ("rss_bytes", "process memory")
+        for key, what in (cpu, ("cuda_allocated_bytes", "CUDA memory allocated")):
             values = [s[key] for s in samples if s.get(key) is not None]
             slope = memory_tools.sustained_growth(values, window or DEFAULT_WINDOW, threshold or DEFAULT_THRESHOLD)
             if slope is not None:
