@@ -4,6 +4,8 @@ check and a torchtrace step give the same numbers, to the bit, and the same anom
 from __future__ import annotations
 
 import ast
+import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 import torchtrace as tt
 from torchtrace import PyTorchDebugger, semconv
+from torchtrace.compat import AsyncTrainingLogger
 
 from tests.compat.common import ref_norm, small_classifier, spans
 
@@ -76,3 +79,40 @@ def test_compat_reads_no_private_attribute_of_another_object():
     root = Path(tt.__file__).parent / "compat"
     found = [hit for path in sorted(root.glob("*.py")) for hit in _private_reads(path)]
     assert found == []
+
+
+class _Gate(logging.Handler):
+    """A handler that holds the writer until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.gate.wait(5)
+        self.messages.append(record.getMessage())
+
+
+def test_async_logger_on_the_standard_queue_listener_drops_and_counts_when_full(capsys):
+    target = logging.getLogger("facade.gate")
+    target.setLevel(logging.INFO)
+    target.propagate = False
+    handler = _Gate()
+    target.addHandler(handler)
+    log = AsyncTrainingLogger(user_id=1, model_name="tiny", logger=target, queue_size=2)
+    try:
+        for i in range(6):
+            log.log_info(f"record {i}")
+        # One record is with the (held) handler, two wait in the queue: by hand, 3 of 6 dropped
+        # (the first may not have left the queue yet: then 4).
+        assert log.dropped in (3, 4)
+        handler.gate.set()
+        assert log.flush(timeout=5.0)
+        assert len(handler.messages) == 6 - log.dropped
+        assert handler.messages[0] == "record 0"
+    finally:
+        log.close()
+        target.removeHandler(handler)
+    assert "Traceback" not in capsys.readouterr().err  # a full queue is counted, not reported as an error
+    assert not [t for t in threading.enumerate() if t.name == "torchtrace-training-logger"]
