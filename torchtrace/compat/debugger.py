@@ -274,7 +274,9 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
     @contextlib.contextmanager
     def memory_tracking(self, enabled: bool | None = None) -> Iterator[Any]:
         """Memory snapshots at the start and end of the block, a sample for every torchtrace step
-        inside it, and a ``memory_tracking`` event with the difference and the leaks found."""
+        inside it, and a ``memory_tracking`` event with the difference and the leaks found: the
+        leak detector's rule over the steps' samples (a ``memory_leak`` event each, with
+        ``bytes_per_step``), and ``memory_leak`` anomalies the run recorded."""
         on = not self._off("enable_memory_tracking") if enabled is None else flag(enabled, "enabled")
         if not on:
             self._log("memory_tracking_skipped", f"memory tracking off ({self._off('enable_memory_tracking') or 'enabled=False'})",
