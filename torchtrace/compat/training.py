@@ -117,9 +117,10 @@ class TrainingDebugger(TrainingMonitor):
     def _detail(self, info: Result, model: torch.nn.Module | None) -> Result:
         if self.level in (DebugLevel.ADVANCED, DebugLevel.EXTREME):
             if model is not None:
-                table = checks.gradient_table(model)
-                info["exploded_params"] = [n for n, s in table.items() if s["norm"] > self.explosion_threshold]
-                info["vanished_params"] = [n for n, s in table.items() if s["norm"] < self.vanishing_threshold]
+                # The tensors the core's rules name (record/rules.py, per tensor as at ADVANCED).
+                report = checks.gradient_report(model, self.explosion_threshold, self.vanishing_threshold)
+                info["exploded_params"] = report["exploded_params"]
+                info["vanished_params"] = report["vanished_params"]
             info["memory"] = mem_measure.sample().as_dict()
         if self.level is DebugLevel.EXTREME:
             self.step_history.append(dict(info))
