@@ -307,14 +307,20 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         each is logged as a ``memory_leak`` event and counted under the operation
         ``memory_tracking``."""
         rt = current.runtime(create=False)
-        window = getattr(rt.settings, "leak_window", None) if rt is not None else None
+        window = (getattr(rt.settings, "leak_window", None) if rt is not None else None) or DEFAULT_WINDOW
         threshold = getattr(rt.settings, "leak_threshold_bytes", None) if rt is not None else None
         leaks = []
         heap = any(s.get("heap_in_use_bytes") is not None for s in samples)
         cpu = ("heap_in_use_bytes", "heap in use") if heap else ("rss_bytes", "process memory")
         for key, what in (cpu, ("cuda_allocated_bytes", "CUDA memory allocated")):
-            values = [s[key] for s in samples if s.get(key) is not None]
-            slope = memory_tools.sustained_growth(values, window or DEFAULT_WINDOW, threshold or DEFAULT_THRESHOLD)
+            # One entry per step (None where a step has no such sample): steps are the x axis.
+            values = [s.get(key) for s in samples]
+            if all(v is None for v in values):
+                continue
+            # The block is the user's: a quarter window of warm-up (the run's probe waits a
+            # whole window for its first steps' caches), so a block of ~50 steps can show a leak.
+            slope = memory_tools.sustained_growth(values, window, threshold or DEFAULT_THRESHOLD,
+                                                  warmup=max(4, window // 4))
             if slope is not None:
                 leak = (f"{what} grew {slope / 2 ** 20:.2f} MB per step over the {len(values)} steps tracked "
                         "(the leak detector's rule)")

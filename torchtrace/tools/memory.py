@@ -25,10 +25,11 @@ from torchtrace.record.growth import DEFAULT_THRESHOLD, DEFAULT_WINDOW, GrowthTr
 _TRACKER = tracker()
 
 
-def sustained_growth(values: Sequence[int], window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD,
-                     warmup: int | None = None) -> float | None:
+def sustained_growth(values: Sequence[int | None], window: int = DEFAULT_WINDOW,
+                     threshold: float = DEFAULT_THRESHOLD, warmup: int | None = None) -> float | None:
     """The leak detector's rule (:class:`~torchtrace.record.growth.GrowthTracker`, the rule the
-    per-step leak probe applies) over memory samples taken one per step, or one per call:
+    per-step leak probe applies) over memory samples taken one per step, or one per call
+    (None: a step without a sample; the x axis stays the step's index):
     the robust slope in bytes per sample of the last stretch it called a leak, or None when
     growth was never sustained (no leak; a block shorter than ``warmup`` plus a few samples
     cannot show one). Raw growth is not a leak: memory that rises once and stays, or a few
@@ -42,6 +43,8 @@ def sustained_growth(values: Sequence[int], window: int = DEFAULT_WINDOW, thresh
     tracker_ = GrowthTracker(window=window, threshold=threshold, warmup=warmup)
     slope = None
     for i, value in enumerate(values):
+        if value is None:
+            continue
         tracker_.add(i, value)
         if tracker_.sustained():
             slope = tracker_.refresh()
