@@ -325,3 +325,22 @@ def test_relative_output_file_goes_under_log_dir_and_the_result_says_so(tt_runti
     assert result["path"] == str(tmp_path / "logs" / "profile.json")
     assert result["log_dir"] == str(tmp_path / "logs")
     assert (tmp_path / "logs" / "profile.json").is_file()
+
+
+def test_basic_debug_context_as_an_async_block(tt_runtime):
+    import asyncio
+
+    model = LossModel()
+    inputs = torch.randn(3, 4)
+
+    async def block():
+        async with debug_context(DebugLevel.BASIC):
+            loss = model(inputs)
+            loss.backward()
+        return loss
+
+    loss = asyncio.run(block())
+    tt.flush()
+    attrs = _step_span(tt_runtime)["attributes"]
+    assert attrs[semconv.LOSS] == pytest.approx(float(loss.detach()), rel=1e-6)
+    assert attrs[semconv.GRAD_NORM] == pytest.approx(ref_norm(p.grad for p in model.parameters()), rel=1e-6)

@@ -126,6 +126,12 @@ class WatchedBlock:
             self.model = None
         return self.scope.__exit__(exc_type, exc, tb)
 
+    async def __aenter__(self) -> StepScope:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
     # ------------------------------------------------------------ hooks
     def _install(self) -> None:
         module_hooks = torch.nn.modules.module
