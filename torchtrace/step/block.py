@@ -20,6 +20,7 @@ next to the autograd anomaly detection it comes with.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Iterator
 
@@ -54,9 +55,9 @@ def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     leaves: list[torch.Tensor] = []
     seen_nodes: set[int] = set()
     seen_leaves: set[int] = set()
-    queue = [loss.grad_fn] if loss.grad_fn is not None else []
+    queue = collections.deque([loss.grad_fn] if loss.grad_fn is not None else [])
     while queue:
-        node = queue.pop(0)
+        node = queue.popleft()
         if node is None or id(node) in seen_nodes:
             continue
         seen_nodes.add(id(node))
