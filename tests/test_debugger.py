@@ -28,12 +28,14 @@ def test_check_gradients_norm_stats_and_anomalies():
     dbg = tt.create_pytorch_debugger()
     report = dbg.check_gradients(m, gradient_threshold=1e9)
     ref_total = math.sqrt(sum(ref_norm(p.grad) ** 2 for p in m.parameters()))
-    assert float(report) == pytest.approx(ref_total, rel=1e-9)
+    # The core's norm: float32 per-tensor norms (fused kernels), the reference float64.
+    assert float(report) == pytest.approx(ref_total, rel=1e-6)
     for name, p in m.named_parameters():
         st = report["param_stats"][name]
         vals = p.grad.double().reshape(-1).tolist()
         mean = sum(vals) / len(vals)
-        assert st["norm"] == pytest.approx(ref_norm(p.grad), rel=1e-9)
+        # The core's norm: float32 per-tensor norms (fused kernels), the reference float64.
+        assert st["norm"] == pytest.approx(ref_norm(p.grad), rel=1e-6)
         assert st["mean"] == pytest.approx(mean, rel=1e-9, abs=1e-15)
         assert st["max"] == max(vals) and st["min"] == min(vals)
     assert report["anomalies"] == []
@@ -45,7 +47,8 @@ def test_explosion_vanishing_names_and_nonfinite():
     m = grads_model()
     dbg = tt.PyTorchDebugger()
     norms = {n: ref_norm(p.grad) for n, p in m.named_parameters()}
-    thr = sorted(norms.values())[1]
+    # Between two norms: the checks compare the core's float32 norms, the reference is float64.
+    thr = sum(sorted(norms.values())[1:3]) / 2
     assert dbg.check_gradient_explosion(m, threshold=thr) == [n for n, v in norms.items() if v > thr]
     assert dbg.check_gradient_vanishing(m, threshold=thr) == [n for n, v in norms.items() if v < thr]
     m[0].weight.grad[0, 0] = float("nan")

@@ -19,7 +19,7 @@ from torchtrace.distributed import in_dataloader_worker
 from torchtrace.errors import get_logger
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
-from torchtrace.step import checks, clipping, updaters
+from torchtrace.step import block, checks, clipping, updaters
 from torchtrace.step.scope import StepScope
 from torchtrace.step.watched import instance_first, watched
 
@@ -228,7 +228,7 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
     """A ``with`` (or ``async with``) block that is one instrumented operation.
 
     Args:
-        name: the operation's name, which is the span's name (``train_step``).
+        name: the operation's name, which is the span's name (``train_step``); a level: the seeds' block (step/block.py).
         model: the model whose gradients and parameters are watched.
         optimizer: when given, gradients are measured in its step pre-hook, exactly as the
             optimizer will use them, and the guard policy can skip the update.
@@ -259,8 +259,8 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
     True
     >>> tt.shutdown()
     """
-    if isinstance(name, DebugLevel):  # the seeds' debug_context(DebugLevel.BASIC)
-        level, name = name, "step"
+    if isinstance(name, DebugLevel):  # the seeds' debug_context(DebugLevel.BASIC): step/block.py
+        return block.level_block(name, model, optimizer, step, mode, attributes, replay, scaler, kind, inputs)
     return StepScope(name, model=model, optimizer=optimizer, step=step, level=level, mode=mode,
                      attributes=attributes, replay=replay, scaler=scaler, kind=kind,
                      inputs=((inputs,), {}) if inputs is not None else None)

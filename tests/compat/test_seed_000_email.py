@@ -121,7 +121,8 @@ def test_gradient_checking_example_against_a_float64_loop(setup):
     loss_fn(model(inputs), targets).backward()
     gradient_norm = debugger.check_gradients(model, gradient_threshold=1.0)
     ref = ref_norm(p.grad for p in model.parameters())
-    assert float(gradient_norm) == pytest.approx(ref, rel=1e-12)
+    # The core's norm: float32 per-tensor norms (fused kernels), the reference float64.
+    assert float(gradient_norm) == pytest.approx(ref, rel=1e-6)
     assert (gradient_norm > 1.0) is (ref > 1.0) and (gradient_norm <= 1.0) is (ref <= 1.0)
     param_stats = debugger.check_model_parameters(model)
     assert param_stats["total_parameters"] == 6 * 8 + 8 + 8 * 3 + 3 and param_stats["ok"]

@@ -207,7 +207,8 @@ def test_gradient_analysis_example():
         model[2].bias.grad.mul_(1e-9)
     gradient_info = debugger.analyze_gradients(model)
     norms = {n: ref_norm([p.grad]) for n, p in model.named_parameters()}
-    assert float(gradient_info) == pytest.approx(ref_norm(p.grad for p in model.parameters()), rel=1e-12)
+    # The core's norm: float32 per-tensor norms (fused kernels), the reference float64.
+    assert float(gradient_info) == pytest.approx(ref_norm(p.grad for p in model.parameters()), rel=1e-6)
     exploded_params = debugger.check_gradient_explosion(model, threshold=10.0)
     if exploded_params:
         print(f"Gradient explosion in: {exploded_params}")

@@ -66,7 +66,8 @@ def test_gradient_debugger_example_step_is_never_a_threshold(tt_runtime):
     gradient_info = gradient_debugger.check_gradients(model, step)
     assert gradient_info["step"] == 0 and gradient_info["anomalies"] == [] and gradient_info["exploded_params"] == []
     assert gradient_info["threshold"] == 1e3
-    assert float(gradient_info) == pytest.approx(ref_norm(p.grad for p in model.parameters()), rel=1e-12)
+    # The core's norm: float32 per-tensor norms (fused kernels), the reference float64.
+    assert float(gradient_info) == pytest.approx(ref_norm(p.grad for p in model.parameters()), rel=1e-6)
     flow_analysis = gradient_debugger.analyze_gradient_flow(model)
     w = model[0].weight.grad.double().abs()
     assert flow_analysis["layers"][0]["mean_abs"] == pytest.approx(float(w.mean()), rel=1e-12)
@@ -87,7 +88,8 @@ def test_gradient_clip_threshold_clips_only_on_explosion():
     assert norm > 1e3
     debugger = GradientDebugger(PyTorchDebugConfig(gradient_norm_threshold=1e3, gradient_clip_threshold=1.0))
     info = debugger.check_gradients(model)
-    assert info["clipped_to"] == 1.0 and info["norm_before_clipping"] == pytest.approx(norm, rel=1e-9)
+    # The core's norm: float32 per-tensor norms (fused kernels), the reference float64.
+    assert info["clipped_to"] == 1.0 and info["norm_before_clipping"] == pytest.approx(norm, rel=1e-6)
     assert ref_norm(p.grad for p in model.parameters()) == pytest.approx(1.0, rel=1e-5)
     healthy = mlp()
     torch.nn.functional.mse_loss(healthy(x), y).backward()
@@ -228,7 +230,8 @@ def test_manager_loop_example_and_comprehensive_report(tt_runtime):
         debug_manager.memory_debugger.take_memory_snapshot(f"epoch_{epoch}")
     report = debug_manager.generate_comprehensive_report()
     for got, ref in norms:
-        assert got == pytest.approx(ref, rel=1e-12)
+        # The core's norm: float32 per-tensor norms (fused kernels), the reference float64.
+        assert got == pytest.approx(ref, rel=1e-6)
     assert report["gradient_analysis"]["checks"] == 6 and report["anomaly_detection"]["total_anomalies"] == 0
     assert [s["name"] for s in report["memory"]["snapshots"]] == ["epoch_0", "epoch_1"]
     assert set(report) >= {"anomaly_detection", "gradient_analysis", "memory", "model", "training", "cuda",

@@ -139,7 +139,8 @@ def test_check_gradients_with_the_loss_is_never_a_threshold(tt_runtime, env):
     print(f"Gradient anomalies: {gradient_info['gradient_anomalies']}")
     print(f"Parameter statistics: {gradient_info['parameter_stats']}")
     ref = ref_norm(p.grad for p in model.parameters())
-    assert gradient_info["gradient_norm"] == pytest.approx(ref, rel=1e-12)
+    # The core's norm: float32 per-tensor norms (fused kernels), the reference float64.
+    assert gradient_info["gradient_norm"] == pytest.approx(ref, rel=1e-6)
     assert gradient_info["threshold"] == 1e3 and gradient_info["loss"] == pytest.approx(loss.item())
     assert gradient_info["gradient_anomalies"] == []
     # The step got the loss and the model: its span carries both, as the decorator's would.

@@ -1,11 +1,12 @@
 """Seed 001's ``AsyncTrainingLogger``: training logs written by a background thread, and the
 ``*_async`` tensor, gradient and progress checks.
 
-A log call builds the record on the caller's thread and puts it on a bounded queue; one
-daemon thread (``torchtrace-training-logger``) hands records to the logger's handlers, so a
-slow handler (a network log shipper) never holds up training. A full queue drops the record
-and counts it (``dropped``). :meth:`flush` waits for the queue with a deadline; :meth:`close`
-stops the thread.
+A log call builds the record on the caller's thread and puts it on a bounded queue through
+the standard library's :class:`logging.handlers.QueueHandler`; a
+:class:`logging.handlers.QueueListener` thread (``torchtrace-training-logger``) hands
+records to the logger's handlers, so a slow handler (a network log shipper) never holds up
+training. A full queue drops the record and counts it (``dropped``). :meth:`flush` waits for
+the queue with a deadline; :meth:`close` stops the thread.
 
 >>> import asyncio, torch
 >>> log = AsyncTrainingLogger(user_id=1, model_name="tiny")
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import logging.handlers
 import math
 import queue
 import threading
@@ -34,7 +36,47 @@ from torchtrace.compat.results import Result
 from torchtrace.config import DEFAULT_GRAD_EXPLOSION_THRESHOLD, DEFAULT_GRAD_VANISHING_THRESHOLD
 from torchtrace.errors import get_logger
 
-_STOP = object()
+logger = logging.getLogger(__name__)
+
+WRITER_THREAD = "torchtrace-training-logger"
+
+
+class DroppingQueueHandler(logging.handlers.QueueHandler):
+    """A :class:`~logging.handlers.QueueHandler` for a bounded queue: a full queue drops the
+    record and counts it (``dropped``) instead of reporting an error, and records go on the
+    queue as they are (the logger's own handlers format them, tracebacks included)."""
+
+    def __init__(self, records: queue.Queue) -> None:
+        super().__init__(records)
+        self.dropped = 0
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        # Each record is built for this queue alone: nothing to copy or pre-format.
+        return record
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+
+class ToLogger(logging.Handler):
+    """The listener's one handler: every record goes through ``target``'s handlers (its
+    filters, levels and propagation), on the listener's thread, named ``WRITER_THREAD``."""
+
+    def __init__(self, target: logging.Logger) -> None:
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        thread = threading.current_thread()
+        if thread.name != WRITER_THREAD:
+            thread.name = WRITER_THREAD
+        try:
+            self.target.handle(record)
+        except Exception:  # a failing handler must not kill the writer thread
+            pass
 
 
 class TrainingPhase(str, enum.Enum):
@@ -83,33 +125,26 @@ class AsyncTrainingLogger:
         self.model_name = model_name
         self.enable_autograd_debug = enable_autograd_debug
         self.logger = logger if logger is not None else get_logger("torchtrace.training")
-        self.dropped = 0
         self.progress: dict[str, Any] = {"epoch": None, "step": None, "loss": None, "learning_rate": None}
         self.training: dict[str, Any] = {"active": False}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._handler = DroppingQueueHandler(self._queue)
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._listener: logging.handlers.QueueListener | None = None
         self._anomaly_prev: tuple[bool, bool] | None = None
         self._closed = False
+
+    @property
+    def dropped(self) -> int:
+        """Records dropped because the queue was full."""
+        return self._handler.dropped
 
     # ------------------------------------------------------------ the background writer
     def _start(self) -> None:
         with self._lock:
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name="torchtrace-training-logger", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                self.logger.handle(item)
-            except Exception:  # a failing handler must not kill the writer
-                pass
-            finally:
-                self._queue.task_done()
+            if self._listener is None and not self._closed:
+                self._listener = logging.handlers.QueueListener(self._queue, ToLogger(self.logger))
+                self._listener.start()
 
     def _emit(self, level: int, message: str, phase: Any = None, context: dict[str, Any] | None = None,
               exc: BaseException | None = None) -> None:
@@ -122,10 +157,7 @@ class AsyncTrainingLogger:
         record = self.logger.makeRecord(self.logger.name, level, "(training)", 0, "%s", (text,), exc_info,
                                         extra=extra)
         self._start()
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
-            self.dropped += 1
+        self._handler.handle(record)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued record was handled, at most ``timeout`` seconds. True when done."""
@@ -139,15 +171,21 @@ class AsyncTrainingLogger:
         return True
 
     def close(self, timeout: float = 5.0) -> None:
-        """Restore autograd anomaly detection, write what is queued (within ``timeout``), stop the thread."""
+        """Restore autograd anomaly detection, write what is queued (within ``timeout``), stop the
+        thread. Handlers still busy after ``timeout`` keep the (daemon) thread until they finish:
+        closing never waits longer."""
         self.end_training()
-        self.flush(timeout)
+        drained = self.flush(timeout)
         with self._lock:
             self._closed = True
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(_STOP)
-            thread.join(timeout)
+            listener, self._listener = self._listener, None
+        if listener is None:
+            return
+        if drained:
+            listener.stop()
+        else:
+            logger.warning("AsyncTrainingLogger.close: handlers still busy after %.1f s; the writer thread "
+                            "finishes the queue on its own", timeout)
 
     def __enter__(self) -> "AsyncTrainingLogger":
         return self

@@ -20,7 +20,8 @@ from torchtrace import semconv
 from torchtrace.compat.results import GradientReport, ParameterAnalysis, Result, tensor_info
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure import tensors as tensor_measure
-from torchtrace.record import readout
+from torchtrace.record import readout, rules
+from torchtrace.record.step import StepRecord
 
 _W = len(tensor_measure.STAT_NAMES)
 
@@ -35,73 +36,71 @@ def _read(stacked: torch.Tensor) -> list[float]:
 
 
 def gradient_table(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Parameter name -> gradient statistics (over finite values), counts and float64 L2 norm."""
+    """Parameter name -> gradient statistics (over finite values), NaN/Inf counts and the L2
+    ``norm``, in model order. The norms are the core's (:func:`measure.gradients.gradient_norms`,
+    what a torchtrace step records for the same gradients); one host read for everything."""
     refs = [r for r in grad_measure.named_params(model) if r.param.grad is not None]
     if not refs:
         return {}
-    dev = refs[0].param.grad.device
-    rows = torch.stack([
-        torch.cat([tensor_measure.tensor_stats(r.param.grad),
-                   torch.linalg.vector_norm(_dense(r.param.grad).to(torch.float64)).reshape(1)]).to(dev)
-        for r in refs])
-    values = _read(rows)
+    norms = grad_measure.gradient_norms(refs)
+    dev = norms.norms.device
+    rows = torch.stack([tensor_measure.tensor_stats(r.param.grad).to(dev) for r in refs])
+    values = _read(torch.cat([rows.reshape(-1), norms.norms.to(torch.float64)]))
+    by_name = dict(zip(norms.names, values[len(refs) * _W:]))
     out = {}
     for i, r in enumerate(refs):
-        row = values[i * (_W + 1):(i + 1) * (_W + 1)]
-        s: dict[str, Any] = dict(zip(tensor_measure.STAT_NAMES, row[:-1]))
+        s: dict[str, Any] = dict(zip(tensor_measure.STAT_NAMES, values[i * _W:(i + 1) * _W]))
         s["nan_count"] = int(s["nan_count"])
         s["inf_count"] = int(s["inf_count"])
-        s["norm"] = row[-1]
+        s["norm"] = by_name[r.name]
         out[r.name] = s
     return out
-
-
-def _total(norms: list[float]) -> float | None:
-    if not norms:
-        return None
-    if any(math.isnan(n) for n in norms):
-        return float("nan")
-    if any(math.isinf(n) for n in norms):
-        return float("inf")
-    return math.sqrt(math.fsum(n * n for n in norms))
 
 
 def gradient_report(model: torch.nn.Module, explosion: float, vanishing: float) -> GradientReport:
     """Global norm, per-parameter statistics and anomalies of ``model``'s current gradients.
 
-    Rules (one per anomaly, never two for one cause): a NaN/Inf gradient is ``nonfinite_grad``
-    (never an explosion); a finite global norm above ``explosion`` is ``grad_explosion`` with
-    the tensors above it named; a finite global norm below ``vanishing`` is
-    ``grad_vanishing``, and tensors below it are named in ``vanished_params`` either way.
+    The global norm is the core's (:func:`measure.gradients.global_norm` of the core's
+    per-tensor norms: a torchtrace step over the same gradients records the same value) and
+    the anomalies are the core's rules (:func:`record.rules.evaluate_gradients`, with the
+    per-tensor names of ADVANCED): a NaN/Inf gradient is ``nonfinite_grad`` (never an
+    explosion); a finite global norm above ``explosion`` is ``grad_explosion`` with the tensors
+    above it named; one below ``vanishing`` is ``grad_vanishing``; tensors below it are named
+    in ``vanished_params`` either way.
     """
     stats = gradient_table(model)
-    total = _total([s["norm"] for s in stats.values()])
+    names = list(stats)
+    norms = [s["norm"] for s in stats.values()]
+    total = grad_measure.global_norm(norms) if norms else None
     nan_p = [n for n, s in stats.items() if s["nan_count"]]
     inf_p = [n for n, s in stats.items() if s["inf_count"]]
-    nonfinite = [n for n, s in stats.items() if s["nan_count"] or s["inf_count"] or not math.isfinite(s["norm"])]
-    finite = total is not None and math.isfinite(total)
-    exploded = [n for n, s in stats.items() if math.isfinite(s["norm"]) and s["norm"] > explosion]
-    vanished = [n for n, s in stats.items() if s["norm"] < vanishing]
+    # An infinite norm of finite elements (squares that overflowed) is not an Inf gradient.
+    overflow = [n for n, s in stats.items() if not math.isfinite(s["norm"]) and n not in nan_p and n not in inf_p]
+    record = StepRecord(operation="check_gradients", step=0, level="advanced", start_unix_ns=0)
+    rules.evaluate_gradients(record, names, norms, total, explosion, vanishing, per_parameter=True,
+                             overflow_only=overflow)
     anomalies: list[dict[str, Any]] = []
     sentences: list[str] = []
-    if nonfinite:
-        anomalies.append({"kind": semconv.NONFINITE_GRAD, "params": nonfinite, "nan": nan_p, "inf": inf_p})
-        sentences += [f"NaN gradient in {n}" for n in nan_p]
-        sentences += [f"Inf gradient in {n}" for n in inf_p]
-        sentences += [f"non-finite gradient norm in {n}" for n in nonfinite if n not in nan_p and n not in inf_p]
-    if finite and total > explosion:
-        anomalies.append({"kind": semconv.GRAD_EXPLOSION, "grad_norm": total, "threshold": explosion,
-                          "params": exploded})
-        sentences.append(f"gradient explosion: norm {total:.6g} over {explosion:.6g}")
-    if finite and total < vanishing:
-        anomalies.append({"kind": semconv.GRAD_VANISHING, "grad_norm": total, "threshold": vanishing,
-                          "params": vanished})
-        sentences.append(f"gradient vanishing: norm {total:.6g} under {vanishing:.6g}")
+    for a in record.anomalies:
+        if a.kind == semconv.NONFINITE_GRAD:
+            anomalies.append({"kind": a.kind, "params": record.grad_nonfinite_params, "nan": nan_p, "inf": inf_p})
+            sentences += [f"NaN gradient in {n}" for n in nan_p]
+            sentences += [f"Inf gradient in {n}" for n in inf_p]
+            sentences += [f"non-finite gradient norm in {n}" for n in overflow]
+        elif a.kind == semconv.GRAD_EXPLOSION:
+            anomalies.append({"kind": a.kind, "grad_norm": total, "threshold": explosion,
+                              "params": record.grad_exploded_params})
+            sentences.append(f"gradient explosion: norm {total:.6g} over {explosion:.6g}")
+        elif a.kind == semconv.GRAD_VANISHING:
+            anomalies.append({"kind": a.kind, "grad_norm": total, "threshold": vanishing,
+                              "params": record.grad_vanished_params})
+            sentences.append(f"gradient vanishing: norm {total:.6g} under {vanishing:.6g}")
     return GradientReport(global_norm=total, gradient_norm=total, param_stats=stats, parameter_stats=stats,
-                          nonfinite_params=nonfinite, exploded_params=exploded, vanished_params=vanished,
-                          params_with_nan_grad=len(nan_p), params_with_inf_grad=len(inf_p),
-                          params_with_grad=len(stats), anomalies=anomalies, gradient_anomalies=sentences,
-                          threshold=explosion, vanishing_threshold=vanishing, enabled=True)
+                          nonfinite_params=record.grad_nonfinite_params, exploded_params=record.grad_exploded_params,
+                          vanished_params=record.grad_vanished_params, params_with_nan_grad=len(nan_p),
+                          params_with_inf_grad=len(inf_p), params_with_grad=len(stats), anomalies=anomalies,
+                          gradient_anomalies=sentences, threshold=explosion, vanishing_threshold=vanishing,
+                          enabled=True)
 
 
 def disabled_gradient_report(reason: str) -> GradientReport:
@@ -120,7 +119,9 @@ def analyze_tensor(t: torch.Tensor, name: str = "tensor") -> Result:
     grad = t.grad if t.is_leaf else None  # a non-leaf's .grad is never filled (and warns)
     pieces = [tensor_measure.tensor_stats(t)]
     if grad is not None:
-        pieces.append(torch.linalg.vector_norm(grad.detach().to(torch.float64)).reshape(1).to(pieces[0].device))
+        # The gradient's norm as a step measures it (the core's per-tensor norm).
+        norms = grad_measure.gradient_norms([grad_measure.ParamRef(name, t)])
+        pieces.append(norms.norms.to(device=pieces[0].device, dtype=torch.float64))
     values = _read(torch.cat(pieces))
     info = tensor_info(tensor_measure.describe(t, values[:_W], name))
     info["grad_norm"] = values[_W] if grad is not None else None

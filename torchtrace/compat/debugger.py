@@ -22,8 +22,8 @@ from typing import Any, Iterator
 
 import torch
 
-from torchtrace import current
-from torchtrace.compat import resources
+from torchtrace import current, semconv
+from torchtrace.compat import resources, steps
 from torchtrace.compat.inspecting import CheckingMixin
 from torchtrace.compat.operations import OperationsMixin
 from torchtrace.compat.records import DebugMetrics, OptimizationMetrics
@@ -33,11 +33,22 @@ from torchtrace.compat.timeline import Timeline, iso, make_sink
 from torchtrace.errors import NonFiniteError, get_logger
 from torchtrace.forensics.anomaly import anomaly_detection as core_anomaly_detection
 from torchtrace.levels import DebugLevel, DebugMode
-from torchtrace.record.growth import DEFAULT_THRESHOLD, GrowthTracker
+from torchtrace.record.growth import DEFAULT_THRESHOLD, DEFAULT_WINDOW, GrowthTracker
 from torchtrace.tools import memory as memory_tools
 from torchtrace.tools.profiling import profiling as core_profiling
 
 logger = get_logger("torchtrace.debugger")
+
+
+def samples_after(samples: Any, last: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The samples added after ``last`` (all when ``last`` is None or has left the bounded deque)."""
+    out: list[dict[str, Any]] = []
+    for sample in reversed(samples):
+        if sample is last:
+            break
+        out.append(sample)
+    out.reverse()
+    return out
 
 
 def _split_positional(first: Any, second: Any) -> tuple[Any, Any, Any]:
@@ -231,9 +242,12 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         """A ``torch.profiler`` window over the block, written as a Chrome trace.
 
         ``output_file`` relative (or None) goes under ``log_dir`` (default
-        ``profile_<n>.json``); shapes and memory are recorded unless ``options`` say otherwise,
-        Python stacks with ``with_stack=True`` (which slows profiling down); ``options`` are :func:`torchtrace.profiling`'s. ``enabled`` None follows the
-        settings; off, nothing is profiled and ``result["path"]`` is None.
+        ``profile_<n>.json``): ``result["path"]`` is where it went and ``result["log_dir"]``
+        the directory a relative name is taken in. Shapes, memory and Python stack traces
+        (seed 000's "Stack trace collection") are recorded unless ``options`` say otherwise:
+        ``with_stack=False`` profiles faster without the stacks. ``options`` are
+        :func:`torchtrace.profiling`'s. ``enabled`` None follows the settings; off, nothing is
+        profiled and ``result["path"]`` is None.
         """
         if isinstance(enabled, (str, os.PathLike)) and output_file is None:  # profiling("trace.json")
             enabled, output_file = None, enabled
@@ -241,15 +255,16 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         if not on:
             self._log("profiling_skipped", f"profiling off ({self._off('enable_profiling') or 'enabled=False'}); "
                       "nothing is profiled", level=logging.INFO)
-            yield {"path": None, "windows": [], "enabled": False}
+            yield {"path": None, "windows": [], "enabled": False, "log_dir": str(self.config.log_dir)}
             return
         path = self._path(output_file, f"profile_{len(self.profiles_written)}.json")
-        for key in ("record_shapes", "profile_memory"):
+        for key in ("record_shapes", "profile_memory", "with_stack"):
             options.setdefault(key, True)
         self._log("profiling", f"profiling to {path}", {"path": str(path)}, logging.DEBUG)
         self._active["profiling"] += 1
         try:
             with core_profiling(path, **options) as result:
+                result["log_dir"] = str(self.config.log_dir)
                 yield result
         finally:
             self._active["profiling"] -= 1
@@ -259,7 +274,9 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
     @contextlib.contextmanager
     def memory_tracking(self, enabled: bool | None = None) -> Iterator[Any]:
         """Memory snapshots at the start and end of the block, a sample for every torchtrace step
-        inside it, and a ``memory_tracking`` event with the difference and the leaks found."""
+        inside it, and a ``memory_tracking`` event with the difference and the leaks found: the
+        leak detector's rule over the steps' samples (a ``memory_leak`` event each, with
+        ``bytes_per_step``), and ``memory_leak`` anomalies the run recorded."""
         on = not self._off("enable_memory_tracking") if enabled is None else flag(enabled, "enabled")
         if not on:
             self._log("memory_tracking_skipped", f"memory tracking off ({self._off('enable_memory_tracking') or 'enabled=False'})",
@@ -268,17 +285,51 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
             return
         start = self.profile_memory("memory_tracking_start")
         self._active["memory_tracking"] += 1
+        tracker = memory_tools.tracker()
+        before = tracker.samples[-1] if tracker.samples else None
         try:
             with memory_tools.memory_tracking(enabled=True) as tracker:
                 yield tracker
         finally:
             self._active["memory_tracking"] -= 1
             end = self.profile_memory("memory_tracking_end")
+            step_leaks = self._step_leaks(samples_after(tracker.samples, before))
             delta = end["rss_bytes"] - start["rss_bytes"]
             self._log("memory_tracking", f"process memory changed by {delta / 2 ** 20:+.2f} MB",
                       {"rss_delta_bytes": delta, "cuda_allocated_delta_bytes": None if end["cuda_allocated_bytes"] is None
                        else end["cuda_allocated_bytes"] - (start["cuda_allocated_bytes"] or 0),
-                       "memory_leaks": end["memory_leaks"]})
+                       "memory_leaks": end["memory_leaks"] + step_leaks})
+
+    def _step_leaks(self, samples: list[dict[str, Any]]) -> list[str]:
+        """Leaks in the per-step samples of a ``memory_tracking`` block (the heap in use where
+        glibc counts it, else RSS; CUDA memory allocated), by the leak detector's rule with the
+        run's window and threshold (``leak_window``, ``leak_threshold_bytes``);
+        each is logged as a ``memory_leak`` event and counted under the operation
+        ``memory_tracking``."""
+        rt = current.runtime(create=False)
+        window = (getattr(rt.settings, "leak_window", None) if rt is not None else None) or DEFAULT_WINDOW
+        threshold = getattr(rt.settings, "leak_threshold_bytes", None) if rt is not None else None
+        leaks = []
+        heap = any(s.get("heap_in_use_bytes") is not None for s in samples)
+        cpu = ("heap_in_use_bytes", "heap in use") if heap else ("rss_bytes", "process memory")
+        for key, what in (cpu, ("cuda_allocated_bytes", "CUDA memory allocated")):
+            # One entry per step (None where a step has no such sample): steps are the x axis.
+            values = [s.get(key) for s in samples]
+            if all(v is None for v in values):
+                continue
+            # The block is the user's: a quarter window of warm-up (the run's probe waits a
+            # whole window for its first steps' caches), so a block of ~50 steps can show a leak.
+            slope = memory_tools.sustained_growth(values, window, threshold or DEFAULT_THRESHOLD,
+                                                  warmup=max(4, window // 4))
+            if slope is not None:
+                leak = (f"{what} grew {slope / 2 ** 20:.2f} MB per step over the {len(values)} steps tracked "
+                        "(the leak detector's rule)")
+                leaks.append(leak)
+                self._log("memory_leak", leak, {"source": "memory_tracking", "memory": key,
+                                                "bytes_per_step": slope}, logging.WARNING)
+        if leaks:
+            steps.report([semconv.MEMORY_LEAK] * len(leaks), "memory_tracking", data={"leaks": leaks})
+        return leaks
 
     # ------------------------------------------------------------ memory tools
     def take_memory_snapshot(self, name: str | None = None, census: bool = False) -> Any:

@@ -27,7 +27,9 @@ from torchtrace.compat.timeline import Timeline, make_sink
 from torchtrace.compat.toolconfig import PyTorchDebugConfig
 from torchtrace.compat.training import TrainingDebugger
 from torchtrace.forensics.anomaly import anomaly_detection
+from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.snapshots import tracker
+from torchtrace.record.growth import DEFAULT_THRESHOLD
 from torchtrace.tools import inspection, memory
 from torchtrace.tools.profiling import profiling
 from torchtrace.errors import get_logger
@@ -71,6 +73,7 @@ class GradientDebugger:
         self.config = _config(config)
         self.history: list[GradientReport] = []
         self.anomaly_count = 0
+        self.last_flow: Result | None = None  # the latest analyze_gradient_flow, for the report
 
     def check_gradients(self, model: torch.nn.Module, second: Any = None, **kwargs: Any) -> GradientReport:
         """Seed 002's ``check_gradients(model, step)`` (also the loss/threshold forms)."""
@@ -96,7 +99,8 @@ class GradientDebugger:
     def analyze_gradient_flow(self, model: torch.nn.Module) -> Result:
         if not self.config.enable_gradient_debugging:
             return Result(layers=[], no_gradient=[], zero_gradient=[], enabled=False)
-        return checks.gradient_flow(model)
+        self.last_flow = checks.gradient_flow(model)
+        return self.last_flow
 
     def clip_gradients(self, model: torch.nn.Module, max_norm: float = 1.0) -> float:
         """Clip to ``max_norm`` (an explicit request: done whatever the switches); returns the norm before."""
@@ -104,12 +108,22 @@ class GradientDebugger:
         return steps.loss_value(norm)
 
 
+SNAPSHOT_LEAK_WINDOW = 8
+"""Snapshots the leak rule looks back over (as ``PyTorchDebugger.profile_memory``'s calls)."""
+SNAPSHOT_LEAK_WARMUP = 4
+"""First snapshots the leak rule ignores (optimizer state and caches fill then)."""
+
+
 class PyTorchMemoryDebugger:
-    """``track_tensor``, ``take_memory_snapshot``, ``clear_memory`` over the core memory tools."""
+    """``track_tensor``, ``take_memory_snapshot``, ``clear_memory`` over the core memory tools,
+    and seed 002's "Detects memory leaks": :meth:`trend` applies the leak detector's rule
+    (:func:`torchtrace.tools.memory.sustained_growth`) to the bytes in use at each snapshot."""
 
     def __init__(self, config: PyTorchDebugConfig | None = None) -> None:
         self.config = _config(config)
         self.snapshots: list[Any] = []
+        self.in_use: list[int] = []  # heap bytes in use at each snapshot (RSS where glibc's count is missing)
+        self.leak_warned = False
 
     def track_tensor(self, tensor: torch.Tensor, name: str) -> bool:
         """Watch ``tensor`` by weak reference; False (nothing done) when tracking is off."""
@@ -125,6 +139,9 @@ class PyTorchMemoryDebugger:
         snap = memory.take_memory_snapshot(name, census)
         self.snapshots.append(snap)
         del self.snapshots[:-1000]
+        heap = mem_measure.heap_in_use_bytes()
+        self.in_use.append(heap if heap is not None else snap.memory["rss_bytes"])
+        del self.in_use[:-1000]
         return snap
 
     def clear_memory(self) -> dict[str, Any]:
@@ -132,11 +149,22 @@ class PyTorchMemoryDebugger:
         return memory.clear_memory()
 
     def trend(self) -> Result:
-        """RSS (and CUDA allocated) from the first to the last snapshot, bytes."""
-        if len(self.snapshots) < 2:
-            return Result(snapshots=len(self.snapshots), rss_change_bytes=None)
-        first, last = self.snapshots[0].memory, self.snapshots[-1].memory
-        return Result(snapshots=len(self.snapshots), rss_change_bytes=last["rss_bytes"] - first["rss_bytes"])
+        """RSS from the first to the last snapshot (``rss_change_bytes``), and ``leaks``: a
+        sentence when the bytes in use grew by the leak detector's rule (a sustained robust
+        slope over the last :data:`SNAPSHOT_LEAK_WINDOW` snapshots; raw growth is not a
+        leak), with ``leak_bytes_per_snapshot`` (None without a leak). A leak is logged once."""
+        slope = memory.sustained_growth(self.in_use, SNAPSHOT_LEAK_WINDOW, DEFAULT_THRESHOLD, SNAPSHOT_LEAK_WARMUP)
+        leaks = [] if slope is None else [
+            f"memory in use grew {slope / 2 ** 20:.2f} MB per snapshot over the last {SNAPSHOT_LEAK_WINDOW} "
+            "snapshots (the leak detector's rule)"]
+        if leaks and not self.leak_warned:
+            self.leak_warned = True
+            _logger.warning("memory leak: %s", leaks[0])
+        change = None
+        if len(self.snapshots) >= 2:
+            change = self.snapshots[-1].memory["rss_bytes"] - self.snapshots[0].memory["rss_bytes"]
+        return Result(snapshots=len(self.snapshots), rss_change_bytes=change, leaks=leaks,
+                      leak_bytes_per_snapshot=slope)
 
 
 class ModelDebugger:
@@ -152,7 +180,13 @@ class ModelDebugger:
         out = Result(inspection.inspect_model(model, input_shape, **kwargs), enabled=True)
         params = checks.analyze_parameters(model)
         out["parameter_anomalies"] = params.summary["nonfinite_params"]
-        self.inspections.append(Result({k: out[k] for k in ("model", "total_parameters", "trainable_parameters")}))
+        # Seed 002's report: "Model Information: parameter statistics, layer analysis, input validation".
+        kept = Result({k: out[k] for k in ("model", "total_parameters", "trainable_parameters")})
+        kept["layers"] = out["layers"]
+        kept["parameter_anomalies"] = out["parameter_anomalies"]
+        kept["input_validation"] = out.get("forward")
+        self.inspections.append(kept)
+        del self.inspections[:-100]
         return out
 
     def _validate_model_inputs(self, model: torch.nn.Module, input_shape: Any, **kwargs: Any) -> Result:
@@ -198,7 +232,8 @@ class PyTorchDebugManager:
                                "anomaly_history": list(self.anomaly_detector.anomalies)},
             gradient_analysis={"checks": len(grads), "steps_with_anomalies": self.gradient_debugger.anomaly_count,
                                "last": grads[-1] if grads else None,
-                               "anomalies": [a for g in grads for a in g["gradient_anomalies"]][-100:]},
+                               "anomalies": [a for g in grads for a in g["gradient_anomalies"]][-100:],
+                               "flow": self.gradient_debugger.last_flow},
             memory={"snapshots": [s.as_dict() for s in self.memory_debugger.snapshots],
                     "tracked_tensors": tracker().tracked(),
                     "trend": self.memory_debugger.trend()},

@@ -57,7 +57,7 @@ def debug_training_session(model: torch.nn.Module, logger: Any = None, debug_mod
     with contextlib.ExitStack() as stack:
         if rt is not None and not rt.off:
             stack.enter_context(rt.tracer.start_as_current_span("training_session"))
-        debugger._log("session_started", f"training session for {type(model).__name__}")
+        debugger.log_event("session_started", f"training session for {type(model).__name__}")
         if cfg.enable_anomaly_detection is True:
             stack.enter_context(debugger.anomaly_detection())
         if cfg.enable_profiling is True:
@@ -73,9 +73,10 @@ def debug_training_session(model: torch.nn.Module, logger: Any = None, debug_mod
 def _finish_session(debugger: PyTorchDebugger, model: torch.nn.Module) -> None:
     check = debugger.check_model_parameters(model)
     grads = None
-    if any(p.grad is not None for p in model.parameters()) and not debugger._off("enable_gradient_checking"):
+    if any(p.grad is not None for p in model.parameters()):
+        # Measures nothing (global_norm None) when gradient checking is off.
         grads = debugger.check_gradients(model)
-    debugger._log("session_finished", f"{check['total_parameters']} parameters, "
+    debugger.log_event("session_finished", f"{check['total_parameters']} parameters, "
                   f"{len(check['nonfinite_params'])} non-finite",
                   {"nonfinite_params": check["nonfinite_params"][:32],
                    "gradient_norm": None if grads is None else grads["global_norm"]}, logging.INFO)

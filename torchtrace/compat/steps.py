@@ -83,8 +83,9 @@ def report(kinds: list[str], operation: str, *, step: int | None = None, loss: f
     if counted:
         record_anomalies(counted, step, _finite_or_none(loss), _finite_or_none(grad_norm), operation, data)
     if shared:
-        record_anomalies(shared, step, _finite_or_none(loss), _finite_or_none(grad_norm), operation, data,
-                         count=False)
+        # Marked in_step: the step counts these itself (the seed summary's sections skip them).
+        record_anomalies(shared, step, _finite_or_none(loss), _finite_or_none(grad_norm), operation,
+                         {**(data or {}), "in_step": True}, count=False)
 
 
 def _finite_or_none(v: Any) -> float | None:

@@ -36,6 +36,12 @@ from torchtrace.errors import get_logger
 
 _logger = get_logger("torchtrace.debugger")
 
+# The monitor's anomaly kinds as the seeds' event types, each of which counts in
+# ``total_anomalies`` (:data:`torchtrace.compat.timeline.ANOMALY_EVENTS`).
+_EVENT_TYPES = {semconv.GRAD_EXPLOSION: "gradient_explosion", semconv.GRAD_VANISHING: "gradient_vanishing",
+                semconv.NONFINITE_GRAD: "nonfinite_gradient", semconv.NONFINITE_LOSS: "loss_anomaly",
+                semconv.LOSS_SPIKE: "loss_spike"}
+
 
 def _split(first: Any) -> tuple[DebugLevel | None, Any, int | None]:
     """``(level, config, window)`` from the first positional argument, by type."""
@@ -105,15 +111,16 @@ class TrainingDebugger(TrainingMonitor):
     def _report(self, kinds: list[str], step: int, loss: float | None, grad_norm: float | None) -> None:
         steps.report(kinds, "training_step", step=step, loss=loss, grad_norm=grad_norm, in_step=self._in_step)
         for kind in kinds:
-            self.timeline.log(kind if kind != semconv.LOSS_SPIKE else "loss_spike", f"{kind} at step {step}",
-                              {"step": step, "loss": str(loss), "grad_norm": str(grad_norm)}, logging.WARNING)
+            self.timeline.log(_EVENT_TYPES.get(kind, kind), f"{kind} at step {step}",
+                              {"kind": kind, "step": step, "loss": str(loss), "grad_norm": str(grad_norm)}, logging.WARNING)
 
     def _detail(self, info: Result, model: torch.nn.Module | None) -> Result:
         if self.level in (DebugLevel.ADVANCED, DebugLevel.EXTREME):
             if model is not None:
-                table = checks.gradient_table(model)
-                info["exploded_params"] = [n for n, s in table.items() if s["norm"] > self.explosion_threshold]
-                info["vanished_params"] = [n for n, s in table.items() if s["norm"] < self.vanishing_threshold]
+                # The tensors the core's rules name (record/rules.py, per tensor as at ADVANCED).
+                report = checks.gradient_report(model, self.explosion_threshold, self.vanishing_threshold)
+                info["exploded_params"] = report["exploded_params"]
+                info["vanished_params"] = report["vanished_params"]
             info["memory"] = mem_measure.sample().as_dict()
         if self.level is DebugLevel.EXTREME:
             self.step_history.append(dict(info))
@@ -160,6 +167,9 @@ class TrainingDebugger(TrainingMonitor):
         grads = out.pop("before_step", None)
         out["gradient_check"] = grads
         out["step"] = a["step"]
+        if a["optimizer"] is not None and inspect:
+            # Seed 002's "Optimizer state analysis", after the update the step made.
+            out["optimizer_state"] = Result(inspection.optimizer_state(a["optimizer"]))
         self.record_step(out["loss"], grads["global_norm"] if grads is not None else None, a["step"])
         if cfg is not None and cfg.enable_memory_debugging and cfg.memory_snapshot_frequency and a["step"] is not None \
                 and a["step"] % cfg.memory_snapshot_frequency == 0:

@@ -58,7 +58,7 @@ from torchtrace.export.bounded_json import (
     page_json,
     shrink,
 )
-from torchtrace.export.debug_summary import history_training_summary, retry_copy
+from torchtrace.export.debug_summary import history_training_summary, retry_copy, seed_debug_summary
 from torchtrace.levels import DebugLevel
 from torchtrace.errors import get_logger
 
@@ -129,7 +129,7 @@ class DebugAPI:
             def __getattr__(self, name: str):
                 return getattr(self._request, name)
 
-        for method, path, handler, mutating in (("GET", "/debug/summary", self._summary, False),
+        for method, path, handler, mutating in (("GET", "/debug/summary", self._seed_summary, False),
                                                 ("GET", "/debug/training/summary", self._training, False),
                                                 ("POST", "/debug/level/", self._level, True),
                                                 ("POST", "/debug/clear", self._clear, True)):
@@ -212,6 +212,13 @@ class DebugAPI:
     def _summary(self, request):
         rt = self.runtime
         out = retry_copy(rt.summary)
+        out["pending_changes"] = rt.pending_changes
+        return self._json(out)
+
+    def _seed_summary(self, request):
+        """Seed 001's summary: ours plus its three debugger sections (:func:`seed_debug_summary`)."""
+        rt = self.runtime
+        out = seed_debug_summary(rt)
         out["pending_changes"] = rt.pending_changes
         return self._json(out)
 

@@ -59,6 +59,45 @@ def history_training_summary(runtime) -> dict[str, Any]:
     }
 
 
+SEED_DIFFUSION_OPERATION = "diffusion"
+"""The operation ``DiffusionModelDebugger`` counts its anomalies under (its default name)."""
+
+
+def seed_debug_summary(runtime) -> dict[str, Any]:
+    """Seed 001's ``GET /training-logs/debug/summary``: the run summary (as ``/debug/summary``)
+    plus the three sections the seed documents, each with ``total_anomalies`` and
+    ``debug_history_length``, computed from the run's history:
+
+    - ``training_debugger``: the run's steps: anomalies judged in steps (one per kind per
+      step), the retained step summaries, ``total_steps``, ``anomaly_rate``,
+      ``gradient_explosion_rate``;
+    - ``diffusion_debugger``: anomalies counted outside steps under the operation
+      ``diffusion`` (``DiffusionModelDebugger.monitor_diffusion_step``);
+    - ``general_debugger``: every other anomaly found outside a step (``check_gradients``,
+      ``check_model_parameters``, ``check_tensor_anomalies``...).
+
+    Outside-step anomalies are ``anomaly`` events without a step's ``detail``; those a check
+    shared with an open step (``in_step``) are the step's. Event counts are of the retained
+    events (the history's bound), step counts are totals.
+    """
+    out = retry_copy(runtime.summary)
+    training = history_training_summary(runtime)
+    outside = [e.data for e in runtime.history.events()
+               if e.event_type == "anomaly" and "detail" not in e.data and not e.data.get("in_step")]
+    diffusion = [d for d in outside if d.get("operation") == SEED_DIFFUSION_OPERATION]
+    general = [d for d in outside if d.get("operation") != SEED_DIFFUSION_OPERATION]
+    out["training_debugger"] = {
+        "total_anomalies": sum(training["anomalies_by_kind"].values()),
+        "debug_history_length": training["recent"]["steps"],
+        "total_steps": training["total_steps"],
+        "anomaly_rate": training["anomaly_rate"],
+        "gradient_explosion_rate": training["gradient_explosion_rate"],
+    }
+    out["diffusion_debugger"] = {"total_anomalies": len(diffusion), "debug_history_length": len(diffusion)}
+    out["general_debugger"] = {"total_anomalies": len(general), "debug_history_length": len(general)}
+    return out
+
+
 def retry_copy(fn: Callable[[], Any], tries: int = 5) -> Any:
     """Copy a structure the training thread may be growing (a dict resize raises RuntimeError).
 

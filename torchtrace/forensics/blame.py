@@ -93,6 +93,7 @@ class Call:
     out_flag: torch.Tensor | None = None
     stats: torch.Tensor | None = None  # tensor_stats of the first floating output
     shape: list[int] | None = None
+    input_shapes: list[list[int]] = field(default_factory=list)  # of its floating-point tensor inputs
     dtype: str | None = None
     device: str | None = None
     time_s: float = float("nan")
@@ -141,6 +142,7 @@ class ModuleCalls:
         call = Call(module=self.names.get(module, "?"), type=type(module).__name__, order=self._order,
                     has_inputs=bool(ins), in_flag=inputs_ok(ins),
                     is_leaf=next(iter(module.children()), None) is None)
+        call.input_shapes = [list(t.shape) for t in ins]
         call._t0 = time.perf_counter() if self.timing else 0.0
         self._stack.append(call)
         return None
@@ -196,7 +198,7 @@ class ModuleCalls:
             stats["inf_count"] = int(stats["inf_count"]) if stats["inf_count"] == stats["inf_count"] else 0
             out.append({"module": c.module, "type": c.type, "order": c.order, "is_leaf": c.is_leaf,
                         "own_compute": c.own_compute, "has_inputs": c.has_inputs, "in_ok": bool(row[0]),
-                        "out_ok": bool(row[1]), "shape": c.shape, "dtype": c.dtype, "device": c.device,
+                        "out_ok": bool(row[1]), "shape": c.shape, "input_shapes": c.input_shapes, "dtype": c.dtype, "device": c.device,
                         "time_s": c.time_s, **stats})
         return out
 

@@ -58,7 +58,8 @@ def _layer_rows(rows: list[dict[str, Any]], model: torch.nn.Module,
         if r["module"] == "" and not childless:
             listed = False
         if listed and r["shape"] is not None:
-            layers.append({"name": r["label"], "module": r["type"], "shape": r["shape"], "dtype": r["dtype"],
+            layers.append({"name": r["label"], "module": r["type"], "input_shapes": r["input_shapes"],
+                           "shape": r["shape"], "dtype": r["dtype"],
                            "device": r["device"], "mean": r["mean"], "std": r["std"], "min": r["min"],
                            "max": r["max"], "nan_count": r["nan_count"], "inf_count": r["inf_count"],
                            "nonfinite_count": r["nan_count"] + r["inf_count"], "time_s": r["time_s"],
@@ -77,7 +78,7 @@ def debug_forward_pass(model: torch.nn.Module, inputs: Any, layer_hooks: bool = 
     order; ``leaves_only=False`` lists every module but the root. A repeated call of one
     module is listed as ``name#1``, ``name#2``...
 
-    Returns ``{"output": ..., "layers": [{name, module, shape, dtype, device, mean, std, min,
+    Returns ``{"output": ..., "layers": [{name, module, input_shapes, shape, dtype, device, mean, std, min,
     max, nan_count, inf_count, nonfinite_count, time_s, own_compute}], "nonfinite_layers": [...],
     "first_nonfinite_layer", "nonfinite_origin": {cause, module, module_type}, "time_s",
     "output_stats"}``. ``first_nonfinite_layer`` is the module the rule blames: the first,
@@ -314,4 +315,51 @@ def debug_training_step(model: torch.nn.Module, inputs: Any, targets: Any, loss_
     return out
 
 
-__all__ = ["debug_forward_pass", "debug_backward_pass", "inspect_model", "debug_training_step", "layer_modules"]
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state, analysed: its ``type``, every ``param_groups`` entry's
+    hyper-parameters (``lr``, ``betas``, ``weight_decay``...: everything but the parameters),
+    ``params`` (tensors it updates), ``params_with_state``, ``steps`` (the largest ``step``
+    count in its state), and per tensor-valued state entry (``exp_avg``, ``exp_avg_sq``,
+    ``momentum_buffer``...) the float64 global L2 norm over the parameters (``state_norms``,
+    NaN when one holds a NaN) and which entries are non-finite (``nonfinite_state``). One host
+    read; norms by the gradient norms' kernels (:func:`torchtrace.measure.gradients.parameter_norms`).
+
+    >>> import torch
+    >>> m = torch.nn.Linear(2, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    >>> m(torch.ones(1, 2)).sum().backward(); opt.step()
+    >>> round(optimizer_state(opt)["state_norms"]["momentum_buffer"], 6)  # sqrt(1 + 1 + 1)
+    1.732051
+    """
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    by_key: dict[str, list[grad_measure.ParamRef]] = {}
+    steps: list[torch.Tensor | float] = []
+    with_state = 0
+    for p in params:
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        with_state += 1
+        for key, value in state.items():
+            if key == "step":
+                steps.append(value)
+            elif isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+                by_key.setdefault(key, []).append(grad_measure.ParamRef(key, value))
+    keys = sorted(by_key)
+    pieces = [grad_measure.parameter_norms(by_key[k]) for k in keys]
+    step_values = [torch.as_tensor(v, dtype=torch.float64).reshape(1).cpu() for v in steps]
+    flat = readout.read(torch.cat([piece.cpu() for piece in pieces] + step_values)) if pieces or step_values else []
+    norms: dict[str, float] = {}
+    start = 0
+    for key in keys:
+        count = len(by_key[key])
+        norms[key] = grad_measure.global_norm(flat[start:start + count])
+        start += count
+    step_counts = flat[start:]
+    return {"type": type(optimizer).__name__, "param_groups": groups, "params": len(params),
+            "params_with_state": with_state, "steps": int(max(step_counts)) if step_counts else 0,
+            "state_norms": norms, "nonfinite_state": [k for k, v in norms.items() if not math.isfinite(v)]}
+
+
+__all__ = ["debug_forward_pass", "debug_backward_pass", "inspect_model", "debug_training_step", "layer_modules",
+           "optimizer_state"]

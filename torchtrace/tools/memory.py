@@ -13,15 +13,42 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import psutil
 import torch
 
 from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.snapshots import MemorySnapshot, MemoryTracker, tracker
+from torchtrace.record.growth import DEFAULT_THRESHOLD, DEFAULT_WINDOW, GrowthTracker
 
 _TRACKER = tracker()
+
+
+def sustained_growth(values: Sequence[int | None], window: int = DEFAULT_WINDOW,
+                     threshold: float = DEFAULT_THRESHOLD, warmup: int | None = None) -> float | None:
+    """The leak detector's rule (:class:`~torchtrace.record.growth.GrowthTracker`, the rule the
+    per-step leak probe applies) over memory samples taken one per step, or one per call
+    (None: a step without a sample; the x axis stays the step's index):
+    the robust slope in bytes per sample of the last stretch it called a leak, or None when
+    growth was never sustained (no leak; a block shorter than ``warmup`` plus a few samples
+    cannot show one). Raw growth is not a leak: memory that rises once and stays, or a few
+    jumps, are not called.
+
+    >>> sustained_growth([4_000_000 * i for i in range(48)])
+    4000000.0
+    >>> sustained_growth([10_000_000] * 48) is None
+    True
+    """
+    tracker_ = GrowthTracker(window=window, threshold=threshold, warmup=warmup)
+    slope = None
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        tracker_.add(i, value)
+        if tracker_.sustained():
+            slope = tracker_.refresh()
+    return slope
 
 
 def take_memory_snapshot(name: str | None = None, census: bool = False) -> MemorySnapshot:

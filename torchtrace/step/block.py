@@ -1,0 +1,206 @@
+"""A step that finds out what its block does: the seeds' ``with debug_context(DebugLevel.BASIC)``.
+
+Seed 001 opens its autograd-debugging block with a level only (no model, no optimizer, no
+loss) and expects it to debug what runs inside. :class:`WatchedBlock` wraps such a step and,
+while the block runs, watches through torch's public global hooks:
+
+- the model: the first outermost module call with parameters (a forward hook on every
+  module, ``torch.nn.modules.module.register_module_forward_pre_hook`` / ``..._hook``);
+- the optimizer: ``torch.optim.optimizer.register_optimizer_step_pre_hook``; its step measures
+  the gradients as it will use them (``StepScope.check_gradients_now``);
+- the loss: the tensor ``backward()`` is called on (a ``TorchFunctionMode`` that sees
+  ``Tensor.backward`` and ``torch.autograd.backward``), handed to ``record_loss``;
+- with neither model nor optimizer, the gradients of the leaf tensors that loss's graph
+  reached (the tensors the block made), watched as the step's model.
+
+The hooks exist only inside the block and are removed on exit, on error too. The mode routes
+every torch call of the block through Python: a cost paid only by this seed form, small
+next to the autograd anomaly detection it comes with.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
+
+from torchtrace import current
+from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.step.scope import StepScope
+
+logger = logging.getLogger(__name__)
+
+
+class BlockTensors(torch.nn.Module):
+    """Leaf tensors a block's backward reached, watched as a model's parameters
+    (``tensor0``, ``tensor1``... in graph order)."""
+
+    def __init__(self, leaves: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, leaf in enumerate(self.leaves):
+            yield f"{prefix}tensor{i}", leaf
+
+
+def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors (``AccumulateGrad`` nodes) of ``loss``'s autograd graph, each once, in
+    breadth-first order from the loss. The graph's structure outlives ``backward()``."""
+    leaves: list[torch.Tensor] = []
+    seen_nodes: set[int] = set()
+    seen_leaves: set[int] = set()
+    queue = collections.deque([loss.grad_fn] if loss.grad_fn is not None else [])
+    while queue:
+        node = queue.popleft()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor) and id(variable) not in seen_leaves:
+            seen_leaves.add(id(variable))
+            leaves.append(variable)
+        for child, _index in node.next_functions:
+            queue.append(child)
+    return leaves
+
+
+class _BackwardWatch(TorchFunctionMode):
+    """Sees every ``backward()`` of the block and hands its tensor to ``block.saw_loss``."""
+
+    def __init__(self, block: WatchedBlock) -> None:
+        super().__init__()
+        self.block = block
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (func is torch.Tensor.backward or func is torch.autograd.backward) and args:
+            self.block.saw_loss(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+class WatchedBlock:
+    """A step (:class:`~torchtrace.step.scope.StepScope`) whose block is watched for its model,
+    optimizer and loss; ``with`` yields the step itself.
+
+    >>> import torch, torchtrace as tt
+    >>> _ = tt.configure(prometheus_port="off", write_files=False)
+    >>> w = torch.ones(3, requires_grad=True)
+    >>> with tt.debug_context(tt.DebugLevel.BASIC) as step:
+    ...     (w * 2).sum().backward()
+    >>> round(step.record.grad_norm, 4)  # sqrt(3 * 2 ** 2)
+    3.4641
+    >>> tt.shutdown()
+    """
+
+    def __init__(self, scope: StepScope) -> None:
+        self.scope = scope
+        self.model: torch.nn.Module | None = None
+        self.loss: torch.Tensor | None = None
+        self.stepped = False
+        self._depth = 0
+        self._handles: list[Any] = []
+        self._mode: _BackwardWatch | None = None
+
+    def __enter__(self) -> StepScope:
+        scope = self.scope.__enter__()
+        if scope.active:
+            try:
+                self._install()
+            except Exception as exc:
+                self._remove()
+                _report(exc)
+        return scope
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self._remove()
+            self._hand_over()
+        except Exception as err:
+            _report(err)
+        finally:
+            self.loss = None
+            self.model = None
+        return self.scope.__exit__(exc_type, exc, tb)
+
+    async def __aenter__(self) -> StepScope:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
+    # ------------------------------------------------------------ hooks
+    def _install(self) -> None:
+        module_hooks = torch.nn.modules.module
+        self._handles.append(module_hooks.register_module_forward_pre_hook(self._pre_forward))
+        self._handles.append(module_hooks.register_module_forward_hook(self._post_forward))
+        self._handles.append(register_optimizer_step_pre_hook(self._before_step))
+        self._mode = _BackwardWatch(self)
+        self._mode.__enter__()
+
+    def _remove(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._depth += 1
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self.model is None and self.scope.model is None:
+            # The outermost call with parameters is the model (a loss module has none).
+            if next(module.parameters(), None) is not None:
+                self.model = module
+                self.scope.model = module
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.stepped:
+            self.stepped = True
+            self.scope.check_gradients_now(optimizer)
+
+    def saw_loss(self, loss: Any) -> None:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None:
+            self.loss = loss
+            self.scope.record_loss(loss)
+
+    # ------------------------------------------------------------ exit
+    def _hand_over(self) -> None:
+        """Without a model or optimizer, the leaves the loss's graph reached are the step's model."""
+        if self.stepped or self.scope.model is not None or self.loss is None:
+            return
+        leaves = [t for t in graph_leaves(self.loss) if t.grad is not None]
+        if leaves:
+            self.scope.model = BlockTensors(leaves)
+
+
+def level_block(level: DebugLevel, model: torch.nn.Module | None = None, optimizer: Any = None,
+                step: int | None = None, mode: DebugMode | str | None = None, attributes: dict[str, Any] | None = None,
+                replay: Any = None, scaler: Any = None, kind: str = "train", inputs: Any = None) -> WatchedBlock:
+    """The seeds' ``debug_context(DebugLevel.BASIC)``: a step named ``step`` at ``level``, under
+    autograd anomaly detection (``DebugMode.ANOMALY_DETECTION`` unless ``mode`` says
+    otherwise), that finds the block's model, optimizer and loss itself. The other arguments
+    are :func:`torchtrace.debug_context`'s."""
+    scope = StepScope("step", model=model, optimizer=optimizer, step=step, level=level,
+                      mode=DebugMode.ANOMALY_DETECTION if mode is None else mode, attributes=attributes,
+                      replay=replay, scaler=scaler, kind=kind, inputs=((inputs,), {}) if inputs is not None else None)
+    return WatchedBlock(scope)
+
+
+def _report(exc: BaseException) -> None:
+    """torchtrace's own failure is reported, never raised into the block."""
+    rt = current.runtime(create=False)
+    if rt is not None:
+        rt.errors.report("step", exc)
+    else:
+        logger.warning("torchtrace: watching the block failed (%s: %s)", type(exc).__name__, exc)
+
+
+__all__ = ["BlockTensors", WatchedBlock, "graph_leaves", "level_block"]
