@@ -31,6 +31,22 @@ The fields, all optional for a reader (a file from an older attempt may lack som
                           ``preempted`` or ``hang`` when the process said how it ended
 ``end_detail``,           what ended it (the exception's type, the signal) and when
 ``end_time``
+``end_step``              the step in progress when an exception ended the process
+``host``,                 the host, and when the process started (unix time, from /proc):
+``process_started``       an attempt's restart badput begins at its process's start
+``cgroup``                the memory cgroup at start: ``version``, ``path``, ``oom_kills``
+                          (the kernel's count then: a later reader compares it with now's)
+``first_step``,           the first training step finished, its seconds and start, the
+``first_step_seconds``,   count finished and the mean seconds of those after the first
+``first_step_start``,     (compile badput: the first's excess)
+``steps_finished``,
+``step_seconds``
+``checkpoint_time``,      when the last save ended (unix time), the attempt's productive
+``checkpoint_produ...``   seconds then (``checkpoint_productive_s``), and save/load
+``checkpoint_seconds``    seconds so far by kind
+``wall_s``,               this attempt's goodput ledger: wall, productive and badput
+``productive_s``,         seconds by kind (refreshed by the writer thread)
+``badput_s``
 ========================  =============================================================
 
 >>> import tempfile
@@ -51,7 +67,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from torchtrace import files
 
@@ -74,6 +90,7 @@ class RankState:
         self.fields: dict[str, Any] = {"pid": os.getpid(), "started": time.time(), "ended": None}
         self.fields.update(fields or {})
         self.writes = 0
+        self.refresh: Callable[[dict[str, Any]], None] | None = None  # updates fields before each write
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -95,8 +112,11 @@ class RankState:
         while not self._stop.wait(period_s):
             self.write()
 
-    def write(self) -> bool:
+    def write(self, refresh: bool = True) -> bool:
         """Rewrite the file now from the current fields; False when it could not be written.
+
+        ``refresh``: call :attr:`refresh` first (not from a signal handler: it may take locks
+        the interrupted thread holds).
 
         Safe from any thread and from a signal handler on the main thread: it copies the
         fields first, and an error is logged at DEBUG and swallowed (the black box must never
@@ -105,6 +125,11 @@ class RankState:
         # A forked child (a DataLoader worker) must not overwrite its parent's black box.
         if self.path is None or os.getpid() != self.fields["pid"]:
             return False
+        if refresh and self.refresh is not None:
+            try:
+                self.refresh(self.fields)
+            except Exception as exc:
+                logger.debug("black box refresh failed: %s", exc)
         snapshot = dict(self.fields)
         snapshot["time"] = time.time()
         try:

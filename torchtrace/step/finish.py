@@ -20,6 +20,7 @@ from torchtrace.measure.counts import device_count, read_given
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import StepRecord
 from torchtrace.export.spans import apply_record
+from torchtrace.step import job
 from torchtrace.measure.learning_rates import read_rates
 
 logger = get_logger("torchtrace")
@@ -46,6 +47,8 @@ def finish(rt: Any, scope: Any, record: StepRecord, plan: Any, values: list[floa
             rt.errors.report("record", err)
     _guarded(rt, _apply_policy, rt, scope, record)
     export(rt, record, span, exc)
+    # The black box: the last step finished (plain stores).
+    _guarded(rt, job.note_step, rt, record)
     scope.release()
 
 

@@ -31,7 +31,7 @@ from torchtrace.probes.base import ProbeSet
 from torchtrace.record.history import History
 from torchtrace.record.policy import GuardPolicy
 from torchtrace.record.step import StepRecord
-from torchtrace.step import finish, report, setup
+from torchtrace.step import finish, job, report, setup
 from torchtrace.step.throughput import RunThroughput
 
 logger = get_logger("torchtrace")
@@ -79,10 +79,12 @@ class Runtime:
         self.debug_api = None  # torchtrace.export.debug_api.DebugAPI when served
         self.metrics_pusher = None
         self.forensics = None  # torchtrace.probes.forensics.ForensicsProbe
+        job.init(self)  # the whole job: job_id, attempt, run_root, state_path, rank_state, signals
 
         self.metrics = Metrics(settings.run_id, self.identity.rank, __version__, self.level.value)
         self.errors = InternalErrors(self.metrics.internal_error, settings.strict)
         self.probes = ProbeSet(self.errors)
+        setup.run_files(self)  # (before the resource: it names the job and attempt)
         self.tracer_provider = tracer_provider(setup.resource(self))
         self.tracer = self.tracer_provider.get_tracer("torchtrace", __version__)
         self.throughput = RunThroughput(self)
@@ -93,11 +95,11 @@ class Runtime:
             "guard": self._guard_section,
             "throughput": self.throughput.section,
         }
-        setup.run_files(self)
         setup.span_exporters(self)
         setup.server(self)
         setup.probes(self)
         setup.metrics_push(self)
+        setup.black_box(self)
 
     # ------------------------------------------------------------ per-step services
     @property
@@ -336,6 +338,7 @@ class Runtime:
             return
         self.closed = True
         deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
+        job.close(self)  # (first: the report's job section reads how this attempt ended)
         if at_exit:
             for proc in self.processors:
                 proc.prepare_exit()
@@ -352,6 +355,7 @@ class Runtime:
         for path in (self.spans_path, self.report_path):
             if path is not None:
                 files.release_file(path)
+        job.release(self)
 
     def _write_report_safely(self) -> None:
         try:

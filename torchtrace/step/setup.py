@@ -1,5 +1,6 @@
 """What ``configure()`` builds besides the runtime's own state: the resource, the run directory,
-span exporters, the metrics server with the debug API, the OTLP metrics pusher, and the probes."""
+span exporters, the metrics server with the debug API, the OTLP metrics pusher, the probes, and
+the rank's black box."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from torchtrace.distributed.collectives import STATE as COLLECTIVES
 from torchtrace.export import transport
 from torchtrace.export.server import TelemetryServer
 from torchtrace.export.tracing import BoundedBatchSpanProcessor, JsonLinesSpanExporter, otlp_span_exporter
+from torchtrace.job import identity as job_identity
+from torchtrace.job.cgroup import memory_cgroup
+from torchtrace.job.state import RankState
+from torchtrace.step import job
 from torchtrace.probes.activations import ActivationProbe
 from torchtrace.probes.forensics import ForensicsProbe
 from torchtrace.probes.leaks import LeakProbe
@@ -35,6 +40,8 @@ def resource(rt: Any) -> Resource:
         semconv.RESOURCE_LOCAL_RANK: ident.local_rank,
         semconv.RESOURCE_WORLD_SIZE: ident.world_size,
         semconv.RESOURCE_INSTANCE_ID: ident.instance_id,
+        semconv.RESOURCE_JOB_ID: rt.job_id,
+        semconv.RESOURCE_ATTEMPT: rt.attempt,
         "host.name": ident.node,
         "torchtrace.version": __version__,
     }
@@ -48,17 +55,61 @@ def resource(rt: Any) -> Resource:
 
 
 def run_files(rt: Any) -> None:
-    """The run directory and this rank's file names (none with ``write_files=False``)."""
-    if not rt.settings.write_files:
+    """The job's identity and attempt, the attempt's directory and this rank's file names (none
+    with ``write_files=False``).
+
+    Attempt 0 writes in ``<run_dir>/<run_id>/`` as a run always did; a later attempt of the same
+    run id in ``attempt-N/`` beside it, so no attempt appends to or overwrites another's files
+    (:mod:`torchtrace.job.identity` says how attempts are counted).
+    """
+    s = rt.settings
+    rt.job_id = job_identity.job_id_from(s.job_id, s.run_id)
+    launcher = job_identity.launcher_attempt()
+    rt.attempt = launcher or 0
+    if not s.write_files:
         return
     try:
-        rt.run_path = files.ensure_private_dir(Path(rt.settings.run_dir) / rt.settings.run_id)
+        root = files.ensure_private_dir(Path(s.run_dir) / s.run_id)
+        state_name = rank_file_name("state", ".json", rt.identity)
+        rt.attempt = job_identity.choose_attempt(root, state_name, rt.attempt)
+        rt.run_root = root
+        rt.run_path = files.ensure_private_dir(job_identity.attempt_dir(root, rt.attempt))
         # A second live process with the same run id and rank gets file names of its own.
         rt.spans_path = files.claim_file(rt.run_path / rank_file_name("spans", ".jsonl", rt.identity))
         rt.report_path = files.claim_file(rt.run_path / rank_file_name("report", ".json", rt.identity))
+        rt.state_path = files.claim_file(rt.run_path / state_name)
     except OSError as exc:
         rt.errors.report("files", exc)
-        rt.run_path = rt.spans_path = rt.report_path = None
+        rt.run_path = rt.spans_path = rt.report_path = rt.state_path = rt.run_root = None
+
+
+BLACK_BOX_PERIOD_S = 0.5
+"""Seconds between two rewrites of the black box: what a SIGKILL can lose of it."""
+
+
+def black_box(rt: Any) -> None:
+    """This rank's black box (:class:`torchtrace.job.state.RankState`), as ``rt.rank_state``:
+    who this process is, its memory cgroup's limit and OOM-kill count at start (a later reader
+    compares them), written now and every :data:`BLACK_BOX_PERIOD_S` by its writer thread."""
+    ident = rt.identity
+    fields: dict[str, Any] = {
+        "rank": ident.rank, "world_size": ident.world_size, "job_id": rt.job_id, "attempt": rt.attempt,
+        "run_id": rt.settings.run_id, "host": ident.node, "started": rt.started_unix,
+        "process_started": job_identity.process_start_time(), "step": None,
+    }
+    group = memory_cgroup()
+    if group is not None:
+        fields["cgroup"] = {"version": group["version"], "path": group["path"], "oom_kills": group["oom_kills"]}
+        fields["memory_limit_bytes"] = group["limit_bytes"]
+    box = RankState(rt.state_path, fields)
+    box.refresh = lambda f: job.refresh(rt, f)
+    rt.rank_state = box
+    box.write()
+    box.start(BLACK_BOX_PERIOD_S)
+    try:
+        job.watch(rt)
+    except Exception as exc:
+        rt.errors.report("files", exc)
 
 
 def span_exporters(rt: Any) -> None:
