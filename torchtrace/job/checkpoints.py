@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.util
 import logging
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -42,16 +45,28 @@ _originals: list[tuple[Any, str, Callable[..., Any]]] = []
 
 def install(sink: Sink) -> None:
     """Time checkpoint calls from now on and hand each to ``sink``. Installing again only
-    replaces the sink."""
+    replaces the sink.
+
+    ``torch.distributed.checkpoint`` takes seconds to import: it is wrapped when the
+    application imports it (now, if it already has), never imported by torchtrace.
+    """
     global _sink
     _sink = sink
     if _originals:
         return
     _wrap(torch, "save", "save")
     _wrap(torch, "load", "load")
-    try:
-        import torch.distributed.checkpoint as dcp
-    except Exception:  # a build without distributed
+    if DCP in sys.modules:
+        _wrap_dcp(sys.modules[DCP])
+    elif not any(isinstance(f, _DcpFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DcpFinder())
+
+
+DCP = "torch.distributed.checkpoint"
+
+
+def _wrap_dcp(dcp: Any) -> None:
+    if _sink is None or any(owner is dcp for owner, _, _ in _originals):
         return
     for name, kind in (("save", "save"), ("load", "load"), ("save_state_dict", "save"),
                        ("load_state_dict", "load")):
@@ -59,10 +74,39 @@ def install(sink: Sink) -> None:
             _wrap(dcp, name, kind)
 
 
+class _DcpFinder(importlib.abc.MetaPathFinder):
+    """Wraps ``torch.distributed.checkpoint``'s save and load once the application imports it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != DCP:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original_exec = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original_exec(module)
+            try:
+                _wrap_dcp(module)
+            except Exception:  # never break the application's import
+                logger.debug("torchtrace could not wrap %s", DCP, exc_info=True)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
 def uninstall() -> None:
     """Put every wrapped function back; nothing is timed afterwards."""
     global _sink
     _sink = None
+    for finder in [f for f in sys.meta_path if isinstance(f, _DcpFinder)]:
+        sys.meta_path.remove(finder)
     while _originals:
         owner, name, original = _originals.pop()
         if getattr(getattr(owner, name, None), "__wrapped__", None) is original:

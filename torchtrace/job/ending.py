@@ -62,10 +62,13 @@ def killed_detail(state: Mapping[str, Any]) -> str:
 
 
 def end_time(state: Mapping[str, Any]) -> float | None:
-    """When the rank ended: the time it recorded, else its last heartbeat (a SIGKILLed process
-    died at most one writer period after it)."""
+    """When the rank ended: the time it recorded, else (a SIGKILL) half a writer period after
+    its last heartbeat: it died after that write and before the next one was due."""
     told = state.get("end_time")
     if isinstance(told, (int, float)):
         return float(told)
     beats = [v for v in (state.get("time"), state.get("step_time")) if isinstance(v, (int, float))]
-    return max(beats) if beats else None
+    if not beats:
+        return None
+    period = state.get("period_s")
+    return max(beats) + (period / 2 if isinstance(period, (int, float)) else 0.0)

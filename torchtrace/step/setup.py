@@ -96,6 +96,7 @@ def black_box(rt: Any) -> None:
         "rank": ident.rank, "world_size": ident.world_size, "job_id": rt.job_id, "attempt": rt.attempt,
         "run_id": rt.settings.run_id, "host": ident.node, "started": rt.started_unix,
         "process_started": job_identity.process_start_time(), "step": None,
+        "period_s": BLACK_BOX_PERIOD_S,
     }
     group = memory_cgroup()
     if group is not None:
