@@ -4,8 +4,8 @@ Run as ``python trainer.py CONFIG_JSON``. CONFIG keys: ``log`` (a JSON-lines fil
 script writes its own timestamps: the tests' reference), ``ckpt_dir``, ``resume`` (a step to
 torch.load, or null), ``save_at`` (steps after which to torch.save), ``stop_at`` (after this
 step print READY and wait for a signal; null: run to ``last`` and exit), ``last``,
-``step_s`` (seconds a step sleeps), ``handler`` (install an application SIGTERM handler
-before configure()), ``blob_mb`` (size of the checkpoint's extra tensor).
+``step_s`` (seconds a step sleeps), ``handler`` / ``handler_after`` (install an application
+SIGTERM handler before / after configure()), ``blob_mb`` (size of the checkpoint's extra tensor).
 """
 
 import json
@@ -37,6 +37,12 @@ import torchtrace as tt  # noqa: E402
 
 tt.configure(prometheus_port="off")
 log(ev="configured")
+if config.get("handler_after"):
+    def late_handler(signum, frame):
+        log(ev="app_handler", signum=signum)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, late_handler)
 torch.manual_seed(0)
 model = torch.nn.Linear(32, 32)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
