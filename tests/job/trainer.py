@@ -35,6 +35,10 @@ if config.get("handler"):
 
 import torchtrace as tt  # noqa: E402
 
+if config.get("dist"):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
 tt.configure(prometheus_port="off")
 log(ev="configured")
 if config.get("handler_after"):
@@ -63,6 +67,8 @@ for step in range(first, config["last"] + 1):
         opt.step()
         opt.zero_grad()
         time.sleep(config.get("step_s", 0.03))
+        if config.get("dist"):
+            dist.all_reduce(torch.ones(4))
         s.record_loss(loss)
     log(ev="step", step=step, start=start, end=time.time())
     if step in config.get("save_at", []):
@@ -70,6 +76,10 @@ for step in range(first, config["last"] + 1):
         torch.save({"step": step, "model": model.state_dict(), "blob": blob},
                    os.path.join(config["ckpt_dir"], f"ckpt{step}.pt"))
         log(ev="save", s=time.perf_counter() - t0, step=step)
+    if step == config.get("kill_at") and int(os.environ.get("RANK", "0")) == config.get("kill_rank"):
+        time.sleep(1.2)  # (the black box has this step before the kill: it is rewritten every 0.5 s)
+        log(ev="self_kill", step=step)
+        os.kill(os.getpid(), signal.SIGKILL)
     if step == config.get("stop_at"):
         log(ev="ready", step=step)
         print("READY", step, flush=True)
