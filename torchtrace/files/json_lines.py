@@ -45,7 +45,9 @@ class JsonLinesFile:
     def _open(self) -> int:
         if self._fd is None:
             ensure_parent_dir(self.path)
-            self._fd = open_private(self.path, append=True)
+            # (readable: _repair reads the last byte; a write-only fd made that pread fail, so a
+            # torn tail was never ended before)
+            self._fd = open_private(self.path, append=True, readable=True)
             # A file that was there before may end in a line torn by a killed process: the
             # first write checks its last byte (_repair), so no line is glued onto it.
             self._torn = os.fstat(self._fd).st_size > 0

@@ -94,8 +94,10 @@ def ensure_parent_dir(path: str | os.PathLike[str]) -> Path:
 
 
 # ---------------------------------------------------------------- whole files
-def open_private(path: str | os.PathLike[str], append: bool = False, exclusive: bool = False) -> int:
-    """Open ``path`` for writing, mode 0600 when created, never through a symlink. Returns an fd.
+def open_private(path: str | os.PathLike[str], append: bool = False, exclusive: bool = False,
+                 readable: bool = False) -> int:
+    """Open ``path`` for writing (and reading, with ``readable``), mode 0600 when created, never
+    through a symlink. Returns an fd.
 
     Raises:
         OSError: ``ELOOP`` when ``path`` is a symlink; ``EEXIST`` with ``exclusive`` when it exists.
@@ -104,7 +106,7 @@ def open_private(path: str | os.PathLike[str], append: bool = False, exclusive: 
     >>> fd = open_private(Path(tempfile.mkdtemp()) / "spans.jsonl", append=True)
     >>> os.close(fd)
     """
-    flags = os.O_WRONLY | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC
+    flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC
     flags |= os.O_APPEND if append else 0
     flags |= os.O_EXCL if exclusive else 0
     return os.open(path, flags, 0o600)
