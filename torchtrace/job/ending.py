@@ -15,6 +15,7 @@ box's last memory sample was near the cgroup's limit. A box that is neither is `
 
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping
 
 from torchtrace.job import cgroup
@@ -30,14 +31,26 @@ the sample is up to a writer period old, and memory that ran away within a step 
 HOST_OOM = "host OOM kill"
 
 
-def how_ended(state: Mapping[str, Any]) -> tuple[str | None, str | None]:
-    """``(ended, detail)`` of one rank's black box; ``(None, None)`` while it still runs."""
+STALE_S = 60.0
+"""A black box of another host whose heartbeat is older than this is of a process that is gone
+(its own host is not asked: it may be unreachable)."""
+
+
+def how_ended(state: Mapping[str, Any], superseded: bool = False,
+              now: float | None = None) -> tuple[str | None, str | None]:
+    """``(ended, detail)`` of one rank's black box; ``(None, None)`` while it still runs.
+
+    ``superseded``: a later attempt of the job has started, so this one is over whatever its
+    process looks like from here (a process of another host cannot be asked).
+    """
     ended = state.get("ended")
     if ended in TOLD:
         return ended, state.get("end_detail")
     if ended is not None:
         return "unknown", f"black box says {ended!r}"
-    if process_alive(state):
+    beat = state.get("time")
+    stale = isinstance(beat, (int, float)) and (time.time() if now is None else now) - beat > STALE_S
+    if not superseded and not stale and process_alive(state):
         return None, None
     return "killed", killed_detail(state)
 

@@ -57,14 +57,16 @@ def story_of(states: list[dict[str, Any]], now: float | None = None) -> dict[str
     for state in states:
         if state.get("job_id") == job_id:
             by_attempt.setdefault(_int(state.get("attempt")), []).append(state)
-    attempts = [_attempt(n, ranks) for n, ranks in sorted(by_attempt.items())]
-    return {"job_id": job_id, **_accounts(attempts, time.time() if now is None else now)}
+    now = time.time() if now is None else now
+    last = max(by_attempt)
+    attempts = [_attempt(n, ranks, n < last, now) for n, ranks in sorted(by_attempt.items())]
+    return {"job_id": job_id, **_accounts(attempts, now)}
 
 
-def _attempt(number: int, states: list[dict[str, Any]]) -> dict[str, Any]:
+def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: float) -> dict[str, Any]:
     ranks = []
     for state in sorted(states, key=lambda s: _int(s.get("rank"))):
-        ended, detail = how_ended(state)
+        ended, detail = how_ended(state, superseded, now)
         ranks.append({"rank": _int(state.get("rank")), "ended": ended, "detail": detail,
                       "last_step": state.get("step"), "end": end_time(state) if ended else None,
                       "pid": state.get("pid")})
@@ -76,7 +78,8 @@ def _attempt(number: int, states: list[dict[str, Any]]) -> dict[str, Any]:
             r["consequence"] = r is not cause and _num(r["end"]) >= _num(cause["end"]) and r["ended"] != "completed"
     finished = cause is not None and (bool(abnormal) or len(over) == len(ranks))
     lead = states[0] if _int(states[0].get("rank")) == 0 else min(states, key=lambda s: _int(s.get("rank")))
-    started = [_num(s.get("process_started") or s.get("started")) for s in states]
+    started = [_num(s["process_started"] if s.get("process_started") is not None else s.get("started"))
+               for s in states]
     steps = [r["last_step"] for r in ranks if isinstance(r["last_step"], int)]
     return {
         "attempt": number,
@@ -143,7 +146,8 @@ def _lost(lead: Mapping[str, Any]) -> tuple[float, float]:
         since = _num(lead.get("checkpoint_time"))
         productive = _num(lead.get("productive_s")) - _num(lead.get("checkpoint_productive_s"))
     else:
-        since = _num(lead.get("first_step_start") or lead.get("started"))
+        first = lead.get("first_step_start")
+        since = _num(first if first is not None else lead.get("started"))
         productive = _num(lead.get("productive_s"))
     return max(0.0, last - since), max(0.0, productive)
 
