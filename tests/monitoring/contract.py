@@ -43,6 +43,10 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "torchtrace_step_phase_seconds": (HISTOGRAM, frozenset({"operation", "phase"})),
     "torchtrace_goodput_ratio": (GAUGE, frozenset()),
     "torchtrace_badput_seconds_total": (COUNTER, frozenset({"kind"})),
+    # the whole job (DESIGN.md, "Hangs, deaths and restarts")
+    "torchtrace_job_attempt": (GAUGE, frozenset()),
+    "torchtrace_job_goodput_ratio": (GAUGE, frozenset()),
+    "torchtrace_checkpoint_seconds": (HISTOGRAM, frozenset({"kind"})),
 }
 
 #: Closed sets of label values, where the contract fixes them.
@@ -56,6 +60,7 @@ MEMORY_KINDS = frozenset({"rss", "allocated", "reserved", "peak_allocated"})
 DROP_REASONS = frozenset({"queue_full", "export_failed", "shutdown"})
 PHASES = frozenset({"forward", "backward", "optimizer"})
 BADPUT_KINDS = frozenset({"startup", "data_wait", "skipped_step", "forensics", "checkpoint", "evaluation", "other"})
+CHECKPOINT_KINDS = frozenset({"save", "load"})
 LR_GROUPS = frozenset({*map(str, range(8)), "8+"})  # the group index, capped
 
 #: (series name, label) -> the values that label may take on that series.
