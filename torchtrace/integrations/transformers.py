@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from torchtrace import api
+from torchtrace.step import job
 from torchtrace.integrations._common import StepDriver, loop_frame, require
 from torchtrace.measure.batch import same_arguments
 
@@ -125,6 +126,11 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         self._book_since_boundary("checkpoint", "save_checkpoint")
+        # The black box's last checkpoint: the Trainer saves the model with safetensors, which
+        # torchtrace does not time (its torch.save of the optimizer is timed on its own).
+        rt = api.get_runtime()
+        if rt is not None:
+            job.checkpoint_saved(rt, state.global_step)
 
     @staticmethod
     def _note_precision(args: Any) -> None:

@@ -126,9 +126,21 @@ def on_checkpoint(rt: Any, kind: str, start: float, end: float) -> None:
     totals[kind] = totals.get(kind, 0.0) + seconds
     f["checkpoint_seconds"] = totals
     if kind == "save":
-        f["checkpoint_step"] = f.get("step")
-        f["checkpoint_time"] = time.time()
-        f["checkpoint_productive_s"] = rt.throughput.ledger.snapshot(time.perf_counter()).productive_s
+        checkpoint_saved(rt, f.get("step"))
+
+
+def checkpoint_saved(rt: Any, step: int | None) -> None:
+    """A checkpoint saved now, holding ``step``: the black box's last checkpoint (for lost
+    progress: the steps after it are the ones a restart repeats)."""
+    box = rt.rank_state
+    if box is None:
+        return
+    try:
+        productive = rt.throughput.ledger.snapshot(time.perf_counter()).productive_s
+    except Exception as exc:
+        rt.errors.report("record", exc)
+        return
+    box.fields.update(checkpoint_step=step, checkpoint_time=time.time(), checkpoint_productive_s=productive)
 
 
 def on_signal(rt: Any, signum: int, terminal: bool) -> None:
