@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 from tests.job.helpers import clean_env
 from torchtrace import files
@@ -55,6 +56,7 @@ def test_a_restart_with_the_same_run_id_writes_files_of_its_own(tmp_path):
     assert not (root / "report.json").exists()  # the killed attempt wrote none; nobody wrote it since
     spans = files.read_json_lines(root / "attempt-1" / "spans.jsonl")
     assert len(spans) == 3
+    assert {(s["resource"]["torchtrace.job_id"], s["resource"]["torchtrace.attempt"]) for s in spans} == {("same", 1)}
     report = json.loads((root / "attempt-1" / "report.json").read_text())
     assert report["totals"]["steps"] == 3 and report["telemetry"]["spans_exported"] == 3
     assert [(a["attempt"], a["ended"]) for a in report["job"]["attempts"]] == [(0, "killed"), (1, "completed")]
@@ -89,3 +91,27 @@ def test_one_run_without_restarts_keeps_todays_names(tmp_path):
     names = sorted(p.name for p in (tmp_path / "one").iterdir() if not p.name.startswith("."))
     assert names == ["report.json", "spans.jsonl", "state.json"]
     assert os.path.getsize(tmp_path / "one" / "state.json") < 4096
+
+
+def test_the_job_series_on_metrics(tmp_path):
+    from tests.helpers import scrape, value
+
+    import torchtrace as tt
+
+    for attempt in range(2):
+        result = tt.configure(prometheus_port=0, run_dir=str(tmp_path), run_id="m", register_atexit=False)
+        if attempt == 0:
+            # Attempt 0 is over once its process is: a black box of a pid that is gone.
+            box = json.loads((tmp_path / "m" / "state.json").read_text())
+            tt.shutdown()
+            box.update(pid=2**22 + 1, ended=None)
+            (tmp_path / "m" / "state.json").write_text(json.dumps(box))
+    for step in range(3):
+        with tt.debug_context("train_step"):
+            time.sleep(0.01)
+    time.sleep(0.7)  # (the black box's writer refreshes the attempt's goodput every 0.5 s)
+    samples = scrape(result.metrics_url)
+    assert value(samples, "torchtrace_job_attempt") == 1
+    assert 0 < value(samples, "torchtrace_job_goodput_ratio") < 1
+    assert value(samples, "torchtrace_checkpoint_seconds_count", kind="save") == 0
+    tt.shutdown()

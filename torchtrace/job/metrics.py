@@ -44,6 +44,14 @@ class JobMetrics(Collector):
             self._counts[kind][bisect.bisect_left(semconv.CHECKPOINT_BUCKETS, seconds)] += 1
             self._sums[kind] += seconds
 
+    def describe(self) -> Iterator[Metric]:
+        """The families without values: registering must not read the black boxes (the registry
+        would call :meth:`collect` to learn the names, and the goodput source would run)."""
+        labels = list(semconv.COMMON_LABELS)
+        yield GaugeMetricFamily(semconv.M_JOB_ATTEMPT, "", labels=labels)
+        yield GaugeMetricFamily(semconv.M_JOB_GOODPUT, "", labels=labels)
+        yield HistogramMetricFamily(semconv.M_CHECKPOINT_SECONDS, "", labels=labels + ["kind"])
+
     def collect(self) -> Iterator[Metric]:
         labels = list(semconv.COMMON_LABELS)
         attempt = GaugeMetricFamily(semconv.M_JOB_ATTEMPT, "Attempt number within the job, 0 for the first.",

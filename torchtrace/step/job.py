@@ -43,6 +43,7 @@ def init(rt: Any) -> None:
     rt.rank_state = None  # torchtrace.job.state.RankState
     rt.job_metrics = None  # torchtrace.job.metrics.JobMetrics
     rt.signals = None  # torchtrace.job.signals.SignalGuard
+    rt.job_goodput_cache = None  # (monotonic time, the job's goodput) of the last scrape
 
 
 def watch(rt: Any) -> None:
@@ -248,18 +249,17 @@ def job_section(rt: Any) -> dict[str, Any]:
     return story
 
 
-_goodput_cache: dict[int, tuple[float, float | None]] = {}
+GOODPUT_CACHE_S = 10.0
+"""``/metrics`` reads the black boxes for the job's goodput at most this often."""
 
 
 def job_goodput(rt: Any) -> float | None:
-    """The job's goodput for ``/metrics``, read from the black boxes at most every 10 s."""
-    key = id(rt)
+    """The job's goodput for ``/metrics``, read from the black boxes at most every
+    :data:`GOODPUT_CACHE_S` seconds (the scrape thread's call)."""
     now = time.monotonic()
-    cached = _goodput_cache.get(key)
-    if cached is not None and now - cached[0] < 10.0:
+    cached = rt.job_goodput_cache
+    if cached is not None and now - cached[0] < GOODPUT_CACHE_S:
         return cached[1]
     value = job_section(rt).get("goodput")
-    _goodput_cache.clear()
-    _goodput_cache[key] = (now, value)
+    rt.job_goodput_cache = (now, value)
     return value
-

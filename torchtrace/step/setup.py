@@ -98,16 +98,17 @@ def black_box(rt: Any) -> None:
         "process_started": job_identity.process_start_time(), "step": None,
         "period_s": BLACK_BOX_PERIOD_S,
     }
-    group = memory_cgroup()
+    group = memory_cgroup()  # (never raises: None where there is none to read)
     if group is not None:
         fields["cgroup"] = {"version": group["version"], "path": group["path"], "oom_kills": group["oom_kills"]}
         fields["memory_limit_bytes"] = group["limit_bytes"]
     box = RankState(rt.state_path, fields)
     box.refresh = lambda f: job.refresh(rt, f)
     rt.rank_state = box
-    box.write()
-    box.start(BLACK_BOX_PERIOD_S)
     try:
+        if rt.state_path is not None and not box.write():
+            rt.errors.report("files", OSError(f"black box {rt.state_path} not written"))
+        box.start(BLACK_BOX_PERIOD_S)
         job.watch(rt)
     except Exception as exc:
         rt.errors.report("files", exc)
