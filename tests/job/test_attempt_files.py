@@ -60,6 +60,10 @@ def test_a_restart_with_the_same_run_id_writes_files_of_its_own(tmp_path):
     report = json.loads((root / "attempt-1" / "report.json").read_text())
     assert report["totals"]["steps"] == 3 and report["telemetry"]["spans_exported"] == 3
     assert [(a["attempt"], a["ended"]) for a in report["job"]["attempts"]] == [(0, "killed"), (1, "completed")]
+    # The next attempt tells how the one before ended: in its log and its report's events.
+    assert "this is attempt 1; attempt 0 of job same ended killed at step 3" in second.stderr
+    (told,) = [e for e in report["events"] if e["type"] == "previous_attempt"]
+    assert (told["data"]["ended"], told["data"]["last_step"]) == ("killed", 3)
     # A third, completed run again: attempt-2, and attempt-1's report is not overwritten.
     assert _run(env, 2).returncode == 0
     assert json.loads((root / "attempt-1" / "report.json").read_text())["totals"]["steps"] == 3

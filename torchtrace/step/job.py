@@ -57,8 +57,27 @@ def watch(rt: Any) -> None:
     checkpoints.install(lambda kind, start, end: on_checkpoint(rt, kind, start, end))
     rt.signals = SignalGuard(lambda signum, terminal: on_signal(rt, signum, terminal))
     rt.signals.install()
-    rt.previous_excepthook = sys.excepthook
     sys.excepthook = _ExceptHook(rt, sys.excepthook)
+    if rt.attempt > 0 and rt.run_root is not None:
+        tell_previous(rt)
+
+
+def tell_previous(rt: Any) -> None:
+    """The next attempt tells how the one before ended: logged, and an event in the report."""
+    attempts = [a for a in job_story(rt.run_root)["attempts"] if a["attempt"] < rt.attempt]
+    if not attempts:
+        return
+    last = attempts[-1]
+    cause = last.get("cause") or {}
+    text = f"attempt {last['attempt']} of job {rt.job_id} ended {last['ended']} at step {last['last_step']}"
+    if (last.get("world_size") or 1) > 1 and cause:
+        text += f" (rank {cause.get('rank')} first)"
+    if last.get("detail"):
+        text += f": {last['detail']}"
+    abnormal = last["ended"] in ("killed", "exception", "hang", "unknown")
+    (logger.warning if abnormal else logger.info)("torchtrace: this is attempt %d; %s", rt.attempt, text)
+    rt.history.add_event("previous_attempt", text, {k: last.get(k) for k in ("attempt", "ended", "detail",
+                                                                             "last_step", "end")})
 
 
 def note_step(rt: Any, record: "StepRecord") -> None:
@@ -227,6 +246,13 @@ def _close(rt: Any) -> None:
     hook = sys.excepthook
     if isinstance(hook, _ExceptHook) and hook.rt is rt:
         sys.excepthook = hook.previous
+
+
+def write_now(rt: Any) -> None:
+    """Rewrite the black box now (``tt.flush()``), not at the writer's next turn."""
+    box = rt.rank_state
+    if box is not None:
+        box.write()
 
 
 def release(rt: Any) -> None:

@@ -319,9 +319,10 @@ class Runtime:
 
     # ------------------------------------------------------------ shutdown
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Finish deferred records and push queued spans out, within ``timeout_s``."""
+        """Finish deferred records, write the black box and push queued spans out, within ``timeout_s``."""
         timeout = self.settings.shutdown_timeout_s if timeout_s is None else timeout_s
         self.finish_deferred(block=True)
+        job.write_now(self)  # the black box too: flush() makes everything known so far durable
         deadline = time.monotonic() + timeout
         ok = True
         for proc in self.processors:
