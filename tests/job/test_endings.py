@@ -129,3 +129,23 @@ def test_job_story_by_hand():
     assert story["wall_s"] == pytest.approx(130.0)
     assert story["goodput"] == pytest.approx(productive / 130.0)
     assert [a["lost_steps"] for a in story["attempts"]] == [15, 10, 0]
+
+
+def test_a_forked_child_only_chains_the_signal(tmp_path):
+    import os
+
+    marker = tmp_path / "worked"
+    guard = SignalGuard(lambda signum, terminal: marker.write_text(str(os.getpid())))
+    guard.install()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its SIGTERM ends it by the default action, with no torchtrace work
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        guard.restore()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert not marker.exists()  # the parent's flush and report were not run in the child

@@ -55,6 +55,7 @@ class SignalGuard:
         self.on_signal = on_signal
         self.chained: dict[int, Handler] = {}
         self.received: list[int] = []
+        self.pid = os.getpid()
         self._real_signal = signal.signal
         self._real_getsignal = signal.getsignal
 
@@ -116,10 +117,12 @@ class SignalGuard:
             return
         self.received.append(signum)
         terminal = not callable(chained)
-        try:
-            self.on_signal(signum, terminal)
-        except Exception:  # the signal's own effect must happen whatever torchtrace's work did
-            logger.debug("torchtrace's %s work failed", signum, exc_info=True)
+        # A forked child (a DataLoader worker) inherits the handler, not the run: it only chains.
+        if os.getpid() == self.pid:
+            try:
+                self.on_signal(signum, terminal)
+            except Exception:  # the signal's own effect must happen whatever torchtrace's work did
+                logger.debug("torchtrace's %s work failed", signum, exc_info=True)
         if not terminal:
             chained(signum, frame)
             return
