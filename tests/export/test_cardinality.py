@@ -91,9 +91,11 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
                 "torchtrace_badput_seconds": len(semconv.BADPUT_KINDS), "torchtrace_goodput_ratio": 1,
                 "torchtrace_learning_rate": 1, "torchtrace_data_wait_seconds": 1,
                 "torchtrace_step_phase_seconds": len(semconv.PHASES),
-                "torchtrace_samples": 1, "torchtrace_flops": 1}  # "samples, tokens and FLOPs add one counter each"
+                "torchtrace_samples": 1, "torchtrace_flops": 1,  # "samples, tokens and FLOPs add one counter each"
+                # the job's 4: attempt, job goodput, checkpoint time by kind (save, load)
+                "torchtrace_job_attempt": 1, "torchtrace_job_goodput_ratio": 1, "torchtrace_checkpoint_seconds": 2}
     assert {k: v for k, v in seen.items() if v} == expected
-    assert sum(expected.values()) - 2 == 55 + cuda
+    assert sum(expected.values()) - 2 - 4 == 55 + cuda
     # docs/reliability.md: each extra operation adds 27 (6 gauges and histograms, every anomaly
     # kind, skipped, learning rate, data wait, 3 phases).
     with tt.debug_context("finetune_step", model=tiny_model, optimizer=opt) as step:
@@ -102,5 +104,5 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
         step.record_loss(loss)
         opt.step()
     rt.finish_deferred(block=True)
-    added = sum(_series_per_family(rt.metrics.registry).values()) - 55 - 2 - cuda
+    added = sum(_series_per_family(rt.metrics.registry).values()) - 55 - 4 - 2 - cuda
     assert added - 2 == 6 + len(semconv.ANOMALY_KINDS_ALL) + 1 + 1 + 1 + len(semconv.PHASES) == 27  # and samples, FLOPs

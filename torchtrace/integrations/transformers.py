@@ -90,11 +90,19 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._parts = None
         self._boundary = time.perf_counter()  # (an evaluation before the first step, eval_on_start, is evaluation)
         self._note_precision(args)
+        rt = api.get_runtime()
+        if rt is not None:
+            # on_save books the whole save since the step before; the torch.save inside it
+            # (the optimizer's) must not book its own slice first (see step/job.py).
+            job.framework_books_checkpoints(rt, True)
         if model is not None and self._handle is None:
             self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._boundary = None
+        rt = api.get_runtime()
+        if rt is not None:
+            job.framework_books_checkpoints(rt, False)
         self._inputs = []
         self._driver.abort(None)
         if self._handle is not None:

@@ -44,6 +44,7 @@ def init(rt: Any) -> None:
     rt.job_metrics = None  # torchtrace.job.metrics.JobMetrics
     rt.signals = None  # torchtrace.job.signals.SignalGuard
     rt.job_goodput_cache = None  # (monotonic time, the job's goodput) of the last scrape
+    rt.checkpoints_booked_by_framework = False  # see framework_books_checkpoints
 
 
 def watch(rt: Any) -> None:
@@ -136,7 +137,8 @@ def on_checkpoint(rt: Any, kind: str, start: float, end: float) -> None:
     metrics = rt.job_metrics
     if metrics is not None:
         metrics.observe_checkpoint(kind, seconds)
-    if rt.features.throughput and current.step() is None and not rt.closed:
+    booked = rt.checkpoints_booked_by_framework
+    if rt.features.throughput and current.step() is None and not rt.closed and not booked:
         rt.throughput.book(start, end, "checkpoint", f"{kind}_checkpoint")
     box = rt.rank_state
     if box is None:
@@ -147,6 +149,14 @@ def on_checkpoint(rt: Any, kind: str, start: float, end: float) -> None:
     f["checkpoint_seconds"] = totals
     if kind == "save":
         checkpoint_saved(rt, f.get("step"))
+
+
+def framework_books_checkpoints(rt: Any, flag: bool) -> None:
+    """A framework integration books the time of its checkpoint saves in goodput itself (the
+    Hugging Face Trainer's ``on_save``: the time since the step before). A timed save inside
+    must then not book its own slice first: the time before that slice would be booked as
+    data wait, and the framework's booking could no longer count it as checkpoint."""
+    rt.checkpoints_booked_by_framework = flag
 
 
 def checkpoint_saved(rt: Any, step: int | None) -> None:
