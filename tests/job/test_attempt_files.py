@@ -119,3 +119,17 @@ def test_the_job_series_on_metrics(tmp_path):
     assert 0 < value(samples, "torchtrace_job_goodput_ratio") < 1
     assert value(samples, "torchtrace_checkpoint_seconds_count", kind="save") == 0
     tt.shutdown()
+
+
+def test_the_html_report_draws_the_attempts(tmp_path):
+    from torchtrace.reporting.htmlreport import html_report
+
+    env = clean_env(TORCHTRACE_RUN_ID="html", TORCHTRACE_RUN_DIR=str(tmp_path))
+    assert _run(env, 3, "kill").returncode == -signal.SIGKILL
+    assert _run(env, 2).returncode == 0
+    page = html_report(tmp_path / "html" / "attempt-1")
+    assert 'id="tt-job"' in page and page.count('class="tt-attempt"') == 2
+    assert "attempt 0: killed at step 2" in page and "attempt 1: completed at step 1" in page
+    # A run that never restarted gets the same card with its one attempt.
+    assert _run(clean_env(TORCHTRACE_RUN_ID="one", TORCHTRACE_RUN_DIR=str(tmp_path)), 2).returncode == 0
+    assert html_report(tmp_path / "one").count('class="tt-attempt"') == 1
