@@ -40,6 +40,8 @@ from torchtrace.config import Settings
 from torchtrace.compat import (DebugConfig, GradientReport, PyTorchDebugger, PyTorchOptimizer, TrainingDebugger,
                                create_pytorch_debugger, debug_training_session)
 from torchtrace.errors import NonFiniteError
+from torchtrace.job.checkpoints import checkpoint
+from torchtrace.job.story import job_story
 from torchtrace.levels import DebugLevel, DebugMode, OptimizationMode
 from torchtrace.forensics import anomaly_detection, replay_step
 from torchtrace.tools.checks import detect_model_anomalies, validate_model_input
@@ -104,4 +106,6 @@ __all__ = [
     "current_amp",
     "optimize_model",
     "optimize_training_loop",
+    "checkpoint",
+    "job_story",
 ]

@@ -230,3 +230,16 @@ DATA_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.
 THROUGHPUT_DROP = "throughput_drop"
 DATA_STALL = "data_stall"
 ANOMALY_KINDS_ALL = ANOMALY_KINDS_ALL + (THROUGHPUT_DROP, DATA_STALL)
+
+# ---------------------------------------------------------------- the whole job: attempts, deaths, checkpoints
+RESOURCE_JOB_ID = "torchtrace.job_id"  # every rank and attempt of one training job
+RESOURCE_ATTEMPT = "torchtrace.attempt"  # 0 for the first attempt, +1 per restart
+M_JOB_ATTEMPT = "torchtrace_job_attempt"  # gauge: attempt number within the job, 0 for the first
+M_JOB_GOODPUT = "torchtrace_job_goodput_ratio"  # gauge: productive step time over the job's wall time, all attempts
+M_CHECKPOINT_SECONDS = "torchtrace_checkpoint_seconds"  # histogram {kind}: kind in CHECKPOINT_KINDS
+CHECKPOINT_KINDS = ("save", "load")
+CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+JOB_BADPUT_KINDS = ("restart", "lost_progress", "compile", "hang")
+"""Badput only the job view has (the job section of report.json), beside each attempt's own kinds."""
+JOB_ENDINGS = ("completed", "exception", "preempted", "killed", "hang", "unknown")
+"""How an attempt (and each rank of it) ended."""

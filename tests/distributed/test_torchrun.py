@@ -176,7 +176,8 @@ def test_example_ddp_train_under_torchrun(tmp_path):
     assert ports[1] == base + 1 and ports[0] == base + 2  # base + local rank; fallback strides by 2
     assert traces[0] == traces[1] and len(set(traces[0].values())) == 10  # one trace per step, all ranks
     assert sorted(p.name for p in run.iterdir()) == ["report.rank0.json", "report.rank1.json",
-                                                      "spans.rank0.jsonl", "spans.rank1.jsonl"]
+                                                      "spans.rank0.jsonl", "spans.rank1.jsonl",
+                                                      "state.rank0.json", "state.rank1.json"]  # the black boxes
 
 
 def test_the_example_runs_two_ranks_of_a_one_gpu_machine_on_the_cpu():

@@ -94,9 +94,11 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
                 "torchtrace_samples": 1, "torchtrace_flops": 1,  # "samples, tokens and FLOPs add one counter each"
                 # the hang series (docs/hangs.md): one phase series per phase
                 "torchtrace_stalled_seconds": 1, "torchtrace_hang_timeout_seconds": 1, "torchtrace_hangs": 1,
-                "torchtrace_collectives": 1, "torchtrace_phase": len(semconv.TRAINING_PHASES)}
+                "torchtrace_collectives": 1, "torchtrace_phase": len(semconv.TRAINING_PHASES),
+                # the job's 4: attempt, job goodput, checkpoint time by kind (save, load)
+                "torchtrace_job_attempt": 1, "torchtrace_job_goodput_ratio": 1, "torchtrace_checkpoint_seconds": 2}
     assert {k: v for k, v in seen.items() if v} == expected
-    assert sum(expected.values()) - 2 == 68 + cuda
+    assert sum(expected.values()) - 2 - 4 == 68 + cuda
     # docs/reliability.md: each extra operation adds 28 (6 gauges and histograms, every anomaly
     # kind, skipped, learning rate, data wait, 3 phases).
     with tt.debug_context("finetune_step", model=tiny_model, optimizer=opt) as step:
@@ -105,5 +107,5 @@ def test_documented_series_count_for_one_operation(tt_runtime, tiny_model):
         step.record_loss(loss)
         opt.step()
     rt.finish_deferred(block=True)
-    added = sum(_series_per_family(rt.metrics.registry).values()) - 68 - 2 - cuda
+    added = sum(_series_per_family(rt.metrics.registry).values()) - 68 - 4 - 2 - cuda
     assert added - 2 == 6 + len(semconv.ANOMALY_KINDS_ALL) + 1 + 1 + 1 + len(semconv.PHASES) == 28  # and samples, FLOPs

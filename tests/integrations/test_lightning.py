@@ -385,3 +385,33 @@ def test_a_run_resumed_from_its_checkpoint_goes_on_counting_steps(tmp_path):
     steps = [[s["attributes"][semconv.STEP] for s in read_spans(r.spans_path) if s["name"] == "train_step"]
              for r in (first, resumed)]
     assert steps == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_checkpoint_io_is_timed_as_saves_and_loads(tmp_path):
+    configure(tmp_path)
+    rt = get_runtime()
+    callback = TorchtraceCallback(validation_name=None)
+    trainer = fit(Module(), [callback], steps=4, val=False)
+    io = trainer.strategy.checkpoint_io
+    assert "save_checkpoint" not in vars(io)  # teardown took the timing off
+    # A save and a load through a new fit: save after training, then resume from the file.
+    path = tmp_path / "last.ckpt"
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    train, _ = loaders()
+    trainer.fit(Module(), train)
+    t0 = time.perf_counter()
+    callback.setup(trainer, None, "fit")  # (the hooks are on while a stage runs; here by hand)
+    assert trainer.strategy.checkpoint_io.save_checkpoint.__torchtrace_kind__ == "save"  # serialising and writing
+    trainer.save_checkpoint(path)
+    took = time.perf_counter() - t0
+    callback.teardown(trainer, None, "fit")
+    resumed = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    resumed.fit(Module(), train, ckpt_path=str(path))
+    labels = {"kind": "save"}
+    assert rt.metrics.value("torchtrace_checkpoint_seconds_count", labels) == 1  # its torch.save inside: once
+    assert 0 < rt.metrics.value("torchtrace_checkpoint_seconds_sum", labels) <= took
+    assert rt.metrics.value("torchtrace_checkpoint_seconds_count", {"kind": "load"}) == 1
+    assert rt.rank_state.fields["checkpoint_step"] is not None
+    tt.shutdown()

@@ -784,3 +784,22 @@ def test_a_compute_loss_that_runs_the_model_twice_counts_its_batch_once(tmp_path
     assert [s["attributes"][semconv.SAMPLES] for s in spans] == [8, 8, 8]  # 2 micro-batches of 4
     assert [s["attributes"][semconv.TOKENS] for s in spans] == [64, 64, 64]  # of 8 ids each, no mask
     assert [s["attributes"][semconv.FLOPS] for s in spans] == [6 * 64 * params] * 3
+
+
+def test_a_saved_checkpoint_reaches_the_black_box(tmp_path):
+    class Saves(transformers.TrainerCallback):
+        steps: list[int] = []
+
+        def on_save(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    configure(tmp_path)
+    rt = get_runtime()
+    train(tmp_path, [Saves(), TorchtraceCallback()], steps=5, save_strategy="steps", save_steps=2,
+          save_only_model=True)
+    # save_only_model: the model goes through safetensors, no torch.save; on_save still tells
+    # the black box which step the last checkpoint holds.
+    assert Saves.steps[:2] == [2, 4]
+    assert rt.rank_state.fields["checkpoint_step"] == Saves.steps[-1]
+    assert rt.throughput.ledger.closed().badput["checkpoint"] > 0
+    tt.shutdown()

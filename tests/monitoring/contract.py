@@ -49,6 +49,10 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "torchtrace_hangs_total": (COUNTER, frozenset()),
     "torchtrace_phase": (GAUGE, frozenset({"phase"})),
     "torchtrace_collectives_total": (COUNTER, frozenset()),
+    # the whole job (DESIGN.md, "Hangs, deaths and restarts")
+    "torchtrace_job_attempt": (GAUGE, frozenset()),
+    "torchtrace_job_goodput_ratio": (GAUGE, frozenset()),
+    "torchtrace_checkpoint_seconds": (HISTOGRAM, frozenset({"kind"})),
 }
 
 #: Closed sets of label values, where the contract fixes them.
@@ -64,6 +68,7 @@ PHASES = frozenset({"forward", "backward", "optimizer"})
 TRAINING_PHASES = frozenset({"data_wait", "forward", "backward", "optimizer", "collective", "checkpoint",
                              "evaluation", "idle"})
 BADPUT_KINDS = frozenset({"startup", "data_wait", "skipped_step", "forensics", "checkpoint", "evaluation", "other"})
+CHECKPOINT_KINDS = frozenset({"save", "load"})
 LR_GROUPS = frozenset({*map(str, range(8)), "8+"})  # the group index, capped
 
 #: (series name, label) -> the values that label may take on that series.

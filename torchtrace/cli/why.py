@@ -23,8 +23,7 @@ from typing import Any
 
 from torchtrace.job import culprit, stacks
 from torchtrace.job.state import read_states
-
-_ENDED_ORDER = ("hang", "killed", "exception", "preempted", "unknown", "completed")
+from torchtrace.job.story import job_story
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -93,29 +92,6 @@ def _rank_view(state: dict[str, Any], condition: str, now: float) -> dict[str, A
     }
 
 
-def _job_section(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Each attempt's end and last step, from the black boxes (every attempt, every rank)."""
-    by_attempt: dict[int, list[dict[str, Any]]] = {}
-    for s in read_states(path):
-        attempt = s.get("attempt") if isinstance(s.get("attempt"), int) else 0
-        by_attempt.setdefault(attempt, []).append(s)
-    now = time.time()
-    attempts = []
-    for attempt in sorted(by_attempt):
-        boxes = by_attempt[attempt]
-        ends = []
-        for s in boxes:
-            c = culprit.condition(s, now)
-            ends.append(s["ended"] if s.get("ended") else "killed" if c == "gone" else "unknown")
-        ended = min(ends, key=lambda e: _ENDED_ORDER.index(e) if e in _ENDED_ORDER else len(_ENDED_ORDER))
-        if not all(s.get("ended") for s in boxes) and ended == "unknown" and any(
-                culprit.condition(s, now) in ("running", "stalled", "hung", "silent") for s in boxes):
-            ended = None  # still running
-        steps = [s.get("step") for s in boxes if isinstance(s.get("step"), int)]
-        attempts.append({"attempt": attempt, "ended": ended, "last_step": max(steps) if steps else None})
-    return {"attempts": attempts}
-
-
 def why(path: str | os.PathLike[str], now: float | None = None) -> dict[str, Any]:
     """The verdict on the job whose run directory (or run directories' parent) is ``path``."""
     now = time.time() if now is None else now
@@ -124,7 +100,7 @@ def why(path: str | os.PathLike[str], now: float | None = None) -> dict[str, Any
     boxes = culprit.latest_attempt(states)
     ranks = [_rank_view(s, verdict["conditions"][s["rank"]], now) for s in boxes]
     return {"path": str(path), "verdict": verdict["verdict"], "culprit_ranks": verdict["culprit_ranks"],
-            "reason": verdict["reason"], "ranks": ranks, "job": _job_section(path)}
+            "reason": verdict["reason"], "ranks": ranks, "job": job_story(path, now)}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -144,7 +120,10 @@ def render(report: dict[str, Any]) -> str:
         for frame in r["stack"][:12]:
             lines.append(f"    {frame}")
     for a in report["job"]["attempts"]:
-        lines.append(f"attempt {a['attempt']}: ended {a['ended'] or 'not yet'}, last step {a['last_step']}")
+        detail = f" ({a['detail']})" if a.get("detail") else ""
+        first = a.get("cause") or {}
+        by = f", rank {first['rank']} first" if (a.get("world_size") or 1) > 1 and first else ""
+        lines.append(f"attempt {a['attempt']}: ended {a['ended'] or 'not yet'}{detail}{by}, last step {a['last_step']}")
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from torchtrace.config.env import (
     ENV_FORENSICS,
     ENV_FORENSICS_MAX_REPLAYS,
     ENV_GUARD,
+    ENV_JOB_ID,
     ENV_LEVEL,
     ENV_METRICS_EXPORTER,
     ENV_METRICS_EXPORT_INTERVAL,
@@ -79,7 +80,7 @@ __all__ = [
     "ENV_OTLP_ENDPOINT", "ENV_OTLP_TRACES_ENDPOINT", "ENV_OTLP_PROTOCOL", "ENV_OTLP_TRACES_PROTOCOL",
     "ENV_METRICS_EXPORTER", "ENV_METRICS_EXPORT_INTERVAL", "ENV_OTLP_METRICS_ENDPOINT", "ENV_OTLP_CERTIFICATE",
     "ENV_OTLP_TRACES_CERTIFICATE", "ENV_PEAK_FLOPS", "ENV_THROUGHPUT", "ENV_OTLP_HEADERS",
-    "ENV_OTLP_TRACES_HEADERS",
+    "ENV_OTLP_TRACES_HEADERS", "ENV_JOB_ID",
 ]
 
 logger = get_logger(__name__)
@@ -113,6 +114,7 @@ class Settings:
     disabled: bool = False
     service_name: str = "torchtrace"
     run_id: str = ""
+    job_id: str | None = None  # the job's id across ranks and attempts (see torchtrace.job.identity)
     level: DebugLevel = DebugLevel.BASIC
     mode: DebugMode = DebugMode.NONE
     run_dir: Path = Path("torchtrace-runs")
@@ -190,6 +192,9 @@ class Settings:
         for name, value in given.items():
             validator = VALIDATORS.get(name)
             values[name] = validator(value, name) if validator else value
+        if not values.get("run_id") and values.get("job_id"):
+            # A job id given by the user names the run directory too: every attempt finds the others.
+            values["run_id"] = values["job_id"]
         if not values.get("run_id"):
             elastic = env.get("TORCHELASTIC_RUN_ID", "")
             values["run_id"] = elastic if elastic and elastic != "none" else new_run_id()

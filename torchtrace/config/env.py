@@ -20,6 +20,10 @@ ENV_MODE = "TORCHTRACE_MODE"
 """A DebugMode turned on on top of the level (anomaly_detection, profiling, ...)."""
 ENV_RUN_ID = "TORCHTRACE_RUN_ID"
 """The run's identifier; shared by all ranks of a job. Default: torchrun's run id or a new one."""
+ENV_JOB_ID = "TORCHTRACE_JOB_ID"
+"""The job's identifier, shared by every rank and every attempt (restart) of one training job.
+Default: torchrun's run id, else Slurm's job id, else the run id. When given, it is also the run
+id's default, so the attempts of the job live side by side in one run directory."""
 ENV_RUN_DIR = "TORCHTRACE_RUN_DIR"
 """Where spans.jsonl and report.json are written. Default ./torchtrace-runs."""
 ENV_PROMETHEUS_HOST = "TORCHTRACE_PROMETHEUS_HOST"

@@ -45,8 +45,12 @@ class JsonLinesFile:
     def _open(self) -> int:
         if self._fd is None:
             ensure_parent_dir(self.path)
-            self._fd = open_private(self.path, append=True)
-            self._torn = False
+            # (readable: _repair reads the last byte; a write-only fd made that pread fail, so a
+            # torn tail was never ended before)
+            self._fd = open_private(self.path, append=True, readable=True)
+            # A file that was there before may end in a line torn by a killed process: the
+            # first write checks its last byte (_repair), so no line is glued onto it.
+            self._torn = os.fstat(self._fd).st_size > 0
         return self._fd
 
     def write_many(self, docs: list[Any]) -> int:
@@ -104,8 +108,9 @@ class JsonLinesFile:
         self._torn = True
 
     def _repair(self, fd: int, size: int) -> int:
-        """Before writing after a torn tail that could not be cut: end it with a newline, so the
-        next line is whole (a reader skips the one broken line)."""
+        """Before writing after a torn tail that could not be cut, or into a file that was there
+        before: end it with a newline, so the next line is whole (a reader skips the one broken
+        line)."""
         try:
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 done, error = _write_all(fd, b"\n")

@@ -13,6 +13,7 @@ from typing import Any
 from torchtrace import api
 from torchtrace.measure.batch import infer_batch
 from torchtrace.measure.batch_layout import sequence_layout
+from torchtrace.job.checkpoints import checkpoint
 from torchtrace.measure.loss import extract_loss
 from torchtrace.integrations._common import StepDriver, require
 
@@ -44,6 +45,11 @@ class TorchtraceCallback(_pl.Callback):
       span that ``on_validation_start/end`` open and close: in goodput the whole loop is
       evaluation, its loading between batches included.
 
+    - ``setup`` times the strategy's checkpoint IO (``save_checkpoint``, ``load_checkpoint``:
+      serialising and writing, whatever the IO plugin) as checkpoint saves and loads
+      (``torchtrace_checkpoint_seconds``, badput ``checkpoint``, the black box's last
+      checkpoint step); ``teardown`` takes the timing off.
+
     Nothing is logged through ``LightningModule.log``: Lightning's own logged metrics are
     untouched; torchtrace's numbers go to its spans, Prometheus metrics and report.
 
@@ -58,6 +64,20 @@ class TorchtraceCallback(_pl.Callback):
         # Validation batches are evaluation in goodput (badput), not training steps.
         self._val = StepDriver(validation_name, kind="evaluation") if validation_name else None
         self._loop = StepDriver(f"{validation_name}_loop", kind="evaluation") if validation_name else None
+
+    # ------------------------------------------------------------ checkpoints
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+        if io is None or getattr(io.save_checkpoint, "__torchtrace_kind__", None):
+            return
+        for name, kind in (("save_checkpoint", "save"), ("load_checkpoint", "load")):
+            setattr(io, name, _timed(getattr(io, name), kind))
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+        for name in ("save_checkpoint", "load_checkpoint"):
+            if io is not None and getattr(getattr(io, name, None), "__torchtrace_kind__", None):
+                delattr(io, name)  # the instance's wrapper off: the class's method again
 
     # ------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
@@ -131,3 +151,14 @@ def _read_as_consumed(driver: StepDriver, module: Any, batch: Any) -> None:
             scope.record_batch(samples=read.samples, tokens=read.tokens)
     except Exception as exc:  # a batch or module that cannot be read: what the step infers stands
         api.get_runtime().errors.report("other", exc)
+
+
+def _timed(method: Any, kind: str) -> Any:
+    """``method`` timed as a checkpoint ``kind`` (``tt.checkpoint``: a torch.save inside counts once)."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with checkpoint(kind):
+            return method(*args, **kwargs)
+
+    timed.__torchtrace_kind__ = kind  # type: ignore[attr-defined]
+    return timed

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from torchtrace import api
+from torchtrace.step import job
 from torchtrace.integrations._common import StepDriver, loop_frame, require
 from torchtrace.measure.batch import same_arguments
 
@@ -89,11 +90,19 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._parts = None
         self._boundary = time.perf_counter()  # (an evaluation before the first step, eval_on_start, is evaluation)
         self._note_precision(args)
+        rt = api.get_runtime()
+        if rt is not None:
+            # on_save books the whole save since the step before; the torch.save inside it
+            # (the optimizer's) must not book its own slice first (see step/job.py).
+            job.framework_books_checkpoints(rt, True)
         if model is not None and self._handle is None:
             self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._boundary = None
+        rt = api.get_runtime()
+        if rt is not None:
+            job.framework_books_checkpoints(rt, False)
         self._inputs = []
         self._driver.abort(None)
         if self._handle is not None:
@@ -125,6 +134,11 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         self._book_since_boundary("checkpoint", "save_checkpoint")
+        # The black box's last checkpoint: the Trainer saves the model with safetensors, which
+        # torchtrace does not time (its torch.save of the optimizer is timed on its own).
+        rt = api.get_runtime()
+        if rt is not None:
+            job.checkpoint_saved(rt, state.global_step)
 
     @staticmethod
     def _note_precision(args: Any) -> None:

@@ -31,7 +31,6 @@ The fields, all optional for a reader (a file from an older attempt may lack som
                           ``preempted`` or ``hang`` when the process said how it ended
 ``end_detail``,           what ended it (the exception's type, the signal) and when
 ``end_time``
-``host``                  the host name (a pid is checked only on the same host)
 ``progress``,             the hang watchdog's view (:mod:`torchtrace.job.progress`): the
 ``step_kind``,            last progress (unix time), the open step's kind, steps finished,
 ``steps_done``,           the training thread's ident
@@ -42,6 +41,22 @@ The fields, all optional for a reader (a file from an older attempt may lack som
                           timeout_s, where, source) and how many
 ``culprit_ranks``         the ranks the last hang blamed
 ``peers_gone``            ranks of this attempt whose process this rank saw gone
+``end_step``              the step in progress when an exception ended the process
+``host``,                 the host (a pid is checked only on the same host), and when the process started (unix time, from /proc):
+``process_started``       an attempt's restart badput begins at its process's start
+``cgroup``                the memory cgroup at start: ``version``, ``path``, ``oom_kills``
+                          (the kernel's count then: a later reader compares it with now's)
+``first_step``,           the first training step finished, its seconds and start, the
+``first_step_seconds``,   count finished and the mean seconds of those after the first
+``first_step_start``,     (compile badput: the first's excess)
+``steps_finished``,
+``step_seconds``
+``checkpoint_time``,      when the last save ended (unix time), the attempt's productive
+``checkpoint_produ...``   seconds then (``checkpoint_productive_s``), and save/load
+``checkpoint_seconds``    seconds so far by kind
+``wall_s``,               this attempt's goodput ledger: wall, productive and badput
+``productive_s``,         seconds by kind (refreshed by the writer thread)
+``badput_s``
 ========================  =============================================================
 
 >>> import tempfile
@@ -62,7 +77,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from torchtrace import files
 
@@ -85,6 +100,7 @@ class RankState:
         self.fields: dict[str, Any] = {"pid": os.getpid(), "started": time.time(), "ended": None}
         self.fields.update(fields or {})
         self.writes = 0
+        self.refresh: Callable[[dict[str, Any]], None] | None = None  # updates fields before each write
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -106,8 +122,11 @@ class RankState:
         while not self._stop.wait(period_s):
             self.write()
 
-    def write(self) -> bool:
+    def write(self, refresh: bool = True) -> bool:
         """Rewrite the file now from the current fields; False when it could not be written.
+
+        ``refresh``: call :attr:`refresh` first (not from a signal handler: it may take locks
+        the interrupted thread holds).
 
         Safe from any thread and from a signal handler on the main thread: it copies the
         fields first, and an error is logged at DEBUG and swallowed (the black box must never
@@ -116,11 +135,18 @@ class RankState:
         # A forked child (a DataLoader worker) must not overwrite its parent's black box.
         if self.path is None or os.getpid() != self.fields["pid"]:
             return False
+        if refresh and self.refresh is not None:
+            try:
+                self.refresh(self.fields)
+            except Exception as exc:
+                logger.debug("black box refresh failed: %s", exc)
         snapshot = dict(self.fields)
         snapshot["time"] = time.time()
         try:
-            files.write_json_atomic(self.path, snapshot)
-        except (OSError, ValueError) as exc:
+            # No fsync: the rename makes it whole for readers after a SIGKILL; a machine crash is
+            # what it does not survive, and an fsync twice a second cost 10 ms a write here.
+            files.write_json_atomic(self.path, snapshot, durable=False)
+        except Exception as exc:  # whatever failed, the black box must never break the job
             logger.debug("black box %s not written: %s", self.path, exc)
             return False
         self.writes += 1

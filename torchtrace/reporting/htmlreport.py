@@ -6,6 +6,7 @@ from html import escape
 from pathlib import Path
 
 from torchtrace.reporting.assets import embed_json, page
+from torchtrace.reporting.jobview import job_of, job_timeline_html
 from torchtrace.reporting.runfiles import chart_steps, load_run
 from torchtrace.reporting.summary import training_summary_from_steps
 
@@ -37,7 +38,8 @@ def html_report(run_dir: str | Path, rank: int | None = None) -> str:
     if run.problems:
         notes = "<p class=\"kind\">" + "; ".join(escape(p) for p in run.problems) + "</p>"
     n_settings = len(run.settings or {})
-    extra = (f"<section class=\"card wide\">{notes}<details class=\"config\" id=\"tt-config\">"
+    extra = (job_timeline_html(job_of(run.run_dir)[0])
+             + f"<section class=\"card wide\">{notes}<details class=\"config\" id=\"tt-config\">"
              f"<summary>Configuration: <span id=\"tt-settings-count\">{n_settings}</span> settings "
              f"<span class=\"muted\">({escape(str(run.run_dir))})</span></summary>"
              f"<div id=\"tt-settings\"></div></details></section>"

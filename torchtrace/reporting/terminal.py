@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from torchtrace.reporting.jobview import job_lines, job_of
 from torchtrace.reporting.runfiles import load_run
 from torchtrace.reporting.summary import finite, main_operation, seconds_text, throughput_rows, \
     training_summary_from_steps
@@ -94,6 +95,7 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
     run = load_run(run_dir, rank)
     summary = run.summary
     lines = _header_lines(summary, run.steps, run.run_dir)
+    lines += job_lines(*job_of(run.run_dir))
     label, shown = _main_steps(run.steps)
     lines += _step_time_lines(shown, label)
     lines += _series_lines(shown, label)

@@ -18,6 +18,7 @@ from torchtrace.errors import NonFiniteError, get_logger
 from torchtrace.export.spans import apply_record
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure.counts import device_count, read_given
+from torchtrace.step import job
 from torchtrace.measure.learning_rates import read_rates
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import Anomaly, StepRecord
@@ -58,6 +59,8 @@ def finish(rt: Runtime, scope: StepScope, record: StepRecord, plan: ReadPlan, va
             rt.errors.report("record", err)
     _guarded(rt, _apply_policy, rt, scope, record)
     export(rt, record, span, exc)
+    # The black box: the last step finished (plain stores).
+    _guarded(rt, job.note_step, rt, record)
     scope.release()
 
 

@@ -32,12 +32,13 @@ from torchtrace.probes.base import ProbeSet
 from torchtrace.record.history import History
 from torchtrace.record.policy import GuardPolicy
 from torchtrace.record.step import StepRecord
-from torchtrace.step import finish, report, setup
+from torchtrace.step import finish, hangs, job, report, setup
 from torchtrace.step.throughput import RunThroughput
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from torchtrace.job.watchdog import Watchdog
     from torchtrace.record.reads import ReadPlan
     from torchtrace.step.scope import StepScope
 
@@ -86,12 +87,13 @@ class Runtime:
         self.debug_api = None  # torchtrace.export.debug_api.DebugAPI when served
         self.metrics_pusher = None
         self.forensics = None  # torchtrace.probes.forensics.ForensicsProbe
-        self.rank_state = None  # torchtrace.job.state.RankState: this rank's black box
-        self.watchdog = None  # torchtrace.job.watchdog.Watchdog
+        job.init(self)  # the whole job: job_id, attempt, run_root, state_path, rank_state, signals
+        self.watchdog: Watchdog | None = None
 
         self.metrics = Metrics(settings.run_id, self.identity.rank, __version__, self.level.value)
         self.errors = InternalErrors(self.metrics.internal_error, settings.strict)
         self.probes = ProbeSet(self.errors)
+        setup.run_files(self)  # (before the resource: it names the job and attempt)
         self.tracer_provider = tracer_provider(setup.resource(self))
         self.tracer = self.tracer_provider.get_tracer("torchtrace", __version__)
         self.throughput = RunThroughput(self)
@@ -102,12 +104,12 @@ class Runtime:
             "guard": self._guard_section,
             "throughput": self.throughput.section,
         }
-        setup.run_files(self)
         setup.span_exporters(self)
         setup.server(self)
         setup.probes(self)
         setup.metrics_push(self)
         setup.black_box(self)
+        hangs.watch(self)
 
     # ------------------------------------------------------------ per-step services
     @property
@@ -325,9 +327,10 @@ class Runtime:
 
     # ------------------------------------------------------------ shutdown
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Finish deferred records and push queued spans out, within ``timeout_s``."""
+        """Finish deferred records, write the black box and push queued spans out, within ``timeout_s``."""
         timeout = self.settings.shutdown_timeout_s if timeout_s is None else timeout_s
         self.finish_deferred(block=True)
+        job.write_now(self)  # the black box too: flush() makes everything known so far durable
         deadline = time.monotonic() + timeout
         ok = True
         for proc in self.processors:
@@ -345,10 +348,10 @@ class Runtime:
         self.closed = True
         # The deadline and shutdown's own time (not the job's) start here.
         deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
-        try:  # first: the watchdog stops, so a slow shutdown is never taken for a hang
-            setup.close_black_box(self)
-        except Exception as exc:
-            self.errors.report("files", exc)
+        # First the watchdog stops (a slow shutdown is never taken for a hang), then the black
+        # box says how this attempt ended (the report's job section reads it).
+        hangs.stop(self)
+        job.close(self)
         if at_exit:
             for proc in self.processors:
                 proc.prepare_exit()
@@ -371,6 +374,7 @@ class Runtime:
         for path in (self.spans_path, self.report_path):
             if path is not None:
                 files.release_file(path)
+        job.release(self)
 
     def _write_report_safely(self) -> None:
         try:

@@ -1,11 +1,9 @@
 """What ``configure()`` builds besides the runtime's own state: the resource, the run directory,
-span exporters, the metrics server with the debug API, the OTLP metrics pusher, and the probes."""
+span exporters, the metrics server with the debug API, the OTLP metrics pusher, the probes, and
+the rank's black box."""
 
 from __future__ import annotations
 
-import os
-import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,22 +12,21 @@ from opentelemetry.sdk.resources import Resource
 from torchtrace import files, semconv
 from torchtrace._version import __version__
 from torchtrace.distributed import rank_file_name
-from torchtrace.distributed import flight
 from torchtrace.distributed.collectives import STATE as COLLECTIVES
 from torchtrace.errors import get_logger
-from torchtrace.export.hang_metrics import HangMetrics
 from torchtrace.export import transport
 from torchtrace.export.server import TelemetryServer
 from torchtrace.export.tracing import BoundedBatchSpanProcessor, JsonLinesSpanExporter, otlp_span_exporter
+from torchtrace.job import identity as job_identity
+from torchtrace.job.cgroup import memory_cgroup
+from torchtrace.job.state import RankState
+from torchtrace.step import job
 from torchtrace.probes.activations import ActivationProbe
 from torchtrace.probes.forensics import ForensicsProbe
 from torchtrace.probes.leaks import LeakProbe
 from torchtrace.probes.memory import MemoryProbe
 from torchtrace.probes.profiler import ProfilerProbe
 from torchtrace.probes.straggler import StragglerProbe
-from torchtrace.job import progress
-from torchtrace.job.state import RankState, read_states
-from torchtrace.job.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from torchtrace.step.runtime import Runtime
@@ -46,6 +43,8 @@ def resource(rt: Runtime) -> Resource:
         semconv.RESOURCE_LOCAL_RANK: ident.local_rank,
         semconv.RESOURCE_WORLD_SIZE: ident.world_size,
         semconv.RESOURCE_INSTANCE_ID: ident.instance_id,
+        semconv.RESOURCE_JOB_ID: rt.job_id,
+        semconv.RESOURCE_ATTEMPT: rt.attempt,
         "host.name": ident.node,
         "torchtrace.version": __version__,
     }
@@ -59,17 +58,63 @@ def resource(rt: Runtime) -> Resource:
 
 
 def run_files(rt: Runtime) -> None:
-    """The run directory and this rank's file names (none with ``write_files=False``)."""
-    if not rt.settings.write_files:
+    """The job's identity and attempt, the attempt's directory and this rank's file names (none
+    with ``write_files=False``).
+
+    Attempt 0 writes in ``<run_dir>/<run_id>/`` as a run always did; a later attempt of the same
+    run id in ``attempt-N/`` beside it, so no attempt appends to or overwrites another's files
+    (:mod:`torchtrace.job.identity` says how attempts are counted).
+    """
+    s = rt.settings
+    rt.job_id = job_identity.job_id_from(s.job_id, s.run_id)
+    launcher = job_identity.launcher_attempt()
+    rt.attempt = launcher or 0
+    if not s.write_files:
         return
     try:
-        rt.run_path = files.ensure_private_dir(Path(rt.settings.run_dir) / rt.settings.run_id)
+        root = files.ensure_private_dir(Path(s.run_dir) / s.run_id)
+        state_name = rank_file_name("state", ".json", rt.identity)
+        rt.attempt = job_identity.choose_attempt(root, state_name, rt.attempt)
+        rt.run_root = root
+        rt.run_path = files.ensure_private_dir(job_identity.attempt_dir(root, rt.attempt))
         # A second live process with the same run id and rank gets file names of its own.
         rt.spans_path = files.claim_file(rt.run_path / rank_file_name("spans", ".jsonl", rt.identity))
         rt.report_path = files.claim_file(rt.run_path / rank_file_name("report", ".json", rt.identity))
+        rt.state_path = files.claim_file(rt.run_path / state_name)
     except OSError as exc:
         rt.errors.report("files", exc)
-        rt.run_path = rt.spans_path = rt.report_path = None
+        rt.run_path = rt.spans_path = rt.report_path = rt.state_path = rt.run_root = None
+
+
+BLACK_BOX_PERIOD_S = 0.5
+"""Seconds between two rewrites of the black box: what a SIGKILL can lose of it."""
+
+
+def black_box(rt: Runtime) -> None:
+    """This rank's black box (:class:`torchtrace.job.state.RankState`), as ``rt.rank_state``:
+    who this process is, its memory cgroup's limit and OOM-kill count at start (a later reader
+    compares them), written now and every :data:`BLACK_BOX_PERIOD_S` by its writer thread."""
+    ident = rt.identity
+    fields: dict[str, Any] = {
+        "rank": ident.rank, "world_size": ident.world_size, "job_id": rt.job_id, "attempt": rt.attempt,
+        "run_id": rt.settings.run_id, "host": ident.node, "started": rt.started_unix,
+        "process_started": job_identity.process_start_time(), "step": None,
+        "period_s": BLACK_BOX_PERIOD_S,
+    }
+    group = memory_cgroup()  # (never raises: None where there is none to read)
+    if group is not None:
+        fields["cgroup"] = {"version": group["version"], "path": group["path"], "oom_kills": group["oom_kills"]}
+        fields["memory_limit_bytes"] = group["limit_bytes"]
+    box = RankState(rt.state_path, fields)
+    box.refresh = lambda f: job.refresh(rt, f)
+    rt.rank_state = box
+    try:
+        if rt.state_path is not None and not box.write():
+            rt.errors.report("files", OSError(f"black box {rt.state_path} not written"))
+        box.start(BLACK_BOX_PERIOD_S)
+        job.watch(rt)
+    except Exception as exc:
+        rt.errors.report("files", exc)
 
 
 def span_exporters(rt: Runtime) -> None:
@@ -158,102 +203,3 @@ def distributed_section(rt: Runtime) -> dict[str, Any]:
             "instance_id": ident.instance_id, "collectives": dict(COLLECTIVES.counts),
             "collectives_broken": COLLECTIVES.broken,
             "rank_skew": straggler.last if straggler is not None else None}
-
-
-BLACK_BOX_PERIOD_S = 1.0
-"""Seconds between two rewrites of the black box: the rank's heartbeat."""
-
-
-def black_box(rt: Any) -> None:
-    """This rank's black box (``rt.rank_state``), the phase marks storing into it, and the
-    hang watchdog (``rt.watchdog``) with its series on ``/metrics``."""
-    ident, s = rt.identity, rt.settings
-    path = rt.run_path / rank_file_name("state", ".json", ident) if rt.run_path is not None else None
-    rt.rank_state = RankState(path, {"rank": ident.rank, "world_size": ident.world_size, "run_id": s.run_id,
-                                     "host": ident.node, "attempt": _attempt()})
-    fields = rt.rank_state.fields
-    progress.track(fields)
-    # DDP's all-reduce runs in C++: only the flight recorder sees it. Without one, count the
-    # torch.distributed calls made from Python.
-    recorder = flight.enable() if ident.distributed else flight.enabled()
-    if ident.distributed and not recorder:
-        flight.count_calls(progress.collective_began, progress.collective_ended)
-    run_path = rt.run_path
-    rt.watchdog = Watchdog(
-        fields, given_timeout_s=s.hang_timeout_s, on_hang=s.on_hang,
-        stack_path=run_path / rank_file_name("stacks", ".txt", ident) if run_path is not None else None,
-        hang_path=run_path / rank_file_name("hang", ".json", ident) if run_path is not None else None,
-        peers=(lambda: read_states(run_path)) if run_path is not None else None,
-        on_finding=lambda finding: hang_telemetry(rt, finding), on_abort=lambda: flush_for_abort(rt),
-        collectives=flight.last_collective if recorder else None, persist=rt.rank_state.write)
-    rt.metrics.registry.register(HangMetrics(s.run_id, str(ident.rank), progress.tracked))
-    rt.report_sections["hangs"] = rt.watchdog.summary
-    rt.rank_state.write()
-    rt.rank_state.start(BLACK_BOX_PERIOD_S)
-    rt.watchdog.start()
-
-
-def close_black_box(rt: Any) -> None:
-    """At shutdown: the watchdog stops, the phase is idle, the black box says how it ended."""
-    if rt.watchdog is not None:
-        rt.watchdog.stop()
-        # A last look: a peer that vanished is why this rank ends now (an exception from gloo).
-        rt.watchdog.check_peers()
-    box = rt.rank_state
-    if box is None:
-        return
-    progress.untrack(box.fields)
-    box.stop()
-    if box.fields.get("ended") is None:
-        # At interpreter exit after an uncaught exception, Python has set sys.last_value.
-        error = getattr(sys, "last_value", None)
-        box.fields.update(ended="exception" if error is not None else "completed", end_time=time.time(),
-                          end_detail=type(error).__qualname__ if error is not None else None)
-    box.write()
-
-
-def _attempt() -> int:
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        raw = os.environ.get(name, "")
-        if raw.isdigit():
-            return int(raw)
-    return 0
-
-
-def hang_telemetry(rt: Any, finding: dict[str, Any]) -> None:
-    """A hang where a trace viewer shows it: a span of its own (the hung step has no span yet),
-    with the ``hang`` anomaly event and status ERROR."""
-    from opentelemetry.trace import Status, StatusCode
-
-    from torchtrace.job.stacks import where
-
-    detail = (f"no progress for {finding['stalled_s']:.1f} s (timeout {finding['timeout_s']:.1f} s) in step "
-              f"{finding['step']}, phase {finding['phase']}, at {where(finding['where'])}")
-    peers = finding.get("peers") or {}
-    attrs = {semconv.RANK: rt.identity.rank, "torchtrace.hang.phase": str(finding["phase"]),
-             "torchtrace.hang.stalled_s": float(finding["stalled_s"]), "torchtrace.hang.where": where(finding["where"]),
-             semconv.ANOMALY_KINDS: [semconv.HANG]}
-    if isinstance(finding.get("step"), int):
-        attrs[semconv.STEP] = finding["step"]
-    if peers.get("culprit_ranks"):
-        attrs["torchtrace.hang.culprit_ranks"] = [int(r) for r in peers["culprit_ranks"]]
-    span = rt.tracer.start_span("torchtrace.hang", attributes=attrs)
-    span.add_event(semconv.EVENT_ANOMALY, {semconv.EVENT_ANOMALY_KIND: semconv.HANG,
-                                           semconv.EVENT_ANOMALY_DETAIL: detail})
-    span.set_status(Status(StatusCode.ERROR, detail))
-    span.end()
-
-
-def flush_for_abort(rt: Any) -> None:
-    """``on_hang="abort"``: the report, the queued spans and the black box out, each bounded."""
-    try:
-        rt.write_report()
-    except Exception as exc:
-        logger.debug("torchtrace: report not written before abort: %r", exc)
-    for proc in rt.processors:
-        try:
-            proc.force_flush(int(rt.settings.shutdown_timeout_s * 1000))
-        except Exception:
-            pass
-    if rt.rank_state is not None:
-        rt.rank_state.write()

@@ -1,0 +1,151 @@
+"""How an attempt ended, as its black box and the job story tell it: an exception, a signal
+handler that could not be installed, the signal wrapper's bookkeeping, and job_story's
+arithmetic on black boxes written by hand."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import torchtrace as tt
+from tests.job.helpers import clean_env
+from torchtrace.job.signals import SignalGuard
+from torchtrace.job.state import read_states
+from torchtrace.job.story import story_of
+
+_RAISES = textwrap.dedent("""
+    import sys, torchtrace as tt
+    tt.configure(prometheus_port="off", record_exception_messages=sys.argv[1] == "1")
+    for step in range(10):
+        with tt.debug_context("train_step", step=step):
+            if step == 7:
+                raise ValueError("the batch was empty: secret-token-123")
+""")
+
+
+@pytest.mark.parametrize("messages", ["0", "1"])
+def test_an_exception_is_told_with_its_type_and_step(tmp_path, messages):
+    env = clean_env(TORCHTRACE_RUN_ID="exc", TORCHTRACE_RUN_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _RAISES, messages], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and "ValueError" in done.stderr  # Python's own hook still printed it
+    (state,) = read_states(tmp_path / "exc")
+    # The step that raised is finished too (a failed step's record), so it is the last step.
+    assert (state["ended"], state["end_step"], state["step"]) == ("exception", 7, 7)
+    report = json.loads((tmp_path / "exc" / "report.json").read_text())
+    (attempt,) = report["job"]["attempts"]
+    assert (attempt["ended"], attempt["last_step"]) == ("exception", 7)
+    if messages == "1":
+        assert attempt["detail"] == "ValueError: the batch was empty: secret-token-123"
+    else:  # messages are opt-in, as for spans: the type only
+        assert attempt["detail"] == "ValueError"
+        assert "secret-token-123" not in (tmp_path / "exc" / "state.json").read_text()
+
+
+def test_configure_off_the_main_thread_says_it_cannot_handle_signals(tmp_path, caplog):
+    before = signal.getsignal(signal.SIGTERM)
+    with caplog.at_level(logging.WARNING):
+        thread = threading.Thread(target=tt.configure, kwargs=dict(prometheus_port="off", run_dir=str(tmp_path),
+                                                                   register_atexit=False))
+        thread.start()
+        thread.join()
+    try:
+        assert any("outside the main thread" in r.getMessage() for r in caplog.records)
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        tt.shutdown()
+
+
+def test_a_handler_set_after_install_is_chained_and_given_back():
+    calls = []
+    guard = SignalGuard(lambda signum, terminal: calls.append(("torchtrace", terminal)))
+    previous = signal.getsignal(signal.SIGTERM)
+    assert "SIGTERM" in guard.install()
+    try:
+        def app(signum, frame):
+            calls.append(("app", signum))
+
+        assert signal.signal(signal.SIGTERM, app) is previous
+        assert signal.getsignal(signal.SIGTERM) is app
+        signal.raise_signal(signal.SIGTERM)
+        assert calls == [("torchtrace", False), ("app", signal.SIGTERM)]
+    finally:
+        guard.restore()
+    assert signal.signal is not guard._signal and signal.getsignal(signal.SIGTERM) is app
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_ignored_signal_stays_ignored():
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        guard = SignalGuard(lambda signum, terminal: None)
+        assert "SIGTERM" not in guard.install()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        guard.restore()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _box(attempt, **fields):
+    base = {"job_id": "j", "attempt": attempt, "rank": 0, "world_size": 1, "pid": 1, "host": "elsewhere"}
+    return {**base, **fields}
+
+
+def test_job_story_by_hand():
+    """Three attempts with round numbers: each quantity is checked against the sum by hand."""
+    states = [
+        # Attempt 0: process start 0, configure 2, checkpoint at 40 s (productive 30), last step
+        # at 55 s (productive 42), SIGKILLed: last heartbeat at 56, writer period 1 s.
+        _box(0, process_started=0.0, started=2.0, step=95, step_time=55.0, time=56.0, period_s=1.0,
+             checkpoint_step=80, checkpoint_time=40.0, checkpoint_productive_s=30.0, productive_s=42.0,
+             badput_s={"startup": 1.0, "checkpoint": 2.0}, first_step_seconds=3.0, step_seconds=0.5,
+             ended=None),
+        # Attempt 1: process start 60, configure 61.5, preempted at 90 after its checkpoint at 85.
+        _box(1, process_started=60.0, started=61.5, step=130, step_time=89.0, checkpoint_step=120,
+             checkpoint_time=85.0, checkpoint_productive_s=18.0, productive_s=21.0,
+             badput_s={"checkpoint": 1.0}, ended="preempted", end_detail="SIGTERM", end_time=90.0),
+        # Attempt 2: configure 95, completes at 130 with 30 s productive.
+        _box(2, process_started=94.0, started=95.0, step=200, step_time=129.0, productive_s=30.0,
+             badput_s={"checkpoint": 0.5}, ended="completed", end_time=130.0),
+    ]
+    story = story_of(states)
+    assert [(a["ended"], a["last_step"]) for a in story["attempts"]] == [
+        ("killed", 95), ("preempted", 130), ("completed", 200)]
+    bad = story["badput"]
+    assert bad["restart"] == pytest.approx((61.5 - 56.5) + (95.0 - 90.0))
+    assert bad["lost_progress"] == pytest.approx((55.0 - 40.0) + (89.0 - 85.0))
+    assert bad["compile"] == pytest.approx(2.5)
+    assert bad["checkpoint"] == pytest.approx(3.5)
+    assert bad["startup"] == pytest.approx(1.0 + 2.0)  # attempt 0's own, plus its process start to configure
+    productive = (42.0 - 12.0 - 2.5) + (21.0 - 3.0) + 30.0
+    assert story["productive_s"] == pytest.approx(productive)
+    assert story["wall_s"] == pytest.approx(130.0)
+    assert story["goodput"] == pytest.approx(productive / 130.0)
+    assert [a["lost_steps"] for a in story["attempts"]] == [15, 10, 0]
+
+
+def test_a_forked_child_only_chains_the_signal(tmp_path):
+    import os
+
+    marker = tmp_path / "worked"
+    guard = SignalGuard(lambda signum, terminal: marker.write_text(str(os.getpid())))
+    guard.install()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its SIGTERM ends it by the default action, with no torchtrace work
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        guard.restore()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert not marker.exists()  # the parent's flush and report were not run in the child

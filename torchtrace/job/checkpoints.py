@@ -1,0 +1,160 @@
+"""Checkpoint saves and loads, timed without a call in the training code.
+
+:func:`install` wraps ``torch.save``, ``torch.load`` and ``torch.distributed.checkpoint``'s
+``save`` and ``load`` (at ``configure()``); :func:`uninstall` puts the originals back (at
+``shutdown()``). Each call is timed and handed to the sink (the runtime): the histogram
+``torchtrace_checkpoint_seconds{kind}``, badput ``checkpoint``, and the black box's
+``checkpoint_step``. :func:`checkpoint` (``tt.checkpoint("save")``) marks any other saving or
+loading code the same way.
+
+A save inside another save (Lightning's checkpoint IO calling ``torch.save``; a distributed
+checkpoint that calls ``torch.save`` per shard) counts once: only the outermost call of each
+thread is timed.
+
+Limits: code that took its own reference before ``configure()`` (``from torch import save``)
+calls the original and is not timed; safetensors' ``save_file`` is not wrapped (mark it with
+:func:`checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("save", "load")
+"""The values of the ``kind`` label of ``torchtrace_checkpoint_seconds``."""
+
+Sink = Callable[[str, float, float], None]
+"""``sink(kind, start, end)``: perf_counter seconds of one outermost save or load."""
+
+_sink: Sink | None = None
+_depth = threading.local()
+_originals: list[tuple[Any, str, Callable[..., Any]]] = []
+
+
+def install(sink: Sink) -> None:
+    """Time checkpoint calls from now on and hand each to ``sink``. Installing again only
+    replaces the sink.
+
+    ``torch.distributed.checkpoint`` takes seconds to import: it is wrapped when the
+    application imports it (now, if it already has), never imported by torchtrace.
+    """
+    global _sink
+    _sink = sink
+    if _originals:
+        return
+    _wrap(torch, "save", "save")
+    _wrap(torch, "load", "load")
+    if DCP in sys.modules:
+        _wrap_dcp(sys.modules[DCP])
+    elif not any(isinstance(f, _DcpFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DcpFinder())
+
+
+DCP = "torch.distributed.checkpoint"
+
+
+def _wrap_dcp(dcp: Any) -> None:
+    if _sink is None or any(owner is dcp for owner, _, _ in _originals):
+        return
+    for name, kind in (("save", "save"), ("load", "load"), ("save_state_dict", "save"),
+                       ("load_state_dict", "load")):
+        if callable(getattr(dcp, name, None)):
+            _wrap(dcp, name, kind)
+
+
+class _DcpFinder(importlib.abc.MetaPathFinder):
+    """Wraps ``torch.distributed.checkpoint``'s save and load once the application imports it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != DCP:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original_exec = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original_exec(module)
+            try:
+                _wrap_dcp(module)
+            except Exception:  # never break the application's import
+                logger.debug("torchtrace could not wrap %s", DCP, exc_info=True)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def uninstall() -> None:
+    """Put every wrapped function back; nothing is timed afterwards."""
+    global _sink
+    _sink = None
+    for finder in [f for f in sys.meta_path if isinstance(f, _DcpFinder)]:
+        sys.meta_path.remove(finder)
+    while _originals:
+        owner, name, original = _originals.pop()
+        if getattr(getattr(owner, name, None), "__wrapped__", None) is original:
+            setattr(owner, name, original)
+
+
+def _wrap(owner: Any, name: str, kind: str) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with checkpoint(kind):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, timed)
+    _originals.append((owner, name, original))
+
+
+@contextlib.contextmanager
+def checkpoint(kind: str = "save") -> Iterator[None]:
+    """Mark a checkpoint save or load that torchtrace cannot see on its own.
+
+    Its time goes to ``torchtrace_checkpoint_seconds{kind}`` and to badput ``checkpoint``; a
+    save sets the black box's ``checkpoint_step`` to the last step finished. Inside another
+    save or load (wrapped or marked) it counts nothing more. A block that raises counts nothing.
+
+    Raises:
+        ValueError: ``kind`` is not ``save`` or ``load`` (at the call, before the block runs).
+
+    >>> import torchtrace as tt
+    >>> with tt.checkpoint("save"):
+    ...     pass
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(KINDS)}")
+    depth = getattr(_depth, "n", 0)
+    _depth.n = depth + 1
+    start = time.perf_counter()
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        _depth.n = depth
+        sink = _sink
+        # A save that raised saved nothing: no checkpoint to resume from.
+        if depth == 0 and sink is not None and finished:
+            try:
+                sink(kind, start, time.perf_counter())
+            except Exception:  # never break the user's save
+                logger.debug("torchtrace could not record a checkpoint %s", kind, exc_info=True)

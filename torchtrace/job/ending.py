@@ -1,0 +1,87 @@
+"""How a rank's attempt ended, read from its black box.
+
+A process that ends through torchtrace says so itself in its black box: ``completed``
+(``shutdown()`` ran), ``exception`` (an exception reached the top of the main thread; its type,
+message and step), ``preempted`` (a SIGTERM or SIGINT handler ran), ``hang`` (the hang watchdog
+aborted it). A SIGKILL runs no code at all, so a black box that says nothing, of a process that
+is gone, is read as ``killed``: the cause is inferred, never told. It is a *host OOM kill* when
+the kernel counted an OOM kill in the process's memory cgroup after the process started (the
+count saved in the black box at start is compared with the cgroup's count now) and the black
+box's last memory sample was near the cgroup's limit. A box that is neither is ``unknown``.
+
+>>> how_ended({"ended": "exception", "end_detail": "ValueError: bad batch"})
+('exception', 'ValueError: bad batch')
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from torchtrace.job import cgroup
+from torchtrace.job.identity import process_alive
+
+TOLD = ("completed", "exception", "preempted", "hang")
+"""Endings a process records itself."""
+
+NEAR_LIMIT = 0.5
+"""Memory at or above this share of the cgroup's limit, in the last sample, is "near the limit":
+the sample is up to a writer period old, and memory that ran away within a step was not seen."""
+
+HOST_OOM = "host OOM kill"
+
+
+STALE_S = 60.0
+"""A black box of another host whose heartbeat is older than this is of a process that is gone
+(its own host is not asked: it may be unreachable)."""
+
+
+def how_ended(state: Mapping[str, Any], superseded: bool = False,
+              now: float | None = None) -> tuple[str | None, str | None]:
+    """``(ended, detail)`` of one rank's black box; ``(None, None)`` while it still runs.
+
+    ``superseded``: a later attempt of the job has started, so this one is over whatever its
+    process looks like from here (a process of another host cannot be asked).
+    """
+    ended = state.get("ended")
+    if ended in TOLD:
+        return ended, state.get("end_detail")
+    if ended is not None:
+        return "unknown", f"black box says {ended!r}"
+    beat = state.get("time")
+    stale = isinstance(beat, (int, float)) and (time.time() if now is None else now) - beat > STALE_S
+    if not superseded and not stale and process_alive(state):
+        return None, None
+    return "killed", killed_detail(state)
+
+
+def killed_detail(state: Mapping[str, Any]) -> str:
+    """Why a process that said nothing is gone, as far as the cgroup can tell."""
+    group = state.get("cgroup")
+    if not isinstance(group, Mapping) or not group.get("path"):
+        return "no shutdown and no signal handler ran (SIGKILL, or a crash of the interpreter)"
+    before = group.get("oom_kills")
+    now = cgroup.oom_kills(int(group.get("version") or 0), group["path"])
+    if now is None or not isinstance(before, int):
+        return "no shutdown and no signal handler ran; the memory cgroup can no longer be read"
+    if now <= before:
+        return "no shutdown and no signal handler ran; the kernel counted no OOM kill in the memory cgroup"
+    limit, rss = state.get("memory_limit_bytes"), state.get("rss_bytes")
+    if isinstance(limit, int) and isinstance(rss, int) and rss >= NEAR_LIMIT * limit:
+        return f"{HOST_OOM}: the kernel counted {now - before} OOM kill(s) in the memory cgroup, and memory was " \
+               f"{rss / limit:.0%} of its limit of {limit} bytes at the last sample"
+    return f"the kernel counted {now - before} OOM kill(s) in the memory cgroup, but this rank's last memory " \
+           f"sample ({rss} bytes) was far from the limit ({limit}): perhaps another process was killed"
+
+
+def end_time(state: Mapping[str, Any]) -> float | None:
+    """When the rank ended: the time it recorded, else (a SIGKILL) half a writer period after
+    its last heartbeat: it died after that write and before the next one was due."""
+    told = state.get("end_time")
+    if isinstance(told, (int, float)):
+        return float(told)
+    beats = [v for v in (state.get("time"), state.get("step_time")) if isinstance(v, (int, float))]
+    if not beats:
+        return None
+    period = state.get("period_s")
+    return max(beats) + (period / 2 if isinstance(period, (int, float)) else 0.0)

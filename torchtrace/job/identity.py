@@ -1,0 +1,147 @@
+"""Which job this process belongs to, and which attempt of it this is.
+
+A *job* is every rank and every attempt (restart) of one training run. Its id is the
+``job_id`` setting (``TORCHTRACE_JOB_ID``), else the launcher's (``TORCHELASTIC_RUN_ID``,
+``SLURM_JOB_ID``), else the run id. The attempt number comes from the launcher
+(``TORCHELASTIC_RESTART_COUNT``, ``SLURM_RESTART_COUNT``) or is counted in the run directory.
+
+**Where attempts live.** Attempt 0 writes where a run always wrote:
+``<run_dir>/<run_id>/spans.jsonl``, ``report.json``, ``state.json`` (``.rankN`` for rank N).
+Attempt N > 0 writes the same names under ``<run_dir>/<run_id>/attempt-N/``. So a run that
+never restarts looks as it always did, and a restart with the same run id (torchrun's default)
+never appends to, or overwrites, an earlier attempt's files.
+
+**Counting.** An attempt's slot for this rank is taken when its black box (``state*.json``)
+exists and was written by another process that is over (it said how it ended, or its pid is
+gone from this host). A live process of the same host and rank still writing there is not an
+earlier attempt but the same run started twice: it shares the slot, and
+:func:`torchtrace.files.claim_file` gives the second one file names of its own, as before.
+The launcher's count, when there is one, is where counting starts.
+
+>>> launcher_attempt({"TORCHELASTIC_RESTART_COUNT": "2"})
+2
+>>> attempt_dir(Path("runs/job"), 0), attempt_dir(Path("runs/job"), 3)
+(PosixPath('runs/job'), PosixPath('runs/job/attempt-3'))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+ATTEMPT_PREFIX = "attempt-"
+"""An attempt's directory name under the run's: ``attempt-1``, ``attempt-2`` ..."""
+
+_ATTEMPT_DIR = re.compile(r"attempt-(\d{1,6})\Z")
+
+
+def job_id_from(given: str | None, run_id: str, environ: Mapping[str, str] | None = None) -> str:
+    """The job id: ``given`` (the setting), else torchrun's or Slurm's, else the run id.
+
+    >>> job_id_from(None, "r1", {"SLURM_JOB_ID": "4242"})
+    '4242'
+    """
+    env = os.environ if environ is None else environ
+    if given:
+        return given
+    elastic = env.get("TORCHELASTIC_RUN_ID", "").strip()
+    if elastic and elastic != "none":
+        return elastic
+    slurm = env.get("SLURM_JOB_ID", "").strip()
+    return slurm or run_id
+
+
+def launcher_attempt(environ: Mapping[str, str] | None = None) -> int | None:
+    """The restart count the launcher gives (torchrun, Slurm), or None."""
+    env = os.environ if environ is None else environ
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        raw = env.get(name, "").strip()
+        if raw.isdigit():
+            return int(raw)
+    return None
+
+
+def attempt_dir(root: Path, attempt: int) -> Path:
+    """Where ``attempt`` writes its files: the run directory itself for attempt 0."""
+    return root if attempt == 0 else root / f"{ATTEMPT_PREFIX}{attempt}"
+
+
+def attempt_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every attempt directory of a run, ``(attempt, path)`` in attempt order (0 is ``root``)."""
+    found = [(0, root)]
+    try:
+        children = list(root.iterdir())
+    except OSError:
+        return found
+    for child in children:
+        match = _ATTEMPT_DIR.match(child.name)
+        if match and child.is_dir() and not child.is_symlink():
+            found.append((int(match.group(1)), child))
+    found.sort()
+    return found
+
+
+def choose_attempt(root: Path, state_name: str, start: int = 0) -> int:
+    """The first attempt from ``start`` whose slot for this rank (its black box ``state_name``)
+    is free, or held by a live process of this host (the same run started twice)."""
+    attempt = start
+    while _slot_taken(attempt_dir(root, attempt) / state_name):
+        attempt += 1
+    return attempt
+
+
+def _slot_taken(path: Path) -> bool:
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        # Something is there that is not a black box we can read: never write over it.
+        return True
+    if not isinstance(state, dict):
+        return True
+    if state.get("pid") == os.getpid():
+        return False  # this process configured again: the same attempt
+    return state.get("ended") is not None or not process_alive(state)
+
+
+def process_alive(state: Mapping[str, Any]) -> bool:
+    """Whether the process that wrote ``state`` still runs. Only a process on this host can
+    be asked; one of another host counts as alive (nothing says otherwise)."""
+    host = state.get("host")
+    if host is not None and host != socket.gethostname():
+        return True
+    pid = state.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _same_process(pid, state.get("process_started"))
+
+
+def _same_process(pid: int, started: Any) -> bool:
+    """A live pid is the writer's only if it started when the writer did (pids are reused)."""
+    if not isinstance(started, (int, float)):
+        return True
+    now = process_start_time(pid)
+    return now is None or abs(now - started) < 2.0
+
+
+def process_start_time(pid: int | str = "self") -> float | None:
+    """When process ``pid`` started (unix time, from ``/proc``, to about 10 ms), or None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - started_after_boot)

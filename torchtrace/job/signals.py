@@ -1,0 +1,131 @@
+"""SIGTERM and SIGINT: save what the process knows, then end as it would have.
+
+A preemption (Kubernetes, Slurm, a launcher tearing a job down) is a SIGTERM. Python's default
+action ends the process at once: no ``atexit``, no exporter flush. :class:`SignalGuard`
+installs a handler that first runs ``on_signal`` (torchtrace records ``preempted``, flushes
+finished spans and writes the report, within a deadline), then does what would have happened
+without torchtrace:
+
+- the application's own handler, set before ``configure()`` or after it, is called;
+- with no handler (the default action), the default is restored and the signal raised
+  again, so the process ends by that signal, with the exit status a launcher expects;
+- a signal the application ignores (``SIG_IGN``) is left alone: no handler is installed.
+
+An application (or Lightning's SLURM connector) that calls ``signal.signal`` after
+``configure()`` replaces torchtrace's handler. To keep chaining, :class:`SignalGuard` wraps
+``signal.signal`` and ``signal.getsignal`` while installed: the application's handler becomes
+the one torchtrace calls after its own work, and ``getsignal`` returns it. Code that bound
+``signal.signal`` to a name of its own before ``configure()`` (``from signal import signal``)
+goes around the wrapper and replaces torchtrace's handler; then that code's handler runs alone.
+
+Only the main thread can install a handler: :meth:`SignalGuard.install` from another thread
+logs a warning that says so and installs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+Handler = Any  # a callable(signum, frame), signal.SIG_DFL, signal.SIG_IGN or None (set from C)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""The signals that mean "stop": the end they cause is recorded as ``preempted``."""
+
+
+class SignalGuard:
+    """torchtrace's SIGTERM/SIGINT handlers, chained to the application's.
+
+    Args:
+        on_signal: called first, on the main thread, with the signal number and whether the
+            process is about to end by it (no application handler to call after).
+
+    >>> guard = SignalGuard(lambda signum, terminal: None)
+    >>> installed = guard.install()
+    >>> guard.restore()
+    """
+
+    def __init__(self, on_signal: Callable[[int, bool], None]) -> None:
+        self.on_signal = on_signal
+        self.chained: dict[int, Handler] = {}
+        self.received: list[int] = []
+        self.pid = os.getpid()
+        self._real_signal = signal.signal
+        self._real_getsignal = signal.getsignal
+
+    def install(self) -> list[str]:
+        """Install the handlers; returns the names of the signals now handled."""
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("torchtrace: configure() ran outside the main thread, where Python cannot install signal "
+                           "handlers: a SIGTERM (a preemption) will end this process without flushing its spans or "
+                           "writing its report; call configure() from the main thread")
+            return []
+        for signum in SIGNALS:
+            previous = self._real_getsignal(signum)
+            if previous is signal.SIG_IGN:
+                continue
+            try:
+                self._real_signal(signum, self._handle)
+            except (ValueError, OSError) as exc:
+                logger.warning("torchtrace: no handler for %s (%s): a preemption will lose unflushed spans",
+                               signal.Signals(signum).name, exc)
+                continue
+            self.chained[signum] = previous
+        if self.chained:
+            signal.signal = self._signal  # type: ignore[assignment]
+            signal.getsignal = self._getsignal  # type: ignore[assignment]
+        return [signal.Signals(s).name for s in self.chained]
+
+    def restore(self) -> None:
+        """Give every signal back the handler the application set last (main thread only)."""
+        if signal.signal == self._signal:
+            signal.signal = self._real_signal  # type: ignore[assignment]
+        if signal.getsignal == self._getsignal:
+            signal.getsignal = self._real_getsignal  # type: ignore[assignment]
+        chained, self.chained = self.chained, {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in chained.items():
+            try:
+                if self._real_getsignal(signum) == self._handle:
+                    self._real_signal(signum, previous if previous is not None else signal.SIG_DFL)
+            except (ValueError, OSError, TypeError):
+                pass
+
+    def _signal(self, signum: int, handler: Handler) -> Handler:
+        """``signal.signal`` while installed: an application's handler for a signal torchtrace
+        handles is chained after torchtrace's, not put in its place."""
+        if signum in self.chained and threading.current_thread() is threading.main_thread():
+            previous, self.chained[signum] = self.chained[signum], handler
+            return previous
+        return self._real_signal(signum, handler)
+
+    def _getsignal(self, signum: int) -> Handler:
+        if signum in self.chained:
+            return self.chained[signum]
+        return self._real_getsignal(signum)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        chained = self.chained.get(signum, signal.SIG_DFL)
+        if chained is signal.SIG_IGN:
+            return
+        self.received.append(signum)
+        terminal = not callable(chained)
+        # A forked child (a DataLoader worker) inherits the handler, not the run: it only chains.
+        if os.getpid() == self.pid:
+            try:
+                self.on_signal(signum, terminal)
+            except Exception:  # the signal's own effect must happen whatever torchtrace's work did
+                logger.debug("torchtrace's %s work failed", signum, exc_info=True)
+        if not terminal:
+            chained(signum, frame)
+            return
+        # The default action: restore it and raise the signal again, so the process ends by it.
+        self._real_signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

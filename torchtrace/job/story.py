@@ -1,0 +1,169 @@
+"""The job's whole story: every attempt, how each ended, and where the job's time went.
+
+:func:`job_story` reads the black boxes of a run directory (every rank of every attempt, see
+:mod:`torchtrace.job.identity` for the layout) and gives the ``job`` section of
+``report.json`` (and of ``torchtrace why``):
+
+- ``attempts``: per attempt ``attempt``, ``ended`` (completed, exception, preempted, killed,
+  hang, unknown; None while it runs), ``detail``, ``last_step``, ``start`` (its first process's
+  start), ``configured``, ``end`` (unix seconds), ``cause`` (the rank that ended first, and
+  how) and ``ranks`` (each rank's ending; ``consequence`` marks a rank that ended after the
+  cause: usually the launcher's SIGTERM, not a cause of its own);
+- ``goodput``: productive step time over the job's wall time (the first attempt's process
+  start to the last attempt's end, or now), all attempts;
+- ``badput``: seconds by kind: each attempt's own kinds (startup, data_wait, checkpoint ...),
+  summed, plus ``restart`` (an attempt's end to the next attempt's ``configure()``, process
+  start included), ``lost_progress`` (from an attempt's last checkpoint save to its last step
+  finished: the steps the next attempt repeats), ``compile`` (an attempt's first step beyond
+  its usual step time) and ``hang`` (a hung attempt's last step to its abort).
+
+What it rests on, and so its limits: a killed rank's end is its last heartbeat (the black box
+is rewritten every :data:`~torchtrace.step.setup.BLACK_BOX_PERIOD_S`), so the restart gap after
+a SIGKILL may be that much longer than it was; an attempt's own numbers come from rank 0's
+black box; lost progress counts from the last save of the attempt, which assumes the next
+attempt resumes from it (one that resumes from an older checkpoint repeats more).
+
+>>> job_story("/nonexistent")["attempts"]
+[]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+from torchtrace import semconv
+from torchtrace.job.ending import end_time, how_ended
+from torchtrace.job.state import read_states
+
+_ABNORMAL = ("killed", "exception", "hang", "unknown")
+
+
+def job_story(path: str | os.PathLike[str], now: float | None = None) -> dict[str, Any]:
+    """The ``job`` section for the run directory ``path`` (or a directory of runs: the job of
+    the newest black box). See the module docstring for the keys."""
+    return story_of(read_states(path), now)
+
+
+def story_of(states: list[dict[str, Any]], now: float | None = None) -> dict[str, Any]:
+    """:func:`job_story` from black boxes already read (``read_states``, or one in memory)."""
+    if not states:
+        return {"job_id": None, "attempts": [], "goodput": None, "wall_s": 0.0, "productive_s": 0.0,
+                "badput": dict.fromkeys(semconv.JOB_BADPUT_KINDS, 0.0)}
+    newest = max(states, key=lambda s: _num(s.get("started")))
+    job_id = newest.get("job_id")
+    by_attempt: dict[int, list[dict[str, Any]]] = {}
+    for state in states:
+        if state.get("job_id") == job_id:
+            by_attempt.setdefault(_int(state.get("attempt")), []).append(state)
+    now = time.time() if now is None else now
+    last = max(by_attempt)
+    attempts = [_attempt(n, ranks, n < last, now) for n, ranks in sorted(by_attempt.items())]
+    return {"job_id": job_id, **_accounts(attempts, now)}
+
+
+def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: float) -> dict[str, Any]:
+    ranks = []
+    for state in sorted(states, key=lambda s: _int(s.get("rank"))):
+        ended, detail = how_ended(state, superseded, now)
+        ranks.append({"rank": _int(state.get("rank")), "ended": ended, "detail": detail,
+                      "last_step": state.get("step"), "end": end_time(state) if ended else None,
+                      "pid": state.get("pid")})
+    over = [r for r in ranks if r["ended"] is not None]
+    abnormal = [r for r in over if r["ended"] in _ABNORMAL]
+    cause = min(abnormal or over, key=lambda r: _num(r["end"]), default=None)
+    if cause is not None:
+        for r in over:
+            r["consequence"] = r is not cause and _num(r["end"]) >= _num(cause["end"]) and r["ended"] != "completed"
+    finished = cause is not None and (bool(abnormal) or len(over) == len(ranks))
+    lead = states[0] if _int(states[0].get("rank")) == 0 else min(states, key=lambda s: _int(s.get("rank")))
+    started = [_num(s["process_started"] if s.get("process_started") is not None else s.get("started"))
+               for s in states]
+    steps = [r["last_step"] for r in ranks if isinstance(r["last_step"], int)]
+    return {
+        "attempt": number,
+        "ended": cause["ended"] if finished and cause is not None else None,
+        "detail": cause["detail"] if finished and cause is not None else None,
+        "last_step": cause["last_step"] if finished and cause is not None and abnormal else max(steps, default=None),
+        "start": min(started),
+        "configured": min(_num(s.get("started")) for s in states),
+        "end": max(_num(r["end"]) for r in over) if finished else None,
+        "cause": {k: cause[k] for k in ("rank", "ended", "detail", "last_step", "end")} if finished and cause else None,
+        "ranks": ranks,
+        "world_size": lead.get("world_size"),
+        "checkpoint_step": lead.get("checkpoint_step"),
+        "checkpoint_seconds": lead.get("checkpoint_seconds") or {},
+        "_lead": lead,
+    }
+
+
+def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
+    """Goodput and badput over the attempts (and each attempt's share), in seconds."""
+    badput: dict[str, float] = dict.fromkeys(semconv.JOB_BADPUT_KINDS, 0.0)
+    productive = 0.0
+    for i, attempt in enumerate(attempts):
+        lead = attempt.pop("_lead")
+        own = {k: float(v) for k, v in (lead.get("badput_s") or {}).items() if isinstance(v, (int, float))}
+        mine = _num(lead.get("productive_s"))
+        compile_s = max(0.0, _num(lead.get("first_step_seconds")) - _num(lead.get("step_seconds"))) \
+            if lead.get("first_step_seconds") is not None and lead.get("step_seconds") is not None else 0.0
+        later = attempts[i + 1] if i + 1 < len(attempts) else None
+        lost_s = lost_productive = 0.0
+        restart = 0.0
+        if later is not None:
+            lost_s, lost_productive = _lost(lead)
+            if attempt["end"] is not None:
+                restart = max(0.0, later["configured"] - attempt["end"])
+        hang = 0.0
+        if attempt["ended"] == "hang" and attempt["end"] is not None:
+            hang = max(0.0, attempt["end"] - _num(lead.get("step_time") or attempt["configured"]))
+        if i == 0:
+            own["startup"] = own.get("startup", 0.0) + max(0.0, attempt["configured"] - attempt["start"])
+        attempt["productive_s"] = max(0.0, mine - lost_productive - compile_s)
+        attempt["lost_progress_s"] = lost_s
+        attempt["lost_steps"] = _lost_steps(lead) if later is not None else 0
+        attempt["restart_s"] = restart
+        productive += attempt["productive_s"]
+        for kind, value in own.items():
+            badput[kind] = badput.get(kind, 0.0) + value
+        badput["restart"] += restart
+        badput["lost_progress"] += lost_s
+        badput["compile"] += compile_s
+        badput["hang"] += hang
+    first, last = attempts[0], attempts[-1]
+    wall = max(0.0, (last["end"] if last["end"] is not None else now) - first["start"])
+    return {"attempts": attempts, "wall_s": wall, "productive_s": productive,
+            "goodput": productive / wall if wall > 0 else None, "badput": badput}
+
+
+def _lost(lead: Mapping[str, Any]) -> tuple[float, float]:
+    """(wall seconds, productive seconds) from the last checkpoint save to the last step finished."""
+    last = lead.get("step_time")
+    if not isinstance(last, (int, float)):
+        return 0.0, 0.0
+    if lead.get("checkpoint_time") is not None:
+        since = _num(lead.get("checkpoint_time"))
+        productive = _num(lead.get("productive_s")) - _num(lead.get("checkpoint_productive_s"))
+    else:
+        first = lead.get("first_step_start")
+        since = _num(first if first is not None else lead.get("started"))
+        productive = _num(lead.get("productive_s"))
+    return max(0.0, last - since), max(0.0, productive)
+
+
+def _lost_steps(lead: Mapping[str, Any]) -> int:
+    step, saved, first = lead.get("step"), lead.get("checkpoint_step"), lead.get("first_step")
+    if not isinstance(step, int):
+        return 0
+    if isinstance(saved, int):
+        return max(0, step - saved)
+    return step - first + 1 if isinstance(first, int) else 0
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,0 +1,301 @@
+"""The runtime's side of the whole job: the black box kept current, how the process ends
+(shutdown, an exception, a signal), checkpoint timing, and the job section of the report.
+
+Built at ``configure()`` by :func:`torchtrace.step.setup.black_box` and :func:`watch`; every
+function here is guarded (the black box must never break the job). The training thread only
+stores into the black box's fields (:func:`note_step`); the writer thread rewrites the file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from torchtrace import current, files
+from torchtrace.errors import get_logger
+from torchtrace.job import checkpoints
+from torchtrace.job.metrics import JobMetrics
+from torchtrace.job.signals import SignalGuard
+from torchtrace.job.story import job_story, story_of
+
+if TYPE_CHECKING:
+    from torchtrace.record.step import StepRecord
+
+logger = get_logger("torchtrace")
+
+SIGNAL_DEADLINE_S = 1.5
+"""The most a SIGTERM's flush and report may take before the process ends as it would have
+(the promise is to end within 2 s)."""
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def init(rt: Any) -> None:
+    """The runtime's job attributes, before ``configure()`` fills them (setup.run_files, black_box)."""
+    rt.job_id = rt.settings.run_id
+    rt.attempt = 0
+    rt.run_root = None  # the run id's directory, holding every attempt
+    rt.state_path = None
+    rt.rank_state = None  # torchtrace.job.state.RankState
+    rt.job_metrics = None  # torchtrace.job.metrics.JobMetrics
+    rt.signals = None  # torchtrace.job.signals.SignalGuard
+    rt.job_goodput_cache = None  # (monotonic time, the job's goodput) of the last scrape
+    rt.checkpoints_booked_by_framework = False  # see framework_books_checkpoints
+
+
+def watch(rt: Any) -> None:
+    """Signals, the exception hook, checkpoint timing and the job metrics, for this runtime."""
+    rt.job_metrics = JobMetrics(rt.settings.run_id, rt.identity.rank, rt.attempt, lambda: job_goodput(rt))
+    try:
+        rt.metrics.registry.register(rt.job_metrics)
+    except Exception as exc:
+        rt.errors.report("metrics", exc)
+    rt.report_sections["job"] = lambda: job_section(rt)
+    checkpoints.install(lambda kind, start, end: on_checkpoint(rt, kind, start, end))
+    rt.signals = SignalGuard(lambda signum, terminal: on_signal(rt, signum, terminal))
+    rt.signals.install()
+    sys.excepthook = _ExceptHook(rt, sys.excepthook)
+    if rt.attempt > 0 and rt.run_root is not None:
+        tell_previous(rt)
+
+
+def tell_previous(rt: Any) -> None:
+    """The next attempt tells how the one before ended: logged, and an event in the report."""
+    attempts = [a for a in job_story(rt.run_root)["attempts"] if a["attempt"] < rt.attempt]
+    if not attempts:
+        return
+    last = attempts[-1]
+    cause = last.get("cause") or {}
+    text = f"attempt {last['attempt']} of job {rt.job_id} ended {last['ended']} at step {last['last_step']}"
+    if (last.get("world_size") or 1) > 1 and cause:
+        text += f" (rank {cause.get('rank')} first)"
+    if last.get("detail"):
+        text += f": {last['detail']}"
+    abnormal = last["ended"] in ("killed", "exception", "hang", "unknown")
+    (logger.warning if abnormal else logger.info)("torchtrace: this is attempt %d; %s", rt.attempt, text)
+    rt.history.add_event("previous_attempt", text, {k: last.get(k) for k in ("attempt", "ended", "detail",
+                                                                             "last_step", "end")})
+
+
+def note_step(rt: Any, record: "StepRecord") -> None:
+    """A finished training step into the black box (plain stores; no I/O)."""
+    box = rt.rank_state
+    if box is None or record.kind != "train":
+        return
+    f = box.fields
+    end = record.end_unix_ns / 1e9 if record.end_unix_ns else time.time()
+    n = f.get("steps_finished", 0)
+    if n == 0:
+        f["first_step"] = record.step
+        f["first_step_seconds"] = record.duration_s
+        f["first_step_start"] = record.start_unix_ns / 1e9
+    else:
+        # The mean of the steps after the first: the usual step time (compile shows as the first's excess).
+        mean = f.get("step_seconds") or 0.0
+        f["step_seconds"] = mean + (record.duration_s - mean) / n
+    f["steps_finished"] = n + 1
+    f["step"] = record.step
+    f["step_time"] = end
+    f["loss"] = record.loss
+    memory = record.memory
+    if memory:
+        if memory.get("rss_bytes") is not None:
+            f["rss_bytes"] = memory["rss_bytes"]
+        if memory.get("cuda_allocated_bytes") is not None:
+            f["cuda_allocated_bytes"] = memory["cuda_allocated_bytes"]
+    if record.anomalies:
+        f["last_anomaly"] = {"step": record.step, "kinds": [a.kind for a in record.anomalies]}
+
+
+def refresh(rt: Any, fields: dict[str, Any]) -> None:
+    """The writer thread's update before each write: memory now, and the attempt's goodput."""
+    rss = _rss_bytes()
+    if rss is not None:
+        fields["rss_bytes"] = rss
+    g = rt.throughput.ledger.snapshot(time.perf_counter())
+    fields["wall_s"] = g.wall_s
+    fields["productive_s"] = g.productive_s
+    fields["badput_s"] = dict(g.badput)
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def on_checkpoint(rt: Any, kind: str, start: float, end: float) -> None:
+    """One outermost checkpoint save or load (perf_counter seconds): the histogram, badput
+    ``checkpoint`` (between steps; one inside a step is the step's time) and the black box."""
+    seconds = end - start
+    metrics = rt.job_metrics
+    if metrics is not None:
+        metrics.observe_checkpoint(kind, seconds)
+    booked = rt.checkpoints_booked_by_framework
+    if rt.features.throughput and current.step() is None and not rt.closed and not booked:
+        rt.throughput.book(start, end, "checkpoint", f"{kind}_checkpoint")
+    box = rt.rank_state
+    if box is None:
+        return
+    f = box.fields
+    totals = dict(f.get("checkpoint_seconds") or {})
+    totals[kind] = totals.get(kind, 0.0) + seconds
+    f["checkpoint_seconds"] = totals
+    if kind == "save":
+        checkpoint_saved(rt, f.get("step"))
+
+
+def framework_books_checkpoints(rt: Any, flag: bool) -> None:
+    """A framework integration books the time of its checkpoint saves in goodput itself (the
+    Hugging Face Trainer's ``on_save``: the time since the step before). A timed save inside
+    must then not book its own slice first: the time before that slice would be booked as
+    data wait, and the framework's booking could no longer count it as checkpoint."""
+    rt.checkpoints_booked_by_framework = flag
+
+
+def checkpoint_saved(rt: Any, step: int | None) -> None:
+    """A checkpoint saved now, holding ``step``: the black box's last checkpoint (for lost
+    progress: the steps after it are the ones a restart repeats)."""
+    box = rt.rank_state
+    if box is None:
+        return
+    try:
+        productive = rt.throughput.ledger.snapshot(time.perf_counter()).productive_s
+    except Exception as exc:
+        rt.errors.report("record", exc)
+        return
+    box.fields.update(checkpoint_step=step, checkpoint_time=time.time(), checkpoint_productive_s=productive)
+
+
+def on_signal(rt: Any, signum: int, terminal: bool) -> None:
+    """SIGTERM/SIGINT: record ``preempted``, then flush finished spans and write the report (and,
+    when the process ends by this signal, close) within :data:`SIGNAL_DEADLINE_S`.
+
+    The work runs on a helper thread that the main thread waits for: the signal interrupted
+    the main thread somewhere, perhaps holding a lock the flush needs; the wait's deadline
+    keeps the process ending on time whatever happens.
+    """
+    import signal
+
+    box = rt.rank_state
+    if box is not None and box.fields.get("ended") is None:
+        box.fields.update(ended="preempted", end_detail=signal.Signals(signum).name, end_time=time.time())
+        box.write(refresh=False)
+    if rt.closed:
+        return
+
+    def work() -> None:
+        try:
+            if terminal:
+                rt.close()
+            else:
+                rt.flush(SIGNAL_DEADLINE_S * 0.6)
+                rt.write_report()
+        except Exception as exc:
+            logger.debug("torchtrace: flush on signal %s failed: %s", signum, exc)
+
+    helper = threading.Thread(target=work, name="torchtrace-preempted", daemon=True)
+    helper.start()
+    helper.join(SIGNAL_DEADLINE_S)
+    if helper.is_alive():
+        logger.warning("torchtrace: flushing on %s took over %.1f s; ending without waiting for it",
+                       signal.Signals(signum).name, SIGNAL_DEADLINE_S)
+
+
+class _ExceptHook:
+    """``sys.excepthook`` while configured: an exception that ends the main thread is written to
+    the black box (type, and its message with ``record_exception_messages``), then the hook
+    that was there before runs."""
+
+    def __init__(self, rt: Any, previous: Any) -> None:
+        self.rt = rt
+        self.previous = previous
+
+    def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        try:
+            box = self.rt.rank_state
+            if box is not None and box.fields.get("ended") is None:
+                detail = exc_type.__name__
+                if self.rt.settings.record_exception_messages:
+                    detail = f"{detail}: {str(exc)[:500]}"
+                step = current.step()
+                box.fields.update(ended="exception", end_detail=detail, end_time=time.time(),
+                                  end_step=step.step if step is not None else box.fields.get("step"))
+                box.write()
+        except Exception:
+            pass
+        self.previous(exc_type, exc, tb)
+
+
+def close(rt: Any) -> None:
+    """At shutdown, first thing: ``completed`` unless the process already said how it ended,
+    the hooks taken off, the black box written (the report's job section reads it)."""
+    try:
+        _close(rt)
+    except Exception as exc:
+        rt.errors.report("files", exc)
+
+
+def _close(rt: Any) -> None:
+    box = rt.rank_state
+    if box is not None:
+        if box.fields.get("ended") is None:
+            box.fields.update(ended="completed", end_time=time.time())
+        box.stop()
+        box.write()
+    checkpoints.uninstall()
+    guard = rt.signals
+    if guard is not None:
+        guard.restore()
+    hook = sys.excepthook
+    if isinstance(hook, _ExceptHook) and hook.rt is rt:
+        sys.excepthook = hook.previous
+
+
+def write_now(rt: Any) -> None:
+    """Rewrite the black box now (``tt.flush()``), not at the writer's next turn."""
+    box = rt.rank_state
+    if box is not None:
+        box.write()
+
+
+def release(rt: Any) -> None:
+    """The black box's file claim, after the last write."""
+    box = rt.rank_state
+    if box is not None and box.path is not None:
+        box.write()
+        files.release_file(box.path)
+
+
+def job_section(rt: Any) -> dict[str, Any]:
+    """The report's ``job`` section: the story of every attempt found beside this one."""
+    box = rt.rank_state
+    if rt.run_root is not None:
+        story = job_story(rt.run_root)
+    else:
+        story = story_of([dict(box.fields)] if box is not None else [])
+    story["attempt"] = rt.attempt
+    story["job_id"] = rt.job_id
+    return story
+
+
+GOODPUT_CACHE_S = 10.0
+"""``/metrics`` reads the black boxes for the job's goodput at most this often."""
+
+
+def job_goodput(rt: Any) -> float | None:
+    """The job's goodput for ``/metrics``, read from the black boxes at most every
+    :data:`GOODPUT_CACHE_S` seconds (the scrape thread's call)."""
+    now = time.monotonic()
+    cached = rt.job_goodput_cache
+    if cached is not None and now - cached[0] < GOODPUT_CACHE_S:
+        return cached[1]
+    value = job_section(rt).get("goodput")
+    rt.job_goodput_cache = (now, value)
+    return value
