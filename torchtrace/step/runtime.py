@@ -100,7 +100,10 @@ class Runtime:
         setup.server(self)
         setup.probes(self)
         setup.metrics_push(self)
-        setup.black_box(self)
+        try:
+            setup.black_box(self)
+        except Exception as exc:  # the black box and the watchdog are never worth the run
+            self.errors.report("files", exc)
 
     # ------------------------------------------------------------ per-step services
     @property
@@ -338,11 +341,11 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
+        deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
         try:  # first: the watchdog stops, so a slow shutdown is never taken for a hang
             setup.close_black_box(self)
         except Exception as exc:
             self.errors.report("files", exc)
-        deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
         if at_exit:
             for proc in self.processors:
                 proc.prepare_exit()
