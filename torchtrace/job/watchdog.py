@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import faulthandler
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -372,8 +373,6 @@ class Watchdog:
         threading.Thread(target=logger.error, args=(message, *args), name="torchtrace-hang-log", daemon=True).start()
 
     def _abort(self, finding: dict[str, Any]) -> None:
-        import os
-
         f = self.fields
         f["ended"], f["end_detail"], f["end_time"] = "hang", f"no progress for {finding['stalled_s']:.0f} s", time.time()
         if self.on_abort is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.trace import Status, StatusCode
 
 from torchtrace import files, semconv
 from torchtrace._version import __version__
@@ -28,6 +29,7 @@ from torchtrace.probes.profiler import ProfilerProbe
 from torchtrace.probes.straggler import StragglerProbe
 from torchtrace.errors import get_logger
 from torchtrace.job import progress
+from torchtrace.job.stacks import where
 from torchtrace.job.state import RankState, read_states
 from torchtrace.job.watchdog import Watchdog
 
@@ -218,10 +220,6 @@ def _attempt() -> int:
 def hang_telemetry(rt: Any, finding: dict[str, Any]) -> None:
     """A hang where a trace viewer shows it: a span of its own (the hung step has no span yet),
     with the ``hang`` anomaly event and status ERROR."""
-    from opentelemetry.trace import Status, StatusCode
-
-    from torchtrace.job.stacks import where
-
     detail = (f"no progress for {finding['stalled_s']:.1f} s (timeout {finding['timeout_s']:.1f} s) in step "
               f"{finding['step']}, phase {finding['phase']}, at {where(finding['where'])}")
     peers = finding.get("peers") or {}
