@@ -79,10 +79,16 @@ def test_idle_is_never_a_hang():
 
 def test_a_tick_that_fails_does_not_end_the_thread():
     class Broken(dict):
-        def get(self, *a):
-            raise RuntimeError("boom")
+        broken = False
 
-    dog = Watchdog(Broken(), period_s=0.01)
+        def get(self, *a):
+            if self.broken:
+                raise RuntimeError("boom")
+            return super().get(*a)
+
+    fields = Broken()
+    dog = Watchdog(fields, period_s=0.01)
+    fields.broken = True
     dog.start()
     time.sleep(0.1)
     assert dog._thread is not None and dog._thread.is_alive() and dog.ticks >= 2

@@ -104,6 +104,8 @@ class Watchdog:
         self.collectives = collectives
         self.persist = persist
         self.recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        # Known before the first tick (/metrics may be scraped at once).
+        fields["hang_timeout_s"] = hang_timeout(given_timeout_s, fields.get("phase"), 0, ())
         self.findings: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
         self.unmarked: dict[int, dict[str, Any]] = {}  # step -> finding, for the step's span when it ends
         self._seen_progress: float | None = None
