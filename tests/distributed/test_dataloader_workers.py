@@ -5,6 +5,7 @@ id is duplicated and no second server or run directory appears."""
 from __future__ import annotations
 
 import json
+import os
 import multiprocessing
 
 import pytest
@@ -52,4 +53,7 @@ def test_dataloader_workers_complete_without_duplicate_spans(method, tt_runtime,
     assert names == ["before_loader"] + ["train_step"] * 4  # workers exported nothing
     assert not (tmp_path / "torchtrace-runs").exists()
     # Only this process's files (its claims on their names are hidden .lock files while it runs).
-    assert [p.name for p in tt_runtime.run_dir.iterdir() if not p.name.endswith(".lock")] == ["spans.jsonl"]
+    # (the black box and the hang watchdog's stack file are the parent's alone too)
+    assert sorted(p.name for p in tt_runtime.run_dir.iterdir() if not p.name.endswith(".lock")) == \
+        ["spans.jsonl", "stacks.txt", "state.json"]
+    assert json.loads((tt_runtime.run_dir / "state.json").read_text())["pid"] == os.getpid()

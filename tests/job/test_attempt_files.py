@@ -93,7 +93,7 @@ def test_one_run_without_restarts_keeps_todays_names(tmp_path):
     env = clean_env(TORCHTRACE_RUN_ID="one", TORCHTRACE_RUN_DIR=str(tmp_path))
     assert _run(env, 2).returncode == 0
     names = sorted(p.name for p in (tmp_path / "one").iterdir() if not p.name.startswith("."))
-    assert names == ["report.json", "spans.jsonl", "state.json"]
+    assert names == ["report.json", "spans.jsonl", "stacks.txt", "state.json"]
     assert os.path.getsize(tmp_path / "one" / "state.json") < 4096
 
 

@@ -79,10 +79,16 @@ def test_idle_is_never_a_hang():
 
 def test_a_tick_that_fails_does_not_end_the_thread():
     class Broken(dict):
-        def get(self, *a):
-            raise RuntimeError("boom")
+        broken = False
 
-    dog = Watchdog(Broken(), period_s=0.01)
+        def get(self, *a):
+            if self.broken:
+                raise RuntimeError("boom")
+            return super().get(*a)
+
+    fields = Broken()
+    dog = Watchdog(fields, period_s=0.01)
+    fields.broken = True
     dog.start()
     time.sleep(0.1)
     assert dog._thread is not None and dog._thread.is_alive() and dog.ticks >= 2
@@ -217,3 +223,20 @@ def test_settings():
         Settings.resolve({"on_hang": "exit"}, environ={})
     with pytest.raises(ValueError, match="hang_timeout_s=0 is not valid"):
         Settings.resolve({"hang_timeout_s": 0}, environ={})
+
+
+def test_a_framework_marks_the_time_between_steps_as_checkpoint_or_evaluation():
+    f = _fields()
+    progress.track(f)
+    try:
+        progress.step_began(4, "train")
+        progress.step_ended(4)
+        progress.between("checkpoint")  # a Trainer about to save
+        progress.mark("forward")  # (an evaluation batch inside it: progress only)
+        assert f["phase"] == "checkpoint"
+        assert hang_timeout(2.0, f["phase"], 10, [0.01]) == SLOW_S
+        progress.step_began(5, "train")
+        progress.mark("forward")
+        assert f["phase"] == "forward"
+    finally:
+        progress.untrack(f)

@@ -14,6 +14,7 @@ from torchtrace import api
 from torchtrace.measure.batch import infer_batch
 from torchtrace.measure.batch_layout import sequence_layout
 from torchtrace.job.checkpoints import checkpoint
+from torchtrace.job import progress
 from torchtrace.measure.loss import extract_loss
 from torchtrace.integrations._common import StepDriver, require
 
@@ -126,6 +127,10 @@ class TorchtraceCallback(_pl.Callback):
             self._val.end(None, None if isinstance(loss, (tuple, list)) else loss)
 
     # ------------------------------------------------------------ failures
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Any) -> None:
+        # The checkpoint is written next, outside any step: the hang watchdog's allowance.
+        progress.between("checkpoint")
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._train.abort(exception)
         if self._val is not None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from torchtrace import api
+from torchtrace.job import progress
 from torchtrace.step import job
 from torchtrace.integrations._common import StepDriver, loop_frame, require
 from torchtrace.measure.batch import same_arguments
@@ -128,9 +129,17 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._inputs = []
         self._driver.end(None)
         self._boundary = time.perf_counter()
+        # The Trainer evaluates or saves now, before its next step: the hang watchdog's allowance.
+        if getattr(control, "should_evaluate", False) or getattr(control, "should_save", False):
+            progress.between("evaluation" if getattr(control, "should_evaluate", False) else "checkpoint")
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        progress.mark("forward")  # (inside an evaluation: progress only, the phase stays)
 
     def on_evaluate(self, args, state, control, **kwargs):
         self._book_since_boundary("evaluation", "evaluate")
+        if getattr(control, "should_save", False):
+            progress.between("checkpoint")
 
     def on_save(self, args, state, control, **kwargs):
         self._book_since_boundary("checkpoint", "save_checkpoint")

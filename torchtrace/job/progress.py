@@ -133,3 +133,15 @@ def collective_ended(before: str) -> None:
     if f.get("phase") == "collective":
         f["phase"] = before
         f["phase_since"] = now
+
+
+def between(kind: str) -> None:
+    """A framework says the time until its next step is a checkpoint or an evaluation (a
+    Trainer about to evaluate or save between two steps): the phase is that kind, with its
+    allowance, until the next step begins."""
+    global _train
+    f = _fields
+    now = _clock()
+    _train = False
+    f["phase"] = kind
+    f["phase_since"] = f["progress"] = now

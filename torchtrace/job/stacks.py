@@ -18,14 +18,15 @@ import re
 import sys
 import sysconfig
 import threading
+from importlib.util import find_spec
 from types import FrameType
 from typing import Any
 
-import torch
-
+# PyTorch's directory without importing it (``torchtrace why`` needs no torch).
+_TORCH = find_spec("torch")
 _LIBRARY_DIRS = tuple(os.path.normcase(os.path.realpath(p)) + os.sep for p in {
     sysconfig.get_paths().get("stdlib", ""), sysconfig.get_paths().get("platstdlib", ""),
-    os.path.dirname(torch.__file__),
+    os.path.dirname(_TORCH.origin) if _TORCH is not None and _TORCH.origin else "",
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # torchtrace
 } if p)
 _MAX_FRAMES = 64

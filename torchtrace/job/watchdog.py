@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import faulthandler
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -103,6 +104,8 @@ class Watchdog:
         self.collectives = collectives
         self.persist = persist
         self.recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        # Known before the first tick (/metrics may be scraped at once).
+        fields["hang_timeout_s"] = hang_timeout(given_timeout_s, fields.get("phase"), 0, ())
         self.findings: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
         self.unmarked: dict[int, dict[str, Any]] = {}  # step -> finding, for the step's span when it ends
         self._seen_progress: float | None = None
@@ -372,8 +375,6 @@ class Watchdog:
         threading.Thread(target=logger.error, args=(message, *args), name="torchtrace-hang-log", daemon=True).start()
 
     def _abort(self, finding: dict[str, Any]) -> None:
-        import os
-
         f = self.fields
         f["ended"], f["end_detail"], f["end_time"] = "hang", f"no progress for {finding['stalled_s']:.0f} s", time.time()
         if self.on_abort is not None:

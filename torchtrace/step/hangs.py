@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry.trace import Status, StatusCode
+
 from torchtrace import semconv
 from torchtrace.distributed import flight, rank_file_name
 from torchtrace.errors import get_logger
 from torchtrace.export.hang_metrics import HangMetrics
 from torchtrace.job import progress
+from torchtrace.job.stacks import where
 from torchtrace.job.state import read_states
 from torchtrace.job.watchdog import Watchdog
 
@@ -78,10 +81,6 @@ def stop(rt: Runtime) -> None:
 def hang_telemetry(rt: Runtime, finding: dict[str, Any]) -> None:
     """A hang where a trace viewer shows it: a span of its own (the hung step has no span yet),
     with the ``hang`` anomaly event and status ERROR."""
-    from opentelemetry.trace import Status, StatusCode
-
-    from torchtrace.job.stacks import where
-
     detail = (f"no progress for {finding['stalled_s']:.1f} s (timeout {finding['timeout_s']:.1f} s) in step "
               f"{finding['step']}, phase {finding['phase']}, at {where(finding['where'])}")
     peers = finding.get("peers") or {}

@@ -108,7 +108,10 @@ class Runtime:
         setup.server(self)
         setup.probes(self)
         setup.metrics_push(self)
-        setup.black_box(self)
+        try:
+            setup.black_box(self)
+        except Exception as exc:  # the black box and the watchdog are never worth the run
+            self.errors.report("files", exc)
         hangs.watch(self)
 
     # ------------------------------------------------------------ per-step services

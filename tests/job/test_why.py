@@ -1,0 +1,62 @@
+"""``torchtrace why`` on run directories written by hand: the verdict, the culprit, each rank's
+stack with the user's frames first, the text and the JSON, the job's attempts."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from torchtrace.cli import main
+from torchtrace.cli.why import _job_section, render, why
+
+
+def _write(run, rank, **fields):
+    box = {"pid": os.getpid(), "rank": rank, "world_size": 2, "attempt": 0, "ended": None, "time": time.time(),
+           "progress": time.time() - 50, "phase": "collective", "current_step": 7, "step": 6,
+           "hang_timeout_s": 30.0, "collective_seq": 12}
+    box.update(fields)
+    (run / f"state.rank{rank}.json").write_text(json.dumps(box))
+    return box
+
+
+def test_why_names_the_culprit_with_its_stack_user_frames_first(tmp_path, capsys):
+    run = tmp_path / "run1"
+    run.mkdir()
+    since = time.time() - 50
+    _write(run, 0, progress=since, hang={"since": since})
+    _write(run, 1, progress=since, hang={"since": since}, phase="data_wait", collective_seq=11)
+    frames = [{"file": "/home/u/train.py", "line": 25, "function": "make_batch", "user": True},
+              {"file": "/usr/lib/python3.11/threading.py", "line": 331, "function": "wait", "user": False}]
+    (run / "hang.rank1.json").write_text(json.dumps({"since": since, "source": "watchdog", "stack": frames}))
+    report = why(tmp_path)
+    assert report["verdict"] == "hang" and report["culprit_ranks"] == [1]
+    ranks = {r["rank"]: r for r in report["ranks"]}
+    assert ranks[1]["stack"] == ["/home/u/train.py:25 in make_batch",
+                                 "/usr/lib/python3.11/threading.py:331 in wait [library]"]
+    assert ranks[0]["phase"] == "collective" and ranks[0]["collective"]["seq"] == 12
+    text = render(report)
+    assert text.splitlines()[:3] == ["verdict: hang (not inside collective #12 that the others entered)",
+                                     "culprit ranks: 1",
+                                     text.splitlines()[2]]
+    assert text.splitlines()[2].startswith("rank 1 [culprit]: hung, step 7 (in progress), phase data_wait")
+    assert main(["why", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["culprit_ranks"] == [1]
+    assert report["job"] == {"attempts": [{"attempt": 0, "ended": None, "last_step": 6}]}
+
+
+def test_job_section_tells_attempts_apart(tmp_path):
+    (tmp_path / "a0").mkdir()
+    (tmp_path / "a1").mkdir()
+    _write(tmp_path / "a0", 0, attempt=0, ended="exception", step=40)
+    _write(tmp_path / "a0", 1, attempt=0, pid=2 ** 22 + 4321, step=41)  # gone: killed
+    _write(tmp_path / "a1", 0, attempt=1, ended="completed", step=90)
+    _write(tmp_path / "a1", 1, attempt=1, ended="completed", step=90)
+    assert _job_section(tmp_path) == {"attempts": [{"attempt": 0, "ended": "killed", "last_step": 41},
+                                                   {"attempt": 1, "ended": "completed", "last_step": 90}]}
+    assert why(tmp_path)["verdict"] == "completed"  # the latest attempt
+
+
+def test_why_on_a_path_that_does_not_exist_says_so(tmp_path, capsys):
+    assert main(["why", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
