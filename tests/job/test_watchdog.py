@@ -240,3 +240,14 @@ def test_a_framework_marks_the_time_between_steps_as_checkpoint_or_evaluation():
         assert f["phase"] == "forward"
     finally:
         progress.untrack(f)
+
+
+def test_a_peer_whose_process_is_gone_is_named_and_the_box_written_at_once():
+    dead = 2 ** 22 + 54321  # (no such pid)
+    boxes = [_box(0), _box(1, pid=dead), _box(2, pid=dead, ended="completed")]
+    f = _fields(rank=0, attempt=0)
+    written = []
+    dog = Watchdog(f, peers=lambda: boxes, persist=lambda: written.append(dict(f)))
+    assert dog.check_peers() == [1]  # rank 2 said how it ended: not gone
+    assert f["peers_gone"] == [1] and written and written[-1]["peers_gone"] == [1]
+    assert dog.check_peers() == [1] and len(written) == 1  # named once
