@@ -224,6 +224,9 @@ FUNCTION_LINES = 60
 REVIEWED = {
     "step/throughput.py": "a step's throughput, start to end: FLOP key, phase marks, FLOP counter, goodput booking",
     "step/scope.py": "the user's step and the pipeline's walk through it, top to bottom",
+    "step/runtime.py": "what configure() builds, the runtime's per-step services and shutdown's ordered close",
+    "step/phases.py": "the phase clock and every place that marks it (the model's seam, hooks, the optimizer's step)",
+    "config/parsers.py": "one small parser per kind of setting, and the table naming each setting's parser",
     "api.py": "the public entry points (configure, shutdown, debug_context, debug_operation) with their examples",
     "step/throughput.py: finish_step": "the step's figures in the order they are decided; its first lines end "
                                        "the usual step",
