@@ -125,13 +125,12 @@ class _Operation:
         self.unbucketed = pending
 
     def _bucket(self, batch: list[tuple]) -> None:
-        waits, runs = zip(*batch)
-        waits = [wait for wait in waits if wait is not None]
+        waits = [wait for wait, _ in batch if wait is not None]
         if waits:
             if self.data_wait is None:
                 self.data_wait = _Histogram(semconv.DATA_WAIT_BUCKETS)
             self.data_wait.observe_all(waits)
-        runs = [run for run in runs if run]
+        runs = [run for _, run in batch if run]
         if runs:
             if self.phases is None:
                 self.phases = {p: _Histogram(semconv.DATA_WAIT_BUCKETS) for p in semconv.PHASES}

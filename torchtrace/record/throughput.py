@@ -259,7 +259,7 @@ class OperationWindow:
         s = self.settings
         # (an entry saved before the host cycle was kept has five fields: its cycle was the host's)
         self.entries = collections.deque(((*e[:5], e[5] if len(e) > 5 else e[0]) for e in state["entries"]),
-                                         maxlen=s.window)  # type: ignore[misc]
+                                         maxlen=s.window)
         self.seen = int(state["seen"])
         self.unit = state["unit"]
         self.rates = [float(r) for r in state["rates"]][: s.window]

@@ -10,6 +10,7 @@ it on to export. One scope serves ``with``, ``async with`` and the decorators.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -75,6 +76,11 @@ class StepScope:
         self._mode_arg = DebugMode.parse(mode, "mode") if mode is not None else None
         self._attributes = clean_attributes(attributes) if attributes else None
         self._active = False
+        # What a started step holds until its end (an undo after a failed start finds them).
+        self._span: trace.Span | None = None
+        self._token: contextvars.Token[otel_context.Context] | None = None
+        self._ctx_token: contextvars.Token[StepScope | None] | None = None
+        self._anomaly_cm: torch.autograd.set_detect_anomaly | None = None
         self.record: StepRecord | None = None
         self.step: int | None = None
         self.features: Features | None = None
@@ -270,18 +276,22 @@ class StepScope:
         return bool(exc is not None and self.suppress)
 
     def _abandon(self) -> None:
-        """After an internal error in ``_begin`` or ``_finish``: restore every global, end the span."""
-        state = self.throughput
-        for undo in (lambda: state is not None and state.counter is not None and drop_counter(state.counter),
-                     lambda: self._anomaly_cm is not None and self._anomaly_cm.__exit__(None, None, None),
-                     lambda: self.gradients is not None and self.gradients.unhook(),
-                     lambda: self._ctx_token is not None and current.leave_step(self._ctx_token),
-                     lambda: self._token is not None and otel_context.detach(self._token),
-                     lambda: self._span is not None and self._span.end()):
-            try:
-                undo()
-            except Exception:
-                pass
+        """After an internal error in ``_begin`` or ``_finish``: restore every global, end the
+        span. Each undo runs on its own: one that fails leaves the others to run."""
+        state, cm, gradients = self.throughput, self._anomaly_cm, self.gradients
+        ctx_token, token, span = self._ctx_token, self._token, self._span
+        if state is not None and state.counter is not None:
+            _quietly(drop_counter, state.counter)
+        if cm is not None:
+            _quietly(cm.__exit__, None, None, None)
+        if gradients is not None:
+            _quietly(gradients.unhook)
+        if ctx_token is not None:
+            _quietly(current.leave_step, ctx_token)
+        if token is not None:
+            _quietly(otel_context.detach, token)
+        if span is not None:
+            _quietly(span.end)
         self._anomaly_cm = self._ctx_token = self._token = None
         if state is not None:
             state.counter = None
@@ -292,8 +302,9 @@ class StepScope:
             self._anomaly_cm = None
         if self.gradients is not None:
             self.gradients.unhook()
-        current.leave_step(self._ctx_token)
-        self._ctx_token = None
+        if self._ctx_token is not None:
+            current.leave_step(self._ctx_token)
+            self._ctx_token = None
 
     def _finish(self, rt: Runtime, exc: BaseException | None, duration: float, end_ns: int, t0: float) -> None:
         self._restore()
@@ -405,6 +416,14 @@ class StepScope:
 
     async def __aexit__(self, exc_type, exc, tb) -> bool:
         return self.__exit__(exc_type, exc, tb)
+
+
+def _quietly(action: Callable[..., object], *args: object) -> None:
+    """``action(*args)``, a failure ignored: an undo after an error that is reported already."""
+    try:
+        action(*args)
+    except Exception:
+        pass
 
 
 __all__ = ["LossValue", "STEP_KINDS", "StepScope"]

@@ -291,14 +291,15 @@ class RunThroughput:
                     flops = record.flops = None  # counted with other parameters trained
             if flops is not None and operation not in self._peaked:
                 self._look_up_peak(scope, operation)
-        parent = state.parent.throughput if state.parent is not None else None
+        outer = state.parent
+        parent = outer.throughput if outer is not None else None
         start = state.started_at
         account = self.ledger.add_step(FinishedStep(
             start, start + record.duration_s,
             applied=not (record.skipped or record.scaler_overflow) and record.exception_type is None,
             excluded=record.flops_counted, samples=record.samples, tokens=record.tokens,
             flops=int(flops) if flops is not None else None, kind=record.kind, operation=operation,
-            enclosing=enclosing(state.parent.kind, parent.started_at, parent.holds_steps) if parent else None,
+            enclosing=enclosing(outer.kind, parent.started_at, parent.holds_steps) if outer and parent else None,
             holds_steps=state.holds_steps, entered=state.entered_at, left=state.left_before,
             device_cycle=device_cycle))
         record.data_wait_s = account.data_wait_s
@@ -311,7 +312,7 @@ class RunThroughput:
         instead of data wait (perf_counter seconds; an operation named for the record)."""
         self.ledger.add_step(FinishedStep(start, end, excluded=True, kind=kind, operation=operation))
 
-    def scrape(self) -> tuple[float | None, dict[str, float], dict[str, float | None]]:
+    def scrape(self) -> tuple[float | None, dict[str, float], dict[str, float]]:
         """For ``/metrics``: the goodput ratio now, badput seconds by kind (final counts: they
         only grow), and each operation's MFU over its last window."""
         mfu = {}

@@ -141,7 +141,7 @@ def uninstall() -> None:
     if _hook_handle is not None:
         _hook_handle.remove()
         _hook_handle = None
-    classes = [c for c in vars(lr_scheduler).values() if isinstance(c, type)]
+    classes: list[type | None] = [c for c in vars(lr_scheduler).values() if isinstance(c, type)]
     classes += [getattr(swa_utils, "AveragedModel", None),
                 getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)]
     for cls in classes:
