@@ -105,6 +105,8 @@ class StepDriver:
         except NonFiniteError as exc:
             self.end(exc)
             raise
+        if scope.gradients is not None:
+            scope.gradients.drop_skipped()  # guard="skip": the framework's optimizer steps next
 
     def mark(self, point: str, cuda: bool = False) -> None:
         """A phase boundary the framework's hooks see and the model's own marks cannot (the

@@ -16,8 +16,9 @@ import time
 from typing import Any
 
 from torchtrace import semconv
-from torchtrace.forensics import oom, replay
+from torchtrace.forensics import isolation, oom, replay
 from torchtrace.measure.loss import extract_loss
+from torchtrace.measure.scaler import scaler_enabled
 from torchtrace.probes.base import Probe
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.errors import get_logger
@@ -50,6 +51,7 @@ class ForensicsProbe(Probe):
         self.skipped_budget = 0
         self.incident_steps = 0  # non-finite steps inside an incident that was already replayed
         self.in_incident = False
+        self.incident_replayed = False  # the current incident's first step was replayed
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REPORTS_KEPT)
         self.ooms: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REPORTS_KEPT)
 
@@ -73,7 +75,7 @@ class ForensicsProbe(Probe):
             return None
         state = _State()
         if not self.in_incident and self.replayable(scope) and self.budget_left():
-            state.rng = replay.capture_rng()
+            state.rng = isolation.capture_rng()
         return state
 
     def exit(self, scope: Any, state: _State | None, exc: BaseException | None) -> None:
@@ -93,7 +95,8 @@ class ForensicsProbe(Probe):
             return state.report if state is not None else None
         state.tried = True
         if self.in_incident:
-            self.incident_steps += 1
+            if self.incident_replayed:
+                self.incident_steps += 1
             return None
         if not self.replayable(scope):
             if self.rt.settings.forensics and scope.features.forensics:
@@ -114,12 +117,14 @@ class ForensicsProbe(Probe):
     def _replay(self, scope: Any, state: _State, params_updated: bool) -> dict[str, Any]:
         self.replays += 1
         self.incidents += 1
-        opts, scalers = replay.side_effect_owners(scope)
+        opts, scalers = isolation.side_effect_owners(scope)
         rt = self.rt
         rt.replaying = True
         t0 = time.perf_counter()
         try:
-            report = replay.replay(scope.model, scope.replayer(), state.rng, opts, scalers, extract_loss)
+            args, kwargs = scope.inputs if scope.inputs is not None else ((), {})
+            report = replay.replay(scope.model, scope.replayer(), state.rng, opts, scalers, extract_loss,
+                                   others=(*args, *kwargs.values()))
         finally:
             rt.replaying = False
             rt.throughput.ledger.add_forensics(t0, time.perf_counter())  # badput: forensics
@@ -142,6 +147,8 @@ class ForensicsProbe(Probe):
             record.anomalies.append(Anomaly(semconv.OOM, info["detail"], record.step, record.operation, info))
             record.skipped = record.skipped or info["action"] == "skipped"
             record.oom = info
+        if record.nonfinite and not self.in_incident:
+            self.incident_replayed = state.report is not None
         self.in_incident = record.nonfinite
         state.rng = None  # keep no tensors alive past the step
 
@@ -152,7 +159,8 @@ class ForensicsProbe(Probe):
             return
         if record.loss is not None and not math.isfinite(record.loss):
             return
-        if scope.scaler is None and not replay.side_effect_owners(scope)[1]:
+        scalers = [scope.scaler, *isolation.side_effect_owners(scope)[1]]
+        if not any(scaler_enabled(s) for s in scalers):  # GradScaler(enabled=False) is no scaler
             return
         before = len(record.anomalies)
         record.anomalies = [a for a in record.anomalies if a.kind != semconv.NONFINITE_GRAD]
@@ -186,6 +194,9 @@ def sentence(report: dict[str, Any], where_only: bool = False) -> str:
     if cause == "input":
         target = "the model" if where in ("", None) else where
         text = head + f"non-finite value in the input of {target}"
+    elif where is None:
+        # Nothing named: say what the replay did instead of a module.
+        text = head + f"{cause} non-finite value, origin not found: {report.get('tried') or 'no replay ran'}"
     else:
         where = "the model's own forward" if where == "" else where
         text = head + f"{cause} non-finite value born in {where}"

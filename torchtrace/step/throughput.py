@@ -18,7 +18,7 @@ from typing import Any, Hashable
 
 import torch
 
-from torchtrace.forensics.replay import find_side_effect_owners
+from torchtrace.measure.scaler import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
 from torchtrace.measure.flops import LateKey, StepFlops, drop_counter, shape_key
