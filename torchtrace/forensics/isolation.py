@@ -103,6 +103,11 @@ def _is_ddp(obj: Any) -> bool:
     return isinstance(obj, torch.nn.parallel.DistributedDataParallel)
 
 
+def is_distributed_data_parallel(model: torch.nn.Module, others: tuple = ()) -> bool:
+    """A DistributedDataParallel wrapper is the model or among the step's arguments."""
+    return any(_is_ddp(m) for m in (model, *others))
+
+
 @contextlib.contextmanager
 def local_only(model: torch.nn.Module, others: tuple = ()) -> Iterator[None]:
     """No collective in the replay: DistributedDataParallel's gradient all-reduce and buffer
@@ -163,5 +168,5 @@ def finished(out: Any) -> Any:
 
 
 
-__all__ = ["capture_rng", "eager", "finished", "local_only", "neutralised", "restore_rng", "side_effect_owners",
+__all__ = ["capture_rng", "eager", "finished", "is_distributed_data_parallel", "local_only", "neutralised", "restore_rng", "side_effect_owners",
            "user_name"]

@@ -21,11 +21,14 @@ from typing import Any, Callable
 import torch
 
 from torchtrace import semconv
+from torchtrace.errors import get_logger
 from torchtrace.forensics import blame
 from torchtrace.measure import tensors as tensor_measure
-from torchtrace.forensics.isolation import (capture_rng, eager, finished, local_only, neutralised, restore_rng,
-                                             user_name)
+from torchtrace.forensics.isolation import (capture_rng, eager, finished, is_distributed_data_parallel, local_only,
+                                             neutralised, restore_rng, user_name)
 from torchtrace.record import readout
+
+logger = get_logger("torchtrace.forensics")
 
 # Causes a report can name (report["cause"]) and the anomaly kind each one counts as.
 CAUSE_KIND = {
@@ -35,6 +38,9 @@ CAUSE_KIND = {
     "backward": semconv.NONFINITE_GRAD,
     "parameter": semconv.NONFINITE_PARAM,
     "unknown": semconv.NONFINITE_GRAD,
+    # Everything on this rank was finite with DDP's sync off: the non-finite gradients came
+    # from another rank through the all-reduce.
+    "peer": semconv.NONFINITE_GRAD,
 }
 _OP_RE = re.compile(r"Function '([^']+)' returned (nan|inf)", re.IGNORECASE)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -79,8 +85,9 @@ class _Recorder:
         self.handles.clear()
 
     def _grad_hook(self, name: str, side: str) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            self.grad_flags.append((name, side, _all_finite([grad])))
+        def hook(grad: torch.Tensor | None) -> None:
+            if grad is not None:  # (an output no loss depends on gets none)
+                self.grad_flags.append((name, side, _all_finite([grad])))
         return hook
 
     def _pre(self, module, args, kwargs):
@@ -183,6 +190,13 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
     saved_training = [(m, m.training) for m in model.modules()]
     rng_now = capture_rng()
     report: dict[str, Any] = {"replayed": True, "model": type(model).__name__}
+    if any(type(p).__name__ == "DTensor" for _, p in params):
+        # FSDP2 / tensor parallel: the forward gathers shards from the other ranks, which do not replay.
+        report.update(replayed=False, cause="unknown", kind=CAUSE_KIND["unknown"], module=None,
+                      tried="not replayed: the parameters are sharded (FSDP2, DTensor), and a replay on one rank "
+                            "would issue collectives the other ranks never join",
+                      replay_seconds=time.perf_counter() - t0)
+        return report
     try:
         with local_only(model, others), eager():
             # Parameters that are already non-finite explain everything downstream.
@@ -198,8 +212,14 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
                 report["replay_error"] = pass_a_error
             if report["cause"] in ("backward", "unknown") and grad_bad:
                 report["op"] = _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params)
-            if report["cause"] == "unknown":
+            if report["cause"] == "unknown" and is_distributed_data_parallel(model, others) and \
+                    not report.get("replay_error") and not grad_bad and loss_value is not None:
+                report["cause"] = "peer"
+                report["kind"] = CAUSE_KIND["peer"]
+                report["module"] = None
+            if report["cause"] in ("unknown", "peer"):
                 report["tried"] = _tried(report, rec, params)
+            report["largest_params"] = _largest(params, bad_params)
     finally:
         for p, g in saved_grads:
             p.grad = g
@@ -210,6 +230,20 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
         restore_rng(rng_now)
     report["replay_seconds"] = time.perf_counter() - t0
     return report
+
+
+LARGEST_SHOWN = 3
+
+
+def _largest(params: list, bad_params: list[str]) -> list[dict[str, Any]]:
+    """The finite parameters of largest magnitude (name, max |value|): after a huge learning
+    rate the weights it blew up are here, though they are still finite. One host read."""
+    finite = [(n, p) for n, p in params if n not in bad_params and p.numel()]
+    if not finite:
+        return []
+    values = readout.read(torch.stack([p.detach().abs().amax().to(torch.float64).cpu() for _, p in finite]))
+    ranked = sorted(zip(values, (n for n, _ in finite)), reverse=True)[:LARGEST_SHOWN]
+    return [{"name": n, "max_abs": v} for v, n in ranked]
 
 
 def _put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -248,6 +282,7 @@ def _run_once(model, run, rng, optimizers, scalers, extract_loss, params, rec: _
             try:
                 out = finished(run())
             except Exception as exc:  # the replayed step failed: report, do not raise
+                logger.debug("torchtrace forensics: the replayed step raised", exc_info=True)
                 return None, _error_text(exc), _watched_bad(watch, params)
             loss = extract_loss(out)
             if isinstance(loss, torch.Tensor):

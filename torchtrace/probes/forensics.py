@@ -132,6 +132,39 @@ class ForensicsProbe(Probe):
                       replay_number=self.replays)
         return report
 
+    def share_origin(self, scope: Any, report: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Every rank learns where the non-finite value was born: one ``all_gather_object`` of
+        each rank's finding (its own report's cause and module, when the replay found the
+        origin on that rank). Called by every rank at the same point (the guard agreed the step
+        is bad), so the collective never waits for a rank that does not come. Returns the report
+        with ``origin_rank``, ``origin_cause`` and ``origin_module`` (a rank with no report of
+        its own, whose gradients were finite, gets a report saying so)."""
+        import torch.distributed as dist
+
+        from torchtrace.distributed import collectives
+
+        if not self.rt.settings.forensics or not collectives.collectives_available():
+            return report
+        mine = None
+        if report is not None and report.get("cause") not in (None, "unknown", "peer"):
+            mine = {"rank": self.rt.identity.rank, "cause": report.get("cause"), "module": report.get("module"),
+                    "module_type": report.get("module_type")}
+        found: list[Any] = [None] * dist.get_world_size()
+        collectives.run("forensics", lambda: dist.all_gather_object(found, mine))
+        origin = next((f for f in found if f is not None), None)
+        if origin is None:
+            return report
+        if report is None:
+            report = {"replayed": False, "cause": "peer", "kind": replay.CAUSE_KIND["peer"], "module": None,
+                      "step": scope.step, "operation": scope.name, "rank": self.rt.identity.rank,
+                      "params_updated": False, "tried": "not replayed: this rank's gradients were finite"}
+            state = scope.state_of(self)
+            if state is not None:
+                state.report = report
+        report.update(origin_rank=origin["rank"], origin_cause=origin["cause"], origin_module=origin["module"],
+                      origin_module_type=origin["module_type"])
+        return report
+
     def finish(self, scope: Any, state: _State | None, record: StepRecord, values: list[float] | None) -> None:
         if state is None:
             return
@@ -194,6 +227,14 @@ def sentence(report: dict[str, Any], where_only: bool = False) -> str:
     if cause == "input":
         target = "the model" if where in ("", None) else where
         text = head + f"non-finite value in the input of {target}"
+    elif cause == "peer":
+        text = head + "non-finite gradients arrived through DistributedDataParallel's all-reduce"
+        if report.get("origin_rank") is not None:
+            text += (f": born on rank {report['origin_rank']} in "
+                     f"{report.get('origin_module') or 'the model'} ({report.get('origin_cause')})")
+        else:
+            text += f" from another rank ({report.get('tried')})"
+        return text
     elif where is None:
         # Nothing named: say what the replay did instead of a module.
         text = head + f"{cause} non-finite value, origin not found: {report.get('tried') or 'no replay ran'}"

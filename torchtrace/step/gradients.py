@@ -183,6 +183,11 @@ class GradientCheck:
                 report = rt.forensics.replay_now(scope, params_updated=False)
             except Exception as exc:
                 rt.errors.report("forensics", exc)
+        if rt.identity.distributed and rt.guard is not GuardPolicy.WARN:
+            try:  # every rank is here (the flag was agreed): each learns where the value was born
+                report = rt.forensics.share_origin(scope, report)
+            except Exception as exc:
+                rt.errors.report("distributed", exc)
         if rt.guard is GuardPolicy.SKIP:
             # Cleared when the update begins (drop_skipped), not here: a clip call inside the
             # step measures first and must still return the true norm.
