@@ -97,17 +97,21 @@ class TinyGPT(torch.nn.Module):
 
 
 class TinyLSTM(torch.nn.Module):
-    """Embedding, LSTM, decoder; ``forward(ids, hidden)`` returns ``(log_probs, hidden)``."""
+    """Embedding, LSTM, decoder; ``forward(ids, hidden)`` returns ``(log_probs, hidden)``.
+
+    Its logits are divided by ``temperature`` in its own forward: an LSTM has no attention, so
+    its overflow fault is a temperature near zero, the overflow made by the root's own code."""
 
     def __init__(self) -> None:
         super().__init__()
         self.encoder = torch.nn.Embedding(VOCAB, D_MODEL)
         self.rnn = torch.nn.LSTM(D_MODEL, D_MODEL, num_layers=1)
         self.decoder = torch.nn.Linear(D_MODEL, VOCAB)
+        self.temperature = 1.0
 
     def forward(self, ids, hidden):
         out, hidden = self.rnn(self.encoder(ids), hidden)
-        return F.log_softmax(self.decoder(out), dim=-1), hidden
+        return F.log_softmax(self.decoder(out) / self.temperature, dim=-1), hidden
 
     def init_hidden(self, batch: int):
         return (torch.zeros(1, batch, D_MODEL), torch.zeros(1, batch, D_MODEL))

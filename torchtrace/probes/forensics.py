@@ -128,6 +128,11 @@ class ForensicsProbe(Probe):
         finally:
             rt.replaying = False
             rt.throughput.ledger.add_forensics(t0, time.perf_counter())  # badput: forensics
+        if report.get("cause") == "loss" and getattr(scope.replay, "__torchtrace_model_code__", False):
+            # The loss came from the model's own method (Lightning's training_step): its code, not
+            # a loss function outside the model, made the value.
+            report.update(cause="forward", kind=replay.CAUSE_KIND["forward"], module="",
+                          module_type=type(scope.model).__name__)
         report.update(step=scope.step, operation=scope.name, rank=rt.identity.rank, params_updated=params_updated,
                       replay_number=self.replays)
         return report
