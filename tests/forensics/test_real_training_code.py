@@ -257,3 +257,28 @@ def test_diverged_step_log_caps_gradient_names(tmp_path, caplog):
     assert messages
     for message in messages:
         assert message.count(".weight") + message.count(".bias") <= NAMES_IN_A_LOG_LINE, message
+
+
+def test_an_applied_nan_update_is_not_productive_time(tmp_path):
+    """Under warn the NaN update is applied: that step's time is not goodput's productive time."""
+    _configure(tmp_path, guard="warn", forensics=False)
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @tt.debug_operation
+    def train_step(model, idx, targets, opt, poison=False):
+        opt.zero_grad()
+        _, loss = model(idx, targets)
+        (loss * float("nan") if poison else loss).backward()
+        opt.step()
+        return loss
+
+    for i in range(4):
+        train_step(model, *_batch(), opt, poison=(i == 3))
+    rt = get_runtime()
+    records = list(rt.history.records) if hasattr(rt.history, "records") else None
+    goodput = rt.throughput.ledger.closed()
+    bad = rt.history.last_record
+    assert bad.nonfinite and not bad.skipped
+    assert goodput.badput["skipped_step"] == pytest.approx(bad.duration_s, rel=1e-6, abs=1e-9), (goodput, records)

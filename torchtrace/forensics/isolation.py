@@ -168,5 +168,5 @@ def finished(out: Any) -> Any:
 
 
 
-__all__ = ["capture_rng", "eager", "finished", "is_distributed_data_parallel", "local_only", "neutralised", "restore_rng", "side_effect_owners",
-           "user_name"]
+__all__ = ["capture_rng", "eager", "finished", "is_distributed_data_parallel", "local_only", "neutralised",
+           "restore_rng", "side_effect_owners", "user_name"]

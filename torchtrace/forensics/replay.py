@@ -11,7 +11,6 @@ training flags are restored afterwards, so the replay never changes the training
 
 from __future__ import annotations
 
-import math
 import numbers
 import re
 import time
@@ -20,102 +19,17 @@ from typing import Any, Callable
 
 import torch
 
-from torchtrace import semconv
 from torchtrace.errors import get_logger
-from torchtrace.forensics import blame
-from torchtrace.measure import tensors as tensor_measure
+from torchtrace.forensics.analysis import CAUSE_KIND, analyse
+from torchtrace.forensics.recorder import Recorder
 from torchtrace.forensics.isolation import (capture_rng, eager, finished, is_distributed_data_parallel, local_only,
                                              neutralised, restore_rng, user_name)
 from torchtrace.record import readout
 
 logger = get_logger("torchtrace.forensics")
 
-# Causes a report can name (report["cause"]) and the anomaly kind each one counts as.
-CAUSE_KIND = {
-    "input": semconv.NONFINITE_INPUT,
-    "forward": semconv.NONFINITE_OUTPUT,
-    "loss": semconv.NONFINITE_LOSS,
-    "backward": semconv.NONFINITE_GRAD,
-    "parameter": semconv.NONFINITE_PARAM,
-    "unknown": semconv.NONFINITE_GRAD,
-    # Everything on this rank was finite with DDP's sync off: the non-finite gradients came
-    # from another rank through the all-reduce.
-    "peer": semconv.NONFINITE_GRAD,
-}
 _OP_RE = re.compile(r"Function '([^']+)' returned (nan|inf)", re.IGNORECASE)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _all_finite(ts: list[torch.Tensor]) -> torch.Tensor:
-    if not ts:
-        return torch.ones((), dtype=torch.bool)
-    flags = [torch.isfinite(t.detach()).all().to("cpu", non_blocking=False) if t.device.type != "cpu"
-             else torch.isfinite(t.detach()).all() for t in ts]
-    return torch.stack(flags).all()
-
-
-_NAN6 = torch.full((6,), float("nan"), dtype=torch.float64)
-
-
-def _stats(ts: list[torch.Tensor]) -> torch.Tensor:
-    return tensor_measure.tensor_stats(ts[0]).cpu() if ts else _NAN6
-
-
-# ---------------------------------------------------------------- the replay
-class _Recorder:
-    """Forward and backward hooks on every module; device flags collected, read once at the end."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.names = {m: user_name(n) for n, m in model.named_modules()}
-        self.calls: list[dict[str, Any]] = []  # in completion order
-        self._stack: list[dict[str, Any]] = []
-        self.grad_flags: list[tuple[str, str, torch.Tensor]] = []  # (module, "in"/"out", finite flag)
-        self.handles: list[Any] = []
-        self.order = 0
-
-    def install(self) -> None:
-        for module in self.names:
-            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-    def _grad_hook(self, name: str, side: str) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor | None) -> None:
-            if grad is not None:  # (an output no loss depends on gets none)
-                self.grad_flags.append((name, side, _all_finite([grad])))
-        return hook
-
-    def _pre(self, module, args, kwargs):
-        name = self.names.get(module, "?")
-        ins = list(blame.floating_tensors(args)) + list(blame.floating_tensors(kwargs))
-        self.order += 1
-        self._stack.append({"module": name, "type": type(module).__name__, "call": self.order,
-                            "in_finite": blame.inputs_ok(ins), "in_stats": _stats(ins), "has_in": bool(ins)})
-        if torch.is_grad_enabled():
-            for t in ins:
-                if t.requires_grad:
-                    t.register_hook(self._grad_hook(name, "in"))
-        return None
-
-    def _post(self, module, args, kwargs, output):
-        entry = self._stack.pop() if self._stack else {"module": self.names.get(module, "?"), "type": type(module).__name__,
-                                                        "call": 0, "in_finite": torch.ones((), dtype=torch.bool),
-                                                        "in_stats": _NAN6, "has_in": False}
-        outs = list(blame.floating_tensors(output))
-        entry["out_finite"] = _all_finite(outs)
-        entry["out_stats"] = _stats(outs)
-        entry["out_dtype"] = str(outs[0].dtype).replace("torch.", "") if outs else None
-        self.calls.append(entry)
-        if torch.is_grad_enabled():
-            for t in outs:
-                if t.requires_grad:
-                    t.register_hook(self._grad_hook(entry["module"], "out"))
-        return None
 
 
 class _BackwardWatch:
@@ -148,25 +62,6 @@ class _BackwardWatch:
 def _error_text(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__qualname__}: {first[:200]}" if first else type(exc).__qualname__
-
-
-def _describe(values: list[float]) -> dict[str, Any]:
-    s = dict(zip(tensor_measure.STAT_NAMES, values))
-    return {k: (v if math.isfinite(v) else None) if k not in ("nan_count", "inf_count") else
-            (int(v) if math.isfinite(v) else None) for k, v in s.items()}
-
-
-def _depth(name: str) -> int:
-    return 0 if not name else name.count(".") + 1
-
-
-def _owner(param_name: str, module_names: set[str]) -> str:
-    parts = param_name.split(".")
-    for i in range(len(parts) - 1, -1, -1):
-        cand = ".".join(parts[:i])
-        if cand in module_names:
-            return cand
-    return ""
 
 
 def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, optimizers: list[Any],
@@ -203,22 +98,17 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
             pflags = readout.read(torch.stack([torch.isfinite(p.detach()).all().cpu() for _, p in params])
                                   .to(torch.float64)) if params else []
             bad_params = [n for (n, _), ok in zip(params, pflags) if not ok]
-            rec = _Recorder(model)
+            rec = Recorder(model)
             loss_value, pass_a_error, grad_bad = _run_once(model, run, rng, optimizers, scalers, extract_loss, params,
                                                            rec)
             _put_back(saved_params)
-            _analyse(report, rec, loss_value, grad_bad, bad_params, module_names)
+            analyse(report, rec, loss_value, grad_bad, bad_params, module_names)
             if pass_a_error is not None:
                 report["replay_error"] = pass_a_error
             if report["cause"] in ("backward", "unknown") and grad_bad:
                 report["op"] = _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params)
-            if report["cause"] == "unknown" and is_distributed_data_parallel(model, others) and \
-                    not report.get("replay_error") and not grad_bad and loss_value is not None:
-                report["cause"] = "peer"
-                report["kind"] = CAUSE_KIND["peer"]
-                report["module"] = None
-            if report["cause"] in ("unknown", "peer"):
-                report["tried"] = _tried(report, rec, params)
+            _no_origin_found(report, rec, is_distributed_data_parallel(model, others) and not grad_bad
+                             and loss_value is not None)
             report["largest_params"] = _largest(params, bad_params)
     finally:
         for p, g in saved_grads:
@@ -252,7 +142,16 @@ def _put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             t.copy_(v)
 
 
-def _tried(report: dict[str, Any], rec: "_Recorder", params: list) -> str:
+def _no_origin_found(report: dict[str, Any], rec: Recorder, ddp_all_finite: bool) -> None:
+    """Nothing non-finite found: with DDP and everything finite on this rank, the gradients came
+    through the all-reduce (``peer``); either way ``tried`` says what the replay did."""
+    if report["cause"] == "unknown" and ddp_all_finite and not report.get("replay_error"):
+        report.update(cause="peer", kind=CAUSE_KIND["peer"], module=None)
+    if report["cause"] in ("unknown", "peer"):
+        report["tried"] = _tried(report, rec)
+
+
+def _tried(report: dict[str, Any], rec: Recorder) -> str:
     """What the replay did, for a report that found no origin (said instead of a module)."""
     if report.get("replay_error"):
         return f"the replayed step raised {report['replay_error']}"
@@ -265,7 +164,7 @@ def _tried(report: dict[str, Any], rec: "_Recorder", params: list) -> str:
     return "; ".join(parts)
 
 
-def _run_once(model, run, rng, optimizers, scalers, extract_loss, params, rec: _Recorder | None):
+def _run_once(model, run, rng, optimizers, scalers, extract_loss, params, rec: Recorder | None):
     """Pass A. Returns the loss (a number or None), the replay's error text, and the names of
     the gradients the replayed backward made non-finite."""
     for _, p in params:
@@ -317,80 +216,6 @@ def _nonfinite_grads(params) -> list[str]:
         return []
     flags = readout.read(torch.stack([torch.isfinite(g).all().cpu() for _, g in with_grad]).to(torch.float64))
     return [n for (n, _), ok in zip(with_grad, flags) if not ok]
-
-
-def _analyse(report, rec: _Recorder, loss_value, grad_bad, bad_params, module_names) -> None:
-    done = rec.calls  # completion order: children before parents
-    if done:
-        flat = torch.cat([torch.stack([c["in_finite"].to(torch.float64).cpu(), c["out_finite"].to(torch.float64).cpu()])
-                          for c in done] + [torch.cat([c["in_stats"], c["out_stats"]]) for c in done])
-        values = readout.read(flat)
-        n = len(done)
-        for i, c in enumerate(done):
-            c["in_ok"] = bool(values[2 * i])
-            c["out_ok"] = bool(values[2 * i + 1])
-            base = 2 * n + 12 * i
-            c["inputs"] = _describe(values[base:base + 6]) if c["has_in"] else None
-            c["outputs"] = _describe(values[base + 6:base + 12])
-    report["loss"] = loss_value if loss_value is None or math.isfinite(loss_value) else str(loss_value)
-    report["nonfinite_grads"] = grad_bad[: semconv.MAX_NAMES_PER_ATTRIBUTE]
-    report["nonfinite_params"] = bad_params[: semconv.MAX_NAMES_PER_ATTRIBUTE]
-    report["modules_seen"] = len(done)
-    producer = None
-    cause = "unknown"
-    if bad_params:
-        cause = "parameter"
-        producer = {"module": _owner(bad_params[0], module_names), "type": None}
-    else:
-        # The rule debug_forward_pass follows too (forensics/blame.py): the innermost module
-        # whose output went non-finite from finite inputs, else the first given a bad input.
-        rows = [{"module": c["module"], "type": c["type"], "order": c["call"], "has_inputs": c["has_in"],
-                 "in_ok": c["in_ok"], "out_ok": c["out_ok"]} for c in done]
-        found = blame.localise(rows)
-        if found["cause"] is not None:
-            cause = found["cause"]
-            producer = done[found["index"]]
-        elif loss_value is not None and not math.isfinite(loss_value):
-            cause = "loss"
-            producer = {"module": "<loss>", "type": None}
-        elif grad_bad:
-            cause = "backward"
-            producer = _backward_producer(rec, grad_bad, module_names) or {"module": "<loss>", "type": None}
-    report["cause"] = cause
-    report["kind"] = CAUSE_KIND[cause]
-    report["overflow"] = False
-    if producer is not None:
-        report["module"] = producer.get("module")
-        report["module_type"] = producer.get("type")
-        if producer.get("inputs") is not None or producer.get("outputs") is not None:
-            report["inputs"] = producer.get("inputs")
-            report["outputs"] = producer.get("outputs")
-            report["output_dtype"] = producer.get("out_dtype")
-            out = producer.get("outputs") or {}
-            report["overflow"] = bool(cause == "forward" and (out.get("inf_count") or 0) > 0
-                                      and not (out.get("nan_count") or 0))
-
-
-def _backward_producer(rec: _Recorder, grad_bad: list[str], module_names: set[str]) -> dict[str, Any] | None:
-    flags = rec.grad_flags
-    if flags:
-        values = readout.read(torch.stack([f.to(torch.float64).cpu() for _, _, f in flags]))
-    else:
-        values = []
-    out_ok: dict[str, bool] = {}
-    in_bad: set[str] = set()
-    for (name, side, _), ok in zip(flags, values):
-        if side == "out":
-            out_ok[name] = out_ok.get(name, True) and bool(ok)
-        elif not ok:
-            in_bad.add(name)
-    own_bad = {_owner(p, module_names) for p in grad_bad}
-    cands = [m for m in module_names if out_ok.get(m, True) and (m in in_bad or m in own_bad)]
-    if not cands:
-        return None
-    best = max(cands, key=_depth)
-    kind = next((c["type"] for c in rec.calls if c["module"] == best), None)
-    return {"module": best, "type": kind}
 
 
 def _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params) -> str | None:

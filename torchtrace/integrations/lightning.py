@@ -96,8 +96,8 @@ class TorchtraceCallback(_pl.Callback):
         # accumulates gradients gets no gradient statistics of partial sums. The batch gives
         # the step's samples and tokens; the optimizer, its learning rates.
         # The step number is Lightning's batch count over the run (restored when resuming from a checkpoint).
-        self._train.begin(None, batch, step=getattr(getattr(trainer.fit_loop, "epoch_loop", None), "total_batch_idx",
-                                                    None), replay=training_step_replay(trainer, pl_module, batch, batch_idx))
+        step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "total_batch_idx", None)
+        self._train.begin(None, batch, step=step, replay=training_step_replay(trainer, pl_module, batch, batch_idx))
         # The phases come from Lightning's hooks: forward to on_before_backward, backward to
         # on_before_optimizer_step, optimizer to the batch's end (its update, zero_grad, scheduler).
         self._train.mark("forward_start", cuda=getattr(pl_module.device, "type", None) == "cuda")

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from torchtrace import semconv
-from torchtrace.forensics import isolation, oom, replay
+from torchtrace.forensics import analysis, isolation, oom, replay
 from torchtrace.measure.loss import extract_loss
 from torchtrace.measure.scaler import scaler_enabled
 from torchtrace.probes.base import Probe
@@ -131,7 +131,7 @@ class ForensicsProbe(Probe):
         if report.get("cause") == "loss" and getattr(scope.replay, "__torchtrace_model_code__", False):
             # The loss came from the model's own method (Lightning's training_step): its code, not
             # a loss function outside the model, made the value.
-            report.update(cause="forward", kind=replay.CAUSE_KIND["forward"], module="",
+            report.update(cause="forward", kind=analysis.CAUSE_KIND["forward"], module="",
                           module_type=type(scope.model).__name__)
         report.update(step=scope.step, operation=scope.name, rank=rt.identity.rank, params_updated=params_updated,
                       replay_number=self.replays)
@@ -160,7 +160,7 @@ class ForensicsProbe(Probe):
         if origin is None:
             return report
         if report is None:
-            report = {"replayed": False, "cause": "peer", "kind": replay.CAUSE_KIND["peer"], "module": None,
+            report = {"replayed": False, "cause": "peer", "kind": analysis.CAUSE_KIND["peer"], "module": None,
                       "step": scope.step, "operation": scope.name, "rank": self.rt.identity.rank,
                       "params_updated": False, "tried": "not replayed: this rank's gradients were finite"}
             state = scope.state_of(self)

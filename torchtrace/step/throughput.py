@@ -324,7 +324,8 @@ class RunThroughput(FlopCounting):
         start, parent = scope.started_at, scope.parent
         record.data_wait_s, findings = self.ledger.post(
             start, start + record.duration_s,
-            not (record.skipped or record.scaler_overflow) and record.exception_type is None,  # update applied
+            # An update applied and finite is progress: a NaN one applied under warn is not (skipped_step).
+            not (record.skipped or record.scaler_overflow or record.nonfinite) and record.exception_type is None,
             record.flops_counted, record.samples, record.tokens, int(flops) if flops is not None else None,
             record.kind, operation, device_cycle,
             enclosing(parent.kind, parent.started_at, getattr(parent, "holds_steps", False)) if parent else None,
