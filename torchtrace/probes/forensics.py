@@ -142,8 +142,8 @@ class ForensicsProbe(Probe):
         each rank's finding (its own report's cause and module, when the replay found the
         origin on that rank). Called by every rank at the same point (the guard agreed the step
         is bad), so the collective never waits for a rank that does not come. Returns the report
-        with ``origin_rank``, ``origin_cause`` and ``origin_module`` (a rank with no report of
-        its own, whose gradients were finite, gets a report saying so)."""
+        with ``origin_rank``, ``origin_cause`` and ``origin_module``; a rank without a report
+        (its own gradients were finite) gets none: its span says ``guard.peer_nonfinite``."""
         import torch.distributed as dist
 
         from torchtrace.distributed import collectives
@@ -157,15 +157,8 @@ class ForensicsProbe(Probe):
         found: list[Any] = [None] * dist.get_world_size()
         collectives.run("forensics", lambda: dist.all_gather_object(found, mine))
         origin = next((f for f in found if f is not None), None)
-        if origin is None:
+        if origin is None or report is None:  # (a rank whose own gradients were finite keeps no report)
             return report
-        if report is None:
-            report = {"replayed": False, "cause": "peer", "kind": analysis.CAUSE_KIND["peer"], "module": None,
-                      "step": scope.step, "operation": scope.name, "rank": self.rt.identity.rank,
-                      "params_updated": False, "tried": "not replayed: this rank's gradients were finite"}
-            state = scope.state_of(self)
-            if state is not None:
-                state.report = report
         report.update(origin_rank=origin["rank"], origin_cause=origin["cause"], origin_module=origin["module"],
                       origin_module_type=origin["module_type"])
         return report
