@@ -26,9 +26,9 @@ STEPS = 5
 BAD_STEP = 3  # the fault is planted for this step (huge_lr: its update; the next step is the bad one)
 
 
-def run_case(out: str, rank: int, guard: str, fault: str) -> dict:
+def run_case(out: str, rank: int, guard: str, fault: str, max_replays: int = 3) -> dict:
     tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=os.path.join(out, guard, fault),
-                 register_atexit=False, strict=True, guard=guard, throughput=False)
+                 register_atexit=False, strict=True, guard=guard, throughput=False, forensics_max_replays=max_replays)
     torch.manual_seed(0)
     inner = models.TinyGPT()
     model = torch.nn.parallel.DistributedDataParallel(inner, find_unused_parameters=True)
@@ -87,6 +87,10 @@ def main() -> None:
         for fault in models.FAULTS:
             results[f"{guard}/{fault}"] = run_case(out, rank, guard, fault)
             dist.barrier()
+    # Only rank 1 replays (rank 0 has no replay budget): a replay that issued DDP's collectives
+    # would wait for a rank that never joins it.
+    results["lonely/nan_input"] = run_case(os.path.join(out, "lonely"), rank, "warn", "nan_input",
+                                           max_replays=0 if rank == 0 else 3)
     with open(os.path.join(out, f"ddp.rank{rank}.json"), "w") as f:
         json.dump(results, f, default=str)
     dist.destroy_process_group()

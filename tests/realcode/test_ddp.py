@@ -85,3 +85,13 @@ def test_report_names_the_rank_and_module_where_the_value_was_born(ranks, case):
             assert (rep["origin_rank"], rep["origin_cause"], rep["origin_module"]) == (1, cause, module)
     else:  # warn issues no collective: rank 0 says it came from another rank
         assert "origin_rank" not in rep0
+
+
+@pytest.mark.timeout(300)
+def test_a_replay_on_one_rank_alone_issues_no_collective(ranks):
+    """Rank 0 has no replay budget, so rank 1 replays alone: the job ends, rank 1 names the input."""
+    r0, r1 = ranks[0]["lonely/nan_input"], ranks[1]["lonely/nan_input"]
+    assert r0["reports"] == []
+    (report,) = r1["reports"]
+    assert (report["cause"], report["module"], report["rank"]) == ("input", "", 1)
+    assert r0["decisions"] == r1["decisions"] and r0["identical"] and r1["identical"]
