@@ -282,3 +282,27 @@ def test_an_applied_nan_update_is_not_productive_time(tmp_path):
     bad = rt.history.last_record
     assert bad.nonfinite and not bad.skipped
     assert goodput.badput["skipped_step"] == pytest.approx(bad.duration_s, rel=1e-6, abs=1e-9), (goodput, records)
+
+
+def test_skip_decided_at_a_clip_holds_for_an_optimizer_the_step_does_not_name(tmp_path):
+    """The optimizer is a global the step never names: the skip decided at the clip call still
+    leaves the parameters and Adam's state as they were (its update finds no gradients)."""
+    _configure(tmp_path, guard="skip")
+    torch.manual_seed(0)
+    model = TinyLM(BadGrad())
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, weight_decay=0.1)
+
+    @tt.debug_operation
+    def train_step(model, idx, targets):
+        opt.zero_grad()
+        _, loss = model(idx, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    train_step(model, *_batch())
+    assert get_runtime().history.last_record.skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not opt.state  # Adam never stepped a parameter: no moments, no step count
