@@ -301,7 +301,7 @@ class _Operation:
                 if rt is None or (level is None and rt.skips_steps):
                     return await fn(*args, **kwargs)
                 result = None  # stays None when the guard absorbs the step's exception (out of memory)
-                with op.scope(None, args, kwargs, method) as scope:
+                with op.scope(fn, args, kwargs, method) as scope:  # (replayed by driving a new coroutine)
                     result = await fn(*args, **kwargs)
                     _take_returned_loss(scope, result)
                 return result

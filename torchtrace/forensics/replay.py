@@ -11,232 +11,110 @@ training flags are restored afterwards, so the replay never changes the training
 
 from __future__ import annotations
 
-import contextlib
-import math
 import numbers
 import re
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
-from torch.optim import swa_utils
 
-from torchtrace import semconv
-from torchtrace.forensics import blame
-from torchtrace.measure import tensors as tensor_measure
+from torchtrace.errors import get_logger
+from torchtrace.forensics.analysis import CAUSE_KIND, analyse
+from torchtrace.forensics.recorder import Recorder
+from torchtrace.forensics.isolation import (capture_rng, eager, finished, is_distributed_data_parallel, local_only,
+                                             neutralised, restore_rng, user_name)
 from torchtrace.record import readout
 
-# Causes a report can name (report["cause"]) and the anomaly kind each one counts as.
-CAUSE_KIND = {
-    "input": semconv.NONFINITE_INPUT,
-    "forward": semconv.NONFINITE_OUTPUT,
-    "loss": semconv.NONFINITE_LOSS,
-    "backward": semconv.NONFINITE_GRAD,
-    "parameter": semconv.NONFINITE_PARAM,
-    "unknown": semconv.NONFINITE_GRAD,
-}
+logger = get_logger("torchtrace.forensics")
+
 _OP_RE = re.compile(r"Function '([^']+)' returned (nan|inf)", re.IGNORECASE)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-# ---------------------------------------------------------------- RNG and state capture
-def capture_rng() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """The CPU and CUDA generator states (host-side: no device synchronisation)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+class _BackwardWatch:
+    """Post-accumulate-grad hooks on the parameters: whether the replayed step ran backward
+    itself, and which gradients came out non-finite, even when the step zeroes its gradients
+    before it returns (nanoGPT's order: ``zero_grad`` last)."""
 
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        self.ran = False
+        self.flags: dict[str, torch.Tensor] = {}
+        self.handles = []
+        for name, p in params:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))
 
-def restore_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
-def _all_finite(ts: list[torch.Tensor]) -> torch.Tensor:
-    if not ts:
-        return torch.ones((), dtype=torch.bool)
-    flags = [torch.isfinite(t.detach()).all().to("cpu", non_blocking=False) if t.device.type != "cpu"
-             else torch.isfinite(t.detach()).all() for t in ts]
-    return torch.stack(flags).all()
-
-
-_NAN6 = torch.full((6,), float("nan"), dtype=torch.float64)
-
-
-def _stats(ts: list[torch.Tensor]) -> torch.Tensor:
-    return tensor_measure.tensor_stats(ts[0]).cpu() if ts else _NAN6
-
-
-# ---------------------------------------------------------------- neutralising side effects
-@contextlib.contextmanager
-def neutralised(optimizers: list[Any], scalers: list[Any]) -> Iterator[None]:
-    """``optimizer.step`` and a GradScaler's ``step/unscale_/update`` become no-ops (instance patch)."""
-    patched: list[tuple[Any, str, bool, Any]] = []
-
-    def patch(obj: Any, name: str) -> None:
-        had = name in vars(obj)
-        patched.append((obj, name, had, vars(obj).get(name)))
-        setattr(obj, name, lambda *a, **k: None)
-
-    try:
-        for opt in optimizers:  # optimizers, schedulers, and weight averages (AveragedModel)
-            patch(opt, "update_parameters" if isinstance(opt, swa_utils.AveragedModel) else "step")
-        for sc in scalers:
-            for name in ("step", "unscale_", "update"):
-                patch(sc, name)
-        yield
-    finally:
-        for obj, name, had, old in reversed(patched):
-            if had:
-                setattr(obj, name, old)
-            else:
-                try:
-                    delattr(obj, name)
-                except AttributeError:
-                    pass
-
-
-def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[Any]]:
-    """Optimizers and GradScalers passed to the step function (their updates are neutralised)."""
-    opts, scalers = [], []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, _PLAIN):  # the common arguments: nothing to neutralise (and cheap to tell)
-            continue
-        if isinstance(value, torch.optim.Optimizer):
-            opts.append(value)
-        elif hasattr(value, "_scale") and hasattr(value, "unscale_"):
-            scalers.append(value)
-    return opts, scalers
-
-
-def side_effect_owners(scope: Any) -> tuple[list[Any], list[Any]]:
-    """Optimizers and GradScalers among a step scope's arguments (their updates are neutralised
-    in a replay), the scope's own, and the other optimizers and learning-rate schedulers that
-    stepped in it (a scheduler's ``step`` is neutralised like an optimizer's)."""
-    opts, scalers = find_side_effect_owners(*scope.inputs) if scope.inputs is not None else ([], [])
-    for optimizer in (scope.optimizer, *(scope.forensics.stepped or ())):
-        if optimizer is not None and optimizer not in opts:
-            opts.append(optimizer)
-    if scope.scaler is not None and scope.scaler not in scalers:
-        scalers.append(scope.scaler)
-    return opts, scalers
-
-
-_PLAIN = (torch.Tensor, torch.nn.Module, int, float, str, bytes, bool, type(None), tuple, list, dict)
-
-
-# ---------------------------------------------------------------- the replay
-class _Recorder:
-    """Forward and backward hooks on every module; device flags collected, read once at the end."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.names = {m: (n or "") for n, m in model.named_modules()}
-        self.calls: list[dict[str, Any]] = []  # in completion order
-        self._stack: list[dict[str, Any]] = []
-        self.grad_flags: list[tuple[str, str, torch.Tensor]] = []  # (module, "in"/"out", finite flag)
-        self.handles: list[Any] = []
-        self.order = 0
-
-    def install(self) -> None:
-        for module in self.names:
-            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            self.ran = True
+            if p.grad is not None:
+                ok = torch.isfinite(p.grad.detach()).all()
+                self.flags[name] = ok if name not in self.flags else self.flags[name] & ok
+        return hook
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
 
-    def _grad_hook(self, name: str, side: str) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            self.grad_flags.append((name, side, _all_finite([grad])))
-        return hook
 
-    def _pre(self, module, args, kwargs):
-        name = self.names.get(module, "?")
-        ins = list(blame.floating_tensors(args)) + list(blame.floating_tensors(kwargs))
-        self.order += 1
-        self._stack.append({"module": name, "type": type(module).__name__, "call": self.order,
-                            "in_finite": blame.inputs_ok(ins), "in_stats": _stats(ins), "has_in": bool(ins)})
-        if torch.is_grad_enabled():
-            for t in ins:
-                if t.requires_grad:
-                    t.register_hook(self._grad_hook(name, "in"))
-        return None
-
-    def _post(self, module, args, kwargs, output):
-        entry = self._stack.pop() if self._stack else {"module": self.names.get(module, "?"), "type": type(module).__name__,
-                                                        "call": 0, "in_finite": torch.ones((), dtype=torch.bool),
-                                                        "in_stats": _NAN6, "has_in": False}
-        outs = list(blame.floating_tensors(output))
-        entry["out_finite"] = _all_finite(outs)
-        entry["out_stats"] = _stats(outs)
-        entry["out_dtype"] = str(outs[0].dtype).replace("torch.", "") if outs else None
-        self.calls.append(entry)
-        if torch.is_grad_enabled():
-            for t in outs:
-                if t.requires_grad:
-                    t.register_hook(self._grad_hook(entry["module"], "out"))
-        return None
-
-
-def _describe(values: list[float]) -> dict[str, Any]:
-    s = dict(zip(tensor_measure.STAT_NAMES, values))
-    return {k: (v if math.isfinite(v) else None) if k not in ("nan_count", "inf_count") else
-            (int(v) if math.isfinite(v) else None) for k, v in s.items()}
-
-
-def _depth(name: str) -> int:
-    return 0 if not name else name.count(".") + 1
-
-
-def _owner(param_name: str, module_names: set[str]) -> str:
-    parts = param_name.split(".")
-    for i in range(len(parts) - 1, -1, -1):
-        cand = ".".join(parts[:i])
-        if cand in module_names:
-            return cand
-    return ""
+def _error_text(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__qualname__}: {first[:200]}" if first else type(exc).__qualname__
 
 
 def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, optimizers: list[Any],
-           scalers: list[Any], extract_loss: Callable[[Any], Any]) -> dict[str, Any]:
+           scalers: list[Any], extract_loss: Callable[[Any], Any], others: tuple = ()) -> dict[str, Any]:
     """Replay one step and return the forensic report (a JSON-ready dict).
 
-    ``run`` re-executes the step (forward, loss and usually backward); when it leaves no
-    gradient and returns a loss that requires grad, the replay calls ``backward`` itself.
+    ``run`` re-executes the step (forward, loss and usually backward); when it runs no
+    backward and returns a loss that requires grad, the replay calls ``backward`` itself.
+    ``others``: the step's arguments, where a DistributedDataParallel wrapper is looked for
+    (the replay runs with its synchronisation off: :func:`local_only`).
     Everything the replay touches is restored before returning.
     """
     t0 = time.perf_counter()
-    params = [(n, p) for n, p in model.named_parameters()]
-    module_names = {n for n, _ in model.named_modules()}
+    params = [(user_name(n), p) for n, p in model.named_parameters()]
+    module_names = {user_name(n) for n, _ in model.named_modules()}
     saved_grads = [(p, p.grad) for _, p in params]
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # The parameters too: a step that updates them by hand (``p.data.add_(p.grad, alpha=-lr)``,
+    # no optimizer to neutralise) would change them in the replay.
+    saved_params = [(p, p.detach().clone()) for _, p in params]
     saved_training = [(m, m.training) for m in model.modules()]
     rng_now = capture_rng()
     report: dict[str, Any] = {"replayed": True, "model": type(model).__name__}
+    if any(type(p).__name__ == "DTensor" for _, p in params):
+        # FSDP2 / tensor parallel: the forward gathers shards from the other ranks, which do not replay.
+        report.update(replayed=False, cause="unknown", kind=CAUSE_KIND["unknown"], module=None,
+                      tried="not replayed: the parameters are sharded (FSDP2, DTensor), and a replay on one rank "
+                            "would issue collectives the other ranks never join",
+                      replay_seconds=time.perf_counter() - t0)
+        return report
     try:
-        # Parameters that are already non-finite explain everything downstream.
-        pflags = readout.read(torch.stack([torch.isfinite(p.detach()).all().cpu() for _, p in params]).to(torch.float64)) \
-            if params else []
-        bad_params = [n for (n, _), ok in zip(params, pflags) if not ok]
-        rec = _Recorder(model)
-        loss_value, pass_a_error = _run_once(model, run, rng, optimizers, scalers, extract_loss, params, rec)
-        grad_bad = _nonfinite_grads(params)
-        _analyse(report, rec, loss_value, grad_bad, bad_params, module_names)
-        if pass_a_error is not None:
-            report["replay_error"] = pass_a_error
-        if report["cause"] in ("backward", "unknown") and grad_bad:
-            report["op"] = _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params)
+        with local_only(model, others), eager():
+            # Parameters that are already non-finite explain everything downstream.
+            pflags = readout.read(torch.stack([torch.isfinite(p.detach()).all().cpu() for _, p in params])
+                                  .to(torch.float64)) if params else []
+            bad_params = [n for (n, _), ok in zip(params, pflags) if not ok]
+            rec = Recorder(model)
+            loss_value, pass_a_error, grad_bad = _run_once(model, run, rng, optimizers, scalers, extract_loss, params,
+                                                           rec)
+            _put_back(saved_params)
+            analyse(report, rec, loss_value, grad_bad, bad_params, module_names)
+            if pass_a_error is not None:
+                report["replay_error"] = pass_a_error
+            if report["cause"] in ("backward", "unknown") and grad_bad:
+                report["op"] = _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params)
+            _no_origin_found(report, rec, is_distributed_data_parallel(model, others) and not grad_bad
+                             and loss_value is not None)
+            report["largest_params"] = _largest(params, bad_params)
     finally:
         for p, g in saved_grads:
             p.grad = g
-        with torch.no_grad():
-            for b, v in saved_buffers:
-                b.copy_(v)
+        _put_back(saved_params)
+        _put_back(saved_buffers)
         for m, flag in saved_training:
             m.training = flag
         restore_rng(rng_now)
@@ -244,35 +122,92 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
     return report
 
 
-def _run_once(model, run, rng, optimizers, scalers, extract_loss, params, rec: _Recorder | None):
+LARGEST_SHOWN = 3
+
+
+def _largest(params: list, bad_params: list[str]) -> list[dict[str, Any]]:
+    """The finite parameters of largest magnitude (name, max |value|): after a huge learning
+    rate the weights it blew up are here, though they are still finite. One host read."""
+    finite = [(n, p) for n, p in params if n not in bad_params and p.numel()]
+    if not finite:
+        return []
+    values = readout.read(torch.stack([p.detach().abs().amax().to(torch.float64).cpu() for _, p in finite]))
+    ranked = sorted(zip(values, (n for n, _ in finite)), reverse=True)[:LARGEST_SHOWN]
+    return [{"name": n, "max_abs": v} for v, n in ranked]
+
+
+def _put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for t, v in saved:
+            t.copy_(v)
+
+
+def _no_origin_found(report: dict[str, Any], rec: Recorder, ddp_all_finite: bool) -> None:
+    """Nothing non-finite found: with DDP and everything finite on this rank, the gradients came
+    through the all-reduce (``peer``); either way ``tried`` says what the replay did."""
+    if report["cause"] == "unknown" and ddp_all_finite and not report.get("replay_error"):
+        report.update(cause="peer", kind=CAUSE_KIND["peer"], module=None)
+    if report["cause"] in ("unknown", "peer"):
+        report["tried"] = _tried(report, rec)
+
+
+def _tried(report: dict[str, Any], rec: Recorder) -> str:
+    """What the replay did, for a report that found no origin (said instead of a module)."""
+    if report.get("replay_error"):
+        return f"the replayed step raised {report['replay_error']}"
+    parts = [f"replayed the step under forward hooks on {len(rec.names)} modules ({report.get('modules_seen', 0)} "
+             f"ran)"]
+    loss = report.get("loss")
+    parts.append("no loss came back" if loss is None else f"loss {loss}")
+    parts.append("every output, gradient and parameter was finite on this rank" if not report.get("nonfinite_grads")
+                 else f"{len(report['nonfinite_grads'])} non-finite gradient(s), no module output non-finite")
+    return "; ".join(parts)
+
+
+def _run_once(model, run, rng, optimizers, scalers, extract_loss, params, rec: Recorder | None):
+    """Pass A. Returns the loss (a number or None), the replay's error text, and the names of
+    the gradients the replayed backward made non-finite."""
     for _, p in params:
         p.grad = None
     if rng is not None:
         restore_rng(rng)
     error = None
     loss_value = None
+    watch = _BackwardWatch(params)
     if rec is not None:
         rec.install()
     try:
         with neutralised(optimizers, scalers), torch.enable_grad():
             try:
-                out = run()
+                out = finished(run())
             except Exception as exc:  # the replayed step failed: report, do not raise
-                return None, type(exc).__qualname__
+                logger.debug("torchtrace forensics: the replayed step raised", exc_info=True)
+                return None, _error_text(exc), _watched_bad(watch, params)
             loss = extract_loss(out)
             if isinstance(loss, torch.Tensor):
-                if all(p.grad is None for _, p in params) and loss.requires_grad:
+                if not watch.ran and loss.requires_grad:
                     try:
                         loss.backward()
                     except Exception as exc:
-                        error = type(exc).__qualname__
+                        error = _error_text(exc)
                 loss_value = readout.read(loss.detach().reshape(-1)[:1].to(torch.float64).cpu())[0]
             elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):  # a NumPy float too
                 loss_value = float(loss)
     finally:
+        watch.remove()
         if rec is not None:
             rec.remove()
-    return loss_value, error
+    return loss_value, error, _watched_bad(watch, params)
+
+
+def _watched_bad(watch: _BackwardWatch, params) -> list[str]:
+    """Non-finite gradients as the replayed backward made them (the hooks' flags), else as the
+    parameters hold them now."""
+    if not watch.flags:
+        return _nonfinite_grads(params)
+    names = [n for n, _ in params if n in watch.flags]
+    flags = readout.read(torch.stack([watch.flags[n].cpu() for n in names]).to(torch.float64))
+    return [n for n, ok in zip(names, flags) if not ok]
 
 
 def _nonfinite_grads(params) -> list[str]:
@@ -281,81 +216,6 @@ def _nonfinite_grads(params) -> list[str]:
         return []
     flags = readout.read(torch.stack([torch.isfinite(g).all().cpu() for _, g in with_grad]).to(torch.float64))
     return [n for (n, _), ok in zip(with_grad, flags) if not ok]
-
-
-def _analyse(report, rec: _Recorder, loss_value, grad_bad, bad_params, module_names) -> None:
-    calls = sorted(rec.calls, key=lambda c: c["call"])
-    done = rec.calls  # completion order: children before parents
-    if calls:
-        flat = torch.cat([torch.stack([c["in_finite"].to(torch.float64).cpu(), c["out_finite"].to(torch.float64).cpu()])
-                          for c in done] + [torch.cat([c["in_stats"], c["out_stats"]]) for c in done])
-        values = readout.read(flat)
-        n = len(done)
-        for i, c in enumerate(done):
-            c["in_ok"] = bool(values[2 * i])
-            c["out_ok"] = bool(values[2 * i + 1])
-            base = 2 * n + 12 * i
-            c["inputs"] = _describe(values[base:base + 6]) if c["has_in"] else None
-            c["outputs"] = _describe(values[base + 6:base + 12])
-    report["loss"] = loss_value if loss_value is None or math.isfinite(loss_value) else str(loss_value)
-    report["nonfinite_grads"] = grad_bad[: semconv.MAX_NAMES_PER_ATTRIBUTE]
-    report["nonfinite_params"] = bad_params[: semconv.MAX_NAMES_PER_ATTRIBUTE]
-    report["modules_seen"] = len(done)
-    producer = None
-    cause = "unknown"
-    if bad_params:
-        cause = "parameter"
-        producer = {"module": _owner(bad_params[0], module_names), "type": None}
-    else:
-        # The rule debug_forward_pass follows too (forensics/blame.py): the innermost module
-        # whose output went non-finite from finite inputs, else the first given a bad input.
-        rows = [{"module": c["module"], "type": c["type"], "order": c["call"], "has_inputs": c["has_in"],
-                 "in_ok": c["in_ok"], "out_ok": c["out_ok"]} for c in done]
-        found = blame.localise(rows)
-        if found["cause"] is not None:
-            cause = found["cause"]
-            producer = done[found["index"]]
-        elif loss_value is not None and not math.isfinite(loss_value):
-            cause = "loss"
-            producer = {"module": "<loss>", "type": None}
-        elif grad_bad:
-            cause = "backward"
-            producer = _backward_producer(rec, grad_bad, module_names) or {"module": "<loss>", "type": None}
-    report["cause"] = cause
-    report["kind"] = CAUSE_KIND[cause]
-    report["overflow"] = False
-    if producer is not None:
-        report["module"] = producer.get("module")
-        report["module_type"] = producer.get("type")
-        if producer.get("inputs") is not None or producer.get("outputs") is not None:
-            report["inputs"] = producer.get("inputs")
-            report["outputs"] = producer.get("outputs")
-            report["output_dtype"] = producer.get("out_dtype")
-            out = producer.get("outputs") or {}
-            report["overflow"] = bool(cause == "forward" and (out.get("inf_count") or 0) > 0
-                                      and not (out.get("nan_count") or 0))
-
-
-def _backward_producer(rec: _Recorder, grad_bad: list[str], module_names: set[str]) -> dict[str, Any] | None:
-    flags = rec.grad_flags
-    if flags:
-        values = readout.read(torch.stack([f.to(torch.float64).cpu() for _, _, f in flags]))
-    else:
-        values = []
-    out_ok: dict[str, bool] = {}
-    in_bad: set[str] = set()
-    for (name, side, _), ok in zip(flags, values):
-        if side == "out":
-            out_ok[name] = out_ok.get(name, True) and bool(ok)
-        elif not ok:
-            in_bad.add(name)
-    own_bad = {_owner(p, module_names) for p in grad_bad}
-    cands = [m for m in module_names if out_ok.get(m, True) and (m in in_bad or m in own_bad)]
-    if not cands:
-        return None
-    best = max(cands, key=_depth)
-    kind = next((c["type"] for c in rec.calls if c["module"] == best), None)
-    return {"module": best, "type": kind}
 
 
 def _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params) -> str | None:
@@ -370,15 +230,18 @@ def _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params) -> s
                     p.grad = None
                 if rng is not None:
                     restore_rng(rng)
+                watch = _BackwardWatch(params)
                 with neutralised(optimizers, scalers), torch.enable_grad():
                     try:
-                        out = run()
+                        out = finished(run())
                         loss = extract_loss(out)
-                        if isinstance(loss, torch.Tensor) and loss.requires_grad and all(p.grad is None for _, p in params):
+                        if isinstance(loss, torch.Tensor) and loss.requires_grad and not watch.ran:
                             loss.backward()
                     except RuntimeError as exc:
                         m = _OP_RE.search(str(exc))
                         op = m.group(1) if m else None
+                    finally:
+                        watch.remove()
     finally:
         torch.set_anomaly_enabled(*prev)
     return op

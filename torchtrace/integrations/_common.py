@@ -49,20 +49,23 @@ class StepDriver:
     def active(self) -> bool:
         return self.scope is not None and self.scope.active
 
-    def begin(self, model: torch.nn.Module | None, batch: Any = None, loop: Any = None, step: int | None = None) -> None:
+    def begin(self, model: torch.nn.Module | None, batch: Any = None, loop: Any = None, step: int | None = None,
+              replay: Any = None) -> None:
         """Open the step; ``batch`` (when the framework hands it over) gives its samples,
         tokens and input shapes (FLOPs counted once per shape). ``loop``: the frame of the
         framework's training loop, for a framework that tells no callback when an exception
         leaves its loop: while such a step is open, a step that opens in this thread, and
         shutdown, first end it when that frame has left the stack. ``step``: the framework's
-        own step number (a run resumed from a checkpoint goes on counting where it was)."""
+        own step number (a run resumed from a checkpoint goes on counting where it was).
+        ``replay``: a callable that runs the batch's forward and loss again, for forensics."""
         self.abort(None)  # a scope left open by an interrupted step ends here
         rt = api.get_runtime()
         if rt is None or rt.skips_steps:
             return
         # No optimizer on the scope: its pre-hook would fire at the wrong moment (see module doc).
         scope = api.StepScope(self.name, model=model, inputs=((batch,), {}) if batch is not None else None,
-                              kind=self.kind, step=step if isinstance(step, int) and step >= 0 else None)
+                              kind=self.kind, step=step if isinstance(step, int) and step >= 0 else None,
+                              replay=replay)
         scope.__enter__()
         # A guard="raise" decided inside the framework's own clip_grad_norm_ call (torchtrace
         # measures there, before clipping) must end this span as measure() does.
@@ -104,6 +107,8 @@ class StepDriver:
         except NonFiniteError as exc:
             self.end(exc)
             raise
+        if scope.gradients is not None:
+            scope.gradients.drop_skipped()  # guard="skip": the framework's optimizer steps next
 
     def mark(self, point: str, cuda: bool = False) -> None:
         """A phase boundary the framework's hooks see and the model's own marks cannot (the

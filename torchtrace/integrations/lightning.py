@@ -8,7 +8,8 @@ Needs ``pip install "torchtrace[lightning]"``.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
 
 from torchtrace import api
 from torchtrace.measure.batch import infer_batch
@@ -26,7 +27,40 @@ except ImportError:  # the older package name
     except ImportError:
         _pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
 
-__all__ = ["TorchtraceCallback"]
+__all__ = ["TorchtraceCallback", "training_step_replay"]
+
+
+def training_step_replay(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> Callable[[], Any]:
+    """What forensics replays for a Lightning batch: ``training_step(batch, batch_idx)`` again,
+    under the trainer's precision context, with ``self.log``/``self.log_dict`` silenced (a
+    replay logs nothing twice). The loss it returns is the module's own code's: a non-finite
+    value made there, outside any submodule, is blamed on the module itself (``""``).
+
+    >>> replay = training_step_replay(trainer, module, batch, 0)   # doctest: +SKIP
+    """
+    def replay() -> Any:
+        context = getattr(getattr(trainer, "precision_plugin", None), "train_step_context", None)
+        with (context() if context is not None else contextlib.nullcontext()), _silenced(pl_module):
+            return pl_module.training_step(batch, batch_idx)
+
+    replay.__torchtrace_model_code__ = True  # type: ignore[attr-defined]
+    return replay
+
+
+@contextlib.contextmanager
+def _silenced(pl_module: Any) -> Iterator[None]:
+    """``log`` and ``log_dict`` do nothing on this instance while the block runs."""
+    saved = {name: vars(pl_module).get(name) for name in ("log", "log_dict")}
+    try:
+        for name in saved:
+            setattr(pl_module, name, lambda *a, **k: None)
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                vars(pl_module).pop(name, None)
+            else:
+                setattr(pl_module, name, old)
 
 
 class TorchtraceCallback(_pl.Callback):
@@ -86,8 +120,8 @@ class TorchtraceCallback(_pl.Callback):
         # accumulates gradients gets no gradient statistics of partial sums. The batch gives
         # the step's samples and tokens; the optimizer, its learning rates.
         # The step number is Lightning's batch count over the run (restored when resuming from a checkpoint).
-        self._train.begin(None, batch, step=getattr(getattr(trainer.fit_loop, "epoch_loop", None), "total_batch_idx",
-                                                    None))
+        step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "total_batch_idx", None)
+        self._train.begin(None, batch, step=step, replay=training_step_replay(trainer, pl_module, batch, batch_idx))
         _read_as_consumed(self._train, pl_module, batch)
         # The phases come from Lightning's hooks: forward to on_before_backward, backward to
         # on_before_optimizer_step, optimizer to the batch's end (its update, zero_grad, scheduler).

@@ -112,7 +112,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self._inputs = []
-        self._driver.begin(model, loop=loop_frame("transformers.trainer_callback"), step=state.global_step)
+        self._driver.begin(model, loop=loop_frame("transformers.trainer_callback"), step=state.global_step,
+                           replay=self._replayer(model))
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
@@ -176,7 +177,24 @@ class TorchtraceCallback(_tf.TrainerCallback):
         except Exception as exc:  # torchtrace's own failure never reaches the Trainer
             rt.errors.report("other", exc)
 
+    def _replayer(self, model: Any) -> Any:
+        """What forensics replays for a Trainer step: the model on each of the step's
+        micro-batches again (the inputs the Trainer gave it, kept by the forward hook); the
+        replay's loss is their sum (the model computes it from ``labels``)."""
+        if model is None:
+            return None
+
+        def replay() -> Any:
+            losses = [_output_loss(model(*args, **kwargs)) for args, kwargs in list(self._inputs)]
+            losses = [loss for loss in losses if isinstance(loss, torch.Tensor)]
+            return sum(losses[1:], losses[0]) if losses else None
+
+        return replay
+
     def _on_forward(self, module, args, kwargs, output) -> None:
+        rt = api.get_runtime()
+        if rt is not None and rt.replaying:  # a forensic replay's forward is not the step's
+            return
         if self._driver.active and module.training:
             self._driver.add_loss(_output_loss(output), part=kwargs.get("num_items_in_batch") is not None
                                   and self._divides_by_items(module))

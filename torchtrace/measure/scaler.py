@@ -63,6 +63,38 @@ def skipped_update(scaler: Any, optimizer: Any, before: torch.Tensor | float | N
     return None
 
 
+def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[Any]]:
+    """Optimizers and GradScalers passed to a step function: a replay neutralises their updates,
+    and throughput reads a scaler's skipped updates.
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> find_side_effect_owners((torch.ones(2), opt), {})[0] == [opt]
+    True
+    """
+    opts, scalers = [], []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _PLAIN):  # the common arguments: nothing to neutralise (and cheap to tell)
+            continue
+        if isinstance(value, torch.optim.Optimizer):
+            opts.append(value)
+        elif hasattr(value, "_scale") and hasattr(value, "unscale_"):
+            scalers.append(value)
+    return opts, scalers
+
+
+def scaler_enabled(scaler: Any) -> bool:
+    """A scaler that scales: ``GradScaler(enabled=False)`` (nanoGPT's default off float16) is no
+    scaler, and a non-finite gradient under it is no overflow.
+
+    >>> scaler_enabled(torch.amp.GradScaler("cpu", enabled=False))
+    False
+    """
+    return scaler is not None and _enabled(scaler)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Module, int, float, str, bytes, bool, type(None), tuple, list, dict)
+
+
 def _enabled(scaler: Any) -> bool:
     try:
         return bool(scaler.is_enabled())
@@ -70,4 +102,4 @@ def _enabled(scaler: Any) -> bool:
         return False
 
 
-__all__ = ["scale_at_start", "skipped_update"]
+__all__ = ["find_side_effect_owners", "scale_at_start", "scaler_enabled", "skipped_update"]

@@ -16,8 +16,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from torchtrace import semconv
-from torchtrace.forensics import oom, replay
+from torchtrace.forensics import analysis, isolation, oom, replay
 from torchtrace.measure.loss import extract_loss
+from torchtrace.measure.scaler import scaler_enabled
 from torchtrace.probes.base import Probe
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.errors import get_logger
@@ -54,6 +55,7 @@ class ForensicsProbe(Probe):
         self.skipped_budget = 0
         self.incident_steps = 0  # non-finite steps inside an incident that was already replayed
         self.in_incident = False
+        self.incident_replayed = False  # the current incident's first step was replayed
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REPORTS_KEPT)
         self.ooms: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REPORTS_KEPT)
 
@@ -77,7 +79,7 @@ class ForensicsProbe(Probe):
             return None
         state = _State()
         if not self.in_incident and self.replayable(scope) and self.budget_left():
-            state.rng = replay.capture_rng()
+            state.rng = isolation.capture_rng()
         return state
 
     def exit(self, scope: StepScope, state: _State | None, exc: BaseException | None) -> None:
@@ -97,7 +99,8 @@ class ForensicsProbe(Probe):
             return state.report if state is not None else None
         state.tried = True
         if self.in_incident:
-            self.incident_steps += 1
+            if self.incident_replayed:
+                self.incident_steps += 1
             return None
         if not self.replayable(scope):
             if self.rt.settings.forensics and scope.features.forensics:
@@ -118,17 +121,50 @@ class ForensicsProbe(Probe):
     def _replay(self, scope: StepScope, state: _State, params_updated: bool) -> dict[str, Any]:
         self.replays += 1
         self.incidents += 1
-        opts, scalers = replay.side_effect_owners(scope)
+        opts, scalers = isolation.side_effect_owners(scope)
         rt = self.rt
         rt.replaying = True
         t0 = time.perf_counter()
         try:
-            report = replay.replay(scope.model, scope.replayer(), state.rng, opts, scalers, extract_loss)
+            args, kwargs = scope.inputs if scope.inputs is not None else ((), {})
+            report = replay.replay(scope.model, scope.replayer(), state.rng, opts, scalers, extract_loss,
+                                   others=(*args, *kwargs.values()))
         finally:
             rt.replaying = False
             rt.throughput.ledger.add_forensics(t0, time.perf_counter())  # badput: forensics
+        if report.get("cause") == "loss" and getattr(scope.forensics.replay, "__torchtrace_model_code__", False):
+            # The loss came from the model's own method (Lightning's training_step): its code, not
+            # a loss function outside the model, made the value.
+            report.update(cause="forward", kind=analysis.CAUSE_KIND["forward"], module="",
+                          module_type=type(scope.model).__name__)
         report.update(step=scope.step, operation=scope.name, rank=rt.identity.rank, params_updated=params_updated,
                       replay_number=self.replays)
+        return report
+
+    def share_origin(self, scope: StepScope, report: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Every rank learns where the non-finite value was born: one ``all_gather_object`` of
+        each rank's finding (its own report's cause and module, when the replay found the
+        origin on that rank). Called by every rank at the same point (the guard agreed the step
+        is bad), so the collective never waits for a rank that does not come. Returns the report
+        with ``origin_rank``, ``origin_cause`` and ``origin_module``; a rank without a report
+        (its own gradients were finite) gets none: its span says ``guard.peer_nonfinite``."""
+        import torch.distributed as dist
+
+        from torchtrace.distributed import collectives
+
+        if not self.rt.settings.forensics or not collectives.collectives_available():
+            return report
+        mine = None
+        if report is not None and report.get("cause") not in (None, "unknown", "peer"):
+            mine = {"rank": self.rt.identity.rank, "cause": report.get("cause"), "module": report.get("module"),
+                    "module_type": report.get("module_type")}
+        found: list[Any] = [None] * dist.get_world_size()
+        collectives.run("forensics", lambda: dist.all_gather_object(found, mine))
+        origin = next((f for f in found if f is not None), None)
+        if origin is None or report is None:  # (a rank whose own gradients were finite keeps no report)
+            return report
+        report.update(origin_rank=origin["rank"], origin_cause=origin["cause"], origin_module=origin["module"],
+                      origin_module_type=origin["module_type"])
         return report
 
     def finish(self, scope: StepScope, state: _State | None, record: StepRecord, values: list[float] | None) -> None:
@@ -146,6 +182,8 @@ class ForensicsProbe(Probe):
             record.anomalies.append(Anomaly(semconv.OOM, info["detail"], record.step, record.operation, info))
             record.skipped = record.skipped or info["action"] == "skipped"
             record.oom = info
+        if record.nonfinite and not self.in_incident:
+            self.incident_replayed = state.report is not None
         self.in_incident = record.nonfinite
         state.rng = None  # keep no tensors alive past the step
 
@@ -156,7 +194,8 @@ class ForensicsProbe(Probe):
             return
         if record.loss is not None and not math.isfinite(record.loss):
             return
-        if scope.scaler is None and not replay.side_effect_owners(scope)[1]:
+        scalers = [scope.scaler, *isolation.side_effect_owners(scope)[1]]
+        if not any(scaler_enabled(s) for s in scalers):  # GradScaler(enabled=False) is no scaler
             return
         before = len(record.anomalies)
         record.anomalies = [a for a in record.anomalies if a.kind != semconv.NONFINITE_GRAD]
@@ -190,6 +229,17 @@ def sentence(report: dict[str, Any], where_only: bool = False) -> str:
     if cause == "input":
         target = "the model" if where in ("", None) else where
         text = head + f"non-finite value in the input of {target}"
+    elif cause == "peer":
+        text = head + "non-finite gradients arrived through DistributedDataParallel's all-reduce"
+        if report.get("origin_rank") is not None:
+            text += (f": born on rank {report['origin_rank']} in "
+                     f"{report.get('origin_module') or 'the model'} ({report.get('origin_cause')})")
+        else:
+            text += f" from another rank ({report.get('tried')})"
+        return text
+    elif where is None:
+        # Nothing named: say what the replay did instead of a module.
+        text = head + f"{cause} non-finite value, origin not found: {report.get('tried') or 'no replay ran'}"
     else:
         where = "the model's own forward" if where == "" else where
         text = head + f"{cause} non-finite value born in {where}"

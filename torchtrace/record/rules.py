@@ -18,9 +18,16 @@ def _left_out(names: Sequence[str]) -> int:
     return max(0, len(names) - MAX_NAMES)
 
 
-def _more(names: Sequence[str]) -> str:
-    n = _left_out(names)
-    return f" and {n} more" if n else ""
+# Names said in an anomaly's one-line detail (logged on every diverged step); the anomaly's
+# data keeps up to MAX_NAMES of them.
+NAMES_IN_DETAIL = 5
+
+
+def _said(names: Sequence[str]) -> str:
+    """The first few names, then how many more: ``a, b, c, d, e and 75 more``."""
+    shown = list(names[:NAMES_IN_DETAIL])
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
 
 
 def evaluate_gradients(
@@ -49,9 +56,9 @@ def evaluate_gradients(
     record.grad_nonfinite_params = bad
     if bad:
         real = [n for n in bad if n not in overflow_only]
-        detail = f"{len(bad)} gradient tensor(s) non-finite: {', '.join(_cap(bad))}" + _more(bad)
+        detail = f"{len(bad)} gradient tensor(s) non-finite: {_said(bad)}"
         if overflow_only:
-            detail += f" (norm overflow with finite elements: {', '.join(_cap(overflow_only))})"
+            detail += f" (norm overflow with finite elements: {_said(overflow_only)})"
         record.anomalies.append(Anomaly(semconv.NONFINITE_GRAD, detail, record.step, record.operation,
                                         {"count": len(bad), "params": _cap(bad), "params_omitted": _left_out(bad),
                                          "with_nonfinite_elements": _cap(real)}))
@@ -76,7 +83,7 @@ def _size_rules(record: StepRecord, names: Sequence[str], norms: Sequence[float]
         record.anomalies.append(Anomaly(
             semconv.GRAD_EXPLOSION,
             f"gradient norm {total:.4g} over threshold {explosion_threshold:.4g}"
-            + (f"; tensors over it: {', '.join(_cap(exploded))}" if exploded else ""),
+            + (f"; tensors over it: {_said(exploded)}" if exploded else ""),
             record.step, record.operation,
             {"grad_norm": total, "threshold": explosion_threshold, "params": _cap(exploded)},
         ))
@@ -104,7 +111,7 @@ def evaluate_parameters(record: StepRecord, names: Sequence[str], norms: Sequenc
     record.param_nonfinite_params = bad
     if bad:
         record.anomalies.append(Anomaly(
-            semconv.NONFINITE_PARAM, f"{len(bad)} parameter tensor(s) non-finite: {', '.join(_cap(bad))}",
+            semconv.NONFINITE_PARAM, f"{len(bad)} parameter tensor(s) non-finite: {_said(bad)}",
             record.step, record.operation, {"count": len(bad), "params": _cap(bad)}))
 
 

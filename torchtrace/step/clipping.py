@@ -40,7 +40,12 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
                 rt = current.runtime(create=False)
                 if rt is not None:
                     rt.errors.report("gradients", exc)
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if scope is not None and scope.active and scope.gradients is not None and scope.gradients.skipped:
+            # guard="skip": the clip returned the true (non-finite) norm; the gradients stay
+            # tensors, zeroed, so an update the user writes by hand changes nothing.
+            scope.gradients.zero_skipped()
+        return result
 
     clip.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
     return clip

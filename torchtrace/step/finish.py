@@ -146,7 +146,8 @@ def _apply_policy(rt: Runtime, scope: StepScope, record: StepRecord) -> None:
     """The guard's follow-ups that need the host record: stop after K bad steps, raise without an optimizer."""
     run = rt.consecutive_bad + 1 if record.nonfinite else 0
     rt.consecutive_bad = run
-    if record.nonfinite and not record.skipped and rt.guard is policy.GuardPolicy.SKIP:
+    if record.nonfinite and not record.skipped and rt.guard is policy.GuardPolicy.SKIP and record.kind == "train":
+        # (an evaluation or checkpoint step makes no update: there was nothing to skip)
         rt.guard_could_not_act(scope, record)
     report = record.forensics
     if scope.raised is not None:

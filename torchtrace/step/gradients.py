@@ -35,7 +35,7 @@ class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
-                 "lr", "_hook")
+                 "lr", "_hook", "_skip_params")
 
     def __init__(self, scope: Any, rt: Any) -> None:
         self.scope = scope
@@ -49,6 +49,7 @@ class GradientCheck:
         self.optimizer: Any = None  # the optimizer whose update was checked
         self.lr: list[float] | None = None  # its learning rates for this update (before a scheduler steps)
         self._hook = None
+        self._skip_params: list | None = None  # the parameters whose update the guard skips
 
     def hook(self, optimizer: Any) -> None:
         """Measure the gradients as ``optimizer.step()`` begins. An optimizer without torch's
@@ -75,16 +76,38 @@ class GradientCheck:
         if self.fired:  # measured earlier (a clip call): the rates are read as the update begins
             if self.scope.active and self.scope.features.throughput:
                 self.lr = learning_rates(optimizer)
+            self.drop_skipped()
             return None
         self.before_update(optimizer)
+        self.drop_skipped()
         return None
 
     def _measured(self, optimizer: Any, closure: Any) -> Any:
         def measured(*args: Any, **kwargs: Any) -> Any:
             out = closure(*args, **kwargs)
             self.before_update(optimizer)  # once: the gradients where the step started
+            self.drop_skipped()
             return out
         return measured
+
+    def drop_skipped(self) -> None:
+        """The optimizer is about to update: under a ``skip`` decision its gradients are set to
+        ``None`` now, so the update leaves every parameter and its state unchanged. (Decided at
+        a ``clip_grad_norm_`` call, the gradients stay tensors until here: the user's code
+        between the clip and the update sees what it would see without torchtrace.)"""
+        if self.skipped and self._skip_params is not None:
+            for ref in self._skip_params:
+                ref.param.grad = None
+
+    def zero_skipped(self) -> None:
+        """After the user's ``clip_grad_norm_`` call on a skipped step: the gradients stay tensors
+        but hold zeros, so a hand-written update (``p.data.add_(p.grad, alpha=-lr)``, with no
+        optimizer to skip) leaves the parameters unchanged."""
+        if self.skipped and self._skip_params is not None:
+            with torch.no_grad():
+                for ref in self._skip_params:
+                    if ref.param.grad is not None:
+                        ref.param.grad.zero_()
 
     def before_update(self, optimizer: Any) -> None:
         """Measure the gradients the optimizer is about to use; apply the guard policy.
@@ -160,9 +183,15 @@ class GradientCheck:
                 report = rt.forensics.replay_now(scope, params_updated=False)
             except Exception as exc:
                 rt.errors.report("forensics", exc)
+        if rt.identity.distributed and rt.guard is not GuardPolicy.WARN:
+            try:  # every rank is here (the flag was agreed): each learns where the value was born
+                report = rt.forensics.share_origin(scope, report)
+            except Exception as exc:
+                rt.errors.report("distributed", exc)
         if rt.guard is GuardPolicy.SKIP:
-            for ref in params:
-                ref.param.grad = None
+            # Cleared when the update begins (drop_skipped), not here: a clip call inside the
+            # step measures first and must still return the true norm.
+            self._skip_params = params
             self.skipped = True
         elif rt.guard is GuardPolicy.RAISE:
             where = "" if local_bad else " on another rank"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple
 
 import torch
 
-from torchtrace.forensics.replay import find_side_effect_owners
+from torchtrace.measure.scaler import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
 from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, release_counter, shape_key
@@ -296,7 +296,8 @@ class RunThroughput:
         start = state.started_at
         account = self.ledger.add_step(FinishedStep(
             start, start + record.duration_s,
-            applied=not (record.skipped or record.scaler_overflow) and record.exception_type is None,
+            # An update applied and finite is progress: a NaN one applied under warn is not (skipped_step).
+            applied=not (record.skipped or record.scaler_overflow or record.nonfinite) and record.exception_type is None,
             excluded=record.flops_counted, samples=record.samples, tokens=record.tokens,
             flops=int(flops) if flops is not None else None, kind=record.kind, operation=operation,
             enclosing=enclosing(outer.kind, parent.started_at, parent.holds_steps) if outer and parent else None,

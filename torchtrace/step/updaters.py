@@ -81,6 +81,24 @@ def _safely(note: Callable[[Any], None], obj: Any) -> None:
 def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
     _safely(_note, optimizer)
     _safely(_unguarded, optimizer)
+    _safely(_skipped, optimizer)
+
+
+def _skipped(optimizer: Any) -> None:
+    """A skip decided at a ``clip_grad_norm_`` call left the gradients tensors (zeroed): an
+    optimizer the step does not name finds them set to ``None`` as its update begins. In a
+    forensic replay, an optimizer not yet known to it (the replay began at a clip call, before
+    the step's optimizer stepped) finds no gradients either: its update and state stay as they
+    were (the replay puts the gradients back)."""
+    rt = current.runtime(create=False)
+    if rt is not None and rt.replaying:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return
+    scope = current.step()
+    if scope is not None and scope.active and scope.gradients is not None:
+        scope.gradients.drop_skipped()
 
 
 def _unguarded(optimizer: Any) -> None:

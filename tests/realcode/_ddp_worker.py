@@ -1,0 +1,100 @@
+"""The real-code suite's DDP job (``torchrun --nproc_per_node=2``, gloo on CPU): the four planted
+faults under ``warn`` and ``skip``, each in a fresh torchtrace run, all in one launch.
+
+Usage: ``python -m torch.distributed.run ... _ddp_worker.py OUT_DIR``; each rank writes
+``OUT_DIR/ddp.rank<r>.json``: per guard and fault, the forensic reports, each step's skip
+decision, and a checksum of the final parameters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torchtrace as tt  # noqa: E402
+from torchtrace.api import get_runtime  # noqa: E402
+from tests.realcode import models  # noqa: E402
+
+STEPS = 5
+BAD_STEP = 3  # the fault is planted for this step (huge_lr: its update; the next step is the bad one)
+
+
+def run_case(out: str, rank: int, guard: str, fault: str, max_replays: int = 3) -> dict:
+    tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=os.path.join(out, guard, fault),
+                 register_atexit=False, strict=True, guard=guard, throughput=False, forensics_max_replays=max_replays)
+    torch.manual_seed(0)
+    inner = models.TinyGPT()
+    model = torch.nn.parallel.DistributedDataParallel(inner, find_unused_parameters=True)
+    opt = torch.optim.SGD(models.gpt_param_groups(inner, "lm_head"), lr=0.1)
+
+    @tt.debug_operation
+    def train_step(model, idx, targets, opt):
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data, as a sampler gives
+    decisions = []
+    for step in range(STEPS):
+        idx, targets = models.gpt_batch(gen)
+        saved = None
+        if step == BAD_STEP:
+            if fault == "inf_weight" and rank == 1:
+                saved = inner.h[0].mlp.c_fc.weight.detach().clone()
+                models.plant_inf_weight(inner.h[0].mlp.c_fc)
+            elif fault == "attention_overflow" and rank == 1:
+                saved = models.plant_attention_overflow(inner.h[0].attn.c_attn)
+            elif fault == "huge_lr":
+                opt.param_groups[0]["lr"] = models.HUGE_LR
+            elif fault == "nan_input":
+                embeds = models.nan_embeddings(inner, idx) if rank == 1 else inner.wte(idx).detach()
+                idx = embeds
+        train_step(model, idx, targets, opt)
+        record = get_runtime().history.last_record
+        decisions.append({"step": step, "skipped": bool(record.skipped), "nonfinite": bool(record.nonfinite)})
+        if fault == "huge_lr" and step == BAD_STEP:
+            opt.param_groups[0]["lr"] = 0.1
+        if saved is not None and record.skipped:  # a transient fault: the skipped step left no trace
+            target = inner.h[0].mlp.c_fc.weight if fault == "inf_weight" else inner.h[0].attn.c_attn.weight
+            models.put_back(target, saved)
+    rt = get_runtime()
+    flat = torch.cat([p.detach().reshape(-1) for p in inner.parameters()]).to(torch.float64)
+    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    identical = all(torch.equal(torch.nan_to_num(g, 0.0, 1.0, -1.0), torch.nan_to_num(flat, 0.0, 1.0, -1.0))
+                    and torch.equal(g.isnan(), flat.isnan()) for g in gathered)
+    result = {"reports": list(rt.forensics.reports), "decisions": decisions, "identical": identical,
+              "internal_errors": rt.errors.total if isinstance(getattr(rt.errors, "total", None), int) else None}
+    tt.shutdown()
+    return result
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    results = {}
+    for guard in ("warn", "skip"):
+        for fault in models.FAULTS:
+            results[f"{guard}/{fault}"] = run_case(out, rank, guard, fault)
+            dist.barrier()
+    # Only rank 1 replays (rank 0 has no replay budget): a replay that issued DDP's collectives
+    # would wait for a rank that never joins it.
+    results["lonely/nan_input"] = run_case(os.path.join(out, "lonely"), rank, "warn", "nan_input",
+                                           max_replays=0 if rank == 0 else 3)
+    with open(os.path.join(out, f"ddp.rank{rank}.json"), "w") as f:
+        json.dump(results, f, default=str)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Real-code suite, hand-written loops: a GPT-style decoder trained in nanoGPT's order
+(``zero_grad`` at the end, a disabled GradScaler, clipping), the same model under
+``torch.compile``, and an LSTM language model with a hand-written SGD update. Each gets the
+four planted faults (tests/realcode/models.py) under ``warn`` and ``skip``; the forensic report
+must name the cause and the module, and ``skip`` must leave the weights as they were."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtrace as tt
+from torchtrace.api import get_runtime
+from tests.realcode import models
+
+BAD_STEP = 3
+STEPS = 5
+GUARDS = ("warn", "skip")
+
+
+def _configure(tmp_path, guard):
+    tt.configure(service_name="realcode", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
+                 register_atexit=False, guard=guard, throughput=False)
+
+
+def _gpt_run(tmp_path, guard: str, fault: str, compiled: bool) -> dict:
+    _configure(tmp_path, guard)
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    runner = torch.compile(model, backend="eager") if compiled else model
+    opt = torch.optim.SGD(models.gpt_param_groups(model, "lm_head"), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # nanoGPT's default off float16
+
+    @tt.debug_operation
+    def train_step(model, idx, targets, opt):
+        _, loss = model(idx, targets)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)  # nanoGPT zeroes at the end of the step
+        return loss
+
+    gen = torch.Generator().manual_seed(1)
+    out = {"before": None}
+    for step in range(STEPS):
+        idx, targets = models.gpt_batch(gen)
+        saved = None
+        if step == BAD_STEP:
+            if fault == "inf_weight":
+                saved = model.h[0].mlp.c_fc.weight.detach().clone()
+                models.plant_inf_weight(model.h[0].mlp.c_fc)
+            elif fault == "attention_overflow":
+                saved = models.plant_attention_overflow(model.h[0].attn.c_attn)
+            elif fault == "huge_lr":
+                opt.param_groups[0]["lr"] = models.HUGE_LR
+            else:
+                idx = models.nan_embeddings(model, idx)
+        if step == (BAD_STEP + 1 if fault == "huge_lr" else BAD_STEP):
+            out["before"] = [p.detach().clone() for p in model.parameters()]
+        train_step(runner, idx, targets, opt)
+        if fault == "huge_lr" and step == BAD_STEP:
+            opt.param_groups[0]["lr"] = 0.1
+        if saved is not None and get_runtime().history.last_record.skipped:
+            target = model.h[0].mlp.c_fc.weight if fault == "inf_weight" else model.h[0].attn.c_attn.weight
+            models.put_back(target, saved)  # the fault was transient; the skipped step left no trace
+            out["before"] = None  # (compared below only where nothing was put back)
+        if step == (BAD_STEP + 1 if fault == "huge_lr" else BAD_STEP):
+            out["after"] = [p.detach().clone() for p in model.parameters()]
+    return _outcome(model, out)
+
+
+def _outcome(model, out) -> dict:
+    rt = get_runtime()
+    result = {"reports": list(rt.forensics.reports), "section": rt.forensics.section(),
+              "records": rt.history.totals.copy(), "unchanged": None}
+    if out.get("before") is not None:
+        result["unchanged"] = all(torch.equal(a, b) for a, b in zip(out["before"], out["after"]))
+    tt.shutdown()
+    return result
+
+
+GPT_EXPECTED = {
+    "inf_weight": ("parameter", "h.0.mlp.c_fc", BAD_STEP),
+    "attention_overflow": ("forward", "h.0.attn", BAD_STEP),
+    # The head's weights jumped to ~1e36: the next forward's logits overflow in the loss the
+    # root module computes; the report's largest parameter is the head's.
+    "huge_lr": ("forward", "", BAD_STEP + 1),
+    "nan_input": ("input", "", BAD_STEP),
+}
+
+
+def _check(result, guard, expected, largest=None):
+    cause, module, step = expected
+    (report,) = result["reports"]
+    assert (report["cause"], report["module"], report["step"]) == (cause, module, step), report
+    assert "replay_error" not in report and report["params_updated"] is False
+    if largest is not None:
+        assert report["largest_params"][0]["name"] == largest
+    assert result["records"]["nonfinite_steps"] >= 1
+    if guard == "skip" and result["unchanged"] is not None:
+        assert result["unchanged"]  # the bad step's update was not applied
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("fault", models.FAULTS)
+def test_gpt_in_nanogpt_order(tmp_path, guard, fault):
+    result = _gpt_run(tmp_path, guard, fault, compiled=False)
+    _check(result, guard, GPT_EXPECTED[fault], "lm_head.weight" if fault == "huge_lr" else None)
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("fault", models.FAULTS)
+def test_compiled_gpt(tmp_path, guard, fault):
+    result = _gpt_run(tmp_path, guard, fault, compiled=True)
+    _check(result, guard, GPT_EXPECTED[fault], "lm_head.weight" if fault == "huge_lr" else None)
+
+
+def _lstm_run(tmp_path, guard: str, fault: str) -> dict:
+    """The word-language-model loop: hidden state carried and detached, clip_grad_norm_, then
+    ``p.data.add_(p.grad, alpha=-lr)`` by hand. Its overflow fault is a temperature near zero
+    in the model's own forward (an LSTM has no attention)."""
+    _configure(tmp_path, guard)
+    torch.manual_seed(0)
+    model = models.TinyLSTM()
+    lr = {"value": 0.5}
+    norms = []
+
+    @tt.debug_operation
+    def train_step(model, ids, targets, hidden):
+        model.zero_grad()
+        log_probs, hidden = model(ids, hidden)
+        loss = F.nll_loss(log_probs.reshape(-1, models.VOCAB), targets.reshape(-1))
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25))
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-lr["value"])
+        return loss
+
+    gen = torch.Generator().manual_seed(2)
+    hidden = model.init_hidden(2)
+    out = {}
+    for step in range(STEPS):
+        ids = torch.randint(0, models.VOCAB, (models.SEQ, 2), generator=gen)
+        targets = torch.roll(ids, -1, dims=0)
+        hidden = tuple(h.detach() for h in hidden)
+        saved = None
+        if step == BAD_STEP:
+            if fault == "inf_weight":
+                saved = model.rnn.weight_hh_l0.detach().clone()
+                with torch.no_grad():
+                    model.rnn.weight_hh_l0.view(-1)[0] = float("inf")
+            elif fault == "attention_overflow":
+                model.temperature = 1e-40  # the logits overflow to Inf: NaN after log_softmax
+            elif fault == "huge_lr":
+                lr["value"] = models.HUGE_LR
+            else:
+                hidden = (hidden[0].clone(), hidden[1])
+                hidden[0][0, 0, 0] = float("nan")
+        bad = step == (BAD_STEP + 1 if fault == "huge_lr" else BAD_STEP)
+        if bad:
+            out["before"] = [p.detach().clone() for p in model.parameters()]
+        loss = train_step(model, ids, targets, hidden)
+        _, hidden = model(ids, hidden) if loss is not None else (None, hidden)
+        if fault == "huge_lr" and step == BAD_STEP:
+            lr["value"] = 0.5
+        if step == BAD_STEP:
+            model.temperature = 1.0
+        if saved is not None and get_runtime().history.last_record.skipped:
+            models.put_back(model.rnn.weight_hh_l0, saved)
+            out["before"] = None
+        if bad:
+            out["after"] = [p.detach().clone() for p in model.parameters()]
+            out["norm"] = float(norms[-1])
+    result = _outcome(model, out)
+    result["norm"] = out["norm"]
+    return result
+
+
+LSTM_EXPECTED = {
+    "inf_weight": ("parameter", "rnn", BAD_STEP),
+    "attention_overflow": ("forward", "", BAD_STEP),  # made by the root's own forward code
+    "nan_input": ("input", "", BAD_STEP),
+}
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("fault", models.FAULTS)
+def test_lstm_with_a_hand_written_update(tmp_path, guard, fault):
+    result = _lstm_run(tmp_path, guard, fault)
+    if fault == "huge_lr":
+        # The update is clipped to norm 0.25 first, so lr=1e38 moves a weight by 2.5e37 at most,
+        # and the LSTM's gates saturate: every value stays finite. Nothing to localise, and no
+        # false report either.
+        assert result["reports"] == [] and result["records"].get("nonfinite_steps", 0) == 0
+        assert math.isfinite(result["norm"])
+        return
+    assert not math.isfinite(result["norm"])  # clip_grad_norm_ returned the true norm
+    _check(result, guard, LSTM_EXPECTED[fault])

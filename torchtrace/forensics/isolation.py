@@ -1,0 +1,172 @@
+"""What keeps a forensic replay from changing anything outside it, or waiting on anyone.
+
+A replay runs the user's step once more, on one rank, inside the optimizer's hook. So the
+optimizers', schedulers' and scalers' updates become no-ops (:func:`neutralised`),
+DistributedDataParallel issues no collective (:func:`local_only`), torch.compile'd code runs
+eagerly so that the hooks see every module (:func:`eager`), an ``async def`` step is driven
+to its end outside the event loop (:func:`finished`), and the RNG state is the step's
+(:func:`capture_rng`, :func:`restore_rng`). Names in reports are the user's model's
+(:func:`user_name`: without DDP's ``module.`` or torch.compile's ``_orig_mod.``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Iterator
+
+import torch
+from torch.optim import swa_utils
+
+from torchtrace.measure.scaler import find_side_effect_owners
+
+
+# ---------------------------------------------------------------- RNG and state capture
+def capture_rng() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The CPU and CUDA generator states (host-side: no device synchronisation)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def restore_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# ---------------------------------------------------------------- neutralising side effects
+@contextlib.contextmanager
+def neutralised(optimizers: list[Any], scalers: list[Any]) -> Iterator[None]:
+    """``optimizer.step`` and a GradScaler's ``step/unscale_/update`` become no-ops (instance patch)."""
+    patched: list[tuple[Any, str, bool, Any]] = []
+
+    def patch(obj: Any, name: str) -> None:
+        had = name in vars(obj)
+        patched.append((obj, name, had, vars(obj).get(name)))
+        setattr(obj, name, lambda *a, **k: None)
+
+    try:
+        for opt in optimizers:  # optimizers, schedulers, and weight averages (AveragedModel)
+            patch(opt, "update_parameters" if isinstance(opt, swa_utils.AveragedModel) else "step")
+        for sc in scalers:
+            for name in ("step", "unscale_", "update"):
+                patch(sc, name)
+        yield
+    finally:
+        for obj, name, had, old in reversed(patched):
+            if had:
+                setattr(obj, name, old)
+            else:
+                try:
+                    delattr(obj, name)
+                except AttributeError:
+                    pass
+
+
+def side_effect_owners(scope: Any) -> tuple[list[Any], list[Any]]:
+    """Optimizers and GradScalers among a step scope's arguments (their updates are neutralised
+    in a replay), the scope's own, and the other optimizers and learning-rate schedulers that
+    stepped in it (a scheduler's ``step`` is neutralised like an optimizer's)."""
+    opts, scalers = find_side_effect_owners(*scope.inputs) if scope.inputs is not None else ([], [])
+    for optimizer in (scope.optimizer, *(scope.forensics.stepped or ())):
+        if optimizer is not None and optimizer not in opts:
+            opts.append(optimizer)
+    if scope.scaler is not None and scope.scaler not in scalers:
+        scalers.append(scope.scaler)
+    return opts, scalers
+
+
+
+# The prefixes a wrapper puts before the user's names: DistributedDataParallel's ``module.``
+# and torch.compile's ``_orig_mod.``. Reports name modules and parameters as in the user's model.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_WRAPPER_ROOTS = ("module", "_orig_mod")
+
+
+def user_name(name: str) -> str:
+    """A module or parameter name as the user's own model spells it (wrapper prefixes dropped).
+
+    >>> user_name("module._orig_mod.mlp.c_fc.weight"), user_name("module")
+    ('mlp.c_fc.weight', '')
+    """
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    return "" if name in _WRAPPER_ROOTS else name
+
+
+def _is_ddp(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.parallel.DistributedDataParallel)
+
+
+def is_distributed_data_parallel(model: torch.nn.Module, others: tuple = ()) -> bool:
+    """A DistributedDataParallel wrapper is the model or among the step's arguments."""
+    return any(_is_ddp(m) for m in (model, *others))
+
+
+@contextlib.contextmanager
+def local_only(model: torch.nn.Module, others: tuple = ()) -> Iterator[None]:
+    """No collective in the replay: DistributedDataParallel's gradient all-reduce and buffer
+    broadcast are switched off (what ``no_sync()`` does, and the forward's buffer sync too) on
+    every DDP wrapper among the model and the step's arguments. Only the rank whose step is
+    replayed runs the replay: a collective there would wait for ranks that never join it."""
+    wrappers = [m for m in (model, *others) if _is_ddp(m)]
+    saved = [(w, w.require_backward_grad_sync, w.require_forward_param_sync) for w in wrappers]
+    try:
+        for w in wrappers:
+            w.require_backward_grad_sync = False
+            w.require_forward_param_sync = False
+        yield
+    finally:
+        for w, backward, forward in saved:
+            w.require_backward_grad_sync = backward
+            w.require_forward_param_sync = forward
+
+
+def eager() -> contextlib.AbstractContextManager:
+    """torch.compile'd code runs eagerly in the replay, so every module's hooks run in Python
+    (traced by dynamo, the recorder's bookkeeping is not kept)."""
+    stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if stance is None:
+        return contextlib.nullcontext()
+    return stance("force_eager")
+
+
+_MAX_BARE_YIELDS = 10_000
+
+
+def finished(out: Any) -> Any:
+    """The result of a replayed ``async def`` step: its coroutine is driven here, outside the
+    event loop (the replay runs inside the optimizer's hook, which cannot await). Bare yields
+    (``await asyncio.sleep(0)``) are passed over; awaiting a pending future of the loop (real
+    I/O) cannot go on here, and raises ``RuntimeError`` saying so (the report's ``tried``).
+    Anything else is returned as it is.
+
+    >>> async def step():
+    ...     return 3
+    >>> finished(step())
+    3
+    """
+    if not inspect.iscoroutine(out):
+        return out
+    try:
+        for _ in range(_MAX_BARE_YIELDS):
+            try:
+                awaited = out.send(None)
+            except StopIteration as stop:
+                return stop.value
+            if awaited is not None:
+                raise RuntimeError("the async step awaited a pending future, which a replay outside the event "
+                                   "loop cannot wait for; give replay= a synchronous callable")
+        raise RuntimeError("the async step kept yielding; give replay= a synchronous callable")
+    finally:
+        out.close()
+
+
+
+__all__ = ["capture_rng", "eager", "finished", "is_distributed_data_parallel", "local_only", "neutralised",
+           "restore_rng", "side_effect_owners", "user_name"]
