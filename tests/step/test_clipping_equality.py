@@ -223,3 +223,50 @@ def test_under_guard_skip_the_clip_returns_torchs_norm(tmp_path, poison):
             assert all(not p.grad.any() for p in params)
     finally:
         tt.shutdown()
+
+
+def test_dtensor_gradients_fall_back_to_torchs_function(tmp_path, monkeypatch):
+    """FSDP2-style DTensor gradients (a one-rank mesh): torchtrace measures their local shards,
+    not the gradients the clip is given, so the clip is torch's own: the same results."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from torchtrace.measure import clip_norm
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True, register_atexit=False)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        gen = torch.Generator().manual_seed(9)
+        plain = [torch.randn(6, 3, generator=gen) for _ in range(3)]
+
+        def dtensor_params():
+            params = []
+            for g in plain:
+                p = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 3), mesh, [Shard(0)]))
+                p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+                params.append(p)
+            return params
+
+        params, twins = dtensor_params(), dtensor_params()
+        want = TORCH_CLIP(twins, 0.1)
+        reused = []
+        real_total_norm = clip_norm.total_norm
+
+        def spy(*args, **kwargs):
+            result = real_total_norm(*args, **kwargs)
+            reused.append(result is not None)
+            return result
+
+        monkeypatch.setattr(clip_norm, "total_norm", spy)
+        with tt.debug_context("train_step", optimizer=torch.optim.SGD(params, lr=0.0)):
+            got = torch.nn.utils.clip_grad_norm_(params, 0.1)
+        assert reused == [False]
+        assert torch.equal(got.full_tensor(), want.full_tensor())
+        for p, t in zip(params, twins):
+            assert torch.equal(p.grad.full_tensor(), t.grad.full_tensor())
+    finally:
+        tt.shutdown()
+        dist.destroy_process_group()
