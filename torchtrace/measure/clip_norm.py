@@ -63,14 +63,14 @@ def total_norm(stats: GradStats, grads: Sequence[torch.Tensor], norm_type: float
         if None in rows:
             return None
         pieces.append(_norms_at(stats.norms, rows).to(dtype))  # type: ignore[arg-type]
-    with torch.no_grad():
-        if len(pieces) == 1:
-            stacked = pieces[0]
-        else:
-            # torch.stack of the groups' norms promotes them to one dtype: the same here.
-            common = functools.reduce(torch.promote_types, [p.dtype for p in pieces])
-            stacked = torch.cat([p.to(common) for p in pieces])
-        return torch.linalg.vector_norm(stacked, 2.0)
+    # (No no_grad needed: norms of .grad tensors carry no autograd graph.)
+    if len(pieces) == 1:
+        stacked = pieces[0]
+    else:
+        # torch.stack of the groups' norms promotes them to one dtype: the same here.
+        common = functools.reduce(torch.promote_types, [p.dtype for p in pieces])
+        stacked = torch.cat([p.to(common) for p in pieces])
+    return torch.linalg.vector_norm(stacked, 2.0)
 
 
 def _uses_the_measured_kernel(group: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
