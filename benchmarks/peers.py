@@ -233,8 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=20.0, help="seconds of timed rounds per workload")
     p.add_argument("--steps", type=int, default=None, help="steps per variant per round (default 10 on the toy, 2 else)")
     p.add_argument("--workloads", default=None, help="comma-separated name prefixes (toy, mlp, tensors, encoder)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (1 on a machine shared with other work: no spinning thread pool)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.getLogger("torchtrace").setLevel(logging.ERROR)  # anomaly warnings are not what we time
     tt.configure(service_name="peers-bench", level="basic", prometheus_port=0,
                  run_dir=tempfile.mkdtemp(prefix="torchtrace-peers-"), register_atexit=False)
