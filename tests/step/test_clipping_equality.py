@@ -276,3 +276,20 @@ def test_dtensor_gradients_fall_back_to_torchs_function(tmp_path, monkeypatch):
     finally:
         tt.shutdown()
         dist.destroy_process_group()
+
+
+def test_gradients_of_a_create_graph_backward_give_a_norm_without_a_graph(tt_runtime):
+    torch.manual_seed(10)
+    model = torch.nn.Linear(6, 3)
+    twin = torch.nn.Linear(6, 3)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(4, 6)
+    twin(x).pow(2).sum().backward(create_graph=True)
+    want = TORCH_CLIP(twin.parameters(), 0.01)
+    with tt.debug_context("train_step", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0)):
+        model(x).pow(2).sum().backward(create_graph=True)
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    assert got.grad_fn is None and not got.requires_grad
+    assert _same_bits(got, want)
+    for p, t in zip(model.parameters(), twin.parameters()):
+        assert _same_bits(p.grad.detach(), t.grad.detach())

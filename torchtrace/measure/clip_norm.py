@@ -42,7 +42,8 @@ _REAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def total_norm(stats: GradStats, grads: Sequence[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor | None:
     """The total norm ``clip_grad_norm_(…, norm_type, foreach=foreach)`` would compute for
     ``grads``, from ``stats`` measured on the same, unchanged tensors; ``None`` where the bits
-    cannot be shown equal (see the module docstring). No host read.
+    cannot be shown equal (see the module docstring). No host read. Call it under
+    ``torch.no_grad()`` where the gradients may carry a graph (a ``create_graph`` backward).
 
     >>> g = [torch.tensor([3.0]), torch.tensor([4.0])]
     >>> from torchtrace.measure.gradients import GradStats
@@ -63,7 +64,6 @@ def total_norm(stats: GradStats, grads: Sequence[torch.Tensor], norm_type: float
         if None in rows:
             return None
         pieces.append(_norms_at(stats.norms, rows).to(dtype))  # type: ignore[arg-type]
-    # (No no_grad needed: norms of .grad tensors carry no autograd graph.)
     if len(pieces) == 1:
         stacked = pieces[0]
     else:

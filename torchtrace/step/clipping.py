@@ -111,7 +111,9 @@ def _clip_with_norms(original: Callable[..., Any], stats: GradStats, args: tuple
         return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     grads = [p.grad for p in params if p.grad is not None]
     try:
-        total = clip_norm.total_norm(stats, grads, norm_type, foreach)
+        # As torch's function does: no graph, even for gradients of a create_graph backward.
+        with torch.no_grad():
+            total = clip_norm.total_norm(stats, grads, norm_type, foreach)
     except Exception as exc:  # torchtrace's own failure: torch's function does the whole job
         _report(exc)
         total = None
