@@ -6,17 +6,33 @@ as backward left them, then clips. Outside a step it only reads a context variab
 it the optimizer hook would see clipped gradients and an explosion would read as
 ``max_norm``. A function bound by name before ``configure()``
 (``from torch.nn.utils import clip_grad_norm_``) is not reached (documented).
+
+``clip_grad_norm_`` (and the deprecated ``clip_grad_norm``, which calls it) does not read the
+gradients a second time: the total norm comes from the per-tensor norms the step has just
+measured (:func:`torchtrace.measure.clip_norm.total_norm`, the same bits as torch's), and
+torch's own ``clip_grads_with_norm_`` scales the gradients with it. It falls back to torch's
+whole function, which reads the gradients again, where equality is not shown: ``norm_type``
+other than 2, gradients on several devices, ``foreach=False`` off the CPU, parameters the
+step does not watch, sparse or DTensor/FSDP2 gradients, a second clip call in the same step,
+a step whose norms came out non-finite, and ``error_if_nonfinite=True`` with a non-finite
+norm (torch's function then raises its own error).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import math
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from torchtrace import current
 from torchtrace.errors import NonFiniteError
+from torchtrace.measure import clip_norm
+
+if TYPE_CHECKING:
+    from torchtrace.measure.gradients import GradStats
+    from torchtrace.step.scope import StepScope
 
 
 def is_compiling() -> bool:
@@ -26,21 +42,27 @@ def is_compiling() -> bool:
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    # Only the norm clip has a norm to reuse; clip_grad_value_ reads each gradient once anyway.
+    reuses_norms = getattr(original, "__name__", "") == "clip_grad_norm_"
+
     @functools.wraps(original)
     def clip(*args: Any, **kwargs: Any) -> Any:
         if is_compiling():  # traced by torch.compile: stay out of the graph (no break)
             return original(*args, **kwargs)
         scope = current.step()
+        measured: GradStats | None = None
         if scope is not None and scope.active and (scope.gradients is None or not scope.gradients.fired):
             try:
                 scope.check_gradients_now()
+                measured = _fresh_norms(scope)
             except NonFiniteError:
                 raise  # guard="raise": the policy the user asked for
             except Exception as exc:  # torchtrace's own failure never reaches the user's clip call
-                rt = current.runtime(create=False)
-                if rt is not None:
-                    rt.errors.report("gradients", exc)
-        result = original(*args, **kwargs)
+                _report(exc)
+        if reuses_norms and measured is not None:
+            result = _clip_with_norms(original, measured, args, kwargs)
+        else:
+            result = original(*args, **kwargs)
         if scope is not None and scope.active and scope.gradients is not None and scope.gradients.skipped:
             # guard="skip": the clip returned the true (non-finite) norm; the gradients stay
             # tensors, zeroed, so an update the user writes by hand changes nothing.
@@ -49,6 +71,59 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     clip.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
     return clip
+
+
+def _report(exc: Exception) -> None:
+    rt = current.runtime(create=False)
+    if rt is not None:
+        rt.errors.report("gradients", exc)
+
+
+def _fresh_norms(scope: StepScope) -> GradStats | None:
+    """The norms the step measured just now, in this clip call, when they can stand for the
+    gradients the clip is given: not when they came out non-finite (forensics may have replayed
+    the step in between, and such a step is rare enough to pay for torch's own pass)."""
+    check = scope.gradients
+    if check is None or not check.fired or check.stats is None:
+        return None
+    if check.values is not None and not all(math.isfinite(v) for v in check.values):
+        return None
+    return check.stats
+
+
+def _arguments(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+               foreach: bool | None = None) -> tuple[Any, float, float, bool, bool | None]:
+    """``clip_grad_norm_``'s arguments by name (a TypeError for a call torch would refuse)."""
+    return parameters, max_norm, norm_type, error_if_nonfinite, foreach
+
+
+def _clip_with_norms(original: Callable[..., Any], stats: GradStats, args: tuple, kwargs: dict) -> Any:
+    """``clip_grad_norm_(*args, **kwargs)`` with the total norm taken from ``stats``: torch's
+    ``clip_grads_with_norm_`` scales the gradients; torch's whole function runs instead where
+    the total cannot be shown to be its own (see the module docstring)."""
+    try:
+        parameters, max_norm, norm_type, error_if_nonfinite, foreach = _arguments(*args, **kwargs)
+    except TypeError:
+        return original(*args, **kwargs)  # torch's own error for a call it refuses
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if not params:
+        # An empty list, or an exhausted generator: torch's function warns about the latter.
+        return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    grads = [p.grad for p in params if p.grad is not None]
+    try:
+        # As torch's function does: no graph, even for gradients of a create_graph backward.
+        with torch.no_grad():
+            total = clip_norm.total_norm(stats, grads, norm_type, foreach)
+    except Exception as exc:  # torchtrace's own failure: torch's function does the whole job
+        _report(exc)
+        total = None
+    if total is None:
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    # torch reads the same flag from the device before it clips: no added host read.
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)  # raises torch's error
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
 
 
 def install() -> None:
