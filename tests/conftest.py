@@ -1,15 +1,40 @@
-"""Shared fixtures: a fresh torchtrace per test, a tiny model, real-server requirements."""
+"""Shared fixtures: a fresh torchtrace per test, a tiny model, real-server requirements, and
+the checkout guard: every test runs in a temporary working directory, and the session fails
+when it leaves a new file in the checkout (tests/checkout.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 import torchtrace as tt
+
+from .checkout import CheckoutGuard
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Under xdist only the controller watches the checkout: it sees the whole session.
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(CheckoutGuard(ROOT), "torchtrace-checkout-guard")
+
+
+@pytest.fixture(autouse=True)
+def _temporary_working_directory(tmp_path_factory, monkeypatch):
+    """Run each test in a fresh temporary directory, so anything written relative to the
+    working directory (the default run directory ./torchtrace-runs, a subprocess started
+    without cwd=) lands there and not in the checkout. It is not the test's tmp_path, so a
+    test that lists its tmp_path sees only what it wrote. A torchtrace set up from the
+    environment serves metrics on any free port, not on 9464, which a user's own training
+    job or another test worker may hold."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+    monkeypatch.setenv("TORCHTRACE_PROMETHEUS_PORT", "0")
 
 def servers_required() -> bool:
     """TORCHTRACE_REQUIRE_SERVERS=1 (set by .ci/run): a missing server or framework fails the test."""

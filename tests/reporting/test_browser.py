@@ -1,6 +1,7 @@
 """The live page and the HTML report in headless Chromium: screenshots, drawn data, anomalies.
 
-Screenshots go to ``$TORCHTRACE_ARTIFACTS_DIR`` or ``artifacts/`` at the repository root.
+Screenshots go to ``$TORCHTRACE_ARTIFACTS_DIR`` when it is set (CI keeps them), else to the
+test's temporary directory: the suite writes nothing into the checkout.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from ..export.debug_helpers import Trainer, runtime
 from .run_fixture import BAD_STEPS, INPUT_NAN_STEP, NAN_STEP, STEPS, make_run
 
 pytestmark = pytest.mark.realserver
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def artifacts_dir() -> Path:
-    path = Path(os.environ.get("TORCHTRACE_ARTIFACTS_DIR") or ROOT / "artifacts")
+def artifacts_dir(tmp_path: Path) -> Path:
+    path = Path(os.environ.get("TORCHTRACE_ARTIFACTS_DIR") or tmp_path / "artifacts")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -57,7 +57,7 @@ def test_live_page_in_chromium_while_training(tt_runtime, tiny_model, tmp_path):
     rt = runtime()
     trainer = Trainer(tiny_model, nan_at=(NAN_STEP,))
     trainer.run(STEPS)
-    shot = artifacts_dir() / "live_page.png"
+    shot = artifacts_dir(tmp_path) / "live_page.png"
     shot.unlink(missing_ok=True)
     proc = chromium(binary, f"{rt.server.url}/", shot, tmp_path / "profile")
     deadline = time.monotonic() + 60
@@ -112,9 +112,9 @@ def assert_round_ticks(ticks: list[int], first: int, last: int) -> None:
 def test_html_report_in_chromium(tmp_path):
     binary = require_binary("chromium")
     run_dir, _ = make_run(tmp_path)
-    out = artifacts_dir() / "report.html"
+    out = artifacts_dir(tmp_path) / "report.html"
     write_html_report(run_dir, out)
-    shot = artifacts_dir() / "report.png"
+    shot = artifacts_dir(tmp_path) / "report.png"
     shot.unlink(missing_ok=True)
     dom = render(binary, out, tmp_path, shot)
     state = page_state(dom)
