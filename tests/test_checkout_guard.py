@@ -86,3 +86,13 @@ def test_each_test_runs_outside_the_checkout(tiny_model, monkeypatch):
     train_step(torch.randn(2, 8))
     tt.shutdown()
     assert list((cwd / "torchtrace-runs").iterdir())
+
+
+def test_every_serial_test_is_still_there():
+    """SERIAL_TESTS names functions by name; a rename would run the test in parallel again."""
+    from .conftest import SERIAL_TESTS
+
+    for path, names in SERIAL_TESTS.items():
+        text = (ROOT / path).read_text()
+        for name in names:
+            assert f"def {name}(" in text, f"{path} has no {name}"
