@@ -225,6 +225,9 @@ def test_throughput_axis_names_tokens_when_the_steps_count_them(tmp_path):
     out = tmp_path / "lm.html"
     write_html_report(run, out)
     dom = render(binary, out, tmp_path)
-    assert canvas_attrs(dom, "throughput")["data-ylabel"] == "tokens/s"
+    attrs = canvas_attrs(dom, "throughput")
+    assert attrs["data-ylabel"] == "tokens/s"
+    # tick labels in thousands ("160k"), not "1.6e+5"
+    assert all(re.fullmatch(r"0|\d{1,3}(\.\d+)?k", t) for t in attrs["data-yticks"].split(",")), attrs
     card = re.search(r'<span id="last-throughput">([^<]*)</span>', dom).group(1)
     assert card == f"train_step · last {round(8 * 1024 / 0.05):,} tokens/s", card  # 163,840
