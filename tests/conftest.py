@@ -31,7 +31,8 @@ SERIAL_TESTS = {
         "test_a_model_under_activation_checkpointing_keeps_its_phases",
         "test_a_forward_called_past_the_model_keeps_the_optimizer_phase"},
     "tests/integrations/test_lightning.py": {"test_phases_come_from_lightnings_hooks"},
-    "tests/integrations/test_transformers.py": {"test_phases_of_a_trainer_step_with_gradient_accumulation"},
+    "tests/integrations/test_transformers.py": {"test_phases_of_a_trainer_step_with_gradient_accumulation",
+                                                "test_evaluation_and_checkpoints_between_steps_are_their_own_badput"},
     "tests/export/test_collector_faults.py": {"test_step_time_does_not_depend_on_the_collector"},
 }
 
