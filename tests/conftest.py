@@ -34,6 +34,7 @@ SERIAL_TESTS = {
     "tests/integrations/test_transformers.py": {"test_phases_of_a_trainer_step_with_gradient_accumulation",
                                                 "test_evaluation_and_checkpoints_between_steps_are_their_own_badput"},
     "tests/export/test_collector_faults.py": {"test_step_time_does_not_depend_on_the_collector"},
+    "tests/reporting/test_operations.py": {"test_terminal_report_step_time_and_loss_are_the_training_operation"},
 }
 
 
