@@ -35,15 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "report.png"))
     parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
-    parser.add_argument("--size", default="1280,1180", help="window width,height in CSS pixels")
+    parser.add_argument("--size", default="1280,1430", help="window width,height in CSS pixels")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="torchtrace-report-png-") as tmp:
         work = Path(tmp)
+        # the demo's own default run directory, so the report names it as a user's would
         run([sys.executable, "-m", "torchtrace.cli", "demo", "--inject", "nan@120", "--port", "0",
-             "--run-dir", str(work / "runs"), "--hold", "0", "--no-progress"], cwd=work, timeout=300)
-        (run_dir,) = [p for p in (work / "runs").iterdir() if p.is_dir()]
+             "--hold", "0", "--no-progress"], cwd=work, timeout=300)
+        (run_dir,) = [p for p in (work / "torchtrace-runs").iterdir() if p.is_dir()]
         html = work / "report.html"
-        run([sys.executable, "-m", "torchtrace.cli", "report", str(run_dir), "--html", str(html)], timeout=120)
+        run([sys.executable, "-m", "torchtrace.cli", "report", str(run_dir.relative_to(work)), "--html", str(html)],
+            cwd=work, timeout=120)
         shot = work / "report.png"
         run([args.chromium, *CHROMIUM_FLAGS, f"--user-data-dir={work / 'profile'}", f"--screenshot={shot}",
              f"--window-size={args.size}", "--virtual-time-budget=5000", html.as_uri()], timeout=120)

@@ -7,4 +7,26 @@ cd "$(dirname "$0")/.."
 if [ "${TORCHTRACE_SKIP_LINT:-0}" != "1" ]; then
   PYTHON=.venv/bin/python ./scripts/lint.sh
 fi
-exec .venv/bin/python -m pytest -q "$@"
+# Two passes. First every test but the `serial` ones, in parallel (pytest-xdist): one worker
+# per core, 2 to 4; TORCHTRACE_TEST_WORKERS=N picks N. Then the `serial` tests (they check
+# measured wall time against planted sleeps; see SERIAL_TESTS in tests/conftest.py) alone.
+# TORCHTRACE_TEST_WORKERS=0: one pass, one process, as plain pytest.
+if [ -n "${TORCHTRACE_TEST_WORKERS:-}" ]; then
+  workers="$TORCHTRACE_TEST_WORKERS"
+else
+  workers="$(nproc 2>/dev/null || echo 2)"
+  [ "$workers" -gt 4 ] && workers=4
+  [ "$workers" -lt 2 ] && workers=2
+fi
+if [ "$workers" = "0" ]; then
+  exec .venv/bin/python -m pytest -q -p no:xdist "$@"
+fi
+status=0
+.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup -m "not serial" "$@" || status=$?
+serial=0
+.venv/bin/python -m pytest -q -p no:xdist -m serial "$@" || serial=$?
+# 5: the selection left no test in that pass (one of them may be empty, not both)
+[ "$status" -eq 5 ] && [ "$serial" -ne 5 ] && status=0
+[ "$serial" -eq 5 ] && serial=0
+[ "$status" -ne 0 ] && exit "$status"
+exit "$serial"

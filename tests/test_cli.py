@@ -49,14 +49,20 @@ def test_demo_tells_the_story_in_a_pipe(tmp_path):
     assert out.index("token:") < out.index("step 20/120")
     # the NaN: found at its step, its producer named, the update skipped, training recovering, in that order
     lines = out.splitlines()
-    found = next(i for i, l in enumerate(lines) if "step 50: NaN found. Forensic replay: born in layer `norm` "
-                                                     "(InputNorm)" in l)
+    found = next(i for i, l in enumerate(lines) if "step 50: NaN found (" in l and "). Forensic replay: born in layer "
+                                                     "`norm` (InputNorm)" in l)
     skipped = next(i for i, l in enumerate(lines) if "step 50: update skipped (guard skip)" in l)
     recovered = next(i for i, l in enumerate(lines) if re.search(r">> step 51: training recovered: loss \d", l))
     progress_before = next(i for i, l in enumerate(lines) if l.startswith("  step 40/120"))
     progress_after = next(i for i, l in enumerate(lines) if l.startswith("  step 60/120"))
     assert progress_before < found < skipped < recovered < progress_after  # each event when it happens
-    assert "nonfinite_loss" in out and "grad_explosion" in out  # torchtrace's own log lines, whole
+    assert "WARNING torchtrace: step 80 train_step: grad_explosion: " in out  # torchtrace's own log lines, whole
+    # the NaN story is told once: the narration's line, with what was non-finite, and no raw
+    # ERROR/WARNING log line about the same step (nor a continuation saying it again)
+    about_the_nan = [l for l in lines[progress_before:progress_after] if re.search(r"\bstep 50\b", l) and re.search(r"nan|nonfinite|forensic", l, re.I)]
+    assert len(about_the_nan) == 1 and about_the_nan[0] == lines[found], about_the_nan
+    assert "(nonfinite_grad, nonfinite_loss, nonfinite_output)" in lines[found], lines[found]
+    assert not [l for l in lines if l.startswith(("ERROR", "WARNING")) and re.search(r"nonfinite|forensics", l)]
     # the summary: anomaly kinds on their own row
     assert re.search(r"\n  anomalies by kind  grad_explosion \d+, .*nonfinite_loss 1", out)
     assert "\n  forensic replays   1 (budget 3)\n" in out and "\n  skipped updates    1\n" in out
@@ -97,8 +103,8 @@ def test_demo_tells_the_story_in_a_pipe(tmp_path):
 def test_demo_names_an_input_nan_as_a_data_problem(tmp_path):
     proc = demo(tmp_path, "--steps", "12", "--inject", "nan-input@5", "--no-progress")
     assert proc.returncode == 0, proc.stderr
-    assert "step 5: NaN found. Forensic replay: it came in with the input batch (1 NaN/Inf value(s)), " \
-           "before any layer ran" in proc.stdout.replace("\n     ", " ")
+    assert re.search(r"step 5: NaN found \(nonfinite_\w+(, nonfinite_\w+)*\)\. Forensic replay: it came in with the "
+                     r"input batch \(1 NaN/Inf value\(s\)\), before any layer ran", proc.stdout.replace("\n     ", " "))
     assert "step 6/12" not in proc.stdout  # --no-progress
     report = json.loads((only_run(tmp_path) / "report.json").read_text())
     assert [r["cause"] for r in report["forensics"]["reports"]] == ["input"]
@@ -109,7 +115,8 @@ def test_demo_under_guard_raise_stops_and_still_names_the_producer(tmp_path):
     proc = demo(tmp_path, "--steps", "15", "--inject", "nan@5", "--guard", "raise", "--no-progress")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.replace("\n     ", " ")
-    assert "step 5: NaN found. Forensic replay: born in layer `norm` (InputNorm)" in out
+    assert re.search(r"step 5: NaN found \(nonfinite_\w+(, nonfinite_\w+)*\)\. Forensic replay: born in layer "
+                     r"`norm` \(InputNorm\)", out), out
     assert ">> step 5: training stopped by guard raise: " in out and "; stopped at step 5\n" in out
     report = json.loads((only_run(tmp_path) / "report.json").read_text())
     assert report["totals"]["steps"] == 6 and report["forensics"]["replays"] == 1
@@ -120,6 +127,7 @@ def test_demo_in_a_terminal_keeps_log_lines_off_the_bar(tmp_path):
     """A real pseudo-terminal: every log or event line starts on a cleared line and ends whole."""
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "torchtrace.cli", "demo", "--steps", "60", "--inject", "nan@30",
+                             "--inject", "explode@45",
                              "--port", "off", "--run-dir", str(tmp_path / "runs"), "--hold", "0"],
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=tmp_path, env=ENV)
     os.close(slave)
@@ -137,7 +145,7 @@ def test_demo_in_a_terminal_keeps_log_lines_off_the_bar(tmp_path):
     assert proc.wait(10) == 0
     raw = b"".join(chunks).decode().replace("\r\n", "\n")
     assert "[" + "#" * 30 + "] 60/60" in raw  # the bar was drawn, and its last state kept
-    for marker in ("WARNING torchtrace: step 30", "  >> step 30: NaN found", "  >> step 30: update skipped"):
+    for marker in ("WARNING torchtrace: step 45", "  >> step 30: NaN found", "  >> step 30: update skipped"):
         assert marker in raw, raw
         for m in re.finditer(re.escape(marker), raw):
             before = raw[max(0, m.start() - len(CLEAR_LINE)):m.start()]

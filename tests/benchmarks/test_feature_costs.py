@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# One worker runs this module under pytest-xdist, so its module-scoped launch runs once.
+pytestmark = pytest.mark.xdist_group("feature_costs")
 
 # One process per part: a stub is for the rest of the process. The step trains a small MLP for
 # three steps; the last record, the last span's attributes and the metric sums are printed.

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# One worker runs this module under pytest-xdist, so its module-scoped launch runs once.
+pytestmark = pytest.mark.xdist_group("torchrun")
 WORKER = Path(__file__).with_name("_worker.py")
 LAUNCH_TIMEOUT_S = 120
 

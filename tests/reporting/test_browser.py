@@ -1,6 +1,7 @@
 """The live page and the HTML report in headless Chromium: screenshots, drawn data, anomalies.
 
-Screenshots go to ``$TORCHTRACE_ARTIFACTS_DIR`` or ``artifacts/`` at the repository root.
+Screenshots go to ``$TORCHTRACE_ARTIFACTS_DIR`` when it is set (CI keeps them), else to the
+test's temporary directory: the suite writes nothing into the checkout.
 """
 
 from __future__ import annotations
@@ -23,13 +24,18 @@ from ..export.debug_helpers import Trainer, runtime
 from .run_fixture import BAD_STEPS, INPUT_NAN_STEP, NAN_STEP, STEPS, make_run
 
 pytestmark = pytest.mark.realserver
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def artifacts_dir() -> Path:
-    path = Path(os.environ.get("TORCHTRACE_ARTIFACTS_DIR") or ROOT / "artifacts")
+def artifacts_dir(tmp_path: Path) -> Path:
+    path = Path(os.environ.get("TORCHTRACE_ARTIFACTS_DIR") or tmp_path / "artifacts")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def significant_digits(text: str) -> int:
+    """``"36,224"`` -> 5, ``"407.1"`` -> 4, ``"0.1903"`` -> 4, ``"1.5e-05"`` -> 2."""
+    mantissa = text.replace(",", "").lstrip("-").split("e")[0]
+    return len(mantissa.replace(".", "").lstrip("0")) or 1
 
 
 def chromium(binary: str, url: str, screenshot: Path, profile: Path) -> subprocess.Popen:
@@ -57,7 +63,7 @@ def test_live_page_in_chromium_while_training(tt_runtime, tiny_model, tmp_path):
     rt = runtime()
     trainer = Trainer(tiny_model, nan_at=(NAN_STEP,))
     trainer.run(STEPS)
-    shot = artifacts_dir() / "live_page.png"
+    shot = artifacts_dir(tmp_path) / "live_page.png"
     shot.unlink(missing_ok=True)
     proc = chromium(binary, f"{rt.server.url}/", shot, tmp_path / "profile")
     deadline = time.monotonic() + 60
@@ -112,9 +118,9 @@ def assert_round_ticks(ticks: list[int], first: int, last: int) -> None:
 def test_html_report_in_chromium(tmp_path):
     binary = require_binary("chromium")
     run_dir, _ = make_run(tmp_path)
-    out = artifacts_dir() / "report.html"
+    out = artifacts_dir(tmp_path) / "report.html"
     write_html_report(run_dir, out)
-    shot = artifacts_dir() / "report.png"
+    shot = artifacts_dir(tmp_path) / "report.png"
     shot.unlink(missing_ok=True)
     dom = render(binary, out, tmp_path, shot)
     state = page_state(dom)
@@ -140,13 +146,26 @@ def test_html_report_in_chromium(tmp_path):
         assert_round_ticks([int(t) for t in attrs["data-xticks"].split(",")], 0, STEPS - 1)
         assert state["axes"][chart]["xticks"] == attrs["data-xticks"]
     assert {c: canvas_attrs(dom, c)["data-ylabel"] for c in state["axes"]} == {
-        "loss": "loss", "grad_norm": "L2 norm", "step_time": "ms", "memory": "MiB", "throughput": "per s"}
+        "loss": "loss", "grad_norm": "L2 norm", "step_time": "ms", "memory": "MiB", "throughput": "samples/s"}
+    # the cards' last values: 4 significant digits, or a whole number in groups of three from
+    # 1,000 up (not "last 36223.9683/s"), with their unit
+    units = {"loss": "", "grad_norm": "", "step_time": " ms", "memory": " MiB", "throughput": " samples/s"}
+    for chart, unit in units.items():
+        text = re.search(rf'<span id="last-{chart}">([^<]*)</span>', dom).group(1)
+        m = re.fullmatch(r"train_step · last (\S+)" + re.escape(unit), text)
+        assert m and re.fullmatch(r"-?(\d{1,3}(,\d{3})+|\d{1,3}(\.\d+)?|\d\.\d+e-\d+)", m.group(1)), text
+        assert significant_digits(m.group(1)) <= 4 or "." not in m.group(1), text
     # the goodput bar: productive time, and each kind of badput this run had (skipped updates
     # included), its segments' widths adding up to the whole wall time
     kinds = re.findall(r'<span class="gseg g-([a-z_]+)" data-kind="[a-z_]+"', dom)
     assert kinds[0] == "productive" and "skipped_step" in kinds and state["goodput"] == len(kinds)
     widths = [float(w) for w in re.findall(r'class="gseg[^"]*"[^>]*style="width: ([0-9.]+)%', dom)]
     assert len(widths) == len(kinds) and abs(sum(widths) - 100) < 0.5
+    # its legend: one key per segment, in the segment's own colour, no two kinds alike
+    legend = state["goodput_legend"]
+    assert [k["kind"] for k in legend] == kinds
+    assert all(k["swatch"] == k["segment"] for k in legend), legend
+    assert len({k["segment"] for k in legend}) == len(legend), legend
     rows = re.findall(r'<tr class="anomaly" data-kind="([a-z_]+)" data-step="(\d+)" data-skipped="([01])">', dom)
     assert rows and all((int(step) in BAD_STEPS) == (flag == "1") for _, step, flag in rows)
     assert dom.count('<span class="badge skip">skipped</span>') == len(rows)
@@ -186,3 +205,29 @@ def test_memory_axis_keeps_noise_flat_and_shows_a_leak(tmp_path):
         share = (max(series) - min(series)) / (yhi - ylo)
         assert low <= share <= high, (name, share, attrs)
         assert_round_ticks([int(t) for t in attrs["data-xticks"].split(",")], 0, 199)
+
+
+def test_throughput_axis_names_tokens_when_the_steps_count_them(tmp_path):
+    """A language model's steps count tokens: the axis and the card say tokens/s, and the last
+    figure is the last step's tokens over its cycle (duration plus data wait), computed here."""
+    binary = require_binary("chromium")
+    run = tmp_path / "lm"
+    run.mkdir()
+    lines = []
+    for i in range(30):
+        start = 1_000_000_000 * (i + 1)
+        lines.append(json.dumps({"name": "train_step", "start_unix_ns": start, "end_unix_ns": start + 40_000_000,
+                                 "attributes": {"torchtrace.step": i, "torchtrace.operation": "train_step",
+                                                "torchtrace.loss": 1.0, "torchtrace.samples": 8,
+                                                "torchtrace.tokens": 8 * 1024, "torchtrace.data_wait_s": 0.01},
+                                 "events": []}))
+    (run / "spans.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "lm.html"
+    write_html_report(run, out)
+    dom = render(binary, out, tmp_path)
+    attrs = canvas_attrs(dom, "throughput")
+    assert attrs["data-ylabel"] == "tokens/s"
+    # tick labels in thousands ("160k"), not "1.6e+5"
+    assert all(re.fullmatch(r"0|\d{1,3}(\.\d+)?k", t) for t in attrs["data-yticks"].split(",")), attrs
+    card = re.search(r'<span id="last-throughput">([^<]*)</span>', dom).group(1)
+    assert card == f"train_step · last {round(8 * 1024 / 0.05):,} tokens/s", card  # 163,840

@@ -26,9 +26,9 @@ CHARTS = ("loss", "grad_norm", "step_time", "memory", "throughput")
 def _card_value(dom: str, chart: str) -> tuple[str | None, float]:
     """The card's operation and its "last" figure, as the page shows them."""
     text = re.search(rf'<span id="last-{chart}">([^<]*)</span>', dom).group(1)
-    m = re.fullmatch(r"(?:(\S+) · )?last ([-0-9.e+]+)(?:/s| ms| MiB)?", text)
+    m = re.fullmatch(r"(?:(\S+) · )?last ([-0-9.,e+]+)(?: samples/s| tokens/s| ms| MiB)?", text)
     assert m, text
-    return m.group(1), float(m.group(2))
+    return m.group(1), float(m.group(2).replace(",", ""))
 
 
 def _assert_training_charts(dom: str, steps: int, last_train: dict) -> None:

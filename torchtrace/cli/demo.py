@@ -152,7 +152,9 @@ def run(steps: int = 300, level: str = "basic", inject: list[Fault] | None = Non
     teacher = torch.nn.Linear(64, 10)
     faults = {f.step: f.kind for f in inject}
     state = DemoState([], [], [])
-    with logs_through(console):
+    with logs_through(console) as handler:
+        # The narration tells each NaN story; torchtrace's own lines about it would say it twice.
+        handler.addFilter(narrate.told_by_narration)
         _train(model, opt, teacher, faults, steps, console, state, progress)
         tt.flush()
     summary = rt.summary() if rt is not None else {}
@@ -187,7 +189,8 @@ def _train(model, opt, teacher, faults: dict[int, str], steps: int, console: Con
             console.end_progress()
             if getattr(exc, "report", None):
                 state.replays += 1
-                for line in narrate.forensic_lines(exc.report):
+                kinds = [k for k in exc.kinds if k in narrate.NONFINITE_KINDS]
+                for line in narrate.forensic_lines(exc.report, kinds):
                     console.line(line)
             narrate.stopped(console, i, f"training stopped by guard raise: {exc}")
             state.stopped_at = i

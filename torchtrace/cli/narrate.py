@@ -1,16 +1,23 @@
 """What the demo says: the header, one line per event as it happens, the summary, what next.
 
 Everything here reads torchtrace's own results (the step record, its forensic report, the
-runtime's summary); nothing is computed twice.
+runtime's summary); nothing is computed twice. Each NaN story is told once: the narration
+names what was non-finite and where the NaN came from, and :func:`told_by_narration` keeps
+torchtrace's own log lines about the same thing (the forensics ERROR, the ``nonfinite_*``
+WARNINGs) off the demo's console. Other log lines (``grad_explosion``, warnings about the
+set-up) still show, whole.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import re
 import statistics
 from typing import Any
 
+from torchtrace import semconv
 from torchtrace.cli.console import Console
 from torchtrace.reporting.summary import throughput_rows
 from torchtrace.reporting.terminal import sink_summary
@@ -24,6 +31,26 @@ MEASURED["advanced"] = (MEASURED["basic"] + "; per-parameter explosion/vanishing
                         "finiteness every 10 steps; the update-to-weight ratio every 50 steps; the leak detector")
 MEASURED["extreme"] = MEASURED["advanced"] + "; per-layer activation statistics"
 EVENT = "  >> "
+# The anomaly kinds the NaN story tells (a NaN or Inf somewhere in the step).
+NONFINITE_KINDS = frozenset({semconv.NONFINITE_LOSS, semconv.NONFINITE_GRAD, semconv.NONFINITE_PARAM,
+                             semconv.NONFINITE_INPUT, semconv.NONFINITE_OUTPUT})
+# torchtrace's anomaly log line: "step 50 train_step: nonfinite_loss: loss is nan".
+_ANOMALY_LINE = re.compile(r"step \d+ \S+: (\w+): ")
+
+
+def told_by_narration(record: logging.LogRecord) -> bool:
+    """A logging filter for the demo's console: False for a record whose story the narration
+    tells (the forensic replay's report, a non-finite anomaly), True for every other record.
+
+    >>> rec = logging.LogRecord("torchtrace", logging.WARNING, "", 0, "step %s %s: %s: %s", (5, "train_step",
+    ...                         "nonfinite_loss", "loss is nan"), None)
+    >>> told_by_narration(rec)
+    False
+    """
+    if record.name == "torchtrace.forensics":
+        return False
+    match = _ANOMALY_LINE.match(record.getMessage())
+    return not (match and match.group(1) in NONFINITE_KINDS)
 
 
 def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
@@ -86,7 +113,8 @@ def after_step(console: Console, i: int, record, state) -> None:
     report = record.forensics
     if report is not None:
         state.replays += 1
-        for line in forensic_lines(report):
+        kinds = [k for k in record.anomaly_kinds if k in NONFINITE_KINDS]
+        for line in forensic_lines(report, kinds):
             console.line(line)
     if record.skipped:
         state.skipped += 1
@@ -107,8 +135,16 @@ def after_step(console: Console, i: int, record, state) -> None:
         state.bad_since = None
 
 
-def forensic_lines(report: dict[str, Any]) -> list[str]:
-    """The forensic report in words: where the NaN came from, and how that was found."""
+def forensic_lines(report: dict[str, Any], kinds: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The forensic report in words: what was non-finite (``kinds``, the step's non-finite
+    anomaly kinds), where the NaN came from, and how that was found.
+
+    The first line is the story in short, never wrapped: the step, the kinds and the cause.
+    The lines under it, indented, give the detail and how the replay worked.
+
+    >>> forensic_lines({"step": 7, "cause": "loss", "replay_seconds": 0.01}, ["nonfinite_loss"])[0]
+    '  >> step 7: NaN found (nonfinite_loss). Forensic replay: born in the loss computation, outside any module.'
+    """
     step, cause = report.get("step"), report.get("cause")
     module, mtype = report.get("module"), report.get("module_type")
     name = f"`{module}` ({mtype})" if mtype else f"`{module}`"
@@ -116,10 +152,13 @@ def forensic_lines(report: dict[str, Any]) -> list[str]:
     ins = report.get("inputs") or {}
     bad_out = (out.get("nan_count") or 0) + (out.get("inf_count") or 0)
     bad_in = (ins.get("nan_count") or 0) + (ins.get("inf_count") or 0)
+    detail = ""
     if cause == "forward":
-        what = f"born in layer {name}: its input was finite, its output held {bad_out} NaN/Inf value(s)"
+        what = f"born in layer {name}"
+        detail = f"its input was finite, its output held {bad_out} NaN/Inf value(s)"
     elif cause == "input":
-        what = f"it came in with the input batch ({bad_in} NaN/Inf value(s)), before any layer ran: a data problem"
+        what = f"it came in with the input batch ({bad_in} NaN/Inf value(s)), before any layer ran"
+        detail = "a data problem"
     elif cause == "loss":
         what = "born in the loss computation, outside any module"
     elif cause == "backward":
@@ -130,10 +169,13 @@ def forensic_lines(report: dict[str, Any]) -> list[str]:
     else:
         what = "the replay could not localise it"
     ms = 1000 * float(report.get("replay_seconds") or 0.0)
-    lines = _wrap(f"step {step}: NaN found. Forensic replay: {what}.", " " * len(EVENT))
-    lines[0] = EVENT + lines[0].lstrip()
+    flagged = f" ({', '.join(sorted(kinds))})" if kinds else ""
+    indent = " " * len(EVENT)
+    lines = [f"{EVENT}step {step}: NaN found{flagged}. Forensic replay: {what}" + (":" if detail else ".")]
+    if detail:
+        lines += _wrap(detail + ".", indent)
     return lines + _wrap(f"(The step was run again on the same batch and random state, under hooks on every "
-                         f"module, in {ms:.0f} ms; the training result is unchanged.)", " " * len(EVENT))
+                         f"module, in {ms:.0f} ms; the training result is unchanged.)", indent)
 
 
 def stopped(console: Console, i: int, why: str) -> None:

@@ -27,7 +27,10 @@ header .meta { color:#cbd5e1; font-size:13px; }
 .gbar { display:flex; height:18px; border-radius:4px; overflow:hidden; background:#e5e7eb; margin:6px 0; }
 .gseg { display:block; height:100%; background:#9ca3af; } .g-productive { background:#15803d; }
 .g-data_wait { background:#ca8a04; } .g-skipped_step { background:#ea580c; } .g-forensics { background:#b91c1c; }
-.g-startup { background:#6b7280; }
+.g-startup { background:#6b7280; } .g-checkpoint { background:#7c3aed; } .g-evaluation { background:#0891b2; }
+.g-other { background:#9ca3af; }
+.glegend { display:flex; flex-wrap:wrap; gap:4px 14px; margin:4px 0; font-size:13px; }
+.gkey { white-space:nowrap; } .gsw { display:inline-block; width:11px; height:11px; border-radius:2px; margin-right:5px; vertical-align:-1px; }
 main { padding:16px 20px; display:grid; grid-template-columns: repeat(2, minmax(0, 1fr)); gap:14px; }
 .card { background:var(--card); border-radius:8px; padding:10px 14px; box-shadow:0 1px 2px rgba(0,0,0,.08); min-width:0; }
 .card h2 { font-size:14px; margin:0 0 6px 0; display:flex; justify-content:space-between; }
@@ -66,6 +69,17 @@ JS = r"""
     if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(digits || 3);
     return v.toFixed(digits === undefined ? 4 : digits).replace(/\.?0+$/, "") || "0";
   }
+  /* A figure on a card: 4 significant digits (407.1, 0.1903, 5.821), a whole number in
+     groups of three from 1,000 up (36,224), exponent form below 0.001 (1.5e-5). */
+  function fmtValue(v) {
+    if (v === null || v === undefined) return "–";
+    if (!isFinite(v)) return String(v);
+    var a = Math.abs(v);
+    if (a >= 1e15) return v.toExponential(3).replace(/\.?0+e/, "e");
+    if (a >= 1000) return Math.round(v).toFixed(0).replace(/\B(?=(\d{3})+(?!\d))/g, ",");
+    if (a !== 0 && a < 1e-3) return v.toExponential(3).replace(/\.?0+e/, "e");
+    return String(+v.toPrecision(4));
+  }
   function el(tag, attrs, text) {
     var e = document.createElement(tag);
     if (attrs) for (var k in attrs) e.setAttribute(k, attrs[k]);
@@ -83,31 +97,60 @@ JS = r"""
       return v === null ? null : v / MIB; }, unit: " MiB",
      /* at least 16 MiB or a tenth of the level: allocator noise stays flat */
      minSpan: function (top) { return Math.max(16, 0.1 * Math.abs(top)); }},
-    /* tokens (else samples) per second of the step's cycle: its time plus the wait before it */
-    {id: "throughput", axis: "per s", get: function (s) {
-      var n = num(s.tokens); if (n === null) n = num(s.samples);
+    /* tokens per second of the step's cycle (its time plus the wait before it) when the steps
+       count tokens, else samples per second; throughputSpec names the one drawn */
+    {id: "throughput", axis: "samples/s", per: "samples", get: function (s) {
+      var n = num(s[this.per]);
       var d = num(s.duration_s); if (n === null || d === null) return null;
-      var w = num(s.data_wait_s) || 0; return d + w > 0 ? n / (d + w) : null; }, unit: "/s"}
+      var w = num(s.data_wait_s) || 0; return d + w > 0 ? n / (d + w) : null; }, unit: " samples/s"}
   ];
+  function throughputSpec(spec, steps) {
+    var per = steps.some(function (s) { return num(s.tokens) !== null; }) ? "tokens" : "samples";
+    var out = {}; for (var k in spec) out[k] = spec[k];
+    out.per = per; out.axis = per + "/s"; out.unit = " " + per + "/s";
+    return out;
+  }
 
-  /* Where the wall time went: productive steps and each kind of badput, as one bar. */
+  /* Seconds on the goodput bar: 3 significant digits, in ms below a second (4.3 s, 64 ms). */
+  function fmtSeconds(v) {
+    if (!(v > 0)) return "0 s";
+    if (v >= 1) return String(+v.toPrecision(3)) + " s";
+    if (v >= 1e-3) return String(+(1000 * v).toPrecision(3)) + " ms";
+    return "<1 ms";
+  }
+
+  /* Where the wall time went: productive steps and each kind of badput, as one bar, and under
+     it a legend: each kind's colour, name and seconds. Counted up to the end of the last step. */
   function renderGoodput(box, tp) {
-    if (!box) return 0;
+    if (!box) return {parts: 0, legend: []};
     box.textContent = "";
-    if (!tp || !tp.wall_s) { box.appendChild(el("p", {"class": "muted"}, "No throughput accounting in this run.")); return 0; }
+    if (!tp) { box.appendChild(el("p", {"class": "muted"}, "No throughput accounting in this run.")); return {parts: 0, legend: []}; }
+    if (!tp.wall_s) { box.appendChild(el("p", {"class": "muted"}, "Counted from the first step on.")); return {parts: 0, legend: []}; }
     var parts = [["productive", tp.productive_s || 0]], bad = tp.badput_s || {};
     Object.keys(bad).sort().forEach(function (k) { if (bad[k] > 0) parts.push([k, bad[k]]); });
     var bar = el("div", {"class": "gbar", "id": "tt-goodput-bar"});
     parts.forEach(function (p) {
-      var seg = el("span", {"class": "gseg g-" + p[0], "data-kind": p[0], "title": p[0] + " " + fmt(p[1], 3) + " s"});
+      var seg = el("span", {"class": "gseg g-" + p[0], "data-kind": p[0], "title": p[0] + " " + fmtSeconds(p[1])});
       seg.style.width = (100 * p[1] / tp.wall_s).toFixed(2) + "%"; bar.appendChild(seg);
     });
     box.appendChild(bar);
-    var legend = el("p", null, "goodput " + (tp.goodput_ratio === null || tp.goodput_ratio === undefined ? "–" :
-      (100 * tp.goodput_ratio).toFixed(1) + " %") + " of " + fmt(tp.wall_s, 3) + " s: ");
-    parts.forEach(function (p) { legend.appendChild(el("span", {"class": "badge"}, p[0] + " " + fmt(p[1], 3) + " s")); });
+    var legend = el("div", {"class": "glegend", "id": "tt-goodput-legend"});
+    parts.forEach(function (p) {
+      var keyEl = el("span", {"class": "gkey", "data-kind": p[0]});
+      keyEl.appendChild(el("i", {"class": "gsw g-" + p[0]}));
+      keyEl.appendChild(document.createTextNode(p[0] + " " + fmtSeconds(p[1])));
+      legend.appendChild(keyEl);
+    });
     box.appendChild(legend);
-    return parts.length;
+    box.appendChild(el("p", {"class": "muted"}, "goodput " + (tp.goodput_ratio === null || tp.goodput_ratio === undefined ?
+      "–" : (100 * tp.goodput_ratio).toFixed(1) + " %") + " of " + fmtSeconds(tp.wall_s) +
+      ", up to the end of the last step: the share of wall time in training steps whose update was applied"));
+    /* what the picture shows, for a headless test: each key's colour beside its segment's */
+    var drawn = parts.map(function (p) {
+      var seg = bar.querySelector('.gseg[data-kind="' + p[0] + '"]'), sw = legend.querySelector('.gkey[data-kind="' + p[0] + '"] .gsw');
+      return {kind: p[0], segment: getComputedStyle(seg).backgroundColor, swatch: getComputedStyle(sw).backgroundColor};
+    });
+    return {parts: parts.length, legend: drawn};
   }
 
   function key(d) { return String(d.operation) + "#" + String(d.step); }
@@ -213,8 +256,8 @@ JS = r"""
     g.appendChild(stat("forensic replays", String(replays)));
     /* the charted operation's last step (a run of one operation: the run's last step) */
     var last = main.step || s.last_step || {}, of = main.several ? " (" + main.name + ")" : "";
-    g.appendChild(stat("last loss" + of, fmt(num(last.loss))));
-    g.appendChild(stat("last grad norm" + of, fmt(num(last.grad_norm))));
+    g.appendChild(stat("last loss" + of, fmtValue(num(last.loss))));
+    g.appendChild(stat("last grad norm" + of, fmtValue(num(last.grad_norm))));
     var tel = s.telemetry || {};
     var dropped = 0; for (var k in (tel.spans_dropped || {})) dropped += tel.spans_dropped[k];
     g.appendChild(stat("spans exported / dropped", (tel.spans_exported || 0) + " / " + dropped));
@@ -263,6 +306,7 @@ JS = r"""
     var shown = steps.filter(function (x) { return String(x.operation) === main; });
     steps.forEach(function (x) { var op = String(x.operation); if (op !== main) others[op] = (others[op] || 0) + 1; });
     SERIES.forEach(function (spec) {
+      if (spec.id === "throughput") spec = throughputSpec(spec, shown);
       var c = document.getElementById("chart-" + spec.id);
       counts[spec.id] = window.ttChart(c, shown, spec).points;
       c.setAttribute("data-operation", main || "");
@@ -270,7 +314,7 @@ JS = r"""
                        xticks: c.getAttribute("data-xticks"), yrange: c.getAttribute("data-yrange")};
       var lastv = null;
       for (var i = shown.length - 1; i >= 0 && lastv === null; i--) lastv = spec.get(shown[i]);
-      document.getElementById("last-" + spec.id).textContent = (main ? main + " · " : "") + "last " + fmt(lastv) + spec.unit;
+      document.getElementById("last-" + spec.id).textContent = (main ? main + " · " : "") + "last " + fmtValue(lastv) + spec.unit;
     });
     var reports = forensicReports(events);
     var rows = anomalyRows(events, steps);
@@ -280,7 +324,7 @@ JS = r"""
                   {name: main, step: shown[shown.length - 1], several: Object.keys(others).length > 0});
     renderOperations(document.getElementById("tt-summary"), main, shown.length, others);
     renderSettings(document.getElementById("tt-settings"), data.settings);
-    var goodputParts = renderGoodput(document.getElementById("tt-goodput"), s.throughput);
+    var goodput = renderGoodput(document.getElementById("tt-goodput"), s.throughput);
     var state = document.getElementById("tt-state");
     var prev = {}; try { prev = JSON.parse(state.textContent || "{}"); } catch (e) { prev = {}; }
     state.textContent = JSON.stringify({
@@ -288,7 +332,7 @@ JS = r"""
       operation: main, others: others,
       anomalies: rows.map(function (r) { return {step: r.step, kind: r.kind}; }),
       skipped: steps.filter(function (x) { return x.skipped; }).map(function (x) { return x.step; }),
-      goodput: goodputParts,
+      goodput: goodput.parts, goodput_legend: goodput.legend,
       forensics: reports.map(function (f) { return {step: f.step, operation: f.operation, cause: f.cause, module: f.module}; })
     });
     document.body.setAttribute("data-tt-ready", "1");

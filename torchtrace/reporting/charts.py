@@ -47,10 +47,13 @@ CHARTS_JS = r"""
     if (Math.min.apply(null, vals) >= 0 && nlo < 0) nlo = 0;
     return [nlo, nhi];
   }
-  /* Tick labels: short, no trailing zeros; exponent form past 1e5 (3e+5, 1e-4). */
+  /* Tick labels: short, no trailing zeros; thousands and up with an SI suffix (80k, 1.5M, 2G),
+     exponent form below 1e-3 and past 1e15 (1e-4). */
+  var SI = [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
   function tickFmt(v) {
     var a = Math.abs(v);
-    if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential().replace(/\.?0+e/, "e");
+    if (a !== 0 && (a >= 1e15 || a < 1e-3)) return v.toExponential().replace(/\.?0+e/, "e");
+    for (var i = 0; i < SI.length; i++) if (a >= SI[i][0]) return String(+(v / SI[i][0]).toPrecision(6)) + SI[i][1];
     return String(+v.toPrecision(6));
   }
   function xAxis(steps) {

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchtrace.reporting.runfiles import RunListing
 
 
 def add_report_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -22,19 +29,61 @@ def add_report_subcommand(subparsers) -> argparse.ArgumentParser:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Run the subcommand; returns the process exit status."""
+    """Run the subcommand; returns the process exit status.
+
+    A path that is not one run: a folder of runs (``torchtrace-runs``) gets the list of its
+    runs, each with the command that reports it; a path that does not exist says so.
+    """
     from torchtrace.reporting.htmlreport import write_html_report
+    from torchtrace.reporting.runfiles import find_runs, is_run_dir
     from torchtrace.reporting.terminal import terminal_report
 
+    path = Path(args.run_dir)
+    if not path.exists():
+        sys.stderr.write(f"torchtrace report: {args.run_dir}: no such file or directory\n")
+        return 2
+    if path.is_dir() and not is_run_dir(path):
+        runs = find_runs(path)
+        if runs:
+            sys.stdout.write(run_list(args.run_dir, runs))
+            if args.html:
+                sys.stderr.write("torchtrace report: --html needs one run's directory: pick one of the runs above\n")
+                return 2
+            return 0
     try:
         sys.stdout.write(terminal_report(args.run_dir, args.rank))
         if args.html:
             path = write_html_report(args.run_dir, args.html, args.rank)
             sys.stdout.write(f"HTML report: {path}\n")
     except FileNotFoundError as exc:
-        sys.stderr.write(f"torchtrace report: {exc}\n")
+        either = "; no run directory in it either" if path.is_dir() else ""
+        sys.stderr.write(f"torchtrace report: {exc}{either}\n")
         return 2
     return 0
+
+
+def run_list(shown: str, runs: list[RunListing]) -> str:
+    """The runs of a folder, oldest first, each as the command that reports it and its numbers.
+
+    >>> from torchtrace.reporting.runfiles import RunListing
+    >>> print(run_list("runs", [RunListing(Path("runs/a"), 1.7e9, 300, 1, True)]), end="")
+    runs holds 1 run (oldest first); report one with:
+      torchtrace report runs/a   # 300 steps, 1 anomalous, started 2023-11-14 22:13 UTC
+    """
+    lines = [f"{shown} holds {len(runs)} run{'s' if len(runs) != 1 else ''} (oldest first); report one with:"]
+    # (find_runs builds each run's path on the folder's path as given, so these paths are as typed)
+    commands = [f"  torchtrace report {shlex.quote(str(run.path))}" for run in runs]
+    width = max(len(c) for c in commands)
+    for command, run in zip(commands, runs):
+        started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(run.started_unix))
+        if run.steps is None:
+            about = f"no report.json yet: still running, or ended without shutdown(); last written {started}"
+        else:
+            about = f"{run.steps} steps, {run.anomaly_steps or 0} anomalous, started {started}"
+            if not run.finished:
+                about += " (not finished)"
+        lines.append(f"{command.ljust(width)}   # {about}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -224,3 +224,59 @@ def chart_steps(steps: list[dict[str, Any]], limit: int = MAX_CHART_STEPS) -> li
     stride = len(steps) / limit
     keep = {int(i * stride) for i in range(limit)}
     return [s for i, s in enumerate(steps) if i in keep or s.get("anomalies")]
+
+
+def is_run_dir(path: Path) -> bool:
+    """True when ``path`` holds a run's report or spans file (any rank's)."""
+    return path.is_dir() and (_rank_file(path, "report", ".json", None) is not None
+                              or _rank_file(path, "spans", ".jsonl", None) is not None)
+
+
+@dataclass(frozen=True)
+class RunListing:
+    """One run found in a folder of runs, for ``torchtrace report FOLDER``."""
+
+    path: Path
+    started_unix: float  # from its report; without one, its spans file's last change
+    steps: int | None  # None: no readable report (still running, or ended without shutdown)
+    anomaly_steps: int | None
+    finished: bool
+
+
+def find_runs(folder: Path, depth: int = 2) -> list[RunListing]:
+    """The run directories inside ``folder``, up to ``depth`` levels down (``run_dir/<run_id>``,
+    and a job's ``<job>/<attempt>``), oldest first.
+
+    >>> find_runs(Path("/nonexistent"))
+    []
+    """
+    found: list[RunListing] = []
+    try:
+        children = sorted(p for p in folder.iterdir() if p.is_dir())
+    except OSError:
+        return found
+    for child in children:
+        if is_run_dir(child):
+            found.append(_listing(child))
+        elif depth > 1:
+            found.extend(find_runs(child, depth - 1))
+    return sorted(found, key=lambda run: (run.started_unix, str(run.path)))
+
+
+def _listing(path: Path) -> RunListing:
+    report_file = _rank_file(path, "report", ".json", None)
+    report: dict[str, Any] = {}
+    if report_file is not None:
+        try:
+            report = json.loads(report_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            report = {}
+    totals = report.get("totals") if isinstance(report.get("totals"), dict) else {}
+    started = report.get("started_unix")
+    if not isinstance(started, (int, float)):
+        newest = report_file or _rank_file(path, "spans", ".jsonl", None)
+        started = newest.stat().st_mtime if newest is not None else 0.0
+    steps = totals.get("steps")
+    return RunListing(path, float(started), steps if isinstance(steps, int) else None,
+                      totals.get("anomaly_steps") if isinstance(totals.get("anomaly_steps"), int) else None,
+                      "finished_unix" in report)

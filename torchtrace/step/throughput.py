@@ -341,7 +341,9 @@ class RunThroughput:
         return peaks.model_peak(scope.model, dtype if dtype is not None else self.framework_dtype, self._peaks)
 
     def section(self) -> dict[str, Any]:
-        g = self.ledger.snapshot(time.perf_counter(), self.left_at)
+        # Up to the end of the last step, as the badput counters on /metrics: data wait runs
+        # from one step's end to the next one's start, and no step follows the last (yet).
+        g = self.ledger.closed()
         ops = {}
         for name in list(self.rt.history.operations):
             tp = self.ledger.throughput(name)
