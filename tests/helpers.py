@@ -6,10 +6,9 @@ import json
 import urllib.request
 from pathlib import Path
 
+import torch
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
-
-import torch
 
 import torchtrace as tt
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import torchtrace as tt
-from torchtrace import api, semconv
 from tests.helpers import read_spans
+from torchtrace import api, semconv
 
 CONTRACT_ATTRS = {semconv.STEP, semconv.OPERATION, semconv.LEVEL, semconv.LOSS, semconv.GRAD_NORM,
                   semconv.GRAD_NONFINITE_COUNT, semconv.MEMORY_RSS_BYTES, semconv.RANK}

@@ -227,6 +227,8 @@ REVIEWED = {
     "step/runtime.py": "what configure() builds, the runtime's per-step services and shutdown's ordered close",
     "step/phases.py": "the phase clock and every place that marks it (the model's seam, hooks, the optimizer's step)",
     "config/parsers.py": "one small parser per kind of setting, and the table naming each setting's parser",
+    "job/watchdog.py": "the hang watchdog: its tick, the adaptive timeout, the finding and what it writes",
+    "measure/batch.py": "the batch's samples and tokens from a step's arguments, every shape the rules know",
     "api.py": "the public entry points (configure, shutdown, debug_context, debug_operation) with their examples",
     "step/throughput.py: finish_step": "the step's figures in the order they are decided; its first lines end "
                                        "the usual step",

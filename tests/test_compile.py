@@ -199,6 +199,7 @@ def test_a_compiled_optimizer_step_gets_no_graph_break_from_torchtrace(patched_t
     step) stays out of a compiled ``optimizer.step()``: the same graph breaks as without the
     hook (torch's own), none from reading torchtrace's context variable."""
     from torch._dynamo.utils import counters
+
     from torchtrace.step import updaters
 
     breaks = {}

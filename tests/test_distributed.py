@@ -10,13 +10,13 @@ import torch
 
 import torchtrace as tt
 from torchtrace import distributed as d
+from torchtrace.config import Settings
 from torchtrace.distributed.collectives import STATE
+from torchtrace.export.server import TelemetryServer
 from torchtrace.export.trace_ids import step_trace_id
+from torchtrace.measure import gradients as grad_measure
 from torchtrace.probes.straggler import skew
 from torchtrace.record.policy import agree_any
-from torchtrace.config import Settings
-from torchtrace.export.server import TelemetryServer
-from torchtrace.measure import gradients as grad_measure
 
 
 def test_identity_from_torchrun_environment():

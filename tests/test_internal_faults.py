@@ -14,15 +14,15 @@ import torch
 
 import torchtrace as tt
 from tests.conftest import TinyNet
+from torchtrace import files
+from torchtrace.api import get_runtime
+from torchtrace.export import metrics, tracing
+from torchtrace.measure import gradients, memory
 from torchtrace.probes.base import Probe
+from torchtrace.record import history, readout, rules
 from torchtrace.step import runtime as runtime_mod
 from torchtrace.step import throughput as throughput_mod
 from torchtrace.step import updaters
-from torchtrace.api import get_runtime
-from torchtrace import files
-from torchtrace.export import metrics, tracing
-from torchtrace.measure import gradients, memory
-from torchtrace.record import history, readout, rules
 
 STEPS = 50
 

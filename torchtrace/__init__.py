@@ -34,26 +34,51 @@ if "torch" not in _sys.modules:
         import torch as _torch  # noqa: F401
 
 from torchtrace._version import __version__
-from torchtrace.api import (ConfigureResult, StepScope, configure, current_step, debug_context, debug_operation,
-                            flush, shutdown)
+from torchtrace.api import (
+    ConfigureResult,
+    StepScope,
+    configure,
+    current_step,
+    debug_context,
+    debug_operation,
+    flush,
+    shutdown,
+)
+from torchtrace.compat import (
+    DebugConfig,
+    GradientReport,
+    PyTorchDebugger,
+    PyTorchOptimizer,
+    TrainingDebugger,
+    create_pytorch_debugger,
+    debug_training_session,
+)
 from torchtrace.config import Settings
-from torchtrace.compat import (DebugConfig, GradientReport, PyTorchDebugger, PyTorchOptimizer, TrainingDebugger,
-                               create_pytorch_debugger, debug_training_session)
 from torchtrace.errors import NonFiniteError
+from torchtrace.forensics import anomaly_detection, replay_step
 from torchtrace.job.checkpoints import checkpoint
 from torchtrace.job.story import job_story
 from torchtrace.levels import DebugLevel, DebugMode, OptimizationMode
-from torchtrace.forensics import anomaly_detection, replay_step
-from torchtrace.tools.checks import detect_model_anomalies, validate_model_input
-from torchtrace.record.monitor import TrainingMonitor
-from torchtrace.tools.pipeline import analyze_pipeline, monitor_loop_step
-from torchtrace.tools.inspection import debug_backward_pass, debug_forward_pass, debug_training_step, inspect_model
 from torchtrace.measure.snapshots import MemorySnapshot, MemoryTracker
-from torchtrace.tools.memory import clear_memory, memory_tracking, take_memory_snapshot, track_tensor
+from torchtrace.optimize import (
+    AmpState,
+    BenchmarkResults,
+    ModeResult,
+    OptimizationReport,
+    OptimizedModel,
+    amp_step,
+    benchmark_optimizations,
+    current_amp,
+    optimize_model,
+    optimize_training_loop,
+)
 from torchtrace.probes.profiler import ProfileSchedule
+from torchtrace.record.monitor import TrainingMonitor
+from torchtrace.tools.checks import detect_model_anomalies, validate_model_input
+from torchtrace.tools.inspection import debug_backward_pass, debug_forward_pass, debug_training_step, inspect_model
+from torchtrace.tools.memory import clear_memory, memory_tracking, take_memory_snapshot, track_tensor
+from torchtrace.tools.pipeline import analyze_pipeline, monitor_loop_step
 from torchtrace.tools.profiling import profiling
-from torchtrace.optimize import (AmpState, BenchmarkResults, ModeResult, OptimizationReport, OptimizedModel,
-                                 amp_step, benchmark_optimizations, current_amp, optimize_model, optimize_training_loop)
 
 __all__ = [
     "ConfigureResult",

@@ -228,7 +228,8 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
     """A ``with`` (or ``async with``) block that is one instrumented operation.
 
     Args:
-        name: the operation's name, which is the span's name (``train_step``); a level: the seeds' block (step/block.py).
+        name: the operation's name, which is the span's name (``train_step``); a level: the
+            seeds' block (step/block.py).
         model: the model whose gradients and parameters are watched.
         optimizer: when given, gradients are measured in its step pre-hook, exactly as the
             optimizer will use them, and the guard policy can skip the update.

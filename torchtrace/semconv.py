@@ -213,7 +213,8 @@ PHASE_OPTIMIZER_S = "torchtrace.phase.optimizer_s"
 M_SAMPLES = "torchtrace_samples_total"  # counter {operation}
 M_TOKENS = "torchtrace_tokens_total"  # counter {operation}
 M_FLOPS = "torchtrace_flops_total"  # counter {operation}
-M_MFU = "torchtrace_mfu_ratio"  # gauge {operation}: achieved FLOP/s over peak, last window; absent when the peak is unknown
+# Gauge {operation}: achieved FLOP/s over peak, last window; absent when the peak is unknown.
+M_MFU = "torchtrace_mfu_ratio"
 M_LEARNING_RATE = "torchtrace_learning_rate"  # gauge {operation, group}: group index, capped at MAX_LR_GROUPS
 M_DATA_WAIT = "torchtrace_data_wait_seconds"  # histogram {operation}
 M_STEP_PHASE = "torchtrace_step_phase_seconds"  # histogram {operation, phase}

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import torchtrace as tt
+from tests.compat.common import ref_norm, small_classifier, spans
 from torchtrace import PyTorchDebugger, semconv
 from torchtrace.compat import AsyncTrainingLogger
-
-from tests.compat.common import ref_norm, small_classifier, spans
 
 
 def _step_and_check(tt_runtime, scale: float, plant=None, level: str = "basic"):

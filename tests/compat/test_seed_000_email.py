@@ -20,14 +20,20 @@ import os
 import pytest
 import torch
 
-from torchtrace import create_pytorch_debugger, debug_training_session
 import torchtrace as tt
-from torchtrace import semconv
+from tests.compat.common import (
+    SeedLogger,
+    batches,
+    chrome_trace_ops,
+    metric,
+    ref_norm,
+    ref_stats,
+    small_classifier,
+    spans,
+)
+from torchtrace import create_pytorch_debugger, debug_training_session, semconv
 from torchtrace.compat import create_enhanced_training_optimizer
 from torchtrace.record import readout
-
-from tests.compat.common import (SeedLogger, batches, chrome_trace_ops, metric, ref_norm, ref_stats,
-                                 small_classifier, spans)
 
 
 @pytest.fixture(autouse=True)
@@ -228,6 +234,7 @@ def test_enhanced_training_optimizer_reports_throughput_and_validation_as_evalua
     not the next training step's data wait, and reports no gradients of its own. Before,
     every step had neither samples nor FLOPs, and validation was data wait."""
     import time
+
     from torch.utils.flop_counter import FlopCounterMode
 
     model = small_classifier()

@@ -20,12 +20,10 @@ import types
 import pytest
 import torch
 
-from torchtrace import DebugLevel, PyTorchDebugger, TrainingDebugger, debug_context
-from torchtrace import semconv
-from torchtrace.compat import AsyncTrainingLogger, DiffusionModelDebugger, TrainingPhase
-
 from tests.compat.common import metric, ref_norm, ref_stats, small_classifier, spans
 from tests.export.debug_helpers import call, get_json
+from torchtrace import DebugLevel, PyTorchDebugger, TrainingDebugger, debug_context, semconv
+from torchtrace.compat import AsyncTrainingLogger, DiffusionModelDebugger, TrainingPhase
 
 
 class LossModel(torch.nn.Module):

@@ -17,13 +17,19 @@ import os
 import pytest
 import torch
 
+from tests.compat.common import chrome_trace_ops, metric, ref_norm, spans
 from torchtrace import semconv
-from torchtrace.compat import (AutogradAnomalyDetector, GradientDebugger, ModelDebugger, PyTorchDebugConfig,
-                               PyTorchDebugManager, PyTorchMemoryDebugger, TrainingDebugger)
+from torchtrace.compat import (
+    AutogradAnomalyDetector,
+    GradientDebugger,
+    ModelDebugger,
+    PyTorchDebugConfig,
+    PyTorchDebugManager,
+    PyTorchMemoryDebugger,
+    TrainingDebugger,
+)
 from torchtrace.record import readout
 from torchtrace.tools.memory import take_memory_snapshot
-
-from tests.compat.common import chrome_trace_ops, metric, ref_norm, spans
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:

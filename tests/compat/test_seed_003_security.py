@@ -24,11 +24,9 @@ import torch
 import torch.nn as nn
 
 import torchtrace as tt
-from torchtrace import DebugMode, OptimizationMode, PyTorchDebugger, PyTorchOptimizer
-from torchtrace import semconv
-from torchtrace.compat import debug_operation, monitor_resources, optimize_model
-
 from tests.compat.common import metric, ref_norm, spans
+from torchtrace import DebugMode, OptimizationMode, PyTorchDebugger, PyTorchOptimizer, semconv
+from torchtrace.compat import debug_operation, monitor_resources, optimize_model
 
 logger = logging.getLogger("seed003")
 

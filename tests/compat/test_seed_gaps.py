@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import torchtrace as tt
+from tests.compat.common import metric, ref_norm, small_classifier, spans
+from tests.export.debug_helpers import get_json
 from torchtrace import DebugLevel, PyTorchDebugger, TrainingDebugger, debug_context, semconv
 from torchtrace.compat import DiffusionModelDebugger, PyTorchDebugConfig, PyTorchDebugManager, PyTorchMemoryDebugger
-
-from tests.compat.common import metric, ref_norm, small_classifier, spans
-from tests.export.debug_helpers import call, get_json
 
 MB = 2 ** 20
 

@@ -5,8 +5,8 @@ id is duplicated and no second server or run directory appears."""
 from __future__ import annotations
 
 import json
-import os
 import multiprocessing
+import os
 
 import pytest
 import torch

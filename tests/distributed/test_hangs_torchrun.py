@@ -108,8 +108,9 @@ def test_rank_sigkilled_mid_step_is_named_gone_by_the_others(tmp_path):
     assert report["culprit_ranks"] == [2], report["reason"]
     ranks = {r["rank"]: r for r in report["ranks"]}
     assert ranks[2]["condition"] == "gone" and ranks[2]["ended"] is None
-    states = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())
-              for p in (tmp_path / "runs").glob("*/state.rank*.json")}
+    # Every rank's state file still parses and names its rank (nothing reads the values).
+    {json.loads(p.read_text())["rank"]: json.loads(p.read_text())
+     for p in (tmp_path / "runs").glob("*/state.rank*.json")}
     # (Whether ranks 0 and 1 also record rank 2 in their peers_gone depends on a race with
     # torchrun's own teardown; test_watchdog.py checks that look on its own.)
     assert [a["ended"] for a in report["job"]["attempts"]] == ["killed"]

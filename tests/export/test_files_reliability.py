@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import torchtrace as tt
-from torchtrace.api import get_runtime
 from torchtrace import files
+from torchtrace.api import get_runtime
 
 
 def _strict_loads(text: str):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import torchtrace as tt
-from torchtrace import semconv
 from tests.fixtures import GrpcOtlpReceiver, HttpOtlpReceiver
+from torchtrace import semconv
 
 
 @pytest.mark.timeout(60)

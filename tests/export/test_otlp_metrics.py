@@ -9,9 +9,9 @@ import torch
 
 import torchtrace as tt
 from tests.fixtures import BlackHole, GrpcOtlpReceiver, HttpOtlpReceiver
+from tests.fixtures.otlp_decode import decode_metrics
 from torchtrace.api import get_runtime
 from torchtrace.export.otlp_metrics import OtlpMetricsPusher, registry_to_request
-from tests.fixtures.otlp_decode import decode_metrics
 
 
 def _train(model, steps: int) -> list[float]:

@@ -71,7 +71,8 @@ def test_overhead_matches_instrumented_minus_bare(tt_runtime):
             scope.record_loss(body())
 
     for _ in range(5):
-        body(); instrumented()
+        body()
+        instrumented()
     selfs, deltas = [], []
     steps = 30
     for _ in range(5):

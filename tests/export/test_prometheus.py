@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import torchtrace as tt
-from torchtrace import semconv
 from tests.helpers import read_spans, scrape, value
+from torchtrace import semconv
 
 
 def run_steps(model, n, nan_at=None):
@@ -65,8 +65,9 @@ def test_nan_step_counts_anomalies_and_loss_gauge_is_nan(tt_runtime, tiny_model)
 def test_every_series_carries_run_id_and_rank_and_types_match_contract(tt_runtime, tiny_model):
     run_steps(tiny_model, 2)
     tt.flush()
-    from prometheus_client.parser import text_string_to_metric_families
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     body = urllib.request.urlopen(tt_runtime.metrics_url, timeout=5).read().decode()
     types = {}

@@ -4,10 +4,8 @@ OTLP exporters."""
 
 from __future__ import annotations
 
-import io
 import logging
 import socket
-import sys
 import time
 
 import psutil
@@ -15,11 +13,10 @@ import pytest
 import torch
 
 import torchtrace as tt
+from tests.fixtures import BlackHole, dead_port
 from torchtrace.api import get_runtime
 from torchtrace.export.tracing import BoundedBatchSpanProcessor
 from torchtrace.reporting import terminal
-
-from tests.fixtures import BlackHole, dead_port
 
 from .debug_helpers import Trainer
 

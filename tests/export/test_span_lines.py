@@ -9,8 +9,7 @@ import math
 import pytest
 
 import torchtrace as tt
-from torchtrace import api
-from torchtrace import files
+from torchtrace import api, files
 from torchtrace.export import tracing
 
 

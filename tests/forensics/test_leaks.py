@@ -16,11 +16,11 @@ import torch
 import torchtrace as tt
 from torchtrace import semconv
 from torchtrace.api import get_runtime
-from torchtrace.record import growth as leaks
+from torchtrace.probes import find_probe
 from torchtrace.probes.leaks import LeakProbe
+from torchtrace.record import growth as leaks
 
 memory_tracking = importlib.import_module("torchtrace.probes.leaks")  # the package exports a function of that name
-from torchtrace.probes import find_probe
 
 WINDOW = 16
 CONFIRM = 4

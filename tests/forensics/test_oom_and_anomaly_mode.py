@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import torchtrace as tt
+from tests.conftest import TinyNet
 from torchtrace import semconv
 from torchtrace.api import get_runtime
-
-from tests.conftest import TinyNet
 
 
 def _configure(tmp_path, **kw):

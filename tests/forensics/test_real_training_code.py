@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import torchtrace as tt
-from torchtrace.api import get_runtime
-
 from tests.forensics.zoo import BadGrad
+from torchtrace.api import get_runtime
 
 
 def _configure(tmp_path, **kw):

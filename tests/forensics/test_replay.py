@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import torchtrace as tt
-from torchtrace import semconv
-from torchtrace.api import get_runtime
-
 from tests.conftest import TinyNet
 from tests.forensics.zoo import BadGrad, HalfBlock, MyNorm, SafeLogLoss, SqrtFeature, Zoo
+from torchtrace import semconv
+from torchtrace.api import get_runtime
 
 
 def _configure(tmp_path, **kw):

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import logging
-
 import math
 import time
 
 import pytest
+import torch
 
 from tests.conftest import require_module
-import torch
 
 pl = require_module("lightning.pytorch")
 
 import torchtrace as tt  # noqa: E402
-from torchtrace import semconv  # noqa: E402
-from torchtrace.integrations.lightning import TorchtraceCallback  # noqa: E402
 from tests.helpers import read_spans, scrape, value  # noqa: E402
+from torchtrace import semconv  # noqa: E402
 from torchtrace.api import get_runtime  # noqa: E402
+from torchtrace.integrations.lightning import TorchtraceCallback  # noqa: E402
 
 
 class Module(pl.LightningModule):

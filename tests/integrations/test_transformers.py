@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-
 import math
-import time
 import os
+import time
 
 import pytest
+import torch
 
 from tests.conftest import require_module
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -20,10 +19,10 @@ transformers = require_module("transformers")
 require_module("accelerate")
 
 import torchtrace as tt  # noqa: E402
-from torchtrace import semconv  # noqa: E402
-from torchtrace.integrations.transformers import TorchtraceCallback  # noqa: E402
 from tests.helpers import read_spans, scrape, value  # noqa: E402
+from torchtrace import semconv  # noqa: E402
 from torchtrace.api import get_runtime  # noqa: E402
+from torchtrace.integrations.transformers import TorchtraceCallback  # noqa: E402
 from torchtrace.measure.flop_rules import RULES  # noqa: E402
 
 

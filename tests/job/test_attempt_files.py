@@ -98,9 +98,8 @@ def test_one_run_without_restarts_keeps_todays_names(tmp_path):
 
 
 def test_the_job_series_on_metrics(tmp_path):
-    from tests.helpers import scrape, value
-
     import torchtrace as tt
+    from tests.helpers import scrape, value
 
     for attempt in range(2):
         result = tt.configure(prometheus_port=0, run_dir=str(tmp_path), run_id="m", register_atexit=False)

@@ -12,9 +12,9 @@ from tests.conftest import require_module
 pl = require_module("lightning.pytorch")
 
 import torchtrace as tt  # noqa: E402
+from tests.helpers import read_spans  # noqa: E402
 from torchtrace import semconv  # noqa: E402
 from torchtrace.integrations.lightning import TorchtraceCallback  # noqa: E402
-from tests.helpers import read_spans  # noqa: E402
 
 VOCAB = 40
 

@@ -18,8 +18,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import torchtrace as tt
 from torchtrace.api import get_runtime
 from torchtrace.measure.flop_fit import CONFIRM_POINTS, FIT_POINTS, SPOT_CHECK, FlopFits
-from torchtrace.measure.flops import DEFAULT_MAX_SHAPES
 from torchtrace.measure.flop_rules import RULES  # (torch's counter misses the CPU attention kernel the tiny LM runs)
+from torchtrace.measure.flops import DEFAULT_MAX_SHAPES
 
 
 def _key(*shapes, dtype=torch.int64):

@@ -11,10 +11,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers import DifferentiatingModel
 from torchtrace.measure import flops as flops_mod
-from torchtrace.measure.flops import KEY_MAX_ITEMS, LOOSE, StepFlops, count_flops, shape_key
-from torchtrace.measure.shape_keys import loose_shape_key
 from torchtrace.measure import peaks as peaks_mod
+from torchtrace.measure.flops import KEY_MAX_ITEMS, LOOSE, StepFlops, count_flops, shape_key
 from torchtrace.measure.peaks import ACCELERATORS, PRECISIONS, find_accelerator, peak_flops, precision_key
+from torchtrace.measure.shape_keys import loose_shape_key
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "throughput.md"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from stack_files import (
     ALERTMANAGER_CONFIG,
     COMPOSE_FILE,

@@ -14,10 +14,9 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
+import contract
 import pytest
 import yaml
-
-import contract
 from promql_refs import PromQLSyntaxError, references, variable_query_references
 from stack_files import (
     ALERTMANAGER_CONFIG,

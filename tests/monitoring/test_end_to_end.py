@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import require_binary
+from stack_files import ALERTMANAGER_CONFIG, DASHBOARD_DIR, RULES_FILE, load_yaml
 
 import torchtrace as tt
 from torchtrace import semconv
-from conftest import require_binary
-from stack_files import ALERTMANAGER_CONFIG, DASHBOARD_DIR, RULES_FILE, load_yaml
 
 pytestmark = [pytest.mark.realserver, pytest.mark.timeout(240)]
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import contract
 import pytest
 import yaml
-
-import contract
 from promql_refs import references
 from stack_files import (
     ALERTMANAGER_CONFIG,

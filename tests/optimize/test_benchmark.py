@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchtrace as tt
-from torchtrace import semconv
-from torchtrace.optimize.benchmark import BenchmarkResults, ModeResult, _compare
 from tests.helpers import read_spans, scrape, value
 from tests.optimize.models import DeepMLP, batches
+from torchtrace import semconv
+from torchtrace.optimize.benchmark import BenchmarkResults, ModeResult, _compare
 
 M = tt.OptimizationMode
 

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchtrace as tt
+from tests.helpers import read_spans
+from tests.optimize.models import DeepMLP, batches
 from torchtrace import semconv
 from torchtrace.measure.saved import SavedTensorMeter
 from torchtrace.optimize import modes as modes_mod
-from tests.helpers import read_spans
-from tests.optimize.models import DeepMLP, batches
 
 M = tt.OptimizationMode
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torchtrace as tt  # noqa: E402
-from torchtrace.api import get_runtime  # noqa: E402
 from tests.realcode import models  # noqa: E402
+from torchtrace.api import get_runtime  # noqa: E402
 
 STEPS = 5
 BAD_STEP = 3  # the fault is planted for this step (huge_lr: its update; the next step is the bad one)

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import torchtrace as tt
-from torchtrace.api import get_runtime
 from tests.realcode import models
+from torchtrace.api import get_runtime
 
 BAD_STEP = 3
 STEPS = 5

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import torchtrace as tt
+from tests.helpers import read_spans
 from torchtrace import api
 from torchtrace.record import readout
-from tests.helpers import read_spans
 
 
 class InFlight:

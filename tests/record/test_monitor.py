@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import torchtrace as tt
+from tests.conftest import TinyNet
 from torchtrace import semconv
 from torchtrace.api import get_runtime
-
-from tests.conftest import TinyNet
 
 
 def _grads(model, scale):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import torchtrace as tt
+from tests.helpers import read_spans
 from torchtrace import semconv
 from torchtrace.record import readout
-from tests.helpers import read_spans
 
 
 def _configure(tmp_path, **kw):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import torchtrace as tt
-from torchtrace import semconv
 from tests.helpers import read_spans
+from torchtrace import semconv
 
 
 def _configure(tmp_path, **kw):

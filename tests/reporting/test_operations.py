@@ -16,8 +16,7 @@ from torchtrace.reporting.terminal import terminal_report
 
 from ..conftest import require_binary
 from ..export.debug_helpers import runtime
-from .mixed_run import CHECKPOINT_S, EVAL_STEPS, TRAIN_STEPS, cycle_rate, make_mixed_run, run_mixed_steps, \
-    spans_of
+from .mixed_run import CHECKPOINT_S, EVAL_STEPS, TRAIN_STEPS, cycle_rate, make_mixed_run, run_mixed_steps, spans_of
 from .test_browser import assert_round_ticks, canvas_attrs, chromium, page_state, render
 
 CHARTS = ("loss", "grad_norm", "step_time", "memory", "throughput")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import torchtrace as tt
+from tests.helpers import read_spans
 from torchtrace import semconv
 from torchtrace.api import get_runtime
-from tests.helpers import read_spans
 
 
 def test_an_added_anomaly_is_counted_spanned_and_kept(tt_runtime):

@@ -11,10 +11,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import torchtrace as tt
+from tests.helpers import DifferentiatingModel
 from torchtrace import semconv
 from torchtrace.api import get_runtime
 from torchtrace.record import readout
-from tests.helpers import DifferentiatingModel
 
 
 def _configure(tmp_path, **kw):
@@ -322,8 +322,8 @@ def test_rates_held_in_device_tensors_are_read_with_the_step():
     device's (the whole step on a GPU: tests/test_cuda_paths.py): each tensor's value takes its
     place among the float rates, taken when the rates were read, not after a scheduler's fill;
     no read, no rates."""
-    from torchtrace.record.reads import ReadPlan
     from torchtrace.measure.learning_rates import DeviceRates, learning_rates, plan_rates, read_rates
+    from torchtrace.record.reads import ReadPlan
 
     held = [torch.tensor(0.5), torch.tensor(0.25, dtype=torch.float64)]
     rates = DeviceRates([0.1, held[0].reshape(1).to(torch.float64, copy=True), 0.3,

@@ -19,8 +19,13 @@ from torchtrace.api import debug_context
 from torchtrace.compat.async_logger import AsyncTrainingLogger, TrainingPhase
 from torchtrace.compat.debugger import PyTorchDebugger
 from torchtrace.compat.enhanced import EnhancedTrainingOptimizer, create_enhanced_training_optimizer
-from torchtrace.compat.manager import (AutogradAnomalyDetector, GradientDebugger, ModelDebugger, PyTorchDebugManager,
-                                       PyTorchMemoryDebugger)
+from torchtrace.compat.manager import (
+                                       AutogradAnomalyDetector,
+                                       GradientDebugger,
+                                       ModelDebugger,
+                                       PyTorchDebugManager,
+                                       PyTorchMemoryDebugger,
+)
 from torchtrace.compat.optimizer import PyTorchOptimizer
 from torchtrace.compat.records import DebugMetrics, OptimizationMetrics
 from torchtrace.compat.resources import monitor_resources

@@ -118,7 +118,8 @@ class AsyncTrainingLogger:
     def __init__(self, user_id: Any = None, model_name: str | None = None, *, enable_autograd_debug: bool = False,
                  logger: logging.Logger | None = None, queue_size: int = 10000) -> None:
         if not isinstance(enable_autograd_debug, bool):
-            raise ValueError(f"enable_autograd_debug={enable_autograd_debug!r} is not valid; accepted values: True, False")
+            raise ValueError(f"enable_autograd_debug={enable_autograd_debug!r} is not valid; "
+                             "accepted values: True, False")
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size <= 0:
             raise ValueError(f"queue_size={queue_size!r} is not valid; accepted values: a positive integer")
         self.user_id = user_id

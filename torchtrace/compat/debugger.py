@@ -219,7 +219,8 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         on = not self._off("enable_anomaly_detection") if enabled is None else flag(enabled, "enabled")
         mode = mode or self.config.anomaly_mode
         if not on:
-            self._log("anomaly_detection_skipped", f"anomaly detection off ({self._off('enable_anomaly_detection') or 'enabled=False'})",
+            self._log("anomaly_detection_skipped",
+                      f"anomaly detection off ({self._off('enable_anomaly_detection') or 'enabled=False'})",
                       level=logging.DEBUG)
         else:
             self._log("anomaly_detection", f"Anomaly detection enabled (mode {mode})", {"mode": mode})
@@ -279,7 +280,8 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         ``bytes_per_step``), and ``memory_leak`` anomalies the run recorded."""
         on = not self._off("enable_memory_tracking") if enabled is None else flag(enabled, "enabled")
         if not on:
-            self._log("memory_tracking_skipped", f"memory tracking off ({self._off('enable_memory_tracking') or 'enabled=False'})",
+            self._log("memory_tracking_skipped",
+                      f"memory tracking off ({self._off('enable_memory_tracking') or 'enabled=False'})",
                       level=logging.DEBUG)
             yield None
             return
@@ -296,7 +298,8 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
             step_leaks = self._step_leaks(samples_after(tracker.samples, before))
             delta = end["rss_bytes"] - start["rss_bytes"]
             self._log("memory_tracking", f"process memory changed by {delta / 2 ** 20:+.2f} MB",
-                      {"rss_delta_bytes": delta, "cuda_allocated_delta_bytes": None if end["cuda_allocated_bytes"] is None
+                      {"rss_delta_bytes": delta,
+                       "cuda_allocated_delta_bytes": None if end["cuda_allocated_bytes"] is None
                        else end["cuda_allocated_bytes"] - (start["cuda_allocated_bytes"] or 0),
                        "memory_leaks": end["memory_leaks"] + step_leaks})
 

@@ -66,7 +66,8 @@ class EnhancedTrainingOptimizer:
         flag(enable_pytorch_debugging, "enable_pytorch_debugging")
         flag(enable_profiling, "enable_profiling")
         if enable_profiling and not enable_pytorch_debugging:
-            raise ValueError("enable_profiling=True needs enable_pytorch_debugging=True (profiling is one of its tools)")
+            raise ValueError("enable_profiling=True needs enable_pytorch_debugging=True "
+                             "(profiling is one of its tools)")
         if debugger_settings and not enable_pytorch_debugging:
             raise ValueError(f"{', '.join(sorted(debugger_settings))} configure the debugger, which "
                              "enable_pytorch_debugging=False turns off")
@@ -156,7 +157,8 @@ class _Null:
 
 
 def create_enhanced_training_optimizer(model: torch.nn.Module, train_loader: Iterable,
-                                       val_loader: Iterable | None = None, **settings: Any) -> EnhancedTrainingOptimizer:
+                                       val_loader: Iterable | None = None,
+                                       **settings: Any) -> EnhancedTrainingOptimizer:
     """Seed 000's trainer factory. Keywords: ``debug_mode``, ``enable_pytorch_debugging`` (a
     :class:`PyTorchDebugger` checks every step's gradients; off: none), ``enable_profiling``
     (the whole training profiled into ``<log_dir>/training_profile.json``), ``max_epochs``,

@@ -26,13 +26,13 @@ from torchtrace.compat.settings import check_arguments, positive
 from torchtrace.compat.timeline import Timeline, make_sink
 from torchtrace.compat.toolconfig import PyTorchDebugConfig
 from torchtrace.compat.training import TrainingDebugger
+from torchtrace.errors import get_logger
 from torchtrace.forensics.anomaly import anomaly_detection
 from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.snapshots import tracker
 from torchtrace.record.growth import DEFAULT_THRESHOLD
 from torchtrace.tools import inspection, memory
 from torchtrace.tools.profiling import profiling
-from torchtrace.errors import get_logger
 
 _logger = get_logger("torchtrace.debugger")
 
@@ -220,7 +220,8 @@ class PyTorchDebugManager:
         with profiling(output_file, enabled=self.config.enable_profiling, **options) as result:
             yield result
         if result.get("path"):
-            self.profiles.append({"path": result["path"], "top_ops": (result.get("windows") or [{}])[-1].get("top_ops")})
+            self.profiles.append({"path": result["path"],
+                                  "top_ops": (result.get("windows") or [{}])[-1].get("top_ops")})
 
     def generate_comprehensive_report(self) -> Result:
         """Anomaly detection, gradient analysis, memory, model, training, CUDA and profiling sections."""

@@ -25,10 +25,10 @@ from torch import nn
 from torchtrace.compat.operations import pick_mode
 from torchtrace.compat.records import OptimizationMetrics
 from torchtrace.compat.results import Result
+from torchtrace.errors import get_logger
 from torchtrace.levels import OptimizationMode
 from torchtrace.optimize import benchmark as bench
 from torchtrace.optimize import optimize_model as core_optimize_model
-from torchtrace.errors import get_logger
 
 logger = get_logger("torchtrace.optimize")
 DEFAULT_LR = 1e-3
@@ -65,7 +65,8 @@ class PyTorchOptimizer:
         return pick_mode(optimization_mode, mode, self.mode)
 
     def _factory(self, optimizer: Any) -> Any:
-        if isinstance(optimizer, torch.optim.Optimizer) or (callable(optimizer) and not isinstance(optimizer, PyTorchOptimizer)):
+        if isinstance(optimizer, torch.optim.Optimizer) or (callable(optimizer)
+                                                            and not isinstance(optimizer, PyTorchOptimizer)):
             return optimizer
         if optimizer is None or isinstance(optimizer, PyTorchOptimizer):
             logger.warning("optimizer= is %s, not a torch optimizer; using Adam(lr=%s). Pass a torch.optim.Optimizer "

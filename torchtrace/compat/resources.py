@@ -15,8 +15,8 @@ import torch
 
 from torchtrace.compat.results import Result
 from torchtrace.compat.settings import positive
-from torchtrace.measure.memory import cuda_counters
 from torchtrace.errors import get_logger
+from torchtrace.measure.memory import cuda_counters
 
 _logger = get_logger("torchtrace.resources")
 

@@ -18,8 +18,8 @@ import datetime
 import logging
 from typing import Any, Callable
 
-from torchtrace.record.history import DebugEvent, History
 from torchtrace.errors import get_logger
+from torchtrace.record.history import DebugEvent, History
 
 logger = get_logger("torchtrace.debugger")
 

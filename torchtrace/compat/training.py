@@ -28,11 +28,11 @@ from torchtrace.compat.results import Result
 from torchtrace.compat.settings import DebugConfig
 from torchtrace.compat.timeline import Timeline, make_sink
 from torchtrace.compat.toolconfig import PyTorchDebugConfig
+from torchtrace.errors import get_logger
 from torchtrace.levels import DebugLevel
 from torchtrace.measure import memory as mem_measure
 from torchtrace.record.monitor import TrainingMonitor
 from torchtrace.tools import inspection, memory, pipeline
-from torchtrace.errors import get_logger
 
 _logger = get_logger("torchtrace.debugger")
 
@@ -112,7 +112,8 @@ class TrainingDebugger(TrainingMonitor):
         steps.report(kinds, "training_step", step=step, loss=loss, grad_norm=grad_norm, in_step=self._in_step)
         for kind in kinds:
             self.timeline.log(_EVENT_TYPES.get(kind, kind), f"{kind} at step {step}",
-                              {"kind": kind, "step": step, "loss": str(loss), "grad_norm": str(grad_norm)}, logging.WARNING)
+                              {"kind": kind, "step": step, "loss": str(loss), "grad_norm": str(grad_norm)},
+                              logging.WARNING)
 
     def _detail(self, info: Result, model: torch.nn.Module | None) -> Result:
         if self.level in (DebugLevel.ADVANCED, DebugLevel.EXTREME):

@@ -27,8 +27,8 @@ from torchtrace.config.env import (
     ENV_GUARD,
     ENV_JOB_ID,
     ENV_LEVEL,
-    ENV_METRICS_EXPORTER,
     ENV_METRICS_EXPORT_INTERVAL,
+    ENV_METRICS_EXPORTER,
     ENV_MODE,
     ENV_OTEL_SDK_DISABLED,
     ENV_OTEL_SERVICE_NAME,
@@ -66,8 +66,8 @@ from torchtrace.config.parsers import (
     check_run_id,
     valid_host,
 )
-from torchtrace.levels import DebugLevel, DebugMode
 from torchtrace.errors import get_logger
+from torchtrace.levels import DebugLevel, DebugMode
 
 __all__ = [
     "DEFAULT_GRAD_EXPLOSION_THRESHOLD", "DEFAULT_GRAD_VANISHING_THRESHOLD", "Settings", "new_run_id",

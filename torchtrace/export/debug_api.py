@@ -33,7 +33,8 @@ A change is never applied on the server thread: it is queued with :meth:`Runtime
 and the training thread applies it when the next step starts.
 
 Every response is bounded in bytes, whatever the model: every list in a response keeps
-:data:`MAX_LIST_ITEMS` entries and states how many it left out (``<key>_omitted``); one step or event is at most :data:`MAX_ITEM_BYTES`; a page stops at
+:data:`MAX_LIST_ITEMS` entries and states how many it left out (``<key>_omitted``); one step
+or event is at most :data:`MAX_ITEM_BYTES`; a page stops at
 :data:`MAX_RESPONSE_BYTES` (``omitted_by_size`` counts what the limit left for the next page).
 Each step and event is serialised once and the bytes reused by later polls, so a client
 polling the live page costs the training thread next to nothing.
@@ -48,6 +49,7 @@ from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from torchtrace import files
+from torchtrace.errors import get_logger
 from torchtrace.export.bounded_json import (
     MAX_ITEM_BYTES,
     MAX_LIST_ITEMS,
@@ -60,7 +62,6 @@ from torchtrace.export.bounded_json import (
 )
 from torchtrace.export.debug_summary import history_training_summary, retry_copy, seed_debug_summary
 from torchtrace.levels import DebugLevel
-from torchtrace.errors import get_logger
 
 __all__ = ["DebugAPI", "LOOPBACK_HOSTS", "MAX_BODY_BYTES", "MAX_ITEM_BYTES", "MAX_LIST_ITEMS", "MAX_RESPONSE_BYTES",
            "MAX_STEPS_RETURNED", "MAX_STRING_CHARS", "bounded_json", "history_training_summary", "install_debug_api",

@@ -15,7 +15,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter as _Counter, Gauge as _Gauge, values
+from prometheus_client import CollectorRegistry, values
+from prometheus_client import Counter as _Counter
+from prometheus_client import Gauge as _Gauge
 
 from torchtrace import semconv
 from torchtrace.export.labels import MAX_DEVICE_VALUES, MAX_LABEL_VALUES, OVERFLOW, LabelBudget
@@ -77,9 +79,11 @@ class Metrics:
         r.register(self.steps)
         self.spans_dropped = Counter(_base(semconv.M_SPANS_DROPPED), "Spans lost by the exporter, by reason.",
                                      common + ["reason"], registry=r)
-        self.internal_errors = Counter(_base(semconv.M_INTERNAL_ERRORS), "torchtrace's own failures, caught and counted.",
+        self.internal_errors = Counter(_base(semconv.M_INTERNAL_ERRORS),
+                                       "torchtrace's own failures, caught and counted.",
                                        common + ["component"], registry=r)
-        self.rank_skew = Gauge(semconv.M_RANK_SKEW, "Slowest rank's step time over the median rank's.", common, registry=r)
+        self.rank_skew = Gauge(semconv.M_RANK_SKEW, "Slowest rank's step time over the median rank's.", common,
+                               registry=r)
         self.overhead = Counter(_base(semconv.M_OVERHEAD), "Seconds spent inside torchtrace on the training thread.",
                                 common, registry=r)
         self.build_info = Gauge(semconv.M_BUILD_INFO, "Always 1; labels name the version and level.",

@@ -22,15 +22,16 @@ import ssl
 import threading
 import time
 import urllib.request
-from urllib.parse import urlsplit
 import weakref
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 from prometheus_client import CollectorRegistry
+
 from torchtrace.errors import get_logger
 from torchtrace.export.transport import grpc_channel_options
 

@@ -21,6 +21,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+
 from torchtrace.errors import get_logger
 from torchtrace.export.pacing import RequestPacer
 

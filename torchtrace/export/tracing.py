@@ -23,12 +23,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from torchtrace.errors import get_logger
 from torchtrace.export import sdk_log
 from torchtrace.export.http_session import HttpSpanExporter
 from torchtrace.export.otlp_spans import otlp_span_exporter
 from torchtrace.export.span_file import JsonLinesSpanExporter, span_line, span_to_dict
 from torchtrace.export.spans import readable
-from torchtrace.errors import get_logger
 
 __all__ = ["BoundedBatchSpanProcessor", "DropCallback", "JsonLinesSpanExporter", "otlp_span_exporter", "span_line",
            "span_to_dict", "tracer_provider"]

@@ -9,8 +9,8 @@ import os
 import threading
 from pathlib import Path
 
-from torchtrace.files.private import O_CLOEXEC, O_NOFOLLOW
 from torchtrace.errors import get_logger
+from torchtrace.files.private import O_CLOEXEC, O_NOFOLLOW
 
 logger = get_logger("torchtrace.files")
 

@@ -12,9 +12,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from torchtrace.errors import get_logger
 from torchtrace.files.private import ensure_parent_dir, open_private
 from torchtrace.files.strict_json import dumps
-from torchtrace.errors import get_logger
 
 logger = get_logger("torchtrace.files")
 

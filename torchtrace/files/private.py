@@ -12,8 +12,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from torchtrace.files.strict_json import dumps
 from torchtrace.errors import get_logger
+from torchtrace.files.strict_json import dumps
 
 logger = get_logger("torchtrace.files")
 

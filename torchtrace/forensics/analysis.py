@@ -13,9 +13,9 @@ import torch
 
 from torchtrace import semconv
 from torchtrace.forensics import blame
+from torchtrace.forensics.recorder import Recorder
 from torchtrace.measure import tensors as tensor_measure
 from torchtrace.record import readout
-from torchtrace.forensics.recorder import Recorder
 
 # Causes a report can name (report["cause"]) and the anomaly kind each one counts as.
 CAUSE_KIND = {

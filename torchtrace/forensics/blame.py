@@ -198,7 +198,8 @@ class ModuleCalls:
             stats["inf_count"] = int(stats["inf_count"]) if stats["inf_count"] == stats["inf_count"] else 0
             out.append({"module": c.module, "type": c.type, "order": c.order, "is_leaf": c.is_leaf,
                         "own_compute": c.own_compute, "has_inputs": c.has_inputs, "in_ok": bool(row[0]),
-                        "out_ok": bool(row[1]), "shape": c.shape, "input_shapes": c.input_shapes, "dtype": c.dtype, "device": c.device,
+                        "out_ok": bool(row[1]), "shape": c.shape, "input_shapes": c.input_shapes, "dtype": c.dtype,
+                        "device": c.device,
                         "time_s": c.time_s, **stats})
         return out
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from torchtrace.errors import get_logger
 from torchtrace.measure import memory as mem_measure
 from torchtrace.record.policy import GuardPolicy
-from torchtrace.errors import get_logger
 
 logger = get_logger("torchtrace.forensics")
 

@@ -69,7 +69,8 @@ class Recorder:
         return None
 
     def _post(self, module, args, kwargs, output):
-        entry = self._stack.pop() if self._stack else {"module": self.names.get(module, "?"), "type": type(module).__name__,
+        entry = self._stack.pop() if self._stack else {"module": self.names.get(module, "?"),
+                                                        "type": type(module).__name__,
                                                         "call": 0, "in_finite": torch.ones((), dtype=torch.bool),
                                                         "in_stats": _NAN6, "has_in": False}
         outs = list(blame.floating_tensors(output))

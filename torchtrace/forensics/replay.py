@@ -21,9 +21,17 @@ import torch
 
 from torchtrace.errors import get_logger
 from torchtrace.forensics.analysis import CAUSE_KIND, analyse
+from torchtrace.forensics.isolation import (
+    capture_rng,
+    eager,
+    finished,
+    is_distributed_data_parallel,
+    local_only,
+    neutralised,
+    restore_rng,
+    user_name,
+)
 from torchtrace.forensics.recorder import Recorder
-from torchtrace.forensics.isolation import (capture_rng, eager, finished, is_distributed_data_parallel, local_only,
-                                             neutralised, restore_rng, user_name)
 from torchtrace.record import readout
 
 logger = get_logger("torchtrace.forensics")

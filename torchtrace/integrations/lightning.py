@@ -12,12 +12,12 @@ import contextlib
 from typing import Any, Callable, Iterator
 
 from torchtrace import api
+from torchtrace.integrations._common import StepDriver, require
+from torchtrace.job import progress
+from torchtrace.job.checkpoints import checkpoint
 from torchtrace.measure.batch import infer_batch
 from torchtrace.measure.batch_layout import sequence_layout
-from torchtrace.job.checkpoints import checkpoint
-from torchtrace.job import progress
 from torchtrace.measure.loss import extract_loss
-from torchtrace.integrations._common import StepDriver, require
 
 try:
     import lightning.pytorch as _pl

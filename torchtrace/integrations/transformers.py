@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from torchtrace import api
-from torchtrace.job import progress
-from torchtrace.step import job
 from torchtrace.integrations._common import StepDriver, loop_frame, require
+from torchtrace.job import progress
 from torchtrace.measure.batch import same_arguments
+from torchtrace.step import job
 
 _tf = require("transformers", "transformers", "Hugging Face transformers")
 if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transformers 4.42
@@ -44,7 +44,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
     - ``on_step_begin`` opens the step (span ``train_step``); ``on_step_end`` closes it.
     - ``on_pre_optimizer_step`` measures the gradients the optimizer is about to use (the
       Trainer has already unscaled them) and applies the guard policy, unless torchtrace
-      already did so at the Trainer's ``clip_grad_norm_`` call, before clipping: ``skip`` clears the gradients so ``optimizer.step()``
+      already did so at the Trainer's ``clip_grad_norm_`` call, before clipping: ``skip`` clears
+      the gradients so ``optimizer.step()``
       leaves every parameter unchanged; ``raise`` ends the span and raises
       :class:`torchtrace.NonFiniteError` out of ``trainer.train()``.
     - The loss: the Trainer does not hand it to callbacks, so a forward hook on the model

@@ -135,14 +135,17 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
         died = vanished
     if died:
         out.update(verdict="died", culprit_ranks=died,
-                   reason="; ".join(f"rank {r} {'is gone (its process no longer exists)' if conditions[r] == 'gone' else 'ended with an exception'}"
+                   reason="; ".join(f"rank {r} "
+                                    + ("is gone (its process no longer exists)" if conditions[r] == "gone"
+                                       else "ended with an exception")
                                     for r in died))
         return out
     hung_boxes = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent") or s.get("ended") == "hang"]
     if hung_boxes:
         silent = [s["rank"] for s in hung_boxes if conditions[s["rank"]] == "silent"]
         if silent and len(silent) < len(boxes):
-            culprits, why = silent, "heartbeat stopped while the process lives (a thread holds the GIL, or the process is stopped)"
+            culprits, why = silent, ("heartbeat stopped while the process lives (a thread holds the GIL, "
+                                     "or the process is stopped)")
         else:
             # The ranks waiting on a stuck peer are stuck too, flagged or not yet (stalled):
             # judge among every rank that makes no progress.

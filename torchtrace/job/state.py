@@ -42,7 +42,8 @@ The fields, all optional for a reader (a file from an older attempt may lack som
 ``culprit_ranks``         the ranks the last hang blamed
 ``peers_gone``            ranks of this attempt whose process this rank saw gone
 ``end_step``              the step in progress when an exception ended the process
-``host``,                 the host (a pid is checked only on the same host), and when the process started (unix time, from /proc):
+``host``,                 the host (a pid is checked only on the same host), and when the
+                          process started (unix time, from /proc):
 ``process_started``       an attempt's restart badput begins at its process's start
 ``cgroup``                the memory cgroup at start: ``version``, ``path``, ``oom_kills``
                           (the kernel's count then: a later reader compares it with now's)

@@ -80,7 +80,8 @@ class Watchdog:
         on_finding: called with each finding (telemetry: span, metrics); errors are swallowed.
         on_abort: under ``abort``: write everything and flush, before the process exits.
         period_s: seconds between ticks.
-        collectives: the last collective the flight recorder holds (:func:`torchtrace.distributed.flight.last_collective`).
+        collectives: the last collective the flight recorder holds
+            (:func:`torchtrace.distributed.flight.last_collective`).
         persist: writes the black box now (after a finding, or a peer found gone: this process
             may be ended next, and readers should not wait for the next heartbeat).
     """
@@ -365,7 +366,8 @@ class Watchdog:
     def _log(self, finding: dict[str, Any]) -> None:
         peers = finding.get("peers") or {}
         blamed = peers.get("culprit_ranks")
-        args = (finding["rank"], finding["stalled_s"], finding["step"], finding["phase"], stacks.where(finding["where"]),
+        args = (finding["rank"], finding["stalled_s"], finding["step"], finding["phase"],
+                stacks.where(finding["where"]),
                 f"; culprit rank(s) {blamed}: {peers.get('reason')}" if blamed else "",
                 self.stack_path or "(no run directory)")
         message = ("torchtrace: training hang on rank %s: no progress for %.1f s in step %s, phase %s, at %s%s; "
@@ -376,7 +378,8 @@ class Watchdog:
 
     def _abort(self, finding: dict[str, Any]) -> None:
         f = self.fields
-        f["ended"], f["end_detail"], f["end_time"] = "hang", f"no progress for {finding['stalled_s']:.0f} s", time.time()
+        f["ended"], f["end_detail"], f["end_time"] = ("hang", f"no progress for {finding['stalled_s']:.0f} s",
+                                                      time.time())
         if self.on_abort is not None:
             try:
                 self.on_abort()

@@ -63,8 +63,17 @@ from typing import Any, Mapping
 
 import torch
 
-from torchtrace.measure.batch_layout import MAX_DEPTH, MAX_ITEMS, SKIP, array_shape, as_consumed, \
-    dataclass_values, first_tensor, holds_model, is_dataclass_instance
+from torchtrace.measure.batch_layout import (
+    MAX_DEPTH,
+    MAX_ITEMS,
+    SKIP,
+    array_shape,
+    as_consumed,
+    dataclass_values,
+    first_tensor,
+    holds_model,
+    is_dataclass_instance,
+)
 
 #: How many micro-batches (tokenizer outputs in one list) are summed; a longer list reads as its first.
 MAX_MICRO_BATCHES = 64
@@ -385,7 +394,8 @@ class MicroBatches(tuple):
         return cls((tuple(calls), {}))
 
 
-def batch_of(inputs: tuple[tuple, dict] | None, skip: int = 0, model: torch.nn.Module | None = None) -> BatchSize | None:
+def batch_of(inputs: tuple[tuple, dict] | None, skip: int = 0,
+             model: torch.nn.Module | None = None) -> BatchSize | None:
     """The batch of a step's inputs ``(args, kwargs)``, past the first ``skip`` positional ones
     (a method's instance), as ``model`` consumes it (see :func:`infer_batch`); None without
     inputs. :class:`MicroBatches`: the sum of their batches (None samples when one has none)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
+
 from torchtrace.errors import get_logger
 
 logger = get_logger(__name__)

@@ -30,8 +30,11 @@ import functools
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-from torch.utils._foreach_utils import _device_has_foreach_support, _group_tensors_by_device_and_dtype, \
-    _has_foreach_support
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
 
 if TYPE_CHECKING:
     from torchtrace.measure.gradients import GradStats
@@ -39,7 +42,8 @@ if TYPE_CHECKING:
 _REAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def total_norm(stats: GradStats, grads: Sequence[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor | None:
+def total_norm(stats: GradStats, grads: Sequence[torch.Tensor], norm_type: float,
+               foreach: bool | None) -> torch.Tensor | None:
     """The total norm ``clip_grad_norm_(…, norm_type, foreach=foreach)`` would compute for
     ``grads``, from ``stats`` measured on the same, unchanged tensors; ``None`` where the bits
     cannot be shown equal (see the module docstring). No host read. Call it under

@@ -37,7 +37,7 @@ def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None
     'flops=1000000000000000000000000000000000000000...<401 characters> ignored; accepted values: a finite number >= 0'
     >>> checked_overrides(flops=1e6, earlier=(8, None, None))[0]
     (8, None, 1000000.0)
-    """
+    """  # noqa: E501 - a doctest's expected output is one line
     given, problem = _checked_all(samples, tokens, flops)
     if earlier is not None:
         given = tuple(old if new is None else new for new, old in zip(given, earlier))

@@ -17,7 +17,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure.flop_rules import RULES
 
-
 _profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
 
 

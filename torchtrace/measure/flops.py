@@ -31,9 +31,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure import peaks
 from torchtrace.measure.flop_fit import FlopFits
+from torchtrace.measure.flop_modes import (
+    _Counter,
+    drop_counter,
+    eager_for_now,
+    leave_counter,
+    profiler_running,
+    release_counter,
+)
 from torchtrace.measure.flop_rules import RULES
-from torchtrace.measure.flop_modes import _Counter, drop_counter, eager_for_now, leave_counter, profiler_running, \
-    release_counter
 from torchtrace.measure.shape_keys import KEY_MAX_DEPTH, KEY_MAX_ITEMS, LOOSE, NESTED, countable, grown, shape_key
 
 #: How many distinct shape keys one counter counts per operation (keys ``(operation, shapes)``).

@@ -7,9 +7,9 @@ holds a NaN. An infinite norm means an Inf element *or* a sum of squares that ov
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -66,7 +66,8 @@ def global_norm(norms: Sequence[float]) -> float:
     return total
 
 
-def named_params(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> list[ParamRef]:
+def named_params(model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> list[ParamRef]:
     """The parameters to watch, deduplicated (shared parameters appear once).
 
     With an optimizer, exactly the tensors it updates, named after the model when one is
@@ -261,7 +262,8 @@ def _norms_f64(tensors: list[torch.Tensor]) -> torch.Tensor:
         groups.setdefault((t.device, t.dtype), []).append(i)
 
     def norms_of(ts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        return torch._foreach_norm(ts, 2, dtype=torch.float32) if dtype in _LOW_PRECISION else torch._foreach_norm(ts, 2)
+        return (torch._foreach_norm(ts, 2, dtype=torch.float32) if dtype in _LOW_PRECISION
+                else torch._foreach_norm(ts, 2))
 
     if len(groups) == 1:  # the common case: one stack, one conversion
         ((_device, dtype),) = groups

@@ -21,6 +21,7 @@ import torch
 from torchtrace.measure import census as census_measure
 from torchtrace.measure import memory as mem_measure
 
+
 # ---------------------------------------------------------------- snapshots
 @dataclass
 class MemorySnapshot:
@@ -56,10 +57,12 @@ def compare(before: MemorySnapshot, after: MemorySnapshot) -> dict[str, Any]:
     out["from"] = before.name
     out["to"] = after.name
     out["seconds"] = after.unix_time - before.unix_time
-    out["tracked_freed"] = sorted(n for n, v in after.tracked.items() if v is None and before.tracked.get(n) is not None)
+    out["tracked_freed"] = sorted(n for n, v in after.tracked.items()
+                                  if v is None and before.tracked.get(n) is not None)
     out["tracked_new"] = sorted(n for n in after.tracked if n not in before.tracked)
     if before.census is not None and after.census is not None:
-        out["growing_tensors"] = census_measure.census_growth(before.census, after.census, 1)[:census_measure.MAX_REPORTED]
+        out["growing_tensors"] = (census_measure.census_growth(before.census, after.census, 1)
+                                  [:census_measure.MAX_REPORTED])
     return out
 
 
@@ -113,7 +116,8 @@ class MemoryTracker:
     def take_snapshot(self, name: str | None = None, census: bool = False) -> MemorySnapshot:
         name = name or f"snapshot_{len(self.snapshots)}"
         snap = MemorySnapshot(name=name, unix_time=time.time(), memory=mem_measure.sample().as_dict(),
-                              tracked={n: (e.nbytes if e.ref() is not None else None) for n, e in self._tracked.items()},
+                              tracked={n: (e.nbytes if e.ref() is not None else None)
+                                       for n, e in self._tracked.items()},
                               census=census_measure.tensor_census() if census else None)
         self.snapshots[name] = snap
         while len(self.snapshots) > self.max_snapshots:

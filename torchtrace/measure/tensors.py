@@ -29,7 +29,8 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     vals = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
     nf = n.to(torch.float64)
     mean = vals.sum() / nf
-    var = torch.where(finite, (x - mean) ** 2, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / (nf - 1).clamp(min=1)
+    var = (torch.where(finite, (x - mean) ** 2, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+           / (nf - 1).clamp(min=1))
     big = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
     mn = torch.where(finite, x, big).min() if x.numel() else big
     mx = torch.where(finite, x, -big).max() if x.numel() else -big

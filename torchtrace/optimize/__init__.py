@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import torch  # noqa: F401 - the doctest above uses it
 
-from torchtrace.optimize.benchmark import (BenchmarkResults, ModeResult, benchmark_optimizations,
-                                           optimize_training_loop)
 from torchtrace.optimize.amp import AmpState, amp_step, current_amp
-from torchtrace.optimize.modes import (OptimizationReport, OptimizedModel,
-                                       optimize_model)
+from torchtrace.optimize.benchmark import BenchmarkResults, ModeResult, benchmark_optimizations, optimize_training_loop
+from torchtrace.optimize.modes import OptimizationReport, OptimizedModel, optimize_model
 
 __all__ = ["AmpState", "BenchmarkResults", "ModeResult", "OptimizationReport", "OptimizedModel",
            "amp_step", "benchmark_optimizations", "current_amp", "optimize_model", "optimize_training_loop"]

@@ -79,8 +79,8 @@ def _measure_memory(om: OptimizedModel, loss_fn, batch, device) -> tuple[int, st
     return meter.bytes, "saved_activations"
 
 
-def _run_mode(snapshot: nn.Module, names: dict[int, str], optimizer, loss_fn, batches, mode, warmup, steps, seed, device,
-              measure_memory, opts) -> ModeResult:
+def _run_mode(snapshot: nn.Module, names: dict[int, str], optimizer, loss_fn, batches, mode, warmup, steps, seed,
+              device, measure_memory, opts) -> ModeResult:
     result = ModeResult(mode=mode)
     model = copy.deepcopy(snapshot)
     opt = _make_optimizer(optimizer, model, names)

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from torchtrace import current, semconv
-from torchtrace.levels import OptimizationMode
-from torchtrace.optimize import amp as amp_mod, checkpointing
-from torchtrace.optimize.amp import _DTYPES, AmpState, _current_amp, amp_step, current_amp  # noqa: F401
 from torchtrace.errors import get_logger
+from torchtrace.levels import OptimizationMode
+from torchtrace.optimize import amp as amp_mod
+from torchtrace.optimize import checkpointing
+from torchtrace.optimize.amp import _DTYPES, AmpState, _current_amp, amp_step, current_amp  # noqa: F401
 
 logger = get_logger(__name__)
 

@@ -16,12 +16,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from torchtrace import semconv
+from torchtrace.errors import get_logger
 from torchtrace.forensics import analysis, isolation, oom, replay
 from torchtrace.measure.loss import extract_loss
 from torchtrace.measure.scaler import scaler_enabled
 from torchtrace.probes.base import Probe
 from torchtrace.record.step import Anomaly, StepRecord
-from torchtrace.errors import get_logger
 
 if TYPE_CHECKING:
     from torchtrace.step.runtime import Runtime

@@ -93,7 +93,8 @@ class LeakProbe(Probe):
         self._heap_due = self._rss_ref = None
 
     def section(self) -> dict[str, Any]:
-        return {"flagged": self.flagged, "investigations": self.investigations, "threshold_bytes_per_step": self.threshold, "window": self.window,
+        return {"flagged": self.flagged, "investigations": self.investigations,
+                "threshold_bytes_per_step": self.threshold, "window": self.window,
                 "heap_sampled_every_steps": self.heap_every, "heap_extra_samples": self.heap_extra_samples,
                 "slopes": {d: t.slope for d, t in self.trackers.items()}, "reports": list(self.reports)}
 

@@ -27,9 +27,9 @@ import torch
 
 from torchtrace import files
 from torchtrace.distributed import rank_file_name
+from torchtrace.errors import get_logger
 from torchtrace.measure.flop_modes import leave_counter, profiler_running
 from torchtrace.probes.base import Probe
-from torchtrace.errors import get_logger
 
 logger = get_logger(__name__)
 
@@ -240,7 +240,8 @@ class ProfilerProbe(Probe):
         """Where traces go: the output given to ``profiling()``, else the run's ``profiles/``."""
         if self.output is not None:
             return self.output
-        base = self.rt.run_path if self.rt.run_path is not None else Path(self.rt.settings.run_dir) / self.rt.settings.run_id
+        base = (self.rt.run_path if self.rt.run_path is not None
+                else Path(self.rt.settings.run_dir) / self.rt.settings.run_id)
         return base / "profiles"
 
     def _allowed(self, sched: ProfileSchedule, step: int) -> bool:

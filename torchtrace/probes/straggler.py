@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
+
 from torchtrace import current
 from torchtrace.distributed import collectives
 from torchtrace.probes.base import Probe

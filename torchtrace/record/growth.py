@@ -18,7 +18,8 @@ The evidence condition makes the time to detection fall as the leak grows: a lea
 the threshold needs half a window of steps, one at four times or more the minimum stretch.
 
 While growth is *suspected* (the last two samples or the window climb faster than the
-threshold, or the last change is a quarter window's evidence beyond the trend) a caller that samples sparsely should sample every ``stride()`` steps: about
+threshold, or the last change is a quarter window's evidence beyond the trend) a caller that
+samples sparsely should sample every ``stride()`` steps: about
 ``MIN_SAMPLES`` samples over the steps the suspected rate needs.
 """
 

@@ -10,7 +10,6 @@ from typing import Any
 
 from torchtrace.record.step import StepRecord
 
-
 NAME_CHARS = 512
 """Characters of names one list in a retained step or event keeps (whole names, the first
 always), and characters of a message or ``detail`` text. Past it, names are left out and

@@ -14,9 +14,9 @@ import torch
 
 from torchtrace import current, semconv
 from torchtrace.config import DEFAULT_GRAD_EXPLOSION_THRESHOLD, DEFAULT_GRAD_VANISHING_THRESHOLD
+from torchtrace.errors import get_logger
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.record import readout
-from torchtrace.errors import get_logger
 
 logger = get_logger("torchtrace.monitor")
 
@@ -73,7 +73,8 @@ class TrainingMonitor:
         self.last: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ per step
-    def monitor_training_step(self, model: torch.nn.Module | None, loss: Any, step: int | None = None) -> dict[str, Any]:
+    def monitor_training_step(self, model: torch.nn.Module | None, loss: Any,
+                              step: int | None = None) -> dict[str, Any]:
         """Check one step (after ``backward()``); returns the step's numbers and anomaly kinds."""
         pieces = []
         if isinstance(loss, torch.Tensor):

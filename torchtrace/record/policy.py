@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from torchtrace.config import GUARD_POLICIES
-from torchtrace.errors import NonFiniteError
 from torchtrace.distributed import collectives
+from torchtrace.errors import NonFiniteError
 from torchtrace.levels import _ParseEnum
 from torchtrace.record import readout
 

@@ -89,7 +89,8 @@ def _step_from_span(span: dict[str, Any]) -> dict[str, Any] | None:
     for event in span.get("events") or []:
         if event.get("name") == semconv.EVENT_ANOMALY:
             ea = event.get("attributes") or {}
-            anomalies.append({"kind": ea.get(semconv.EVENT_ANOMALY_KIND), "detail": ea.get(semconv.EVENT_ANOMALY_DETAIL),
+            anomalies.append({"kind": ea.get(semconv.EVENT_ANOMALY_KIND),
+                              "detail": ea.get(semconv.EVENT_ANOMALY_DETAIL),
                               "time_unix_ns": event.get("time_unix_ns")})
     forensics = [_forensic_from_event(e) for e in span.get("events") or [] if e.get("name") == semconv.EVENT_FORENSICS]
     return {

@@ -73,11 +73,12 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
     >>> throughput_rows({"operations": {"train_step": {"steps": 20, "samples_per_s": 640.0, "mfu": 0.41}},
     ...                  "goodput_ratio": 0.9, "badput_s": {"data_wait": 1.5, "startup": 0.05}})
     [('throughput', '640 samples/s, MFU 41.0%, over the last 20 steps'), ('goodput', '90% of wall time in applied updates; the rest: data_wait 1.50 s, startup 50 ms')]
-    """
+    """  # noqa: E501 - a doctest's expected output is one line
     rows = []
     ops = section.get("operations") or {}
     for name, op in sorted(ops.items())[:MAX_OPERATION_ROWS]:
-        tokens, samples, flops, mfu = (_number(op.get(k)) for k in ("tokens_per_s", "samples_per_s", "flops_per_s", "mfu"))
+        tokens, samples, flops, mfu = (_number(op.get(k))
+                                       for k in ("tokens_per_s", "samples_per_s", "flops_per_s", "mfu"))
         parts = []
         if tokens is not None:
             parts.append(_shown(tokens, "{:,.0f}") + " tokens/s")
@@ -116,7 +117,8 @@ def _number(value: Any) -> float | None:
     one ("Infinity", "-Infinity", "NaN"); None for anything else (absent, not a figure)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    return {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}.get(value) if isinstance(value, str) else None
+    return ({"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}.get(value) if isinstance(value, str)
+            else None)
 
 
 def _shown(value: float, spec: str) -> str:

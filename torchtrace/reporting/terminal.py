@@ -9,8 +9,13 @@ from typing import Any
 
 from torchtrace.reporting.jobview import job_lines, job_of
 from torchtrace.reporting.runfiles import load_run
-from torchtrace.reporting.summary import finite, main_operation, seconds_text, throughput_rows, \
-    training_summary_from_steps
+from torchtrace.reporting.summary import (
+    finite,
+    main_operation,
+    seconds_text,
+    throughput_rows,
+    training_summary_from_steps,
+)
 
 _BARS = "▁▂▃▄▅▆▇█"
 MAX_ANOMALY_LINES = 20
@@ -119,7 +124,8 @@ def _header_lines(s: dict[str, Any], steps: list[dict[str, Any]], run_dir: Path)
     wall = None
     if steps and steps[-1].get("duration_s") is not None:
         wall = (steps[-1]["start_unix_ns"] - steps[0]["start_unix_ns"]) / 1e9 + steps[-1]["duration_s"]
-    lines.append(f"  steps: {len(steps)}" + (f" ({', '.join(f'{k} {v}' for k, v in sorted(ops.items()))})" if ops else "")
+    lines.append(f"  steps: {len(steps)}"
+                 + (f" ({', '.join(f'{k} {v}' for k, v in sorted(ops.items()))})" if ops else "")
                  + (f" over {seconds_text(wall)}" if wall is not None else ""))
     return lines
 
@@ -182,7 +188,8 @@ def _anomaly_lines(steps: list[dict[str, Any]], events: list[dict[str, Any]]) ->
                 if tr["anomalies_by_kind"] else "")]
     skipped = [st.get("step") for st in steps if st.get("skipped")]
     if skipped:
-        shown = ", ".join(str(x) for x in skipped[:MAX_ANOMALY_LINES]) + (" ..." if len(skipped) > MAX_ANOMALY_LINES else "")
+        shown = (", ".join(str(x) for x in skipped[:MAX_ANOMALY_LINES])
+                 + (" ..." if len(skipped) > MAX_ANOMALY_LINES else ""))
         lines.append(f"  skipped updates: {len(skipped)} (step {shown})")
     anomaly_events = [e for e in events if e.get("type") == "anomaly"]
     for e in anomaly_events[:MAX_ANOMALY_LINES]:

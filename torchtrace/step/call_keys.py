@@ -25,6 +25,7 @@ logger = get_logger(__name__)
 
 if TYPE_CHECKING:
     from torchtrace.step.scope import StepScope
+    from torchtrace.step.state import StepThroughput
 
 MAX_KEYS = 256  # operations, and keys of each kind below, kept
 MANY = object()  # StepClock.batch once the model was called on another batch in the step

@@ -18,10 +18,10 @@ from torchtrace.errors import NonFiniteError, get_logger
 from torchtrace.export.spans import apply_record
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure.counts import device_count, read_given
-from torchtrace.step import job
 from torchtrace.measure.learning_rates import read_rates
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import Anomaly, StepRecord
+from torchtrace.step import job
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -70,7 +70,8 @@ def _mark_hang(rt: Runtime, record: StepRecord) -> None:
     if finding is not None:
         record.anomalies.append(Anomaly(semconv.HANG, f"no progress for {finding['stalled_s']:.1f} s in phase "
                                         f"{finding['phase']} (timeout {finding['timeout_s']:.1f} s)", record.step,
-                                        record.operation, {"phase": finding["phase"], "stalled_s": finding["stalled_s"]}))
+                                        record.operation,
+                                        {"phase": finding["phase"], "stalled_s": finding["stalled_s"]}))
 
 
 def _guarded(rt: Runtime, stage: Any, *args: Any) -> None:

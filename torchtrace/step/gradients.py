@@ -27,7 +27,6 @@ from torchtrace.record.policy import GuardPolicy, agree_any
 from torchtrace.step.throughput import learning_rates
 from torchtrace.step.watched import hookable
 
-
 _NO_GRADIENTS = frozenset({"evaluation", "checkpoint"})  # operation kinds that make no gradients
 
 

@@ -20,13 +20,13 @@ from torchtrace.export.tracing import BoundedBatchSpanProcessor, JsonLinesSpanEx
 from torchtrace.job import identity as job_identity
 from torchtrace.job.cgroup import memory_cgroup
 from torchtrace.job.state import RankState
-from torchtrace.step import job
 from torchtrace.probes.activations import ActivationProbe
 from torchtrace.probes.forensics import ForensicsProbe
 from torchtrace.probes.leaks import LeakProbe
 from torchtrace.probes.memory import MemoryProbe
 from torchtrace.probes.profiler import ProfilerProbe
 from torchtrace.probes.straggler import StragglerProbe
+from torchtrace.step import job
 
 if TYPE_CHECKING:
     from torchtrace.step.runtime import Runtime

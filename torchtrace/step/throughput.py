@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple
 
 import torch
 
-from torchtrace.measure.scaler import find_side_effect_owners
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
 from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, release_counter, shape_key
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
-from torchtrace.measure.scaler import scale_at_start, skipped_update
+from torchtrace.measure.scaler import find_side_effect_owners, scale_at_start, skipped_update
 from torchtrace.measure.shape_keys import loose_shape_key, truncated
 from torchtrace.record.goodput import MAX_PEAKS, TRAIN, FinishedStep, GoodputLedger, enclosing
 from torchtrace.record.step import Anomaly, StepRecord
@@ -242,7 +241,8 @@ class RunThroughput:
             if key is None:  # (no one call's batch)
                 return None, None
             cached = self._shapes.get(key)
-            return cached if cached is not None else self._kept(key, self.flops.lookup(key), batch_of(forward, model=scope.model))
+            return cached if cached is not None else self._kept(key, self.flops.lookup(key),
+                                                                batch_of(forward, model=scope.model))
         if key is None:
             return None, batch_of(scope.inputs, scope.batch_skip, scope.model)
         flops = self.flops.lookup(key)
@@ -297,7 +297,8 @@ class RunThroughput:
         account = self.ledger.add_step(FinishedStep(
             start, start + record.duration_s,
             # An update applied and finite is progress: a NaN one applied under warn is not (skipped_step).
-            applied=not (record.skipped or record.scaler_overflow or record.nonfinite) and record.exception_type is None,
+            applied=(not (record.skipped or record.scaler_overflow or record.nonfinite)
+                     and record.exception_type is None),
             excluded=record.flops_counted, samples=record.samples, tokens=record.tokens,
             flops=int(flops) if flops is not None else None, kind=record.kind, operation=operation,
             enclosing=enclosing(outer.kind, parent.started_at, parent.holds_steps) if outer and parent else None,

@@ -90,7 +90,8 @@ def detect_model_anomalies(model: torch.nn.Module, x: Any, *, value_range: tuple
     if info["nan_count"] or info["inf_count"]:
         anomalies.append(semconv.NONFINITE_OUTPUT)
         details[semconv.NONFINITE_OUTPUT] = {"nan_count": info["nan_count"], "inf_count": info["inf_count"]}
-    if value_range is not None and info["min"] is not None and (info["min"] < value_range[0] or info["max"] > value_range[1]):
+    if value_range is not None and info["min"] is not None and (info["min"] < value_range[0]
+                                                                or info["max"] > value_range[1]):
         anomalies.append(semconv.OUTPUT_OUT_OF_RANGE)
         details[semconv.OUTPUT_OUT_OF_RANGE] = {"min": info["min"], "max": info["max"], "range": list(value_range)}
     if o.dim() >= 1 and o.shape[0] >= 2 and values[-1] <= uniform_tolerance:

@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 import torch
 
+from torchtrace.forensics.blame import ModuleCalls, localise
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure import tensors as tensor_measure
-from torchtrace.forensics.blame import ModuleCalls, localise
 from torchtrace.measure.activations import first_tensor, layer_modules
 from torchtrace.record import readout
 
