@@ -44,6 +44,8 @@ PARTS = ("none", "key", "clock", "ledger", "metrics", "spans", "seam", "lr", "al
 
 def stub(part: str) -> None:
     """Take ``part`` of the throughput features away, in this process."""
+    import collections
+
     from torchtrace.export import spans, step_metrics
     from torchtrace.record import goodput
     from torchtrace.step import gradients, phases, throughput
@@ -53,16 +55,22 @@ def stub(part: str) -> None:
     if part in ("clock", "all"):
         start = throughput.RunThroughput.start
 
-        def without_clock(self, scope, parent):
-            start(self, scope, parent)  # (it sets the scope's FLOP key, clock and counter)
-            scope.clock = None
+        def without_clock(self, scope, parent, entered_at):
+            state = start(self, scope, parent, entered_at)  # (the step's FLOP key, clock and counter)
+            state.clock = None
+            return state
         throughput.RunThroughput.start = without_clock
     if part in ("ledger", "all"):
-        goodput.GoodputLedger.post = lambda self, *args, **kwargs: (None, ())
-    if part in ("metrics", "all"):  # a record reads as one without throughput values
-        step_metrics._THROUGHPUT = lambda record: step_metrics._ABSENT
+        goodput.GoodputLedger.add_step = lambda self, step: goodput.StepAccount(None, ())
+    if part in ("metrics", "all"):  # a step's throughput values go nowhere: nothing is added up or bucketed
+        init = step_metrics._Operation.__init__
+
+        def without_sums(self, label, kinds):
+            init(self, label, kinds)
+            self.unfolded = collections.deque(maxlen=0)  # (its append drops the values, in C)
+        step_metrics._Operation.__init__ = without_sums
     if part in ("spans", "all"):
-        spans._THROUGHPUT = lambda record: spans._ABSENT
+        spans._throughput = lambda attrs, record: None
     if part in ("seam", "all"):
         phases.ModelMarks.attach = lambda self, model: setattr(self, "attached", True)
     if part in ("lr", "all"):

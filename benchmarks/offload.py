@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import overhead  # noqa: E402
-from torchtrace.record.goodput import GoodputLedger  # noqa: E402
+from torchtrace.record.goodput import FinishedStep, GoodputLedger  # noqa: E402
 
 
 class Booker:
@@ -46,8 +46,8 @@ class Booker:
         self.posts = posts
 
     def book(self, start: float, end: float) -> None:
-        for _ in range(self.posts):
-            self.ledger.post(start, end, True, False, 4, None, 1000, "train", "train_step")
+        for _ in range(self.posts):  # (the step pipeline builds a FinishedStep per step too)
+            self.ledger.add_step(FinishedStep(start, end, samples=4, flops=1000))
 
 
 def runners(wl: overhead.Workload, posts: int, poll_s: float) -> tuple[dict, list]:

@@ -8,7 +8,7 @@ import os
 import time
 
 from torchtrace.cli import main
-from torchtrace.cli.why import _job_section, render, why
+from torchtrace.cli.why import render, why
 
 
 def _write(run, rank, **fields):
@@ -42,7 +42,7 @@ def test_why_names_the_culprit_with_its_stack_user_frames_first(tmp_path, capsys
     assert text.splitlines()[2].startswith("rank 1 [culprit]: hung, step 7 (in progress), phase data_wait")
     assert main(["why", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["culprit_ranks"] == [1]
-    assert report["job"] == {"attempts": [{"attempt": 0, "ended": None, "last_step": 6}]}
+    assert [(a["attempt"], a["ended"], a["last_step"]) for a in report["job"]["attempts"]] == [(0, None, 6)]
 
 
 def test_job_section_tells_attempts_apart(tmp_path):
@@ -52,8 +52,13 @@ def test_job_section_tells_attempts_apart(tmp_path):
     _write(tmp_path / "a0", 1, attempt=0, pid=2 ** 22 + 4321, step=41)  # gone: killed
     _write(tmp_path / "a1", 0, attempt=1, ended="completed", step=90)
     _write(tmp_path / "a1", 1, attempt=1, ended="completed", step=90)
-    assert _job_section(tmp_path) == {"attempts": [{"attempt": 0, "ended": "killed", "last_step": 41},
-                                                   {"attempt": 1, "ended": "completed", "last_step": 90}]}
+    attempts = why(tmp_path)["job"]["attempts"]
+    # Attempt 0: rank 0 raised, rank 1's process is gone without a word (killed); a later
+    # attempt followed, so attempt 0 is over. Attempt 1 completed on both ranks.
+    assert [(a["attempt"], sorted(r["ended"] for r in a["ranks"])) for a in attempts] == [
+        (0, ["exception", "killed"]), (1, ["completed", "completed"])]
+    assert attempts[0]["ended"] in ("exception", "killed") and attempts[1]["ended"] == "completed"
+    assert attempts[1]["last_step"] == 90
     assert why(tmp_path)["verdict"] == "completed"  # the latest attempt
 
 

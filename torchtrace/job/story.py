@@ -65,17 +65,27 @@ def story_of(states: list[dict[str, Any]], now: float | None = None) -> dict[str
 
 def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: float) -> dict[str, Any]:
     ranks = []
+    # When each rank was last known alive: a SIGKILLed rank's end is an estimate (half a writer
+    # period after its last heartbeat), but it certainly ended after its last heartbeat.
+    seen: dict[int, float] = {}
     for state in sorted(states, key=lambda s: _int(s.get("rank"))):
         ended, detail = how_ended(state, superseded, now)
         ranks.append({"rank": _int(state.get("rank")), "ended": ended, "detail": detail,
                       "last_step": state.get("step"), "end": end_time(state) if ended else None,
                       "pid": state.get("pid")})
+        seen[ranks[-1]["rank"]] = _last_seen(state)
     over = [r for r in ranks if r["ended"] is not None]
     abnormal = [r for r in over if r["ended"] in _ABNORMAL]
-    cause = min(abnormal or over, key=lambda r: _num(r["end"]), default=None)
+    # The cause is the rank that ended first, each ordered by when it was last seen alive: a
+    # killed rank's end is not known, only that it came after its last heartbeat, and a rank
+    # that raised because a peer vanished raised after that peer's last heartbeat.
+    cause = min(abnormal or over, key=lambda r: seen[r["rank"]], default=None)
     if cause is not None:
+        # A rank that ended after the cause was last seen alive ended because of it (the
+        # launcher's SIGTERM, or a collective that failed), unless it completed.
         for r in over:
-            r["consequence"] = r is not cause and _num(r["end"]) >= _num(cause["end"]) and r["ended"] != "completed"
+            r["consequence"] = (r is not cause and _num(r["end"]) >= seen[cause["rank"]]
+                                and r["ended"] != "completed")
     finished = cause is not None and (bool(abnormal) or len(over) == len(ranks))
     lead = states[0] if _int(states[0].get("rank")) == 0 else min(states, key=lambda s: _int(s.get("rank")))
     started = [_num(s["process_started"] if s.get("process_started") is not None else s.get("started"))
@@ -167,3 +177,12 @@ def _num(value: Any) -> float:
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _last_seen(state: Mapping[str, Any]) -> float:
+    """The rank's last sign of life: the time it recorded its end, else its last heartbeat."""
+    told = state.get("end_time")
+    if isinstance(told, (int, float)):
+        return float(told)
+    beats = [v for v in (state.get("time"), state.get("step_time")) if isinstance(v, (int, float))]
+    return max(beats) if beats else 0.0
