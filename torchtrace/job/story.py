@@ -73,18 +73,18 @@ def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: f
         ranks.append({"rank": _int(state.get("rank")), "ended": ended, "detail": detail,
                       "last_step": state.get("step"), "end": end_time(state) if ended else None,
                       "pid": state.get("pid")})
-        seen[ranks[-1]["rank"]] = _last_seen(state)
+        seen[_int(state.get("rank"))] = _last_seen(state)
     over = [r for r in ranks if r["ended"] is not None]
     abnormal = [r for r in over if r["ended"] in _ABNORMAL]
     # The cause is the rank that ended first, each ordered by when it was last seen alive: a
     # killed rank's end is not known, only that it came after its last heartbeat, and a rank
     # that raised because a peer vanished raised after that peer's last heartbeat.
-    cause = min(abnormal or over, key=lambda r: seen[r["rank"]], default=None)
+    cause = min(abnormal or over, key=lambda r: seen[_int(r["rank"])], default=None)
     if cause is not None:
         # A rank that ended after the cause was last seen alive ended because of it (the
         # launcher's SIGTERM, or a collective that failed), unless it completed.
         for r in over:
-            r["consequence"] = (r is not cause and _num(r["end"]) >= seen[cause["rank"]]
+            r["consequence"] = (r is not cause and _num(r["end"]) >= seen[_int(cause["rank"])]
                                 and r["ended"] != "completed")
     finished = cause is not None and (bool(abnormal) or len(over) == len(ranks))
     lead = states[0] if _int(states[0].get("rank")) == 0 else min(states, key=lambda s: _int(s.get("rank")))
