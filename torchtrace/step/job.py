@@ -266,10 +266,10 @@ def write_now(rt: Any) -> None:
 
 
 def release(rt: Any) -> None:
-    """The black box's file claim, after the last write."""
+    """The black box's file claim, after the last write (``close`` wrote it; no second write
+    here: this runs after the exporters, at the end of shutdown's deadline)."""
     box = rt.rank_state
     if box is not None and box.path is not None:
-        box.write()
         files.release_file(box.path)
 
 

@@ -369,9 +369,10 @@ class Runtime:
         self._write_report_safely()
         # The deadline covers everything shutdown does: the exporters stop early enough for the
         # report to be written again (with the final export counts) in the time the first took,
-        # with a twentieth of the deadline to spare for a loaded machine's scheduling.
+        # with a twentieth of the deadline and 50 ms to spare for a loaded machine's scheduling and the
+        # black box's claim released after them.
         timeout = self.settings.shutdown_timeout_s
-        reserve = min(1.5 * (time.monotonic() - written) + 0.05 * timeout + 0.02, 0.25 * timeout)
+        reserve = min(1.5 * (time.monotonic() - written) + 0.05 * timeout + 0.05, 0.25 * timeout)
         self._stop_exporters(deadline - reserve, at_exit)
         self._write_report_safely()
         for path in (self.spans_path, self.report_path):
