@@ -40,8 +40,6 @@ SERIAL_TESTS = {
                                     "test_the_exit_handler_keeps_the_shutdown_deadline_when_the_final_metrics_push_hangs"},
     "tests/export/test_second_audit.py": {"test_shutdown_keeps_its_deadline_with_metrics_pushed_to_a_black_hole"},
     "tests/job/test_sigterm.py": {"test_sigterm_with_the_default_action", "test_the_applications_handler_still_runs"},
-    # Heap samples within a time budget per step: a busy second worker thins them out.
-    "tests/compat/test_seed_gaps.py": {"test_memory_tracking_reports_a_planted_leak_through_the_leak_detector"},
 }
 
 

@@ -22,17 +22,25 @@ EXTRA_SAMPLES = 2 * growth.MIN_SAMPLES  # out-of-turn heap samples between two r
 BACKOFF_MAX = 5  # a growth that stays is investigated again after window * 2**k steps, k <= this
 
 
-def heap_gap(cost_s: float, step_s: float) -> int:
+def heap_gap(cost_s: float, step_s: float, budget: float = HEAP_BUDGET, max_gap: int = HEAP_MAX_GAP) -> int:
     """Steps between two CPU heap samples: 1 while a sample costs under ``HEAP_FREE_S``, else
-    the fewest steps that keep samples under ``HEAP_BUDGET`` of the step time, at most
-    ``HEAP_MAX_GAP``.
+    the fewest steps that keep samples under ``budget`` of the step time, at most ``max_gap``.
 
     >>> heap_gap(20e-6, 0.01), heap_gap(1e-3, 0.03), heap_gap(1.5e-3, 0.001)
     (1, 7, 64)
     """
     if cost_s <= HEAP_FREE_S:
         return 1
-    return min(HEAP_MAX_GAP, max(1, math.ceil(cost_s / (HEAP_BUDGET * max(step_s, 1e-6)))))
+    return min(max_gap, max(1, math.ceil(cost_s / (budget * max(step_s, 1e-6)))))
+
+
+def timed_heap_sample() -> tuple[int | None, float]:
+    """The heap in use and what reading it cost, in this thread's CPU seconds: a thread
+    descheduled during the read (a busy machine) is not charged for the wait, so one slow
+    wall-clock read does not stretch the gap to the next sample."""
+    t0 = time.thread_time()
+    heap = mem_measure.heap_in_use_bytes()
+    return heap, time.thread_time() - t0
 
 
 class LeakProbe(Probe):
@@ -126,9 +134,7 @@ class LeakProbe(Probe):
             self._extra_run = 0
         if self._heap_cost is None:
             mem_measure.heap_in_use_bytes()  # the first call loads the C library: not a sample's cost
-        t0 = time.perf_counter()
-        heap = mem_measure.heap_in_use_bytes()
-        cost = time.perf_counter() - t0
+        heap, cost = timed_heap_sample()
         if heap is None:
             self._heap_available = False
             return None

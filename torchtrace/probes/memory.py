@@ -3,14 +3,11 @@ inside ``memory_tracking()``)."""
 
 from __future__ import annotations
 
-import math
-import time
 from typing import TYPE_CHECKING, Any
 
-from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.snapshots import tracker
 from torchtrace.probes.base import Probe
-from torchtrace.probes.leaks import HEAP_FREE_S
+from torchtrace.probes.leaks import heap_gap, timed_heap_sample
 from torchtrace.record.step import StepRecord
 
 if TYPE_CHECKING:
@@ -23,6 +20,10 @@ _TRACKER = tracker()
 TRACKING_HEAP_BUDGET = 0.05
 """Inside ``memory_tracking()`` heap samples take at most this share of the step time (every
 step while a sample costs under ``probes.leaks.HEAP_FREE_S``)."""
+TRACKING_MAX_GAP = 4
+"""And at least one heap sample every this many steps, however costly: the user asked for the
+tracking, and the leak rule needs ``growth.MIN_SAMPLES`` samples in a stretch of a quarter
+window (8 steps by default) to a whole one."""
 
 
 class MemoryProbe(Probe):
@@ -52,9 +53,6 @@ class MemoryProbe(Probe):
         if self.heap_wait > 0:
             self.heap_wait -= 1
             return None
-        t0 = time.perf_counter()
-        heap = mem_measure.heap_in_use_bytes()
-        cost = time.perf_counter() - t0
-        gap = 1 if cost <= HEAP_FREE_S else math.ceil(cost / (TRACKING_HEAP_BUDGET * max(step_s, 1e-6)))
-        self.heap_wait = gap - 1
+        heap, cost = timed_heap_sample()
+        self.heap_wait = heap_gap(cost, step_s, TRACKING_HEAP_BUDGET, TRACKING_MAX_GAP) - 1
         return heap
