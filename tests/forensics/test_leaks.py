@@ -176,8 +176,10 @@ def test_a_costly_heap_sample_is_spread_over_steps_and_keeps_the_slope(tmp_path,
     step_no = [0]
     calls = []
 
-    def costly_heap():  # a fragmented heap: 3 ms a call; grows 300 KB per step
-        time.sleep(0.003)
+    def costly_heap():  # a fragmented heap: 3 ms of CPU a call (the walk); grows 300 KB per step
+        end = time.thread_time() + 0.003
+        while time.thread_time() < end:
+            pass
         calls.append(step_no[0])
         return 10_000_000 + 300_000 * step_no[0]
 

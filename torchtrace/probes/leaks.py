@@ -22,13 +22,16 @@ EXTRA_SAMPLES = 2 * growth.MIN_SAMPLES  # out-of-turn heap samples between two r
 BACKOFF_MAX = 5  # a growth that stays is investigated again after window * 2**k steps, k <= this
 
 
-def heap_gap(cost_s: float, step_s: float, budget: float = HEAP_BUDGET, max_gap: int = HEAP_MAX_GAP) -> int:
+def heap_gap(cost_s: float, step_s: float, budget: float | None = None, max_gap: int | None = None) -> int:
     """Steps between two CPU heap samples: 1 while a sample costs under ``HEAP_FREE_S``, else
-    the fewest steps that keep samples under ``budget`` of the step time, at most ``max_gap``.
+    the fewest steps that keep samples under ``budget`` (``HEAP_BUDGET``) of the step time, at
+    most ``max_gap`` (``HEAP_MAX_GAP``).
 
     >>> heap_gap(20e-6, 0.01), heap_gap(1e-3, 0.03), heap_gap(1.5e-3, 0.001)
     (1, 7, 64)
     """
+    budget = HEAP_BUDGET if budget is None else budget
+    max_gap = HEAP_MAX_GAP if max_gap is None else max_gap
     if cost_s <= HEAP_FREE_S:
         return 1
     return min(max_gap, max(1, math.ceil(cost_s / (budget * max(step_s, 1e-6)))))
