@@ -152,13 +152,14 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, durable: bool 
 
 
 def write_json_atomic(path: str | os.PathLike[str], value: Any, max_bytes: int | None = None,
-                      durable: bool = True) -> Path:
-    """Write ``value`` as strict JSON to ``path`` atomically (temp file + rename), mode 0600.
+                      durable: bool = True, indent: int | None = 2) -> Path:
+    """Write ``value`` as strict JSON to ``path`` atomically (temp file + rename), mode 0600;
+    ``indent=None`` writes it compact (a file rewritten often, read by programs).
 
     Raises:
         ValueError: the document is larger than ``max_bytes``.
     """
-    data = (dumps(value, indent=2) + "\n").encode("utf-8")
+    data = (dumps(value, indent=indent) + "\n").encode("utf-8")
     if max_bytes is not None and len(data) > max_bytes:
         raise ValueError(f"report of {len(data)} bytes is over the cap of {max_bytes} bytes")
     return write_bytes_atomic(path, data, durable)
