@@ -22,6 +22,10 @@ Variants:
              throughput features (batch size, FLOPs, learning rate, phases, goodput) off;
              basic-aa is BASIC again (a step of its own): basic - basic-aa is an A/A pair,
              the machine's own noise, that basic - basic-nothr is judged against.
+             basic-nojob is BASIC without the job's per-step work: the hang watch's phase
+             marks (torchtrace.job.progress) and the black box's stores at the step's end
+             (torchtrace.step.job.note_step) are no-ops during its steps (swapped in and out
+             around each step: about eight attribute stores, which count against basic-nojob).
              extreme trains an identical copy of the model (same weights, own optimizer):
              its activation hooks stay registered on that copy between rounds, as in a job
              that stays at EXTREME, while the other variants' model carries none (a level
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import logging
 import math
@@ -73,7 +78,7 @@ from torchtrace.measure.flops import shape_key  # noqa: E402
 from torchtrace.record import readout  # noqa: E402
 from torchtrace.record.step import StepRecord  # noqa: E402
 
-VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "advanced", "extreme", "marks", "least",
+VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "basic-nojob", "advanced", "extreme", "marks", "least",
             "ideal", "seed", "anomaly")
 
 
@@ -336,6 +341,7 @@ def make_runner(variant: str, wl: Workload):
         return lambda: pinned(model, batch)
     decorated = tt.debug_operation(name="train_step", model=model, optimizer=optimizer)(step)
     throughput = not level.endswith("-nothr")  # basic-nothr: BASIC without the throughput features
+    without_job = level.endswith("-nojob")
     level = level.split("-")[0]
 
     def instrumented():
@@ -343,8 +349,30 @@ def make_runner(variant: str, wl: Workload):
         if rt.level.value != level or rt.settings.throughput != throughput:
             rt.settings = rt.settings.replace(throughput=throughput)
             rt.set_level(level)
+        if without_job:
+            with _job_work_taken_away():
+                return decorated(model, batch)
         return decorated(model, batch)
     return instrumented
+
+
+@contextlib.contextmanager
+def _job_work_taken_away():
+    """The job's per-step work as no-ops for one step (variant basic-nojob): the hang watch's
+    phase marks and the black box's stores at the step's end."""
+    from torchtrace.job import progress
+    from torchtrace.step import job
+
+    saved = progress.step_began, progress.mark, progress.step_ended, job.note_step
+    progress.step_began = progress.mark = progress.step_ended = job.note_step = _nothing
+    try:
+        yield
+    finally:
+        progress.step_began, progress.mark, progress.step_ended, job.note_step = saved
+
+
+def _nothing(*args):
+    return None
 
 
 def _sync(device):
@@ -522,6 +550,8 @@ def fmt_table(name: str, wl: Workload, times, background: float = 0.0) -> str:
                      f"{extra} {cpaired:8.3f}")
     if "basic" in wall and "basic-nothr" in wall:
         lines.extend(throughput_verdict(wall))
+    if "basic" in wall and "basic-nojob" in wall:
+        lines.extend(job_verdict(wall))
     lines.append(f"torchtrace's background threads (span export, HTTP): {background * 1e6:.1f} us CPU per "
                  f"instrumented step")
     return "\n".join(lines)
@@ -584,6 +614,31 @@ def throughput_verdict(wall: dict[str, list[float]]) -> list[str]:
                      f"rates): {lmed * 1e6:+.1f} us ({lshare * 100:+.2f} % of bare), 95 % interval [{llo * 1e6:+.1f}, "
                      f"{lhi * 1e6:+.1f}] us ({within}); the features beyond it: {(med - lmed) * 1e6:+.1f} us")
     return lines
+
+
+def job_verdict(wall: dict[str, list[float]]) -> list[str]:
+    """What the job's per-step work (the hang watch's marks, the black box's stores) costs at
+    BASIC: basic - basic-nojob, paired per round, judged as :func:`throughput_verdict` judges
+    the throughput features (against the A/A pair, basic - basic-aa, when it ran)."""
+    def paired(a: str, b: str) -> tuple[float, float, float]:
+        diffs = [x - y for x, y in zip(wall[a], wall[b])]
+        return (statistics.median(diffs), *median_interval(diffs))
+
+    med, lo, hi = paired("basic", "basic-nojob")
+    line = (f"the job's per-step work (basic - basic-nojob, paired per round): {med * 1e6:+.1f} us, 95 % interval "
+            f"[{lo * 1e6:+.1f}, {hi * 1e6:+.1f}] us")
+    noise = None
+    if "basic-aa" in wall:
+        amed, alo, ahi = paired("basic", "basic-aa")
+        line += f"; A/A {amed * 1e6:+.1f} us [{alo * 1e6:+.1f}, {ahi * 1e6:+.1f}]"
+        noise = max(abs(alo), abs(ahi))
+    if lo <= 0 <= hi:
+        verdict = "within noise (the interval holds 0)"
+    elif noise is not None and abs(med) <= noise:
+        verdict = "not told apart from noise (the interval excludes 0, but the A/A pair spreads as wide)"
+    else:
+        verdict = "above noise"
+    return [line, f"the job's per-step work: {verdict}"]
 
 
 def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:

@@ -112,7 +112,10 @@ class History:
 
     def add_step(self, record: StepRecord) -> None:
         with self._lock:
-            self._steps.append(bounded_entry(record.summary()))
+            summary = record.summary()
+            # Only a step with anomalies names anything (its non-finite tensors): a healthy
+            # step's summary has nothing to bound, and bounding scanned every key every step.
+            self._steps.append(bounded_entry(summary) if record.anomalies or record.grad_nonfinite_params else summary)
             self.totals["steps"] += 1
             self.operations[record.operation] += 1
             if record.anomalies:
