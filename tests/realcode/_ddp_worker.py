@@ -4,6 +4,10 @@ faults under ``warn`` and ``skip``, each in a fresh torchtrace run, all in one l
 Usage: ``python -m torch.distributed.run ... _ddp_worker.py OUT_DIR``; each rank writes
 ``OUT_DIR/ddp.rank<r>.json``: per guard and fault, the forensic reports, each step's skip
 decision, and a checksum of the final parameters.
+
+``_ddp_worker.py OUT_DIR one_nan GUARD`` runs the issue's job alone: DistributedDataParallel at
+its defaults (no ``find_unused_parameters``), an Inf weight planted on rank 1 before step 15,
+default torchtrace settings; the key is ``one_nan/GUARD``.
 """
 
 from __future__ import annotations
@@ -24,14 +28,28 @@ from torchtrace.api import get_runtime  # noqa: E402
 
 STEPS = 5
 BAD_STEP = 3  # the fault is planted for this step (huge_lr: its update; the next step is the bad one)
+ONE_NAN_STEPS = 18
+ONE_NAN_BAD_STEP = 15
 
 
-def run_case(out: str, rank: int, guard: str, fault: str, max_replays: int = 3) -> dict:
-    tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=os.path.join(out, guard, fault),
-                 register_atexit=False, strict=True, guard=guard, throughput=False, forensics_max_replays=max_replays)
+def run_case(out: str, rank: int, guard: str, fault: str, max_replays: int = 3, steps: int = STEPS,
+             bad_step: int = BAD_STEP, defaults: bool = False) -> dict:
+    """One torchtrace run of ``steps`` steps with ``fault`` planted at ``bad_step``. ``defaults``:
+    torchtrace's default settings and DistributedDataParallel's (the nan_input fault leaves the
+    token embedding unused, which DDP's defaults refuse: use it only with the other faults)."""
+    run_dir = os.path.join(out, guard, fault)
+    if defaults:
+        tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=run_dir, register_atexit=False,
+                     guard=guard)
+    else:
+        tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=run_dir, register_atexit=False,
+                     strict=True, guard=guard, throughput=False, forensics_max_replays=max_replays)
     torch.manual_seed(0)
     inner = models.TinyGPT()
-    model = torch.nn.parallel.DistributedDataParallel(inner, find_unused_parameters=True)
+    if defaults:
+        model = torch.nn.parallel.DistributedDataParallel(inner)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(inner, find_unused_parameters=True)
     opt = torch.optim.SGD(models.gpt_param_groups(inner, "lm_head"), lr=0.1)
 
     @tt.debug_operation
@@ -44,10 +62,10 @@ def run_case(out: str, rank: int, guard: str, fault: str, max_replays: int = 3) 
 
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data, as a sampler gives
     decisions = []
-    for step in range(STEPS):
+    for step in range(steps):
         idx, targets = models.gpt_batch(gen)
         saved = None
-        if step == BAD_STEP:
+        if step == bad_step:
             if fault == "inf_weight" and rank == 1:
                 saved = inner.h[0].mlp.c_fc.weight.detach().clone()
                 models.plant_inf_weight(inner.h[0].mlp.c_fc)
@@ -61,7 +79,7 @@ def run_case(out: str, rank: int, guard: str, fault: str, max_replays: int = 3) 
         train_step(model, idx, targets, opt)
         record = get_runtime().history.last_record
         decisions.append({"step": step, "skipped": bool(record.skipped), "nonfinite": bool(record.nonfinite)})
-        if fault == "huge_lr" and step == BAD_STEP:
+        if fault == "huge_lr" and step == bad_step:
             opt.param_groups[0]["lr"] = 0.1
         if saved is not None and record.skipped:  # a transient fault: the skipped step left no trace
             target = inner.h[0].mlp.c_fc.weight if fault == "inf_weight" else inner.h[0].attn.c_attn.weight
@@ -82,6 +100,14 @@ def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
+    if sys.argv[2:3] == ["one_nan"]:
+        guard = sys.argv[3]
+        result = run_case(os.path.join(out, "one_nan"), rank, guard, "inf_weight", steps=ONE_NAN_STEPS,
+                          bad_step=ONE_NAN_BAD_STEP, defaults=True)
+        with open(os.path.join(out, f"one_nan.rank{rank}.json"), "w") as f:
+            json.dump({f"one_nan/{guard}": result}, f, default=str)
+        dist.destroy_process_group()
+        return
     results = {}
     for guard in ("warn", "skip"):
         for fault in models.FAULTS:

@@ -4,7 +4,8 @@ on rank 1 (the learning rate on both), under ``warn`` and ``skip``, all in one l
 What must hold: the job ends (no collective mismatch, no hang); every rank takes the same
 skip decision on the same step and the weights stay identical across ranks; the report names
 the rank and the module where the value was born, and rank 0 does not blame a module of its
-own for a NaN that reached it through DDP's all-reduce.
+own for a NaN that reached it through DDP's all-reduce. The same for the issue's own job, DDP
+and torchtrace at their defaults, one launch per guard.
 """
 
 from __future__ import annotations
@@ -36,15 +37,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
+def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """The worker on 2 ranks under real torchrun; asserts the job ended well."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "--max_restarts=0", str(WORKER), str(out)]
+           f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "--max_restarts=0", str(WORKER), str(out), *args]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    _torchrun(out)
     return [json.loads((out / f"ddp.rank{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -95,3 +102,24 @@ def test_a_replay_on_one_rank_alone_issues_no_collective(ranks):
     (report,) = r1["reports"]
     assert (report["cause"], report["module"], report["rank"]) == ("input", "", 1)
     assert r0["decisions"] == r1["decisions"] and r0["identical"] and r1["identical"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("guard", ["warn", "skip"])
+def test_one_nan_on_one_rank_at_the_defaults_does_not_kill_the_job(tmp_path, guard):
+    """The issue's job: DDP and torchtrace at their defaults, an Inf weight on rank 1 before
+    step 15. Both ranks' gradients turn NaN through the all-reduce, so both replay; before the
+    fix their replays differed (rank 1 found the parameter, rank 0 went on to a second,
+    anomaly-mode pass whose backward all-reduced alone): under ``skip`` the guard's next
+    all_reduce met a gradient bucket (gloo::EnforceNotMet, "collective mismatch", SIGABRT),
+    under ``warn`` the ranks drifted one collective apart until gloo's timeout."""
+    _torchrun(tmp_path, "one_nan", guard)
+    case = f"one_nan/{guard}"
+    r0, r1 = (json.loads((tmp_path / f"one_nan.rank{r}.json").read_text())[case] for r in (0, 1))
+    assert r0["decisions"] == r1["decisions"] and r0["identical"] and r1["identical"]
+    bad = [d for d in r0["decisions"] if d["nonfinite"]]
+    assert bad[0]["step"] == 15 and all(d["skipped"] is (guard == "skip") for d in bad)
+    (rep0,), (rep1,) = r0["reports"], r1["reports"]
+    assert (rep1["cause"], rep1["module"], rep1["rank"], rep1["step"]) == ("parameter", "h.0.mlp.c_fc", 1, 15)
+    assert (rep0["cause"], rep0["module"], rep0["rank"]) == ("peer", None, 0)
+    assert r0["internal_errors"] == r1["internal_errors"] == 0
