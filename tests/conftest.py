@@ -44,6 +44,8 @@ SERIAL_TESTS = {
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # (pytest-xdist registers it only when loaded: the serial pass runs without it.)
+    config.addinivalue_line("markers", "xdist_group(name): tests that share one xdist worker")
     config.addinivalue_line("markers", "serial: measures wall time with tight bounds; scripts/test.sh runs it alone, "
                                        "after the parallel tests (SERIAL_TESTS in tests/conftest.py)")
     # Under xdist only the controller watches the checkout: it sees the whole session.

@@ -20,6 +20,9 @@ import pytest
 
 import torchtrace
 
+# The module's fixture does its costly work once per process: its tests share one xdist worker.
+pytestmark = pytest.mark.xdist_group("packaging")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -16,6 +16,9 @@ import pytest
 from tests.job.helpers import clean_env, events, start, wait_ready
 from torchtrace.job.story import job_story
 
+# The module's fixture does its costly work once per process: its tests share one xdist worker.
+pytestmark = pytest.mark.xdist_group("restarts")
+
 
 def _run_attempts(tmp_path):
     run_dir, ckpt, log = tmp_path / "runs", tmp_path / "ckpt", tmp_path / "log.jsonl"

@@ -21,6 +21,9 @@ import pytest
 
 from tests.realcode import models
 
+# The module's fixture does its costly work once per process: its tests share one xdist worker.
+pytestmark = pytest.mark.xdist_group("realcode_ddp")
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_ddp_worker.py")
 BAD_STEP = 3
