@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,6 +21,7 @@ from torchtrace.config import Settings
 from torchtrace.export.hang_metrics import HangMetrics
 from torchtrace.job import culprit, progress, stacks
 from torchtrace.job.watchdog import FLOOR_S, SLOW_S, Watchdog, hang_timeout
+from torchtrace.step import job
 
 
 # ---------------------------------------------------------------- the timeout rule
@@ -251,3 +256,63 @@ def test_a_peer_whose_process_is_gone_is_named_and_the_box_written_at_once():
     assert dog.check_peers() == [1]  # rank 2 said how it ended: not gone
     assert f["peers_gone"] == [1] and written and written[-1]["peers_gone"] == [1]
     assert dog.check_peers() == [1] and len(written) == 1  # named once
+
+
+_DYING = r'''
+import socket, sys, time
+ballast = b"x" * (64 << 20)  # memory the kernel frees as the process exits
+peer = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+peer.sendall(b"r")
+time.sleep(60)
+'''
+
+
+def test_a_peer_killed_is_gone_as_soon_as_its_socket_closes():
+    # What a rank of a torchrun job sees: its collective fails when the SIGKILLed peer's
+    # socket closes, and it may end at once. The peer is then exiting, not yet a zombie, for a
+    # few milliseconds (measured here: most of the time); it must already count as gone.
+    for _ in range(5):
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            child = subprocess.Popen([sys.executable, "-c", _DYING, str(server.getsockname()[1])])
+            try:
+                conn, _ = server.accept()
+                with conn:
+                    assert conn.recv(1) == b"r"
+                    os.kill(child.pid, signal.SIGKILL)
+                    assert conn.recv(1) == b""  # the socket closed: the peer's collective fails now
+                    f = _fields(rank=0, attempt=0)
+                    dog = Watchdog(f, peers=lambda: [_box(0), _box(1, pid=child.pid)])
+                    assert dog.check_peers() == [1]
+                    assert f["peers_gone"] == [1]
+            finally:
+                child.kill()
+                child.wait()
+
+
+@pytest.mark.parametrize("end", ["exception", "sigterm", "shutdown"])
+def test_every_path_that_ends_a_rank_takes_a_last_look_at_the_peers(tmp_path, end):
+    tt.configure(run_dir=tmp_path, run_id="look", prometheus_port="off", register_atexit=False)
+    rt = tt.current.runtime()
+    try:
+        # The rank ends before its watchdog's next tick (torchrun's teardown is that fast).
+        rt.watchdog.stop()
+        box = rt.rank_state.path
+        peer = box.with_name("state.rank1.json")
+        peer.write_text(json.dumps(_box(1, attempt=rt.attempt, pid=2 ** 22 + 54321)))  # (no such pid)
+        if end == "exception":
+            try:
+                raise RuntimeError("Connection closed by peer")
+            except RuntimeError as exc:
+                sys.excepthook(type(exc), exc, exc.__traceback__)
+        elif end == "sigterm":
+            # (Not the real signal: its default action would end pytest. The handler's work.)
+            job.on_signal(rt, signal.SIGTERM, terminal=False)
+        else:
+            tt.shutdown()
+        state = json.loads(box.read_text())
+        assert state["peers_gone"] == [1]
+        assert state["ended"] == {"exception": "exception", "sigterm": "preempted", "shutdown": "completed"}[end]
+    finally:
+        tt.shutdown()

@@ -29,12 +29,16 @@ from typing import Any
 
 STALE_S = 10.0
 """A heartbeat older than this is stopped (the black box is rewritten every 1-2 s)."""
+PF_EXITING = 0x4
+"""The kernel's flag on a task that has begun to exit (in the flags, the 9th field of
+``/proc/PID/stat``)."""
 PHASE_ORDER = {"idle": 0, "data_wait": 1, "forward": 2, "backward": 3, "collective": 3, "optimizer": 4,
                "evaluation": 1, "checkpoint": 1}
 
 
 def pid_alive(state: dict[str, Any]) -> bool | None:
-    """Whether the rank's process still exists; None when it ran on another host."""
+    """Whether the rank's process still exists (not exiting, not a zombie); None when it ran on
+    another host."""
     pid = state.get("pid")
     if not isinstance(pid, int) or state.get("host") not in (None, socket.gethostname()):
         return None
@@ -47,10 +51,14 @@ def pid_alive(state: dict[str, Any]) -> bool | None:
     except OSError:
         return None
     try:
-        # A zombie (ended, not yet reaped by its launcher) is gone.
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (OSError, IndexError):
+            stat = f.read().rsplit(")", 1)[-1].split()
+        # A zombie (ended, not yet reaped by its launcher) is gone, and so is a process that
+        # has begun to exit: a SIGKILLed rank's sockets close (its peers' collectives fail at
+        # once) while the kernel may still be freeing its memory, milliseconds before it
+        # becomes a zombie; a peer looking then must see it gone.
+        return stat[0] != "Z" and not int(stat[6]) & PF_EXITING
+    except (OSError, IndexError, ValueError):
         return True
 
 

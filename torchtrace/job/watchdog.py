@@ -300,9 +300,15 @@ class Watchdog:
             self._abort(finding)
         return finding
 
-    def check_peers(self) -> list[int]:
+    def check_peers(self, persist: bool = True) -> list[int]:
         """The ranks of this attempt whose process is gone without saying how it ended
-        (SIGKILL, the OOM killer): kept in ``peers_gone`` and logged once each."""
+        (SIGKILL, the OOM killer): kept in ``peers_gone`` and logged once each.
+
+        One read of the run directory's black boxes and of ``/proc`` for each peer on this
+        host: it never waits. ``persist``: write the black box when a rank is newly found gone
+        (False: the caller writes it next, as the paths that end a process do, see
+        :func:`torchtrace.step.job.last_look`).
+        """
         if self.peers is None:
             return []
         f = self.fields
@@ -317,7 +323,8 @@ class Watchdog:
         new = [r for r in gone if r not in known]
         if new:
             f["peers_gone"] = sorted(set(known) | set(new))
-            self._persist()
+            if persist:
+                self._persist()
             threading.Thread(target=logger.error, args=(
                 "torchtrace: rank(s) %s of this job are gone: their process no longer exists and never said how it "
                 "ended (SIGKILL, the OOM killer); rank %s waits for them in vain", new, f.get("rank")),

@@ -66,13 +66,12 @@ def _watch(rt: Runtime, fields: dict[str, Any]) -> None:
 
 
 def stop(rt: Runtime) -> None:
-    """At shutdown, first thing: the watchdog stops (a last look at the peers: one that
-    vanished is why this rank ends now) and the phase becomes idle. How the attempt ended is
-    :func:`torchtrace.step.job.close`'s."""
+    """At shutdown, first thing: the watchdog stops and the phase becomes idle. How the
+    attempt ended, with a last look at the peers (one that vanished is why this rank ends
+    now), is :func:`torchtrace.step.job.close`'s."""
     try:
         if rt.watchdog is not None:
             rt.watchdog.stop()
-            rt.watchdog.check_peers()
         if rt.rank_state is not None:
             progress.untrack(rt.rank_state.fields)
     except Exception as exc:

@@ -184,8 +184,13 @@ def on_signal(rt: Any, signum: int, terminal: bool) -> None:
     import signal
 
     box = rt.rank_state
+    # This signal may end the process now (torchrun's SIGTERM after a peer died, perhaps in the
+    # middle of shutdown): the write here may be the black box's last.
+    found = last_look(rt)
     if box is not None and box.fields.get("ended") is None:
         box.fields.update(ended="preempted", end_detail=signal.Signals(signum).name, end_time=time.time())
+        box.write(refresh=False)
+    elif box is not None and found:
         box.write(refresh=False)
     if rt.closed:
         return
@@ -208,6 +213,30 @@ def on_signal(rt: Any, signum: int, terminal: bool) -> None:
                        signal.Signals(signum).name, SIGNAL_DEADLINE_S)
 
 
+def last_look(rt: Any) -> list[int]:
+    """The ranks newly found gone by one last look at the peers, taken by every path that ends
+    this process (an exception, a signal, shutdown) before its final black-box write, which
+    the caller makes: a rank whose collective failed for a SIGKILLed peer may be ended by the
+    launcher before its watchdog's next tick, and must still name that peer in ``peers_gone``.
+
+    Bounded: one read of the run directory's black boxes and of ``/proc`` for each peer on
+    this host (:meth:`torchtrace.job.watchdog.Watchdog.check_peers`), no waiting on another
+    thread (it runs in a signal handler too). Nothing without a watchdog (no run directory);
+    errors are swallowed.
+    """
+    dog = rt.watchdog
+    box = rt.rank_state
+    if dog is None or box is None:
+        return []
+    try:
+        known = list(box.fields.get("peers_gone") or [])
+        dog.check_peers(persist=False)
+        return [r for r in box.fields.get("peers_gone") or [] if r not in known]
+    except Exception as exc:
+        logger.debug("torchtrace: last look at the peers failed: %r", exc)
+        return []
+
+
 class _ExceptHook:
     """``sys.excepthook`` while configured: an exception that ends the main thread is written to
     the black box (type, and its message with ``record_exception_messages``), then the hook
@@ -225,6 +254,7 @@ class _ExceptHook:
                 if self.rt.settings.record_exception_messages:
                     detail = f"{detail}: {str(exc)[:500]}"
                 step = current.step()
+                last_look(self.rt)
                 box.fields.update(ended="exception", end_detail=detail, end_time=time.time(),
                                   end_step=step.step if step is not None else box.fields.get("step"))
                 box.write()
@@ -248,6 +278,8 @@ def _close(rt: Any) -> None:
         if box.fields.get("ended") is None:
             box.fields.update(ended="completed", end_time=time.time())
         box.stop()
+        # After the writer thread stopped: no earlier copy of the fields can land after this write.
+        last_look(rt)
         box.write()
     checkpoints.uninstall()
     guard = rt.signals
