@@ -292,7 +292,10 @@ def test_a_peer_killed_is_gone_as_soon_as_its_socket_closes():
 
 
 @pytest.mark.parametrize("end", ["exception", "sigterm", "shutdown"])
-def test_every_path_that_ends_a_rank_takes_a_last_look_at_the_peers(tmp_path, end):
+def test_every_path_that_ends_a_rank_takes_a_last_look_at_the_peers(tmp_path, end, monkeypatch):
+    # Rank 0 of a job of two (a job of one process has no peers to look at).
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
     tt.configure(run_dir=tmp_path, run_id="look", prometheus_port="off", register_atexit=False)
     rt = tt.current.runtime()
     try:

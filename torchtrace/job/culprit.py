@@ -28,7 +28,8 @@ import socket
 from typing import Any
 
 STALE_S = 10.0
-"""A heartbeat older than this is stopped (the black box is rewritten every 1-2 s)."""
+"""A heartbeat older than this is stopped (the black box is rewritten every 0.5 s, a watchdog
+tick every second)."""
 PF_EXITING = 0x4
 """The kernel's flag on a task that has begun to exit (in the flags, the 9th field of
 ``/proc/PID/stat``)."""
@@ -58,6 +59,9 @@ def pid_alive(state: dict[str, Any]) -> bool | None:
         # once) while the kernel may still be freeing its memory, milliseconds before it
         # becomes a zombie; a peer looking then must see it gone.
         return stat[0] != "Z" and not int(stat[6]) & PF_EXITING
+    except FileNotFoundError:
+        # Reaped by its launcher since the first look, where /proc exists at all.
+        return not os.path.isdir("/proc/self")
     except (OSError, IndexError, ValueError):
         return True
 
