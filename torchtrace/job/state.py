@@ -104,6 +104,10 @@ class RankState:
         self.refresh: Callable[[dict[str, Any]], None] | None = None  # updates fields before each write
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # One write at a time, copy and rename together: the writer thread's copy of the fields
+        # never lands after a later write's (a last look at the peers at exit). Reentrant: a
+        # signal handler may write on a thread that was writing.
+        self._writing = threading.RLock()
 
     def start(self, period_s: float) -> None:
         """Rewrite the file every ``period_s`` seconds on a daemon thread until :meth:`stop`."""
@@ -141,18 +145,19 @@ class RankState:
                 self.refresh(self.fields)
             except Exception as exc:
                 logger.debug("black box refresh failed: %s", exc)
-        snapshot = dict(self.fields)
-        snapshot["time"] = time.time()
-        try:
-            # No fsync: the rename makes it whole for readers after a SIGKILL; a machine crash is
-            # what it does not survive, and an fsync twice a second cost 10 ms a write here.
-            # Compact: indenting took Python's slow encoder, about half the write's CPU time.
-            files.write_json_atomic(self.path, snapshot, durable=False, indent=None)
-        except Exception as exc:  # whatever failed, the black box must never break the job
-            logger.debug("black box %s not written: %s", self.path, exc)
-            return False
-        self.writes += 1
-        return True
+        with self._writing:
+            snapshot = dict(self.fields)
+            snapshot["time"] = time.time()
+            try:
+                # No fsync: the rename makes it whole for readers after a SIGKILL; a machine crash
+                # is what it does not survive, and an fsync twice a second cost 10 ms a write here.
+                # Compact: indenting took Python's slow encoder, about half the write's CPU time.
+                files.write_json_atomic(self.path, snapshot, durable=False, indent=None)
+            except Exception as exc:  # whatever failed, the black box must never break the job
+                logger.debug("black box %s not written: %s", self.path, exc)
+                return False
+            self.writes += 1
+            return True
 
 
 def read_states(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
