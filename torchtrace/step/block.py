@@ -43,7 +43,8 @@ class BlockTensors(torch.nn.Module):
         super().__init__()
         self.leaves = leaves
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
+    # (leaf tensors, not Parameters: the override's return type is wider than torch's)
+    def named_parameters(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         for i, leaf in enumerate(self.leaves):
             yield f"{prefix}tensor{i}", leaf
@@ -55,6 +56,7 @@ def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     leaves: list[torch.Tensor] = []
     seen_nodes: set[int] = set()
     seen_leaves: set[int] = set()
+    queue: collections.deque[torch.autograd.graph.Node | None]
     queue = collections.deque([loss.grad_fn] if loss.grad_fn is not None else [])
     while queue:
         node = queue.popleft()
@@ -203,4 +205,4 @@ def _report(exc: BaseException) -> None:
         logger.warning("torchtrace: watching the block failed (%s: %s)", type(exc).__name__, exc)
 
 
-__all__ = ["BlockTensors", WatchedBlock, "graph_leaves", "level_block"]
+__all__ = ["BlockTensors", "WatchedBlock", "graph_leaves", "level_block"]

@@ -48,7 +48,7 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
     recomputation passes the same tensors: one batch."""
     state = scope.throughput
     clock = state.clock if state is not None else None
-    if clock is None:
+    if state is None or clock is None:
         return
     batch = clock.batch
     if batch is None:
