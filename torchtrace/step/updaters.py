@@ -59,7 +59,7 @@ def _note_scaler(scaler: Any) -> None:
             scope.throughput.scale_before = scale_at_start(scaler)
 
 
-def _note(updater: Any) -> None:
+def _note(updater: object) -> None:
     """An optimizer or scheduler stepped in the open step: a replay must not step it again."""
     scope = current.step()
     if scope is not None and scope.active and updater is not scope.optimizer:
@@ -78,13 +78,13 @@ def _safely(note: Callable[[Any], None], obj: Any) -> None:
             rt.errors.report("step", exc)
 
 
-def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     _safely(_note, optimizer)
     _safely(_unguarded, optimizer)
     _safely(_skipped, optimizer)
 
 
-def _skipped(optimizer: Any) -> None:
+def _skipped(optimizer: torch.optim.Optimizer) -> None:
     """A skip decided at a ``clip_grad_norm_`` call left the gradients tensors (zeroed): an
     optimizer the step does not name finds them set to ``None`` as its update begins. In a
     forensic replay, an optimizer not yet known to it (the replay began at a clip call, before
@@ -101,7 +101,7 @@ def _skipped(optimizer: Any) -> None:
         scope.gradients.drop_skipped()
 
 
-def _unguarded(optimizer: Any) -> None:
+def _unguarded(optimizer: torch.optim.Optimizer) -> None:
     """A second optimizer stepping in a step that has one of its own (the other of a GAN's two):
     the skip guard cannot act on it, which the runtime says once."""
     scope = current.step()
