@@ -35,6 +35,8 @@ from torchtrace.record.step import StepRecord, capped
 from torchtrace.semconv import DATA_WAIT_S, FLOPS, LR, SAMPLES, TOKENS
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
     from opentelemetry.util.types import AnyValue
 
@@ -63,7 +65,7 @@ class StepSpan(trace.Span):
     __slots__ = ("name", "_context", "parent", "resource", "start_time", "end_time", "_own", "_user", "_events",
                  "status", "_sink", "instrumentation_scope")
 
-    def __init__(self, name: str, context: SpanContext, parent: SpanContext | None, resource: Any,
+    def __init__(self, name: str, context: SpanContext, parent: SpanContext | None, resource: Resource,
                  attributes: dict[str, Any], start_time: int, sink: Callable[["StepSpan"], None]) -> None:
         self.name = name
         self._context = context
@@ -165,7 +167,7 @@ def _now() -> int:
     return time.time_ns()
 
 
-def open_span(tracer_provider: Any, name: str, attributes: dict[str, Any], start_ns: int,
+def open_span(tracer_provider: TracerProvider, name: str, attributes: dict[str, Any], start_ns: int,
               sink: Callable[[StepSpan], None], trace_id: int = 0) -> trace.Span:
     """A step span, child of the current span if there is one, sampled by the provider's sampler.
 

@@ -178,14 +178,14 @@ def eager_for_now() -> Any:
     return stance("force_eager")
 
 
-def drop_counter(counter: Any) -> None:
+def drop_counter(counter: contextlib.ExitStack) -> None:
     """Leave a step's FLOP counter without recording its count (the step was abandoned: what
     it counted so far is part of a step)."""
     abandoned = RuntimeError("torchtrace: step abandoned")
     counter.__exit__(RuntimeError, abandoned, None)
 
 
-def leave_counter(counter: Any) -> bool:
+def leave_counter(counter: contextlib.ExitStack) -> bool:
     """Drop a step's FLOP counter while the step goes on, when its dispatch mode is the
     innermost one; else leave it open (False). Leaving a mode pops whatever mode is on top of
     torch's stack: with the user's own mode entered inside the step (their FlopCounterMode),
@@ -197,7 +197,7 @@ def leave_counter(counter: Any) -> bool:
     return True
 
 
-def release_counter(counter: Any) -> bool:
+def release_counter(counter: contextlib.ExitStack) -> bool:
     """Take a count off a step that turned out to hold steps (an epoch): left at once when its
     dispatch mode is the innermost one (True, :func:`leave_counter`); else, below a mode of
     the user's, it stays open to be closed in its turn and records nothing (False). Left open
