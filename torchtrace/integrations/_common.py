@@ -40,8 +40,8 @@ class StepDriver:
         self.scope: api.StepScope | None = None
         self._losses: list[torch.Tensor] = []
         self._summed = False  # the micro-batch losses are parts of the step's (summed, not averaged)
-        self._samples: Any = None
-        self._tokens: Any = None
+        self._samples: int | torch.Tensor | None = None
+        self._tokens: int | torch.Tensor | None = None
         self._flops: int | None = None
         self._given: list[tuple[Any, Any]] = []  # (loss, batch) the user gave for each earlier micro-batch
 
