@@ -37,7 +37,7 @@ _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 _NESTED, _META = 1, 2
 
 
-def _uncounted(args: Any, kwargs: Any) -> int:
+def _uncounted(args: tuple, kwargs: dict | None) -> int:
     """:data:`_NESTED` when a nested tensor is among an op's arguments, :data:`_META` when a
     tensor on the meta device is (and none is nested), else 0."""
     found = 0
@@ -59,7 +59,8 @@ if _INNER is not None:
         ``measure_flops``, doubled the step's count). A mode of the user's below this one
         still sees the op and counts it."""
 
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
             uncounted = _uncounted(args, kwargs)
             if uncounted:
                 if uncounted == _NESTED:
@@ -116,7 +117,7 @@ class _Counter(FlopCounterMode):
         self.unruled_s = 0.0
         self.on_device = False
 
-    def note_time(self, func: Any, args: Any, seconds: float) -> None:
+    def note_time(self, func: torch._ops.OpOverload, args: tuple, seconds: float) -> None:
         """One op's host time, booked as with or without a FLOP rule (see :meth:`unruled_share`)."""
         self.op_s += seconds
         if func._overloadpacket not in self.flop_registry:
@@ -135,7 +136,7 @@ class _Counter(FlopCounterMode):
             return None
         return self.unruled_s / self.op_s
 
-    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+    def _count_flops(self, func_packet: torch._ops.OpOverloadPacket, out: Any, args: tuple, kwargs: dict) -> Any:
         """FlopCounterMode's per-op count (torch 2.1 and later), and the op's FLOPs by the dtype
         it computed in: the precision the step's matrix products really ran at, autocast
         inside the step included, which the step's end can no longer see."""
@@ -149,7 +150,7 @@ class _Counter(FlopCounterMode):
                     break
         return result
 
-    def _global_count(self, func_packet: Any) -> int | None:
+    def _global_count(self, func_packet: torch._ops.OpOverloadPacket) -> int | None:
         """The op's FLOPs counted so far; None when this torch keeps its counts otherwise (the
         dtype is then not learnt, and the step's count goes on)."""
         try:

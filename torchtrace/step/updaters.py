@@ -35,7 +35,7 @@ a second time.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.compiler import is_compiling
@@ -45,6 +45,9 @@ from torch.optim import optimizer as optimizer_module
 from torchtrace import current
 from torchtrace.measure.scaler import scale_at_start
 from torchtrace.step.watched import real_optimizer
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 _METHODS = ("scale", "step")
 AVERAGE = "update_parameters"  # the method of a weight average (AveragedModel) a replay must not call
@@ -123,7 +126,7 @@ def _wrap(original: Callable[..., Any], note: Callable[[Any], None]) -> Callable
     return method
 
 
-_hook_handle: Any = None
+_hook_handle: RemovableHandle | None = None
 
 
 def install() -> None:
