@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _python_dispatch, flop_counter
@@ -16,6 +16,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure.flop_rules import RULES
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload, OpOverloadPacket
 
 _profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
 
@@ -59,7 +62,7 @@ if _INNER is not None:
         ``measure_flops``, doubled the step's count). A mode of the user's below this one
         still sees the op and counts it."""
 
-        def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple, args: tuple = (),
+        def __torch_dispatch__(self, func: OpOverload, types: tuple, args: tuple = (),
                                kwargs: dict | None = None) -> Any:
             uncounted = _uncounted(args, kwargs)
             if uncounted:
@@ -117,7 +120,7 @@ class _Counter(FlopCounterMode):
         self.unruled_s = 0.0
         self.on_device = False
 
-    def note_time(self, func: torch._ops.OpOverload, args: tuple, seconds: float) -> None:
+    def note_time(self, func: OpOverload, args: tuple, seconds: float) -> None:
         """One op's host time, booked as with or without a FLOP rule (see :meth:`unruled_share`)."""
         self.op_s += seconds
         if func._overloadpacket not in self.flop_registry:
@@ -136,7 +139,7 @@ class _Counter(FlopCounterMode):
             return None
         return self.unruled_s / self.op_s
 
-    def _count_flops(self, func_packet: torch._ops.OpOverloadPacket, out: Any, args: tuple, kwargs: dict) -> Any:
+    def _count_flops(self, func_packet: OpOverloadPacket, out: Any, args: tuple, kwargs: dict) -> Any:
         """FlopCounterMode's per-op count (torch 2.1 and later), and the op's FLOPs by the dtype
         it computed in: the precision the step's matrix products really ran at, autocast
         inside the step included, which the step's end can no longer see."""
@@ -150,7 +153,7 @@ class _Counter(FlopCounterMode):
                     break
         return result
 
-    def _global_count(self, func_packet: torch._ops.OpOverloadPacket) -> int | None:
+    def _global_count(self, func_packet: OpOverloadPacket) -> int | None:
         """The op's FLOPs counted so far; None when this torch keeps its counts otherwise (the
         dtype is then not learnt, and the step's count goes on)."""
         try:
