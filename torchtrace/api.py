@@ -9,7 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, TypeVar, overload
 
 import torch
 
@@ -35,7 +35,7 @@ _atexit_registered = False
 class ConfigureResult:
     """What ``configure()`` set up: where metrics are served, where files are written."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime | None) -> None:
         self._runtime = runtime
 
     @property
@@ -164,7 +164,7 @@ def _shutdown_at_exit() -> None:
 get_runtime = current.runtime
 
 
-def _configure_on_first_use() -> Any:
+def _configure_on_first_use() -> Runtime | None:
     """The runtime built from the environment when a step runs before any ``configure()``."""
     if disabled_by_environment():
         return None
@@ -203,7 +203,7 @@ class _NoStep(StepScope):
     def __enter__(self) -> "StepScope":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         return False
 
 
@@ -261,7 +261,9 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
     >>> tt.shutdown()
     """
     if isinstance(name, DebugLevel):  # the seeds' debug_context(DebugLevel.BASIC): step/block.py
-        return block.level_block(name, model, optimizer, step, mode, attributes, replay, scaler, kind, inputs)
+        # (a WatchedBlock: its ``with`` gives the StepScope, as a StepScope's does)
+        return block.level_block(name, model, optimizer, step, mode, attributes,  # type: ignore[return-value]
+                                 replay, scaler, kind, inputs)
     return StepScope(name, model=model, optimizer=optimizer, step=step, level=level, mode=mode,
                      attributes=attributes, replay=replay, scaler=scaler, kind=kind,
                      inputs=((inputs,), {}) if inputs is not None else None)
@@ -337,7 +339,7 @@ def _take_returned_loss(scope: StepScope, result: Any) -> None:
             return  # an evaluation's predictions (and labels), not a loss: nothing to warn about
         scope.record_loss(loss)
     if scope.has_loss and scope.model is None and scope.optimizer is None and scope.kind == "train" \
-            and scope.features.grad_stats:
+            and scope.features is not None and scope.features.grad_stats:
         rt = current.runtime(create=False)
         if rt is not None:
             rt.warn_once(("unwatched", scope.name),

@@ -15,7 +15,7 @@ import torch
 from torchtrace import semconv
 from torchtrace.compat import checks, steps
 from torchtrace.compat.results import GradientReport, ParameterAnalysis, Result
-from torchtrace.compat.settings import check_arguments, positive
+from torchtrace.compat.settings import DebugConfig, check_arguments, positive
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import memory as mem_measure
 from torchtrace.record.growth import GrowthTracker
@@ -33,7 +33,7 @@ class CheckingMixin:
     """Checks of :class:`~torchtrace.compat.PyTorchDebugger` (needs ``config``, ``_log``,
     ``_note_anomalies``, ``_off``)."""
 
-    config: Any
+    config: DebugConfig
     _log: Callable[..., Any]
 
     # ------------------------------------------------------------ gradients

@@ -17,6 +17,7 @@ from torchtrace import current, files
 from torchtrace.compat import steps
 from torchtrace.compat.records import DebugMetrics, OptimizationMetrics
 from torchtrace.compat.results import Result
+from torchtrace.compat.settings import DebugConfig
 from torchtrace.forensics.anomaly import anomaly_detection as core_anomaly_detection
 from torchtrace.levels import DebugMode, OptimizationMode
 from torchtrace.measure import memory as mem_measure
@@ -38,7 +39,7 @@ def pick_mode(optimization_mode: Any, mode: Any, default: OptimizationMode) -> O
 class OperationsMixin:
     """Operations, summary and report of :class:`~torchtrace.compat.PyTorchDebugger`."""
 
-    config: Any
+    config: DebugConfig
 
     def _reset_counts(self) -> None:
         """All-time operation statistics (the kept ``debug_metrics`` are bounded)."""
@@ -47,7 +48,8 @@ class OperationsMixin:
 
     @contextlib.contextmanager
     def debug_context(self, name: str = "operation", *, model: torch.nn.Module | None = None,
-                      optimizer: Any = None, step: int | None = None) -> Iterator[DebugMetrics]:
+                      optimizer: torch.optim.Optimizer | None = None,
+                      step: int | None = None) -> Iterator[DebugMetrics]:
         """One debugged operation (seed 003): a torchtrace step named ``name`` (span, step
         metrics, report entry) at the debugger's level and mode, under autograd anomaly
         detection when the mode or ``enable_anomaly_detection=True`` asks for it, measured

@@ -24,7 +24,8 @@ STEP_KINDS = frozenset({semconv.NONFINITE_LOSS, semconv.NONFINITE_GRAD, semconv.
 """Kinds a step's own record judges from the loss and gradients it holds."""
 
 
-def open_step(name: str, *, model: torch.nn.Module | None = None, optimizer: Any = None, step: int | None = None,
+def open_step(name: str, *, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+              step: int | None = None,
               level: DebugLevel | None = None, mode: DebugMode | None = None, inputs: Any = None,
               kind: str = "train") -> api.StepScope:
     """A step scope, as ``torchtrace.debug_context`` makes it (use with ``with``).

@@ -115,7 +115,7 @@ def reduce_shard_norms(norms, keys: Sequence[tuple | None]):
     out_dtype = norms.dtype
     squared = norms.to(torch.float64).square()
     for (_mesh_id, dims), idx in groups.items():
-        mesh = keys[idx[0]][0]
+        mesh = keys[idx[0]][0]  # type: ignore[index]  # (grouped keys are never None)
         index = torch.tensor(idx, device=squared.device)
         part = squared.index_select(0, index)
         for dim in dims:

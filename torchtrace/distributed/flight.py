@@ -69,7 +69,8 @@ def last_collective() -> dict[str, Any] | None:
     if not enabled() or not _initialized():
         return None
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        # (not in torch's type stubs; the ImportError below covers a torch without it)
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 
         dump = json.loads(_dump_fr_trace_json(True, False))
     except Exception:

@@ -219,7 +219,7 @@ class OtlpMetricsPusher:
         self._pid = os.getpid()
         self._thread: threading.Thread | None = None
         ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (p := ref()) and p._after_fork())
+        os.register_at_fork(after_in_child=lambda: (p := ref()) and p._after_fork())  # type: ignore[func-returns-value]
 
     def _after_fork(self) -> None:
         # A forked worker pushes nothing: the parent owns the run's metrics.

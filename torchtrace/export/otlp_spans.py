@@ -40,7 +40,9 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers: 
                 credentials = grpc.ssl_channel_credentials(root_certificates=fh.read())
         options = grpc_channel_options(connect_s if connect_s is not None else timeout_s)
         return GrpcExporter(endpoint=endpoint, insecure=insecure, credentials=credentials, timeout=timeout_s,
-                            headers=dict(headers) if headers else None, channel_options=options)
+                            # (the exporter's stub allows only string values; gRPC takes ints too)
+                            headers=dict(headers) if headers else None,
+                            channel_options=options)  # type: ignore[arg-type]
     url = endpoint.rstrip("/")
     if not url.endswith("/v1/traces"):
         url += "/v1/traces"

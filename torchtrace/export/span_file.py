@@ -42,6 +42,7 @@ def _mapping(attributes) -> dict:
 
 def _span_fields(span: ReadableSpan) -> dict:
     ctx = span.get_span_context()
+    assert ctx is not None  # (an ended span has its context)
     parent = span.parent
     return {
         "trace_id": format_trace_id(ctx.trace_id),

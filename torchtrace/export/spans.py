@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -35,7 +35,10 @@ from torchtrace.record.step import StepRecord, capped
 from torchtrace.semconv import DATA_WAIT_S, FLOPS, LR, SAMPLES, TOKENS
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
+    from opentelemetry.util.types import AnyValue
 
 SCOPE = InstrumentationScope("torchtrace", __version__)
 _UNSET = Status(StatusCode.UNSET)
@@ -62,7 +65,7 @@ class StepSpan(trace.Span):
     __slots__ = ("name", "_context", "parent", "resource", "start_time", "end_time", "_own", "_user", "_events",
                  "status", "_sink", "instrumentation_scope")
 
-    def __init__(self, name: str, context: SpanContext, parent: SpanContext | None, resource: Any,
+    def __init__(self, name: str, context: SpanContext, parent: SpanContext | None, resource: Resource,
                  attributes: dict[str, Any], start_time: int, sink: Callable[["StepSpan"], None]) -> None:
         self.name = name
         self._context = context
@@ -92,16 +95,17 @@ class StepSpan(trace.Span):
                                            max_value_len=semconv.MAX_ATTRIBUTE_LENGTH)
         self._user[key] = value  # checked and cut like the SDK's span does it
 
-    def set_attributes(self, attributes: dict[str, Any]) -> None:
+    def set_attributes(self, attributes: Mapping[str, AnyValue]) -> None:
         for key, value in attributes.items():
             self.set_attribute(key, value)
 
-    def add_event(self, name: str, attributes: dict[str, Any] | None = None, timestamp: int | None = None) -> None:
+    def add_event(self, name: str, attributes: Mapping[str, AnyValue] | None = None,
+                  timestamp: int | None = None) -> None:
         if self.end_time is not None:
             return
         self._events.append(SpanEvent(name, clean_attributes(attributes or {}), timestamp or _now()))
 
-    def add_link(self, context: SpanContext, attributes: dict[str, Any] | None = None) -> None:
+    def add_link(self, context: SpanContext, attributes: Mapping[str, AnyValue] | None = None) -> None:
         return None  # step spans carry no links
 
     def update_name(self, name: str) -> None:
@@ -113,9 +117,9 @@ class StepSpan(trace.Span):
             return
         self.status = status if isinstance(status, Status) else Status(status, description)
 
-    def record_exception(self, exception: BaseException, attributes: dict[str, Any] | None = None,
+    def record_exception(self, exception: BaseException, attributes: Mapping[str, AnyValue] | None = None,
                          timestamp: int | None = None, escaped: bool = False) -> None:
-        attrs = {"exception.type": type(exception).__qualname__}
+        attrs: dict[str, AnyValue] = {"exception.type": type(exception).__qualname__}
         attrs.update(attributes or {})
         self.add_event("exception", attrs, timestamp)
 
@@ -152,7 +156,7 @@ class StepSpan(trace.Span):
         return ()
 
 
-def clean_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
+def clean_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
     """User-given span attributes, checked and cut as the SDK does it (invalid ones dropped)."""
     return dict(BoundedAttributes(MAX_USER_ATTRIBUTES, attributes, max_value_len=semconv.MAX_ATTRIBUTE_LENGTH))
 
@@ -163,12 +167,13 @@ def _now() -> int:
     return time.time_ns()
 
 
-def open_span(tracer_provider: Any, name: str, attributes: dict[str, Any], start_ns: int,
+def open_span(tracer_provider: TracerProvider, name: str, attributes: dict[str, Any], start_ns: int,
               sink: Callable[[StepSpan], None], trace_id: int = 0) -> trace.Span:
     """A step span, child of the current span if there is one, sampled by the provider's sampler.
 
     ``trace_id``: forced (one trace per step across ranks) when the step is a root span.
     """
+    parent: SpanContext | None
     parent = trace.get_current_span().get_span_context()
     if not parent.is_valid:
         parent = None
@@ -194,7 +199,7 @@ def open_span(tracer_provider: Any, name: str, attributes: dict[str, Any], start
     return StepSpan(name, context, parent, tracer_provider.resource, attributes, start_ns, sink)
 
 
-def readable(span: Span) -> ReadableSpan:
+def readable(span: ReadableSpan | StepSpan) -> ReadableSpan:
     """The SDK's ``ReadableSpan`` of a step span (on the exporter thread); other spans as they are."""
     if not isinstance(span, StepSpan):
         return span
@@ -212,11 +217,10 @@ def _finite(v: float) -> float:
 
 def apply_record(span: Span, record: StepRecord, exc: BaseException | None, exception_messages: bool) -> None:
     """Set the record's attributes, events and status on its span, and end the span."""
-    step_span = isinstance(span, StepSpan)
-    attrs: dict[str, Any] = span._own if step_span else {}
+    step_span = span if isinstance(span, StepSpan) else None
+    attrs: dict[str, Any] = step_span._own if step_span is not None else {}
     _health(attrs, record)
     _throughput(attrs, record)
-    events = span._events if step_span else None
     now = record.end_unix_ns
     found: list[tuple[str, dict[str, Any]]] = []
     for anomaly in record.anomalies:
@@ -234,10 +238,10 @@ def apply_record(span: Span, record: StepRecord, exc: BaseException | None, exce
         status = Status(StatusCode.ERROR, "non-finite step: " + ", ".join(record.anomaly_kinds))
     else:
         status = None
-    if events is not None:
-        events.extend(SpanEvent(name, a, now) for name, a in found)
+    if step_span is not None:
+        step_span._events.extend(SpanEvent(name, a, now) for name, a in found)
         if status is not None:
-            span.status = status
+            step_span.status = status
     else:  # a span of another kind (the SDK's): through its own API
         span.set_attributes(attrs)
         for name, a in found:

@@ -60,7 +60,7 @@ class _Histogram:
         self.total += sum(values)
 
     def buckets(self) -> list[tuple]:
-        out = []
+        out: list[tuple] = []
         running = 0
         for i, bound in enumerate(self.bounds + (float("inf"),)):
             running += self.counts[i]

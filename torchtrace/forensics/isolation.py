@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.optim import swa_utils
 
 from torchtrace.measure.scaler import find_side_effect_owners
+
+if TYPE_CHECKING:
+    from torchtrace.step.scope import StepScope
 
 
 # ---------------------------------------------------------------- RNG and state capture
@@ -64,7 +67,7 @@ def neutralised(optimizers: list[Any], scalers: list[Any]) -> Iterator[None]:
                     pass
 
 
-def side_effect_owners(scope: Any) -> tuple[list[Any], list[Any]]:
+def side_effect_owners(scope: StepScope) -> tuple[list[Any], list[Any]]:
     """Optimizers and GradScalers among a step scope's arguments (their updates are neutralised
     in a replay), the scope's own, and the other optimizers and learning-rate schedulers that
     stepped in it (a scheduler's ``step`` is neutralised like an optimizer's)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -40,8 +41,8 @@ class StepDriver:
         self.scope: api.StepScope | None = None
         self._losses: list[torch.Tensor] = []
         self._summed = False  # the micro-batch losses are parts of the step's (summed, not averaged)
-        self._samples: Any = None
-        self._tokens: Any = None
+        self._samples: int | torch.Tensor | None = None
+        self._tokens: int | torch.Tensor | None = None
         self._flops: int | None = None
         self._given: list[tuple[Any, Any]] = []  # (loss, batch) the user gave for each earlier micro-batch
 
@@ -116,7 +117,7 @@ class StepDriver:
         ``forward_end``, ``optimizer_start`` or ``optimizer_end``. ``cuda``: the model is on a
         GPU (the clock then records CUDA events), for a scope that has no clock yet."""
         scope = self.scope
-        if scope is None or not scope.active or not scope.features.throughput:
+        if scope is None or not scope.active or scope.features is None or not scope.features.throughput:
             return
         try:
             state = scope.throughput
@@ -126,7 +127,9 @@ class StepDriver:
                 state.clock = StepClock(cuda=cuda)
             state.clock.announce(point)
         except Exception as exc:
-            api.get_runtime().errors.report("other", exc)
+            rt = api.get_runtime()
+            if rt is not None:  # (a step is open: the runtime is there)
+                rt.errors.report("other", exc)
 
     def add_batch(self, args: tuple, kwargs: dict) -> None:
         """Count a micro-batch's samples and tokens (a mask's count stays on the device)."""
@@ -174,7 +177,8 @@ class StepDriver:
             if self._samples is not None or self._tokens is not None or self._flops is not None:
                 # What the user gave with record_batch inside the step wins over the framework's.
                 user = scope.given.batch or (None, None, None)
-                scope.record_batch(*(mine if theirs is None else theirs
+                # (samples, tokens, FLOPs in record_batch's order: counts, a device count, a number)
+                scope.record_batch(*(mine if theirs is None else theirs  # type: ignore[arg-type]
                                      for mine, theirs in zip((self._samples, self._tokens, self._flops), user)))
             self._samples = self._tokens = self._flops = None
             scope.__exit__(type(exc) if exc is not None else None, exc, None)
@@ -219,6 +223,7 @@ def _end_orphan() -> None:
     if entry is None:
         return
     driver, loop = entry
+    frame: FrameType | None
     frame = sys._getframe(1)
     while frame is not None:
         if frame is loop:
@@ -232,9 +237,10 @@ def _end_orphan() -> None:
             rt.errors.report("other", exc)
 
 
-def loop_frame(skip: str) -> Any:
+def loop_frame(skip: str) -> FrameType | None:
     """The first frame above the caller's caller whose module's name does not start with
     ``skip`` (the framework's callback machinery): the framework's loop."""
+    frame: FrameType | None
     frame = sys._getframe(2)
     while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(skip):
         frame = frame.f_back

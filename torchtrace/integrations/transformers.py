@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -178,7 +178,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
         except Exception as exc:  # torchtrace's own failure never reaches the Trainer
             rt.errors.report("other", exc)
 
-    def _replayer(self, model: Any) -> Any:
+    def _replayer(self, model: torch.nn.Module | None) -> Callable[[], Any] | None:
         """What forensics replays for a Trainer step: the model on each of the step's
         micro-batches again (the inputs the Trainer gave it, kept by the forward hook); the
         replay's loss is their sum (the model computes it from ``labels``)."""
@@ -207,7 +207,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
             self._driver.add_batch(args, kwargs)  # samples and non-padding tokens of the micro-batch
             self._driver.add_flops(self._flops_of(module, kwargs))
 
-    def _divides_by_items(self, model: Any) -> bool:
+    def _divides_by_items(self, model: torch.nn.Module) -> bool:
         """True when the model's loss function takes ``num_items_in_batch`` (a causal or masked
         LM's): given it, each micro-batch's loss is a part of the step's, divided by the whole
         step's tokens, and the step's loss is their sum. A model whose loss ignores it (a
@@ -220,7 +220,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
                 self._parts = False
         return self._parts
 
-    def _flops_of(self, model: Any, kwargs: Mapping[str, Any]) -> int | None:
+    def _flops_of(self, model: torch.nn.Module, kwargs: Mapping[str, Any]) -> int | None:
         """The Trainer's estimate of a micro-batch's FLOPs (``Trainer.floating_point_ops``):
         6 x the main input's elements x the parameters outside the embeddings (counted once).
 

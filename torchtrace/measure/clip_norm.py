@@ -62,7 +62,8 @@ def total_norm(stats: GradStats, grads: Sequence[torch.Tensor], norm_type: float
     for (device, dtype), ([group], _) in _group_tensors_by_device_and_dtype([list(grads)]).items():
         if device != first_device or dtype not in _REAL:
             return None
-        if not _uses_the_measured_kernel(group, device, foreach):
+        # (torch types the groups' items Optional: they are the gradients given, all tensors)
+        if not _uses_the_measured_kernel(group, device, foreach):  # type: ignore[arg-type]
             return None
         rows = [position.get(id(g)) for g in group]
         if None in rows:

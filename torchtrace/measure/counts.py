@@ -127,4 +127,6 @@ def device_count(value: float) -> int | None:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < _MAX_COUNT
+    # (numbers.Integral declares no comparison to an int in the stubs; every integer has one)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and \
+        0 <= value < _MAX_COUNT  # type: ignore[operator]

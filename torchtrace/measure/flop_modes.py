@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _python_dispatch, flop_counter
@@ -16,6 +16,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrace.measure.flop_rules import RULES
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload, OpOverloadPacket
 
 _profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
 
@@ -37,7 +40,7 @@ _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 _NESTED, _META = 1, 2
 
 
-def _uncounted(args: Any, kwargs: Any) -> int:
+def _uncounted(args: tuple, kwargs: dict | None) -> int:
     """:data:`_NESTED` when a nested tensor is among an op's arguments, :data:`_META` when a
     tensor on the meta device is (and none is nested), else 0."""
     found = 0
@@ -59,7 +62,8 @@ if _INNER is not None:
         ``measure_flops``, doubled the step's count). A mode of the user's below this one
         still sees the op and counts it."""
 
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def __torch_dispatch__(self, func: OpOverload, types: tuple, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
             uncounted = _uncounted(args, kwargs)
             if uncounted:
                 if uncounted == _NESTED:
@@ -116,7 +120,7 @@ class _Counter(FlopCounterMode):
         self.unruled_s = 0.0
         self.on_device = False
 
-    def note_time(self, func: Any, args: Any, seconds: float) -> None:
+    def note_time(self, func: OpOverload, args: tuple, seconds: float) -> None:
         """One op's host time, booked as with or without a FLOP rule (see :meth:`unruled_share`)."""
         self.op_s += seconds
         if func._overloadpacket not in self.flop_registry:
@@ -135,7 +139,7 @@ class _Counter(FlopCounterMode):
             return None
         return self.unruled_s / self.op_s
 
-    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+    def _count_flops(self, func_packet: OpOverloadPacket, out: Any, args: tuple, kwargs: dict) -> Any:
         """FlopCounterMode's per-op count (torch 2.1 and later), and the op's FLOPs by the dtype
         it computed in: the precision the step's matrix products really ran at, autocast
         inside the step included, which the step's end can no longer see."""
@@ -149,7 +153,7 @@ class _Counter(FlopCounterMode):
                     break
         return result
 
-    def _global_count(self, func_packet: Any) -> int | None:
+    def _global_count(self, func_packet: OpOverloadPacket) -> int | None:
         """The op's FLOPs counted so far; None when this torch keeps its counts otherwise (the
         dtype is then not learnt, and the step's count goes on)."""
         try:
@@ -178,14 +182,14 @@ def eager_for_now() -> Any:
     return stance("force_eager")
 
 
-def drop_counter(counter: Any) -> None:
+def drop_counter(counter: contextlib.ExitStack) -> None:
     """Leave a step's FLOP counter without recording its count (the step was abandoned: what
     it counted so far is part of a step)."""
     abandoned = RuntimeError("torchtrace: step abandoned")
     counter.__exit__(RuntimeError, abandoned, None)
 
 
-def leave_counter(counter: Any) -> bool:
+def leave_counter(counter: contextlib.ExitStack) -> bool:
     """Drop a step's FLOP counter while the step goes on, when its dispatch mode is the
     innermost one; else leave it open (False). Leaving a mode pops whatever mode is on top of
     torch's stack: with the user's own mode entered inside the step (their FlopCounterMode),
@@ -197,7 +201,7 @@ def leave_counter(counter: Any) -> bool:
     return True
 
 
-def release_counter(counter: Any) -> bool:
+def release_counter(counter: contextlib.ExitStack) -> bool:
     """Take a count off a step that turned out to hold steps (an epoch): left at once when its
     dispatch mode is the innermost one (True, :func:`leave_counter`); else, below a mode of
     the user's, it stays open to be closed in its turn and records nothing (False). Left open

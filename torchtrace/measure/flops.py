@@ -172,7 +172,7 @@ class StepFlops:
         if key not in self._flops and self._room(key):
             self._hold(key, None)
 
-    def record(self, key: Hashable, flops: int) -> None:
+    def record(self, key: Hashable, flops: float) -> None:
         """Record FLOPs for ``key`` (a count, or FLOPs the user supplied); room permitting."""
         key = self.table_key(key)
         if key in self._flops:

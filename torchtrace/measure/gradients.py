@@ -128,11 +128,12 @@ def _uniform_dense(params: Sequence[ParamRef]) -> GradStats | None:
             return None
     if _mixed_devices(params, device):
         return None
+    # (every gradient is a dense tensor here: the loop above returned on anything else)
     try:
-        norms = torch.stack(torch._foreach_norm(grads, 2))
+        norms = torch.stack(torch._foreach_norm(grads, 2))  # type: ignore[arg-type]
     except RuntimeError:  # moved since the device check: the general path sorts it out
         return None
-    return GradStats(names=[ref.name for ref in params], norms=norms, grads=grads)
+    return GradStats(names=[ref.name for ref in params], norms=norms, grads=grads)  # type: ignore[arg-type]
 
 
 def _mixed_devices(params: Sequence[ParamRef], device: torch.device) -> bool:
@@ -220,6 +221,7 @@ def _grouped_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] |
     order: list[int] = []
     for (device, dtype), idx in groups.items():
         tensors = [grads[i] for i in idx] if len(groups) > 1 else grads
+        norms: list[torch.Tensor] | tuple[torch.Tensor, ...]
         if dtype in _LOW_PRECISION:
             norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
         elif dtype.is_floating_point or dtype.is_complex:
@@ -255,13 +257,13 @@ def parameter_norms(params: Sequence[ParamRef]) -> torch.Tensor | None:
     return _norms_f64(tensors)
 
 
-def _norms_f64(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _norms_f64(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Per-tensor L2 norms as one float64 tensor (low precision reduced in float32)."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
 
-    def norms_of(ts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    def norms_of(ts: list[torch.Tensor] | tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         return (torch._foreach_norm(ts, 2, dtype=torch.float32) if dtype in _LOW_PRECISION
                 else torch._foreach_norm(ts, 2))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,7 +28,7 @@ class DeviceRates(list):
     tensor in place before the step ends); they are read with the step's one host read."""
 
 
-def learning_rates(optimizer: Any) -> list[float] | None:
+def learning_rates(optimizer: torch.optim.Optimizer | None) -> list[float] | None:
     """The learning rate of every parameter group, as floats; where a rate is a one-value
     tensor on a device, a :class:`DeviceRates` holding a copy of it (no host read here)."""
     if optimizer is None:

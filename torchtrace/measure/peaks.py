@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
@@ -124,7 +124,7 @@ def tf32_enabled() -> bool:
         return False
 
 
-def precision_key(dtype: Any, tf32: bool | None = None) -> str | None:
+def precision_key(dtype: torch.dtype | str | None, tf32: bool | None = None) -> str | None:
     """The table's precision for a compute dtype: ``fp32``, ``tf32``, ``bf16``, ``fp16`` or None.
 
     ``torch.float32`` reads as ``tf32`` when ``tf32`` is true (None: PyTorch's current
@@ -147,7 +147,7 @@ def precision_key(dtype: Any, tf32: bool | None = None) -> str | None:
     return None
 
 
-def device_name(device: Any) -> str | None:
+def device_name(device: torch.device | int | str | None) -> str | None:
     """The accelerator's name for a device (``"cuda:0"``, ``torch.device``, an index) or a name.
 
     CPU, meta and other non-CUDA devices give None; so does a CUDA device when CUDA is not
@@ -159,7 +159,7 @@ def device_name(device: Any) -> str | None:
         try:
             device = torch.device(device)
         except RuntimeError:
-            return device
+            return device  # type: ignore[return-value]  # (still the string: it names no device)
     if not isinstance(device, torch.device) or device.type != "cuda":
         return None
     try:
@@ -168,7 +168,8 @@ def device_name(device: Any) -> str | None:
         return None
 
 
-def peak_flops(device: Any, dtype: Any, override: float | None = None) -> float | None:
+def peak_flops(device: torch.device | int | str | None, dtype: torch.dtype | str | None,
+               override: float | None = None) -> float | None:
     """Peak dense FLOP/s of ``device`` at ``dtype``'s precision; None when unknown.
 
     ``override`` (the ``peak_flops`` setting) wins over the table, on any device, CPU
@@ -193,7 +194,8 @@ def peak_flops(device: Any, dtype: Any, override: float | None = None) -> float 
     return row.flops.get(precision)
 
 
-def model_peak(model: Any, dtype: Any, cache: dict[str, float | None]) -> float | None:
+def model_peak(model: torch.nn.Module | None, dtype: torch.dtype | None,
+               cache: dict[str, float | None]) -> float | None:
     """The peak FLOP/s of ``model``'s device in ``dtype`` (None: an autocast around the whole
     step, else the weights' dtype); looked up once per device and dtype in ``cache``."""
     if model is None:

@@ -35,7 +35,8 @@ def scale_at_start(scaler: Any) -> torch.Tensor | float | None:
     return float(initial) if isinstance(initial, (int, float)) else None
 
 
-def skipped_update(scaler: Any, optimizer: Any, before: torch.Tensor | float | None) -> torch.Tensor | None:
+def skipped_update(scaler: Any, optimizer: torch.optim.Optimizer | None,
+                   before: torch.Tensor | float | None) -> torch.Tensor | None:
     """A 0-d float64 device tensor, above 0 when the scaler skipped this step's update; None
     when there is no sign to read.
 

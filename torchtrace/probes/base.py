@@ -17,13 +17,15 @@ A probe's failure is counted under its ``component`` and the step goes on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 import torch
 
 from torchtrace.record.step import StepRecord
 
 if TYPE_CHECKING:
+    from torchtrace.errors import InternalErrors
+    from torchtrace.levels import Features
     from torchtrace.record.reads import ReadPlan
     from torchtrace.step.scope import StepScope
 
@@ -50,7 +52,7 @@ class Probe:
     def finish(self, scope: StepScope, state: Any, record: StepRecord, values: list[float] | None) -> None:
         return None
 
-    def on_level(self, features: Any) -> None:
+    def on_level(self, features: Features) -> None:
         """The runtime's level or mode changed (a probe whose feature went off releases what it holds)."""
         return None
 
@@ -63,6 +65,9 @@ class Probe:
         return None
 
 
+P = TypeVar("P", bound=Probe)
+
+
 def _overrides(probe: Probe, method: str) -> bool:
     return getattr(type(probe), method) is not getattr(Probe, method)
 
@@ -70,7 +75,7 @@ def _overrides(probe: Probe, method: str) -> bool:
 class ProbeSet:
     """The probes of one runtime, in a fixed order, with the step hooks each one overrides."""
 
-    def __init__(self, errors: Any) -> None:
+    def __init__(self, errors: InternalErrors) -> None:
         self._errors = errors
         self._probes: list[Probe] = []
         self._enter: list[tuple[int, Probe]] = []
@@ -78,7 +83,7 @@ class ProbeSet:
         self._finish: list[tuple[int, Probe]] = []
         self._index: dict[int, int] = {}
 
-    def add(self, probe: Probe) -> Probe:
+    def add(self, probe: P) -> P:
         """Add a probe (at configure, before the first step)."""
         i = len(self._probes)
         self._probes.append(probe)
@@ -94,7 +99,7 @@ class ProbeSet:
     def __len__(self) -> int:
         return len(self._probes)
 
-    def find(self, kind: type) -> Any:
+    def find(self, kind: type[P]) -> P | None:
         """The probe of class ``kind``, or None."""
         for p in self._probes:
             if isinstance(p, kind):
@@ -140,7 +145,7 @@ class ProbeSet:
                 self._errors.report(probe.component, err)
 
     # ------------------------------------------------------------ lifecycle
-    def on_level(self, features: Any) -> None:
+    def on_level(self, features: Features) -> None:
         for probe in list(self._probes):
             try:
                 probe.on_level(features)

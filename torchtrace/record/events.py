@@ -27,13 +27,14 @@ _GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
 _BASE = getattr(torch._C, "_CudaEventBase", None)
 _RECORD, _QUERY, _ELAPSED = (getattr(_BASE, name, None) for name in ("record", "query", "elapsed_time"))
 _DIRECT = None not in (_EVENT, _GET_DEVICE, _GET_STREAM, _RECORD, _QUERY, _ELAPSED)
+# (each is called only where _DIRECT holds, so none is None there: the calls' "type: ignore[misc]")
 _STREAMS: dict[tuple, Any] = {}  # (stream id, device index, device type) -> torch.cuda.Stream
 
 
 def _current_stream() -> tuple[int, Any]:
     """``(device index, its current stream)`` without the public functions' Python layers."""
-    device = _GET_DEVICE()
-    data = _GET_STREAM(device)
+    device = _GET_DEVICE()  # type: ignore[misc]
+    data = _GET_STREAM(device)  # type: ignore[misc]
     stream = _STREAMS.get(data)
     if stream is None:
         if len(_STREAMS) >= MAX_STREAMS:
@@ -45,9 +46,9 @@ def _current_stream() -> tuple[int, Any]:
 def seconds_between(a: Any, b: Any) -> float | None:
     """Seconds from event ``a`` to event ``b``, when both have completed (no wait); else None."""
     if _DIRECT and type(a) is _EVENT and type(b) is _EVENT:
-        if not (_QUERY(a) and _QUERY(b)):
+        if not (_QUERY(a) and _QUERY(b)):  # type: ignore[misc]
             return None
-        return _ELAPSED(a, b) / 1000.0
+        return _ELAPSED(a, b) / 1000.0  # type: ignore[misc]
     if not (a.query() and b.query()):
         return None
     return a.elapsed_time(b) / 1000.0
@@ -81,7 +82,7 @@ class EventPool:
             event = torch.cuda.Event(enable_timing=self.timing)
             self.created += 1
         if direct:
-            _RECORD(event, stream)
+            _RECORD(event, stream)  # type: ignore[misc]
         else:
             event.record()
         return event

@@ -187,7 +187,7 @@ class GoodputLedger:
         mine = 0.0  # torchtrace's own time before the step, after the step before (not data wait)
         if enclosing is not None and cursor < start and enclosing[0] < start:
             cursor = self._enclosed(cursor, start, enclosing, gap)
-        elif enclosing is None and wait and entered is not None:
+        elif enclosing is None and wait and entered is not None and last is not None:
             mine = own_time(last, start, entered, left)
             wait -= mine
         if not self._replays and not self._debt:  # the common case: no replay to take out

@@ -53,6 +53,8 @@ class TrainingMonitor:
     def __init__(self, window: int = 50, spike_factor: float = 3.0, min_history: int = 5,
                  explosion_threshold: float = DEFAULT_GRAD_EXPLOSION_THRESHOLD,
                  vanishing_threshold: float = DEFAULT_GRAD_VANISHING_THRESHOLD) -> None:
+        name: str
+        value: float
         for name, value in (("window", window), ("min_history", min_history)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} is not valid; accepted values: a positive integer")

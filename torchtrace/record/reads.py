@@ -40,7 +40,7 @@ class ReadPlan:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._slots
 
-    def add(self, key: Hashable, tensor: torch.Tensor, label: Any = None) -> None:
+    def add(self, key: Hashable, tensor: torch.Tensor, label: object = None) -> None:
         """Add ``tensor`` (any shape; flattened) under ``key``; ``label`` travels with it (the
         names of the values, say). No host read happens here."""
         if label is not None:

@@ -204,7 +204,7 @@ class OperationWindow:
             if not known or time <= 0:
                 return None
             try:
-                return sum(v for _, v in known) / time
+                return sum(v for _, v in known) / time  # type: ignore[misc]  # (known holds no None)
             except OverflowError:  # FLOPs past the float range (given ones, 1e307 a step): an infinite rate
                 return math.inf
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -31,6 +31,9 @@ from torch.overrides import TorchFunctionMode
 from torchtrace import current
 from torchtrace.levels import DebugLevel, DebugMode
 from torchtrace.step.scope import StepScope
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,8 @@ class BlockTensors(torch.nn.Module):
         super().__init__()
         self.leaves = leaves
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
+    # (leaf tensors, not Parameters: the override's return type is wider than torch's)
+    def named_parameters(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         for i, leaf in enumerate(self.leaves):
             yield f"{prefix}tensor{i}", leaf
@@ -55,6 +59,7 @@ def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     leaves: list[torch.Tensor] = []
     seen_nodes: set[int] = set()
     seen_leaves: set[int] = set()
+    queue: collections.deque[torch.autograd.graph.Node | None]
     queue = collections.deque([loss.grad_fn] if loss.grad_fn is not None else [])
     while queue:
         node = queue.popleft()
@@ -103,7 +108,7 @@ class WatchedBlock:
         self.loss: torch.Tensor | None = None
         self.stepped = False
         self._depth = 0
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._mode: _BackwardWatch | None = None
 
     def __enter__(self) -> StepScope:
@@ -150,10 +155,10 @@ class WatchedBlock:
             handle.remove()
         self._handles.clear()
 
-    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: torch.nn.Module, args: tuple) -> None:
         self._depth += 1
 
-    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0 and self.model is None and self.scope.model is None:
             # The outermost call with parameters is the model (a loss module has none).
@@ -161,7 +166,7 @@ class WatchedBlock:
                 self.model = module
                 self.scope.model = module
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self.stepped:
             self.stepped = True
             self.scope.check_gradients_now(optimizer)
@@ -181,9 +186,10 @@ class WatchedBlock:
             self.scope.model = BlockTensors(leaves)
 
 
-def level_block(level: DebugLevel, model: torch.nn.Module | None = None, optimizer: Any = None,
+def level_block(level: DebugLevel, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                 step: int | None = None, mode: DebugMode | str | None = None, attributes: dict[str, Any] | None = None,
-                replay: Any = None, scaler: Any = None, kind: str = "train", inputs: Any = None) -> WatchedBlock:
+                replay: Callable[[], Any] | None = None, scaler: Any = None, kind: str = "train",
+                inputs: Any = None) -> WatchedBlock:
     """The seeds' ``debug_context(DebugLevel.BASIC)``: a step named ``step`` at ``level``, under
     autograd anomaly detection (``DebugMode.ANOMALY_DETECTION`` unless ``mode`` says
     otherwise), that finds the block's model, optimizer and loss itself. The other arguments
@@ -203,4 +209,4 @@ def _report(exc: BaseException) -> None:
         logger.warning("torchtrace: watching the block failed (%s: %s)", type(exc).__name__, exc)
 
 
-__all__ = ["BlockTensors", WatchedBlock, "graph_leaves", "level_block"]
+__all__ = ["BlockTensors", "WatchedBlock", "graph_leaves", "level_block"]

@@ -35,7 +35,7 @@ class _Call(tuple):
     """A model call's ``(args, kwargs)``, with the state of the model's gradients when it was
     made (:func:`_gradient_mark`): a later call after a backward is another micro-batch."""
 
-    grads: Any = None
+    grads: tuple[int, int] | None = None
 
 
 def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
@@ -48,7 +48,7 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
     recomputation passes the same tensors: one batch."""
     state = scope.throughput
     clock = state.clock if state is not None else None
-    if clock is None:
+    if state is None or clock is None:
         return
     batch = clock.batch
     if batch is None:

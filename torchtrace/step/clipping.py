@@ -149,5 +149,5 @@ def uninstall() -> None:
     for module in (nn_utils, clip_module):
         for name in ("clip_grad_norm_", "clip_grad_value_"):
             wrapped = getattr(module, name, None)
-            if getattr(wrapped, "__torchtrace_wrapped__", False):
+            if wrapped is not None and getattr(wrapped, "__torchtrace_wrapped__", False):
                 setattr(module, name, wrapped.__wrapped__)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtrace.record import events
+
+if TYPE_CHECKING:
+    from torchtrace.step.phases import StepClock
 
 
 class DeviceCycles:
@@ -24,7 +27,7 @@ class DeviceCycles:
     def __init__(self) -> None:
         self.last: tuple[str, Any] | None = None  # (operation, last mark) of the step finished before
 
-    def cycle(self, operation: str, clock: Any) -> float | None:  # (a phases.StepClock, or None)
+    def cycle(self, operation: str, clock: StepClock | None) -> float | None:
         """Seconds from the step before's last mark to this step's (called once per finished
         step, in step order, after ``clock.phases()``); None on the host, for an operation's
         first step, after a step of another operation, or when a mark is missing."""

@@ -9,7 +9,7 @@ metrics, history, log).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -26,6 +26,7 @@ from torchtrace.step import job
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from torchtrace.measure.gradients import GradStats
     from torchtrace.record.reads import ReadPlan
     from torchtrace.step.runtime import Runtime
     from torchtrace.step.scope import StepScope
@@ -43,6 +44,7 @@ def finish(rt: Runtime, scope: StepScope, record: StepRecord, plan: ReadPlan, va
     Each stage is guarded on its own: an internal error costs the record that stage's part
     (counted under ``record``), never the whole record, which is exported all the same.
     """
+    assert scope.features is not None  # (set as the step began)
     states, _ = scope.hand_over()
     _guarded(rt, _fill, rt, scope, record, plan, values)
     if rt.watchdog is not None:
@@ -66,6 +68,7 @@ def finish(rt: Runtime, scope: StepScope, record: StepRecord, plan: ReadPlan, va
 
 def _mark_hang(rt: Runtime, record: StepRecord) -> None:
     """A step the watchdog found hung has ended after all: its span carries the ``hang`` anomaly."""
+    assert rt.watchdog is not None  # (called only with one)
     finding = rt.watchdog.take(record.step)
     if finding is not None:
         record.anomalies.append(Anomaly(semconv.HANG, f"no progress for {finding['stalled_s']:.1f} s in phase "
@@ -74,7 +77,7 @@ def _mark_hang(rt: Runtime, record: StepRecord) -> None:
                                         {"phase": finding["phase"], "stalled_s": finding["stalled_s"]}))
 
 
-def _guarded(rt: Runtime, stage: Any, *args: Any) -> None:
+def _guarded(rt: Runtime, stage: Callable[..., Any], *args: Any) -> None:
     try:
         stage(*args)
     except Exception as err:
@@ -116,6 +119,7 @@ def _fill(rt: Runtime, scope: StepScope, record: StepRecord, plan: ReadPlan, val
 
 def _judge(rt: Runtime, scope: StepScope, record: StepRecord, exc: BaseException | None) -> None:
     """The rules on the filled record (loss, exception), and the parameters of a bad step."""
+    assert scope.features is not None  # (set as the step began)
     rules.evaluate_loss(record)
     if exc is not None:
         rules.evaluate_exception(record, exc, scope.features.anomaly_mode)
@@ -160,6 +164,8 @@ def _apply_policy(rt: Runtime, scope: StepScope, record: StepRecord) -> None:
 
 
 def _evaluate_grads(rt: Runtime, scope: StepScope, record: StepRecord, norms: list[float]) -> None:
+    # (gradients are evaluated only where they were measured)
+    assert scope.gradients is not None and scope.gradients.stats is not None and scope.features is not None
     stats = scope.gradients.stats
     total = grad_measure.global_norm(norms)
     record.grad_norm_scope = stats.scope
@@ -172,7 +178,7 @@ def _evaluate_grads(rt: Runtime, scope: StepScope, record: StepRecord, norms: li
                              s.grad_vanishing_threshold, scope.features.param_stats, overflow)
 
 
-def _overflowed(stats: Any, norms: list[float]) -> list[str]:
+def _overflowed(stats: GradStats, norms: list[float]) -> list[str]:
     """Names of tensors whose infinite norm came from overflow, not from an Inf element (anomaly path)."""
     idx = [i for i, v in enumerate(norms) if math.isinf(v)]
     flags = torch.stack([(~torch.isfinite(stats.grads[i])).any() for i in idx]).to(torch.float64)
@@ -209,7 +215,7 @@ def _check_parameters_now(rt: Runtime, scope: StepScope, record: StepRecord) -> 
         rt.errors.report("gradients", exc)
 
 
-def _log_anomaly(rt: Runtime, anomaly: Any) -> None:
+def _log_anomaly(rt: Runtime, anomaly: Anomaly) -> None:
     counts = rt.log_counts
     n = counts[anomaly.kind] = counts[anomaly.kind] + 1
     if n <= _LOG_FIRST or n % _LOG_EVERY == 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -27,6 +27,12 @@ from torchtrace.record.policy import GuardPolicy, agree_any
 from torchtrace.step.throughput import learning_rates
 from torchtrace.step.watched import hookable
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
+
 _NO_GRADIENTS = frozenset({"evaluation", "checkpoint"})  # operation kinds that make no gradients
 
 
@@ -36,7 +42,7 @@ class GradientCheck:
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
                  "lr", "_hook", "_skip_params")
 
-    def __init__(self, scope: Any, rt: Any) -> None:
+    def __init__(self, scope: StepScope, rt: Runtime) -> None:
         self.scope = scope
         self.rt = rt
         self.stats: grad_measure.GradStats | None = None
@@ -45,12 +51,12 @@ class GradientCheck:
         self.skipped = False
         self.peer_nonfinite = False
         self.update_before: tuple[list, list[torch.Tensor]] | None = None
-        self.optimizer: Any = None  # the optimizer whose update was checked
+        self.optimizer: torch.optim.Optimizer | None = None  # the optimizer whose update was checked
         self.lr: list[float] | None = None  # its learning rates for this update (before a scheduler steps)
-        self._hook = None
+        self._hook: RemovableHandle | None = None
         self._skip_params: list | None = None  # the parameters whose update the guard skips
 
-    def hook(self, optimizer: Any) -> None:
+    def hook(self, optimizer: torch.optim.Optimizer) -> None:
         """Measure the gradients as ``optimizer.step()`` begins. An optimizer without torch's
         step hooks (a wrapper that never ran ``Optimizer.__init__``) is not hooked: its step's
         gradients are measured at the step's end (:meth:`measure_at_end`)."""
@@ -62,7 +68,7 @@ class GradientCheck:
             self._hook.remove()
             self._hook = None
 
-    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # ``args`` holds the optimizer itself first (torch passes step's own arguments).
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if callable(closure) and not self.fired:
@@ -73,7 +79,7 @@ class GradientCheck:
                 return (args[0], measured, *args[2:]), kwargs
             return args, {**kwargs, "closure": measured}
         if self.fired:  # measured earlier (a clip call): the rates are read as the update begins
-            if self.scope.active and self.scope.features.throughput:
+            if self.scope.active and self.scope.features is not None and self.scope.features.throughput:
                 self.lr = learning_rates(optimizer)
             self.drop_skipped()
             return None
@@ -81,7 +87,7 @@ class GradientCheck:
         self.drop_skipped()
         return None
 
-    def _measured(self, optimizer: Any, closure: Any) -> Any:
+    def _measured(self, optimizer: torch.optim.Optimizer, closure: Callable[..., Any]) -> Callable[..., Any]:
         def measured(*args: Any, **kwargs: Any) -> Any:
             out = closure(*args, **kwargs)
             self.before_update(optimizer)  # once: the gradients where the step started
@@ -108,7 +114,7 @@ class GradientCheck:
                     if ref.param.grad is not None:
                         ref.param.grad.zero_()
 
-    def before_update(self, optimizer: Any) -> None:
+    def before_update(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Measure the gradients the optimizer is about to use; apply the guard policy.
 
         Raises:
@@ -117,6 +123,7 @@ class GradientCheck:
         scope = self.scope
         if self.fired or not scope.active:
             return
+        assert scope.features is not None and scope.step is not None  # (the step is active)
         t0 = time.perf_counter()
         self.fired = True
         self.optimizer = optimizer
@@ -128,7 +135,8 @@ class GradientCheck:
             self.stats = grad_measure.gradient_norms(params)
             if rt.guard is not GuardPolicy.WARN and (self.stats is not None or rt.identity.distributed):
                 self._decide(params)
-            elif self.stats is not None and rt.forensics.wants_early_look(scope, self.stats):
+            elif self.stats is not None and rt.forensics is not None and \
+                    rt.forensics.wants_early_look(scope, self.stats):
                 # CPU norms are already in host memory: look at them for free, and decide now on
                 # a bad step, while the parameters are still those the step saw.
                 values = readout.peek_cpu(self.stats.norms)
@@ -160,6 +168,7 @@ class GradientCheck:
         """Read the norms now (a host read of its own, unless ``values`` are the CPU norms already
         looked at) and skip or raise when one is non-finite."""
         rt, scope, stats = self.rt, self.scope, self.stats
+        assert rt.forensics is not None  # (added at configure)
         bad = False
         if stats is not None:
             if values is None:

@@ -22,6 +22,8 @@ from torchtrace.step.call_keys import MANY, note_call
 from torchtrace.step.cycles import DeviceCycles  # noqa: F401  (imported from here before)
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from torchtrace.step.state import StepThroughput
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -183,7 +185,7 @@ class StepClock:
             out["backward"] = backward + paused if backward is not None else None
         if any(v is None for v in out.values()):
             return None
-        return out
+        return out  # type: ignore[return-value]  # (no value is None here)
 
     def _optimizer_only(self) -> dict[str, float] | None:
         if self.optimizer_start is None or self.optimizer_end is None:
@@ -216,12 +218,13 @@ class ModelMarks:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.handles: list[Any] = []
+        self.handles: list[RemovableHandle] = []
         self.model = weakref.ref(model)  # weak: this object is the value of a dict keyed by the model
         self.seam = False  # the marks sit in the seam (else in hooks)
         self.attached = False
-        self.call: Any = None  # the call-through in the seam
-        self.inner: Any = None  # the compiled call it calls through to (Module.compile()), or None
+        self.call: Callable[..., Any] | None = None  # the call-through in the seam
+        # the compiled call it calls through to (Module.compile()), or None
+        self.inner: Callable[..., Any] | None = None
         # A parameter to ask where the model lives now (a model moved with .to() keeps its
         # parameters); weak, like the model.
         first = next(model.parameters(), None)
@@ -257,7 +260,7 @@ class ModelMarks:
         self.seam = self.attached = False
         self.call = self.inner = None
 
-    def state(self, model: Any) -> bool | None:
+    def state(self, model: torch.nn.Module) -> bool | None:
         """None unless the marks are on and still in place (``model.compile()`` after they were
         put on replaces the call-through; the next step puts it back around the compiled call);
         else whether the model is on a GPU (a model moved with ``.to()`` keeps its parameters)."""
@@ -275,17 +278,17 @@ class ModelMarks:
         state = scope.throughput if scope is not None else None
         return state if state is not None and state.clock is not None else None
 
-    def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         state = self._throughput()
-        if state is not None:
+        if state is not None and state.clock is not None:  # (a state with a clock: see _throughput)
             scope = current.step()
             if state.clock.batch is not MANY and scope is not None:  # (as in the seam)
                 note_call(scope, args, kwargs)
             state.clock.announce("forward_start")  # a later call's start is kept in clock.again
 
-    def _post(self, module: Any, args: Any, output: Any) -> None:
+    def _post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         state = self._throughput()
-        if state is not None:
+        if state is not None and state.clock is not None:
             state.clock.announce("forward_end")
 
     remove = detach
@@ -294,7 +297,7 @@ class ModelMarks:
 _MARKS = "__torchtrace_phase_marks__"
 
 
-def _seam_free(model: Any) -> bool:
+def _seam_free(model: object) -> bool:
     """True when the module's call goes through ``Module.__call__`` and its seam is free."""
     return (isinstance(model, torch.nn.Module) and "_compiled_call_impl" in vars(torch.nn.Module)
             and _SEAM_CODE is not None
@@ -302,7 +305,7 @@ def _seam_free(model: Any) -> bool:
             and model.__dict__.get("_compiled_call_impl") is None)
 
 
-def _seam_compiled(model: Any) -> bool:
+def _seam_compiled(model: object) -> bool:
     """True when the module's call goes through ``Module.__call__`` and its seam holds someone's
     ``Module.compile()``."""
     impl = model.__dict__.get("_compiled_call_impl") if isinstance(model, torch.nn.Module) else None
@@ -310,7 +313,7 @@ def _seam_compiled(model: Any) -> bool:
             and type(model).__call__ is torch.nn.Module.__call__)
 
 
-def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
+def _call_with_marks(model: torch.nn.Module, inner: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """``model``'s own call (hooks and all) between the forward phase's two marks; with
     ``inner`` (the compiled call ``Module.compile()`` put in the seam), that call, outside the
     compiled code.
@@ -323,7 +326,8 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
     the model.
     """
     ref = weakref.ref(model)
-    impl = type(model)._call_impl if inner is None else (lambda target, *args, **kwargs: inner(*args, **kwargs))
+    impl: Callable[..., Any] = type(model)._call_impl if inner is None else \
+        (lambda target, *args, **kwargs: inner(*args, **kwargs))
     # Every forward call pays for what follows: names are bound here, not looked up per call.
     compiling, frame, seam, open_step, grad_enabled, many = _COMPILING or _never, sys._getframe, _SEAM_CODE, \
         current.step, torch.is_grad_enabled, MANY
@@ -341,7 +345,7 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
         if state is None or (clock := state.clock) is None:
             return impl(target, *args, **kwargs)
         if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
-            note_call(scope, args, kwargs)
+            note_call(scope, args, kwargs)  # type: ignore[arg-type]  # (a state: the scope is open)
         if clock.forward_start is None:  # the step's first call (the usual step's only one)
             phase_mark("forward")
             clock.forward_start = clock.mark()
@@ -370,24 +374,24 @@ def _call_with_marks(model: torch.nn.Module, inner: Any = None) -> Any:
 class OptimizerMarks:
     """Step pre/post hooks kept on an optimizer: they mark the open step's optimizer phase."""
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
         # The start mark first, before pre-hooks the user registered earlier (a pre-hook's time is
         # the optimizer's, not the backward's). The hooks live in an ordered dict keyed by handle id.
         pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
-        if hasattr(pre, "move_to_end") and self.handles[0].id in pre:
+        if pre is not None and hasattr(pre, "move_to_end") and self.handles[0].id in pre:
             pre.move_to_end(self.handles[0].id, last=False)
 
     # One call each per optimizer.step(): the open step's clock, read once.
     @staticmethod
-    def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         clock = _open_clock()
         if clock is not None and clock.optimizer_start is None:
             progress.mark("optimizer")
             clock.optimizer_start = clock.mark()
 
     @staticmethod
-    def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _post(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         clock = _open_clock()
         if clock is not None and clock.optimizer_start is not None:
             clock.optimizer_end = clock.mark()

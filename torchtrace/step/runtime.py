@@ -13,7 +13,7 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 from torchtrace import files, semconv
 from torchtrace._version import __version__
@@ -36,9 +36,17 @@ from torchtrace.step import finish, hangs, job, report, setup
 from torchtrace.step.throughput import RunThroughput
 
 if TYPE_CHECKING:
+    import torch
     from opentelemetry.trace import Span
 
+    from torchtrace.export.debug_api import DebugAPI
+    from torchtrace.export.otlp_metrics import OtlpMetricsPusher
+    from torchtrace.job.metrics import JobMetrics
+    from torchtrace.job.signals import SignalGuard
+    from torchtrace.job.state import RankState
     from torchtrace.job.watchdog import Watchdog
+    from torchtrace.probes.forensics import ForensicsProbe
+    from torchtrace.record.readout import Pending
     from torchtrace.record.reads import ReadPlan
     from torchtrace.step.scope import StepScope
 
@@ -48,7 +56,8 @@ logger = get_logger("torchtrace")
 class _Deferred:
     __slots__ = ("scope", "record", "plan", "pending", "span", "exc")
 
-    def __init__(self, scope, record, plan, pending, span, exc):
+    def __init__(self, scope: StepScope, record: StepRecord, plan: ReadPlan, pending: Pending | None, span: Span,
+                 exc: BaseException | None) -> None:
         self.scope = scope
         self.record = record
         self.plan = plan
@@ -59,6 +68,18 @@ class _Deferred:
 
 class Runtime:
     """One configured torchtrace: built by ``configure()``, closed by ``shutdown()``."""
+
+    # The whole job's attributes, set by torchtrace.step.job.init (and filled by setup.run_files,
+    # setup.black_box and job.watch): declared here so that a type checker knows them.
+    job_id: str
+    attempt: int
+    run_root: Path | None
+    state_path: Path | None
+    rank_state: RankState | None
+    job_metrics: JobMetrics | None
+    signals: SignalGuard | None
+    job_goodput_cache: tuple[float, float | None] | None
+    checkpoints_booked_by_framework: bool
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -84,9 +105,9 @@ class Runtime:
         self.spans_path: Path | None = None
         self.report_path: Path | None = None
         self.run_path: Path | None = None
-        self.debug_api = None  # torchtrace.export.debug_api.DebugAPI when served
-        self.metrics_pusher = None
-        self.forensics = None  # torchtrace.probes.forensics.ForensicsProbe
+        self.debug_api: DebugAPI | None = None  # when served
+        self.metrics_pusher: OtlpMetricsPusher | None = None
+        self.forensics: ForensicsProbe | None = None
         job.init(self)  # the whole job: job_id, attempt, run_root, state_path, rank_state, signals
         self.watchdog: Watchdog | None = None
 
@@ -136,26 +157,28 @@ class Runtime:
             counters[operation] = given + 1
         return given
 
-    def open_span(self, scope: StepScope, level: DebugLevel, attributes: dict[str, Any] | None, start_ns: int) -> Any:
+    def open_span(self, scope: StepScope, level: DebugLevel, attributes: dict[str, Any] | None, start_ns: int) -> Span:
         attrs = {semconv.STEP: scope.step, semconv.OPERATION: scope.name, semconv.LEVEL: level.value,
                  semconv.RANK: self.identity.rank}
         if scope.kind != "train":
             attrs[semconv.OPERATION_KIND] = scope.kind
         if attributes:
             attrs.update(attributes)
+        assert scope.step is not None  # (numbered as the step began)
         forced = step_trace_id(self.settings.run_id, scope.name, scope.step) if self.shared_step_trace else 0
         return span_export.open_span(self.tracer_provider, scope.name, attrs, start_ns, self._span_ended,
                                      forced)
 
-    def _span_ended(self, span: Span) -> None:
+    def _span_ended(self, span: span_export.StepSpan) -> None:
         for proc in self.processors:
             proc.on_end(span)
 
-    def params_for(self, model: Any, optimizer: Any) -> list:
+    def params_for(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list:
         """The watched parameters of (model, optimizer), cached; re-checked when groups change."""
         key_obj = optimizer if optimizer is not None else model
         if key_obj is None:
             return []
+        signature: tuple[Any, ...]
         if optimizer is not None:
             signature = (id(model), tuple(len(g["params"]) for g in optimizer.param_groups))
         else:
@@ -171,6 +194,7 @@ class Runtime:
         """ADVANCED: parameter norms into the step's read every ``param_check_interval`` steps, and
         update norms on the steps whose parameters were snapshotted before the update."""
         feats = scope.features
+        assert feats is not None and scope.step is not None  # (the step has begun)
         if not feats.param_stats or (scope.model is None and scope.optimizer is None):
             return
         check = scope.gradients
@@ -183,7 +207,7 @@ class Runtime:
             if norms is None:
                 return
             plan.add("params", norms, label=[r.name for r in refs])
-            if before is not None:
+            if before is not None and check is not None:
                 snap_refs, snapshot = before
                 check.update_before = None
                 # Only against the same parameter list (an integration may measure through the
@@ -194,7 +218,7 @@ class Runtime:
         except Exception as exc:
             self.errors.report("gradients", exc)
 
-    def warn_once(self, key: Any, message: str, *args: Any) -> None:
+    def warn_once(self, key: Hashable, message: str, *args: Any) -> None:
         """Log a warning the first time ``key`` is seen (a user's mistake, named once)."""
         if self._warned.first(key):  # once for the process and the DataLoader workers it forks
             logger.warning(message, *args)
@@ -206,7 +230,7 @@ class Runtime:
                            "its gradients are checked only after the update; pass optimizer= to debug_context or "
                            "debug_operation (or clip with torch.nn.utils.clip_grad_norm_ inside the step)", scope.name)
 
-    def guard_other_optimizer(self, scope: StepScope, optimizer: Any) -> None:
+    def guard_other_optimizer(self, scope: StepScope, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer other than the step's own stepped in it: the skip guard does not cover it."""
         if self.guard is GuardPolicy.SKIP:
             self.warn_once(("guard-other", scope.name),
@@ -268,7 +292,7 @@ class Runtime:
                 self.errors.report("step", exc)
 
     # ------------------------------------------------------------ recording
-    def submit(self, scope: StepScope, record: StepRecord, plan: ReadPlan, pending: Any, span: Span,
+    def submit(self, scope: StepScope, record: StepRecord, plan: ReadPlan, pending: Pending | None, span: Span,
                exc: BaseException | None) -> None:
         """Hand over a step: finished now if its values are on the host, else deferred."""
         item = _Deferred(scope, record, plan, pending, span, exc)
@@ -287,12 +311,13 @@ class Runtime:
         except Exception as oerr:
             self.errors.report("metrics", oerr)
 
-    def finish_deferred(self, block: bool, into: Any = None) -> None:
+    def finish_deferred(self, block: bool, into: StepScope | None = None) -> None:
         """Finish the records whose copies landed (all of them, waiting, with ``block``). An
         error the guard decided on such a record (``max_consecutive_bad_steps`` reached) is
         raised at the end of ``into``, the step now ending: the late record's own step is
         long over."""
-        while self._deferred and (block or self._deferred[0].pending.ready()):
+        # (a deferred record always has a pending read: submit defers only those)
+        while self._deferred and (block or self._deferred[0].pending.ready()):  # type: ignore[union-attr]
             item = self._deferred.popleft()
             self._finish(item)
             late = item.scope

@@ -35,6 +35,7 @@ from torchtrace.step.throughput import drop_counter, learning_rates
 from torchtrace.step.watched import real_optimizer
 
 if TYPE_CHECKING:
+    from torchtrace.probes.base import Probe
     from torchtrace.step.runtime import Runtime
 
 STEP_KINDS = checks.STEP_KINDS
@@ -57,6 +58,13 @@ class StepScope:
                  "pending_error", "suppress", "_step_arg", "_level_arg", "_mode_arg", "_attributes", "_rt", "_active",
                  "_span", "_token", "_ctx_token", "_anomaly_cm", "_t0", "_start_ns", "_overhead", "_states",
                  "_anomalies", "__weakref__")
+    # Set as a step begins (_begin), not in __init__.
+    _rt: Runtime
+    _states: list | None
+    _anomalies: list[tuple[str, str, dict[str, Any]]] | None
+    _overhead: float
+    _t0: float
+    _start_ns: int
 
     def __init__(self, name: str = "step", *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
@@ -156,11 +164,11 @@ class StepScope:
         """Time spent inside torchtrace during the step (hooks), for ``torchtrace_overhead_seconds_total``."""
         self._overhead += seconds
 
-    def state_of(self, probe: Any) -> Any:
+    def state_of(self, probe: Probe) -> Any:
         """The per-step state ``probe.enter`` returned for this step (None when it returned none)."""
         return self._rt.probes.state_of(self._states, probe) if self._states is not None else None
 
-    def check_gradients_now(self, optimizer: Any = None) -> None:
+    def check_gradients_now(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Measure (and guard) the gradients now, as they are about to be used: the user is about
         to clip them, or a framework says its optimizer is about to step (``optimizer`` then
         names the parameters to watch). Once per step.
@@ -168,7 +176,10 @@ class StepScope:
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
         """
-        if not self._active or not self.features.grad_stats:
+        if not self._active:
+            return
+        assert self.features is not None  # (set as the step began)
+        if not self.features.grad_stats:
             return
         optimizer = real_optimizer(optimizer) if optimizer is not None else self.optimizer
         if optimizer is None and self.model is None:
@@ -251,10 +262,12 @@ class StepScope:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self._active:
             return False
+        assert self.step is not None and self.features is not None  # (set as the step began)
         progress.step_ended(self.step)
         state = self.throughput
         clock = state.clock if state is not None else None
-        if clock is not None and clock.optimizer_end is None and clock.forward_end is not None and clock.graph:
+        if state is not None and clock is not None and clock.optimizer_end is None and \
+                clock.forward_end is not None and clock.graph:
             state.step_end = clock.mark()  # where the backward ends when no optimizer mark ends it
         t0 = time.perf_counter()
         self.duration_s = duration = t0 - self._t0
@@ -307,6 +320,9 @@ class StepScope:
             self._ctx_token = None
 
     def _finish(self, rt: Runtime, exc: BaseException | None, duration: float, end_ns: int, t0: float) -> None:
+        # (set as the step began)
+        assert self.features is not None and self.step is not None and self._span is not None
+        assert self._token is not None
         self._restore()
         plan = ReadPlan()
         figures = None
@@ -366,6 +382,7 @@ class StepScope:
     def _plan_gradients(self, rt: Runtime, plan: ReadPlan) -> GradientCheck | None:
         """Measure the gradients if no hook did, and add their norms to the step's one read."""
         grads = self.gradients
+        assert self.features is not None  # (set as the step began)
         if grads is None and self.model is not None and self.features.grad_stats:
             # The model was handed over inside the step (a framework hook, a seed-style check).
             grads = self.gradients = GradientCheck(self, rt)
@@ -385,7 +402,7 @@ class StepScope:
             plan.add("grads", stats.norms)
         return grads
 
-    def hand_over(self) -> tuple[Any, float]:
+    def hand_over(self) -> tuple[list | None, float]:
         """What the runtime finishes a record with: the probe states and the overhead so far."""
         return self._states, self._overhead
 

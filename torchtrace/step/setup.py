@@ -29,6 +29,8 @@ from torchtrace.probes.straggler import StragglerProbe
 from torchtrace.step import job
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     from torchtrace.step.runtime import Runtime
 
 logger = get_logger("torchtrace")
@@ -120,7 +122,7 @@ def black_box(rt: Runtime) -> None:
 def span_exporters(rt: Runtime) -> None:
     """One bounded batch processor per exporter: spans.jsonl, and OTLP when an endpoint is set."""
     s = rt.settings
-    exporters = []
+    exporters: list[SpanExporter] = []
     if rt.spans_path is not None:
         exporters.append(JsonLinesSpanExporter(rt.spans_path, s.max_file_bytes))
     if s.otlp_endpoint:

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 if TYPE_CHECKING:
     from contextlib import ExitStack
 
+    import torch
+
     from torchtrace.measure.batch import BatchSize
     from torchtrace.measure.loss import LossValue
     from torchtrace.step.phases import StepClock
@@ -77,7 +79,7 @@ class StepThroughput:
         self.started_at = entered_at
         self.entered_at = entered_at
         self.left_before = left_before
-        self.scale_before: Any = None
+        self.scale_before: torch.Tensor | float | None = None
         self.step_end: Any = None
 
 
@@ -91,9 +93,9 @@ class StepForensics:
     def __init__(self, replay: Callable[[], Any] | None) -> None:
         self.replay = replay
         self.function: Callable[..., Any] | None = None
-        self.stepped: list[Any] | None = None
+        self.stepped: list[object] | None = None
 
-    def note_stepped(self, updater: Any) -> None:
+    def note_stepped(self, updater: object) -> None:
         """``updater`` stepped in the step (at most 64 kept, each once)."""
         stepped = self.stepped
         if stepped is None:

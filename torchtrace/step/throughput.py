@@ -182,9 +182,10 @@ class RunThroughput:
             if lr is None:
                 lr = learning_rates(scope.optimizer)
             if lr.__class__ is list or lr is None:  # (else a DeviceRates: read with the step)
-                return StepFigures(shape[1].samples, shape[1].tokens, shape[0], False, lr)
+                # (a kept shape's batch holds host counts, never device tensors)
+                return StepFigures(shape[1].samples, shape[1].tokens, shape[0], False, lr)  # type: ignore[arg-type]
         else:
-            lr = _NOT_READ
+            lr = _NOT_READ  # type: ignore[assignment]  # (the sentinel, replaced below)
         counted = False
         by_call = shape is None and state.clock is not None and (state.key is None or type(state.key) is LateKey)
         if by_call:
@@ -223,9 +224,10 @@ class RunThroughput:
         if lr is _NOT_READ:  # (read after the FLOP counter closed: a device rate's copy is no op of the step's)
             lr = grads.lr if grads is not None and grads.lr is not None else learning_rates(scope.optimizer)
         if lr is not None and type(lr) is not list:  # some rates are on a device: read with the step
-            plan_rates(lr, plan)
+            plan_rates(lr, plan)  # type: ignore[arg-type]  # (not a plain list: a DeviceRates)
             lr = None  # filled from the read
-        return StepFigures(samples, tokens, flops, counted, lr)
+        # (device counts went to the read above: samples and tokens are host ints or None here)
+        return StepFigures(samples, tokens, flops, counted, lr)  # type: ignore[arg-type]
 
     def _shape_of(self, scope: StepScope, state: StepThroughput,
                   by_call: bool) -> tuple[float | None, BatchSize | None]:
@@ -241,16 +243,21 @@ class RunThroughput:
             if key is None:  # (no one call's batch)
                 return None, None
             cached = self._shapes.get(key)
-            return cached if cached is not None else self._kept(key, self.flops.lookup(key),
-                                                                batch_of(forward, model=scope.model))
+            if cached is not None:
+                return cached
+            called = batch_of(forward, model=scope.model)
+            assert called is not None  # (a step keyed by its model's call has the call's arguments)
+            return self._kept(key, self.flops.lookup(key), called)
         if key is None:
             return None, batch_of(scope.inputs, scope.batch_skip, scope.model)
         flops = self.flops.lookup(key)
         batch = self._batches.get(key)
         if batch is None:
             batch = batch_of(scope.inputs, scope.batch_skip, scope.model)  # (the model: token ids, time-major)
+            assert batch is not None  # (keyed by its inputs: the step has them)
             if batch.samples is None and batch.tokens is None and forward is not None:
                 called = batch_of(forward, model=scope.model)
+                assert called is not None  # (of arguments: a batch, if an empty one)
                 if called.samples is not None and self.calls.adopt(scope.name, key, flops, forward):
                     return flops, called
             if not batch.pending and len(self._batches) < MAX_SHAPES and not truncated(key):

@@ -16,7 +16,11 @@ after :data:`MAX_RECOUNTS` recounts the operation keeps its last counts, and the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from torchtrace.measure.flops import StepFlops
+    from torchtrace.step.gradients import GradientCheck
 
 MAX_RECOUNTS = 8  # recounts per operation for a change of trained parameters
 MAX_OPERATIONS = 64  # operations whose trained-parameter count is kept
@@ -25,14 +29,14 @@ MAX_OPERATIONS = 64  # operations whose trained-parameter count is kept
 class TrainedParameters:
     """Per operation, how many parameter tensors had a gradient when its FLOPs were counted."""
 
-    def __init__(self, flops: Any, warn_once: Any, forget_shapes: Any) -> None:
+    def __init__(self, flops: StepFlops, warn_once: Callable[..., None], forget_shapes: Callable[[], None]) -> None:
         self.flops = flops  # the StepFlops table whose counts are dropped
         self.warn_once = warn_once
         self.forget_shapes = forget_shapes  # and what the pipeline keeps of them per shape
         self.counted_with: dict[str, int] = {}
         self.recounts: dict[str, int] = {}
 
-    def changed(self, operation: str, gradients: Any, counted: bool) -> bool:
+    def changed(self, operation: str, gradients: GradientCheck | None, counted: bool) -> bool:
         """After a step with FLOPs: True when they were counted with other parameters trained
         (they are dropped: the operation's next step is counted again). ``counted``: this
         step's FLOPs were counted now, with its own gradients."""

@@ -35,7 +35,7 @@ a second time.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.compiler import is_compiling
@@ -45,6 +45,9 @@ from torch.optim import optimizer as optimizer_module
 from torchtrace import current
 from torchtrace.measure.scaler import scale_at_start
 from torchtrace.step.watched import real_optimizer
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 _METHODS = ("scale", "step")
 AVERAGE = "update_parameters"  # the method of a weight average (AveragedModel) a replay must not call
@@ -59,7 +62,7 @@ def _note_scaler(scaler: Any) -> None:
             scope.throughput.scale_before = scale_at_start(scaler)
 
 
-def _note(updater: Any) -> None:
+def _note(updater: object) -> None:
     """An optimizer or scheduler stepped in the open step: a replay must not step it again."""
     scope = current.step()
     if scope is not None and scope.active and updater is not scope.optimizer:
@@ -78,13 +81,13 @@ def _safely(note: Callable[[Any], None], obj: Any) -> None:
             rt.errors.report("step", exc)
 
 
-def _optimizer_stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     _safely(_note, optimizer)
     _safely(_unguarded, optimizer)
     _safely(_skipped, optimizer)
 
 
-def _skipped(optimizer: Any) -> None:
+def _skipped(optimizer: torch.optim.Optimizer) -> None:
     """A skip decided at a ``clip_grad_norm_`` call left the gradients tensors (zeroed): an
     optimizer the step does not name finds them set to ``None`` as its update begins. In a
     forensic replay, an optimizer not yet known to it (the replay began at a clip call, before
@@ -101,7 +104,7 @@ def _skipped(optimizer: Any) -> None:
         scope.gradients.drop_skipped()
 
 
-def _unguarded(optimizer: Any) -> None:
+def _unguarded(optimizer: torch.optim.Optimizer) -> None:
     """A second optimizer stepping in a step that has one of its own (the other of a GAN's two):
     the skip guard cannot act on it, which the runtime says once."""
     scope = current.step()
@@ -123,7 +126,7 @@ def _wrap(original: Callable[..., Any], note: Callable[[Any], None]) -> Callable
     return method
 
 
-_hook_handle: Any = None
+_hook_handle: RemovableHandle | None = None
 
 
 def install() -> None:

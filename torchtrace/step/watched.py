@@ -50,7 +50,8 @@ _MAX_LOOKS = 8  # looks at a class, at most (an attribute that goes back and for
 _fields: dict[type, tuple[tuple[str | None, str | None, str | None], tuple[str, ...], int]] = {}
 
 
-def watched(model: Any, optimizer: Any, scaler: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+def watched(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, scaler: Any, args: tuple,
+            kwargs: dict) -> tuple[torch.nn.Module | None, torch.optim.Optimizer | None, Any]:
     """``(model, optimizer, scaler)`` a decorated step watches; any may be None (a scaler among
     the arguments is found where it is used)."""
     if model is None:
@@ -87,7 +88,7 @@ def instance_first(fn: Callable[..., Any]) -> bool:
         inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def real_optimizer(optimizer: Any) -> Any:
+def real_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     """The torch optimizer behind a wrapper that never initialised torch's ``Optimizer`` (its
     hooks cannot be registered on it): accelerate's ``AcceleratedOptimizer`` holds the real one
     in ``.optimizer``; another wrapper may keep it under a name of its own (the one initialised
@@ -118,7 +119,7 @@ def real_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def hookable(optimizer: Any) -> bool:
+def hookable(optimizer: object) -> bool:
     """True when torch's step hooks can be registered on ``optimizer`` (its ``Optimizer.__init__`` ran)."""
     return hasattr(optimizer, "_optimizer_step_pre_hooks")
 
