@@ -25,7 +25,8 @@ Variants:
              basic-nojob is BASIC without the job's per-step work: the hang watch's phase
              marks (torchtrace.job.progress) and the black box's stores at the step's end
              (torchtrace.step.job.note_step) are no-ops during its steps (swapped in and out
-             around each step: about eight attribute stores, which count against basic-nojob).
+             around each step by a context manager, which counts against basic-nojob: on the
+             toy model the swap cost more than the work it takes away, 2026-11-29 RESULTS.md).
              extreme trains an identical copy of the model (same weights, own optimizer):
              its activation hooks stay registered on that copy between rounds, as in a job
              that stays at EXTREME, while the other variants' model carries none (a level
