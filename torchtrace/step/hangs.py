@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 from torchtrace import semconv
 from torchtrace.distributed import flight, rank_file_name
@@ -84,7 +85,7 @@ def hang_telemetry(rt: Runtime, finding: dict[str, Any]) -> None:
     detail = (f"no progress for {finding['stalled_s']:.1f} s (timeout {finding['timeout_s']:.1f} s) in step "
               f"{finding['step']}, phase {finding['phase']}, at {where(finding['where'])}")
     peers = finding.get("peers") or {}
-    attrs = {semconv.RANK: rt.identity.rank, "torchtrace.hang.phase": str(finding["phase"]),
+    attrs: dict[str, AttributeValue] = {semconv.RANK: rt.identity.rank, "torchtrace.hang.phase": str(finding["phase"]),
              "torchtrace.hang.stalled_s": float(finding["stalled_s"]), "torchtrace.hang.where": where(finding["where"]),
              semconv.ANOMALY_KINDS: [semconv.HANG]}
     if isinstance(finding.get("step"), int):

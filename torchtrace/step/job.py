@@ -24,6 +24,7 @@ from torchtrace.job.story import job_story, story_of
 
 if TYPE_CHECKING:
     from torchtrace.record.step import StepRecord
+    from torchtrace.step.runtime import Runtime
 
 logger = get_logger("torchtrace")
 
@@ -34,7 +35,7 @@ SIGNAL_DEADLINE_S = 1.5
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def init(rt: Any) -> None:
+def init(rt: Runtime) -> None:
     """The runtime's job attributes, before ``configure()`` fills them (setup.run_files, black_box)."""
     rt.job_id = rt.settings.run_id
     rt.attempt = 0
@@ -47,7 +48,7 @@ def init(rt: Any) -> None:
     rt.checkpoints_booked_by_framework = False  # see framework_books_checkpoints
 
 
-def watch(rt: Any) -> None:
+def watch(rt: Runtime) -> None:
     """Signals, the exception hook, checkpoint timing and the job metrics, for this runtime."""
     rt.job_metrics = JobMetrics(rt.settings.run_id, rt.identity.rank, rt.attempt, lambda: job_goodput(rt))
     try:
@@ -63,9 +64,12 @@ def watch(rt: Any) -> None:
         tell_previous(rt)
 
 
-def tell_previous(rt: Any) -> None:
+def tell_previous(rt: Runtime) -> None:
     """The next attempt tells how the one before ended: logged, and an event in the report."""
-    attempts = [a for a in job_story(rt.run_root)["attempts"] if a["attempt"] < rt.attempt]
+    root = rt.run_root
+    if root is None:
+        return
+    attempts = [a for a in job_story(root)["attempts"] if a["attempt"] < rt.attempt]
     if not attempts:
         return
     last = attempts[-1]
@@ -81,7 +85,7 @@ def tell_previous(rt: Any) -> None:
                                                                              "last_step", "end")})
 
 
-def note_step(rt: Any, record: "StepRecord") -> None:
+def note_step(rt: Runtime, record: "StepRecord") -> None:
     """A finished training step into the black box (plain stores; no I/O)."""
     box = rt.rank_state
     if box is None or record.kind != "train":
@@ -111,7 +115,7 @@ def note_step(rt: Any, record: "StepRecord") -> None:
         f["last_anomaly"] = {"step": record.step, "kinds": [a.kind for a in record.anomalies]}
 
 
-def refresh(rt: Any, fields: dict[str, Any]) -> None:
+def refresh(rt: Runtime, fields: dict[str, Any]) -> None:
     """The writer thread's update before each write: memory now, and the attempt's goodput."""
     rss = _rss_bytes()
     if rss is not None:
@@ -130,7 +134,7 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def on_checkpoint(rt: Any, kind: str, start: float, end: float) -> None:
+def on_checkpoint(rt: Runtime, kind: str, start: float, end: float) -> None:
     """One outermost checkpoint save or load (perf_counter seconds): the histogram, badput
     ``checkpoint`` (between steps; one inside a step is the step's time) and the black box."""
     seconds = end - start
@@ -151,7 +155,7 @@ def on_checkpoint(rt: Any, kind: str, start: float, end: float) -> None:
         checkpoint_saved(rt, f.get("step"))
 
 
-def framework_books_checkpoints(rt: Any, flag: bool) -> None:
+def framework_books_checkpoints(rt: Runtime, flag: bool) -> None:
     """A framework integration books the time of its checkpoint saves in goodput itself (the
     Hugging Face Trainer's ``on_save``: the time since the step before). A timed save inside
     must then not book its own slice first: the time before that slice would be booked as
@@ -159,7 +163,7 @@ def framework_books_checkpoints(rt: Any, flag: bool) -> None:
     rt.checkpoints_booked_by_framework = flag
 
 
-def checkpoint_saved(rt: Any, step: int | None) -> None:
+def checkpoint_saved(rt: Runtime, step: int | None) -> None:
     """A checkpoint saved now, holding ``step``: the black box's last checkpoint (for lost
     progress: the steps after it are the ones a restart repeats)."""
     box = rt.rank_state
@@ -173,7 +177,7 @@ def checkpoint_saved(rt: Any, step: int | None) -> None:
     box.fields.update(checkpoint_step=step, checkpoint_time=time.time(), checkpoint_productive_s=productive)
 
 
-def on_signal(rt: Any, signum: int, terminal: bool) -> None:
+def on_signal(rt: Runtime, signum: int, terminal: bool) -> None:
     """SIGTERM/SIGINT: record ``preempted``, then flush finished spans and write the report (and,
     when the process ends by this signal, close) within :data:`SIGNAL_DEADLINE_S`.
 
@@ -213,7 +217,7 @@ def on_signal(rt: Any, signum: int, terminal: bool) -> None:
                        signal.Signals(signum).name, SIGNAL_DEADLINE_S)
 
 
-def last_look(rt: Any) -> list[int]:
+def last_look(rt: Runtime) -> list[int]:
     """The ranks newly found gone by one last look at the peers, taken by every path that ends
     this process (an exception, a signal, shutdown) before its final black-box write, which
     the caller makes: a rank whose collective failed for a SIGKILLed peer may be ended by the
@@ -242,7 +246,7 @@ class _ExceptHook:
     the black box (type, and its message with ``record_exception_messages``), then the hook
     that was there before runs."""
 
-    def __init__(self, rt: Any, previous: Any) -> None:
+    def __init__(self, rt: Runtime, previous: Any) -> None:
         self.rt = rt
         self.previous = previous
 
@@ -263,7 +267,7 @@ class _ExceptHook:
         self.previous(exc_type, exc, tb)
 
 
-def close(rt: Any) -> None:
+def close(rt: Runtime) -> None:
     """At shutdown, first thing: ``completed`` unless the process already said how it ended,
     the hooks taken off, the black box written (the report's job section reads it)."""
     try:
@@ -272,7 +276,7 @@ def close(rt: Any) -> None:
         rt.errors.report("files", exc)
 
 
-def _close(rt: Any) -> None:
+def _close(rt: Runtime) -> None:
     box = rt.rank_state
     if box is not None:
         if box.fields.get("ended") is None:
@@ -290,14 +294,14 @@ def _close(rt: Any) -> None:
         sys.excepthook = hook.previous
 
 
-def write_now(rt: Any) -> None:
+def write_now(rt: Runtime) -> None:
     """Rewrite the black box now (``tt.flush()``), not at the writer's next turn."""
     box = rt.rank_state
     if box is not None:
         box.write()
 
 
-def release(rt: Any) -> None:
+def release(rt: Runtime) -> None:
     """The black box's file claim, after the last write (``close`` wrote it; no second write
     here: this runs after the exporters, at the end of shutdown's deadline)."""
     box = rt.rank_state
@@ -305,7 +309,7 @@ def release(rt: Any) -> None:
         files.release_file(box.path)
 
 
-def job_section(rt: Any) -> dict[str, Any]:
+def job_section(rt: Runtime) -> dict[str, Any]:
     """The report's ``job`` section: the story of every attempt found beside this one."""
     box = rt.rank_state
     if rt.run_root is not None:
@@ -321,7 +325,7 @@ GOODPUT_CACHE_S = 10.0
 """``/metrics`` reads the black boxes for the job's goodput at most this often."""
 
 
-def job_goodput(rt: Any) -> float | None:
+def job_goodput(rt: Runtime) -> float | None:
     """The job's goodput for ``/metrics``, read from the black boxes at most every
     :data:`GOODPUT_CACHE_S` seconds (the scrape thread's call)."""
     now = time.monotonic()
