@@ -14,6 +14,7 @@ from tests.conftest import TinyNet
 from tests.forensics.zoo import BadGrad, HalfBlock, MyNorm, SafeLogLoss, SqrtFeature, Zoo
 from torchtrace import semconv
 from torchtrace.api import get_runtime
+from torchtrace.probes.forensics import sentence
 
 
 def _configure(tmp_path, **kw):
@@ -438,3 +439,41 @@ def test_a_returned_nan_number_is_replayed_as_the_losss_own(tmp_path, convert):
     record = rt.history.last_record
     assert [a.kind for a in record.anomalies] == [semconv.NONFINITE_LOSS]
     assert record.forensics["cause"] == "loss"
+
+
+class _Scaled(torch.nn.Module):
+    """Two linears; the first one's weight is set to ``magnitude`` (finite), and the output is
+    squared and summed: large enough weights overflow float32 in the squares."""
+
+    def __init__(self, magnitude: float) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.second = torch.nn.Linear(8, 1)
+        with torch.no_grad():
+            self.first.weight.fill_(magnitude)
+
+    def forward(self, x):
+        return self.second(self.first(x).pow(2))
+
+
+@pytest.mark.parametrize("magnitude, expected", [(1e36, "parameter"), (1e19, "forward")])
+def test_a_finite_but_extreme_parameter_is_the_cause_of_the_overflow_it_makes(tmp_path, magnitude, expected):
+    """A weight at 1e36 (past float32's 2.6e28: a huge learning rate's update) is the cause,
+    named by its module, with where the value went non-finite kept in ``found_in``; at 1e19 the
+    squares still overflow (1e40), but the weight is within range: the forward is the cause."""
+    _configure(tmp_path)
+    model = _Scaled(magnitude)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _make_step()(model, torch.ones(4, 8), opt)
+    report = get_runtime().forensics.reports[-1]
+    assert report["cause"] == expected
+    assert report["kind"] == semconv.NONFINITE_OUTPUT  # the anomaly counted is where it was found
+    assert report["largest_params"][0]["name"] == "first.weight"
+    if expected == "parameter":
+        as_float32 = float(torch.tensor(magnitude, dtype=torch.float32))
+        assert report["module"] == "first"
+        assert report["extreme_params"][0] == {"name": "first.weight", "max_abs": as_float32}
+        assert (report["found_in"]["cause"], report["found_in"]["module"]) == ("forward", "")
+        assert "first.weight is finite but extreme" in sentence(report)
+    else:
+        assert report["module"] == "" and "found_in" not in report and "extreme_params" not in report

@@ -13,8 +13,10 @@ The faults (:data:`FAULTS`), each with the cause and module a forensic report mu
 - ``inf_weight``: one weight element set to Inf (a corrupted parameter): ``parameter``;
 - ``attention_overflow``: the query/key projection scaled up until the attention scores
   overflow to Inf inside the attention module's own forward: ``forward``;
-- ``huge_lr``: one parameter group's learning rate set to 1e300: the update makes that
-  group's parameters Inf, found on the next step: ``parameter``;
+- ``huge_lr``: one parameter group's learning rate set to :data:`HUGE_LR` for one update:
+  that group's weights jump to about 1e36, finite but past float32's extreme magnitude, and
+  the next step's forward overflows: ``parameter``, the group's module (where the overflow
+  happened is the report's ``found_in``);
 - ``nan_input``: a NaN in the batch's float input (embeddings, or the LSTM's carried hidden
   state): ``input``, at the model's root.
 """

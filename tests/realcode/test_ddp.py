@@ -80,11 +80,13 @@ def test_report_names_the_rank_and_module_where_the_value_was_born(ranks, case):
     guard, fault = case.split("/")
     (rep0,), (rep1,) = ranks[0][case]["reports"], ranks[1][case]["reports"]
     if fault == "huge_lr":
-        # Both ranks applied the same huge update: each finds the overflow itself, in the loss
-        # the root module computes from logits of the blown-up head, whose weight is the largest.
+        # Both ranks applied the same huge update: each finds its own head blown up past
+        # float32's extreme magnitude, and the overflow it made in the loss the root computes.
         for rep, rank in ((rep0, 0), (rep1, 1)):
-            assert (rep["cause"], rep["module"], rep["rank"], rep["step"]) == ("forward", "", rank, BAD_STEP + 1)
-            assert rep["largest_params"][0]["name"] == "lm_head.weight"
+            assert (rep["cause"], rep["module"], rep["rank"], rep["step"]) == ("parameter", "lm_head", rank,
+                                                                                BAD_STEP + 1)
+            assert rep["extreme_params"][0]["name"] == rep["largest_params"][0]["name"] == "lm_head.weight"
+            assert (rep["found_in"]["cause"], rep["found_in"]["module"]) == ("forward", "")
         return
     cause, module = EXPECTED[fault]
     assert (rep1["cause"], rep1["module"], rep1["rank"], rep1["step"]) == (cause, module, 1, BAD_STEP)

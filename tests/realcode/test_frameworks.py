@@ -123,7 +123,11 @@ def _check(result, guard, fault, expected):
     assert (report["cause"], report["module"], report["step"]) == (cause, module, step), report
     assert "replay_error" not in report
     if fault == "huge_lr":
-        assert report["largest_params"][0]["name"].endswith("lm_head.weight")
+        assert report["largest_params"][0]["name"] == report["extreme_params"][0]["name"]
+        assert report["extreme_params"][0]["name"].endswith("lm_head.weight")
+        assert report["found_in"]["cause"] == "forward"
+    else:
+        assert "found_in" not in report
     if guard == "skip":
         assert result["unchanged"] is True  # the bad step's update was not applied
     assert result["section"]["replays"] == 1
@@ -144,7 +148,9 @@ class _TrainerPlant(transformers.TrainerCallback):
 TRAINER_EXPECTED = {
     "inf_weight": ("parameter", "transformer.h.0.mlp.c_fc"),
     "attention_overflow": ("forward", "transformer.h.0.attn"),
-    "huge_lr": ("forward", ""),  # the blown-up head's logits overflow in the loss GPT-2 computes itself
+    # the head blown up to ~1e36 (past float32's extreme magnitude); its logits overflow in the
+    # loss GPT-2 computes itself (found_in)
+    "huge_lr": ("parameter", "lm_head"),
     "nan_input": ("input", ""),
 }
 
@@ -195,7 +201,7 @@ class _LightningPlant(pl.Callback):
 LIGHTNING_EXPECTED = {
     "inf_weight": ("parameter", "model.transformer.h.0.mlp.c_fc"),
     "attention_overflow": ("forward", "model.transformer.h.0.attn"),
-    "huge_lr": ("forward", "model"),
+    "huge_lr": ("parameter", "model.lm_head"),
     "nan_input": ("input", "model"),
 }
 

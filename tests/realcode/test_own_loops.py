@@ -87,9 +87,10 @@ def _outcome(model, out) -> dict:
 GPT_EXPECTED = {
     "inf_weight": ("parameter", "h.0.mlp.c_fc", BAD_STEP),
     "attention_overflow": ("forward", "h.0.attn", BAD_STEP),
-    # The head's weights jumped to ~1e36: the next forward's logits overflow in the loss the
-    # root module computes; the report's largest parameter is the head's.
-    "huge_lr": ("forward", "", BAD_STEP + 1),
+    # The head's weights jumped to ~1e36, finite but past float32's extreme magnitude: the
+    # cause is the head's parameter, and the overflow it made (in the loss the root module
+    # computes) is where the value was found.
+    "huge_lr": ("parameter", "lm_head", BAD_STEP + 1),
     "nan_input": ("input", "", BAD_STEP),
 }
 
@@ -100,7 +101,10 @@ def _check(result, guard, expected, largest=None):
     assert (report["cause"], report["module"], report["step"]) == (cause, module, step), report
     assert "replay_error" not in report and report["params_updated"] is False
     if largest is not None:
-        assert report["largest_params"][0]["name"] == largest
+        assert report["largest_params"][0]["name"] == report["extreme_params"][0]["name"] == largest
+        assert report["found_in"]["cause"] == "forward" and report["found_in"]["module"] == ""
+    else:
+        assert "found_in" not in report  # no parameter past the extreme magnitude
     assert result["records"]["nonfinite_steps"] >= 1
     if guard == "skip" and result["unchanged"] is not None:
         assert result["unchanged"]  # the bad step's update was not applied

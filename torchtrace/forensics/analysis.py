@@ -30,7 +30,8 @@ CAUSE_KIND = {
     "peer": semconv.NONFINITE_GRAD,
 }
 
-def _owner(param_name: str, module_names: set[str]) -> str:
+def owner(param_name: str, module_names: set[str]) -> str:
+    """The innermost module among ``module_names`` that holds the parameter ``param_name``."""
     parts = param_name.split(".")
     for i in range(len(parts) - 1, -1, -1):
         cand = ".".join(parts[:i])
@@ -73,7 +74,7 @@ def analyse(report: dict[str, Any], rec: Recorder, loss_value, grad_bad, bad_par
     cause = "unknown"
     if bad_params:
         cause = "parameter"
-        producer = {"module": _owner(bad_params[0], module_names), "type": None}
+        producer = {"module": owner(bad_params[0], module_names), "type": None}
     else:
         # The rule debug_forward_pass follows too (forensics/blame.py): the innermost module
         # whose output went non-finite from finite inputs, else the first given a bad input.
@@ -117,7 +118,7 @@ def _backward_producer(rec: Recorder, grad_bad: list[str], module_names: set[str
             out_ok[name] = out_ok.get(name, True) and bool(ok)
         elif not ok:
             in_bad.add(name)
-    own_bad = {_owner(p, module_names) for p in grad_bad}
+    own_bad = {owner(p, module_names) for p in grad_bad}
     cands = [m for m in module_names if out_ok.get(m, True) and (m in in_bad or m in own_bad)]
     if not cands:
         return None
@@ -126,4 +127,4 @@ def _backward_producer(rec: Recorder, grad_bad: list[str], module_names: set[str
     return {"module": best, "type": kind}
 
 
-__all__ = ["CAUSE_KIND", "analyse"]
+__all__ = ["CAUSE_KIND", "analyse", "owner"]

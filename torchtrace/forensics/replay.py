@@ -11,6 +11,7 @@ training flags are restored afterwards, so the replay never changes the training
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 import time
@@ -20,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from torchtrace.errors import get_logger
-from torchtrace.forensics.analysis import CAUSE_KIND, analyse
+from torchtrace.forensics.analysis import CAUSE_KIND, analyse, owner
 from torchtrace.forensics.isolation import (
     capture_rng,
     eager,
@@ -117,7 +118,9 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
                 report["op"] = _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params)
             _no_origin_found(report, rec, is_distributed_data_parallel(model, others) and not grad_bad
                              and loss_value is not None)
-            report["largest_params"] = _largest(params, bad_params)
+            magnitudes = _magnitudes(params, bad_params)
+            report["largest_params"] = [{"name": n, "max_abs": v} for n, v, _ in magnitudes[:LARGEST_SHOWN]]
+            _blame_extreme_parameters(report, magnitudes, module_names)
     finally:
         for p, g in saved_grads:
             p.grad = g
@@ -133,15 +136,46 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
 LARGEST_SHOWN = 3
 
 
-def _largest(params: list, bad_params: list[str]) -> list[dict[str, Any]]:
-    """The finite parameters of largest magnitude (name, max |value|): after a huge learning
-    rate the weights it blew up are here, though they are still finite. One host read."""
+def _magnitudes(params: list, bad_params: list[str]) -> list[tuple[str, float, torch.dtype]]:
+    """The finite parameters' largest magnitudes, (name, max |value|, dtype), largest first:
+    after a huge learning rate the weights it blew up come first, though they are still finite.
+    One host read."""
     finite = [(n, p) for n, p in params if n not in bad_params and p.numel()]
     if not finite:
         return []
     values = readout.read(torch.stack([p.detach().abs().amax().to(torch.float64).cpu() for _, p in finite]))
-    ranked = sorted(zip(values, (n for n, _ in finite)), reverse=True)[:LARGEST_SHOWN]
-    return [{"name": n, "max_abs": v} for v, n in ranked]
+    return sorted(((n, v, p.dtype) for (n, p), v in zip(finite, values)), key=lambda row: row[1], reverse=True)
+
+
+def extreme_magnitude(dtype: torch.dtype) -> float:
+    """The magnitude from which a finite parameter of ``dtype`` counts as blown up: the dtype's
+    largest value to the power 3/4 (2.6e28 for float32 and bfloat16, 4.1e3 for float16).
+
+    A product of two values a quarter of that range apart already overflows, so ordinary
+    arithmetic on such a weight makes Inf; trained weights sit many orders of magnitude lower.
+    """
+    return float(torch.finfo(dtype).max) ** 0.75 if dtype.is_floating_point else math.inf
+
+
+def _blame_extreme_parameters(report: dict[str, Any], magnitudes: list, module_names: set[str]) -> None:
+    """A finite parameter past :func:`extreme_magnitude` (a huge learning rate's update, a
+    corrupted checkpoint) explains an overflow found downstream: the cause becomes
+    ``parameter`` and the module its owner. ``found_in`` keeps where the value went non-finite
+    (cause, module, and that module's statistics), and ``kind`` stays the anomaly counted
+    there. An input that was already non-finite, or a replay that found everything finite
+    (``unknown``, ``peer``), is left as it is."""
+    if report.get("cause") not in ("forward", "loss", "backward"):
+        return
+    extreme = [(n, v) for n, v, dtype in magnitudes if v >= extreme_magnitude(dtype)]
+    if not extreme:
+        return
+    found = {"cause": report["cause"]}
+    for key in ("module", "module_type", "op", "inputs", "outputs", "output_dtype"):
+        if key in report:
+            found[key] = report.pop(key)
+    report["found_in"] = found
+    report["extreme_params"] = [{"name": n, "max_abs": v} for n, v in extreme[:LARGEST_SHOWN]]
+    report.update(cause="parameter", module=owner(extreme[0][0], module_names), module_type=None)
 
 
 def _put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -237,6 +237,11 @@ def sentence(report: dict[str, Any], where_only: bool = False) -> str:
         else:
             text += f" from another rank ({report.get('tried')})"
         return text
+    elif cause == "parameter" and report.get("found_in"):
+        found, biggest = report["found_in"], report["extreme_params"][0]
+        place = "the model's own forward" if found.get("module") == "" else found.get("module")
+        return (head + f"parameter {biggest['name']} is finite but extreme (|value| up to {biggest['max_abs']:.3g}): "
+                f"{found['cause']} non-finite value downstream, in {place}")
     elif where is None:
         # Nothing named: say what the replay did instead of a module.
         text = head + f"{cause} non-finite value, origin not found: {report.get('tried') or 'no replay ran'}"
