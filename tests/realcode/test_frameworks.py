@@ -244,3 +244,53 @@ def test_lightning_validation_nans_are_not_guard_failures(tmp_path):
     section = rt.forensics.section()
     assert section["steps_in_replayed_incidents"] == 0 and section["replays"] == 0
     tt.shutdown()
+
+
+class _HalfOverflowAtBadStep(transformers.TrainerCallback):
+    """On the bad step, ``transformer.h.0.mlp`` overflows when it runs in reduced precision
+    (its output through a float16 kernel, as a half-precision overflow on a GPU): under the
+    Trainer's bfloat16 autocast only, so a replay outside the autocast finds nothing."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        self.mlp = mlp
+        self.handle = None
+
+    @staticmethod
+    def _overflow(module, inputs, output):
+        return output.to(torch.float16) * 1e9 if output.dtype == torch.bfloat16 else output
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == BAD_STEP:
+            self.handle = self.mlp.register_forward_hook(self._overflow)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+class _OwnAutocastTrainer(transformers.Trainer):
+    """A Trainer whose loss runs under its own bfloat16 autocast (as transformers 4's CPU AMP
+    did), not under accelerate's wrapper of the model's forward (which a replay calling the
+    model goes through anyway)."""
+
+    def autocast_smart_context_manager(self, cache_enabled=True):
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("trainer_class", [transformers.Trainer, _OwnAutocastTrainer])
+def test_hugging_face_trainer_replays_under_its_autocast(tmp_path, trainer_class):
+    _configure(tmp_path, "warn")
+    model = gpt2()
+    bf16 = trainer_class is transformers.Trainer  # accelerate's autocast, or the Trainer's own
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, bf16=bf16,
+                                          per_device_train_batch_size=2, report_to=[], use_cpu=True,
+                                          save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                                          lr_scheduler_type="constant", seed=0, data_seed=0)
+    trainer = trainer_class(model=model, args=args, train_dataset=Data(),
+                            callbacks=[TrainerCallback(), _HalfOverflowAtBadStep(model.transformer.h[0].mlp)])
+    trainer.train()
+    (report,) = get_runtime().forensics.reports
+    tt.shutdown()
+    assert (report["cause"], report["module"], report["step"]) == ("forward", "transformer.h.0.mlp", BAD_STEP), report
+    assert report["output_dtype"] == "float16" and report["overflow"] is True

@@ -171,5 +171,27 @@ def finished(out: Any) -> Any:
 
 
 
-__all__ = ["capture_rng", "eager", "finished", "is_distributed_data_parallel", "local_only", "neutralised",
-           "restore_rng", "side_effect_owners", "user_name"]
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocasts enabled now, as (device type, dtype) pairs: what a replay of a forward
+    that ran under a framework's autocast (the Hugging Face Trainer's ``bf16=``/``fp16=``)
+    must run under again, or an overflow in half precision would not happen in the replay.
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     autocast_state()
+    (('cpu', torch.bfloat16),)
+    """
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Run the block under the autocasts of :func:`autocast_state` (none: as it is)."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in state:
+            stack.enter_context(torch.autocast(device_type=device, dtype=dtype))
+        yield
+
+__all__ = ["autocast_as", "autocast_state", "capture_rng", "eager", "finished", "is_distributed_data_parallel",
+           "local_only", "neutralised", "restore_rng", "side_effect_owners", "user_name"]

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from torchtrace import api
+from torchtrace.forensics.isolation import autocast_as, autocast_state
 from torchtrace.integrations._common import StepDriver, loop_frame, require
 from torchtrace.job import progress
 from torchtrace.measure.batch import same_arguments
@@ -85,6 +86,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
         self._params: int | None = None
         self._parts: bool | None = None  # the model's loss is divided by the step's items (see _divides_by_items)
         self._inputs: list[tuple[tuple, dict]] = []  # the calls whose micro-batches the open step counted
+        self._autocast: tuple = ()  # the autocasts the step's first forward ran under (the replay's)
         self._boundary: float | None = None  # perf_counter() when the last step (or evaluation, save) ended
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -186,7 +188,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
             return None
 
         def replay() -> Any:
-            losses = [_output_loss(model(*args, **kwargs)) for args, kwargs in list(self._inputs)]
+            with autocast_as(self._autocast):  # the Trainer's bf16=/fp16= autocast, as the step ran
+                losses = [_output_loss(model(*args, **kwargs)) for args, kwargs in list(self._inputs)]
             losses = [loss for loss in losses if isinstance(loss, torch.Tensor)]
             return sum(losses[1:], losses[0]) if losses else None
 
@@ -203,6 +206,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
                 return  # the same micro-batch again (a compute_loss that runs the model twice: R-Drop)
             if self._inputs:
                 self._driver.next_micro_batch()  # what a custom compute_loss gave for the one before
+            else:
+                self._autocast = autocast_state()
             self._inputs.append((args, kwargs))  # (held until the step ends: the Trainer holds them as long)
             self._driver.add_batch(args, kwargs)  # samples and non-padding tokens of the micro-batch
             self._driver.add_flops(self._flops_of(module, kwargs))
