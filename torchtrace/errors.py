@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import multiprocessing
 import threading
 import zlib
 from typing import Any, Callable
@@ -82,8 +83,9 @@ class OncePerProcessTree:
     time, 600 workers giving 600 "once only" lines. The keys' marks live in one anonymous
     shared page made before the fork, so a mark set by any process is seen by all. A key is
     hashed to one of 32,768 bits: two keys sharing a bit (rare among a few dozen kinds) make
-    the second one log never; two processes marking the same key at the same instant may both
-    log. Processes started with spawn or forkserver have pages of their own.
+    the second one log never. A lock made before the fork (a semaphore the children share)
+    makes reading and setting a mark one step: 20 workers meeting the same key at once log it
+    once. Processes started with spawn or forkserver have pages of their own.
 
     >>> once = OncePerProcessTree()
     >>> once.first(("tracing", "OSError")), once.first(("tracing", "OSError"))
@@ -98,6 +100,10 @@ class OncePerProcessTree:
             self._marks: mmap.mmap | None = mmap.mmap(-1, self._BYTES)  # anonymous and shared: kept across fork
         except (OSError, ValueError):  # no shared memory here: once per process only
             self._marks = None
+        try:
+            self._turn: Any = multiprocessing.Lock()  # shared with the processes forked after this
+        except (OSError, ImportError):  # no semaphores here: two processes at one instant may both say "first"
+            self._turn = None
 
     def first(self, key: object) -> bool:
         """True the first time ``key`` is seen in this process tree."""
@@ -108,10 +114,16 @@ class OncePerProcessTree:
             return True
         bit = zlib.crc32(repr(key).encode()) % (self._BYTES * 8)
         index, mask = bit // 8, 1 << (bit % 8)
-        if self._marks[index] & mask:
-            return False
-        self._marks[index] |= mask
-        return True
+        # A process killed while holding the lock must not stop the others: after 0.2 s, unlocked.
+        locked = self._turn is not None and self._turn.acquire(timeout=0.2)
+        try:
+            if self._marks[index] & mask:
+                return False
+            self._marks[index] |= mask
+            return True
+        finally:
+            if locked:
+                self._turn.release()
 
 
 class InternalErrors:
