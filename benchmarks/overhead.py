@@ -27,6 +27,9 @@ Variants:
              (torchtrace.step.job.note_step) are no-ops during its steps (swapped in and out
              around each step by a context manager, which counts against basic-nojob: on the
              toy model the swap cost more than the work it takes away, 2026-11-29 RESULTS.md).
+             basic-nofx is BASIC with NaN forensics off (forensics=False): the step-entry RNG
+             capture and, under warn on the CPU, the early gradient look, which forensics
+             pays on healthy steps so that it can replay the one that goes wrong.
              extreme trains an identical copy of the model (same weights, own optimizer):
              its activation hooks stay registered on that copy between rounds, as in a job
              that stays at EXTREME, while the other variants' model carries none (a level
@@ -79,8 +82,8 @@ from torchtrace.measure.flops import shape_key  # noqa: E402
 from torchtrace.record import readout  # noqa: E402
 from torchtrace.record.step import StepRecord  # noqa: E402
 
-VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "basic-nojob", "advanced", "extreme", "marks", "least",
-            "ideal", "seed", "anomaly")
+VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "basic-nojob", "basic-nofx", "advanced", "extreme",
+            "marks", "least", "ideal", "seed", "anomaly")
 
 
 # ---------------------------------------------------------------- workloads
@@ -343,12 +346,13 @@ def make_runner(variant: str, wl: Workload):
     decorated = tt.debug_operation(name="train_step", model=model, optimizer=optimizer)(step)
     throughput = not level.endswith("-nothr")  # basic-nothr: BASIC without the throughput features
     without_job = level.endswith("-nojob")
+    forensics = not level.endswith("-nofx")  # basic-nofx: BASIC with NaN forensics off
     level = level.split("-")[0]
 
     def instrumented():
         rt = tt_api.get_runtime()
-        if rt.level.value != level or rt.settings.throughput != throughput:
-            rt.settings = rt.settings.replace(throughput=throughput)
+        if rt.level.value != level or rt.settings.throughput != throughput or rt.settings.forensics != forensics:
+            rt.settings = rt.settings.replace(throughput=throughput, forensics=forensics)
             rt.set_level(level)
         if without_job:
             with _job_work_taken_away():
@@ -552,7 +556,9 @@ def fmt_table(name: str, wl: Workload, times, background: float = 0.0) -> str:
     if "basic" in wall and "basic-nothr" in wall:
         lines.extend(throughput_verdict(wall))
     if "basic" in wall and "basic-nojob" in wall:
-        lines.extend(job_verdict(wall))
+        lines.extend(paired_verdict(wall, "basic-nojob", "the job's per-step work"))
+    if "basic" in wall and "basic-nofx" in wall:
+        lines.extend(paired_verdict(wall, "basic-nofx", "NaN forensics on healthy steps"))
     lines.append(f"torchtrace's background threads (span export, HTTP): {background * 1e6:.1f} us CPU per "
                  f"instrumented step")
     return "\n".join(lines)
@@ -617,16 +623,16 @@ def throughput_verdict(wall: dict[str, list[float]]) -> list[str]:
     return lines
 
 
-def job_verdict(wall: dict[str, list[float]]) -> list[str]:
-    """What the job's per-step work (the hang watch's marks, the black box's stores) costs at
-    BASIC: basic - basic-nojob, paired per round, judged as :func:`throughput_verdict` judges
-    the throughput features (against the A/A pair, basic - basic-aa, when it ran)."""
+def paired_verdict(wall: dict[str, list[float]], without: str, what: str) -> list[str]:
+    """What ``what`` costs at BASIC: basic - ``without`` (BASIC with it taken away), paired per
+    round, judged as :func:`throughput_verdict` judges the throughput features (against the
+    A/A pair, basic - basic-aa, when it ran)."""
     def paired(a: str, b: str) -> tuple[float, float, float]:
         diffs = [x - y for x, y in zip(wall[a], wall[b])]
         return (statistics.median(diffs), *median_interval(diffs))
 
-    med, lo, hi = paired("basic", "basic-nojob")
-    line = (f"the job's per-step work (basic - basic-nojob, paired per round): {med * 1e6:+.1f} us, 95 % interval "
+    med, lo, hi = paired("basic", without)
+    line = (f"{what} (basic - {without}, paired per round): {med * 1e6:+.1f} us, 95 % interval "
             f"[{lo * 1e6:+.1f}, {hi * 1e6:+.1f}] us")
     noise = None
     if "basic-aa" in wall:
@@ -639,7 +645,7 @@ def job_verdict(wall: dict[str, list[float]]) -> list[str]:
         verdict = "not told apart from noise (the interval excludes 0, but the A/A pair spreads as wide)"
     else:
         verdict = "above noise"
-    return [line, f"the job's per-step work: {verdict}"]
+    return [line, f"{what}: {verdict}"]
 
 
 def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:

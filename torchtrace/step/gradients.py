@@ -138,8 +138,9 @@ class GradientCheck:
             elif self.stats is not None and rt.forensics is not None and \
                     rt.forensics.wants_early_look(scope, self.stats):
                 # CPU norms are already in host memory: look at them for free, and decide now on
-                # a bad step, while the parameters are still those the step saw.
-                values = readout.peek_cpu(self.stats.norms)
+                # a bad step, while the parameters are still those the step saw. The values are
+                # kept: the step's end reads no norms again.
+                values = self.values = readout.peek_cpu(self.stats.norms)
                 if not all(map(math.isfinite, values)):
                     self._decide(params, values)
             every = rt.settings.update_ratio_interval
