@@ -8,8 +8,9 @@ That cost is measured as the CPU time the process spends outside the training th
 as a share of the polled blocks' time, less the same share in the quiet blocks: the
 serving threads' work under the GIL, which is what the training thread waits for.
 Wall-clock step times swing by a third between blocks of the same kind on a shared 2-core
-machine, so the polled and quiet step medians are compared only for a gross slowdown (the
-original bug tripled the step); their ratio is printed.
+machine (by 2.7 times in a CI run with other jobs on it), so the step times are compared only
+for a gross slowdown (the original bug tripled the step): each polled block's median against
+the quiet blocks beside it, and the median of those ratios under 2; the ratios are printed.
 """
 
 from __future__ import annotations
@@ -114,6 +115,21 @@ def _block(model, opt, x, port: int | None) -> tuple[list[float], float, float, 
     return times, wall, others, polls, [name for error in failures for name in error]
 
 
+def _neighbour_ratios(blocks: list[tuple[bool, float, int, list[str]]]) -> list[float]:
+    """Each polled block's median step over the mean of the quiet blocks' just before and after it.
+
+    >>> _neighbour_ratios([(True, 30.0, 1, []), (False, 10.0, 0, []), (True, 20.0, 1, []), (False, 30.0, 0, [])])
+    [3.0, 1.0]
+    """
+    ratios = []
+    for i, (polled, median_ms, _, _) in enumerate(blocks):
+        if polled:
+            beside = [blocks[j][1] for j in (i - 1, i + 1) if 0 <= j < len(blocks) and not blocks[j][0]]
+            if beside:
+                ratios.append(median_ms / statistics.fmean(beside))
+    return ratios
+
+
 @pytest.mark.slow
 def test_a_diverged_5000_tensor_model_keeps_telemetry_bounded(tmp_path, monkeypatch, one_thread):
     for name in list(os.environ):
@@ -151,12 +167,13 @@ def test_a_diverged_5000_tensor_model_keeps_telemetry_bounded(tmp_path, monkeypa
     shutdown_s = time.monotonic() - t0
     report_bytes = result.report_path.stat().st_size if result.report_path.exists() else None
     q, p = statistics.median(steps[False]), statistics.median(steps[True])
+    slowdown = statistics.median(_neighbour_ratios(blocks))
     # the share of the polled blocks' time the serving took, over the quiet blocks' background
     serving = others[True] / wall[True] - others[False] / wall[False]
     print(f"\ndiverged {TENSORS}-tensor model, {STEPS} steps: report {report_bytes} bytes; /debug/steps?limit=500 "
           f"{len(steps_body)} bytes; shutdown {shutdown_s:.2f} s; threads other than the training one: "
           f"{others[False] / wall[False]:.2%} of the time quiet, {others[True] / wall[True]:.2%} polled; "
-          f"median step {q * 1e3:.1f} ms quiet, {p * 1e3:.1f} ms polled (ratio {p / q:.3f}); "
+          f"median step {q * 1e3:.1f} ms quiet, {p * 1e3:.1f} ms polled (ratio {p / q:.3f}; polled block over the quiet ones beside it, median {slowdown:.3f}); "
           f"blocks (polled, median ms, polls, failed polls) {blocks}")
     assert len(json.loads(steps_body)["steps"]) > 0
     # Every acceptance criterion is checked, and all that fail are named together.
@@ -167,6 +184,7 @@ def test_a_diverged_5000_tensor_model_keeps_telemetry_bounded(tmp_path, monkeypa
          and report_bytes < 5 * 10 ** 6),
         (f"a polled block saw no poll: {blocks}", all(n >= 1 for kind, _, n, _ in blocks if kind)),
         (f"serving the poller took {serving:.2%} of the polled time, not under 10 %", serving < 0.10),
-        (f"median polled step {p * 1e3:.1f} ms is over 150 % of the quiet {q * 1e3:.1f} ms", p <= 1.5 * q),
+        (f"a polled block's steps took {slowdown:.2f} times the quiet blocks' beside it (median), not under 2: "
+         f"{blocks}", slowdown < 2.0),
     ] if not ok]
     assert not failed, failed
