@@ -319,3 +319,40 @@ def test_every_path_that_ends_a_rank_takes_a_last_look_at_the_peers(tmp_path, en
         assert state["ended"] == {"exception": "exception", "sigterm": "preempted", "shutdown": "completed"}[end]
     finally:
         tt.shutdown()
+
+
+def test_a_hang_the_step_recovers_from_is_hang_badput_not_productive_time(tmp_path):
+    """A training step stuck for 2.5 s (hang timeout 1 s, ``on_hang="record"``) that then ends:
+    its span carries the ``hang`` anomaly, and the job's story books the stall as ``hang``
+    badput, not as the productive time of the step it was in."""
+    import torch
+
+    from torchtrace.job.story import job_story
+
+    run_dir = tmp_path / "runs"
+    tt.configure(service_name="test", prometheus_port=None, run_dir=str(run_dir), hang_timeout_s=1.0,
+                 on_hang="record", register_atexit=False, strict=True)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stuck = []
+    for i in range(6):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            loss = model(torch.ones(2, 4)).sum()
+            if i == 3:
+                t0 = time.time()
+                time.sleep(2.5)  # stuck in the forward; the watchdog flags it after 1 s
+                stuck.append(time.time() - t0)
+            loss.backward()
+            step.record_loss(loss)
+            opt.step()
+    rt = tt.current.runtime()
+    kinds = [e.data.get("kind") for e in rt.history.events() if e.event_type == "anomaly"]
+    tt.shutdown()
+    assert semconv.HANG in kinds, kinds
+    story = job_story(run_dir)
+    (attempt,) = story["attempts"]
+    hang = story["badput"]["hang"]
+    # The stall: from the last progress (the forward began) to the step's end, about the sleep.
+    assert stuck[0] <= hang < stuck[0] + 0.5, (hang, stuck)
+    # Productive time is the other five steps' (milliseconds) and the stuck step's own work.
+    assert attempt["productive_s"] < 0.5, attempt

@@ -15,7 +15,8 @@
   summed, plus ``restart`` (an attempt's end to the next attempt's ``configure()``, process
   start included), ``lost_progress`` (from an attempt's last checkpoint save to its last step
   finished: the steps the next attempt repeats), ``compile`` (an attempt's first step beyond
-  its usual step time) and ``hang`` (a hung attempt's last step to its abort).
+  its usual step time) and ``hang`` (a hung attempt's last step to its abort, and the stall of
+  each step that came out of a hang under ``on_hang="record"``, from its last progress to its end).
 
 What it rests on, and so its limits: a killed rank's end is its last heartbeat (the black box
 is rewritten every :data:`~torchtrace.step.setup.BLACK_BOX_PERIOD_S`), so the restart gap after
@@ -125,12 +126,15 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
             lost_s, lost_productive = _lost(lead)
             if attempt["end"] is not None:
                 restart = max(0.0, later["configured"] - attempt["end"])
-        hang = 0.0
+        # A hung attempt's last step to its abort, and the stalls of steps that came out of a
+        # hang (counted productive by the attempt's own goodput: taken out of it here).
+        recovered = _num(lead.get("hang_recovered_s"))
+        hang = recovered
         if attempt["ended"] == "hang" and attempt["end"] is not None:
-            hang = max(0.0, attempt["end"] - _num(lead.get("step_time") or attempt["configured"]))
+            hang += max(0.0, attempt["end"] - _num(lead.get("step_time") or attempt["configured"]))
         if i == 0:
             own["startup"] = own.get("startup", 0.0) + max(0.0, attempt["configured"] - attempt["start"])
-        attempt["productive_s"] = max(0.0, mine - lost_productive - compile_s)
+        attempt["productive_s"] = max(0.0, mine - lost_productive - compile_s - recovered)
         attempt["lost_progress_s"] = lost_s
         attempt["lost_steps"] = _lost_steps(lead) if later is not None else 0
         attempt["restart_s"] = restart

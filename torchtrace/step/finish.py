@@ -74,7 +74,8 @@ def _mark_hang(rt: Runtime, record: StepRecord) -> None:
         record.anomalies.append(Anomaly(semconv.HANG, f"no progress for {finding['stalled_s']:.1f} s in phase "
                                         f"{finding['phase']} (timeout {finding['timeout_s']:.1f} s)", record.step,
                                         record.operation,
-                                        {"phase": finding["phase"], "stalled_s": finding["stalled_s"]}))
+                                        {"phase": finding["phase"], "stalled_s": finding["stalled_s"],
+                                         "since": finding["since"]}))
 
 
 def _guarded(rt: Runtime, stage: Callable[..., Any], *args: Any) -> None:

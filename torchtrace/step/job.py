@@ -15,7 +15,7 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from torchtrace import current, files
+from torchtrace import current, files, semconv
 from torchtrace.errors import get_logger
 from torchtrace.job import checkpoints
 from torchtrace.job.metrics import JobMetrics
@@ -113,6 +113,20 @@ def note_step(rt: Runtime, record: "StepRecord") -> None:
             f["cuda_allocated_bytes"] = memory["cuda_allocated_bytes"]
     if record.anomalies:
         f["last_anomaly"] = {"step": record.step, "kinds": [a.kind for a in record.anomalies]}
+        _note_recovered_hang(f, record, end)
+
+
+def _note_recovered_hang(f: dict[str, Any], record: "StepRecord", end: float) -> None:
+    """A hang the step came out of (``on_hang="record"``): goodput counted the step productive,
+    stall included; the black box keeps the stall (from the last progress to the step's end, so
+    the work after the stall ended counts with it) for the job's story to book as ``hang``."""
+    hang = next((a for a in record.anomalies if a.kind == semconv.HANG), None)
+    if hang is None or record.skipped or record.scaler_overflow or record.nonfinite:
+        return  # (a step whose update was not applied was not productive time to begin with)
+    since = hang.data.get("since")
+    if isinstance(since, (int, float)):
+        stalled = min(max(0.0, end - since), record.duration_s or 0.0)
+        f["hang_recovered_s"] = f.get("hang_recovered_s", 0.0) + stalled
 
 
 def refresh(rt: Runtime, fields: dict[str, Any]) -> None:
