@@ -40,6 +40,8 @@ The fields, all optional for a reader (a file from an older attempt may lack som
 ``hang``, ``hangs``       the last hang found (since, detected, step, phase, stalled_s,
                           timeout_s, where, source) and how many
 ``culprit_ranks``         the ranks the last hang blamed
+``hang_recovered_s``      seconds training steps spent stalled in hangs they came out of
+                          (``on_hang="record"``), taken out of productive time by the job story
 ``peers_gone``            ranks of this attempt whose process this rank saw gone
 ``end_step``              the step in progress when an exception ended the process
 ``host``,                 the host (a pid is checked only on the same host), and when the
