@@ -670,23 +670,25 @@ def test_a_numpy_batch_gives_samples_and_flops_per_shape(tmp_path):
 
 
 def _waits_after(sleeps):
-    """The data wait of a step after each planted sleep (the loader's), checked: none before the first."""
-    waits = []
+    """The data wait of a step after each planted sleep (the loader's), checked: none before the
+    first; and each sleep as really slept (a loaded machine oversleeps)."""
+    waits, slept = [], []
     for pause in sleeps:
+        t0 = time.perf_counter()
         time.sleep(pause)  # the loader
+        slept.append(time.perf_counter() - t0)
         with tt.debug_context("train_step") as step:
             pass
         waits.append(step.record.data_wait_s)
     assert waits[0] is None  # nothing before the first step
-    return waits
+    return waits, slept
 
 
 def test_data_wait_against_planted_sleeps(tmp_path):
     _configure(tmp_path)
     try:
-        sleeps = [0.0, 0.03, 0.06, 0.0, 0.09]
-        waits = _waits_after(sleeps)
-        for wait, pause in zip(waits[1:], sleeps[1:]):
+        waits, slept = _waits_after([0.0, 0.03, 0.06, 0.0, 0.09])
+        for wait, pause in zip(waits[1:], slept[1:]):
             assert pause <= wait < pause + 0.02
     finally:
         tt.shutdown()
@@ -705,9 +707,8 @@ def test_torchtraces_own_work_between_steps_is_not_data_wait(tmp_path, monkeypat
     monkeypatch.setattr(Runtime, "open_span", lambda *a: (time.sleep(0.02), open_span(*a))[1])
     _configure(tmp_path)
     try:
-        sleeps = [0.0, 0.04, 0.0, 0.06]
-        waits = _waits_after(sleeps)
-        for wait, pause in zip(waits[1:], sleeps[1:]):
+        waits, slept = _waits_after([0.0, 0.04, 0.0, 0.06])
+        for wait, pause in zip(waits[1:], slept[1:]):
             assert pause <= wait < pause + 0.015
         badput = get_runtime().summary()["throughput"]["badput_s"]
         assert badput["other"] >= 3 * (0.03 + 0.02)
