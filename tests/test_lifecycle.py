@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 import torchtrace as tt
 from tests.fixtures import GrpcOtlpReceiver
+from tests.forking import FORK_RUN, run_group
 from torchtrace.api import get_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,9 +93,8 @@ print(threading.active_count() - before_t, len(psutil.Process().net_connections(
     variants = (("TORCHTRACE_DISABLED", "1"), ("OTEL_SDK_DISABLED", "true"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
     env["PYTHONPATH"] = str(ROOT)
-    forker = subprocess.run([sys.executable, "-c", _FORKER, script, str(tmp_path)]
-                            + [f"{var}={value}" for var, value in variants],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    forker = run_group([sys.executable, "-c", FORK_RUN + _FORKER, script, str(tmp_path)]
+                       + [f"{var}={value}" for var, value in variants], env=env, cwd=tmp_path, timeout=240)
     assert forker.returncode == 0, forker.stderr
     runs = json.loads(forker.stdout.splitlines()[-1])
     for var, _ in variants:
@@ -113,32 +112,21 @@ print(threading.active_count() - before_t, len(psutil.Process().net_connections(
 # else: torchtrace is imported in the child, under the variable, as in a process started with
 # it. (Two processes started whole took 10 s on a loaded 2-core machine, importing torch each.)
 _FORKER = r"""
-import json, os, sys, tempfile, traceback
+import json, os, sys
 import psutil, torch
 import torch._dynamo  # (torch's own: the script's first optimizer step would import it)
 
 script, where = sys.argv[1], sys.argv[2]
+
+def run(var, value):
+    os.environ[var] = value
+    sys.argv = ["-c", os.path.join(where, var)]
+    exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})
+
 runs = {}
 for variant in sys.argv[3:]:
     var, value = variant.split("=", 1)
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        sys.stdout.flush(); sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.environ[var] = value
-            os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
-            sys.argv = ["-c", os.path.join(where, var)]
-            code = 0
-            try:
-                exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        out.seek(0); err.seek(0)
-        runs[var] = {"returncode": os.waitstatus_to_exitcode(status), "stdout": out.read(), "stderr": err.read()}
+    runs[var] = fork_run(run, var, value)
 print(json.dumps(runs))
 """
 

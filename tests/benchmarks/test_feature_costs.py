@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.forking import FORK_RUN, run_group
+
 ROOT = Path(__file__).resolve().parents[2]
 # One worker runs this module under pytest-xdist, so its module-scoped launch runs once.
 pytestmark = pytest.mark.xdist_group("feature_costs")
@@ -59,27 +61,7 @@ def probe(part):
                                      ("samples", "flops", "lr", "data_wait_s", "phase")),
                       "metrics": [op.samples, op.flops, op.lr], "shapes": len(rt.throughput.flops)}))
 
-def forked(part):
-    # (the child's output goes to files of its own; it ends with os._exit, running nothing of the parent's)
-    import os, traceback
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        sys.stdout.flush(); sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
-            code = 0
-            try:
-                probe(part)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        out.seek(0); err.seek(0)
-        return {"returncode": os.waitstatus_to_exitcode(status), "stdout": out.read(), "stderr": err.read()}
-
-print(json.dumps({part: forked(part) for part in sys.argv[2:]}))
+print(json.dumps({part: fork_run(probe, part) for part in sys.argv[2:]}))
 """
 
 
@@ -87,8 +69,8 @@ print(json.dumps({part: forked(part) for part in sys.argv[2:]}))
 def probes() -> dict:
     """Each part's probe: its return code, output and errors."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, str(ROOT / "benchmarks"), *PARTS], env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = run_group([sys.executable, "-c", FORK_RUN + _PROBE, str(ROOT / "benchmarks"), *PARTS], env=env,
+                     timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
