@@ -115,10 +115,12 @@ def main(argv=None) -> int:
     if args.one:
         print(measure(parts[0], budget, args.quick), flush=True)
         return 0
-    import torch
+    # (the version from the package's metadata: this process measures nothing, and importing
+    # torch would double the start-up of a quick run)
+    from importlib.metadata import version
 
     print(f"# what each part of the throughput features costs a toy step (basic - basic-nothr with the part "
-          f"stubbed), torch {torch.__version__}, {os.cpu_count()} CPUs, {budget:g} s of rounds per part")
+          f"stubbed), torch {version('torch')}, {os.cpu_count()} CPUs, {budget:g} s of rounds per part")
     print("# part, rounds | features: median, share of bare, 95 % interval | the A/A pair")
     started = time.perf_counter()
     for part in parts:  # a process each: a stub cannot be put back, and one run leaves caches warm for the next

@@ -18,6 +18,15 @@ from .checkout import CheckoutGuard
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# One intra-op thread per test process, and per subprocess a test starts (they inherit the
+# variable), unless OMP_NUM_THREADS says otherwise. The tests run tiny models, whose ops gain
+# nothing from a second thread, and scripts/test.sh runs one xdist worker per core: torch's
+# default of a thread per core gave each core two busy threads, and the idle ones spin-waiting
+# for work made the FLOP-counting tests up to ten times slower (tests/measure/test_flop_fit.py:
+# 72 s with two threads, 7 s with one, on a loaded 2-core machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Tests that check measured wall time against planted sleeps with bounds of a few tens of
 # milliseconds: a second test worker on the same cores stretches what they measure, so

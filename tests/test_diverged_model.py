@@ -63,7 +63,8 @@ class ManyTensors(torch.nn.Module):
         self.blocks = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(4)) for _ in range(TENSORS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p for p in self.blocks]) * x
+        # (the list's own iteration indexes it by a string per item: 4 times slower at 5,000)
+        return torch.cat(list(self.blocks.parameters())) * x
 
 
 @pytest.fixture
@@ -139,7 +140,8 @@ def test_a_diverged_5000_tensor_model_keeps_telemetry_bounded(tmp_path, monkeypa
     rt = get_runtime()
     torch.manual_seed(0)
     model = ManyTensors()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # (foreach: one update for the 5,000 tensors, not 5,000; what torchtrace records is the same)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
     x = torch.ones(TENSORS * 4)
     # per kind (quiet, polled): step times, wall seconds, other threads' CPU seconds
     steps: dict[bool, list[float]] = {False: [], True: []}

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -16,6 +16,7 @@ import torch
 
 import torchtrace as tt
 from tests.fixtures import GrpcOtlpReceiver
+from tests.forking import FORK_RUN, run_group
 from torchtrace.api import get_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,17 +90,45 @@ patched = [getattr(f, "__torchtrace_wrapped__", False) for f in (
 print(threading.active_count() - before_t, len(psutil.Process().net_connections(kind="inet")) - before_s,
       any(t.name.startswith("torchtrace") for t in threading.enumerate()), any(patched))
 """
-    for var, value in (("TORCHTRACE_DISABLED", "1"), ("OTEL_SDK_DISABLED", "true")):
+    variants = (("TORCHTRACE_DISABLED", "1"), ("OTEL_SDK_DISABLED", "true"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    forker = run_group([sys.executable, "-c", FORK_RUN + _FORKER, script, str(tmp_path)]
+                       + [f"{var}={value}" for var, value in variants], env=env, cwd=tmp_path, timeout=240)
+    assert forker.returncode == 0, forker.stderr
+    runs = json.loads(forker.stdout.splitlines()[-1])
+    for var, _ in variants:
         run_dir = tmp_path / var
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-        env.update({var: value, "PYTHONPATH": str(ROOT)})
-        out = subprocess.run([sys.executable, "-c", script, str(run_dir)], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
+        out = runs[var]
+        assert out["returncode"] == 0, out["stderr"]
         # ... and torch is left as it was: no wrapped functions, no global optimizer hook.
-        assert out.stdout.split() == ["0", "0", "False", "False"], (var, out.stdout)
+        assert out["stdout"].split() == ["0", "0", "False", "False"], (var, out["stdout"])
         assert not run_dir.exists()
         assert not (tmp_path / "torchtrace-runs").exists()
+
+
+# Runs the script once per ``VAR=value``, each in a process of its own forked from this one,
+# which has imported what the script imports before torchtrace (torch, psutil) and nothing
+# else: torchtrace is imported in the child, under the variable, as in a process started with
+# it. (Two processes started whole took 10 s on a loaded 2-core machine, importing torch each.)
+_FORKER = r"""
+import json, os, sys
+import psutil, torch
+import torch._dynamo  # (torch's own: the script's first optimizer step would import it)
+
+script, where = sys.argv[1], sys.argv[2]
+
+def run(var, value):
+    os.environ[var] = value
+    sys.argv = ["-c", os.path.join(where, var)]
+    exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})
+
+runs = {}
+for variant in sys.argv[3:]:
+    var, value = variant.split("=", 1)
+    runs[var] = fork_run(run, var, value)
+print(json.dumps(runs))
+"""
 
 
 @pytest.mark.parametrize("policy", ["next", "ephemeral", "off"])

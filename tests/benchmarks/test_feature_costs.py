@@ -11,59 +11,79 @@ from pathlib import Path
 
 import pytest
 
+from tests.forking import FORK_RUN, run_group
+
 ROOT = Path(__file__).resolve().parents[2]
 # One worker runs this module under pytest-xdist, so its module-scoped launch runs once.
 pytestmark = pytest.mark.xdist_group("feature_costs")
 
-# One process per part: a stub is for the rest of the process. The step trains a small MLP for
-# three steps; the last record, the last span's attributes and the metric sums are printed.
+# One process per part: a stub is for the rest of the process. Each part's process is forked
+# from one that has imported torch, torchtrace and feature_costs and done nothing else (the
+# imports took most of a process's time: 8 of them, 3-6 s each on a loaded 2-core machine);
+# the child configures torchtrace, stubs its part, trains a small MLP for three steps and
+# prints the last record, the last span's attributes and the metric sums.
+PARTS = ["none", "key", "clock", "ledger", "metrics", "spans", "seam", "lr"]
 _PROBE = r"""
 import json, sys, tempfile
-sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[1])
 import torch, torchtrace as tt
 from torchtrace.api import get_runtime
 import feature_costs
-tt.configure(service_name="probe", level="basic", prometheus_port=0, run_dir=tempfile.mkdtemp(), register_atexit=False)
-if sys.argv[1] != "none":
-    feature_costs.stub(sys.argv[1])
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-keys = []
-rt = get_runtime()
-@tt.debug_operation(name="train_step", model=model, optimizer=opt)
-def step(x):
-    opt.zero_grad()
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    opt.step()
-    return loss
-for n in (4, 6, 4):
-    step(torch.randn(n, 8))
-rt.flush(5.0)
-last = rt.history.steps()[-1]
-spans = [json.loads(line) for line in open(rt.spans_path)]
-attrs = spans[-1]["attributes"]
-list(rt.metrics.steps.collect())  # a scrape: the step series' throughput values are added up then
-op = rt.metrics.steps._by_name["train_step"]
-print(json.dumps({"record": {k: last.get(k) for k in ("samples", "flops", "data_wait_s", "phases")},
-                  "span": sorted(k for k in attrs if k.startswith("torchtrace.") and k.split(".")[1] in
-                                 ("samples", "flops", "lr", "data_wait_s", "phase")),
-                  "metrics": [op.samples, op.flops, op.lr], "shapes": len(rt.throughput.flops)}))
+# What configure() and a first step import in any process, imported here once for all parts.
+import torch._dynamo, torchtrace.step.setup, torchtrace.step.runtime, torchtrace.export.server
+
+def probe(part):
+    tt.configure(service_name="probe", level="basic", prometheus_port=0, run_dir=tempfile.mkdtemp(),
+                 register_atexit=False)
+    if part != "none":
+        feature_costs.stub(part)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rt = get_runtime()
+    @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+    for n in (4, 6, 4):
+        step(torch.randn(n, 8))
+    rt.flush(5.0)
+    last = rt.history.steps()[-1]
+    spans = [json.loads(line) for line in open(rt.spans_path)]
+    attrs = spans[-1]["attributes"]
+    list(rt.metrics.steps.collect())  # a scrape: the step series' throughput values are added up then
+    op = rt.metrics.steps._by_name["train_step"]
+    print(json.dumps({"record": {k: last.get(k) for k in ("samples", "flops", "data_wait_s", "phases")},
+                      "span": sorted(k for k in attrs if k.startswith("torchtrace.") and k.split(".")[1] in
+                                     ("samples", "flops", "lr", "data_wait_s", "phase")),
+                      "metrics": [op.samples, op.flops, op.lr], "shapes": len(rt.throughput.flops)}))
+
+print(json.dumps({part: fork_run(probe, part) for part in sys.argv[2:]}))
 """
 
 
-def _probe(part: str) -> dict:
+@pytest.fixture(scope="module")
+def probes() -> dict:
+    """Each part's probe: its return code, output and errors."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, part, str(ROOT / "benchmarks")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_group([sys.executable, "-c", FORK_RUN + _PROBE, str(ROOT / "benchmarks"), *PARTS], env=env,
+                     timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _probe(probes: dict, part: str) -> dict:
+    got = probes[part]
+    assert got["returncode"] == 0, got["stderr"][-3000:]
+    return json.loads(got["stdout"].strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
-def unstubbed() -> dict:
-    return _probe("none")
+def unstubbed(probes) -> dict:
+    return _probe(probes, "none")
 
 
 def test_with_nothing_stubbed_every_part_is_there(unstubbed):
@@ -73,9 +93,9 @@ def test_with_nothing_stubbed_every_part_is_there(unstubbed):
     assert len(unstubbed["span"]) >= 7 and unstubbed["metrics"][0] == 14 and unstubbed["shapes"] == 2
 
 
-@pytest.mark.parametrize("part", ["key", "clock", "ledger", "metrics", "spans", "seam", "lr"])
-def test_each_stub_takes_away_its_part_and_only_that(unstubbed, part):
-    got = _probe(part)
+@pytest.mark.parametrize("part", PARTS[1:])
+def test_each_stub_takes_away_its_part_and_only_that(probes, unstubbed, part):
+    got = _probe(probes, part)
     expected = json.loads(json.dumps(unstubbed))
     if part == "key":  # one key for every batch size: one FLOP count, the first batch's
         expected["shapes"] = 1

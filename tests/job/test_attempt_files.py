@@ -4,13 +4,17 @@ tells the attempts apart."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+
+import pytest
 
 from tests.job.helpers import clean_env
 from torchtrace import files
@@ -27,9 +31,75 @@ _STEPS = textwrap.dedent("""
 """)
 
 
-def _run(env, steps, end="exit"):
-    return subprocess.run([sys.executable, "-c", _STEPS, str(steps), end], env=env, capture_output=True, text=True,
-                          timeout=300)
+# Each run is a process of its own, forked from one that has imported torchtrace and done
+# nothing else (importing torch was most of a run's time: 2-3 s each on a loaded 2-core
+# machine). The child takes the run's environment, runs _STEPS as ``python -c`` would, and ends
+# as such a process does: killed by _STEPS, or at the end of the script (its threads joined,
+# its exit handlers run).
+_FORKER = textwrap.dedent("""
+    import json, os, sys
+    import torchtrace
+    for line in sys.stdin:
+        run = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            break
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+    else:
+        raise SystemExit(0)
+    os.environ.clear()
+    os.environ.update(run["env"])
+    for fd, path in ((1, run["stdout"]), (2, run["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = ["-c", *run["argv"]]
+    exec(compile(run["script"], "<string>", "exec"), {"__name__": "__main__"})
+""")
+
+
+class _Runs:
+    """Runs of _STEPS, each a process forked from one started once (see _FORKER)."""
+
+    def __init__(self, where, timeout_s: float = 300.0) -> None:
+        self.where, self.timeout_s = where, timeout_s
+        self.count = 0
+        # (a session of its own: the forked runs share its process group, which close() ends)
+        self.forker = subprocess.Popen([sys.executable, "-c", _FORKER], env=clean_env(), stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+    def __call__(self, env, steps, end="exit") -> subprocess.CompletedProcess:
+        self.count += 1
+        out, err = self.where / f"run-{self.count}.out", self.where / f"run-{self.count}.err"
+        run = {"env": env, "argv": [str(steps), end], "script": _STEPS, "stdout": str(out), "stderr": str(err)}
+        self.forker.stdin.write(json.dumps(run) + "\n")
+        self.forker.stdin.flush()
+        # (one line per run, read whole: nothing is left in the pipe's buffer between runs)
+        ready, _, _ = select.select([self.forker.stdout], [], [], self.timeout_s)
+        if not ready:
+            self.close()
+            raise subprocess.TimeoutExpired(run["argv"], self.timeout_s, err.read_text())
+        answer = self.forker.stdout.readline()
+        assert answer, f"the forking process ended with {self.forker.wait()}"
+        return subprocess.CompletedProcess(run["argv"], int(answer), out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        """End the forking process and any run still going."""
+        try:
+            self.forker.stdin.close()
+            self.forker.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.forker.pid, signal.SIGKILL)
+            self.forker.wait()
+
+
+@pytest.fixture
+def run(tmp_path_factory):
+    runs = _Runs(tmp_path_factory.mktemp("runs"))
+    yield runs
+    runs.close()
 
 
 def test_a_file_with_a_torn_tail_gets_a_fresh_line(tmp_path):
@@ -42,15 +112,15 @@ def test_a_file_with_a_torn_tail_gets_a_fresh_line(tmp_path):
     assert files.read_json_lines(path) == [{"whole": 1}, {"next": 2}]
 
 
-def test_a_restart_with_the_same_run_id_writes_files_of_its_own(tmp_path):
+def test_a_restart_with_the_same_run_id_writes_files_of_its_own(tmp_path, run):
     env = clean_env(TORCHTRACE_RUN_ID="same", TORCHTRACE_RUN_DIR=str(tmp_path))
-    first = _run(env, 4, "kill")
+    first = run(env, 4, "kill")
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     root = tmp_path / "same"
     with open(root / "spans.jsonl", "ab") as fh:
         fh.write(b'{"name": "train_step", "torn')  # the killed exporter's last write, cut short
     before = (root / "spans.jsonl").read_bytes()
-    second = _run(env, 3)
+    second = run(env, 3)
     assert second.returncode == 0, second.stderr[-2000:]
     assert (root / "spans.jsonl").read_bytes() == before  # attempt 0's file is left as it was
     assert not (root / "report.json").exists()  # the killed attempt wrote none; nobody wrote it since
@@ -65,22 +135,25 @@ def test_a_restart_with_the_same_run_id_writes_files_of_its_own(tmp_path):
     (told,) = [e for e in report["events"] if e["type"] == "previous_attempt"]
     assert (told["data"]["ended"], told["data"]["last_step"]) == ("killed", 3)
     # A third, completed run again: attempt-2, and attempt-1's report is not overwritten.
-    assert _run(env, 2).returncode == 0
+    assert run(env, 2).returncode == 0
     assert json.loads((root / "attempt-1" / "report.json").read_text())["totals"]["steps"] == 3
     assert json.loads((root / "attempt-2" / "report.json").read_text())["totals"]["steps"] == 2
 
 
-def test_torchtrace_report_tells_the_attempts_apart(tmp_path):
+def test_torchtrace_report_tells_the_attempts_apart(tmp_path, run, capsys):
+    from torchtrace.cli import main as cli_main
+
     env = clean_env(TORCHTRACE_RUN_ID="rep", TORCHTRACE_RUN_DIR=str(tmp_path))
-    assert _run(env, 5).returncode == 0
-    assert _run(env, 2).returncode == 0
+    assert run(env, 5).returncode == 0
+    assert run(env, 2).returncode == 0
     root = tmp_path / "rep"
 
     def report(path):
-        done = subprocess.run([sys.executable, "-m", "torchtrace.cli", "report", str(path)], env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
+        # (in this process: the command's code is the same, without a second import of torch;
+        # tests/test_cli.py runs the report command as a user does)
+        capsys.readouterr()
+        assert cli_main(["report", str(path)]) == 0
+        return capsys.readouterr().out
 
     first, second = report(root), report(root / "attempt-1")
     assert "steps: 5" in first and "steps: 2" in second
@@ -89,9 +162,9 @@ def test_torchtrace_report_tells_the_attempts_apart(tmp_path):
     assert "attempt 0 (.): completed at step 4" in second and "attempt 1 (attempt-1/): completed at step 1" in second
 
 
-def test_one_run_without_restarts_keeps_todays_names(tmp_path):
+def test_one_run_without_restarts_keeps_todays_names(tmp_path, run):
     env = clean_env(TORCHTRACE_RUN_ID="one", TORCHTRACE_RUN_DIR=str(tmp_path))
-    assert _run(env, 2).returncode == 0
+    assert run(env, 2).returncode == 0
     names = sorted(p.name for p in (tmp_path / "one").iterdir() if not p.name.startswith("."))
     assert names == ["report.json", "spans.jsonl", "stacks.txt", "state.json"]
     assert os.path.getsize(tmp_path / "one" / "state.json") < 4096
@@ -120,15 +193,15 @@ def test_the_job_series_on_metrics(tmp_path):
     tt.shutdown()
 
 
-def test_the_html_report_draws_the_attempts(tmp_path):
+def test_the_html_report_draws_the_attempts(tmp_path, run):
     from torchtrace.reporting.htmlreport import html_report
 
     env = clean_env(TORCHTRACE_RUN_ID="html", TORCHTRACE_RUN_DIR=str(tmp_path))
-    assert _run(env, 3, "kill").returncode == -signal.SIGKILL
-    assert _run(env, 2).returncode == 0
+    assert run(env, 3, "kill").returncode == -signal.SIGKILL
+    assert run(env, 2).returncode == 0
     page = html_report(tmp_path / "html" / "attempt-1")
     assert 'id="tt-job"' in page and page.count('class="tt-attempt"') == 2
     assert "attempt 0: killed at step 2" in page and "attempt 1: completed at step 1" in page
     # A run that never restarted gets the same card with its one attempt.
-    assert _run(clean_env(TORCHTRACE_RUN_ID="one", TORCHTRACE_RUN_DIR=str(tmp_path)), 2).returncode == 0
+    assert run(clean_env(TORCHTRACE_RUN_ID="one", TORCHTRACE_RUN_DIR=str(tmp_path)), 2).returncode == 0
     assert html_report(tmp_path / "one").count('class="tt-attempt"') == 1
