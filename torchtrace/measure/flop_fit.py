@@ -84,7 +84,8 @@ class _Family:
         self.exact_only = exact_only  # no least-squares stand-in (a length's counts may differ: see _Scaled)
         self.positions = positions
         self.fixed = fixed  # the lengths outside ``positions``, in order
-        self.points: dict[int, int] = {}  # the shared length -> counted FLOPs
+        # The shared length -> counted FLOPs (per sample, a Fraction, under _Scaled).
+        self.points: dict[int, int | Fraction] = {}
         self.dtype = dtype
         self.coefficients: tuple[Fraction, Fraction, Fraction] | None = None  # a0 + a1 n + a2 n^2, once trusted
         self.inexact = False  # no quadratic matches every count exactly
@@ -106,7 +107,7 @@ class _Family:
                 outside.append(d)
         return shared if tuple(outside) == self.fixed else None
 
-    def add(self, n: int, flops: int, dtype: torch.dtype | None) -> None:
+    def add(self, n: int, flops: int | Fraction, dtype: torch.dtype | None) -> None:
         if self.dead:
             return
         if dtype != self.dtype:
@@ -243,7 +244,7 @@ def _poly(c: tuple, n: int) -> Any:
     return c[0] + c[1] * n + c[2] * n * n
 
 
-def _least_squares(points: dict[int, int]) -> tuple[float, float, float] | None:
+def _least_squares(points: dict[int, int | Fraction]) -> tuple[float, float, float] | None:
     """The quadratic nearest the counts (least squares, float64), when it is within
     APPROXIMATE of every one of them; else None."""
     xs = list(points)

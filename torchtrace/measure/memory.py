@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ _PROCESS: psutil.Process | None = None
 
 def _process() -> psutil.Process:
     global _PROCESS
-    if _PROCESS is None or _PROCESS.pid != __import__("os").getpid():
+    if _PROCESS is None or _PROCESS.pid != os.getpid():
         _PROCESS = psutil.Process()
     return _PROCESS
 
@@ -105,8 +106,8 @@ def step_sample(cuda: bool = True) -> dict[str, Any]:
     return {"rss_bytes": rss_bytes()}
 
 
-class _MallInfo2(__import__("ctypes").Structure):
-    _fields_ = [(name, __import__("ctypes").c_size_t) for name in
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
                  "keepcost")]
 
@@ -125,7 +126,6 @@ def heap_in_use_bytes() -> int | None:
     if _MALLINFO2 is None:
         _MALLINFO2 = False
         try:
-            import ctypes
             import ctypes.util
 
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -60,7 +60,7 @@ class Probe:
         """Shutdown: release everything (hooks, profiler windows, tracing)."""
         return None
 
-    def section(self) -> dict[str, Any] | None:
+    def section(self) -> dict[str, Any] | list[dict[str, Any]] | None:
         """The probe's section of the run report, or None."""
         return None
 

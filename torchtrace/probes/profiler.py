@@ -115,7 +115,8 @@ class Window:
         self.n_steps = n_steps
         self.prof = prof
         self.steps: list[int] = []
-        self.rec = None  # the open ProfilerStep record_function
+        # The open ProfilerStep record_function.
+        self.rec: torch.profiler.record_function | None = None
         self.done = False
         self.top_ops: list[dict[str, Any]] = []
         self.truncated = 0
@@ -278,8 +279,8 @@ class ProfilerProbe(Probe):
                 # The step's FLOP count, opened before the window: the trace would hold its every
                 # op twice. The count waits for a step outside windows (as under the user's profiler).
                 state.counter = None
-        w.rec = torch.profiler.record_function(f"ProfilerStep#{scope.step}")
-        w.rec.__enter__()
+        rec = w.rec = torch.profiler.record_function(f"ProfilerStep#{scope.step}")
+        rec.__enter__()
         w.steps.append(scope.step)
         return w
 

@@ -48,7 +48,8 @@ def main_operation(steps: list[dict[str, Any]]) -> str | None:
     >>> main_operation([{"operation": "train_step"}] * 3 + [{"operation": "eval_step", "kind": "evaluation"}] * 5)
     'train_step'
     """
-    counts: collections.Counter[str] = collections.Counter()
+    # A step without an operation counts under None, as it always has.
+    counts: collections.Counter[str | None] = collections.Counter()
     for s in steps:
         if s.get("kind", "train") == "train":
             counts[s.get("operation")] += 1
