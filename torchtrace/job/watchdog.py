@@ -313,9 +313,9 @@ class Watchdog:
             return []
         f = self.fields
         try:
-            gone = [s.get("rank") for s in self.peers()
-                    if s.get("attempt") == f.get("attempt") and s.get("rank") != f.get("rank")
-                    and not s.get("ended") and culprit.pid_alive(s) is False]
+            gone = [s["rank"] for s in self.peers()
+                    if isinstance(s.get("rank"), int) and s.get("attempt") == f.get("attempt")
+                    and s.get("rank") != f.get("rank") and not s.get("ended") and culprit.pid_alive(s) is False]
         except Exception as exc:
             logger.debug("torchtrace: peers not read: %r", exc)
             return []

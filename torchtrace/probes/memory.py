@@ -41,7 +41,7 @@ class MemoryProbe(Probe):
         self.heap_wait = 0  # steps until the next heap sample
 
     def finish(self, scope: StepScope, state: Any, record: StepRecord, values: list[float] | None) -> None:
-        if scope.features.memory_profiling or _TRACKER.active:
+        if (scope.features is not None and scope.features.memory_profiling) or _TRACKER.active:
             sample = record.memory
             if _TRACKER.active:
                 sample = {**(sample or {}), "heap_in_use_bytes": self._heap(record.duration_s)}

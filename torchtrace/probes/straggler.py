@@ -75,7 +75,7 @@ class StragglerProbe(Probe):
     def __init__(self, rt: Runtime, interval: int) -> None:
         self.rt = rt
         self.interval = interval
-        self._sum: collections.Counter[str] = collections.Counter()
+        self._sum: collections.defaultdict[str, float] = collections.defaultdict(float)
         self._n: collections.Counter[str] = collections.Counter()
         self.last: dict[str, Any] | None = None
 
