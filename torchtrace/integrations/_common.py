@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torchtrace.record.step import StepRecord
 from torchtrace.step.phases import StepClock
 
 
-def require(module: str, extra: str, what: str):
+def require(module: str, extra: str, what: str) -> ModuleType:
     """Import ``module`` or raise ImportError saying which extra to install."""
     try:
         return importlib.import_module(module)

@@ -27,6 +27,9 @@ if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transf
     raise ImportError(f"torchtrace.integrations.transformers needs transformers>=4.42 (found {_tf.__version__}): "
                       "pip install -U \"torchtrace[transformers]\"")
 
+# Any: the base class comes from the optional package, imported at run time, without types.
+_TrainerCallback: Any = _tf.TrainerCallback
+
 __all__ = ["TorchtraceCallback"]
 
 
@@ -37,7 +40,7 @@ def _output_loss(output: Any) -> Any:
     return loss
 
 
-class TorchtraceCallback(_tf.TrainerCallback):
+class TorchtraceCallback(_TrainerCallback):
     """A torchtrace step span per Trainer optimizer step (all its gradient-accumulation micro-batches).
 
     Hooks used:
@@ -233,10 +236,12 @@ class TorchtraceCallback(_tf.TrainerCallback):
         for pixels or audio samples (a floating-point main input) it is off by orders of
         magnitude (a small ViT: 214 times FlopCounterMode's count), and such steps get none."""
         ids = kwargs.get(getattr(model, "main_input_name", "input_ids"))
-        if not isinstance(ids, torch.Tensor) or not callable(getattr(model, "num_parameters", None)):
+        # A transformers PreTrainedModel's method; any other model gets no estimate.
+        num_parameters = getattr(model, "num_parameters", None)
+        if not isinstance(ids, torch.Tensor) or not callable(num_parameters):
             return None
         if ids.is_floating_point() or ids.is_complex():
             return None
         if self._params is None:
-            self._params = int(model.num_parameters(exclude_embeddings=True))
+            self._params = int(num_parameters(exclude_embeddings=True))
         return 6 * ids.numel() * self._params
