@@ -216,6 +216,10 @@ def _make_handler(server: "TelemetryServer"):
         # The head and the body are two writes: with Nagle on, the body waited 40 ms for the
         # client's delayed ACK on every request of a kept-alive connection.
         disable_nagle_algorithm = True
+        # What this handler is given and makes: the server below, and the reader setup() wraps
+        # (typeshed says BufferedIOBase; the wrapper has the reading methods http.server calls).
+        server: _Server
+        rfile: _LimitedReader  # type: ignore[assignment]
 
         def setup(self) -> None:
             super().setup()
