@@ -48,7 +48,7 @@ class ItemCache:
                 del self._items[key]
 
 
-def shrink(value: Any, depth: int = 0) -> Any:
+def shrink(value: object, depth: int = 0) -> object:
     """``value`` with every list cut to :data:`MAX_LIST_ITEMS` entries (a ``<key>_omitted``
     count beside it in a dict) and every string to :data:`MAX_STRING_CHARS` characters.
 
@@ -76,7 +76,7 @@ def shrink(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def bounded_json(value: Any, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
+def bounded_json(value: object, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
     """Strict JSON of ``value`` with lists and strings shrunk (:func:`shrink`), in at most
     ``max_bytes``; a document still too large becomes a stub that says how large it was.
 

@@ -102,7 +102,7 @@ def user_name(name: str) -> str:
     return "" if name in _WRAPPER_ROOTS else name
 
 
-def _is_ddp(obj: Any) -> bool:
+def _is_ddp(obj: object) -> bool:
     return isinstance(obj, torch.nn.parallel.DistributedDataParallel)
 
 

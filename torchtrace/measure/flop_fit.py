@@ -63,6 +63,7 @@ def split_key(key: Hashable) -> tuple[Hashable, tuple[int, ...]] | None:
     return (structure, tuple(dims)) if dims else None
 
 
+# Any: a shape key's part; the checks by exact type (``kind is tuple``) are not ones mypy narrows by.
 def _walk(value: Any, dims: list[int]) -> Hashable:
     kind = type(value)
     if kind is _SIZE:
@@ -173,7 +174,7 @@ def _spot_check(i: int) -> bool:
     return i >= SPOT_CHECK and i % SPOT_CHECK == 0 and (i // SPOT_CHECK) & (i // SPOT_CHECK - 1) == 0
 
 
-def _whole(v: Any) -> int | None:
+def _whole(v: int | Fraction) -> int | None:
     """``v`` (an int or a Fraction) as FLOPs: a positive whole number, else None."""
     return int(v) if v > 0 and (type(v) is int or v.denominator == 1) else None
 

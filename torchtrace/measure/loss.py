@@ -30,7 +30,7 @@ def _is_fake(t: torch.Tensor) -> bool:
     return type(t).__name__ in ("FakeTensor", "FunctionalTensor") or bool(getattr(t, "fake_mode", None))
 
 
-def classify_loss(loss: Any) -> LossValue:
+def classify_loss(loss: object) -> LossValue:
     """What a loss handed to ``record_loss`` is.
 
     >>> classify_loss(0.25).number
@@ -81,7 +81,7 @@ def extract_loss(result: Any) -> Any:
     return getattr(result, "loss", None)
 
 
-def not_a_loss(value: Any) -> bool:
+def not_a_loss(value: object) -> bool:
     """What an evaluation returns that is no loss: its predictions (a tensor of many values),
     or a tuple or list (predictions and labels)."""
     return isinstance(value, (tuple, list)) or isinstance(value, torch.Tensor) and value.numel() != 1

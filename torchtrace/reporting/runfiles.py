@@ -48,7 +48,7 @@ class RunData:
         return [e["data"] for e in self.events if e.get("type") == "forensics"]
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):

@@ -113,7 +113,7 @@ def _badput_text(badput_s: dict[str, Any]) -> str:
     return ", ".join(f"{k} {seconds_text(v) if math.isfinite(v) else _shown(v, '')}" for v, k in badput) or "none"
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     """A figure of report.json as a float: a number, or the strict-JSON string of a non-finite
     one ("Infinity", "-Infinity", "NaN"); None for anything else (absent, not a figure)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
