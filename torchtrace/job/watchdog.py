@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 from torchtrace import files
 from torchtrace.job import culprit, progress, stacks
@@ -115,7 +115,7 @@ class Watchdog:
         self._seen_steps = 0
         self._seen_step_time: float | None = None
         self._flagged_since: float | None = None
-        self._stack_file: Any = None
+        self._stack_file: BinaryIO | None = None
         self._dumped = 0  # bytes of the stack file known (written by us or read back)
         self._armed = False
         self._stop = threading.Event()

@@ -25,7 +25,7 @@ class _State:
         self.taken: LayerHooks | None = None
 
 
-class ActivationProbe(Probe):
+class ActivationProbe(Probe[_State]):
     """EXTREME: forward hooks on the step's model; statistics stacked into the step's one host read.
 
     The hooks are registered on a model at its first EXTREME step and kept (switched off

@@ -46,7 +46,7 @@ class _State:
         self.oom: dict[str, Any] | None = None
 
 
-class ForensicsProbe(Probe):
+class ForensicsProbe(Probe[_State]):
     """Registered on every runtime by ``configure()``; see docs/forensics.md."""
 
     name = "forensics"

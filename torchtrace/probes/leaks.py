@@ -52,7 +52,7 @@ def timed_heap_sample() -> tuple[int | None, float]:
     return heap, time.thread_time() - t0
 
 
-class LeakProbe(Probe):
+class LeakProbe(Probe[None]):
     """The leak detector: robust slope per device each step; an investigation when it is sustained.
 
     Cheap per step (host floats only). Samples are placed on the probe's own count of recorded

@@ -216,7 +216,7 @@ _someone_profiling = profiler_running  # (not one of torchtrace's windows: the p
 Saved = Tuple[Optional[ProfileSchedule], Optional[Path], Optional[Window]]
 
 
-class ProfilerProbe(Probe):
+class ProfilerProbe(Probe[Window]):
     """Opens and closes profiler windows around instrumented steps (see :class:`ProfileSchedule`);
     the window holding a step goes to ``record.profile``."""
 

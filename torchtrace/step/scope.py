@@ -35,7 +35,7 @@ from torchtrace.step.throughput import drop_counter, learning_rates
 from torchtrace.step.watched import real_optimizer
 
 if TYPE_CHECKING:
-    from torchtrace.probes.base import Probe
+    from torchtrace.probes.base import Probe, S
     from torchtrace.step.runtime import Runtime
 
 STEP_KINDS = checks.STEP_KINDS
@@ -60,7 +60,7 @@ class StepScope:
                  "_anomalies", "__weakref__")
     # Set as a step begins (_begin), not in __init__.
     _rt: Runtime
-    _states: list | None
+    _states: list[object] | None
     _anomalies: list[tuple[str, str, dict[str, Any]]] | None
     _overhead: float
     _t0: float
@@ -164,7 +164,7 @@ class StepScope:
         """Time spent inside torchtrace during the step (hooks), for ``torchtrace_overhead_seconds_total``."""
         self._overhead += seconds
 
-    def state_of(self, probe: Probe) -> Any:
+    def state_of(self, probe: Probe[S]) -> S | None:
         """The per-step state ``probe.enter`` returned for this step (None when it returned none)."""
         return self._rt.probes.state_of(self._states, probe) if self._states is not None else None
 
