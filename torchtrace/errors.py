@@ -8,7 +8,7 @@ import multiprocessing
 import multiprocessing.synchronize
 import threading
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, MutableMapping
 
 
 class GuardedLogger(logging.LoggerAdapter):
@@ -27,10 +27,10 @@ class GuardedLogger(logging.LoggerAdapter):
     def __init__(self, logger: logging.Logger) -> None:
         super().__init__(logger, None)
 
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+    def process(self, msg: object, kwargs: MutableMapping[str, Any]) -> tuple[object, MutableMapping[str, Any]]:
         return msg, kwargs
 
-    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
         if not self.isEnabledFor(level):
             return
         # The record names the caller of debug(), warning()..., not this method.

@@ -77,6 +77,7 @@ def run(purpose: str, fn) -> Any:
         raise
 
 
+# Any: a DTensor is known by its class name (torch.distributed.tensor may not be importable).
 def shard_key(grad: Any) -> tuple | None:
     """For a DTensor gradient: ``(mesh, shard mesh dims, has_partial)``; None for a plain tensor."""
     if type(grad).__name__ != "DTensor" or not hasattr(grad, "placements"):

@@ -33,7 +33,7 @@ class ItemCache:
         self._lock = threading.Lock()
         self._items: dict[tuple[str, int], tuple[Any, bytes]] = {}
 
-    def item(self, key: tuple[str, int], obj: Any, convert: Callable[[Any], Any] | None = None) -> bytes:
+    def item(self, key: tuple[str, int], obj: object, convert: Callable[[Any], object] | None = None) -> bytes:
         hit = self._items.get(key)
         if hit is not None and hit[0] is obj:
             return hit[1]

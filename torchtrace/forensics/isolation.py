@@ -44,7 +44,7 @@ def neutralised(optimizers: list[Any], scalers: list[Any]) -> Iterator[None]:
     """``optimizer.step`` and a GradScaler's ``step/unscale_/update`` become no-ops (instance patch)."""
     patched: list[tuple[Any, str, bool, Any]] = []
 
-    def patch(obj: Any, name: str) -> None:
+    def patch(obj: object, name: str) -> None:
         had = name in vars(obj)
         patched.append((obj, name, had, vars(obj).get(name)))
         setattr(obj, name, lambda *a, **k: None)

@@ -184,7 +184,7 @@ class Watchdog:
         self._arm(max(armed - stalled, 0.0) + grace)
         return None
 
-    def _observe(self, f: dict[str, Any], since: Any, steps: int, now: float) -> None:
+    def _observe(self, f: dict[str, Any], since: float | None, steps: int, now: float) -> None:
         """Learn the step period and the pauses that ended since the last tick (outside the
         slow kinds, which have their own allowance)."""
         step_time = f.get("step_time")

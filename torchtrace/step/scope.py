@@ -70,7 +70,8 @@ class StepScope:
                  optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                  level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
                  attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
-                 scaler: Any = None, kind: str = "train", inputs: tuple[tuple, dict] | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, kind: str = "train",
+                 inputs: tuple[tuple, dict] | None = None) -> None:
         checks.check_scope_arguments(name, model, optimizer, scaler, replay, step, kind, attributes)
         self.name = name
         self.model = model
@@ -103,7 +104,7 @@ class StepScope:
         self.batch_skip = 0  # leading positional inputs that are not the batch (a method's instance)
 
     # ------------------------------------------------------------ user API
-    def record_loss(self, loss: Any) -> None:
+    def record_loss(self, loss: object) -> None:
         """Record the step's loss (a scalar tensor or a number). No host read happens here.
 
         A tensor with more than one element, or of a bool or integer dtype, is not a loss: it is
