@@ -35,6 +35,7 @@ class CheckingMixin:
 
     config: DebugConfig
     _log: Callable[..., Any]
+    last_forward_pass: Result | None
 
     # ------------------------------------------------------------ gradients
     def check_gradients(self, model: torch.nn.Module, second: Any = None, *, gradient_threshold: Any = None,
