@@ -75,7 +75,7 @@ class GradientDebugger:
         self.anomaly_count = 0
         self.last_flow: Result | None = None  # the latest analyze_gradient_flow, for the report
 
-    def check_gradients(self, model: torch.nn.Module, second: Any = None, **kwargs: Any) -> GradientReport:
+    def check_gradients(self, model: torch.nn.Module, second: object = None, **kwargs: Any) -> GradientReport:
         """Seed 002's ``check_gradients(model, step)`` (also the loss/threshold forms)."""
         thr, step, loss = check_arguments(second, **kwargs)
         if not self.config.enable_gradient_debugging:
@@ -176,7 +176,8 @@ class ModelDebugger:
         self.config = _config(config)
         self.inspections: list[Result] = []
 
-    def inspect_model(self, model: torch.nn.Module, input_shape: Any = None, **kwargs: Any) -> Result:
+    def inspect_model(self, model: torch.nn.Module, input_shape: tuple[int, ...] | list[int] | None = None,
+                      **kwargs: Any) -> Result:
         if not self.config.enable_model_debugging:
             return Result(enabled=False)
         out = Result(inspection.inspect_model(model, input_shape, **kwargs), enabled=True)
@@ -191,7 +192,8 @@ class ModelDebugger:
         del self.inspections[:-100]
         return out
 
-    def _validate_model_inputs(self, model: torch.nn.Module, input_shape: Any, **kwargs: Any) -> Result:
+    def _validate_model_inputs(self, model: torch.nn.Module, input_shape: tuple[int, ...] | list[int] | None,
+                               **kwargs: Any) -> Result:
         """The validating forward pass on a dummy input: ``ok``, the output shape, or the layer
         where it fails with its input shapes."""
         return Result(inspection.inspect_model(model, input_shape, **kwargs)["forward"])
@@ -205,7 +207,7 @@ class PyTorchDebugManager:
     ``enable_profiling``; ``generate_comprehensive_report()`` gathers everything.
     """
 
-    def __init__(self, config: PyTorchDebugConfig | None = None, logger: Any = None) -> None:
+    def __init__(self, config: PyTorchDebugConfig | None = None, logger: object = None) -> None:
         self.config = _config(config)
         self.anomaly_detector = AutogradAnomalyDetector(self.config)
         self.gradient_debugger = GradientDebugger(self.config)

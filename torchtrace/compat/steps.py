@@ -48,7 +48,7 @@ def active_step() -> api.StepScope | None:
     return scope if scope is not None and scope.active else None
 
 
-def share_with_step(model: torch.nn.Module | None = None, loss: Any = None) -> bool:
+def share_with_step(model: torch.nn.Module | None = None, loss: object = None) -> bool:
     """Give the open step the model whose gradients were checked and the loss, when it lacks
     them. True when a step is open (it then counts the loss and gradient anomalies itself)."""
     scope = active_step()
