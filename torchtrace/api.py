@@ -325,7 +325,7 @@ class _Operation:
         return wrapper
 
 
-def _take_returned_loss(scope: StepScope, result: Any) -> None:
+def _take_returned_loss(scope: StepScope, result: object) -> None:
     """The loss from the step's return value; an odd object's failing ``.loss`` is ours to absorb."""
     if scope.active and not scope.has_loss:
         try:

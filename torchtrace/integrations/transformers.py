@@ -33,7 +33,7 @@ _TrainerCallback: Any = _tf.TrainerCallback
 __all__ = ["TorchtraceCallback"]
 
 
-def _output_loss(output: Any) -> Any:
+def _output_loss(output: object) -> object:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
@@ -192,8 +192,8 @@ class TorchtraceCallback(_TrainerCallback):
 
         def replay() -> Any:
             with autocast_as(self._autocast):  # the Trainer's bf16=/fp16= autocast, as the step ran
-                losses = [_output_loss(model(*args, **kwargs)) for args, kwargs in list(self._inputs)]
-            losses = [loss for loss in losses if isinstance(loss, torch.Tensor)]
+                outputs = [_output_loss(model(*args, **kwargs)) for args, kwargs in list(self._inputs)]
+            losses = [loss for loss in outputs if isinstance(loss, torch.Tensor)]
             return sum(losses[1:], losses[0]) if losses else None
 
         return replay

@@ -17,7 +17,7 @@ from torchtrace.measure.tensors import STAT_NAMES, fast_raw_stats, finish_fast_s
 MAX_LAYER_CALLS = 512  # per step: hooks past this many calls record nothing
 
 
-def first_tensor(output: Any) -> torch.Tensor | None:
+def first_tensor(output: object) -> torch.Tensor | None:
     """The first floating-point tensor in a module's output (tensor, tuple/list, dict, dataclass-like)."""
     if isinstance(output, torch.Tensor):
         return output if output.is_floating_point() or output.is_complex() else None

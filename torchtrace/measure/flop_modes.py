@@ -98,7 +98,7 @@ class _GlobalOnly:
     def __enter__(self) -> "_GlobalOnly":
         return self
 
-    def __exit__(self, *args: Any) -> None:
+    def __exit__(self, *args: object) -> None:
         return None
 
 

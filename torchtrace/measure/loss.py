@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
 
 import torch
 
@@ -61,7 +60,7 @@ def classify_loss(loss: object) -> LossValue:
     return LossValue(problem=f"a loss of type {type(loss).__name__} is not a number")
 
 
-def extract_loss(result: Any) -> Any:
+def extract_loss(result: object) -> object:
     """The loss from a step's return value: a tensor, a number, a dict's "loss", an object's .loss.
 
     Whatever is found is judged by :func:`classify_loss` (a non-scalar tensor is reported, not

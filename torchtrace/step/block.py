@@ -171,7 +171,7 @@ class WatchedBlock:
             self.stepped = True
             self.scope.check_gradients_now(optimizer)
 
-    def saw_loss(self, loss: Any) -> None:
+    def saw_loss(self, loss: object) -> None:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None:
             self.loss = loss
             self.scope.record_loss(loss)

@@ -53,7 +53,7 @@ _METHODS = ("scale", "step")
 AVERAGE = "update_parameters"  # the method of a weight average (AveragedModel) a replay must not call
 
 
-def _note_scaler(scaler: Any) -> None:
+def _note_scaler(scaler: torch.amp.GradScaler) -> None:
     """A GradScaler used in the open step that has none yet becomes the step's."""
     scope = current.step()
     if scope is not None and scope.active and scope.scaler is None:
