@@ -90,7 +90,7 @@ def configure(
     otlp_endpoint: str | None = None,
     otlp_protocol: str | None = None,
     disabled: bool | None = None,
-    **settings: Any,
+    **settings: object,
 ) -> ConfigureResult:
     """Set torchtrace up (or set it up again). Every argument is optional.
 

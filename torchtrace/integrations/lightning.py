@@ -31,6 +31,7 @@ except ImportError:  # the older package name
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 _R = TypeVar("_R")
 
@@ -144,7 +145,7 @@ class TorchtraceCallback(_pl.Callback):
         self._train.measure(pl_module, optimizer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
+                           outputs: STEP_OUTPUT, batch: Any, batch_idx: int) -> None:
         self._train.mark("optimizer_end")
         self._train.end(None, extract_loss(outputs))
 
@@ -165,7 +166,7 @@ class TorchtraceCallback(_pl.Callback):
             self._val.begin(None, batch)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule,
-                                outputs: Any, batch: Any, batch_idx: int,
+                                outputs: STEP_OUTPUT, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         if self._val is not None:
             loss = extract_loss(outputs)  # a tuple (predictions, labels) is no loss, and left unsaid

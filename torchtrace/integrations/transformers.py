@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -21,6 +21,9 @@ from torchtrace.integrations._common import StepDriver, loop_frame, require
 from torchtrace.job import progress
 from torchtrace.measure.batch import same_arguments
 from torchtrace.step import job
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 _tf = require("transformers", "transformers", "Hugging Face transformers")
 if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transformers 4.42
@@ -157,7 +160,7 @@ class TorchtraceCallback(_TrainerCallback):
             job.checkpoint_saved(rt, state.global_step)
 
     @staticmethod
-    def _note_precision(args: Any) -> None:
+    def _note_precision(args: TrainingArguments) -> None:
         """The Trainer's mixed precision (``bf16=True``, ``fp16=True``) is the precision of the
         peak MFU is measured against: its autocast is closed again when the step ends, and the
         FLOPs are the Trainer's estimate, so no count sees the operands' dtype."""

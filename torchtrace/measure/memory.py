@@ -6,7 +6,7 @@ import ctypes
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Literal
 
 import psutil
 import torch
@@ -112,7 +112,8 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
-_MALLINFO2: Any = None
+# glibc's mallinfo2 once looked up; False where it is missing.
+_MALLINFO2: Callable[[], _MallInfo2] | Literal[False] | None = None
 
 
 def heap_in_use_bytes() -> int | None:
