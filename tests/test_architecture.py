@@ -229,6 +229,8 @@ REVIEWED = {
     "config/parsers.py": "one small parser per kind of setting, and the table naming each setting's parser",
     "job/watchdog.py": "the hang watchdog: its tick, the adaptive timeout, the finding and what it writes",
     "measure/batch.py": "the batch's samples and tokens from a step's arguments, every shape the rules know",
+    "export/server.py": "the telemetry server: its connection limits, the request head's budget, the pacing "
+                        "and the typed request handler",
     "api.py": "the public entry points (configure, shutdown, debug_context, debug_operation) with their examples",
     "step/throughput.py: finish_step": "the step's figures in the order they are decided; its first lines end "
                                        "the usual step",

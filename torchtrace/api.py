@@ -90,7 +90,7 @@ def configure(
     otlp_endpoint: str | None = None,
     otlp_protocol: str | None = None,
     disabled: bool | None = None,
-    **settings: Any,
+    **settings: object,
 ) -> ConfigureResult:
     """Set torchtrace up (or set it up again). Every argument is optional.
 
@@ -224,7 +224,7 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
                   optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                   level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
                   attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
-                  scaler: Any = None, kind: str = "train", inputs: Any = None) -> StepScope:
+                  scaler: torch.amp.GradScaler | None = None, kind: str = "train", inputs: Any = None) -> StepScope:
     """A ``with`` (or ``async with``) block that is one instrumented operation.
 
     Args:
@@ -325,7 +325,7 @@ class _Operation:
         return wrapper
 
 
-def _take_returned_loss(scope: StepScope, result: Any) -> None:
+def _take_returned_loss(scope: StepScope, result: object) -> None:
     """The loss from the step's return value; an odd object's failing ``.loss`` is ours to absorb."""
     if scope.active and not scope.has_loss:
         try:

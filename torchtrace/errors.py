@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import mmap
 import multiprocessing
+import multiprocessing.synchronize
 import threading
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, MutableMapping
 
 
 class GuardedLogger(logging.LoggerAdapter):
@@ -26,10 +27,10 @@ class GuardedLogger(logging.LoggerAdapter):
     def __init__(self, logger: logging.Logger) -> None:
         super().__init__(logger, None)
 
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+    def process(self, msg: object, kwargs: MutableMapping[str, Any]) -> tuple[object, MutableMapping[str, Any]]:
         return msg, kwargs
 
-    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
         if not self.isEnabledFor(level):
             return
         # The record names the caller of debug(), warning()..., not this method.
@@ -101,7 +102,8 @@ class OncePerProcessTree:
         except (OSError, ValueError):  # no shared memory here: once per process only
             self._marks = None
         try:
-            self._turn: Any = multiprocessing.Lock()  # shared with the processes forked after this
+            # Shared with the processes forked after this.
+            self._turn: multiprocessing.synchronize.Lock | None = multiprocessing.Lock()
         except (OSError, ImportError):  # no semaphores here: two processes at one instant may both say "first"
             self._turn = None
 
@@ -115,15 +117,16 @@ class OncePerProcessTree:
         bit = zlib.crc32(repr(key).encode()) % (self._BYTES * 8)
         index, mask = bit // 8, 1 << (bit % 8)
         # A process killed while holding the lock must not stop the others: after 0.2 s, unlocked.
-        locked = self._turn is not None and self._turn.acquire(timeout=0.2)
+        turn = self._turn
+        locked = turn is not None and turn.acquire(timeout=0.2)
         try:
             if self._marks[index] & mask:
                 return False
             self._marks[index] |= mask
             return True
         finally:
-            if locked:
-                self._turn.release()
+            if turn is not None and locked:
+                turn.release()
 
 
 class InternalErrors:

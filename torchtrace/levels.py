@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 
 class _ParseEnum(str, enum.Enum):
@@ -91,7 +90,7 @@ class Features:
         )
 
 
-def debug_mode_setting(value: Any) -> tuple[bool | None, DebugMode | None]:
+def debug_mode_setting(value: object) -> tuple[bool | None, DebugMode | None]:
     """``debug_mode=`` by type: a bool (seed 000) or a DebugMode / its name (seed 003).
     Returns (on, mode); ``DebugMode.NONE`` ("no debugging") is ``debug_mode=False``.
 

@@ -100,11 +100,11 @@ class DemoNet(torch.nn.Module):
         return self.head(self.body(self.norm(x)))
 
 
-def make_model() -> torch.nn.Module:
+def make_model() -> DemoNet:
     return DemoNet()
 
 
-def make_batch(teacher: torch.nn.Module, fault: str | None, batch: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(teacher: torch.nn.Linear, fault: str | None, batch: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of synthetic data labelled by ``teacher``, with ``fault`` planted in it."""
     x = torch.randn(batch, teacher.in_features)
     with torch.no_grad():
@@ -166,8 +166,8 @@ def run(steps: int = 300, level: str = "basic", inject: list[Fault] | None = Non
     return summary
 
 
-def _train(model, opt, teacher, faults: dict[int, str], steps: int, console: Console, state: DemoState,
-           progress: bool) -> None:
+def _train(model: DemoNet, opt: torch.optim.Optimizer, teacher: torch.nn.Linear, faults: dict[int, str],
+           steps: int, console: Console, state: DemoState, progress: bool) -> None:
     pipe_every = max(1, steps // 6)
     for i in range(steps):
         kind = faults.get(i)
@@ -187,7 +187,7 @@ def _train(model, opt, teacher, faults: dict[int, str], steps: int, console: Con
                 opt.step()
         except NonFiniteError as exc:  # guard="raise"
             console.end_progress()
-            if getattr(exc, "report", None):
+            if exc.report:
                 state.replays += 1
                 kinds = [k for k in exc.kinds if k in narrate.NONFINITE_KINDS]
                 for line in narrate.forensic_lines(exc.report, kinds):

@@ -65,7 +65,7 @@ def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
     return lines
 
 
-def _rel(path: Any) -> str:
+def _rel(path: str | os.PathLike[str]) -> str:
     rel = os.path.relpath(str(path))
     return rel if not rel.startswith("..") else str(path)
 

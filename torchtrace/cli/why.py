@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["ranks"] else 1
 
 
-def add_subcommand(subparsers: Any) -> None:
+def add_subcommand(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("why", help="what happened to this job: verdict, culprit ranks, where each rank is",
                               description="Read a run directory's black boxes: the verdict (healthy, running, hang, "
                                           "died, completed), the culprit ranks, each rank's step, phase and stack.")

@@ -26,7 +26,7 @@ import math
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -34,7 +34,7 @@ from torchtrace import semconv
 from torchtrace.compat import checks, steps
 from torchtrace.compat.results import Result
 from torchtrace.config import DEFAULT_GRAD_EXPLOSION_THRESHOLD, DEFAULT_GRAD_VANISHING_THRESHOLD
-from torchtrace.errors import get_logger
+from torchtrace.errors import GuardedLogger, get_logger
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class ToLogger(logging.Handler):
     """The listener's one handler: every record goes through ``target``'s handlers (its
     filters, levels and propagation), on the listener's thread, named ``WRITER_THREAD``."""
 
-    def __init__(self, target: logging.Logger) -> None:
+    def __init__(self, target: logging.Logger | GuardedLogger) -> None:
         super().__init__()
         self.target = target
 
@@ -92,6 +92,10 @@ class TrainingPhase(str, enum.Enum):
     COMPLETED = "completed"
 
 
+# A log line's phase: a TrainingPhase, its value, or none.
+Phase = Union[TrainingPhase, str, None]
+
+
 def _kind_for(name: str) -> str:
     low = name.lower()
     if "loss" in low:
@@ -115,7 +119,7 @@ class AsyncTrainingLogger:
         ValueError: a bad ``queue_size`` or ``enable_autograd_debug``.
     """
 
-    def __init__(self, user_id: Any = None, model_name: str | None = None, *, enable_autograd_debug: bool = False,
+    def __init__(self, user_id: object = None, model_name: str | None = None, *, enable_autograd_debug: bool = False,
                  logger: logging.Logger | None = None, queue_size: int = 10000) -> None:
         if not isinstance(enable_autograd_debug, bool):
             raise ValueError(f"enable_autograd_debug={enable_autograd_debug!r} is not valid; "
@@ -147,7 +151,7 @@ class AsyncTrainingLogger:
                 self._listener = logging.handlers.QueueListener(self._queue, ToLogger(self.logger))
                 self._listener.start()
 
-    def _emit(self, level: int, message: str, phase: Any = None, context: dict[str, Any] | None = None,
+    def _emit(self, level: int, message: str, phase: Phase = None, context: dict[str, Any] | None = None,
               exc: BaseException | None = None) -> None:
         if self._closed or not self.logger.isEnabledFor(level):
             return
@@ -191,30 +195,30 @@ class AsyncTrainingLogger:
     def __enter__(self) -> "AsyncTrainingLogger":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     async def __aenter__(self) -> "AsyncTrainingLogger":
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.close)
 
     # ------------------------------------------------------------ seed-style logging
-    def log_info(self, message: str, phase: Any = None, context: dict[str, Any] | None = None) -> None:
+    def log_info(self, message: str, phase: Phase = None, context: dict[str, Any] | None = None) -> None:
         self._emit(logging.INFO, str(message), phase, context)
 
-    def log_warning(self, message: str, phase: Any = None, context: dict[str, Any] | None = None) -> None:
+    def log_warning(self, message: str, phase: Phase = None, context: dict[str, Any] | None = None) -> None:
         self._emit(logging.WARNING, str(message), phase, context)
 
-    def log_error(self, error: BaseException | str, phase: Any = None, context: dict[str, Any] | None = None) -> None:
+    def log_error(self, error: BaseException | str, phase: Phase = None, context: dict[str, Any] | None = None) -> None:
         """An exception (with its traceback) or a message, at ERROR."""
         if isinstance(error, BaseException):
             self._emit(logging.ERROR, f"{type(error).__name__}: {error}", phase, context, exc=error)
         else:
             self._emit(logging.ERROR, str(error), phase, context)
 
-    def log_debug(self, message: str, phase: Any = None, context: dict[str, Any] | None = None) -> None:
+    def log_debug(self, message: str, phase: Phase = None, context: dict[str, Any] | None = None) -> None:
         self._emit(logging.DEBUG, str(message), phase, context)
 
     # ------------------------------------------------------------ training lifecycle
@@ -268,8 +272,9 @@ class AsyncTrainingLogger:
                                               "global_norm", "nonfinite_params", "exploded_params",
                                               "vanished_params", "gradient_anomalies", "anomalies")})
 
-    def update_progress(self, epoch: int | None = None, step: int | None = None, loss: float | None = None,
-                        learning_rate: float | None = None, **metrics: Any) -> Result:
+    def update_progress(self, epoch: int | None = None, step: int | None = None,
+                        loss: float | torch.Tensor | None = None,
+                        learning_rate: float | None = None, **metrics: object) -> Result:
         """Log progress (INFO, through the queue); a NaN/Inf loss counts as ``nonfinite_loss``."""
         value = steps.loss_value(loss) if loss is not None else None
         self.progress = {"epoch": epoch, "step": step, "loss": value, "learning_rate": learning_rate, **metrics}
@@ -293,12 +298,14 @@ class AsyncTrainingLogger:
         """:meth:`check_gradient_anomalies` on a worker thread."""
         return await asyncio.to_thread(self.check_gradient_anomalies, model)
 
-    async def update_progress_async(self, epoch: int | None = None, step: int | None = None, loss: Any = None,
-                                    learning_rate: float | None = None, **metrics: Any) -> Result:
+    async def update_progress_async(self, epoch: int | None = None, step: int | None = None,
+                                    loss: float | torch.Tensor | None = None,
+                                    learning_rate: float | None = None, **metrics: object) -> Result:
         """:meth:`update_progress` (it only queues a record: nothing to wait for)."""
         return self.update_progress(epoch, step, loss, learning_rate, **metrics)
 
 
+# Any: whatever the user's optimizer holds as its learning rate.
 def _shown_rate(rate: Any) -> str:
     """A learning rate as the log shows it: its value when it has one (a float, a one-element
     tensor as ``Adam(lr=torch.tensor([1e-3]))`` holds, a numeric string), else as it prints.

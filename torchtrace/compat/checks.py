@@ -40,11 +40,12 @@ def gradient_table(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     ``norm``, in model order. The norms are the core's (:func:`measure.gradients.gradient_norms`,
     what a torchtrace step records for the same gradients); one host read for everything."""
     refs = [r for r in grad_measure.named_params(model) if r.param.grad is not None]
-    if not refs:
+    grads = [r.param.grad for r in refs if r.param.grad is not None]
+    norms = grad_measure.gradient_norms(refs) if refs else None
+    if norms is None:
         return {}
-    norms = grad_measure.gradient_norms(refs)
     dev = norms.norms.device
-    rows = torch.stack([tensor_measure.tensor_stats(r.param.grad).to(dev) for r in refs])
+    rows = torch.stack([tensor_measure.tensor_stats(g).to(dev) for g in grads])
     values = _read(torch.cat([rows.reshape(-1), norms.norms.to(torch.float64)]))
     by_name = dict(zip(norms.names, values[len(refs) * _W:]))
     out = {}
@@ -118,13 +119,13 @@ def analyze_tensor(t: torch.Tensor, name: str = "tensor") -> Result:
         raise TypeError(f"analyze_tensor expects a torch.Tensor, got {type(t).__name__}")
     grad = t.grad if t.is_leaf else None  # a non-leaf's .grad is never filled (and warns)
     pieces = [tensor_measure.tensor_stats(t)]
-    if grad is not None:
-        # The gradient's norm as a step measures it (the core's per-tensor norm).
-        norms = grad_measure.gradient_norms([grad_measure.ParamRef(name, t)])
+    # The gradient's norm as a step measures it (the core's per-tensor norm).
+    norms = grad_measure.gradient_norms([grad_measure.ParamRef(name, t)]) if grad is not None else None
+    if norms is not None:
         pieces.append(norms.norms.to(device=pieces[0].device, dtype=torch.float64))
     values = _read(torch.cat(pieces))
     info = tensor_info(tensor_measure.describe(t, values[:_W], name))
-    info["grad_norm"] = values[_W] if grad is not None else None
+    info["grad_norm"] = values[_W] if norms is not None else None
     info["is_leaf"] = bool(t.is_leaf)
     return info
 
@@ -156,16 +157,16 @@ def analyze_parameters(model: torch.nn.Module) -> ParameterAnalysis:
 def gradient_flow(model: torch.nn.Module) -> Result:
     """Mean and max absolute gradient per parameter, in model order, and the ones with none."""
     refs = grad_measure.named_params(model)
-    with_grad = [r for r in refs if r.param.grad is not None]
+    with_grad = [(r.name, r.param.grad) for r in refs if r.param.grad is not None]
     layers = []
     if with_grad:
-        dev = with_grad[0].param.grad.device
-        vals = torch.stack([torch.stack([_dense(r.param.grad).abs().to(torch.float64).mean(),
-                                         _dense(r.param.grad).abs().to(torch.float64).max()]).to(dev)
-                            for r in with_grad])
+        dev = with_grad[0][1].device
+        vals = torch.stack([torch.stack([_dense(g).abs().to(torch.float64).mean(),
+                                         _dense(g).abs().to(torch.float64).max()]).to(dev)
+                            for _, g in with_grad])
         flat = _read(vals)
-        for i, r in enumerate(with_grad):
-            layers.append(Result(name=r.name, mean_abs=flat[2 * i], max_abs=flat[2 * i + 1]))
+        for i, (name, _) in enumerate(with_grad):
+            layers.append(Result(name=name, mean_abs=flat[2 * i], max_abs=flat[2 * i + 1]))
     no_grad = [r.name for r in refs if r.param.grad is None and r.param.requires_grad]
     zero = [layer["name"] for layer in layers if layer["max_abs"] == 0.0]
     return Result(layers=layers, no_gradient=no_grad, zero_gradient=zero, enabled=True)

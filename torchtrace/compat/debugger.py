@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Reversible
 
 import torch
 
@@ -33,6 +33,7 @@ from torchtrace.compat.timeline import Timeline, iso, make_sink
 from torchtrace.errors import NonFiniteError, get_logger
 from torchtrace.forensics.anomaly import anomaly_detection as core_anomaly_detection
 from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.measure.snapshots import MemorySnapshot
 from torchtrace.record.growth import DEFAULT_THRESHOLD, DEFAULT_WINDOW, GrowthTracker
 from torchtrace.tools import memory as memory_tools
 from torchtrace.tools.profiling import profiling as core_profiling
@@ -40,7 +41,7 @@ from torchtrace.tools.profiling import profiling as core_profiling
 logger = get_logger("torchtrace.debugger")
 
 
-def samples_after(samples: Any, last: dict[str, Any] | None) -> list[dict[str, Any]]:
+def samples_after(samples: Reversible[dict[str, Any]], last: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The samples added after ``last`` (all when ``last`` is None or has left the bounded deque)."""
     out: list[dict[str, Any]] = []
     for sample in reversed(samples):
@@ -51,13 +52,16 @@ def samples_after(samples: Any, last: dict[str, Any] | None) -> list[dict[str, A
     return out
 
 
-def _split_positional(first: Any, second: Any) -> tuple[Any, Any, Any]:
+def _split_positional(first: object, second: object
+                      ) -> tuple[DebugConfig | DebugLevel | str | None, object, bool | DebugMode | None]:
     """``(config, logger, debug_mode)`` from the two positional slots, by type.
 
     Seed 000 is ``PyTorchDebugger(logger, debug_mode)``, seed 001 ``PyTorchDebugger(level)``,
     torchtrace's own ``PyTorchDebugger(config, logger)``.
     """
-    config = log = mode = None
+    config: DebugConfig | DebugLevel | str | None = None
+    log: object = None
+    mode: bool | DebugMode | None = None
     for slot, value in enumerate((first, second)):
         if value is None:
             continue
@@ -73,12 +77,14 @@ def _split_positional(first: Any, second: Any) -> tuple[Any, Any, Any]:
     return config, log, mode
 
 
-def _error_tracker(error_system: Any) -> Any:
+def _error_tracker(error_system: object) -> Callable[..., object] | None:
+    """The user's ``track_error(error=..., context=...)``."""
     if error_system is None:
         return None
     for obj in (getattr(error_system, "error_tracker", None), error_system):
-        if obj is not None and callable(getattr(obj, "track_error", None)):
-            return obj.track_error
+        track_error = getattr(obj, "track_error", None)
+        if obj is not None and callable(track_error):
+            return track_error
     raise TypeError(f"error_system= must have error_tracker.track_error or track_error; got "
                     f"{type(error_system).__name__}")
 
@@ -102,9 +108,9 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         ValueError: a bad value or a contradiction, naming the setting and the accepted values.
     """
 
-    def __init__(self, config: DebugConfig | DebugLevel | str | Any = None, logger: Any = None, *,
-                 debug_mode: bool | DebugMode | str | None = None, error_system: Any = None,
-                 training_logger: Any = None, **settings: Any) -> None:
+    def __init__(self, config: DebugConfig | DebugLevel | str | object = None, logger: object = None, *,
+                 debug_mode: bool | DebugMode | str | None = None, error_system: object = None,
+                 training_logger: object = None, **settings: Any) -> None:
         config, logger, positional_mode = _split_positional(config, logger)
         if positional_mode is not None and debug_mode is not None:
             raise TypeError("PyTorchDebugger: debug_mode was given twice")
@@ -145,11 +151,13 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
     # ------------------------------------------------------------ settings and events
     @property
     def level(self) -> DebugLevel | None:
-        return self.config.level
+        # (validated: an enum; parse says so to the type checker, and returns it as it is)
+        level = self.config.level
+        return DebugLevel.parse(level, "level") if level is not None else None
 
     @property
     def mode(self) -> DebugMode:
-        return self.config.mode
+        return DebugMode.parse(self.config.mode, "mode")
 
     def _off(self, feature: str) -> str:
         """Why ``feature`` is off ("" when on): level OFF, ``debug_mode=False``, or its own switch."""
@@ -216,7 +224,7 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         ``enable_anomaly_detection=False`` or ``debug_mode=False``); True/False decide here."""
         if isinstance(enabled, str) and mode is None:  # anomaly_detection("warn"): the mode, positionally
             enabled, mode = None, enabled
-        on = not self._off("enable_anomaly_detection") if enabled is None else flag(enabled, "enabled")
+        on = not self._off("enable_anomaly_detection") if enabled is None else bool(flag(enabled, "enabled"))
         mode = mode or self.config.anomaly_mode
         if not on:
             self._log("anomaly_detection_skipped",
@@ -343,7 +351,7 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         self._log("memory_snapshot", f"snapshot {snap.name}", snap.as_dict(), logging.DEBUG)
         return snap
 
-    def compare_memory_snapshots(self, before: Any, after: Any) -> dict[str, Any]:
+    def compare_memory_snapshots(self, before: MemorySnapshot, after: MemorySnapshot) -> dict[str, Any]:
         return after.compare(before)
 
     def track_tensor(self, tensor: torch.Tensor, name: str) -> None:
@@ -356,7 +364,7 @@ class PyTorchDebugger(CheckingMixin, OperationsMixin):
         self._log("memory_cleared", f"released {freed}", freed, logging.DEBUG)
         return freed
 
-    def monitor_resources(self, **thresholds: Any) -> Result:
+    def monitor_resources(self, **thresholds: float) -> Result:
         """CPU %, memory % and GPU utilisation/memory now; see :func:`torchtrace.compat.monitor_resources`."""
         out = resources.monitor_resources(logger=None, **thresholds)
         for warning in out["warnings"]:

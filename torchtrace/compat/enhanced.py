@@ -15,6 +15,7 @@ on; each validation pass is an operation ``validation`` (evaluation, in goodput)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from typing import Any, Callable, Iterable
@@ -39,6 +40,7 @@ def default_loss(output: Any, targets: Any) -> torch.Tensor:
     return F.mse_loss(output, targets)
 
 
+# Any: the user's batch and its parts, whatever their loader yields.
 def _split(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, dict):
         return batch, batch.get("labels", batch.get("targets"))
@@ -60,7 +62,7 @@ class EnhancedTrainingOptimizer:
                  loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
                  debug_mode: bool = True, enable_pytorch_debugging: bool = True, enable_profiling: bool = False,
                  max_epochs: int = 100, learning_rate: float | None = None, gradient_clip: float | None = None,
-                 logger: Any = None, **debugger_settings: Any) -> None:
+                 logger: object = None, **debugger_settings: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model= must be an nn.Module, got {type(model).__name__}")
         flag(enable_pytorch_debugging, "enable_pytorch_debugging")
@@ -95,8 +97,9 @@ class EnhancedTrainingOptimizer:
         t0 = time.perf_counter()
         profile: dict[str, Any] = {"path": None}
         n_steps = nonfinite = 0
-        ctx = self.debugger.profiling(enabled=True, output_file="training_profile.json") \
-            if self.enable_profiling else _Null()
+        ctx: contextlib.AbstractContextManager[dict[str, Any] | None] = \
+            self.debugger.profiling(enabled=True, output_file="training_profile.json") \
+            if self.enable_profiling and self.debugger is not None else contextlib.nullcontext()
         with ctx as prof:
             profile = prof or profile
             for epoch in range(self.max_epochs):
@@ -129,31 +132,29 @@ class EnhancedTrainingOptimizer:
             if self.gradient_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.gradient_clip)
             self.optimizer.step()
-        return steps.loss_value(loss)
+        value = steps.loss_value(loss)
+        # (None only for a loss with no element, which backward() refuses first)
+        return value if value is not None else math.nan
 
     async def _validate(self) -> float:
         """The validation loop, as one operation ``validation`` of the evaluation kind: its
         time is evaluation in goodput, not the next training step's data wait."""
+        loader = self.val_loader
+        if loader is None:
+            return math.nan
         self.model.eval()
         total, count = 0.0, 0
         try:
             with steps.open_step("validation", kind="evaluation"), torch.no_grad():
-                for batch in self.val_loader:
+                for batch in loader:
                     inputs, targets = _split(batch)
-                    total += steps.loss_value(self.loss_fn(_forward(self.model, inputs), targets))
+                    value = steps.loss_value(self.loss_fn(_forward(self.model, inputs), targets))
+                    total += value if value is not None else math.nan
                     count += 1
                     await asyncio.sleep(0)
         finally:
             self.model.train()
         return total / count if count else math.nan
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return False
 
 
 def create_enhanced_training_optimizer(model: torch.nn.Module, train_loader: Iterable,

@@ -35,6 +35,7 @@ class CheckingMixin:
 
     config: DebugConfig
     _log: Callable[..., Any]
+    last_forward_pass: Result | None
 
     # ------------------------------------------------------------ gradients
     def check_gradients(self, model: torch.nn.Module, second: Any = None, *, gradient_threshold: Any = None,
@@ -234,7 +235,8 @@ class CheckingMixin:
             self._log("loss_anomaly", f"loss is {out['loss']}", {"loss": str(out["loss"])}, logging.ERROR)
         return out
 
-    def inspect_model(self, model: torch.nn.Module, input_shape: Any = None, **kwargs: Any) -> Result:
+    def inspect_model(self, model: torch.nn.Module, input_shape: tuple[int, ...] | list[int] | None = None,
+                      **kwargs: Any) -> Result:
         """Layers, parameter counts, dtypes, devices and a validating forward pass (names the layer
         where shapes stop fitting)."""
         out = Result(inspection.inspect_model(model, input_shape, **kwargs))

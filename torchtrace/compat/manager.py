@@ -29,7 +29,7 @@ from torchtrace.compat.training import TrainingDebugger
 from torchtrace.errors import get_logger
 from torchtrace.forensics.anomaly import anomaly_detection
 from torchtrace.measure import memory as mem_measure
-from torchtrace.measure.snapshots import tracker
+from torchtrace.measure.snapshots import MemorySnapshot, tracker
 from torchtrace.record.growth import DEFAULT_THRESHOLD
 from torchtrace.tools import inspection, memory
 from torchtrace.tools.profiling import profiling
@@ -71,11 +71,11 @@ class GradientDebugger:
 
     def __init__(self, config: PyTorchDebugConfig | None = None) -> None:
         self.config = _config(config)
-        self.history: list[GradientReport] = []
+        self.history: list[Result] = []
         self.anomaly_count = 0
         self.last_flow: Result | None = None  # the latest analyze_gradient_flow, for the report
 
-    def check_gradients(self, model: torch.nn.Module, second: Any = None, **kwargs: Any) -> GradientReport:
+    def check_gradients(self, model: torch.nn.Module, second: object = None, **kwargs: Any) -> GradientReport:
         """Seed 002's ``check_gradients(model, step)`` (also the loss/threshold forms)."""
         thr, step, loss = check_arguments(second, **kwargs)
         if not self.config.enable_gradient_debugging:
@@ -102,7 +102,7 @@ class GradientDebugger:
         self.last_flow = checks.gradient_flow(model)
         return self.last_flow
 
-    def clip_gradients(self, model: torch.nn.Module, max_norm: float = 1.0) -> float:
+    def clip_gradients(self, model: torch.nn.Module, max_norm: float = 1.0) -> float | None:
         """Clip to ``max_norm`` (an explicit request: done whatever the switches); returns the norm before."""
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), positive(max_norm, "max_norm"))
         return steps.loss_value(norm)
@@ -121,8 +121,8 @@ class PyTorchMemoryDebugger:
 
     def __init__(self, config: PyTorchDebugConfig | None = None) -> None:
         self.config = _config(config)
-        self.snapshots: list[Any] = []
-        self.in_use: list[int] = []  # heap bytes in use at each snapshot (RSS where glibc's count is missing)
+        self.snapshots: list[MemorySnapshot] = []
+        self.in_use: list[int | None] = []  # heap bytes in use at each snapshot (RSS where glibc's count is missing)
         self.leak_warned = False
 
     def track_tensor(self, tensor: torch.Tensor, name: str) -> bool:
@@ -132,7 +132,7 @@ class PyTorchMemoryDebugger:
         memory.track_tensor(tensor, name)
         return True
 
-    def take_memory_snapshot(self, name: str | None = None, census: bool = False) -> Any:
+    def take_memory_snapshot(self, name: str | None = None, census: bool = False) -> MemorySnapshot | None:
         """A named snapshot (None when memory debugging is off)."""
         if not self.config.enable_memory_debugging:
             return None
@@ -162,7 +162,9 @@ class PyTorchMemoryDebugger:
             _logger.warning("memory leak: %s", leaks[0])
         change = None
         if len(self.snapshots) >= 2:
-            change = self.snapshots[-1].memory["rss_bytes"] - self.snapshots[0].memory["rss_bytes"]
+            first, last = self.snapshots[0].memory["rss_bytes"], self.snapshots[-1].memory["rss_bytes"]
+            if first is not None and last is not None:
+                change = last - first
         return Result(snapshots=len(self.snapshots), rss_change_bytes=change, leaks=leaks,
                       leak_bytes_per_snapshot=slope)
 
@@ -174,7 +176,8 @@ class ModelDebugger:
         self.config = _config(config)
         self.inspections: list[Result] = []
 
-    def inspect_model(self, model: torch.nn.Module, input_shape: Any = None, **kwargs: Any) -> Result:
+    def inspect_model(self, model: torch.nn.Module, input_shape: tuple[int, ...] | list[int] | None = None,
+                      **kwargs: Any) -> Result:
         if not self.config.enable_model_debugging:
             return Result(enabled=False)
         out = Result(inspection.inspect_model(model, input_shape, **kwargs), enabled=True)
@@ -189,7 +192,8 @@ class ModelDebugger:
         del self.inspections[:-100]
         return out
 
-    def _validate_model_inputs(self, model: torch.nn.Module, input_shape: Any, **kwargs: Any) -> Result:
+    def _validate_model_inputs(self, model: torch.nn.Module, input_shape: tuple[int, ...] | list[int] | None,
+                               **kwargs: Any) -> Result:
         """The validating forward pass on a dummy input: ``ok``, the output shape, or the layer
         where it fails with its input shapes."""
         return Result(inspection.inspect_model(model, input_shape, **kwargs)["forward"])
@@ -203,7 +207,7 @@ class PyTorchDebugManager:
     ``enable_profiling``; ``generate_comprehensive_report()`` gathers everything.
     """
 
-    def __init__(self, config: PyTorchDebugConfig | None = None, logger: Any = None) -> None:
+    def __init__(self, config: PyTorchDebugConfig | None = None, logger: object = None) -> None:
         self.config = _config(config)
         self.anomaly_detector = AutogradAnomalyDetector(self.config)
         self.gradient_debugger = GradientDebugger(self.config)

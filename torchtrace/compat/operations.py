@@ -26,7 +26,8 @@ from torchtrace.optimize import optimize_model as core_optimize_model
 _ANOMALY_MODES = (DebugMode.ANOMALY_DETECTION, DebugMode.FULL_DEBUG)
 
 
-def pick_mode(optimization_mode: Any, mode: Any, default: OptimizationMode) -> OptimizationMode:
+def pick_mode(optimization_mode: OptimizationMode | str | None, mode: OptimizationMode | str | None,
+              default: OptimizationMode) -> OptimizationMode:
     """``optimization_mode=`` (the seeds) or ``mode=`` (torchtrace); both only when they agree."""
     if optimization_mode is not None and mode is not None:
         a, b = OptimizationMode.parse(optimization_mode, "optimization_mode"), OptimizationMode.parse(mode, "mode")

@@ -17,7 +17,7 @@ True
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar, Union
 
 import torch
 from torch import nn
@@ -30,7 +30,14 @@ from torchtrace.levels import OptimizationMode
 from torchtrace.optimize import benchmark as bench
 from torchtrace.optimize import optimize_model as core_optimize_model
 
+if TYPE_CHECKING:
+    from torchtrace.compat.debugger import PyTorchDebugger
+
 logger = get_logger("torchtrace.optimize")
+_T = TypeVar("_T")
+# A torch optimizer, or a factory params -> optimizer.
+OptimizerOrFactory = Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]
+Mode = Union[OptimizationMode, str, None]
 DEFAULT_LR = 1e-3
 
 
@@ -45,9 +52,9 @@ class PyTorchOptimizer:
     rate ``default_lr`` is used and a warning names ``optimizer=``.
     """
 
-    def __init__(self, debugger_or_mode: Any = None, mode: OptimizationMode | str | None = None, *,
+    def __init__(self, debugger_or_mode: PyTorchDebugger | Mode = None, mode: Mode = None, *,
                  default_lr: float = DEFAULT_LR, **options: Any) -> None:
-        self.debugger = None
+        self.debugger: PyTorchDebugger | None = None
         if isinstance(debugger_or_mode, (OptimizationMode, str)):
             if mode is not None:
                 raise TypeError("PyTorchOptimizer: the mode was given twice")
@@ -61,10 +68,10 @@ class PyTorchOptimizer:
         self.default_lr = float(default_lr)
         self.options = options
 
-    def _mode(self, optimization_mode: Any, mode: Any) -> OptimizationMode:
+    def _mode(self, optimization_mode: Mode, mode: Mode) -> OptimizationMode:
         return pick_mode(optimization_mode, mode, self.mode)
 
-    def _factory(self, optimizer: Any) -> Any:
+    def _factory(self, optimizer: object) -> OptimizerOrFactory:
         if isinstance(optimizer, torch.optim.Optimizer) or (callable(optimizer)
                                                             and not isinstance(optimizer, PyTorchOptimizer)):
             return optimizer
@@ -77,13 +84,13 @@ class PyTorchOptimizer:
         raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a factory params -> optimizer, "
                         f"got {type(optimizer).__name__}")
 
-    def optimize_model(self, model: nn.Module, optimization_mode: Any = None, *, mode: Any = None) -> Any:
+    def optimize_model(self, model: nn.Module, optimization_mode: Mode = None, *, mode: Mode = None) -> Any:
         chosen = self._mode(optimization_mode, mode)
         if self.debugger is not None:
             return self.debugger.optimize_model(model, chosen, **self.options)
         return core_optimize_model(model, chosen, **self.options)
 
-    def benchmark_optimizations(self, model: nn.Module, dataloader: Iterable | None = None, optimizer: Any = None,
+    def benchmark_optimizations(self, model: nn.Module, dataloader: Iterable | None = None, optimizer: object = None,
                                 criterion: Callable | None = None, epochs: int | None = None, *,
                                 batches: Iterable | None = None, loss_fn: Callable | None = None,
                                 modes: Iterable | None = None, **kwargs: Any) -> bench.BenchmarkResults:
@@ -107,9 +114,9 @@ class PyTorchOptimizer:
         opts = {k: v for k, v in self.options.items() if k in ("amp_dtype", "compile_backend", "compile_options")}
         return bench.benchmark_optimizations(model, data, self._factory(optimizer), loss, modes, **{**opts, **kwargs})
 
-    def optimize_training_loop(self, model: nn.Module, dataloader: Iterable | None = None, optimizer: Any = None,
-                               criterion: Callable | None = None, epochs: int = 1, optimization_mode: Any = None, *,
-                               batches: Iterable | None = None, loss_fn: Callable | None = None, mode: Any = None,
+    def optimize_training_loop(self, model: nn.Module, dataloader: Iterable | None = None, optimizer: object = None,
+                               criterion: Callable | None = None, epochs: int = 1, optimization_mode: Mode = None, *,
+                               batches: Iterable | None = None, loss_fn: Callable | None = None, mode: Mode = None,
                                measure_speedup: bool = True) -> Result:
         """Train ``model`` in place under the mode (span ``optimize_training_loop``).
 
@@ -140,7 +147,7 @@ class PyTorchOptimizer:
             self.debugger.record_optimization(metrics)
         return out
 
-    def _measure(self, model: nn.Module, data: list, factory: Any, loss: Callable,
+    def _measure(self, model: nn.Module, data: list, factory: OptimizerOrFactory, loss: Callable,
                  chosen: OptimizationMode) -> tuple[float | None, float | None]:
         if chosen is OptimizationMode.NONE:
             return 1.0, 0.0
@@ -153,7 +160,7 @@ class PyTorchOptimizer:
         return res.speedup, res.memory_saving
 
 
-def _one(a: Any, b: Any, name_a: str, name_b: str) -> Any:
+def _one(a: _T | None, b: _T | None, name_a: str, name_b: str) -> _T | None:
     if a is not None and b is not None:
         raise TypeError(f"give {name_a}= or {name_b}=, not both")
     return a if a is not None else b

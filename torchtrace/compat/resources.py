@@ -15,7 +15,7 @@ import torch
 
 from torchtrace.compat.results import Result
 from torchtrace.compat.settings import positive
-from torchtrace.errors import get_logger
+from torchtrace.errors import GuardedLogger, get_logger
 from torchtrace.measure.memory import cuda_counters
 
 _logger = get_logger("torchtrace.resources")
@@ -43,7 +43,7 @@ def _gpu() -> dict[str, Any]:
 
 def monitor_resources(cpu_threshold: float = 90.0, memory_threshold: float = 90.0,
                       gpu_memory_threshold_mb: float = 8000.0, interval: float | None = None,
-                      logger: logging.Logger | None = _logger) -> Result:
+                      logger: logging.Logger | GuardedLogger | None = _logger) -> Result:
     """Sample system resources now and warn above the thresholds (seed 003's defaults).
 
     Keys: ``cpu_percent`` (system CPU, psutil: since the previous call, or over ``interval``

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Callable
 
 
 class Result(dict):
@@ -19,6 +19,7 @@ class Result(dict):
     behave), a missing key ``KeyError``, as for any dict.
     """
 
+    # Any: a key's value, whatever the caller stored.
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
@@ -28,7 +29,7 @@ class Result(dict):
             raise AttributeError(f"{type(self).__name__} has no key or attribute {name!r}; "
                                  f"keys: {', '.join(sorted(map(str, self)))}") from None
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         self[name] = value
 
     def __dir__(self) -> list[str]:
@@ -53,7 +54,7 @@ def tensor_info(desc: dict[str, Any]) -> Result:
     return out
 
 
-def _number(other: Any) -> float | None:
+def _number(other: object) -> float | None:
     if isinstance(other, bool) or not isinstance(other, numbers.Real):
         return None
     return float(other)
@@ -81,20 +82,20 @@ class GradientReport(Result):
         value = self.get("global_norm")
         return float("nan") if value is None else float(value)
 
-    def _cmp(self, other: Any, op) -> Any:
+    def _cmp(self, other: object, op: Callable[[float, float], bool]) -> bool:
         x = _number(other)
         return NotImplemented if x is None else op(float(self), x)
 
-    def __gt__(self, other: Any) -> Any:
+    def __gt__(self, other: object) -> bool:
         return self._cmp(other, lambda a, b: a > b)
 
-    def __ge__(self, other: Any) -> Any:
+    def __ge__(self, other: object) -> bool:
         return self._cmp(other, lambda a, b: a >= b)
 
-    def __lt__(self, other: Any) -> Any:
+    def __lt__(self, other: object) -> bool:
         return self._cmp(other, lambda a, b: a < b)
 
-    def __le__(self, other: Any) -> Any:
+    def __le__(self, other: object) -> bool:
         return self._cmp(other, lambda a, b: a <= b)
 
     def is_finite(self) -> bool:
@@ -113,13 +114,14 @@ class ParameterAnalysis(Result):
         super().__init__(per_param)
         object.__setattr__(self, "summary", summary)
 
+    # Any: a key's value, whatever the caller stored.
     def __getattr__(self, name: str) -> Any:
         summary = self.__dict__.get("summary", {})
         if name in summary:
             return summary[name]
         return super().__getattr__(name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
 
 

@@ -19,9 +19,11 @@ import torch
 
 from torchtrace import api, current
 from torchtrace.compat.debugger import PyTorchDebugger
+from torchtrace.levels import DebugMode
 
 
-def create_pytorch_debugger(logger: Any = None, debug_mode: Any = True, **settings: Any) -> PyTorchDebugger:
+def create_pytorch_debugger(logger: object = None, debug_mode: bool | DebugMode | str | None = True,
+                            **settings: Any) -> PyTorchDebugger:
     """A :class:`PyTorchDebugger` from keyword settings (seed 000's factory).
 
     ``debug_mode`` (default True): False turns the debugging-only features off (anomaly
@@ -37,7 +39,8 @@ def create_pytorch_debugger(logger: Any = None, debug_mode: Any = True, **settin
 
 
 @contextlib.contextmanager
-def debug_training_session(model: torch.nn.Module, logger: Any = None, debug_mode: Any = True,
+def debug_training_session(model: torch.nn.Module, logger: object = None,
+                           debug_mode: bool | DebugMode | str | None = True,
                            **settings: Any) -> Iterator[PyTorchDebugger]:
     """A debugger for a whole training session, traced as one ``training_session`` span (the
     parent of the steps inside it).

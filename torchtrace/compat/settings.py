@@ -28,14 +28,14 @@ ALIASES = {
 _DEBUG_ONLY = ("enable_anomaly_detection", "enable_profiling")
 
 
-def positive(value: Any, name: str) -> float:
+def positive(value: object, name: str) -> float:
     """A positive finite number, or ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
         raise ValueError(f"{name}={value!r} is not valid; accepted values: a positive finite number")
     return float(value)
 
 
-def flag(value: Any, name: str, optional: bool = False) -> bool | None:
+def flag(value: object, name: str, optional: bool = False) -> bool | None:
     """A bool (or None when ``optional``), or ``ValueError`` naming ``name``."""
     if value is None and optional:
         return None
@@ -85,7 +85,7 @@ class DebugConfig:
     def validate(self) -> "DebugConfig":
         if self.level is not None:
             self.level = DebugLevel.parse(self.level, "level")
-        self.mode = DebugMode.parse(self.mode, "mode")
+        mode = self.mode = DebugMode.parse(self.mode, "mode")
         flag(self.debug_mode, "debug_mode")
         if self.anomaly_mode not in ANOMALY_MODES:
             raise ValueError(f"anomaly_mode={self.anomaly_mode!r} is not valid; accepted values: "
@@ -100,12 +100,11 @@ class DebugConfig:
             raise ValueError(f"max_events={self.max_events!r} is not valid; accepted values: a positive integer")
         if not isinstance(self.log_dir, (str, os.PathLike)) or not str(self.log_dir):
             raise ValueError(f"log_dir={self.log_dir!r} is not valid; accepted values: a directory path")
-        self._apply_mode()
+        self._apply_mode(mode)
         return self
 
-    def _apply_mode(self) -> None:
+    def _apply_mode(self, m: DebugMode) -> None:
         """A DebugMode turns its families on; ``debug_mode=False`` refuses the debugging ones."""
-        m = self.mode
         full = m is DebugMode.FULL_DEBUG
         implied = {"enable_anomaly_detection": full or m is DebugMode.ANOMALY_DETECTION,
                    "enable_profiling": full or m is DebugMode.PROFILING,
@@ -146,14 +145,15 @@ def build_config(base: DebugConfig | None, overrides: dict[str, Any]) -> DebugCo
     return config.validate()
 
 
-def is_logger(obj: Any) -> bool:
+def is_logger(obj: object) -> bool:
     """A logging.Logger/LoggerAdapter, or a seed-style logger (log_info/log_warning/log_error)."""
     return isinstance(obj, (logging.Logger, logging.LoggerAdapter)) or any(
         callable(getattr(obj, name, None)) for name in ("log_info", "log_warning", "log_error", "log_training_event"))
 
 
-def check_arguments(second: Any = None, *, gradient_threshold: Any = None, threshold: Any = None,
-                    step: Any = None, loss: Any = None) -> tuple[float | None, int | None, torch.Tensor | None]:
+def check_arguments(second: object = None, *, gradient_threshold: object = None, threshold: object = None,
+                    step: object = None, loss: torch.Tensor | float | None = None
+                    ) -> tuple[float | None, int | None, torch.Tensor | float | None]:
     """``check_gradients(model, second, ...)``: which seed's form, by the argument's type and keyword.
 
     Positional: an ``int`` is the step (seed 002: ``check_gradients(model, step)``), a tensor
@@ -178,14 +178,16 @@ def check_arguments(second: Any = None, *, gradient_threshold: Any = None, thres
     thr = positive(by_kw, "gradient_threshold") if by_kw is not None else None
     if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
         raise TypeError(f"check_gradients: step={step!r} is not an integer; {usage}")
+    # A numpy integer becomes a Python int, as the positional step does.
+    step_number = int(step) if isinstance(step, numbers.Integral) else None
     if second is None:
-        return thr, step, loss
+        return thr, step_number, loss
     if isinstance(second, bool):
         raise TypeError(f"check_gradients: the second argument {second!r} is a bool; {usage}")
     if isinstance(second, torch.Tensor):
         if loss is not None:
             raise TypeError(f"check_gradients: the loss was given twice; {usage}")
-        return thr, step, second
+        return thr, step_number, second
     if isinstance(second, numbers.Integral):
         if step is not None:
             raise TypeError(f"check_gradients: the step was given twice; {usage}")
@@ -193,7 +195,7 @@ def check_arguments(second: Any = None, *, gradient_threshold: Any = None, thres
     if isinstance(second, numbers.Real):
         if thr is not None:
             raise TypeError(f"check_gradients: the threshold was given twice; {usage}")
-        return positive(second, "gradient_threshold"), step, loss
+        return positive(second, "gradient_threshold"), step_number, loss
     raise TypeError(f"check_gradients: the second argument has type {type(second).__name__}; {usage}")
 
 

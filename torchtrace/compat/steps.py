@@ -48,7 +48,7 @@ def active_step() -> api.StepScope | None:
     return scope if scope is not None and scope.active else None
 
 
-def share_with_step(model: torch.nn.Module | None = None, loss: Any = None) -> bool:
+def share_with_step(model: torch.nn.Module | None = None, loss: object = None) -> bool:
     """Give the open step the model whose gradients were checked and the loss, when it lacks
     them. True when a step is open (it then counts the loss and gradient anomalies itself)."""
     scope = active_step()
@@ -89,7 +89,7 @@ def report(kinds: list[str], operation: str, *, step: int | None = None, loss: f
                          {**(data or {}), "in_step": True}, count=False)
 
 
-def _finite_or_none(v: Any) -> float | None:
+def _finite_or_none(v: float | None) -> float | None:
     if v is None:
         return None
     try:
@@ -98,7 +98,7 @@ def _finite_or_none(v: Any) -> float | None:
         return None
 
 
-def loss_value(loss: Any) -> float | None:
+def loss_value(loss: object) -> float | None:
     """A loss as a Python float (one host read for a tensor), or None."""
     if isinstance(loss, torch.Tensor):
         if loss.numel() == 0:

@@ -43,7 +43,7 @@ _EVENT_TYPES = {semconv.GRAD_EXPLOSION: "gradient_explosion", semconv.GRAD_VANIS
                 semconv.LOSS_SPIKE: "loss_spike"}
 
 
-def _split(first: Any) -> tuple[DebugLevel | None, Any, int | None]:
+def _split(first: object) -> tuple[DebugLevel | None, PyTorchDebugConfig | DebugConfig | None, int | None]:
     """``(level, config, window)`` from the first positional argument, by type."""
     if first is None:
         return None, None, None
@@ -57,7 +57,7 @@ def _split(first: Any) -> tuple[DebugLevel | None, Any, int | None]:
                     f"window (int); got {type(first).__name__}")
 
 
-def _thresholds(config: Any) -> tuple[float | None, float | None]:
+def _thresholds(config: PyTorchDebugConfig | DebugConfig | None) -> tuple[float | None, float | None]:
     if isinstance(config, PyTorchDebugConfig):
         return config.gradient_norm_threshold, config.gradient_vanishing_threshold
     if isinstance(config, DebugConfig):
@@ -77,7 +77,7 @@ class TrainingDebugger(TrainingMonitor):
     """
 
     def __init__(self, level: DebugLevel | str | PyTorchDebugConfig | DebugConfig | int | None = None, *,
-                 config: PyTorchDebugConfig | DebugConfig | None = None, logger: Any = None, window: int = 50,
+                 config: PyTorchDebugConfig | DebugConfig | None = None, logger: object = None, window: int = 50,
                  spike_factor: float = 3.0, min_history: int = 5, explosion_threshold: float | None = None,
                  vanishing_threshold: float | None = None, max_events: int = 1000) -> None:
         lvl, cfg, win = _split(level)
@@ -94,7 +94,7 @@ class TrainingDebugger(TrainingMonitor):
         self._in_step = False
 
     # ------------------------------------------------------------ seed 001
-    def monitor_training_step(self, model: torch.nn.Module | None, loss: Any, step: int | None = None) -> Result:
+    def monitor_training_step(self, model: torch.nn.Module | None, loss: object, step: int | None = None) -> Result:
         """Judge one step after ``backward()``: a torchtrace step ``training_step`` records the
         loss and the gradients (its span covers this call); returns the step's numbers and
         anomaly kinds. Loss spikes are judged here only (the step has no spike rule)."""
@@ -187,7 +187,7 @@ class TrainingDebugger(TrainingMonitor):
         return report
 
 
-def _step_arguments(model: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+def _step_arguments(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     if args and isinstance(args[0], torch.optim.Optimizer):
         names = ("optimizer", "loss_fn", "inputs", "targets", "step")
     else:
@@ -221,7 +221,7 @@ class DiffusionModelDebugger:
     EXTREME add a memory sample to each step's result.
     """
 
-    def __init__(self, level: DebugLevel | str = DebugLevel.BASIC, logger: Any = None, name: str = "diffusion",
+    def __init__(self, level: DebugLevel | str = DebugLevel.BASIC, logger: object = None, name: str = "diffusion",
                  max_events: int = 1000) -> None:
         self.level = DebugLevel.parse(level, "level")
         self.name = name
@@ -230,7 +230,7 @@ class DiffusionModelDebugger:
         self.pipelines_analyzed = 0
         self.last_step: Result | None = None
 
-    def analyze_diffusion_pipeline(self, pipeline_obj: Any) -> Result:
+    def analyze_diffusion_pipeline(self, pipeline_obj: object) -> Result:
         """``total_parameters``, ``trainable_parameters``, ``parameter_bytes``, ``component_count``
         and ``components`` (name -> parameters, dtypes, devices, training flag...)."""
         out = Result(pipeline.analyze_pipeline(pipeline_obj))
@@ -243,7 +243,7 @@ class DiffusionModelDebugger:
                           "parameters", {"components": list(out["components"])}, logging.DEBUG)
         return out
 
-    def monitor_diffusion_step(self, pipeline_obj: Any, step: int, latents: torch.Tensor) -> Result:
+    def monitor_diffusion_step(self, pipeline_obj: object, step: int, latents: torch.Tensor) -> Result:
         """Statistics of ``latents`` at ``step`` (mean, std, min, max, NaN/Inf counts, ``nonfinite``)."""
         if self.level is DebugLevel.OFF:
             return Result(name=self.name, step=step, nonfinite=False, enabled=False)

@@ -202,6 +202,7 @@ class Settings:
         values.setdefault("otlp_protocol", "http/protobuf")
         return cls(**values)
 
+    # Any: each change is a field's value, of that field's own type.
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
 

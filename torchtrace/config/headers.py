@@ -8,7 +8,7 @@ any OpenTelemetry exporter sees them, and never echoed (a header often carries a
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Mapping
 from urllib.parse import unquote
 
 from torchtrace.errors import get_logger
@@ -26,7 +26,7 @@ def _header_value_ok(value: str) -> bool:
     return all(c == "\t" or (c.isprintable() and c not in "\r\n") for c in value)
 
 
-def check_headers(value: Any, setting: str) -> dict[str, str]:
+def check_headers(value: object, setting: str) -> dict[str, str]:
     """``otlp_headers``: a mapping of header names to string values. Values are never echoed."""
     if not isinstance(value, Mapping):
         raise ValueError(f"{setting} is not valid; accepted values: a mapping of header names to strings")

@@ -15,7 +15,7 @@ import operator
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, SupportsFloat, SupportsIndex
 from urllib.parse import urlsplit
 
 from torchtrace.config.env import (
@@ -68,7 +68,7 @@ PORT_POLICIES = ("next", "ephemeral", "off")
 METRICS_EXPORTERS = ("prometheus", "otlp", "both", "none")
 
 
-def _bool(value: Any, setting: str) -> bool:
+def _bool(value: object, setting: str) -> bool:
     if isinstance(value, bool):
         return value
     if _is_bool(value):  # a numpy bool, typed like Python's
@@ -84,7 +84,7 @@ def _bool(value: Any, setting: str) -> bool:
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
-    def parse(value: Any, setting: str) -> str:
+    def parse(value: object, setting: str) -> str:
         key = value.strip().lower() if isinstance(value, str) else value
         if key not in choices:
             raise ValueError(f"{setting}={value!r} is not valid; accepted values: {', '.join(choices)}")
@@ -93,7 +93,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
     return parse
 
 
-def _port(value: Any, setting: str) -> int | None:
+def _port(value: object, setting: str) -> int | None:
     accepted = "accepted values: an integer 0-65535 (0 = any free port) or 'off'"
     if isinstance(value, str):
         key = value.strip().lower()
@@ -108,12 +108,12 @@ def _port(value: Any, setting: str) -> int | None:
     return number
 
 
-def _is_bool(value: Any) -> bool:
+def _is_bool(value: object) -> bool:
     """A Python or numpy bool (numpy's is not a subclass of ``bool``)."""
     return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")
 
 
-def _as_int(value: Any) -> int | None:
+def _as_int(value: object) -> int | None:
     """``value`` as an int when it is one (an int, a numpy integer, a string of digits), else None.
 
     A bool is not an integer here (``span_queue_size=True`` is a mistake, not 1), and neither
@@ -127,7 +127,7 @@ def _as_int(value: Any) -> int | None:
         if not digits.isdigit() or len(digits) > 18:
             return None
         return int(text)
-    if isinstance(value, float):
+    if isinstance(value, float) or not isinstance(value, SupportsIndex):
         return None
     try:
         return operator.index(value)
@@ -135,14 +135,14 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
-def _positive_float(value: Any, setting: str, least: float = 0.0,
+def _positive_float(value: object, setting: str, least: float = 0.0,
                     accepted: str = "accepted values: a positive finite number") -> float:
     """A finite number above 0 (at least ``least`` when that is given); a number too large for
     a float (``10**400``) is as invalid as ``inf``."""
     if _is_bool(value):
         raise ValueError(f"{setting}={shown(value)} is not valid; {accepted}")
     try:
-        number = float(value.strip() if isinstance(value, str) else value)
+        number = _float(value)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{setting}={shown(value)} is not valid; {accepted}") from None
     if not (number > 0 and number >= least and number != float("inf")):
@@ -150,13 +150,23 @@ def _positive_float(value: Any, setting: str, least: float = 0.0,
     return number
 
 
-def _peak_flops(value: Any, setting: str) -> float:
+def _float(value: object) -> float:
+    """``float(value)`` for what ``float()`` takes (a string with spaces around it too);
+    TypeError for anything else."""
+    if isinstance(value, str):
+        return float(value.strip())
+    if isinstance(value, (SupportsFloat, SupportsIndex, bytes, bytearray, memoryview)):
+        return float(value)
+    raise TypeError(f"not a number: {type(value).__name__}")
+
+
+def _peak_flops(value: object, setting: str) -> float:
     """A device's peak FLOP/s: at least 1 (a smaller peak, a subnormal ``1e-320`` say, is no
     device's and would make every MFU infinite)."""
     return _positive_float(value, setting, least=1.0, accepted="accepted values: a finite number of FLOP/s >= 1")
 
 
-def shown(value: Any) -> str:
+def shown(value: object) -> str:
     """``repr(value)`` for a message, cut short (``10**400`` has 401 digits); never raises (a
     lazy proxy's repr may, and so does an int past Python's 4300 digits)."""
     try:
@@ -166,34 +176,34 @@ def shown(value: Any) -> str:
     return text if len(text) <= 60 else f"{text[:40]}...<{len(text)} characters>"
 
 
-def _positive_int(value: Any, setting: str) -> int:
+def _positive_int(value: object, setting: str) -> int:
     number = _as_int(value)
     if number is None or number <= 0:
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: a positive integer")
     return number
 
 
-def _optional_positive_int(value: Any, setting: str) -> int | None:
+def _optional_positive_int(value: object, setting: str) -> int | None:
     if isinstance(value, str) and value.strip().lower() in ("off", "none", ""):
         return None
     return _positive_int(value, setting)
 
 
-def _hang_timeout(value: Any, setting: str) -> float | None:
+def _hang_timeout(value: object, setting: str) -> float | None:
     """Seconds without progress that make a hang, or None (``adaptive``): the rule in docs/hangs.md."""
     if isinstance(value, str) and value.strip().lower() in ("adaptive", "auto", ""):
         return None
     return _positive_float(value, setting, accepted="accepted values: a positive number of seconds, or 'adaptive'")
 
 
-def _non_negative_int(value: Any, setting: str) -> int:
+def _non_negative_int(value: object, setting: str) -> int:
     number = _as_int(value)
     if number is None or number < 0:
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= 0")
     return number
 
 
-def _nonempty_str(value: Any, setting: str) -> str:
+def _nonempty_str(value: object, setting: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: a non-empty string")
     return value.strip()
@@ -235,7 +245,7 @@ def valid_host(host: str) -> bool:
     return all(_HOST_LABEL.match(label) and not label.startswith("-") for label in name.split("."))
 
 
-def _host(value: Any, setting: str) -> str:
+def _host(value: object, setting: str) -> str:
     text = value.strip() if isinstance(value, str) else None
     if text and text.startswith("[") and text.endswith("]"):
         text = text[1:-1]
@@ -245,7 +255,7 @@ def _host(value: Any, setting: str) -> str:
     return text
 
 
-def _check_endpoint(value: Any, setting: str) -> str:
+def _check_endpoint(value: object, setting: str) -> str:
     """A collector URL parsed completely now, so nothing about it can fail later: scheme
     http or https, a valid host, a port 1-65535 if one is given, no query or fragment, no
     whitespace. The scheme is returned in lower case."""
@@ -287,30 +297,30 @@ def _without_credentials(url: str) -> str:
     return scheme + sep + netloc.rpartition("@")[2] + slash + path
 
 
-def _path(value: Any, setting: str) -> Path:
+def _path(value: object, setting: str) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: a directory path")
     return Path(value)
 
 
-def _mapping(value: Any, setting: str) -> Mapping[str, Any]:
+def _mapping(value: object, setting: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: a mapping of names to values")
     return dict(value)
 
 
-def _debug_token(value: Any, setting: str) -> str:
+def _debug_token(value: object, setting: str) -> str:
     if not isinstance(value, str) or len(value.strip()) < 16 or any(c.isspace() or not c.isprintable() for c in value):
         raise ValueError(f"{setting}=<hidden> is not valid; accepted values: a string of at least 16 printable "
                          "characters without spaces")
     return value
 
 
-def _too_small(value: Any, setting: str, minimum: int) -> int:
+def _too_small(value: object, setting: str, minimum: int) -> int:
     raise ValueError(f"{setting}={value!r} is not valid; accepted values: an integer >= {minimum}")
 
 
-def _readable_file(value: Any, setting: str) -> str:
+def _readable_file(value: object, setting: str) -> str:
     if not isinstance(value, (str, os.PathLike)) or not os.path.isfile(value) or not os.access(value, os.R_OK):
         raise ValueError(f"{setting}={value!r} is not valid; accepted values: the path of a readable PEM file")
     return os.fspath(value)

@@ -20,9 +20,13 @@ The collectives, by purpose:
 from __future__ import annotations
 
 import collections
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from torchtrace.errors import get_logger
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 logger = get_logger("torchtrace")
 
@@ -50,7 +54,7 @@ def collectives_available() -> bool:
         return False
 
 
-def device(group: Any = None):
+def device(group: ProcessGroup | None = None) -> torch.device:
     """Where a collective's tensor must live for the group's backend (cuda for NCCL)."""
     import torch
     import torch.distributed as dist
@@ -73,6 +77,7 @@ def run(purpose: str, fn) -> Any:
         raise
 
 
+# Any: a DTensor is known by its class name (torch.distributed.tensor may not be importable).
 def shard_key(grad: Any) -> tuple | None:
     """For a DTensor gradient: ``(mesh, shard mesh dims, has_partial)``; None for a plain tensor."""
     if type(grad).__name__ != "DTensor" or not hasattr(grad, "placements"):

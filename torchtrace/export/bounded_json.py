@@ -33,7 +33,7 @@ class ItemCache:
         self._lock = threading.Lock()
         self._items: dict[tuple[str, int], tuple[Any, bytes]] = {}
 
-    def item(self, key: tuple[str, int], obj: Any, convert: Callable[[Any], Any] | None = None) -> bytes:
+    def item(self, key: tuple[str, int], obj: object, convert: Callable[[Any], object] | None = None) -> bytes:
         hit = self._items.get(key)
         if hit is not None and hit[0] is obj:
             return hit[1]
@@ -48,7 +48,7 @@ class ItemCache:
                 del self._items[key]
 
 
-def shrink(value: Any, depth: int = 0) -> Any:
+def shrink(value: object, depth: int = 0) -> object:
     """``value`` with every list cut to :data:`MAX_LIST_ITEMS` entries (a ``<key>_omitted``
     count beside it in a dict) and every string to :data:`MAX_STRING_CHARS` characters.
 
@@ -76,7 +76,7 @@ def shrink(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def bounded_json(value: Any, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
+def bounded_json(value: object, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
     """Strict JSON of ``value`` with lists and strings shrunk (:func:`shrink`), in at most
     ``max_bytes``; a document still too large becomes a stub that says how large it was.
 

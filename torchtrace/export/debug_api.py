@@ -204,7 +204,7 @@ class DebugAPI:
         return route
 
     # ------------------------------------------------------------ GET handlers
-    def _json(self, value: Any, status: int = 200):
+    def _json(self, value: object, status: int = 200):
         return status, _JSON, bounded_json(value), {}
 
     def _healthz(self, request):

@@ -48,7 +48,7 @@ def _unit(name: str) -> str:
     return ""
 
 
-def _any_value(value: Any) -> common_pb2.AnyValue:
+def _any_value(value: object) -> common_pb2.AnyValue:
     if isinstance(value, bool):
         return common_pb2.AnyValue(bool_value=value)
     if isinstance(value, int):

@@ -209,18 +209,26 @@ def _send_and_close(sock: socket.socket, data: bytes) -> None:
         pass
 
 
-def _make_handler(server: "TelemetryServer"):
-    class RequestHandler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = IDLE_TIMEOUT_S  # a silent client holds only its own thread, and only this long
-        # The head and the body are two writes: with Nagle on, the body waited 40 ms for the
-        # client's delayed ACK on every request of a kept-alive connection.
-        disable_nagle_algorithm = True
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """The request handler's settings and typed parts; :func:`_make_handler` adds the routes."""
 
-        def setup(self) -> None:
-            super().setup()
-            self.rfile = _LimitedReader(self.rfile)
+    protocol_version = "HTTP/1.1"
+    timeout = IDLE_TIMEOUT_S  # a silent client holds only its own thread, and only this long
+    # The head and the body are two writes: with Nagle on, the body waited 40 ms for the
+    # client's delayed ACK on every request of a kept-alive connection.
+    disable_nagle_algorithm = True
+    # Its server is a _Server; its reader, the one setup() wraps (typeshed says BufferedIOBase:
+    # the wrapper has the reading methods http.server calls).
+    server: _Server
+    rfile: _LimitedReader  # type: ignore[assignment]
 
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _LimitedReader(self.rfile)
+
+
+def _make_handler(server: "TelemetryServer") -> type[_Handler]:
+    class RequestHandler(_Handler):
         def handle_one_request(self) -> None:
             self.rfile.reset()
             self.server.set_phase(self.connection, "head")

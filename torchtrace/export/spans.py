@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
-    from opentelemetry.util.types import AnyValue
+    from opentelemetry.util.types import AnyValue, AttributeValue
 
 SCOPE = InstrumentationScope("torchtrace", __version__)
 _UNSET = Status(StatusCode.UNSET)
@@ -87,7 +87,7 @@ class StepSpan(trace.Span):
     def is_recording(self) -> bool:
         return self.end_time is None
 
-    def set_attribute(self, key: str, value: Any) -> None:
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
         if self.end_time is not None:
             return
         if self._user is None:

@@ -10,7 +10,6 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Any
 
 from torchtrace.errors import get_logger
 from torchtrace.files.strict_json import dumps
@@ -151,7 +150,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, durable: bool 
     return target
 
 
-def write_json_atomic(path: str | os.PathLike[str], value: Any, max_bytes: int | None = None,
+def write_json_atomic(path: str | os.PathLike[str], value: object, max_bytes: int | None = None,
                       durable: bool = True, indent: int | None = 2) -> Path:
     """Write ``value`` as strict JSON to ``path`` atomically (temp file + rename), mode 0600;
     ``indent=None`` writes it compact (a file rewritten often, read by programs).

@@ -16,6 +16,8 @@ from typing import Any
 _PLAIN = (str, int, bool, type(None))
 
 
+# Any: a JSON-like value; the fast checks by exact type (``type(value) is float``) are not
+# ones mypy narrows by.
 def to_strict(value: Any) -> Any:
     """Replace non-finite floats by the strings "NaN", "Infinity", "-Infinity", recursively.
 
@@ -44,7 +46,7 @@ def to_strict(value: Any) -> Any:
     return value
 
 
-def dumps(value: Any, indent: int | None = None) -> str:
+def dumps(value: object, indent: int | None = None) -> str:
     """Strict JSON text (``allow_nan=False``; non-finite floats as strings, see :func:`to_strict`).
 
     The C encoder does the work: a document without non-finite floats is encoded as it is,

@@ -70,7 +70,7 @@ def analyse(report: dict[str, Any], rec: Recorder, loss_value, grad_bad, bad_par
     report["nonfinite_grads"] = grad_bad[: semconv.MAX_NAMES_PER_ATTRIBUTE]
     report["nonfinite_params"] = bad_params[: semconv.MAX_NAMES_PER_ATTRIBUTE]
     report["modules_seen"] = len(done)
-    producer = None
+    producer: dict[str, Any] | None = None
     cause = "unknown"
     if bad_params:
         cause = "parameter"

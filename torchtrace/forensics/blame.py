@@ -42,7 +42,7 @@ _FLAG_WIDTH = 2  # inputs ok, outputs ok
 _ROW = _FLAG_WIDTH + len(STAT_NAMES)
 
 
-def floating_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+def floating_tensors(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
     """Floating-point (and complex) tensors inside arguments or outputs: tuples, lists, dicts."""
     if depth > 4:
         return
@@ -127,7 +127,7 @@ class ModuleCalls:
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def remove(self) -> None:

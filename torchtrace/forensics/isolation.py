@@ -44,7 +44,7 @@ def neutralised(optimizers: list[Any], scalers: list[Any]) -> Iterator[None]:
     """``optimizer.step`` and a GradScaler's ``step/unscale_/update`` become no-ops (instance patch)."""
     patched: list[tuple[Any, str, bool, Any]] = []
 
-    def patch(obj: Any, name: str) -> None:
+    def patch(obj: object, name: str) -> None:
         had = name in vars(obj)
         patched.append((obj, name, had, vars(obj).get(name)))
         setattr(obj, name, lambda *a, **k: None)
@@ -102,7 +102,7 @@ def user_name(name: str) -> str:
     return "" if name in _WRAPPER_ROOTS else name
 
 
-def _is_ddp(obj: Any) -> bool:
+def _is_ddp(obj: object) -> bool:
     return isinstance(obj, torch.nn.parallel.DistributedDataParallel)
 
 

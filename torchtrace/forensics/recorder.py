@@ -81,7 +81,7 @@ class Recorder:
         if torch.is_grad_enabled():
             for t in outs:
                 if t.requires_grad:
-                    t.register_hook(self._grad_hook(entry["module"], "out"))
+                    t.register_hook(self._grad_hook(str(entry["module"]), "out"))
         return None
 
 

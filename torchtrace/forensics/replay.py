@@ -16,7 +16,7 @@ import numbers
 import re
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -178,7 +178,7 @@ def _blame_extreme_parameters(report: dict[str, Any], magnitudes: list, module_n
     report.update(cause="parameter", module=owner(extreme[0][0], module_names), module_type=None)
 
 
-def _put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _put_back(saved: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for t, v in saved:
             t.copy_(v)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from types import FrameType
-from typing import Any
+from types import FrameType, ModuleType
+from typing import Any, Callable
 
 import torch
 
@@ -24,7 +24,7 @@ from torchtrace.record.step import StepRecord
 from torchtrace.step.phases import StepClock
 
 
-def require(module: str, extra: str, what: str):
+def require(module: str, extra: str, what: str) -> ModuleType:
     """Import ``module`` or raise ImportError saying which extra to install."""
     try:
         return importlib.import_module(module)
@@ -50,8 +50,9 @@ class StepDriver:
     def active(self) -> bool:
         return self.scope is not None and self.scope.active
 
-    def begin(self, model: torch.nn.Module | None, batch: Any = None, loop: Any = None, step: int | None = None,
-              replay: Any = None) -> None:
+    # Any: the batch the framework hands over, whatever its loader yields.
+    def begin(self, model: torch.nn.Module | None, batch: Any = None, loop: FrameType | None = None,
+              step: int | None = None, replay: Callable[[], Any] | None = None) -> None:
         """Open the step; ``batch`` (when the framework hands it over) gives its samples,
         tokens and input shapes (FLOPs counted once per shape). ``loop``: the frame of the
         framework's training loop, for a framework that tells no callback when an exception
@@ -146,7 +147,7 @@ class StepDriver:
         if self.active and flops is not None:
             self._flops = (self._flops or 0) + flops
 
-    def add_loss(self, loss: Any, part: bool = False) -> None:
+    def add_loss(self, loss: object, part: bool = False) -> None:
         """Collect a micro-batch loss (device tensor, no host read); averaged at the end, or
         summed when ``part`` says the framework normalised it by the whole step's items (the
         Hugging Face Trainer passing ``num_items_in_batch``: each is a part of the step's loss)."""
@@ -154,7 +155,7 @@ class StepDriver:
             self._losses.append(loss.detach().reshape(()))
             self._summed = self._summed or part
 
-    def end(self, exc: BaseException | None = None, loss: Any = None) -> StepRecord | None:
+    def end(self, exc: BaseException | None = None, loss: object = None) -> StepRecord | None:
         scope, self.scope = self.scope, None
         if scope is None:
             return None

@@ -9,7 +9,9 @@ Needs ``pip install "torchtrace[lightning]"``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+
+import torch
 
 from torchtrace import api
 from torchtrace.integrations._common import StepDriver, require
@@ -27,10 +29,17 @@ except ImportError:  # the older package name
     except ImportError:
         _pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
 
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
+
+_R = TypeVar("_R")
+
 __all__ = ["TorchtraceCallback", "training_step_replay"]
 
 
-def training_step_replay(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> Callable[[], Any]:
+def training_step_replay(trainer: Trainer, pl_module: LightningModule, batch: Any,
+                         batch_idx: int) -> Callable[[], Any]:
     """What forensics replays for a Lightning batch: ``training_step(batch, batch_idx)`` again,
     under the trainer's precision context, with ``self.log``/``self.log_dict`` silenced (a
     replay logs nothing twice). The loss it returns is the module's own code's: a non-finite
@@ -48,7 +57,7 @@ def training_step_replay(trainer: Any, pl_module: Any, batch: Any, batch_idx: in
 
 
 @contextlib.contextmanager
-def _silenced(pl_module: Any) -> Iterator[None]:
+def _silenced(pl_module: LightningModule) -> Iterator[None]:
     """``log`` and ``log_dict`` do nothing on this instance while the block runs."""
     saved = {name: vars(pl_module).get(name) for name in ("log", "log_dict")}
     try:
@@ -101,21 +110,21 @@ class TorchtraceCallback(_pl.Callback):
         self._loop = StepDriver(f"{validation_name}_loop", kind="evaluation") if validation_name else None
 
     # ------------------------------------------------------------ checkpoints
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         if io is None or getattr(io.save_checkpoint, "__torchtrace_kind__", None):
             return
         for name, kind in (("save_checkpoint", "save"), ("load_checkpoint", "load")):
             setattr(io, name, _timed(getattr(io, name), kind))
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         for name in ("save_checkpoint", "load_checkpoint"):
             if io is not None and getattr(getattr(io, name, None), "__torchtrace_kind__", None):
                 delattr(io, name)  # the instance's wrapper off: the class's method again
 
     # ------------------------------------------------------------ training
-    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # The module joins the scope in on_before_optimizer_step: a batch that only
         # accumulates gradients gets no gradient statistics of partial sums. The batch gives
         # the step's samples and tokens; the optimizer, its learning rates.
@@ -127,59 +136,63 @@ class TorchtraceCallback(_pl.Callback):
         # on_before_optimizer_step, optimizer to the batch's end (its update, zero_grad, scheduler).
         self._train.mark("forward_start", cuda=getattr(pl_module.device, "type", None) == "cuda")
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._train.mark("forward_end")
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
         self._train.mark("optimizer_start")
         self._train.measure(pl_module, optimizer)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule,
+                           outputs: STEP_OUTPUT, batch: Any, batch_idx: int) -> None:
         self._train.mark("optimizer_end")
         self._train.end(None, extract_loss(outputs))
 
     # ------------------------------------------------------------ validation
-    def on_validation_start(self, trainer, pl_module) -> None:
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # The loop's own span (kind evaluation) around its batches' steps: in goodput, its
         # loading between them and its end (metrics, logging) are evaluation, not data wait.
         if self._loop is not None and not trainer.sanity_checking:
             self._loop.begin(None)
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._loop is not None:
             self._loop.end(None)
 
-    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int,
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         if self._val is not None and not trainer.sanity_checking:
             self._val.begin(None, batch)
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int,
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule,
+                                outputs: STEP_OUTPUT, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         if self._val is not None:
             loss = extract_loss(outputs)  # a tuple (predictions, labels) is no loss, and left unsaid
             self._val.end(None, None if isinstance(loss, (tuple, list)) else loss)
 
     # ------------------------------------------------------------ failures
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Any) -> None:
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # The checkpoint is written next, outside any step: the hang watchdog's allowance.
         progress.between("checkpoint")
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._train.abort(exception)
         if self._val is not None:
             self._val.abort(exception)
+        if self._loop is not None:
             self._loop.abort(exception)
 
 
-def _read_as_consumed(driver: StepDriver, module: Any, batch: Any) -> None:
+def _read_as_consumed(driver: StepDriver, module: torch.nn.Module, batch: Any) -> None:
     """The batch's samples and tokens as the module consumes it (token ids fed to an
     embedding, a time-major layout: :mod:`torchtrace.measure.batch_layout`). The module joins
     the step's scope only at its update, so a batch that only accumulates gradients would be
     read without it: its reading is given to the step instead (``record_batch``; one the
     user's ``training_step`` gives later wins)."""
     scope = driver.scope
-    if scope is None or not scope.active or not scope.features.throughput:
+    if scope is None or not scope.active or scope.features is None or not scope.features.throughput:
         return
     try:
         layout = sequence_layout(module)
@@ -189,13 +202,16 @@ def _read_as_consumed(driver: StepDriver, module: Any, batch: Any) -> None:
         if not read.pending and read.samples is not None:
             scope.record_batch(samples=read.samples, tokens=read.tokens)
     except Exception as exc:  # a batch or module that cannot be read: what the step infers stands
-        api.get_runtime().errors.report("other", exc)
+        rt = api.get_runtime()
+        if rt is not None:
+            rt.errors.report("other", exc)
 
 
-def _timed(method: Any, kind: str) -> Any:
+def _timed(method: Callable[..., _R], kind: str) -> Callable[..., _R]:
     """``method`` timed as a checkpoint ``kind`` (``tt.checkpoint``: a torch.save inside counts once)."""
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
+    # Any: the arguments of the checkpoint IO's method, passed through as they are.
+    def timed(*args: Any, **kwargs: Any) -> _R:
         with checkpoint(kind):
             return method(*args, **kwargs)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -22,22 +22,28 @@ from torchtrace.job import progress
 from torchtrace.measure.batch import same_arguments
 from torchtrace.step import job
 
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+
 _tf = require("transformers", "transformers", "Hugging Face transformers")
 if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transformers 4.42
     raise ImportError(f"torchtrace.integrations.transformers needs transformers>=4.42 (found {_tf.__version__}): "
                       "pip install -U \"torchtrace[transformers]\"")
 
+# Any: the base class comes from the optional package, imported at run time, without types.
+_TrainerCallback: Any = _tf.TrainerCallback
+
 __all__ = ["TorchtraceCallback"]
 
 
-def _output_loss(output: Any) -> Any:
+def _output_loss(output: object) -> object:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
     return loss
 
 
-class TorchtraceCallback(_tf.TrainerCallback):
+class TorchtraceCallback(_TrainerCallback):
     """A torchtrace step span per Trainer optimizer step (all its gradient-accumulation micro-batches).
 
     Hooks used:
@@ -154,7 +160,7 @@ class TorchtraceCallback(_tf.TrainerCallback):
             job.checkpoint_saved(rt, state.global_step)
 
     @staticmethod
-    def _note_precision(args: Any) -> None:
+    def _note_precision(args: TrainingArguments) -> None:
         """The Trainer's mixed precision (``bf16=True``, ``fp16=True``) is the precision of the
         peak MFU is measured against: its autocast is closed again when the step ends, and the
         FLOPs are the Trainer's estimate, so no count sees the operands' dtype."""
@@ -189,8 +195,8 @@ class TorchtraceCallback(_tf.TrainerCallback):
 
         def replay() -> Any:
             with autocast_as(self._autocast):  # the Trainer's bf16=/fp16= autocast, as the step ran
-                losses = [_output_loss(model(*args, **kwargs)) for args, kwargs in list(self._inputs)]
-            losses = [loss for loss in losses if isinstance(loss, torch.Tensor)]
+                outputs = [_output_loss(model(*args, **kwargs)) for args, kwargs in list(self._inputs)]
+            losses = [loss for loss in outputs if isinstance(loss, torch.Tensor)]
             return sum(losses[1:], losses[0]) if losses else None
 
         return replay
@@ -233,10 +239,12 @@ class TorchtraceCallback(_tf.TrainerCallback):
         for pixels or audio samples (a floating-point main input) it is off by orders of
         magnitude (a small ViT: 214 times FlopCounterMode's count), and such steps get none."""
         ids = kwargs.get(getattr(model, "main_input_name", "input_ids"))
-        if not isinstance(ids, torch.Tensor) or not callable(getattr(model, "num_parameters", None)):
+        # A transformers PreTrainedModel's method; any other model gets no estimate.
+        num_parameters = getattr(model, "num_parameters", None)
+        if not isinstance(ids, torch.Tensor) or not callable(num_parameters):
             return None
         if ids.is_floating_point() or ids.is_complex():
             return None
         if self._params is None:
-            self._params = int(model.num_parameters(exclude_embeddings=True))
+            self._params = int(num_parameters(exclude_embeddings=True))
         return 6 * ids.numel() * self._params

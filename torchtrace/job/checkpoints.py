@@ -26,7 +26,9 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -65,7 +67,7 @@ def install(sink: Sink) -> None:
 DCP = "torch.distributed.checkpoint"
 
 
-def _wrap_dcp(dcp: Any) -> None:
+def _wrap_dcp(dcp: ModuleType) -> None:
     if _sink is None or any(owner is dcp for owner, _, _ in _originals):
         return
     for name, kind in (("save", "save"), ("load", "load"), ("save_state_dict", "save"),
@@ -77,7 +79,8 @@ def _wrap_dcp(dcp: Any) -> None:
 class _DcpFinder(importlib.abc.MetaPathFinder):
     """Wraps ``torch.distributed.checkpoint``'s save and load once the application imports it."""
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if fullname != DCP:
             return None
         sys.meta_path.remove(self)
@@ -90,7 +93,7 @@ class _DcpFinder(importlib.abc.MetaPathFinder):
         loader = spec.loader
         original_exec = loader.exec_module
 
-        def exec_module(module: Any) -> None:
+        def exec_module(module: ModuleType) -> None:
             original_exec(module)
             try:
                 _wrap_dcp(module)
@@ -113,7 +116,7 @@ def uninstall() -> None:
             setattr(owner, name, original)
 
 
-def _wrap(owner: Any, name: str, kind: str) -> None:
+def _wrap(owner: object, name: str, kind: str) -> None:
     original = getattr(owner, name)
 
     @functools.wraps(original)

@@ -97,28 +97,38 @@ def _position(state: dict[str, Any]) -> tuple[float, int]:
 
 def stuck_culprits(stuck: list[dict[str, Any]]) -> tuple[list[int], str]:
     """Among the stuck ranks, those the others wait for, and why."""
-    seqs = {s["rank"]: s.get("collective_seq") for s in stuck if isinstance(s.get("collective_seq"), int)}
+    seqs: dict[int, int] = {}
+    for s in stuck:
+        seq = s.get("collective_seq")
+        if isinstance(seq, int):
+            seqs[s["rank"]] = seq
     if len(seqs) == len(stuck) and len(set(seqs.values())) > 1:
         top = max(seqs.values())
         behind = sorted(r for r, q in seqs.items() if q < top)
         return behind, f"not inside collective #{top} that the others entered"
     positions = {s["rank"]: _position(s) for s in stuck}
     if len(set(positions.values())) > 1:
-        top = max(positions.values())
-        return sorted(r for r, p in positions.items() if p < top), "behind the other ranks (step, phase)"
+        front = max(positions.values())
+        return sorted(r for r, p in positions.items() if p < front), "behind the other ranks (step, phase)"
     return sorted(positions), "stuck"
+
+
+def _int_field(state: dict[str, Any], name: str) -> int:
+    """The black box's integer field ``name``, 0 when missing or not an integer."""
+    value = state.get(name)
+    return value if isinstance(value, int) else 0
 
 
 def latest_attempt(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The black boxes of the last attempt, one per rank (the latest written)."""
     if not states:
         return []
-    last = max(s.get("attempt") if isinstance(s.get("attempt"), int) else 0 for s in states)
+    last = max(_int_field(s, "attempt") for s in states)
     ranks: dict[int, dict[str, Any]] = {}
     for s in states:
-        if (s.get("attempt") if isinstance(s.get("attempt"), int) else 0) != last:
+        if _int_field(s, "attempt") != last:
             continue
-        rank = s.get("rank") if isinstance(s.get("rank"), int) else 0
+        rank = _int_field(s, "rank")
         if rank not in ranks or (s.get("time") or 0) >= (ranks[rank].get("time") or 0):
             ranks[rank] = dict(s, rank=rank)
     return [ranks[r] for r in sorted(ranks)]

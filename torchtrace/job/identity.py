@@ -128,7 +128,7 @@ def process_alive(state: Mapping[str, Any]) -> bool:
     return _same_process(pid, state.get("process_started"))
 
 
-def _same_process(pid: int, started: Any) -> bool:
+def _same_process(pid: int, started: object) -> bool:
     """A live pid is the writer's only if it started when the writer did (pids are reused)."""
     if not isinstance(started, (int, float)):
         return True

@@ -29,11 +29,12 @@ import os
 import signal
 import threading
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 logger = logging.getLogger(__name__)
 
-Handler = Any  # a callable(signum, frame), signal.SIG_DFL, signal.SIG_IGN or None (set from C)
+# A callable(signum, frame), signal.SIG_DFL, signal.SIG_IGN, or None (a handler set from C).
+Handler = Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers, None]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """The signals that mean "stop": the end they cause is recorded as ``preempted``."""
@@ -78,16 +79,16 @@ class SignalGuard:
                 continue
             self.chained[signum] = previous
         if self.chained:
-            signal.signal = self._signal  # type: ignore[assignment]
-            signal.getsignal = self._getsignal  # type: ignore[assignment]
+            signal.signal = self._signal
+            signal.getsignal = self._getsignal
         return [signal.Signals(s).name for s in self.chained]
 
     def restore(self) -> None:
         """Give every signal back the handler the application set last (main thread only)."""
         if signal.signal == self._signal:
-            signal.signal = self._real_signal  # type: ignore[assignment]
+            signal.signal = self._real_signal
         if signal.getsignal == self._getsignal:
-            signal.getsignal = self._real_getsignal  # type: ignore[assignment]
+            signal.getsignal = self._real_getsignal
         chained, self.chained = self.chained, {}
         if threading.current_thread() is not threading.main_thread():
             return
@@ -98,33 +99,34 @@ class SignalGuard:
             except (ValueError, OSError, TypeError):
                 pass
 
-    def _signal(self, signum: int, handler: Handler) -> Handler:
+    def _signal(self, signalnum: int, handler: Handler) -> Handler:
         """``signal.signal`` while installed: an application's handler for a signal torchtrace
         handles is chained after torchtrace's, not put in its place."""
-        if signum in self.chained and threading.current_thread() is threading.main_thread():
-            previous, self.chained[signum] = self.chained[signum], handler
+        if signalnum in self.chained and threading.current_thread() is threading.main_thread():
+            previous, self.chained[signalnum] = self.chained[signalnum], handler
             return previous
-        return self._real_signal(signum, handler)
+        return self._real_signal(signalnum, handler)
 
-    def _getsignal(self, signum: int) -> Handler:
-        if signum in self.chained:
-            return self.chained[signum]
-        return self._real_getsignal(signum)
+    def _getsignal(self, signalnum: int) -> Handler:
+        if signalnum in self.chained:
+            return self.chained[signalnum]
+        return self._real_getsignal(signalnum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         chained = self.chained.get(signum, signal.SIG_DFL)
         if chained is signal.SIG_IGN:
             return
         self.received.append(signum)
-        terminal = not callable(chained)
+        handler = chained if callable(chained) else None
+        terminal = handler is None
         # A forked child (a DataLoader worker) inherits the handler, not the run: it only chains.
         if os.getpid() == self.pid:
             try:
                 self.on_signal(signum, terminal)
             except Exception:  # the signal's own effect must happen whatever torchtrace's work did
                 logger.debug("torchtrace's %s work failed", signum, exc_info=True)
-        if not terminal:
-            chained(signum, frame)
+        if handler is not None:
+            handler(signum, frame)
             return
         # The default action: restore it and raise the signal again, so the process ends by it.
         self._real_signal(signum, signal.SIG_DFL)

@@ -181,5 +181,5 @@ def read_states(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return found
 
 
-def _int(value: Any) -> int:
+def _int(value: object) -> int:
     return value if isinstance(value, int) else 0

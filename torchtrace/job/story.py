@@ -175,11 +175,11 @@ def _lost_steps(lead: Mapping[str, Any]) -> int:
     return step - first + 1 if isinstance(first, int) else 0
 
 
-def _num(value: Any) -> float:
+def _num(value: object) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
-def _int(value: Any) -> int:
+def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 

@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 from torchtrace import files
 from torchtrace.job import culprit, progress, stacks
@@ -115,7 +115,7 @@ class Watchdog:
         self._seen_steps = 0
         self._seen_step_time: float | None = None
         self._flagged_since: float | None = None
-        self._stack_file: Any = None
+        self._stack_file: BinaryIO | None = None
         self._dumped = 0  # bytes of the stack file known (written by us or read back)
         self._armed = False
         self._stop = threading.Event()
@@ -184,7 +184,7 @@ class Watchdog:
         self._arm(max(armed - stalled, 0.0) + grace)
         return None
 
-    def _observe(self, f: dict[str, Any], since: Any, steps: int, now: float) -> None:
+    def _observe(self, f: dict[str, Any], since: float | None, steps: int, now: float) -> None:
         """Learn the step period and the pauses that ended since the last tick (outside the
         slow kinds, which have their own allowance)."""
         step_time = f.get("step_time")
@@ -313,9 +313,9 @@ class Watchdog:
             return []
         f = self.fields
         try:
-            gone = [s.get("rank") for s in self.peers()
-                    if s.get("attempt") == f.get("attempt") and s.get("rank") != f.get("rank")
-                    and not s.get("ended") and culprit.pid_alive(s) is False]
+            gone = [s["rank"] for s in self.peers()
+                    if isinstance(s.get("rank"), int) and s.get("attempt") == f.get("attempt")
+                    and s.get("rank") != f.get("rank") and not s.get("ended") and culprit.pid_alive(s) is False]
         except Exception as exc:
             logger.debug("torchtrace: peers not read: %r", exc)
             return []

@@ -8,16 +8,19 @@ never the activation itself. Hooks are removed by :meth:`LayerHooks.remove` (als
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from torchtrace.measure.tensors import STAT_NAMES, fast_raw_stats, finish_fast_stats, tensor_stats
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
 MAX_LAYER_CALLS = 512  # per step: hooks past this many calls record nothing
 
 
-def first_tensor(output: Any) -> torch.Tensor | None:
+def first_tensor(output: object) -> torch.Tensor | None:
     """The first floating-point tensor in a module's output (tensor, tuple/list, dict, dataclass-like)."""
     if isinstance(output, torch.Tensor):
         return output if output.is_floating_point() or output.is_complex() else None
@@ -71,16 +74,18 @@ class LayerHooks:
         self.names: list[str] = []
         self.stats: list[Any] = []  # fast: (sum, sumsq, min, max) 0-d tensors per call; else tensor_stats rows
         self._counts: list[int] = []  # fast: element counts of the rows in ``stats``
-        self.meta: list[dict[str, Any]] = []
+        # Per call: the output's (shape, dtype, device) and the module's class name.
+        self.meta: list[tuple[torch.Size, torch.dtype, torch.device, str]] = []
         self.times: list[float] = []
         self.timing = timing
         self._starts: dict[int, list[float]] = {}
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._calls: dict[str, int] = {}
         self._dtype: torch.dtype | None = None  # fast: the first row's dtype and device
         self._device: torch.device | None = None
         self._mixed = False
-        self._meta_cache: dict[tuple, tuple[str, str]] = {}  # fast rows: (dtype, device) strings per meta
+        # Fast rows: the (dtype, device) strings of each meta.
+        self._meta_cache: dict[tuple[torch.Size, torch.dtype, torch.device, str], tuple[str, str]] = {}
         try:
             for name, mod in (modules if modules is not None else layer_modules(model, leaves_only)):
                 if timing:

@@ -83,7 +83,7 @@ ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"  # a packed row's: each sequence's positions start at 0
 
 _NUMBER = numbers.Number
-_PACKED = torch.nn.utils.rnn.PackedSequence
+_PACKED: type[torch.nn.utils.rnn.PackedSequence] = torch.nn.utils.rnn.PackedSequence
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,8 @@ def _sample_items(items: Any) -> BatchSize | None:
         shared = len(tensors) > 1 and len(firsts) == 1
         for v in values:
             if isinstance(v, Mapping):
-                inner = _parts(v)[2]
+                inner_parts = _parts(v)
+                inner = inner_parts[2] if inner_parts is not None else []
                 shared = shared or bool(inner) and {int(t.size(0)) for t in inner} == firsts
             elif not (v is None or isinstance(v, (torch.Tensor, str, _NUMBER))):
                 return None
@@ -277,11 +278,21 @@ def _micro_batches(items: Any, depth: int) -> BatchSize | None:
         return None
     if not all(isinstance(m, Mapping) and _has_key(m, INPUT_IDS) for m in items):
         return None
-    sizes = [_from_mapping(m, depth + 1) for m in items]
-    if any(size is None or size.samples is None for size in sizes):
-        return None
-    tokens = None if any(size.tokens is None for size in sizes) else sum(size.tokens for size in sizes)
-    return BatchSize(samples=sum(size.samples for size in sizes), tokens=tokens)
+    return _summed([_from_mapping(m, depth + 1) for m in items])
+
+
+def _summed(sizes: list[BatchSize | None]) -> BatchSize | None:
+    """Micro-batches' sizes summed (device counts on the device): None when one has no
+    samples; tokens only when every one has them."""
+    samples: list[int | torch.Tensor] = []
+    tokens: list[int | torch.Tensor] = []
+    for size in sizes:
+        if size is None or size.samples is None:
+            return None
+        samples.append(size.samples)
+        if size.tokens is not None:
+            tokens.append(size.tokens)
+    return BatchSize(samples=sum(samples), tokens=sum(tokens) if len(tokens) == len(sizes) else None)
 
 
 def _tensor_micro_batches(items: Any) -> BatchSize | None:
@@ -317,6 +328,7 @@ def _parts(item: Any) -> tuple[Any, list, list[torch.Tensor]] | None:
     or mapping; None for anything else): its values, its tensors with dimensions among the first
     :data:`MAX_ITEMS`, and its form (its keys or length, and those tensors' ranks and dtypes),
     alike for items of one kind."""
+    keys: tuple | int
     if isinstance(item, Mapping):
         keys, values = tuple(item.keys()), list(item.values())
     elif type(item) in (tuple, list):
@@ -330,7 +342,7 @@ def _parts(item: Any) -> tuple[Any, list, list[torch.Tensor]] | None:
 def _from_mapping(batch: Mapping[str, Any], depth: int) -> BatchSize | None:
     ids = batch.get(INPUT_IDS) if _has_key(batch, INPUT_IDS) else None
     if isinstance(ids, torch.Tensor) and ids.dim() > 0:
-        samples = int(ids.shape[0]) if ids.dim() > 1 else 1
+        samples: int | torch.Tensor = int(ids.shape[0]) if ids.dim() > 1 else 1
         mask = batch.get(ATTENTION_MASK) if _has_key(batch, ATTENTION_MASK) else None
         if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
             return BatchSize(samples=samples, tokens=torch.count_nonzero(mask.detach()))
@@ -402,9 +414,6 @@ def batch_of(inputs: tuple[tuple, dict] | None, skip: int = 0,
     if inputs is None:
         return None
     if type(inputs) is MicroBatches:
-        sizes = [infer_batch(args, kwargs, model) for args, kwargs in inputs[0]]
-        if any(size.samples is None for size in sizes):
-            return NOTHING
-        tokens = None if any(size.tokens is None for size in sizes) else sum(size.tokens for size in sizes)
-        return BatchSize(samples=sum(size.samples for size in sizes), tokens=tokens)
+        summed = _summed([infer_batch(args, kwargs, model) for args, kwargs in inputs[0]])
+        return summed if summed is not None else NOTHING
     return infer_batch(inputs[0][skip:] if skip else inputs[0], inputs[1], model)

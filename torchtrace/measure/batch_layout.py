@@ -21,11 +21,14 @@ import dataclasses
 import numbers
 import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, TypeGuard
 
 import torch
 
 from torchtrace.errors import get_logger
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 logger = get_logger(__name__)
 
@@ -120,7 +123,7 @@ def first_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tens
     return None
 
 
-def _first_tensor(value: Any, depth: int) -> torch.Tensor | None:
+def _first_tensor(value: object, depth: int) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value if value.dim() > 0 else None
     if isinstance(value, SKIP) or depth >= MAX_DEPTH:
@@ -145,7 +148,7 @@ def _first_tensor(value: Any, depth: int) -> torch.Tensor | None:
 _ARRAY_MODULES = frozenset({"numpy", "pandas", "cupy", "jax", "jaxlib"})
 
 
-def array_shape(value: Any) -> tuple[int, ...] | None:
+def array_shape(value: object) -> tuple[int, ...] | None:
     """The shape of an array of another library (a NumPy array, a pandas frame: a ``shape``
     tuple of integers on an object of those libraries); None for anything else, such as a
     settings object with a ``shape`` of its own. Reading it never raises.
@@ -171,12 +174,12 @@ def holds_model(values: list[Any]) -> bool:
     return any(isinstance(v, (torch.nn.Module, torch.optim.Optimizer)) for v in values)
 
 
-def is_dataclass_instance(value: Any) -> bool:
+def is_dataclass_instance(value: object) -> TypeGuard[DataclassInstance]:
     """True for an instance of a dataclass (not the class itself)."""
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
-def dataclass_values(value: Any, limit: int) -> list[Any]:
+def dataclass_values(value: DataclassInstance, limit: int) -> list[Any]:
     """The first ``limit`` field values of a dataclass instance, in field order."""
     return [getattr(value, f.name, None) for f in dataclasses.fields(value)[:limit]]
 

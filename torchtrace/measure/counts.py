@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
@@ -20,7 +20,7 @@ COUNTS = "an integer >= 0 (below 2**63) or a one-element integer device tensor"
 _MAX_COUNT = 2**63
 
 
-def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None,
+def checked_overrides(samples: object = None, tokens: object = None, flops: object = None,
                       earlier: tuple | None = None) -> tuple[tuple, str | None]:
     """What ``StepScope.record_batch`` was given, each value that is not valid left out (so
     that what torchtrace infers or counts stands in for it), and a message naming every such
@@ -44,7 +44,7 @@ def checked_overrides(samples: Any = None, tokens: Any = None, flops: Any = None
     return given, problem
 
 
-def _checked_all(samples: Any, tokens: Any, flops: Any) -> tuple[tuple, str | None]:
+def _checked_all(samples: object, tokens: object, flops: object) -> tuple[tuple, str | None]:
     problems: list[str] = []
     try:
         samples = _checked_count("samples", samples, problems)
@@ -55,7 +55,7 @@ def _checked_all(samples: Any, tokens: Any, flops: Any) -> tuple[tuple, str | No
     return (samples, tokens, flops), "; ".join(problems) or None
 
 
-def _checked_flops(flops: Any, problems: list[str]) -> float | None:
+def _checked_flops(flops: object, problems: list[str]) -> float | None:
     if flops is None:
         return None
     if isinstance(flops, numbers.Real) and not isinstance(flops, bool):
@@ -69,7 +69,7 @@ def _checked_flops(flops: Any, problems: list[str]) -> float | None:
     return None
 
 
-def _checked_count(name: str, value: Any, problems: list[str]) -> int | torch.Tensor | None:
+def _checked_count(name: str, value: object, problems: list[str]) -> int | torch.Tensor | None:
     """A count ``record_batch`` was given: an integer, or a one-element device tensor (read
     with the step's one read, checked then); None, with a problem named, for anything else."""
     if value is None:
@@ -126,7 +126,7 @@ def device_count(value: float) -> int | None:
     return int(value) if math.isfinite(value) and value >= 0 else None
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: object) -> TypeGuard[numbers.Integral]:
     # (numbers.Integral declares no comparison to an int in the stubs; every integer has one)
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and \
         0 <= value < _MAX_COUNT  # type: ignore[operator]

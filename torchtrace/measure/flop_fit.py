@@ -63,6 +63,7 @@ def split_key(key: Hashable) -> tuple[Hashable, tuple[int, ...]] | None:
     return (structure, tuple(dims)) if dims else None
 
 
+# Any: a shape key's part; the checks by exact type (``kind is tuple``) are not ones mypy narrows by.
 def _walk(value: Any, dims: list[int]) -> Hashable:
     kind = type(value)
     if kind is _SIZE:
@@ -84,7 +85,8 @@ class _Family:
         self.exact_only = exact_only  # no least-squares stand-in (a length's counts may differ: see _Scaled)
         self.positions = positions
         self.fixed = fixed  # the lengths outside ``positions``, in order
-        self.points: dict[int, int] = {}  # the shared length -> counted FLOPs
+        # The shared length -> counted FLOPs (per sample, a Fraction, under _Scaled).
+        self.points: dict[int, int | Fraction] = {}
         self.dtype = dtype
         self.coefficients: tuple[Fraction, Fraction, Fraction] | None = None  # a0 + a1 n + a2 n^2, once trusted
         self.inexact = False  # no quadratic matches every count exactly
@@ -106,7 +108,7 @@ class _Family:
                 outside.append(d)
         return shared if tuple(outside) == self.fixed else None
 
-    def add(self, n: int, flops: int, dtype: torch.dtype | None) -> None:
+    def add(self, n: int, flops: int | Fraction, dtype: torch.dtype | None) -> None:
         if self.dead:
             return
         if dtype != self.dtype:
@@ -172,7 +174,7 @@ def _spot_check(i: int) -> bool:
     return i >= SPOT_CHECK and i % SPOT_CHECK == 0 and (i // SPOT_CHECK) & (i // SPOT_CHECK - 1) == 0
 
 
-def _whole(v: Any) -> int | None:
+def _whole(v: int | Fraction) -> int | None:
     """``v`` (an int or a Fraction) as FLOPs: a positive whole number, else None."""
     return int(v) if v > 0 and (type(v) is int or v.denominator == 1) else None
 
@@ -243,7 +245,7 @@ def _poly(c: tuple, n: int) -> Any:
     return c[0] + c[1] * n + c[2] * n * n
 
 
-def _least_squares(points: dict[int, int]) -> tuple[float, float, float] | None:
+def _least_squares(points: dict[int, int | Fraction]) -> tuple[float, float, float] | None:
     """The quadratic nearest the counts (least squares, float64), when it is within
     APPROXIMATE of every one of them; else None."""
     xs = list(points)

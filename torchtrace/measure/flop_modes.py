@@ -53,6 +53,9 @@ def _uncounted(args: tuple, kwargs: dict | None) -> int:
     return found
 
 
+# The class a pushed FlopCounterMode's dispatch mode becomes; None on a torch without that
+# mode, where nested tensors made inside a step fail the count.
+_DECLINING: type | None = None
 if _INNER is not None:
     class _Declining(_INNER):  # type: ignore[misc, valid-type]
         """FlopCounterMode's dispatch mode, except that an op on a nested tensor runs uncounted
@@ -79,8 +82,8 @@ if _INNER is not None:
                 raise
             self.counter.note_time(func, args, time.perf_counter() - began)
             return result
-else:  # pragma: no cover - a torch without it: nested tensors made inside a step fail the count
-    _Declining = None
+
+    _DECLINING = _Declining
 
 
 class _GlobalOnly:
@@ -95,7 +98,7 @@ class _GlobalOnly:
     def __enter__(self) -> "_GlobalOnly":
         return self
 
-    def __exit__(self, *args: Any) -> None:
+    def __exit__(self, *args: object) -> None:
         return None
 
 
@@ -112,7 +115,8 @@ class _Counter(FlopCounterMode):
         kwargs.setdefault("custom_mapping", RULES)  # recurrent layers, attention on a CPU (flop_rules)
         super().__init__(*args, **kwargs)
         if hasattr(self, "mod_tracker"):
-            self.mod_tracker = _GlobalOnly()
+            # A stand-in with the interface FlopCounterMode uses; torch types the slot as its class.
+            self.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
         self.by_dtype: dict[torch.dtype, int] = {}  # FLOPs counted per dtype of the op's first tensor
         # Host seconds of the ops run under the count, all and those with no FLOP rule; only on
         # a CPU are they the ops' run time (a GPU op's launch returns before it ran): `on_device`.
@@ -144,7 +148,7 @@ class _Counter(FlopCounterMode):
         it computed in: the precision the step's matrix products really ran at, autocast
         inside the step included, which the step's end can no longer see."""
         before = self._global_count(func_packet)
-        result = super()._count_flops(func_packet, out, args, kwargs)  # type: ignore[misc]
+        result = super()._count_flops(func_packet, out, args, kwargs)
         after = self._global_count(func_packet)
         if before is not None and after is not None and after > before:
             for arg in args:
@@ -167,12 +171,12 @@ class _Counter(FlopCounterMode):
 
     def __enter__(self) -> "_Counter":
         super().__enter__()
-        if _Declining is not None and type(getattr(self, "mode", None)) is _INNER:
-            self.mode.__class__ = _Declining  # the pushed mode itself: no torch internals re-done
+        if _DECLINING is not None and type(getattr(self, "mode", None)) is _INNER:
+            self.mode.__class__ = _DECLINING  # the pushed mode itself: no torch internals re-done
         return self
 
 
-def eager_for_now() -> Any:
+def eager_for_now() -> contextlib.AbstractContextManager[object]:
     """``torch.compile``d code runs eagerly inside (no compilation, nothing cached): first called
     under the FLOP counter's dispatch mode, torch would never compile it after."""
     dynamo = sys.modules.get("torch._dynamo")
@@ -195,7 +199,7 @@ def leave_counter(counter: contextlib.ExitStack) -> bool:
     torch's stack: with the user's own mode entered inside the step (their FlopCounterMode),
     it was theirs, and their count came out wrong."""
     mode = _current_mode() if _current_mode is not None else None
-    if mode is None or not (type(mode) is _Declining or isinstance(mode, _Counter)):
+    if mode is None or not (type(mode) is _DECLINING or isinstance(mode, _Counter)):
         return False
     drop_counter(counter)
     return True

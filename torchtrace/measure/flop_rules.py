@@ -44,6 +44,8 @@ from torch.utils import flop_counter
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from torch._ops import OpOverloadPacket
+
 Shape = tuple[int, ...]
 _aten = torch.ops.aten
 
@@ -56,12 +58,13 @@ def _rows(input_shape: Shape, batch_sizes: Sequence[int] | None) -> int:
     return prod(input_shape[:-1]) if len(input_shape) > 1 else 1
 
 
-def _weights(shapes: Sequence[Any]) -> int:
+def _weights(shapes: Sequence[object]) -> int:
     """The elements of the 2-d weights among ``shapes`` (the biases are not products)."""
     return sum(prod(s) for s in shapes if isinstance(s, torch.Size) and len(s) == 2)
 
 
-def recurrent_flops(input_shape: Shape, weight_shapes: Sequence[Any], batch_sizes: Sequence[int] | None = None) -> int:
+def recurrent_flops(input_shape: Shape, weight_shapes: Sequence[object],
+                    batch_sizes: Sequence[int] | None = None) -> int:
     """Forward FLOPs of recurrent layers: ``2 * rows * sum(2-d weight sizes)`` (see the module).
 
     >>> recurrent_flops(torch.Size([5, 3, 8]), [torch.Size([64, 8]), torch.Size([64, 16]), torch.Size([64])])
@@ -89,7 +92,7 @@ def _fused_rnn(batch_at: int) -> Callable[..., int]:
     """The rule of cuDNN's or MIOpen's whole stack (``weight``: every layer's and direction's
     tensors), whose ``batch_sizes`` is the ``batch_at``-th argument after ``weight``."""
 
-    def rule(input: Shape, weight: Sequence[Any], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    def rule(input: Shape, weight: Sequence[object], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
         batch_sizes = args[batch_at] if len(args) > batch_at else kwargs.get("batch_sizes")
         return recurrent_flops(input, weight, batch_sizes)
 
@@ -100,7 +103,7 @@ def _fused_rnn_backward(batch_at: int, mask_at: int) -> Callable[..., int]:
     """The backward's rule: ``output_mask`` (input, hx, cx, weights) says what it computes;
     the data gradients and the weight gradients cost one forward's products each."""
 
-    def rule(input: Shape, weight: Sequence[Any], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    def rule(input: Shape, weight: Sequence[object], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
         batch_sizes = args[batch_at] if len(args) > batch_at else kwargs.get("batch_sizes")
         mask = args[mask_at] if len(args) > mask_at else kwargs.get("output_mask")
         forward = recurrent_flops(input, weight, batch_sizes)
@@ -137,9 +140,9 @@ def _palm_backward(original: Callable[..., int]) -> Callable[..., int]:
     return rule
 
 
-def _rules() -> dict[Any, Callable[..., int]]:
+def _rules() -> dict[OpOverloadPacket, Callable[..., int]]:
     """The rules this torch has ops for (an op a build lacks is left out)."""
-    wanted = {
+    wanted: dict[str, Callable[..., int]] = {
         "mkldnn_rnn_layer": _mkldnn_layer,
         "mkldnn_rnn_layer_backward": _mkldnn_layer_backward,
         # (the argument positions after ``weight``: the ops' schemas in torch 2.13)
@@ -155,7 +158,7 @@ def _rules() -> dict[Any, Callable[..., int]]:
     has_sdpa = hasattr(flop_counter, "sdpa_flop_count")  # (the formula the attention rules use)
     if not has_sdpa:
         wanted = {name: rule for name, rule in wanted.items() if "attention" not in name}
-    rules: dict[Any, Callable[..., int]] = {}
+    rules: dict[OpOverloadPacket, Callable[..., int]] = {}
     for name, rule in wanted.items():
         packet = getattr(_aten, name, None)
         if packet is not None:
@@ -175,6 +178,6 @@ _GPU_ATTENTION_BACKWARD = ("_scaled_dot_product_flash_attention_backward",
 
 
 #: The extra rules, by op packet (``custom_mapping`` of FlopCounterMode).
-RULES: dict[Any, Callable[..., int]] = _rules()
+RULES: dict[OpOverloadPacket, Callable[..., int]] = _rules()
 
 __all__ = ["RULES", "recurrent_flops"]

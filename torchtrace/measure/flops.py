@@ -24,7 +24,7 @@ True
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -279,7 +279,10 @@ class StepFlops:
         return len(self._flops)
 
 
-def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+_R = TypeVar("_R")
+
+
+def count_flops(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> tuple[_R, int]:
     """Run ``fn(*args, **kwargs)`` once under a FLOP counter: ``(its result, its FLOPs)``.
 
     >>> import torch

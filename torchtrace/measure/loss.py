@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
 
 import torch
 
@@ -30,7 +29,7 @@ def _is_fake(t: torch.Tensor) -> bool:
     return type(t).__name__ in ("FakeTensor", "FunctionalTensor") or bool(getattr(t, "fake_mode", None))
 
 
-def classify_loss(loss: Any) -> LossValue:
+def classify_loss(loss: object) -> LossValue:
     """What a loss handed to ``record_loss`` is.
 
     >>> classify_loss(0.25).number
@@ -61,7 +60,7 @@ def classify_loss(loss: Any) -> LossValue:
     return LossValue(problem=f"a loss of type {type(loss).__name__} is not a number")
 
 
-def extract_loss(result: Any) -> Any:
+def extract_loss(result: object) -> object:
     """The loss from a step's return value: a tensor, a number, a dict's "loss", an object's .loss.
 
     Whatever is found is judged by :func:`classify_loss` (a non-scalar tensor is reported, not
@@ -81,7 +80,7 @@ def extract_loss(result: Any) -> Any:
     return getattr(result, "loss", None)
 
 
-def not_a_loss(value: Any) -> bool:
+def not_a_loss(value: object) -> bool:
     """What an evaluation returns that is no loss: its predictions (a tensor of many values),
     or a tuple or list (predictions and labels)."""
     return isinstance(value, (tuple, list)) or isinstance(value, torch.Tensor) and value.numel() != 1

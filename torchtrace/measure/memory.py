@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Literal
 
 import psutil
 import torch
@@ -15,7 +16,7 @@ _PROCESS: psutil.Process | None = None
 
 def _process() -> psutil.Process:
     global _PROCESS
-    if _PROCESS is None or _PROCESS.pid != __import__("os").getpid():
+    if _PROCESS is None or _PROCESS.pid != os.getpid():
         _PROCESS = psutil.Process()
     return _PROCESS
 
@@ -105,13 +106,14 @@ def step_sample(cuda: bool = True) -> dict[str, Any]:
     return {"rss_bytes": rss_bytes()}
 
 
-class _MallInfo2(__import__("ctypes").Structure):
-    _fields_ = [(name, __import__("ctypes").c_size_t) for name in
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
                  "keepcost")]
 
 
-_MALLINFO2: Any = None
+# glibc's mallinfo2 once looked up; False where it is missing.
+_MALLINFO2: Callable[[], _MallInfo2] | Literal[False] | None = None
 
 
 def heap_in_use_bytes() -> int | None:
@@ -125,7 +127,6 @@ def heap_in_use_bytes() -> int | None:
     if _MALLINFO2 is None:
         _MALLINFO2 = False
         try:
-            import ctypes
             import ctypes.util
 
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -30,9 +30,9 @@ class SavedTensorMeter:
         self._seen: set[tuple[int, int]] = set()
         self.bytes = 0
         self.tensors = 0
-        self._hooks = None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
-    def _pack(self, tensor: torch.Tensor):
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
         if key not in self._exclude and key not in self._seen:
             self._seen.add(key)
@@ -41,12 +41,12 @@ class SavedTensorMeter:
         return tensor
 
     @staticmethod
-    def _unpack(tensor):
+    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def __enter__(self) -> "SavedTensorMeter":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        hooks = self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:

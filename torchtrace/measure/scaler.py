@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 
-def scale_at_start(scaler: Any) -> torch.Tensor | float | None:
+def scale_at_start(scaler: object) -> torch.Tensor | float | None:
     """A copy of the scaler's scale now (a device op); before its first ``scale()`` call, the
     scale it will start from (a number); None without either."""
     if scaler is None or not _enabled(scaler):
@@ -35,7 +35,7 @@ def scale_at_start(scaler: Any) -> torch.Tensor | float | None:
     return float(initial) if isinstance(initial, (int, float)) else None
 
 
-def skipped_update(scaler: Any, optimizer: torch.optim.Optimizer | None,
+def skipped_update(scaler: object, optimizer: torch.optim.Optimizer | None,
                    before: torch.Tensor | float | None) -> torch.Tensor | None:
     """A 0-d float64 device tensor, above 0 when the scaler skipped this step's update; None
     when there is no sign to read.
@@ -83,7 +83,7 @@ def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[
     return opts, scalers
 
 
-def scaler_enabled(scaler: Any) -> bool:
+def scaler_enabled(scaler: object) -> bool:
     """A scaler that scales: ``GradScaler(enabled=False)`` (nanoGPT's default off float16) is no
     scaler, and a non-finite gradient under it is no overflow.
 
@@ -96,9 +96,9 @@ def scaler_enabled(scaler: Any) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Module, int, float, str, bytes, bool, type(None), tuple, list, dict)
 
 
-def _enabled(scaler: Any) -> bool:
+def _enabled(scaler: object) -> bool:
     try:
-        return bool(scaler.is_enabled())
+        return bool(getattr(scaler, "is_enabled")())
     except Exception:
         return False
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from operator import attrgetter
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, TypeGuard, Union
 
 import torch
 
@@ -20,7 +20,11 @@ KEY_MAX_DEPTH = 3
 KEY_MAX_ITEMS = 32
 
 
-def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
+# A shape key's part: hashable values, and classes (which mypy does not take for Hashable).
+Key = Union[Hashable, type]
+
+
+def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Key, ...]:
     """A hashable key of the shapes and dtypes of the tensors in a step's arguments.
 
     Values never enter the key (an integer step index does not make every step new); models
@@ -61,7 +65,7 @@ def shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
     return out
 
 
-def loose_shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any], loose: frozenset[int]) -> Hashable:
+def loose_shape_key(args: tuple[Any, ...], kwargs: Mapping[str, Any], loose: frozenset[int]) -> tuple[Key, ...]:
     """:func:`shape_key` with the entries at the ``loose`` positions (keyword arguments
     numbered after the positional ones) as :data:`LOOSE`, their values not looked at: an
     argument that grows every step (see :class:`torchtrace.measure.flops.StepFlops`) costs
@@ -98,11 +102,11 @@ class _Nested:
 NESTED = _Nested()
 
 
-def _nested_key(value: torch.Tensor) -> Hashable:
+def _nested_key(value: torch.Tensor) -> Key:
     return (NESTED, value.dtype, value.dim(), value.size(0))
 
 
-def countable(key: Hashable) -> bool:
+def countable(key: Key) -> bool:
     """False when the key holds a nested tensor (see :data:`NESTED`): its step is not counted.
 
     >>> import torch
@@ -116,7 +120,7 @@ def countable(key: Hashable) -> bool:
     return all(countable(k) for k in key) if isinstance(key, tuple) else True
 
 
-def _key(value: Any, depth: int) -> Hashable:
+def _key(value: Any, depth: int) -> Key:
     kind = type(value)
     if kind is _TENSOR:  # the usual batch, checked first by identity: every step pays for this
         try:
@@ -149,14 +153,14 @@ def _key(value: Any, depth: int) -> Hashable:
     return type(value)
 
 
-def _items_key(kind: type, value: Any, depth: int) -> Hashable:
+def _items_key(kind: type, value: Any, depth: int) -> Key:
     """A sequence's key: its first ``KEY_MAX_ITEMS`` items' keys, and past that many, its type
     and length too (a list of 40 same-size images is not a list of 64)."""
     items = tuple([_key(v, depth + 1) for v in value[:KEY_MAX_ITEMS]])
     return items if len(value) <= KEY_MAX_ITEMS else (kind, len(value), items)
 
 
-def truncated(key: Hashable) -> bool:
+def truncated(key: Key) -> bool:
     """True when ``key`` left out part of the arguments: a sequence, mapping or dataclass
     deeper than :data:`KEY_MAX_DEPTH` (keyed by its type alone), or a sequence past
     :data:`KEY_MAX_ITEMS` items (keyed by its first ones). What is inferred from the whole
@@ -186,7 +190,7 @@ class _Loose:
 LOOSE = _Loose()
 
 
-def grown(a: Hashable, b: Hashable) -> bool:
+def grown(a: Key, b: Key) -> bool:
     """True when ``a`` and ``b`` key one sequence at two lengths, the shorter's items the
     first of the longer's (a list the step appends to); a keyword argument's keys hold its
     name first. So does a 1-d tensor of another length. Other tensors' shapes never count
@@ -211,12 +215,12 @@ def grown(a: Hashable, b: Hashable) -> bool:
     return long[:len(short)] == short
 
 
-def _vector(key: Hashable) -> bool:
+def _vector(key: Key) -> TypeGuard[tuple[torch.Size, torch.dtype]]:
     """True for the key of a 1-d tensor: ``(torch.Size([n]), dtype)``."""
     return type(key) is tuple and len(key) == 2 and isinstance(key[0], torch.Size) and len(key[0]) == 1
 
 
-def _sequence(key: Hashable) -> tuple[tuple, int] | None:
+def _sequence(key: Key) -> tuple[tuple, int] | None:
     """``(the first items' keys, the length)`` of a list's or tuple's key; None for any other."""
     if type(key) is not tuple or (key and isinstance(key[0], torch.Size)):
         return None  # not a sequence's key, or a tensor's

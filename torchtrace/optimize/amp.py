@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -22,7 +21,7 @@ class AmpState:
 
     device_type: str
     dtype: torch.dtype
-    scaler: Any = None  # torch.amp.GradScaler or None
+    scaler: torch.amp.GradScaler | None = None
 
     def autocast(self):
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
@@ -41,7 +40,7 @@ def current_amp() -> AmpState | None:
     return _current_amp.get()
 
 
-def amp_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
+def amp_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
     """Backward and optimizer step, through the GradScaler when AMP needs one.
 
     ``scaler`` defaults to ``current_amp().scaler``. Without a scaler this is

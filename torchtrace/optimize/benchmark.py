@@ -194,7 +194,7 @@ def _benchmark_mode(mode: OptimizationMode, out: BenchmarkResults, rt, tracer,
 def _compare(res: ModeResult, base: ModeResult | None) -> None:
     if base is None:  # this is NONE itself
         base = res
-    if not (res.ok and base.ok):
+    if not (res.ok and base.ok) or res.median_s is None or base.median_s is None:
         return
     # Speedup from the medians as printed (0.1 microsecond), so the table is self-consistent.
     m_base, m_res = round(base.median_s * 1e3, 4), round(res.median_s * 1e3, 4)

@@ -16,7 +16,7 @@ import os
 import shutil
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypedDict
 
 import torch
 from torch import nn
@@ -91,10 +91,10 @@ def failure_reason(exc: BaseException, limit: int = 300) -> str:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
     return torch.device("cpu")
 
 
@@ -215,7 +215,16 @@ def _record_fallback(report: OptimizationReport) -> None:
         rt.errors.report("other", exc)
 
 
-def _apply(model: nn.Module, mode: OptimizationMode, *, amp_dtype=None, compile_backend: str | Callable = "inductor",
+class _Options(TypedDict):
+    """optimize_model's options, as _apply takes them."""
+
+    amp_dtype: str | torch.dtype | None
+    compile_backend: str | Callable
+    compile_options: dict | None
+
+
+def _apply(model: nn.Module, mode: OptimizationMode, *, amp_dtype: str | torch.dtype | None = None,
+           compile_backend: str | Callable = "inductor",
            compile_options: dict | None = None, device: torch.device | None = None) -> OptimizedModel:
     device = device or model_device(model)
     report = OptimizationReport(mode=mode, device=str(device))
@@ -225,8 +234,8 @@ def _apply(model: nn.Module, mode: OptimizationMode, *, amp_dtype=None, compile_
     plan = None
     if CHECKPOINT in wants:
         plan = checkpointing.plan_checkpointing(model)
-        for name, why in plan.skipped.items():
-            report.skipped[f"{CHECKPOINT}:{name}"] = why
+        for name, reason in plan.skipped.items():
+            report.skipped[f"{CHECKPOINT}:{name}"] = reason
         if plan.empty:
             report.skipped[CHECKPOINT] = "no repeated blocks or long nn.Sequential found"
             plan = None
@@ -299,7 +308,7 @@ def optimize_model(model: nn.Module | None = None, mode: OptimizationMode | str 
     mode = _one_mode(mode, optimization_mode)
     if amp_dtype is not None and not isinstance(amp_dtype, torch.dtype) and str(amp_dtype).lower() not in _DTYPES:
         raise ValueError(f"amp_dtype={amp_dtype!r} is not valid; accepted values: bfloat16, float16")
-    opts = dict(amp_dtype=amp_dtype, compile_backend=compile_backend, compile_options=compile_options)
+    opts = _Options(amp_dtype=amp_dtype, compile_backend=compile_backend, compile_options=compile_options)
     if isinstance(model, nn.Module):
         return _traced(mode, lambda: _apply(model, mode, **opts))
     if model is not None and callable(model):  # @optimize_model without arguments
@@ -309,7 +318,8 @@ def optimize_model(model: nn.Module | None = None, mode: OptimizationMode | str 
     return _decorator(mode, opts)
 
 
-def _one_mode(mode: Any, optimization_mode: Any) -> OptimizationMode:
+def _one_mode(mode: OptimizationMode | str | None, optimization_mode: OptimizationMode | str | None
+              ) -> OptimizationMode:
     """``mode`` or its seed name ``optimization_mode``; both only when they agree."""
     a = OptimizationMode.parse(mode, "mode") if mode is not None else None
     b = OptimizationMode.parse(optimization_mode, "optimization_mode") if optimization_mode is not None else None
@@ -318,7 +328,7 @@ def _one_mode(mode: Any, optimization_mode: Any) -> OptimizationMode:
     return a or b or OptimizationMode.FULL_OPTIMIZATION
 
 
-def _decorator(mode: OptimizationMode, opts: dict) -> Callable[[Callable], Callable]:
+def _decorator(mode: OptimizationMode, opts: _Options) -> Callable[[Callable], Callable]:
     def decorate(fn: Callable) -> Callable:
         cache: "weakref.WeakKeyDictionary[nn.Module, OptimizedModel]" = weakref.WeakKeyDictionary()
 

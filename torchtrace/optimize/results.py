@@ -120,7 +120,7 @@ class BenchmarkResults:
         head = ["mode", "status", "median ms", "IQR ms", "speedup", mem_head, "mem saving", "max |dloss|", "notes"]
         rows = [head]
         for r in self.results.values():
-            notes = r.error if not r.ok else ", ".join(r.applied) or "-"
+            notes = (r.error or "") if not r.ok else ", ".join(r.applied) or "-"
             if r.ok and r.skipped:
                 notes += "; not applied: " + ", ".join(f"{k} ({v})" for k, v in r.skipped.items())
             rows.append([
@@ -129,7 +129,7 @@ class BenchmarkResults:
                 "-" if r.speedup is None else f"{r.speedup:.3f}x",
                 _fmt(r.memory_bytes, 1 / 2**20, "{:.3f}"),
                 "-" if r.memory_saving is None else f"{100 * r.memory_saving:+.1f}%",
-                _fmt(r.max_abs_loss_diff, 1, "{:.2e}"), (notes or "")[:160],
+                _fmt(r.max_abs_loss_diff, 1, "{:.2e}"), notes[:160],
             ])
         widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
         lines = []
@@ -140,6 +140,6 @@ class BenchmarkResults:
         return "\n".join(lines) + f"\n({self.device}; {self.warmup} warm-up + {self.steps} timed steps per mode)"
 
 
-def _fmt(value, scale, pattern) -> str:
+def _fmt(value: float | None, scale: float, pattern: str) -> str:
     return "-" if value is None else pattern.format(value * scale)
 

@@ -61,15 +61,15 @@ def optimize_training_loop(model: nn.Module, dataloader: Iterable, optimizer: to
     ``epoch_mean_loss`` (one per epoch), ``final_loss``, ``optimization`` (what was applied
     and skipped) and ``mode``. Options are those of :func:`optimize_model`.
     """
-    mode = OptimizationMode.parse(mode, "mode")
+    chosen = OptimizationMode.parse(mode, "mode")
     if epochs < 1:
         raise ValueError(f"epochs={epochs}: need epochs >= 1")
     device = model_device(model)
-    om = optimize_model(model, mode, **options)
+    om = optimize_model(model, chosen, **options)
     om.train()
     rt = current.runtime()
     tracer = rt.tracer if rt is not None and not rt.off else None
-    span_cm = tracer.start_as_current_span("optimize_training_loop", attributes={semconv.OPT_MODE: mode.value}) \
+    span_cm = tracer.start_as_current_span("optimize_training_loop", attributes={semconv.OPT_MODE: chosen.value}) \
         if tracer else _null()
     epoch_means: list[float] = []
     steps = 0
@@ -89,5 +89,5 @@ def optimize_training_loop(model: nn.Module, dataloader: Iterable, optimizer: to
         if span is not None:
             span.set_attributes({**om.report.span_attributes(), semconv.TRAIN_TOTAL_S: total,
                                  semconv.TRAIN_STEPS: steps})
-    return {"mode": mode.value, "total_time_s": total, "steps": steps, "epochs": epochs,
+    return {"mode": chosen.value, "total_time_s": total, "steps": steps, "epochs": epochs,
             "epoch_mean_loss": epoch_means, "final_loss": final, "optimization": om.report.as_dict()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +12,7 @@ from torchtrace.probes.base import Probe
 from torchtrace.record.step import StepRecord
 
 if TYPE_CHECKING:
+    from torchtrace.levels import Features
     from torchtrace.step.runtime import Runtime
     from torchtrace.step.scope import StepScope
 
@@ -20,11 +21,11 @@ class _State:
     __slots__ = ("hooks", "taken")
 
     def __init__(self, hooks: LayerHooks) -> None:
-        self.hooks = hooks
+        self.hooks: LayerHooks | None = hooks
         self.taken: LayerHooks | None = None
 
 
-class ActivationProbe(Probe):
+class ActivationProbe(Probe[_State]):
     """EXTREME: forward hooks on the step's model; statistics stacked into the step's one host read.
 
     The hooks are registered on a model at its first EXTREME step and kept (switched off
@@ -42,21 +43,22 @@ class ActivationProbe(Probe):
         self._runtime_extreme = bool(runtime.features.activations)
 
     def enter(self, scope: StepScope) -> _State | None:
-        if not (scope.features.activations and scope.model is not None):
+        model = scope.model
+        if scope.features is None or not scope.features.activations or model is None:
             return None
-        hooks = self._kept.get(scope.model)
+        hooks = self._kept.get(model)
         if hooks is None:
-            hooks = self._kept[scope.model] = LayerHooks(scope.model, fast=True, active=False)
+            hooks = self._kept[model] = LayerHooks(model, fast=True, active=False)
         elif hooks.active:  # a step inside a step on the same model: hooks of its own
-            return _State(LayerHooks(scope.model, fast=True))
+            return _State(LayerHooks(model, fast=True))
         hooks.active = True
         return _State(hooks)
 
     def exit(self, scope: StepScope, state: _State | None, exc: BaseException | None) -> torch.Tensor | None:
-        if state is None:
+        hooks = state.hooks if state is not None else None
+        if state is None or hooks is None:
             return None
-        hooks = state.hooks
-        if self._kept.get(scope.model) is hooks:
+        if scope.model is not None and self._kept.get(scope.model) is hooks:
             hooks.active = False
             hooks = hooks.take()
         else:
@@ -75,7 +77,7 @@ class ActivationProbe(Probe):
         record.activations = state.taken.rows(values)
         state.taken = None
 
-    def on_level(self, features: Any) -> None:
+    def on_level(self, features: Features) -> None:
         # Leaving EXTREME removes the hooks. An operation pinned at EXTREME by its own
         # ``level=`` keeps them through level changes that never made the runtime EXTREME.
         if self._runtime_extreme and not features.activations:

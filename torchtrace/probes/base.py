@@ -17,7 +17,7 @@ A probe's failure is counted under its ``component`` and the step goes on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Iterator, TypeVar, cast
 
 import torch
 
@@ -30,8 +30,12 @@ if TYPE_CHECKING:
     from torchtrace.step.scope import StepScope
 
 
-class Probe:
-    """Base class of every probe (see the module docstring).
+S = TypeVar("S")
+
+
+class Probe(Generic[S]):
+    """Base class of every probe (see the module docstring); ``S`` is the type of the state
+    its ``enter`` returns for a step (``Probe[None]``: it keeps none).
 
     >>> class CountSteps(Probe):
     ...     name = "count"
@@ -43,13 +47,13 @@ class Probe:
     name = "probe"  # the report section's name
     component = "other"  # torchtrace_internal_errors_total{component} of its failures
 
-    def enter(self, scope: StepScope) -> Any:
+    def enter(self, scope: StepScope) -> S | None:
         return None
 
-    def exit(self, scope: StepScope, state: Any, exc: BaseException | None) -> torch.Tensor | None:
+    def exit(self, scope: StepScope, state: S | None, exc: BaseException | None) -> torch.Tensor | None:
         return None
 
-    def finish(self, scope: StepScope, state: Any, record: StepRecord, values: list[float] | None) -> None:
+    def finish(self, scope: StepScope, state: S | None, record: StepRecord, values: list[float] | None) -> None:
         return None
 
     def on_level(self, features: Features) -> None:
@@ -60,27 +64,29 @@ class Probe:
         """Shutdown: release everything (hooks, profiler windows, tracing)."""
         return None
 
-    def section(self) -> dict[str, Any] | None:
+    def section(self) -> dict[str, Any] | list[dict[str, Any]] | None:
         """The probe's section of the run report, or None."""
         return None
 
 
-P = TypeVar("P", bound=Probe)
+P = TypeVar("P", bound="Probe[Any]")
 
 
-def _overrides(probe: Probe, method: str) -> bool:
+def _overrides(probe: Probe[Any], method: str) -> bool:
     return getattr(type(probe), method) is not getattr(Probe, method)
 
 
 class ProbeSet:
-    """The probes of one runtime, in a fixed order, with the step hooks each one overrides."""
+    """The probes of one runtime, in a fixed order, with the step hooks each one overrides.
+    Each probe has its own state type: here they are ``Probe[Any]``, and a step's states a
+    list of ``object``."""
 
     def __init__(self, errors: InternalErrors) -> None:
         self._errors = errors
-        self._probes: list[Probe] = []
-        self._enter: list[tuple[int, Probe]] = []
-        self._exit: list[tuple[int, Probe]] = []
-        self._finish: list[tuple[int, Probe]] = []
+        self._probes: list[Probe[Any]] = []
+        self._enter: list[tuple[int, Probe[Any]]] = []
+        self._exit: list[tuple[int, Probe[Any]]] = []
+        self._finish: list[tuple[int, Probe[Any]]] = []
         self._index: dict[int, int] = {}
 
     def add(self, probe: P) -> P:
@@ -93,7 +99,7 @@ class ProbeSet:
                 table.append((i, probe))
         return probe
 
-    def __iter__(self) -> Iterator[Probe]:
+    def __iter__(self) -> Iterator[Probe[Any]]:
         return iter(list(self._probes))
 
     def __len__(self) -> int:
@@ -106,14 +112,15 @@ class ProbeSet:
                 return p
         return None
 
-    def state_of(self, states: list | None, probe: Probe) -> Any:
+    def state_of(self, states: list[object] | None, probe: Probe[S]) -> S | None:
         """``probe``'s state in a step's ``states`` (what :meth:`enter` returned)."""
         i = self._index.get(id(probe))
-        return states[i] if states is not None and i is not None else None
+        # The state at the probe's index is what its enter() returned: an S.
+        return cast("S | None", states[i]) if states is not None and i is not None else None
 
     # ------------------------------------------------------------ step hooks
-    def enter(self, scope: StepScope) -> list | None:
-        states = None
+    def enter(self, scope: StepScope) -> list[object] | None:
+        states: list[object] | None = None
         for i, probe in self._enter:
             try:
                 state = probe.enter(scope)
@@ -126,7 +133,7 @@ class ProbeSet:
                 states[i] = state
         return states
 
-    def exit(self, scope: StepScope, states: list | None, exc: BaseException | None, plan: ReadPlan) -> None:
+    def exit(self, scope: StepScope, states: list[object] | None, exc: BaseException | None, plan: ReadPlan) -> None:
         for i, probe in self._exit:
             try:
                 tensor = probe.exit(scope, states[i] if states is not None else None, exc)
@@ -135,7 +142,7 @@ class ProbeSet:
             except Exception as err:
                 self._errors.report(probe.component, err)
 
-    def finish(self, scope: StepScope, states: list | None, record: StepRecord, plan: ReadPlan,
+    def finish(self, scope: StepScope, states: list[object] | None, record: StepRecord, plan: ReadPlan,
                values: list[float] | None) -> None:
         for i, probe in self._finish:
             try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from torchtrace import semconv
 from torchtrace.errors import get_logger
@@ -24,6 +24,9 @@ from torchtrace.probes.base import Probe
 from torchtrace.record.step import Anomaly, StepRecord
 
 if TYPE_CHECKING:
+    import torch
+
+    from torchtrace.measure.gradients import GradStats
     from torchtrace.step.runtime import Runtime
     from torchtrace.step.scope import StepScope
 
@@ -36,13 +39,14 @@ class _State:
     __slots__ = ("rng", "tried", "report", "oom")
 
     def __init__(self) -> None:
-        self.rng = None
+        # The CPU and CUDA generator states as the step began (isolation.capture_rng).
+        self.rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self.tried = False
         self.report: dict[str, Any] | None = None
         self.oom: dict[str, Any] | None = None
 
 
-class ForensicsProbe(Probe):
+class ForensicsProbe(Probe[_State]):
     """Registered on every runtime by ``configure()``; see docs/forensics.md."""
 
     name = "forensics"
@@ -61,13 +65,13 @@ class ForensicsProbe(Probe):
 
     # ------------------------------------------------------------ policy helpers
     def replayable(self, scope: StepScope) -> bool:
-        return bool(self.rt.settings.forensics and scope.features.forensics
+        return bool(self.rt.settings.forensics and scope.features is not None and scope.features.forensics
                     and (scope.forensics.replay is not None or scope.forensics.function is not None))
 
     def budget_left(self) -> bool:
         return self.replays < self.rt.settings.forensics_max_replays
 
-    def wants_early_look(self, scope: StepScope, stats: Any) -> bool:
+    def wants_early_look(self, scope: StepScope, stats: GradStats) -> bool:
         """Read the gradient norms in the optimizer hook under ``warn`` too? Only where that read is
         free (gradients on the CPU): a replay then sees the parameters before the update."""
         return (not self.in_incident and self.replayable(scope) and self.budget_left()
@@ -75,7 +79,7 @@ class ForensicsProbe(Probe):
 
     # ------------------------------------------------------------ step hooks
     def enter(self, scope: StepScope) -> _State | None:
-        if not scope.features.forensics:
+        if scope.features is None or not scope.features.forensics:
             return None
         state = _State()
         if not self.in_incident and self.replayable(scope) and self.budget_left():
@@ -103,7 +107,7 @@ class ForensicsProbe(Probe):
                 self.incident_steps += 1
             return None
         if not self.replayable(scope):
-            if self.rt.settings.forensics and scope.features.forensics:
+            if self.rt.settings.forensics and scope.features is not None and scope.features.forensics:
                 self.rt.warn_once(("replay", scope.name),
                                   "torchtrace: step %s of %s is non-finite; to find the module that produced it, "
                                   "give debug_context a replay= callable (the step's forward and loss again) or "
@@ -113,12 +117,14 @@ class ForensicsProbe(Probe):
         if not self.budget_left():
             self.skipped_budget += 1
             return None
-        if scope.model is None:
+        run = scope.replayer()
+        if scope.model is None or run is None:
             return None
-        state.report = self._replay(scope, state, params_updated)
+        state.report = self._replay(scope, state, scope.model, run, params_updated)
         return state.report
 
-    def _replay(self, scope: StepScope, state: _State, params_updated: bool) -> dict[str, Any]:
+    def _replay(self, scope: StepScope, state: _State, model: torch.nn.Module, run: Callable[[], Any],
+                params_updated: bool) -> dict[str, Any]:
         self.replays += 1
         self.incidents += 1
         opts, scalers = isolation.side_effect_owners(scope)
@@ -127,7 +133,7 @@ class ForensicsProbe(Probe):
         t0 = time.perf_counter()
         try:
             args, kwargs = scope.inputs if scope.inputs is not None else ((), {})
-            report = replay.replay(scope.model, scope.replayer(), state.rng, opts, scalers, extract_loss,
+            report = replay.replay(model, run, state.rng, opts, scalers, extract_loss,
                                    others=(*args, *kwargs.values()))
         finally:
             rt.replaying = False
@@ -136,7 +142,7 @@ class ForensicsProbe(Probe):
             # The loss came from the model's own method (Lightning's training_step): its code, not
             # a loss function outside the model, made the value.
             report.update(cause="forward", kind=analysis.CAUSE_KIND["forward"], module="",
-                          module_type=type(scope.model).__name__)
+                          module_type=type(model).__name__)
         report.update(step=scope.step, operation=scope.name, rank=rt.identity.rank, params_updated=params_updated,
                       replay_number=self.replays)
         return report

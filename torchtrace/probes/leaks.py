@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtrace import semconv
 from torchtrace.measure import census
@@ -14,6 +14,12 @@ from torchtrace.measure import memory as mem_measure
 from torchtrace.probes.base import Probe
 from torchtrace.record import growth
 from torchtrace.record.step import Anomaly
+
+if TYPE_CHECKING:
+    from torchtrace.levels import Features
+    from torchtrace.record.step import StepRecord
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
 
 HEAP_FREE_S = 100e-6  # a heap sample this cheap is taken every step
 HEAP_BUDGET = 0.005  # otherwise at most this share of the step time goes to heap samples
@@ -46,7 +52,7 @@ def timed_heap_sample() -> tuple[int | None, float]:
     return heap, time.thread_time() - t0
 
 
-class LeakProbe(Probe):
+class LeakProbe(Probe[None]):
     """The leak detector: robust slope per device each step; an investigation when it is sustained.
 
     Cheap per step (host floats only). Samples are placed on the probe's own count of recorded
@@ -65,7 +71,7 @@ class LeakProbe(Probe):
     name = "memory_leaks"
     component = "memory"
 
-    def __init__(self, runtime, use_tracemalloc: bool = True) -> None:
+    def __init__(self, runtime: Runtime, use_tracemalloc: bool = True) -> None:
         self.rt = runtime
         s = runtime.settings
         self.window = max(int(getattr(s, "leak_window", growth.DEFAULT_WINDOW)), 4)
@@ -109,7 +115,7 @@ class LeakProbe(Probe):
                 "heap_sampled_every_steps": self.heap_every, "heap_extra_samples": self.heap_extra_samples,
                 "slopes": {d: t.slope for d, t in self.trackers.items()}, "reports": list(self.reports)}
 
-    def on_level(self, features) -> None:
+    def on_level(self, features: Features) -> None:
         """The level changed: without the leak detector, an investigation in progress (and the
         tracemalloc it started, which slows every allocation) ends now, not at the next
         recorded step (at OFF there is none)."""
@@ -169,8 +175,8 @@ class LeakProbe(Probe):
         rose = rss - ref[1]
         return rose >= 0.25 * self.threshold * self.window and rose > self.threshold * (tick - ref[0])
 
-    def finish(self, scope, state, record, values) -> None:
-        if not scope.features.leak_detector:
+    def finish(self, scope: StepScope, state: None, record: StepRecord, values: list[float] | None) -> None:
+        if scope.features is None or not scope.features.leak_detector:
             if self.investigation is not None:
                 self.investigation.stop()
                 self.investigation = None
@@ -205,9 +211,9 @@ class LeakProbe(Probe):
                 if worst is None and self.investigation is None and tick >= self._quiet_until and tr.sustained():
                     worst = (device, tr)
         if not points:  # the heap was not sampled this step: the span carries the last slope
-            tr = self.trackers.get("cpu")
-            if tr is not None and tr.slope is not None:
-                record.memory_growth = tr.slope
+            cpu = self.trackers.get("cpu")
+            if cpu is not None and cpu.slope is not None:
+                record.memory_growth = cpu.slope
         if self.investigation is not None:
             self.investigation.steps += 1
             if self.investigation.steps >= self.confirm_steps:
@@ -218,10 +224,12 @@ class LeakProbe(Probe):
             self.investigations += 1
             self.investigation = census.Investigation.begin(record.step, use_tracemalloc=self.use_tracemalloc)
 
-    def _conclude(self, record) -> None:
+    def _conclude(self, record: StepRecord) -> None:
         """Flag when the slow path accounts for the growth, or when growth nothing accounts for
         is seen in two windows in a row (a leak outside tensors and Python objects)."""
         inv, self.investigation = self.investigation, None
+        if inv is None:
+            return
         report = inv.finish(record.step, steps=inv.steps)
         device = self.investigated_device or "cpu"
         tr = self.trackers.get(device)

@@ -3,7 +3,7 @@ inside ``memory_tracking()``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchtrace.measure.snapshots import tracker
 from torchtrace.probes.base import Probe
@@ -26,7 +26,7 @@ tracking, and the leak rule needs ``growth.MIN_SAMPLES`` samples in a stretch of
 window (8 steps by default) to a whole one."""
 
 
-class MemoryProbe(Probe):
+class MemoryProbe(Probe[None]):
     """Adds the step's memory sample to :func:`torchtrace.measure.snapshots.tracker`.
 
     Inside ``memory_tracking()`` a sample also holds ``heap_in_use_bytes`` (None on steps the
@@ -40,8 +40,8 @@ class MemoryProbe(Probe):
         self.rt = runtime
         self.heap_wait = 0  # steps until the next heap sample
 
-    def finish(self, scope: StepScope, state: Any, record: StepRecord, values: list[float] | None) -> None:
-        if scope.features.memory_profiling or _TRACKER.active:
+    def finish(self, scope: StepScope, state: None, record: StepRecord, values: list[float] | None) -> None:
+        if (scope.features is not None and scope.features.memory_profiling) or _TRACKER.active:
             sample = record.memory
             if _TRACKER.active:
                 sample = {**(sample or {}), "heap_in_use_bytes": self._heap(record.duration_s)}

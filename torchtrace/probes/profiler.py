@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
@@ -30,6 +30,13 @@ from torchtrace.distributed import rank_file_name
 from torchtrace.errors import get_logger
 from torchtrace.measure.flop_modes import leave_counter, profiler_running
 from torchtrace.probes.base import Probe
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
+
+    from torchtrace.record.step import StepRecord
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
 
 logger = get_logger(__name__)
 
@@ -107,7 +114,8 @@ class Window:
     """One profiled stretch of steps and where its trace goes (``private``: into torchtrace's
     own directory, else into one the user named)."""
 
-    def __init__(self, path: Path, reason: str, first_step: int, n_steps: int, prof, private: bool = True) -> None:
+    def __init__(self, path: Path, reason: str, first_step: int, n_steps: int, prof: profile | None,
+                 private: bool = True) -> None:
         self.path = path
         self.private = private
         self.reason = reason
@@ -115,13 +123,14 @@ class Window:
         self.n_steps = n_steps
         self.prof = prof
         self.steps: list[int] = []
-        self.rec = None  # the open ProfilerStep record_function
+        # The open ProfilerStep record_function.
+        self.rec: torch.profiler.record_function | None = None
         self.done = False
         self.top_ops: list[dict[str, Any]] = []
         self.truncated = 0
 
 
-def top_ops(prof, limit: int = TOP_OPS) -> list[dict[str, Any]]:
+def top_ops(prof: profile, limit: int = TOP_OPS) -> list[dict[str, Any]]:
     """The window's ops by self CPU time (ProfilerStep markers excluded)."""
     out = []
     for evt in prof.key_averages():
@@ -180,7 +189,7 @@ def _fit_header(doc: dict[str, Any], max_bytes: int) -> None:
         del doc[key]
 
 
-def write_trace(prof: Any, path: Path, max_bytes: int, private: bool = True) -> int:
+def write_trace(prof: profile, path: Path, max_bytes: int, private: bool = True) -> int:
     """Write the profiler's Chrome trace to ``path``, capped at ``max_bytes``; returns the events
     dropped to fit. torch writes it into a new private temp file beside ``path`` that is then
     renamed over it, so a symlink planted at ``path`` is replaced, never followed. ``private``:
@@ -203,14 +212,18 @@ def write_trace(prof: Any, path: Path, max_bytes: int, private: bool = True) -> 
 _someone_profiling = profiler_running  # (not one of torchtrace's windows: the probe asks before opening one)
 
 
-class ProfilerProbe(Probe):
+# What ProfilerProbe.restore puts back: the schedule, the output folder and the open window.
+Saved = Tuple[Optional[ProfileSchedule], Optional[Path], Optional[Window]]
+
+
+class ProfilerProbe(Probe[Window]):
     """Opens and closes profiler windows around instrumented steps (see :class:`ProfileSchedule`);
     the window holding a step goes to ``record.profile``."""
 
     name = "profiles"
     component = "profiler"
 
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.schedule: ProfileSchedule | None = None  # explicit, from profiling(); else the default
         self.output: Path | None = None
@@ -222,13 +235,13 @@ class ProfilerProbe(Probe):
         self.durations: list[float] = []
 
     # -------------------------------------------------------------- configuration
-    def _active_schedule(self, scope) -> ProfileSchedule | None:
+    def _active_schedule(self, scope: StepScope | None) -> ProfileSchedule | None:
         if self.schedule is not None:
             return self.schedule
         feats = scope.features if scope is not None else self.rt.features
-        return ProfileSchedule.default() if feats.profiling else None
+        return ProfileSchedule.default() if feats is not None and feats.profiling else None
 
-    def open_schedule(self, schedule: ProfileSchedule, output: Path | None = None) -> tuple:
+    def open_schedule(self, schedule: ProfileSchedule, output: Path | None = None) -> Saved:
         """``profiling(schedule=...)``: steps are profiled by ``schedule`` into ``output`` until
         :meth:`restore` puts back what this returns."""
         saved = (self.schedule, self.output, self.window)
@@ -252,17 +265,18 @@ class ProfilerProbe(Probe):
         return time.monotonic() - self.last_start_time >= sched.min_interval_s or not self.windows
 
     # -------------------------------------------------------------- per step
-    def enter(self, scope) -> "Window | None":
+    def enter(self, scope: StepScope) -> Window | None:
         w = self.window
-        if w is not None and w.rec is not None:
+        step = scope.step
+        if step is None or (w is not None and w.rec is not None):
             return None  # a step nested in a profiled step is part of it
         if w is None:
             sched = self._active_schedule(scope)
             if sched is None:
                 self.armed = None
                 return None
-            reason = self.armed or ("schedule" if sched.wants(scope.step) else None)
-            if reason is None or not self._allowed(sched, scope.step):
+            reason = self.armed or ("schedule" if sched.wants(step) else None)
+            if reason is None or not self._allowed(sched, step):
                 return None
             if _someone_profiling():
                 # Another profiler (the user's torch.profiler.profile) is running: opening a
@@ -272,18 +286,18 @@ class ProfilerProbe(Probe):
                                   "torchtrace's profiling windows are skipped while it runs")
                 return None
             self.armed = None
-            w = self.window = self._open(sched, scope, reason)
+            w = self.window = self._open(sched, scope.name, step, reason)
             state = scope.throughput
             if state is not None and state.counter is not None and leave_counter(state.counter):
                 # The step's FLOP count, opened before the window: the trace would hold its every
                 # op twice. The count waits for a step outside windows (as under the user's profiler).
                 state.counter = None
-        w.rec = torch.profiler.record_function(f"ProfilerStep#{scope.step}")
-        w.rec.__enter__()
-        w.steps.append(scope.step)
+        rec = w.rec = torch.profiler.record_function(f"ProfilerStep#{step}")
+        rec.__enter__()
+        w.steps.append(step)
         return w
 
-    def _open(self, sched: ProfileSchedule, scope, reason: str) -> Window:
+    def _open(self, sched: ProfileSchedule, operation: str, step: int, reason: str) -> Window:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU]
@@ -292,16 +306,16 @@ class ProfilerProbe(Probe):
             activities.append(ProfilerActivity.CUDA)
         ident = self.rt.identity
         n = sched.window_steps
-        stem = f"trace-{scope.name}-step{scope.step}-{scope.step + n - 1}"
+        stem = f"trace-{operation}-step{step}-{step + n - 1}"
         path = self.directory() / rank_file_name(stem, ".json", ident)
         prof = profile(activities=activities, record_shapes=sched.record_shapes, profile_memory=sched.profile_memory,
                        with_stack=sched.with_stack)
         prof.__enter__()
-        self.last_start_step = scope.step
+        self.last_start_step = step
         self.last_start_time = time.monotonic()
-        return Window(path, reason, scope.step, n, prof, private=self.output is None)
+        return Window(path, reason, step, n, prof, private=self.output is None)
 
-    def exit(self, scope, w: "Window | None", exc) -> None:
+    def exit(self, scope: StepScope, w: Window | None, exc: BaseException | None) -> None:
         if w is None or w is not self.window:
             return None
         if w.rec is not None:
@@ -311,7 +325,7 @@ class ProfilerProbe(Probe):
             self.close_window()
         return None
 
-    def open_block(self, window: "Window", schedule: "ProfileSchedule") -> tuple:
+    def open_block(self, window: Window, schedule: ProfileSchedule) -> Saved:
         """``profiling()`` without a schedule: ``window`` covers every step until :meth:`close_window`.
         Returns what :meth:`restore` puts back."""
         saved = (self.schedule, self.output, self.window)
@@ -319,7 +333,7 @@ class ProfilerProbe(Probe):
         self.window = window
         return saved
 
-    def restore(self, saved: tuple) -> None:
+    def restore(self, saved: Saved) -> None:
         self.schedule, self.output, self.window = saved
 
     def close_window(self) -> None:
@@ -331,17 +345,19 @@ class ProfilerProbe(Probe):
             if w.rec is not None:
                 w.rec.__exit__(None, None, None)
                 w.rec = None
-            w.prof.__exit__(None, None, None)
-            sched = self.schedule or ProfileSchedule.default()
-            w.truncated = write_trace(w.prof, w.path, sched.max_trace_bytes, private=w.private)
-            w.top_ops = top_ops(w.prof)
+            prof = w.prof
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                sched = self.schedule or ProfileSchedule.default()
+                w.truncated = write_trace(prof, w.path, sched.max_trace_bytes, private=w.private)
+                w.top_ops = top_ops(prof)
         finally:
             w.prof = None
             w.done = True
             self.windows.append({"path": str(w.path), "reason": w.reason, "steps": list(w.steps),
                                  "truncated_events": w.truncated, "top_ops": w.top_ops[:5]})
 
-    def finish(self, scope, w: "Window | None", record, values) -> None:
+    def finish(self, scope: StepScope, w: Window | None, record: StepRecord, values: list[float] | None) -> None:
         if w is not None:
             last = w.done and w.steps and scope.step == w.steps[-1]
             record.profile = {"path": str(w.path), "window": f"{w.first_step}-{w.first_step + w.n_steps - 1}",

@@ -59,7 +59,7 @@ class _State:
         self.mean: tuple[str, float] | None = None
 
 
-class StragglerProbe(Probe):
+class StragglerProbe(Probe[_State]):
     """Per outermost operation, the mean step time over ``interval`` steps is gathered from
     every rank; the skew (slowest over median) goes to ``record.rank_skew`` and from there to
     ``torchtrace_rank_step_skew`` and the span.
@@ -75,14 +75,14 @@ class StragglerProbe(Probe):
     def __init__(self, rt: Runtime, interval: int) -> None:
         self.rt = rt
         self.interval = interval
-        self._sum: collections.Counter[str] = collections.Counter()
+        self._sum: collections.defaultdict[str, float] = collections.defaultdict(float)
         self._n: collections.Counter[str] = collections.Counter()
         self.last: dict[str, Any] | None = None
 
     def enter(self, scope: StepScope) -> _State:
         return _State()
 
-    def exit(self, scope: StepScope, state: _State, exc: BaseException | None) -> None:
+    def exit(self, scope: StepScope, state: _State | None, exc: BaseException | None) -> None:
         if current.step() is not None:  # nested operation: only outermost steps count
             return None
         op = scope.name
@@ -93,7 +93,8 @@ class StragglerProbe(Probe):
         mean = self._sum[op] / self._n[op]
         self._sum[op] = 0.0
         self._n[op] = 0
-        state.mean = (op, mean)
+        if state is not None:
+            state.mean = (op, mean)
         times = gather_step_times(mean)
         if not times:
             return None
@@ -101,10 +102,13 @@ class StragglerProbe(Probe):
         slowest = max(range(len(times)), key=times.__getitem__)
         self.last = {"operation": op, "step": scope.step, "skew": value, "slowest_rank": slowest,
                      "step_seconds_by_rank": list(times)}
-        state.skew = (value, slowest)
+        if state is not None:
+            state.skew = (value, slowest)
         return None
 
-    def finish(self, scope: StepScope, state: _State, record: StepRecord, values: list[float] | None) -> None:
+    def finish(self, scope: StepScope, state: _State | None, record: StepRecord, values: list[float] | None) -> None:
+        if state is None:
+            return
         if state.mean is not None:
             record.rank_step_seconds = state.mean[1]
         record.rank_skew = state.skew

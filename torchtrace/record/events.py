@@ -43,7 +43,7 @@ def _current_stream() -> tuple[int, Any]:
     return device, stream
 
 
-def seconds_between(a: Any, b: Any) -> float | None:
+def seconds_between(a: torch.cuda.Event, b: torch.cuda.Event) -> float | None:
     """Seconds from event ``a`` to event ``b``, when both have completed (no wait); else None."""
     if _DIRECT and type(a) is _EVENT and type(b) is _EVENT:
         if not (_QUERY(a) and _QUERY(b)):  # type: ignore[misc]
@@ -87,7 +87,7 @@ class EventPool:
             event.record()
         return event
 
-    def give_back(self, *events: Any) -> None:
+    def give_back(self, *events: torch.cuda.Event | None) -> None:
         """Events that have completed and will not be read again."""
         for event in events:
             if event is None:

@@ -75,7 +75,7 @@ class TrainingMonitor:
         self.last: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ per step
-    def monitor_training_step(self, model: torch.nn.Module | None, loss: Any,
+    def monitor_training_step(self, model: torch.nn.Module | None, loss: object,
                               step: int | None = None) -> dict[str, Any]:
         """Check one step (after ``backward()``); returns the step's numbers and anomaly kinds."""
         pieces = []

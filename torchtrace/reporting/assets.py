@@ -11,7 +11,6 @@ that the charts hold the run's steps, their axes and their markers.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from torchtrace.reporting.charts import CHARTS_JS
 
@@ -374,7 +373,7 @@ def page(title: str, status: str, extra_sections: str, script: str) -> str:
             f"<script>{script}</script></body></html>\n")
 
 
-def embed_json(value: Any) -> str:
+def embed_json(value: object) -> str:
     """JSON safe inside a ``<script type="application/json">`` element (no ``</script>`` break-out)."""
     from torchtrace.files import to_strict
 

@@ -26,10 +26,11 @@ def html_report(run_dir: str | Path, rank: int | None = None) -> str:
         FileNotFoundError: ``run_dir`` is not a torchtrace run directory.
     """
     run = load_run(run_dir, rank)
+    charted = chart_steps(run.steps)
     data = {
         "summary": run.summary,
         "training": training_summary_from_steps(run.steps),
-        "steps": chart_steps(run.steps),
+        "steps": charted,
         "events": run.events,
         "settings": run.settings,
         "problems": run.problems,
@@ -45,8 +46,8 @@ def html_report(run_dir: str | Path, rank: int | None = None) -> str:
              f"<div id=\"tt-settings\"></div></details></section>"
              f"<script type=\"application/json\" id=\"tt-data\">{embed_json(data)}</script>")
     status = f"finished · {run.total_steps} steps"
-    if len(data["steps"]) < run.total_steps:
-        status += f" ({len(data['steps'])} charted)"
+    if len(charted) < run.total_steps:
+        status += f" ({len(charted)} charted)"
     return page(f"torchtrace report {run.summary.get('run_id', '')}", status, extra, _SCRIPT)
 
 

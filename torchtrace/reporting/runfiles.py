@@ -48,7 +48,7 @@ class RunData:
         return [e["data"] for e in self.events if e.get("type") == "forensics"]
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
@@ -272,7 +272,8 @@ def _listing(path: Path) -> RunListing:
             report = json.loads(report_file.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             report = {}
-    totals = report.get("totals") if isinstance(report.get("totals"), dict) else {}
+    found = report.get("totals")
+    totals: dict[str, Any] = found if isinstance(found, dict) else {}
     started = report.get("started_unix")
     if not isinstance(started, (int, float)):
         newest = report_file or _rank_file(path, "spans", ".jsonl", None)

@@ -48,7 +48,8 @@ def main_operation(steps: list[dict[str, Any]]) -> str | None:
     >>> main_operation([{"operation": "train_step"}] * 3 + [{"operation": "eval_step", "kind": "evaluation"}] * 5)
     'train_step'
     """
-    counts: collections.Counter[str] = collections.Counter()
+    # A step without an operation counts under None, as it always has.
+    counts: collections.Counter[str | None] = collections.Counter()
     for s in steps:
         if s.get("kind", "train") == "train":
             counts[s.get("operation")] += 1
@@ -112,7 +113,7 @@ def _badput_text(badput_s: dict[str, Any]) -> str:
     return ", ".join(f"{k} {seconds_text(v) if math.isfinite(v) else _shown(v, '')}" for v, k in badput) or "none"
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     """A figure of report.json as a float: a number, or the strict-JSON string of a non-finite
     one ("Infinity", "-Infinity", "NaN"); None for anything else (absent, not a figure)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):

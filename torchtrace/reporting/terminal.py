@@ -45,7 +45,7 @@ def sparkline(values: list[float | None], width: int = 48) -> str:
     return "".join(out)
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: object) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -55,7 +55,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _mib(v: Any) -> str:
+def _mib(v: object) -> str:
     return f"{v / 2**20:.1f} MiB" if isinstance(v, (int, float)) else "-"
 
 

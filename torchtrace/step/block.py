@@ -171,7 +171,7 @@ class WatchedBlock:
             self.stepped = True
             self.scope.check_gradients_now(optimizer)
 
-    def saw_loss(self, loss: Any) -> None:
+    def saw_loss(self, loss: object) -> None:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None:
             self.loss = loss
             self.scope.record_loss(loss)
@@ -188,8 +188,8 @@ class WatchedBlock:
 
 def level_block(level: DebugLevel, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                 step: int | None = None, mode: DebugMode | str | None = None, attributes: dict[str, Any] | None = None,
-                replay: Callable[[], Any] | None = None, scaler: Any = None, kind: str = "train",
-                inputs: Any = None) -> WatchedBlock:
+                replay: Callable[[], Any] | None = None, scaler: torch.amp.GradScaler | None = None,
+                kind: str = "train", inputs: Any = None) -> WatchedBlock:
     """The seeds' ``debug_context(DebugLevel.BASIC)``: a step named ``step`` at ``level``, under
     autograd anomaly detection (``DebugMode.ANOMALY_DETECTION`` unless ``mode`` says
     otherwise), that finds the block's model, optimizer and loss itself. The other arguments

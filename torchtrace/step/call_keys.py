@@ -13,7 +13,7 @@ the step's end fills in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Hashable
 
 import torch
 
@@ -87,7 +87,7 @@ def _say_no_batch(scope: StepScope) -> None:
                    "calls; give step.record_batch(samples=..., tokens=...) or debug_context(inputs=...)", name)
 
 
-def _countable_calls(batch: Any) -> bool:
+def _countable_calls(batch: object) -> bool:
     """Room for one more micro-batch (up to the batch rules' limit)."""
     return type(batch) is not MicroBatches or len(batch[0]) < MAX_MICRO_BATCHES
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -17,11 +16,11 @@ STEP_KINDS = ("train", "evaluation", "checkpoint", "other")
 _EXAMPLE = 'debug_context("train_step", model=model, optimizer=optimizer)'
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     return type(value).__name__
 
 
-def is_optimizer(value: Any) -> bool:
+def is_optimizer(value: object) -> bool:
     """A torch optimizer, or an object that behaves as one (param_groups, step, step pre-hooks)."""
     if isinstance(value, torch.optim.Optimizer):
         return True
@@ -29,11 +28,11 @@ def is_optimizer(value: Any) -> bool:
             and callable(getattr(value, "register_step_pre_hook", None)))
 
 
-def is_scaler(value: Any) -> bool:
+def is_scaler(value: object) -> bool:
     return callable(getattr(value, "unscale_", None)) and callable(getattr(value, "scale", None))
 
 
-def check_model(model: Any, where: str) -> None:
+def check_model(model: object, where: str) -> None:
     if model is None or isinstance(model, torch.nn.Module):
         return
     hint = " (model and optimizer swapped?)" if is_optimizer(model) else ""
@@ -41,7 +40,7 @@ def check_model(model: Any, where: str) -> None:
                     f"for example {_EXAMPLE}")
 
 
-def check_optimizer(optimizer: Any, where: str) -> None:
+def check_optimizer(optimizer: object, where: str) -> None:
     if optimizer is None or is_optimizer(optimizer):
         return
     hint = " (model and optimizer swapped?)" if isinstance(optimizer, torch.nn.Module) else ""
@@ -49,7 +48,7 @@ def check_optimizer(optimizer: Any, where: str) -> None:
                     f"for example {_EXAMPLE}")
 
 
-def check_scaler(scaler: Any, where: str) -> None:
+def check_scaler(scaler: object, where: str) -> None:
     if scaler is None or is_scaler(scaler):
         return
     raise TypeError(f"{where}: scaler= must be a torch.amp.GradScaler (an object with scale() and unscale_()), "
@@ -57,7 +56,7 @@ def check_scaler(scaler: Any, where: str) -> None:
                     f"optimizer=optimizer, scaler=torch.amp.GradScaler())")
 
 
-def check_attributes(attributes: Any, where: str) -> None:
+def check_attributes(attributes: object, where: str) -> None:
     """``attributes=``: None or a mapping of string keys to values a span holds (the SDK would
     warn of any other on every step's span and write None or its str() instead)."""
     if attributes is None:
@@ -72,7 +71,7 @@ def check_attributes(attributes: Any, where: str) -> None:
                             "float, bytes, None, or lists and dicts of them (convert it: str(value), float(value))")
 
 
-def _odd_attribute_value(value: Any, depth: int = 0) -> Any:
+def _odd_attribute_value(value: object, depth: int = 0) -> object:
     """The first value inside ``value`` that a span attribute cannot hold, or None."""
     if value is None or isinstance(value, (str, bool, int, float, bytes)):  # as the SDK judges them
         return None
@@ -84,8 +83,8 @@ def _odd_attribute_value(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def check_scope_arguments(name: Any, model: Any, optimizer: Any, scaler: Any, replay: Any, step: Any,
-                          kind: Any, attributes: Any = None) -> None:
+def check_scope_arguments(name: object, model: object, optimizer: object, scaler: object, replay: object,
+                          step: object, kind: object, attributes: object = None) -> None:
     """Raises TypeError or ValueError naming the argument and showing the correct call."""
     where = "debug_context"
     if not isinstance(name, str):
@@ -108,7 +107,7 @@ def check_scope_arguments(name: Any, model: Any, optimizer: Any, scaler: Any, re
     check_attributes(attributes, where)
 
 
-def check_decorator_target(func: Any) -> None:
+def check_decorator_target(func: object) -> None:
     """``@debug_operation(model)``: a module where the decorated function belongs."""
     if isinstance(func, torch.nn.Module):
         raise TypeError("debug_operation: got a torch.nn.Module where the function to decorate belongs; pass the "
@@ -121,8 +120,9 @@ def check_decorator_target(func: Any) -> None:
                         "@debug_operation(name=\"train_step\", model=model)")
 
 
-def check_decorator_arguments(func: Any, name: Any, model: Any, optimizer: Any, level: Any, mode: Any, replay: Any,
-                              scaler: Any, kind: Any, attributes: Any = None) -> None:
+def check_decorator_arguments(func: object, name: object, model: object, optimizer: object,
+                              level: DebugLevel | str | None, mode: DebugMode | str | None, replay: object,
+                              scaler: object, kind: object, attributes: object = None) -> None:
     """``debug_operation``'s arguments, checked at decoration.
 
     Raises:
@@ -146,7 +146,7 @@ def check_decorator_arguments(func: Any, name: Any, model: Any, optimizer: Any, 
     check_attributes(attributes, where)
 
 
-def operation_name(fn: Any, name: str | None) -> str:
+def operation_name(fn: object, name: str | None) -> str:
     """The operation a decorated ``fn`` is: ``name=``, else the function's name (a
     ``functools.partial``'s function, a callable object's class).
 

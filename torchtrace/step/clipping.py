@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
@@ -91,8 +91,9 @@ def _fresh_norms(scope: StepScope) -> GradStats | None:
     return check.stats
 
 
-def _arguments(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-               foreach: bool | None = None) -> tuple[Any, float, float, bool, bool | None]:
+def _arguments(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+               error_if_nonfinite: bool = False, foreach: bool | None = None
+               ) -> tuple[torch.Tensor | Iterable[torch.Tensor], float, float, bool, bool | None]:
     """``clip_grad_norm_``'s arguments by name (a TypeError for a call torch would refuse)."""
     return parameters, max_norm, norm_type, error_if_nonfinite, foreach
 

@@ -9,7 +9,7 @@ metrics, history, log).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, ParamSpec
 
 import torch
 
@@ -78,9 +78,14 @@ def _mark_hang(rt: Runtime, record: StepRecord) -> None:
                                          "since": finding["since"]}))
 
 
-def _guarded(rt: Runtime, stage: Callable[..., Any], *args: Any) -> None:
+_P = ParamSpec("_P")
+
+
+def _guarded(rt: Runtime, stage: Callable[_P, object], *args: _P.args, **kwargs: _P.kwargs) -> None:
+    """``stage(*args, **kwargs)``, its failure counted, not raised (the arguments are checked
+    against the stage's signature by the type checker)."""
     try:
-        stage(*args)
+        stage(*args, **kwargs)
     except Exception as err:
         rt.errors.report("record", err)
 

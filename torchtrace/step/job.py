@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from torchtrace import current, files, semconv
 from torchtrace.errors import get_logger
@@ -260,7 +260,8 @@ class _ExceptHook:
     the black box (type, and its message with ``record_exception_messages``), then the hook
     that was there before runs."""
 
-    def __init__(self, rt: Runtime, previous: Any) -> None:
+    def __init__(self, rt: Runtime,
+                 previous: Callable[[type[BaseException], BaseException, TracebackType | None], object]) -> None:
         self.rt = rt
         self.previous = previous
 

@@ -218,7 +218,7 @@ class Runtime:
         except Exception as exc:
             self.errors.report("gradients", exc)
 
-    def warn_once(self, key: Hashable, message: str, *args: Any) -> None:
+    def warn_once(self, key: Hashable, message: str, *args: object) -> None:
         """Log a warning the first time ``key`` is seen (a user's mistake, named once)."""
         if self._warned.first(key):  # once for the process and the DataLoader workers it forks
             logger.warning(message, *args)

@@ -35,7 +35,7 @@ from torchtrace.step.throughput import drop_counter, learning_rates
 from torchtrace.step.watched import real_optimizer
 
 if TYPE_CHECKING:
-    from torchtrace.probes.base import Probe
+    from torchtrace.probes.base import Probe, S
     from torchtrace.step.runtime import Runtime
 
 STEP_KINDS = checks.STEP_KINDS
@@ -60,7 +60,7 @@ class StepScope:
                  "_anomalies", "__weakref__")
     # Set as a step begins (_begin), not in __init__.
     _rt: Runtime
-    _states: list | None
+    _states: list[object] | None
     _anomalies: list[tuple[str, str, dict[str, Any]]] | None
     _overhead: float
     _t0: float
@@ -70,7 +70,8 @@ class StepScope:
                  optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                  level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
                  attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
-                 scaler: Any = None, kind: str = "train", inputs: tuple[tuple, dict] | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, kind: str = "train",
+                 inputs: tuple[tuple, dict] | None = None) -> None:
         checks.check_scope_arguments(name, model, optimizer, scaler, replay, step, kind, attributes)
         self.name = name
         self.model = model
@@ -103,7 +104,7 @@ class StepScope:
         self.batch_skip = 0  # leading positional inputs that are not the batch (a method's instance)
 
     # ------------------------------------------------------------ user API
-    def record_loss(self, loss: Any) -> None:
+    def record_loss(self, loss: object) -> None:
         """Record the step's loss (a scalar tensor or a number). No host read happens here.
 
         A tensor with more than one element, or of a bool or integer dtype, is not a loss: it is
@@ -164,7 +165,7 @@ class StepScope:
         """Time spent inside torchtrace during the step (hooks), for ``torchtrace_overhead_seconds_total``."""
         self._overhead += seconds
 
-    def state_of(self, probe: Probe) -> Any:
+    def state_of(self, probe: Probe[S]) -> S | None:
         """The per-step state ``probe.enter`` returned for this step (None when it returned none)."""
         return self._rt.probes.state_of(self._states, probe) if self._states is not None else None
 

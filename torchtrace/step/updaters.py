@@ -35,7 +35,7 @@ a second time.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 from torch.compiler import is_compiling
@@ -53,7 +53,7 @@ _METHODS = ("scale", "step")
 AVERAGE = "update_parameters"  # the method of a weight average (AveragedModel) a replay must not call
 
 
-def _note_scaler(scaler: Any) -> None:
+def _note_scaler(scaler: torch.amp.GradScaler) -> None:
     """A GradScaler used in the open step that has none yet becomes the step's."""
     scope = current.step()
     if scope is not None and scope.active and scope.scaler is None:
@@ -69,7 +69,10 @@ def _note(updater: object) -> None:
         scope.forensics.note_stepped(updater)
 
 
-def _safely(note: Callable[[Any], None], obj: Any) -> None:
+_T = TypeVar("_T")
+
+
+def _safely(note: Callable[[_T], None], obj: _T) -> None:
     """``note(obj)`` outside a compiled graph (no break), never raising into the user's call."""
     if is_compiling():
         return

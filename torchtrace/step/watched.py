@@ -34,7 +34,7 @@ True
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 import torch
 
@@ -50,8 +50,9 @@ _MAX_LOOKS = 8  # looks at a class, at most (an attribute that goes back and for
 _fields: dict[type, tuple[tuple[str | None, str | None, str | None], tuple[str, ...], int]] = {}
 
 
-def watched(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, scaler: Any, args: tuple,
-            kwargs: dict) -> tuple[torch.nn.Module | None, torch.optim.Optimizer | None, Any]:
+def watched(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+            scaler: torch.amp.GradScaler | None, args: tuple,
+            kwargs: dict) -> tuple[torch.nn.Module | None, torch.optim.Optimizer | None, torch.amp.GradScaler | None]:
     """``(model, optimizer, scaler)`` a decorated step watches; any may be None (a scaler among
     the arguments is found where it is used)."""
     if model is None:
@@ -124,7 +125,8 @@ def hookable(optimizer: object) -> bool:
     return hasattr(optimizer, "_optimizer_step_pre_hooks")
 
 
-def _attributes_of(obj: Any) -> tuple[Any, Any, Any]:
+def _attributes_of(obj: object) -> tuple[torch.nn.Module | None, torch.optim.Optimizer | None,
+                                         torch.amp.GradScaler | None]:
     kind = type(obj)
     known = _fields.get(kind)
     if known is None or (known[1] and any(getattr(obj, name, None) is not None for name in known[1])):
@@ -139,7 +141,7 @@ def _attributes_of(obj: Any) -> tuple[Any, Any, Any]:
             scaler if _is_scaler(scaler) else None)
 
 
-def _unset(obj: Any) -> tuple[str, ...]:
+def _unset(obj: object) -> tuple[str, ...]:
     """The names of ``obj``'s attributes that are None (a model or optimizer still to come)."""
     try:
         items = list(vars(obj).items())[:_MAX_ATTRIBUTES]
@@ -148,11 +150,12 @@ def _unset(obj: Any) -> tuple[str, ...]:
     return tuple(name for name, value in items if value is None)[:_MAX_PENDING]
 
 
-def _is_scaler(value: Any) -> bool:
+def _is_scaler(value: object) -> TypeGuard[torch.amp.GradScaler]:
+    """A GradScaler, or an object that behaves as one."""
     return value is not None and hasattr(value, "_scale") and hasattr(value, "unscale_")
 
 
-def _find(obj: Any) -> tuple[str | None, str | None, str | None]:
+def _find(obj: object) -> tuple[str | None, str | None, str | None]:
     """The names of the model, optimizer and scaler attributes of ``obj`` (see the module docstring)."""
     try:
         items = list(vars(obj).items())[:_MAX_ATTRIBUTES]

@@ -155,12 +155,12 @@ def debug_backward_pass(loss: torch.Tensor, model: torch.nn.Module | None = None
     t0 = time.perf_counter()
     loss.backward(retain_graph=retain_graph)
     elapsed = time.perf_counter() - t0
-    with_grad = [(n, p) for n, p in leaves if p.grad is not None]
+    with_grad = [(n, p.grad) for n, p in leaves if p.grad is not None]
     params: dict[str, dict[str, Any]] = {}
     if with_grad:
-        rows = torch.stack([torch.cat([tensor_measure.tensor_stats(p.grad),
-                                       torch.linalg.vector_norm(grad_measure.dense(p.grad).to(torch.float64)).reshape(1)])
-                            for _, p in with_grad])
+        rows = torch.stack([torch.cat([tensor_measure.tensor_stats(g),
+                                       torch.linalg.vector_norm(grad_measure.dense(g).to(torch.float64)).reshape(1)])
+                            for _, g in with_grad])
         flat = readout.read(rows.reshape(-1).cpu())
         w = len(tensor_measure.STAT_NAMES) + 1
         for i, (name, _) in enumerate(with_grad):
@@ -346,7 +346,12 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             elif isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
                 by_key.setdefault(key, []).append(grad_measure.ParamRef(key, value))
     keys = sorted(by_key)
-    pieces = [grad_measure.parameter_norms(by_key[k]) for k in keys]
+    pieces: list[torch.Tensor] = []
+    for key in keys:
+        piece = grad_measure.parameter_norms(by_key[key])
+        # (never None: every key holds at least one tensor)
+        if piece is not None:
+            pieces.append(piece)
     step_values = [torch.as_tensor(v, dtype=torch.float64).reshape(1).cpu() for v in steps]
     flat = readout.read(torch.cat([piece.cpu() for piece in pieces] + step_values)) if pieces or step_values else []
     norms: dict[str, float] = {}

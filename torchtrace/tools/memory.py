@@ -68,9 +68,10 @@ def clear_memory() -> dict[str, int | None]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     after = mem_measure.sample()
-    out = {"rss_bytes": before.rss - after.rss}
+    out: dict[str, int | None] = {"rss_bytes": before.rss - after.rss}
     if before.cuda_reserved is not None and after.cuda_reserved is not None:
         out["cuda_reserved_bytes"] = before.cuda_reserved - after.cuda_reserved
+    if before.cuda_allocated is not None and after.cuda_allocated is not None:
         out["cuda_allocated_bytes"] = before.cuda_allocated - after.cuda_allocated
     return out
 

@@ -14,7 +14,7 @@ from torchtrace.record import readout
 from torchtrace.record.monitor import record_anomalies
 
 
-def _components(obj: Any) -> dict[str, torch.nn.Module]:
+def _components(obj: object) -> dict[str, torch.nn.Module]:
     """The modules of a pipeline-like object, by name.
 
     A dict or list of modules; a module's children; otherwise the object's module attributes
@@ -41,7 +41,7 @@ def _components(obj: Any) -> dict[str, torch.nn.Module]:
     return {str(k): v for k, v in items if isinstance(v, torch.nn.Module)}
 
 
-def analyze_pipeline(obj: Any) -> dict[str, Any]:
+def analyze_pipeline(obj: object) -> dict[str, Any]:
     """Parameter counts, bytes, dtypes and devices per component of a multi-module object.
 
     ``obj`` may be any object with module attributes (a diffusion pipeline, an

@@ -9,12 +9,17 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from torchtrace import current
-from torchtrace.probes.profiler import ProfilerProbe, ProfileSchedule, Window, top_ops, write_trace
+from torchtrace.probes.profiler import ProfilerProbe, ProfileSchedule, Saved, Window, top_ops, write_trace
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
+
+    from torchtrace.step.runtime import Runtime
 
 
 @contextlib.contextmanager
@@ -47,6 +52,8 @@ def profiling(output_file: str | os.PathLike[str] | None = None, schedule: Profi
         return
     probe = _probe(current.runtime())
     if schedule is not None:
+        if probe is None:
+            raise RuntimeError("profiling(schedule=...) needs a configured torchtrace runtime")
         saved = _open_schedule(probe, schedule, output_file, record_shapes, profile_memory, with_stack)
         before = len(probe.windows)
         try:
@@ -61,27 +68,25 @@ def profiling(output_file: str | os.PathLike[str] | None = None, schedule: Profi
                             max_trace_bytes=max_trace_bytes)
     prof = _block_profiler(record_shapes, profile_memory, with_stack)
     window = Window(path, "manual", -1, 10 ** 9, prof, private=output_file is None)
-    saved = probe.open_block(window, sched) if probe is not None else None
+    block_saved = probe.open_block(window, sched) if probe is not None else None
     prof.__enter__()
     try:
         yield result
     finally:
-        _close_block(probe, window, sched, saved, prof, path, max_trace_bytes, output_file is None, result)
+        _close_block(probe, window, sched, block_saved, prof, path, max_trace_bytes, output_file is None, result)
 
 
-def _open_schedule(probe: ProfilerProbe | None, schedule: ProfileSchedule,
+def _open_schedule(probe: ProfilerProbe, schedule: ProfileSchedule,
                    output_file: str | os.PathLike[str] | None, record_shapes: bool, profile_memory: bool,
-                   with_stack: bool) -> Any:
+                   with_stack: bool) -> Saved:
     """Hand ``schedule`` (with the block's options added) to the probe; return what to restore."""
-    if probe is None:
-        raise RuntimeError("profiling(schedule=...) needs a configured torchtrace runtime")
     schedule.record_shapes = schedule.record_shapes or record_shapes
     schedule.profile_memory = schedule.profile_memory or profile_memory
     schedule.with_stack = schedule.with_stack or with_stack
     return probe.open_schedule(schedule, Path(output_file).parent if output_file else None)
 
 
-def _close_schedule(probe: ProfilerProbe, saved: Any, before: int, result: dict[str, Any]) -> None:
+def _close_schedule(probe: ProfilerProbe, saved: Saved, before: int, result: dict[str, Any]) -> None:
     """Close the scheduled windows, restore the probe, and put the block's windows in ``result``."""
     probe.close()
     probe.restore(saved)
@@ -89,7 +94,7 @@ def _close_schedule(probe: ProfilerProbe, saved: Any, before: int, result: dict[
     result["path"] = result["windows"][-1]["path"] if result["windows"] else None
 
 
-def _block_profiler(record_shapes: bool, profile_memory: bool, with_stack: bool) -> Any:
+def _block_profiler(record_shapes: bool, profile_memory: bool, with_stack: bool) -> profile:
     """A ``torch.profiler.profile`` over the CPU, and CUDA when there is one; not started."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,10 +103,11 @@ def _block_profiler(record_shapes: bool, profile_memory: bool, with_stack: bool)
                    with_stack=with_stack)
 
 
-def _close_block(probe: ProfilerProbe | None, window: Window, sched: ProfileSchedule, saved: Any, prof: Any,
+def _close_block(probe: ProfilerProbe | None, window: Window, sched: ProfileSchedule, saved: Saved | None,
+                 prof: profile,
                  path: Path, max_trace_bytes: int, private: bool, result: dict[str, Any]) -> None:
     """End the block's window: through the probe when there is one, else write the trace here."""
-    if probe is not None:
+    if probe is not None and saved is not None:
         probe.open_block(window, sched)  # the block's window, whatever steps did inside
         probe.close_window()
         probe.restore(saved)
@@ -113,5 +119,5 @@ def _close_block(probe: ProfilerProbe | None, window: Window, sched: ProfileSche
     result["path"] = str(path)
 
 
-def _probe(rt) -> ProfilerProbe | None:
+def _probe(rt: Runtime | None) -> ProfilerProbe | None:
     return rt.probes.find(ProfilerProbe) if rt is not None else None
