@@ -92,7 +92,8 @@ class TorchtraceCallback(_TrainerCallback):
         self._params: int | None = None
         self._parts: bool | None = None  # the model's loss is divided by the step's items (see _divides_by_items)
         self._inputs: list[tuple[tuple, dict]] = []  # the calls whose micro-batches the open step counted
-        self._autocast: tuple = ()  # the autocasts the step's first forward ran under (the replay's)
+        # The autocasts the step's first forward ran under: the replay runs under them too.
+        self._autocast: tuple[tuple[str, torch.dtype], ...] = ()
         self._boundary: float | None = None  # perf_counter() when the last step (or evaluation, save) ended
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):

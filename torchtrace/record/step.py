@@ -109,6 +109,13 @@ class StepRecord:
         anomalies = self.anomalies
         return bool(anomalies) and any(a.kind in NONFINITE_KINDS for a in anomalies)
 
+    @property
+    def progressed(self) -> bool:
+        """The step's update was applied and finite, and the step ended without an exception:
+        training progress (goodput's productive time, for a ``train`` step). A NaN update applied
+        under ``warn`` is not progress."""
+        return not (self.skipped or self.scaler_overflow or self.nonfinite) and self.exception_type is None
+
     def summary(self) -> dict[str, Any]:
         """A compact, JSON-ready view, bounded in size whatever the model (names capped).
 

@@ -121,8 +121,8 @@ def _note_recovered_hang(f: dict[str, Any], record: "StepRecord", end: float) ->
     stall included; the black box keeps the stall (from the last progress to the step's end, so
     the work after the stall ended counts with it) for the job's story to book as ``hang``."""
     hang = next((a for a in record.anomalies if a.kind == semconv.HANG), None)
-    if hang is None or record.skipped or record.scaler_overflow or record.nonfinite:
-        return  # (a step whose update was not applied was not productive time to begin with)
+    if hang is None or not record.progressed:
+        return  # (a step that made no progress was not productive time to begin with)
     since = hang.data.get("since")
     if isinstance(since, (int, float)):
         stalled = min(max(0.0, end - since), record.duration_s or 0.0)

@@ -303,9 +303,7 @@ class RunThroughput:
         start = state.started_at
         account = self.ledger.add_step(FinishedStep(
             start, start + record.duration_s,
-            # An update applied and finite is progress: a NaN one applied under warn is not (skipped_step).
-            applied=(not (record.skipped or record.scaler_overflow or record.nonfinite)
-                     and record.exception_type is None),
+            applied=record.progressed,  # (a NaN update applied under warn is skipped_step)
             excluded=record.flops_counted, samples=record.samples, tokens=record.tokens,
             flops=int(flops) if flops is not None else None, kind=record.kind, operation=operation,
             enclosing=enclosing(outer.kind, parent.started_at, parent.holds_steps) if outer and parent else None,
