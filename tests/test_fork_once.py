@@ -33,6 +33,15 @@ class Data(torch.utils.data.Dataset):
         errors.report("files", OSError("disk gone"))
         return torch.ones(4)
 
+# One step here first (it has an optimizer: neither line is logged) does torchtrace's first-step
+# work once, before the fork, not once in each of the 20 workers (21 s -> 8 s of wall time here).
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with tt.debug_context("warm_up", model=model, optimizer=opt) as step:
+    loss = model(torch.ones(1, 4)).sum()
+    loss.backward()
+    opt.step()
+    step.record_loss(loss)
+
 loader = torch.utils.data.DataLoader(Data(), batch_size=1, num_workers=20, multiprocessing_context="fork")
 print("batches", sum(1 for _ in loader), flush=True)
 tt.shutdown()

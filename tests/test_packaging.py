@@ -26,7 +26,7 @@ pytestmark = pytest.mark.xdist_group("packaging")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once a worker: a module fixture ran again when xdist ran tests between
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md", "LICENSE"):

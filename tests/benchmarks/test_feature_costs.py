@@ -65,7 +65,7 @@ print(json.dumps({part: fork_run(probe, part) for part in sys.argv[2:]}))
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once a worker: a module fixture ran again when xdist ran tests between
 def probes() -> dict:
     """Each part's probe: its return code, output and errors."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
@@ -81,7 +81,7 @@ def _probe(probes: dict, part: str) -> dict:
     return json.loads(got["stdout"].strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once a worker: a module fixture ran again when xdist ran tests between
 def unstubbed(probes) -> dict:
     return _probe(probes, "none")
 

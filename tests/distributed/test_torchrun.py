@@ -41,7 +41,7 @@ def _torchrun(args: list[str], tmp: Path) -> tuple[subprocess.CompletedProcess, 
     return proc, time.monotonic() - t0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once a worker: a module fixture ran again when xdist ran tests between
 def worker(tmp_path_factory):
     """One launch: shard, guard, skew, then crash (rank 1 raises; the job must end, not hang)."""
     out = tmp_path_factory.mktemp("worker")

@@ -16,7 +16,8 @@ import pytest
 from tests.job.helpers import clean_env, events, start, wait_ready
 from torchtrace.job.story import job_story
 
-# The module's fixture does its costly work once per process: its tests share one xdist worker.
+# The module's fixture does its costly work once per process: its tests share one xdist worker
+# (its scope is the session: xdist may hand a worker the group's tests with other tests between them).
 pytestmark = pytest.mark.xdist_group("restarts")
 
 
@@ -49,7 +50,7 @@ def _run_attempts(tmp_path):
     return run_dir / "job48", events(log), marks
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once a worker: a module fixture ran again when xdist ran tests between
 def job(tmp_path_factory):
     return _run_attempts(tmp_path_factory.mktemp("job"))
 

@@ -51,7 +51,7 @@ def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once a worker: a module fixture ran again when xdist ran tests between
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     _torchrun(out)
