@@ -4,6 +4,7 @@ when it leaves a new file in the checkout (tests/checkout.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -109,6 +110,20 @@ def _temporary_working_directory(tmp_path_factory, monkeypatch):
     job or another test worker may hold."""
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
     monkeypatch.setenv("TORCHTRACE_PROMETHEUS_PORT", "0")
+
+
+@pytest.fixture(autouse=True)
+def _process_settings_put_back():
+    """What a test sets for its whole process, torchtrace's log level and torch's thread count
+    (a benchmark's function run in-process does both), is put back after it: a test that
+    silenced torchtrace's warnings left every later test in its worker unable to see them."""
+    logger, threads = logging.getLogger("torchtrace"), torch.get_num_threads()
+    level = logger.level
+    yield
+    logger.setLevel(level)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
 
 def servers_required() -> bool:
     """TORCHTRACE_REQUIRE_SERVERS=1 (set by .ci/run): a missing server or framework fails the test."""
