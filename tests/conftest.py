@@ -40,7 +40,10 @@ SERIAL_TESTS = {
         "test_micro_batches_in_one_step_split_forward_from_backward",
         "test_a_model_under_activation_checkpointing_keeps_its_phases",
         "test_a_forward_called_past_the_model_keeps_the_optimizer_phase"},
-    "tests/integrations/test_lightning.py": {"test_phases_come_from_lightnings_hooks"},
+    # Two tools' samples per second within 5 %: their windows start one batch apart, so a slow
+    # batch there under a busy worker beside it moved them 7 % apart (a CI run, 3 workers).
+    "tests/integrations/test_lightning.py": {"test_phases_come_from_lightnings_hooks",
+                                             "test_lightnings_own_throughput_monitor_beside_torchtrace_agrees"},
     "tests/integrations/test_transformers.py": {"test_phases_of_a_trainer_step_with_gradient_accumulation",
                                                 "test_evaluation_and_checkpoints_between_steps_are_their_own_badput"},
     "tests/export/test_collector_faults.py": {"test_step_time_does_not_depend_on_the_collector"},
