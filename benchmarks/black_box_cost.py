@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -96,8 +97,6 @@ def _mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
 
 def _writer_cpu() -> float:
     """CPU seconds the black box's writer thread has used (0 when it is not running)."""
-    import threading
-
     for t in threading.enumerate():
         if t.name == "torchtrace-blackbox" and t.ident is not None:
             try:

@@ -3,26 +3,11 @@ with it, and the comparison reads both."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("black_box_bench", ROOT / "benchmarks" / "black_box_cost.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+from tests.benchmarks import load
 
 
 def test_the_writer_rewrites_in_on_children_and_not_in_off_children():
-    bench = _module()
+    bench = load("black_box_cost")
     on = bench.child("toy", "on", 1.2)  # two periods of 0.5 s
     off = bench.child("toy", "off", 0.6)
     assert on["rewrites"] >= 1 and on["writer_cpu_s"] > 0
@@ -33,7 +18,7 @@ def test_the_writer_rewrites_in_on_children_and_not_in_off_children():
 
 def test_the_comparison_pairs_within_triples(monkeypatch):
     """on - off and on - on are taken within each triple, from each child's BASIC - bare."""
-    bench = _module()
+    bench = load("black_box_cost")
     added = {"on": iter([10e-6, 12e-6]), "off": iter([4e-6, 5e-6])}
 
     def fake_child(workload, writer, seconds):

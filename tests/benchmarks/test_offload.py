@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+from tests.benchmarks import load
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("offload_bench", ROOT / "benchmarks" / "offload.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
 
 
 def test_every_variant_books_every_step_and_the_workers_stop():
     """The queued variants' workers book each step the training thread appended, as many times
     as the inline one (the work handed over is the same work), and stop when asked."""
-    offload = _module()
+    offload = load("offload")
     import argparse
 
     import torch

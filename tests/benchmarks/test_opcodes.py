@@ -4,20 +4,14 @@ what it says of the throughput features."""
 from __future__ import annotations
 
 import dis
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.benchmarks import load
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("opcodes_bench", ROOT / "benchmarks" / "opcodes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _straight(x):
@@ -36,7 +30,7 @@ def _loop(n):
 def test_counts_every_bytecode_a_call_runs():
     """A function without branches runs each of its instructions once (the frame's RESUME
     marker is no event); a loop of n runs its body n times and the other function's n times."""
-    count = _module().count_bytecodes
+    count = load("opcodes").count_bytecodes
     straight = [i for i in dis.get_instructions(_straight) if i.opname not in ("RESUME", "CACHE")]
     counts = count(lambda: _straight(3), 7)
     assert counts["benchmarks/test_opcodes.py:_straight"] == 7 * len(straight)

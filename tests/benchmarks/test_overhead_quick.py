@@ -9,17 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks import load
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    """benchmarks/overhead.py as a module (it is a script, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("overhead_bench", ROOT / "benchmarks" / "overhead.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 @pytest.mark.slow
@@ -49,7 +41,7 @@ def test_median_interval_holds_the_true_median_and_tells_a_shift_from_noise():
     samples: half-width 1.96 * 1.2533 / sqrt(n)."""
     import random
 
-    bench = _bench()
+    bench = load("overhead")
     rng = random.Random(7)
     values = [rng.gauss(0.0, 1.0) for _ in range(400)]
     lo, hi = bench.median_interval(values)
@@ -64,7 +56,7 @@ def test_the_verdict_calls_within_noise_only_an_interval_that_holds_0():
     """Synthetic rounds: a difference that sits inside the A/A pair's spread but whose own
     interval excludes 0 is not called "within noise" (it was, and a slow day's 70 us read so);
     one whose interval holds 0 is; one far past the A/A spread is above noise."""
-    bench = _bench()
+    bench = load("overhead")
 
     def verdict(shift: float, aa_spread: float) -> str:
         # Differences spread evenly on both sides of their median: the bootstrap interval of a
@@ -87,7 +79,7 @@ def test_no_variant_runs_twice_in_a_row_more_often_than_chance(monkeypatch):
     ends twice in a row every other round (warm caches: the A/A pair read 24.6 us apart on the
     toy model with basic-aa at an end). Each variant now follows itself about as often as chance
     has it (1 in 8 round boundaries with 8 variants), never every other round."""
-    bench = _bench()
+    bench = load("overhead")
     variants = ["bare", "floor", "marks", "least", "ideal", "basic", "basic-nothr", "basic-aa"]
     ran: list[str] = []
 

@@ -138,7 +138,10 @@ def test_python_busy_loop_is_flagged(tmp_path):
 
 
 def test_gil_holding_hang_leaves_every_threads_stack_in_the_run_directory(tmp_path):
-    proc = start("regex", tmp_path)
+    # In the first step, well within a second of configure(): before the watchdog's first tick
+    # (faulthandler was armed only by ticks, so a hang this early left no dump; a fast run of
+    # this test at step 5 once met it too).
+    proc = start("regex", tmp_path, HANG_AT="0")
     try:
         read_line(proc, "METRICS")
         hanging = float(read_line(proc, "HANGING"))

@@ -132,6 +132,9 @@ class Watchdog:
                 self._dumped = self._stack_file.tell()
             except OSError as exc:
                 logger.debug("torchtrace: stack file %s not opened: %s", self.stack_path, exc)
+        # The first look now, on the configuring thread: it arms faulthandler, so a hang that
+        # holds the GIL before the thread's first tick (a first step stuck in C) is dumped too.
+        self._look()
         self._thread = threading.Thread(target=self._run, name="torchtrace-watchdog", daemon=True)
         self._thread.start()
 
@@ -151,10 +154,13 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            try:
-                self.tick(time.time())
-            except Exception as exc:  # the watchdog never takes the process down
-                logger.debug("torchtrace: watchdog tick failed: %r", exc)
+            self._look()
+
+    def _look(self) -> None:
+        try:
+            self.tick(time.time())
+        except Exception as exc:  # the watchdog never takes the process down
+            logger.debug("torchtrace: watchdog tick failed: %r", exc)
 
     # ------------------------------------------------------------ one tick
     def tick(self, now: float) -> dict[str, Any] | None:
