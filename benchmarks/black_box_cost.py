@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from overhead import MLP, Workload, make_runner, median_interval  # noqa: E402
+from overhead import MLP, Workload, make_runner, median_interval, noise_verdict  # noqa: E402
 
 import torchtrace as tt  # noqa: E402
 from torchtrace import api as tt_api  # noqa: E402
@@ -140,12 +140,7 @@ def compare(workload: str, triples: int, seconds: float) -> list[str]:
     alo, ahi = median_interval(aa)
     noise = max(abs(alo), abs(ahi))
     med = statistics.median(diff)
-    if lo <= 0 <= hi:
-        verdict = "within noise (the interval holds 0)"
-    elif abs(med) <= noise:
-        verdict = "not told apart from noise (the interval excludes 0, but the A/A pair spreads as wide)"
-    else:
-        verdict = "above noise"
+    verdict = noise_verdict(med, lo, hi, noise)
     us = 1e6
     return [
         f"\n{workload}: {triples} triples of {seconds:g} s children; "

@@ -584,14 +584,7 @@ def throughput_verdict(wall: dict[str, list[float]]) -> list[str]:
         noise = max(abs(alo), abs(ahi))
         lines.append(f"A/A (basic - basic-aa, the same step twice): {amed * 1e6:+.1f} us ({ashare * 100:+.2f} % of bare), "
                      f"95 % interval [{alo * 1e6:+.1f}, {ahi * 1e6:+.1f}] us")
-    if lo <= 0 <= hi:
-        verdict = "within noise (the interval holds 0)"
-    elif noise is not None and abs(med) <= noise:
-        verdict = ("not told apart from noise (the interval excludes 0, but the A/A pair of the same step spreads "
-                   "as wide: a longer run decides)")
-    else:
-        verdict = "above noise"
-    lines.append(f"throughput features: {verdict}")
+    lines.append(f"throughput features: {noise_verdict(med, lo, hi, noise)}")
     if "marks" in wall and "floor" in wall:
         kmed, kshare, klo, khi = summary("marks", "floor")
         lines.append(f"least phase capture (marks - floor: clock reads and batch size kept, nothing processed): "
@@ -639,13 +632,30 @@ def paired_verdict(wall: dict[str, list[float]], without: str, what: str) -> lis
         amed, alo, ahi = paired("basic", "basic-aa")
         line += f"; A/A {amed * 1e6:+.1f} us [{alo * 1e6:+.1f}, {ahi * 1e6:+.1f}]"
         noise = max(abs(alo), abs(ahi))
+    return [line, f"{what}: {noise_verdict(med, lo, hi, noise)}"]
+
+
+def noise_verdict(median: float, lo: float, hi: float, noise: float | None) -> str:
+    """How a paired difference (its median and the 95 % interval of the median) reads against the
+    machine's noise: "within noise" when the interval holds 0; "not told apart" when it excludes 0
+    but the median is no larger than ``noise``, the widest end of an A/A pair's interval (the same
+    thing twice, measured alike), so that a longer run decides; otherwise "above noise", or "below
+    noise" for a difference that is a saving.
+
+    >>> noise_verdict(3.0, -1.0, 6.0, None)
+    'within noise (the interval holds 0)'
+    >>> noise_verdict(3.0, 1.0, 6.0, 4.0)[:20]
+    'not told apart from '
+    >>> noise_verdict(5.0, 1.0, 6.0, 4.0)
+    'above noise'
+    >>> noise_verdict(-5.0, -6.0, -1.0, 4.0)
+    'below noise (cheaper)'
+    """
     if lo <= 0 <= hi:
-        verdict = "within noise (the interval holds 0)"
-    elif noise is not None and abs(med) <= noise:
-        verdict = "not told apart from noise (the interval excludes 0, but the A/A pair spreads as wide)"
-    else:
-        verdict = "above noise"
-    return [line, f"{what}: {verdict}"]
+        return "within noise (the interval holds 0)"
+    if noise is not None and abs(median) <= noise:
+        return "not told apart from noise (the interval excludes 0, but the A/A pair spreads as wide: a longer run decides)"
+    return "above noise" if median > 0 else "below noise (cheaper)"
 
 
 def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
@@ -660,6 +670,24 @@ def median_interval(values: list[float], level: float = 0.95, resamples: int = 2
     medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
     tail = (1 - level) / 2
     return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
+
+
+def workload_plan(wl: Workload, variants, steps: int, rounds: int, quick: bool) -> tuple[list[str], float, int, int]:
+    """(variants, time budget in s, steps per variant per round, rounds) for one workload."""
+    vs, budget, n, r = list(variants), (12 if quick else 75), steps, rounds
+    if quick:
+        return vs, budget, n, r
+    if wl.name.startswith("encoder"):
+        budget = 40
+    if wl.name.startswith("toy-"):
+        budget, n = 25, 10
+    if wl.name.startswith("tensors-"):
+        # Per-tensor host reads make the seed-style check minutes long at thousands of
+        # tensors; it and detect_anomaly are shown on the 1,000-tensor model only.
+        if wl.n_tensors > 1000:
+            vs = [v for v in vs if v not in ("seed", "anomaly")]
+        budget, n, r = 30, 2, min(rounds, 15)
+    return vs, budget, n, r
 
 
 def main(argv=None) -> int:
@@ -721,17 +749,7 @@ def main(argv=None) -> int:
 
     leak_probe = find_probe(tt_api.get_runtime(), LeakProbe)
     for wl in wls:
-        vs, budget, n, r = variants, (12 if args.quick else 75), steps, rounds
-        if wl.name.startswith("encoder") and not args.quick:
-            budget = 40
-        if wl.name.startswith("toy-") and not args.quick:
-            budget, n = 25, 10
-        if wl.name.startswith("tensors-") and not args.quick:
-            # Per-tensor host reads make the seed-style check minutes long at thousands of
-            # tensors; it and detect_anomaly are shown on the 1,000-tensor model only.
-            if wl.n_tensors > 1000:
-                vs = [v for v in variants if v not in ("seed", "anomaly")]
-            budget, n, r = 30, 2, min(rounds, 15)
+        vs, budget, n, r = workload_plan(wl, variants, steps, rounds, args.quick)
         if args.budget is not None:
             budget, r = args.budget, args.rounds or 100_000  # (rounds: until the budget is spent)
         started = leak_probe.investigations if leak_probe is not None else 0
