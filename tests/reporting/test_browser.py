@@ -231,3 +231,25 @@ def test_throughput_axis_names_tokens_when_the_steps_count_them(tmp_path):
     assert all(re.fullmatch(r"0|\d{1,3}(\.\d+)?k", t) for t in attrs["data-yticks"].split(",")), attrs
     card = re.search(r'<span id="last-throughput">([^<]*)</span>', dom).group(1)
     assert card == f"train_step · last {round(8 * 1024 / 0.05):,} tokens/s", card  # 163,840
+
+
+def test_the_report_card_counts_spans_per_sink(tmp_path):
+    """Two sinks, the file with every span and a dead collector with none: the card shows each
+    sink's books, as the terminal report does, not one sum that counts every span twice."""
+    binary = require_binary("chromium")
+    run_dir, _ = make_run(tmp_path)
+    report_file = Path(run_dir) / "report.json"
+    report = json.loads(report_file.read_text())
+    report["telemetry"]["span_exporters"] = [
+        {"exporter": "file", "emitted": STEPS, "exported": STEPS, "dropped": {}},
+        {"exporter": "otlp_grpc", "emitted": STEPS, "exported": 0, "dropped": {"export_failed": 5, "shutdown": 15}}]
+    report["telemetry"]["spans_exported"] = STEPS
+    report["telemetry"]["spans_dropped"] = {"export_failed": 5, "shutdown": 15}
+    report_file.write_text(json.dumps(report))
+    out = write_html_report(run_dir, tmp_path / "report.html")
+    dom = render(binary, out, tmp_path)
+    cards = dict((label, value) for value, label in re.findall(r'<div class="stat"><b>([^<]*)</b><span>([^<]*)</span>', dom))
+    assert cards["spans exported / dropped (file)"] == f"{STEPS} / 0", cards
+    assert cards["spans exported / dropped (otlp_grpc)"] == "0 / 20", cards
+    assert "spans exported / dropped" not in cards  # no sum over the sinks
+    assert f"file: {STEPS} exported; otlp_grpc: 0 exported, 20 dropped" in terminal_report(run_dir)

@@ -258,8 +258,15 @@ JS = r"""
     g.appendChild(stat("last loss" + of, fmtValue(num(last.loss))));
     g.appendChild(stat("last grad norm" + of, fmtValue(num(last.grad_norm))));
     var tel = s.telemetry || {};
-    var dropped = 0; for (var k in (tel.spans_dropped || {})) dropped += tel.spans_dropped[k];
-    g.appendChild(stat("spans exported / dropped", (tel.spans_exported || 0) + " / " + dropped));
+    /* spans per sink: a sum over the sinks would count each span once per sink */
+    (tel.span_exporters || []).forEach(function (sink) {
+      var lost = 0; for (var r in (sink.dropped || {})) lost += sink.dropped[r];
+      g.appendChild(stat("spans exported / dropped (" + sink.exporter + ")", (sink.exported || 0) + " / " + lost));
+    });
+    if (!(tel.span_exporters || []).length) {  /* a report without per-sink books: its totals */
+      var dropped = 0; for (var k in (tel.spans_dropped || {})) dropped += tel.spans_dropped[k];
+      g.appendChild(stat("spans exported / dropped", (tel.spans_exported || 0) + " / " + dropped));
+    }
     var errs = 0; for (var k2 in (tel.internal_errors || {})) errs += tel.internal_errors[k2];
     g.appendChild(stat("internal errors", String(errs)));
     box.appendChild(g);
