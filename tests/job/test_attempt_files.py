@@ -166,7 +166,7 @@ def test_one_run_without_restarts_keeps_todays_names(tmp_path, run):
     env = clean_env(TORCHTRACE_RUN_ID="one", TORCHTRACE_RUN_DIR=str(tmp_path))
     assert run(env, 2).returncode == 0
     names = sorted(p.name for p in (tmp_path / "one").iterdir() if not p.name.startswith("."))
-    assert names == ["report.json", "spans.jsonl", "stacks.txt", "state.json"]
+    assert names == ["report.json", "spans.jsonl", "state.json"]  # (no hang: no stack file left behind)
     assert os.path.getsize(tmp_path / "one" / "state.json") < 4096
 
 

@@ -76,6 +76,19 @@ def test_a_tick_flags_a_stall_once_and_learns_periods(tmp_path):
         dog.stop()
 
 
+def test_a_run_without_a_hang_leaves_no_empty_stack_file_and_one_with_stacks_keeps_it(tmp_path):
+    quiet = Watchdog(_fields(phase="idle", progress=0.0), given_timeout_s=None, stack_path=tmp_path / "quiet.txt")
+    quiet.start()
+    assert (tmp_path / "quiet.txt").exists()  # open while the watchdog runs: faulthandler writes into it
+    quiet.stop()
+    assert not (tmp_path / "quiet.txt").exists()
+    (tmp_path / "kept.txt").write_text("torchtrace: hang at step 3\n")  # an earlier attempt's stacks
+    kept = Watchdog(_fields(phase="idle", progress=0.0), given_timeout_s=None, stack_path=tmp_path / "kept.txt")
+    kept.start()
+    kept.stop()
+    assert (tmp_path / "kept.txt").read_text() == "torchtrace: hang at step 3\n"
+
+
 def test_idle_is_never_a_hang():
     f = _fields(phase="idle", progress=0.0, steps_done=100)
     dog = Watchdog(f, given_timeout_s=1.0)

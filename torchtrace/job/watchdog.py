@@ -139,7 +139,8 @@ class Watchdog:
         self._thread.start()
 
     def stop(self, timeout_s: float = 1.0) -> None:
-        """End the thread and disarm faulthandler; the files stay."""
+        """End the thread and disarm faulthandler. The files stay, but for a stack file that
+        nothing was ever written to: a run without a hang leaves no empty ``stacks.txt``."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
@@ -151,6 +152,16 @@ class Watchdog:
             except OSError:
                 pass
             self._stack_file = None
+            self._remove_if_empty()
+
+    def _remove_if_empty(self) -> None:
+        if self.stack_path is None:
+            return
+        try:
+            if self.stack_path.stat().st_size == 0:
+                self.stack_path.unlink()
+        except OSError:  # gone already, or not ours to remove
+            pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
