@@ -89,6 +89,24 @@ def test_a_run_without_a_hang_leaves_no_empty_stack_file_and_one_with_stacks_kee
     assert (tmp_path / "kept.txt").read_text() == "torchtrace: hang at step 3\n"
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_stopping_its_copy_leaves_the_parents_stack_file(tmp_path):
+    """A child forked from a configured process (a user's os.fork(), exiting through atexit)
+    stops its copy of the watchdog: the parent's faulthandler still writes into that file."""
+    dog = Watchdog(_fields(phase="idle", progress=0.0), given_timeout_s=None, stack_path=tmp_path / "stacks.txt")
+    dog.start()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            dog.stop()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert (tmp_path / "stacks.txt").exists()
+    dog.stop()
+    assert not (tmp_path / "stacks.txt").exists()
+
+
 def test_idle_is_never_a_hang():
     f = _fields(phase="idle", progress=0.0, steps_done=100)
     dog = Watchdog(f, given_timeout_s=1.0)

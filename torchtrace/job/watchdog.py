@@ -54,6 +54,64 @@ HANG_EXIT_CODE = 124
 """The exit status under ``on_hang="abort"``."""
 
 
+class _ForkSafeDump:
+    """faulthandler's later dump, armed by one watchdog at a time, and never across a fork.
+
+    The dump waits on a C thread that a forked child does not inherit; cancelling it in the
+    child (its shutdown, or arming it again) waits for that thread forever. So it is cancelled
+    just before a fork and armed again, for the time it had left, in the parent after it; the
+    child starts with none. The lock keeps the watchdog's thread from arming it between the
+    two.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.armed_for: float | None = None  # seconds it was last armed for
+        self.armed_at = 0.0  # time.monotonic() then
+        self.kwargs: dict[str, Any] = {}
+        self.paused: float | None = None  # the seconds left when a fork cancelled it
+
+    def arm(self, seconds: float, **kwargs: Any) -> None:
+        with self.lock:
+            faulthandler.dump_traceback_later(seconds, **kwargs)
+            self.armed_for, self.armed_at, self.kwargs = seconds, time.monotonic(), kwargs
+
+    def cancel(self) -> None:
+        with self.lock:
+            if self.armed_for is not None:
+                faulthandler.cancel_dump_traceback_later()
+                self.armed_for = None
+
+    def before_fork(self) -> None:
+        self.lock.acquire()
+        if self.armed_for is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self.paused = max(self.armed_for - (time.monotonic() - self.armed_at), 1.0)
+            self.armed_for = None
+
+    def after_fork_in_parent(self) -> None:
+        try:
+            if self.paused is not None:
+                faulthandler.dump_traceback_later(self.paused, **self.kwargs)
+                self.armed_for, self.armed_at = self.paused, time.monotonic()
+        except (OSError, ValueError, RuntimeError) as exc:
+            logger.debug("torchtrace: faulthandler not armed again after a fork: %s", exc)
+        finally:
+            self.paused = None
+            self.lock.release()
+
+    def after_fork_in_child(self) -> None:
+        self.paused = None
+        self.kwargs = {}
+        self.lock.release()
+
+
+_DUMP = _ForkSafeDump()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_DUMP.before_fork, after_in_parent=_DUMP.after_fork_in_parent,
+                        after_in_child=_DUMP.after_fork_in_child)
+
+
 def hang_timeout(given: float | None, phase: str | None, steps_done: int, recent: Iterable[float]) -> float:
     """Seconds without progress that make a hang.
 
@@ -116,6 +174,7 @@ class Watchdog:
         self._seen_step_time: float | None = None
         self._flagged_since: float | None = None
         self._stack_file: BinaryIO | None = None
+        self._opened_by: int | None = None  # the process that opened the stack file
         self._dumped = 0  # bytes of the stack file known (written by us or read back)
         self._armed = False
         self._stop = threading.Event()
@@ -130,6 +189,7 @@ class Watchdog:
             try:
                 self._stack_file = open(self.stack_path, "ab")  # noqa: SIM115 (kept open for faulthandler)
                 self._dumped = self._stack_file.tell()
+                self._opened_by = os.getpid()
             except OSError as exc:
                 logger.debug("torchtrace: stack file %s not opened: %s", self.stack_path, exc)
         # The first look now, on the configuring thread: it arms faulthandler, so a hang that
@@ -155,7 +215,9 @@ class Watchdog:
             self._remove_if_empty()
 
     def _remove_if_empty(self) -> None:
-        if self.stack_path is None:
+        """Only by the process that opened the file: a forked child stopping its copy of the
+        watchdog must not take away the file its parent's faulthandler writes into."""
+        if self.stack_path is None or os.getpid() != self._opened_by:
             return
         try:
             if self.stack_path.stat().st_size == 0:
@@ -232,15 +294,14 @@ class Watchdog:
         if self._stack_file is None:
             return
         try:
-            faulthandler.dump_traceback_later(max(seconds, 1.0), repeat=False, file=self._stack_file,
-                                              exit=self.on_hang == "abort")
+            _DUMP.arm(max(seconds, 1.0), repeat=False, file=self._stack_file, exit=self.on_hang == "abort")
             self._armed = True
         except (OSError, ValueError, RuntimeError) as exc:
             logger.debug("torchtrace: faulthandler not armed: %s", exc)
 
     def _disarm(self) -> None:
         if self._armed:
-            faulthandler.cancel_dump_traceback_later()
+            _DUMP.cancel()  # (a no-op in a forked child: its copy was never armed there)
             self._armed = False
 
     def _read_dump(self, now: float) -> None:

@@ -83,6 +83,7 @@ class Runtime:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.pid = os.getpid()  # the process that owns its threads, server and files
         self.identity: Identity = identity()
         self.level: DebugLevel = settings.level
         self.mode: DebugMode = settings.mode
@@ -374,6 +375,11 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
+        if os.getpid() != self.pid:
+            # A forked child's copy (a user's os.fork(), ending through shutdown() or at exit):
+            # its threads and server are the parent's, not running here, and waiting for them
+            # to stop would wait forever; the run's files and telemetry are the parent's too.
+            return
         # The deadline and shutdown's own time (not the job's) start here.
         deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
         # First the watchdog stops (a slow shutdown is never taken for a hang), then the black

@@ -1,0 +1,85 @@
+"""A child forked from a configured process (a user's ``os.fork()``) can end, and can set
+torchtrace up for itself, without waiting forever for its parent's threads: the hang watch's
+faulthandler dump and the metrics server are not running in the child, and stopping them there
+used to wait for threads it does not have."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = r"""
+import os, sys, time, torch, torchtrace as tt
+
+parent_dir, child_dir = sys.argv[1], sys.argv[2]
+tt.configure(service_name="parent", prometheus_port=0, run_dir=parent_dir)  # (exit handler on: the default)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def steps(n):
+    for _ in range(n):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            loss = model(torch.ones(2, 4)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step.record_loss(loss)
+
+steps(3)
+time.sleep(1.5)  # the watchdog has ticked since: faulthandler's dump is armed
+
+def wait(pid, what):
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            print(what, "exit", os.waitstatus_to_exitcode(status), flush=True)
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    print(what, "hung", flush=True)
+
+pid = os.fork()
+if pid == 0:  # shutdown(), then torchtrace of its own
+    tt.shutdown()
+    tt.configure(service_name="child", prometheus_port=0, run_dir=child_dir, register_atexit=False)
+    steps(2)
+    tt.shutdown()
+    os._exit(0)
+wait(pid, "shutdown-child")
+
+pid = os.fork()
+if pid == 0:  # the end of a script: the exit handler shuts torchtrace down
+    sys.exit(0)
+wait(pid, "exiting-child")
+
+steps(2)  # the parent goes on as before
+tt.shutdown()
+print("parent done", flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_ends_and_configures_without_waiting_for_its_parents_threads(tmp_path):
+    script = tmp_path / "fork.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "parent"), str(tmp_path / "child")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shutdown-child exit 0" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "exiting-child exit 0" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "parent done" in done.stdout
+    # The parent's run is whole (its five steps, its report); the child's own run has its two.
+    parent = json.loads(next((tmp_path / "parent").glob("*/report.json")).read_text())
+    child = json.loads(next((tmp_path / "child").glob("*/report.json")).read_text())
+    assert parent["totals"]["steps"] == 5, parent["totals"]
+    assert child["totals"]["steps"] == 2, child["totals"]
