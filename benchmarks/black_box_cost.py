@@ -24,7 +24,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overhead import MLP, Workload, make_runner, median_interval, noise_verdict  # noqa: E402
+from overhead import run_child as overhead_child  # noqa: E402
 
 import torchtrace as tt  # noqa: E402
 from torchtrace import api as tt_api  # noqa: E402
@@ -107,13 +107,7 @@ def _writer_cpu() -> float:
 
 
 def run_child(workload: str, writer: str, seconds: float) -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([sys.executable, __file__, "--child", writer, "--workloads", workload,
-                           "--seconds", str(seconds)], env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise SystemExit(f"child {writer} {workload} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return overhead_child(__file__, ["--child", writer, "--workloads", workload, "--seconds", str(seconds)], 600)
 
 
 def compare(workload: str, triples: int, seconds: float) -> list[str]:

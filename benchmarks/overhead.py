@@ -58,12 +58,14 @@ import argparse
 import collections
 import contextlib
 import copy
+import json
 import logging
 import math
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -633,6 +635,19 @@ def paired_verdict(wall: dict[str, list[float]], without: str, what: str) -> lis
         line += f"; A/A {amed * 1e6:+.1f} us [{alo * 1e6:+.1f}, {ahi * 1e6:+.1f}]"
         noise = max(abs(alo), abs(ahi))
     return [line, f"{what}: {noise_verdict(med, lo, hi, noise)}"]
+
+
+def run_child(script: str, args: list[str], timeout_s: float = 900) -> dict:
+    """Run ``python script *args`` as a child benchmark process (one torch thread, no
+    ``TORCHTRACE_``/``OTEL_`` settings from this environment) and return the JSON object its
+    last line prints; a child that fails ends the benchmark with its error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        raise SystemExit(f"child {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def noise_verdict(median: float, lo: float, hi: float, noise: float | None) -> str:

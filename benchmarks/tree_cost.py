@@ -85,13 +85,9 @@ def export_tree(rev: str, into: str) -> str:
 
 
 def run_child(tree: str, workload: str, seconds: float) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([sys.executable, __file__, "--child", tree, "--workloads", workload,
-                           "--seconds", str(seconds)], env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"child {tree} {workload} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from overhead import run_child as overhead_child
+
+    return overhead_child(__file__, ["--child", tree, "--workloads", workload, "--seconds", str(seconds)])
 
 
 def compare(workload: str, trees: dict[str, str], triples: int, seconds: float) -> list[str]:
