@@ -12,6 +12,7 @@ spent per step meanwhile.
     python benchmarks/overhead.py            # full run (a few minutes on 2 CPU cores)
     python benchmarks/overhead.py --quick    # CI smoke: tiny sizes, asserts nothing about time
     python benchmarks/overhead.py --device cuda --gpu-model   # 100M+ parameters, sync-debug check
+    python benchmarks/overhead.py --device cuda --gpt         # a 124M GPT-style decoder, bf16, clipping
 
 Variants:
   bare       the plain step
@@ -129,20 +130,83 @@ class Encoder(torch.nn.Module):
         return self.head(self.encoder(self.embed(tokens)))
 
 
+class DecoderBlock(torch.nn.Module):
+    """Pre-norm causal self-attention and a 4x GELU MLP, each with a residual."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(d_model)
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+        self.proj = torch.nn.Linear(d_model, d_model)
+        self.norm2 = torch.nn.LayerNorm(d_model)
+        self.up = torch.nn.Linear(d_model, 4 * d_model)
+        self.down = torch.nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class Decoder(torch.nn.Module):
+    """A GPT-style decoder: token and position embeddings, ``layers`` blocks, a final norm and a
+    head that shares the token embedding's weight. 12 layers, 12 heads, width 768, 50,304 tokens
+    and a context of 1,024 make 124M parameters, GPT-2 small's shape."""
+
+    def __init__(self, layers: int, heads: int, d_model: int, vocab: int, context: int) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, d_model)
+        self.positions = torch.nn.Embedding(context, d_model)
+        self.blocks = torch.nn.ModuleList(DecoderBlock(d_model, heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(d_model)
+        self.head = torch.nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 class Workload:
-    def __init__(self, name, model, make_batch, loss_fn, device):
+    """A model, its SGD optimizer (AdamW for the decoder), a batch and a loss. ``clip``: the step
+    clips the gradients to this total norm before the update, as LLM recipes do; ``autocast``: the
+    forward and loss run under ``torch.autocast`` in that dtype."""
+
+    def __init__(self, name, model, make_batch, loss_fn, device, clip: float | None = None,
+                 autocast: torch.dtype | None = None, adamw: bool = False):
         self.name = name
         self.model = model.to(device)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        if adamw:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        else:
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.batch = make_batch(device)
         self.loss_fn = loss_fn
+        self.clip = clip
+        self.autocast = autocast
+        self.device_type = device.type
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.n_tensors = sum(1 for _ in self.model.parameters())
 
+    def loss(self, model, batch):
+        """The forward and loss, under autocast when the workload has it."""
+        if self.autocast is None:
+            return self.loss_fn(model, batch)
+        with torch.autocast(self.device_type, dtype=self.autocast):
+            return self.loss_fn(model, batch)
+
     def step(self, model, batch):
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(model, batch)
+        loss = self.loss(model, batch)
         loss.backward()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
         self.optimizer.step()
         return loss
 
@@ -150,11 +214,13 @@ class Workload:
         """``step`` plus one fused gradient norm pass and one host read (the ``floor`` variant)."""
         optimizer = optimizer or self.optimizer
         optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(model, batch)
+        loss = self.loss(model, batch)
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
         torch.cat([loss.detach().reshape(1).to(torch.float64), norms]).tolist()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
         optimizer.step()
         return loss
 
@@ -177,6 +243,16 @@ def _sum(model, batch):
 def workloads(args, device) -> list[Workload]:
     torch.manual_seed(0)
     out = []
+    if getattr(args, "gpt", False):
+        # GPT-2 small's shape on a GPU (8 sequences of 1,024 tokens); a small one otherwise.
+        layers, heads, width, vocab, context, batch = ((12, 12, 768, 50304, 1024, 8) if device.type == "cuda"
+                                                       else (2, 4, 64, 512, 64, 4))
+        dtype = torch.bfloat16
+        out.append(Workload(f"gpt-{layers}x{width}-bf16-clip", Decoder(layers, heads, width, vocab, context),
+                            lambda d: (torch.randint(0, vocab, (batch, context), device=d),
+                                       torch.randint(0, vocab, (batch, context), device=d)),
+                            _lm, device, clip=1.0, autocast=dtype, adamw=True))
+        return out
     if args.gpu_model:
         # ~101M parameters in 34 tensors: width 2432, 17 layers.
         w = 2432
@@ -336,8 +412,10 @@ def make_runner(variant: str, wl: Workload):
 
         def step(m, b):
             optimizer.zero_grad(set_to_none=True)
-            loss = wl.loss_fn(m, b)
+            loss = wl.loss(m, b)
             loss.backward()
+            if wl.clip is not None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), wl.clip)
             optimizer.step()
             return loss
     if level == "extreme":
@@ -710,6 +788,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes, few rounds: a CI smoke test")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--gpu-model", action="store_true", help="one ~100M-parameter MLP (use with --device cuda)")
+    p.add_argument("--gpt", action="store_true",
+                   help="one GPT-style decoder in bf16 whose step clips its gradients (124M parameters with "
+                        "--device cuda; a small one on the CPU)")
     p.add_argument("--only-mlp", action="store_true", help="only the MLP workload")
     p.add_argument("--workloads", default=None,
                    help="comma-separated name prefixes to run (mlp, toy, encoder, tensors); default: all")

@@ -15,6 +15,9 @@ Variants (the peers' patterns are written here; no dependency beyond torchtrace'
   otel        a hand-written OpenTelemetry span around the step with two gauges (loss and step
               seconds; the loss read with .item()); a batch span processor to an exporter that
               drops what it gets, as a job with a collector would pay on its training thread
+  otel-norm   as otel, with a third gauge: the total gradient norm (``get_total_norm``, one fused
+              pass) read with .item() before the update: the least a health monitor reads, which
+              is what the floor pays; the otel peer reads no gradient
   lightning   Lightning-style ``grad_norm``: every parameter's gradient norm, and their total,
               each read with .item() (the per-parameter dict a LightningModule logs)
   trainer     Trainer-style: ``clip_grad_norm_(parameters, 1.0)`` and the returned norm read
@@ -46,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torchtrace as tt  # noqa: E402
 from overhead import MLP, Encoder, ManyTensors, Workload, median_interval, time_steps  # noqa: E402
 
-VARIANTS = ("bare", "floor", "otel", "lightning", "trainer", "basic", "basic-clip")
-PEERS = ("otel", "lightning", "trainer")
+VARIANTS = ("bare", "floor", "otel", "otel-norm", "lightning", "trainer", "basic", "basic-clip")
+PEERS = ("otel", "otel-norm", "lightning", "trainer")
 
 
 def mse_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -101,8 +104,9 @@ class DroppingExporter:
         return True
 
 
-def otel_runner(wl: Workload) -> Callable[[], torch.Tensor]:
-    """A hand-written OpenTelemetry span around the step, and two gauges."""
+def otel_runner(wl: Workload, gradient_norm: bool = False) -> Callable[[], torch.Tensor]:
+    """A hand-written OpenTelemetry span around the step, and two gauges (loss and step seconds);
+    ``gradient_norm``: a third, the total gradient norm, read before the update."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -113,7 +117,17 @@ def otel_runner(wl: Workload) -> Callable[[], torch.Tensor]:
     meter = MeterProvider().get_meter("peer")
     loss_gauge = meter.create_gauge("train_loss")
     time_gauge = meter.create_gauge("train_step_seconds")
+    norm_gauge = meter.create_gauge("train_grad_norm")
     step_number = 0
+
+    def with_norm() -> torch.Tensor:
+        wl.optimizer.zero_grad(set_to_none=True)
+        loss = wl.loss_fn(wl.model, wl.batch)
+        loss.backward()
+        grads = [p.grad for p in wl.model.parameters() if p.grad is not None]
+        norm_gauge.set(torch.nn.utils.get_total_norm(grads).item())
+        wl.optimizer.step()
+        return loss
 
     def step() -> torch.Tensor:
         nonlocal step_number
@@ -121,7 +135,7 @@ def otel_runner(wl: Workload) -> Callable[[], torch.Tensor]:
         t0 = time.perf_counter()
         with tracer.start_as_current_span("train_step") as span:
             span.set_attribute("step", step_number)
-            loss = wl.step(wl.model, wl.batch)
+            loss = with_norm() if gradient_norm else wl.step(wl.model, wl.batch)
             value = loss.item()
             span.set_attribute("loss", value)
         loss_gauge.set(value)
@@ -171,6 +185,8 @@ def make_runner(variant: str, wl: Workload) -> Callable[[], torch.Tensor]:
         return lambda: wl.floor_step(wl.model, wl.batch)
     if variant == "otel":
         return otel_runner(wl)
+    if variant == "otel-norm":
+        return otel_runner(wl, gradient_norm=True)
     if variant == "lightning":
         return lightning_runner(wl)
     if variant == "trainer":

@@ -99,3 +99,23 @@ def test_no_variant_runs_twice_in_a_row_more_often_than_chance(monkeypatch):
         assert again < rounds // 8, f"{v} ran twice in a row at {again} of {rounds} round boundaries"  # (chance: about 6)
     firsts = {v: sum(1 for r in range(rounds) if blocks[r * len(variants)] == v) for v in variants}
     assert max(firsts.values()) < 0.3 * rounds, firsts  # no variant always opens a round
+
+
+def test_the_decoder_workload_clips_under_bf16_autocast_and_its_basic_step_clips_alike(tt_runtime):
+    """``--gpt``: the step's forward runs in bfloat16 and the update uses gradients clipped to the
+    workload's total norm (checked against a float64 norm in a plain loop), with torchtrace's
+    step as without it."""
+    import argparse
+
+    bench = load("overhead")
+    args = argparse.Namespace(gpt=True, gpu_model=False, quick=True, only_mlp=False)
+    wl = bench.workloads(args, bench.torch.device("cpu"))[0]
+    assert wl.name.startswith("gpt-") and wl.clip == 1.0 and wl.n_tensors > 20
+    wl.clip = 1e-3  # far below the raw norm: the clip must act
+    dtypes = []
+    wl.model.head.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    for variant in ("bare", "basic"):
+        bench.make_runner(variant, wl)()
+        norm = sum(float(p.grad.double().pow(2).sum()) for p in wl.model.parameters()) ** 0.5
+        assert abs(norm - 1e-3) < 1e-6, (variant, norm)
+    assert dtypes == [bench.torch.bfloat16, bench.torch.bfloat16]
