@@ -6,6 +6,7 @@ must name the cause and the module, and ``skip`` must leave the weights as they 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -205,3 +206,42 @@ def test_lstm_with_a_hand_written_update(tmp_path, guard, fault):
         return
     assert not math.isfinite(result["norm"])  # clip_grad_norm_ returned the true norm
     _check(result, guard, LSTM_EXPECTED[fault])
+
+
+@pytest.mark.usefixtures("tt_runtime")
+def test_an_llm_recipe_trains_bit_for_bit_as_without_torchtrace():
+    """The step LLM recipes write (bf16 autocast, a head sharing the token embedding's weight,
+    clip_grad_norm_ to 1.0, AdamW) at the default settings, FLOP counting on its first steps
+    included: the losses, the weights and AdamW's state equal an uninstrumented copy's to the
+    bit over 30 steps. A second uninstrumented copy, run between them, is the control: were the
+    machine's kernels not reproducible, it would differ too."""
+    torch.manual_seed(0)
+    base = models.TinyGPT()
+    base.lm_head.weight = base.wte.weight
+    copies = [copy.deepcopy(base) for _ in range(3)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in copies]
+
+    def step(model, opt, idx, targets):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    instrumented = tt.debug_operation(name="train_step", model=copies[1], optimizer=opts[1])(step)
+    runners = [step, instrumented, step]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        idx, targets = models.gpt_batch(gen, batch=4)
+        losses = [run(m, o, idx, targets) for run, m, o in zip(runners, copies, opts)]
+        assert torch.equal(losses[0], losses[2]), "the control differs: this machine's kernels are not reproducible"
+        assert torch.equal(losses[0], losses[1])
+    bare, traced, control = copies
+    assert all(torch.equal(p, q) for p, q in zip(bare.parameters(), control.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(bare.parameters(), traced.parameters()))
+    for p, q in zip(bare.parameters(), traced.parameters()):
+        sa, sb = opts[0].state[p], opts[1].state[q]
+        assert all(torch.equal(sa[k], sb[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert get_runtime().step_counters["train_step"] == 30  # every step was instrumented
