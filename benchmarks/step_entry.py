@@ -84,48 +84,45 @@ class Toy:
         return loss
 
 
+def timed(toy: Toy, step: Callable[[], object]) -> Callable[[], float]:
+    """A callable that runs ``step`` once (a step whose body is ``toy.body``) and returns the
+    seconds from its call to the body's first operation."""
+    def once() -> float:
+        watch = FirstOp(toy.marker)
+        with watch:
+            t0 = time.perf_counter()
+            step()
+        assert watch.at is not None
+        return watch.at - t0
+    return once
+
+
+def in_block(toy: Toy, enter: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], None]:
+    """A step that runs ``toy.body`` inside the context manager ``enter()`` returns."""
+    def step() -> None:
+        with enter():
+            toy.body()
+    return step
+
+
 def entry_runner(variant: str, toy: Toy) -> Callable[[], float]:
     """A callable that runs one step of ``variant`` and returns its entry time in seconds."""
     if variant == "operation":
-        step = tt.debug_operation(name="train_step", model=toy.model, optimizer=toy.optimizer)(toy.body)
-
-        def decorated() -> float:
-            watch = FirstOp(toy.marker)
-            with watch:
-                t0 = time.perf_counter()
-                step()
-            assert watch.at is not None
-            return watch.at - t0
-        return decorated
-
+        return timed(toy, tt.debug_operation(name="train_step", model=toy.model, optimizer=toy.optimizer)(toy.body))
     if variant == "bare":
-        def enter() -> contextlib.AbstractContextManager:
-            return contextlib.nullcontext()
-    elif variant == "otel":
+        return timed(toy, in_block(toy, contextlib.nullcontext))
+    if variant == "otel":
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         provider = TracerProvider()
         provider.add_span_processor(BatchSpanProcessor(DroppingExporter()))  # type: ignore[arg-type]
         tracer = provider.get_tracer("peer")
-
-        def enter() -> contextlib.AbstractContextManager:
-            return tracer.start_as_current_span("train_step")
-    elif variant == "context":
-        def enter() -> contextlib.AbstractContextManager:
-            return tt.debug_context("train_step", model=toy.model, optimizer=toy.optimizer)
-    else:
-        raise ValueError(f"variant {variant!r}: expected one of {', '.join(VARIANTS)}")
-
-    def with_block() -> float:
-        watch = FirstOp(toy.marker)
-        with watch:
-            t0 = time.perf_counter()
-            with enter():
-                toy.body()
-        assert watch.at is not None
-        return watch.at - t0
-    return with_block
+        return timed(toy, in_block(toy, lambda: tracer.start_as_current_span("train_step")))
+    if variant == "context":
+        return timed(toy, in_block(toy, lambda: tt.debug_context("train_step", model=toy.model,
+                                                                 optimizer=toy.optimizer)))
+    raise ValueError(f"variant {variant!r}: expected one of {', '.join(VARIANTS)}")
 
 
 def run(seconds: float, steps: int, layers: int = 1) -> dict[str, list[float]]:

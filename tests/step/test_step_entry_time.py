@@ -2,9 +2,11 @@
 most 20 µs beyond the same code without torchtrace (median over many steps; the machine this
 runs on is shared, so a robust statistic).
 
-A dispatch mode timestamps the first aten operation on a marker tensor, the user's first
-operation in the step; the clock starts just before ``debug_context(...)`` is entered. The
-bare loop (no step) measures the dispatch mode's own cost, which is subtracted.
+The timer is ``benchmarks/step_entry.py``'s: a dispatch mode timestamps the first aten
+operation on a marker tensor, the user's first operation in the step; the clock starts just
+before ``debug_context(...)`` is called. The bare step (a block without torchtrace) measures the
+dispatch mode's own cost, which is subtracted. The benchmark compares the same with the
+OpenTelemetry SDK's span in one run.
 """
 
 from __future__ import annotations
@@ -14,55 +16,15 @@ import statistics
 import time
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import torchtrace as tt
+from tests.benchmarks import load
 
 LIMIT_S = 20e-6
+bench = load("step_entry")
 
 
-class FirstOp(TorchDispatchMode):
-    """The time of the first aten operation on ``marker`` since the mode was armed."""
-
-    def __init__(self, marker: torch.Tensor) -> None:
-        super().__init__()
-        self.marker = marker
-        self.at: float | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.at is None and args and args[0] is self.marker:
-            self.at = time.perf_counter()
-        return func(*args, **(kwargs or {}))
-
-
-def _entry_times(enter, steps: int) -> list[float]:
-    """Seconds from before ``enter()`` to the user's first operation, one value a step."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(16, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(8, 16)
-    marker = torch.zeros(1)
-    times = []
-    for _ in range(steps):
-        watch = FirstOp(marker)
-        with watch:
-            t0 = time.perf_counter()
-            with enter(model, opt):
-                marker.add_(1.0)
-                opt.zero_grad()
-                model(x).sum().backward()
-                opt.step()
-        times.append(watch.at - t0)
-    return times
-
-
-def _bare(model, opt):
-    return contextlib.nullcontext()
-
-
-def _step(model, opt):
-    return tt.debug_context("train_step", model=model, optimizer=opt)
+def _median_entry(runner, steps: int) -> float:
+    return statistics.median(runner() for _ in range(steps))
 
 
 @pytest.mark.xfail(strict=False, reason=(
@@ -72,19 +34,21 @@ def _step(model, opt):
     "context's entry goes: debug_context(...) construction 8.7 us, open_span 8.2, throughput.start 6.7, "
     "GradientCheck.hook 4.8 (a step pre-hook registered and removed every step), probes.enter 2.9"))
 def test_step_entry_reaches_the_users_first_operation_within_20_us(tt_runtime):
-    _entry_times(_step, 50)  # warm: first-step work (hooks, caches) is not step entry
-    bare = statistics.median(_entry_times(_bare, 400))
-    step = statistics.median(_entry_times(_step, 400))
-    added = step - bare
-    assert added <= LIMIT_S, f"step entry adds {added * 1e6:.1f} µs (bare {bare * 1e6:.1f} µs)"
+    toy = bench.Toy()
+    bare, step = bench.entry_runner("bare", toy), bench.entry_runner("context", toy)
+    _median_entry(step, 50)  # warm: first-step work (hooks, caches) is not step entry
+    added = _median_entry(step, 400) - _median_entry(bare, 400)
+    assert added <= LIMIT_S, f"step entry adds {added * 1e6:.1f} µs"
 
 
 def test_the_timer_sees_a_slow_entry():
     """The timer can fail: an entry that sleeps 1 ms reads as about 1 ms."""
 
     @contextlib.contextmanager
-    def slow(model, opt):
+    def slow():
         time.sleep(1e-3)
         yield
 
-    assert statistics.median(_entry_times(slow, 20)) - statistics.median(_entry_times(_bare, 20)) > LIMIT_S
+    toy = bench.Toy()
+    slow_step = bench.timed(toy, bench.in_block(toy, slow))
+    assert _median_entry(slow_step, 20) - _median_entry(bench.entry_runner("bare", toy), 20) > LIMIT_S
