@@ -6,13 +6,15 @@
 #   3. overhead.py on the 124M GPT-style decoder in bf16 whose step clips its gradients: BASIC
 #      against the bare step (target 1.005x), then 5 BASIC steps under sync debug "error".
 #
-#     bash benchmarks/gpu_checks.sh                    # writes into $OUT (default /tmp/gpu-checks)
-#     WHEELS=wheels bash benchmarks/gpu_checks.sh      # installs the wheels in that folder first
+#     bash benchmarks/gpu_checks.sh              # writes into $OUT (default /tmp/gpu-checks)
 #
-# A machine whose image has torch but not torchtrace's other dependencies takes them as wheels,
-# made beside the checkout for the machine's Python (3.12 on the machines lent so far), e.g.
-#     pip download -d wheels --only-binary=:all: --python-version 3.12 opentelemetry-sdk \
-#         opentelemetry-exporter-otlp prometheus-client psutil pytest pytest-timeout pyyaml
+# A machine whose image has torch but not torchtrace's other dependencies takes them from the
+# wheels in $WHEELS (default .whl, ignored by git; carry it to the machine with the checkout),
+# made here for the machine's Python (3.12 on the machines lent so far):
+#     pip download -d .whl --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+#         opentelemetry-sdk opentelemetry-exporter-otlp prometheus-client psutil pytest pytest-timeout
+# (11 MB on 2026-11-29). Only what the image lacks is installed from them.
 # Each step's output goes to its own file in $OUT; a step that fails or runs out of time does
 # not stop the next.
 set -u
@@ -21,8 +23,11 @@ OUT=${OUT:-/tmp/gpu-checks}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 
-if [ -n "${WHEELS:-}" ]; then
-    "$PY" -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl >"$OUT/install.txt" 2>&1 || true
+WHEELS=${WHEELS:-.whl}
+if [ -d "$WHEELS" ]; then
+    "$PY" -m pip install --no-index --find-links "$WHEELS" opentelemetry-sdk opentelemetry-exporter-otlp \
+        prometheus-client psutil pytest pytest-timeout >"$OUT/install.txt" 2>&1
+    echo "installs: exit status $?" >>"$OUT/install.txt"
 fi
 {
     date -u
