@@ -68,13 +68,16 @@ class _ForkSafeDump:
         self.lock = threading.Lock()
         self.armed_for: float | None = None  # seconds it was last armed for
         self.armed_at = 0.0  # time.monotonic() then
-        self.kwargs: dict[str, Any] = {}
+        self.file: BinaryIO | None = None  # where it writes the stacks
+        self.exit = False  # whether it ends the process after writing them
         self.paused: float | None = None  # the seconds left when a fork cancelled it
 
-    def arm(self, seconds: float, **kwargs: Any) -> None:
+    def arm(self, seconds: float, file: BinaryIO, exit: bool) -> None:
+        """Write every thread's stack into ``file`` once, ``seconds`` from now (and then end the
+        process when ``exit``), unless armed again or cancelled before."""
         with self.lock:
-            faulthandler.dump_traceback_later(seconds, **kwargs)
-            self.armed_for, self.armed_at, self.kwargs = seconds, time.monotonic(), kwargs
+            faulthandler.dump_traceback_later(seconds, repeat=False, file=file, exit=exit)
+            self.armed_for, self.armed_at, self.file, self.exit = seconds, time.monotonic(), file, exit
 
     def cancel(self) -> None:
         with self.lock:
@@ -91,8 +94,8 @@ class _ForkSafeDump:
 
     def after_fork_in_parent(self) -> None:
         try:
-            if self.paused is not None:
-                faulthandler.dump_traceback_later(self.paused, **self.kwargs)
+            if self.paused is not None and self.file is not None:
+                faulthandler.dump_traceback_later(self.paused, repeat=False, file=self.file, exit=self.exit)
                 self.armed_for, self.armed_at = self.paused, time.monotonic()
         except (OSError, ValueError, RuntimeError) as exc:
             logger.debug("torchtrace: faulthandler not armed again after a fork: %s", exc)
@@ -102,7 +105,7 @@ class _ForkSafeDump:
 
     def after_fork_in_child(self) -> None:
         self.paused = None
-        self.kwargs = {}
+        self.file = None
         self.lock.release()
 
 
@@ -294,7 +297,7 @@ class Watchdog:
         if self._stack_file is None:
             return
         try:
-            _DUMP.arm(max(seconds, 1.0), repeat=False, file=self._stack_file, exit=self.on_hang == "abort")
+            _DUMP.arm(max(seconds, 1.0), file=self._stack_file, exit=self.on_hang == "abort")
             self._armed = True
         except (OSError, ValueError, RuntimeError) as exc:
             logger.debug("torchtrace: faulthandler not armed: %s", exc)
