@@ -23,10 +23,29 @@ fi
 if [ "$workers" = "0" ]; then
   exec .venv/bin/python -m pytest -q -p no:xdist "$@"
 fi
+# A marker expression of the caller's (-m EXPR) narrows both passes: pytest keeps only the
+# last -m it is given, so passed on as it is it would replace the passes' own.
+marks=""
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -m)
+      if [ $# -lt 2 ]; then echo "scripts/test.sh: -m needs a marker expression" >&2; exit 4; fi
+      marks="$2"; shift 2 ;;
+    -m*) marks="${1#-m}"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+parallel_marks="not serial"
+serial_marks="serial"
+if [ -n "$marks" ]; then
+  parallel_marks="not serial and ($marks)"
+  serial_marks="serial and ($marks)"
+fi
 status=0
-.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup -m "not serial" "$@" || status=$?
+.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup -m "$parallel_marks" ${args[@]+"${args[@]}"} || status=$?
 serial=0
-.venv/bin/python -m pytest -q -p no:xdist -m serial "$@" || serial=$?
+.venv/bin/python -m pytest -q -p no:xdist -m "$serial_marks" ${args[@]+"${args[@]}"} || serial=$?
 # 5: the selection left no test in that pass (one of them may be empty, not both)
 [ "$status" -eq 5 ] && [ "$serial" -ne 5 ] && status=0
 [ "$serial" -eq 5 ] && serial=0
