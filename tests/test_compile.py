@@ -219,3 +219,65 @@ def test_a_compiled_optimizer_step_gets_no_graph_break_from_torchtrace(patched_t
     assert updaters._hook_handle is not None
     assert breaks[True] == breaks[False]
     assert not any("ContextVar" in reason for reason in breaks[True])
+
+
+def _plain_losses_and_norms(steps: int) -> tuple[list[float], list[float]]:
+    """The reference: the same training without torchtrace or compilation; each step's loss and
+    its gradient's global 2-norm summed in float64 in a plain loop."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    losses, norms = [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        norms.append(sum(float(v) ** 2 for p in model.parameters() for v in p.grad.double().flatten()) ** 0.5)
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+@pytest.mark.parametrize("form", ["torch.compile(decorated step)", "debug_context in a compiled function"])
+def test_a_compiled_step_function_is_recorded_like_an_eager_one(tt_runtime, form, caplog):
+    """Some training scripts compile the whole step function, torchtrace's block or decorator
+    included. torchtrace's own work stays out of the graph and runs eagerly around the step's
+    code: no internal error (strict mode raises one), every step recorded with its loss and
+    gradient norm, and the same losses as the plain loop. Its entry breaks the graph there, and
+    torchtrace cannot count the step's FLOPs inside a compiled function: a warning says so, and
+    what to do, once."""
+    steps = 4
+    losses, norms = _plain_losses_and_norms(steps)
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+
+    def body():
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    if form == "torch.compile(decorated step)":
+        step = torch.compile(tt.debug_operation(name="train_step", model=model, optimizer=opt)(body),
+                             backend="eager")
+    else:
+        def in_block():
+            with tt.debug_context("train_step", model=model, optimizer=opt) as scope:
+                loss = body()
+                scope.record_loss(loss)
+            return loss
+
+        step = torch.compile(in_block, backend="eager")
+    got = [step().item() for _ in range(steps)]
+    assert got == losses
+    warned = [r.getMessage() for r in caplog.records if "FLOPs cannot be counted there" in r.getMessage()]
+    assert len(warned) == 1, warned
+    rows = api.get_runtime().history.steps()
+    assert [row["step"] for row in rows] == list(range(steps))
+    assert [row["loss"] for row in rows] == pytest.approx(losses, rel=1e-6)
+    assert [row["grad_norm"] for row in rows] == pytest.approx(norms, rel=1e-5)

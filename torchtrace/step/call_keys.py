@@ -17,11 +17,9 @@ from typing import TYPE_CHECKING, Hashable
 
 import torch
 
-from torchtrace.errors import get_logger
+from torchtrace import current
 from torchtrace.measure.batch import MAX_MICRO_BATCHES, MicroBatches, same_arguments
 from torchtrace.measure.flops import LateKey, StepFlops, countable, leave_counter, shape_key
-
-logger = get_logger(__name__)
 
 if TYPE_CHECKING:
     from torchtrace.step.scope import StepScope
@@ -73,18 +71,16 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
         state.counter = None
 
 
-_told: set[str] = set()  # operations told that their steps have no one batch
-
-
 def _say_no_batch(scope: StepScope) -> None:
-    """Say once per operation why its steps get no samples (a warning, not silence)."""
+    """Say once per operation and run why its steps get no samples (a warning, not silence)."""
     name = getattr(scope, "name", None)
-    if not isinstance(name, str) or name in _told or len(_told) >= MAX_KEYS:
+    rt = current.runtime(create=False)
+    if not isinstance(name, str) or rt is None:
         return
-    _told.add(name)
-    logger.warning("torchtrace: %s called its model on several batches with no backward between them (two views "
-                   "of a batch, an evaluation loop): its steps get no samples, tokens or FLOPs from the model's "
-                   "calls; give step.record_batch(samples=..., tokens=...) or debug_context(inputs=...)", name)
+    rt.warn_once(("no batch", name), "torchtrace: %s called its model on several batches with no backward between "
+                 "them (two views of a batch, an evaluation loop): its steps get no samples, tokens or FLOPs from "
+                 "the model's calls; give step.record_batch(samples=..., tokens=...) or debug_context(inputs=...)",
+                 name)
 
 
 def _countable_calls(batch: object) -> bool:
