@@ -176,22 +176,14 @@ class _Counter(FlopCounterMode):
         return self
 
 
-def eager_for_now() -> contextlib.AbstractContextManager[object] | None:
+def eager_for_now() -> contextlib.AbstractContextManager[object]:
     """``torch.compile``d code runs eagerly inside (no compilation, nothing cached): first called
-    under the FLOP counter's dispatch mode, torch would never compile it after.
-
-    None inside a function that ``torch.compile`` runs (the step is part of a compiled step
-    function): torch refuses to change its stance there, and without the stance the counter
-    would get compiled into the user's graphs, so no count can start.
-    """
+    under the FLOP counter's dispatch mode, torch would never compile it after."""
     dynamo = sys.modules.get("torch._dynamo")
     stance = getattr(dynamo, "set_stance", None) if dynamo is not None else None
     if stance is None:
         return contextlib.nullcontext()
-    try:
-        return stance("force_eager")
-    except RuntimeError:  # "attempted to set_stance in a torch.compile region"
-        return None
+    return stance("force_eager")
 
 
 def drop_counter(counter: contextlib.ExitStack) -> None:

@@ -262,17 +262,13 @@ class StepFlops:
         """A step's count for ``key``, entered (:meth:`counting`; ``torch.compile``d code runs
         eagerly inside, see :func:`eager_for_now`): its ``__exit__`` ends it. None while a
         profiler records (:func:`profiler_running`; the user's, or torchtrace's own window): it
-        would see the step's every op twice and the counter's dispatch mode besides. None too
-        inside a function ``torch.compile`` runs, where compiled code cannot be made eager. In
-        both cases the key stays uncounted and a later step counts it."""
+        would see the step's every op twice and the counter's dispatch mode besides, so the key
+        stays uncounted and a later step without a profiler counts it."""
         if profiler_running():
-            return None
-        eager = eager_for_now()
-        if eager is None:
             return None
         counter = contextlib.ExitStack()
         try:
-            counter.enter_context(eager)
+            counter.enter_context(eager_for_now())
             counter.mode = counter.enter_context(self.counting(key))  # type: ignore[attr-defined]
         except BaseException:
             counter.close()

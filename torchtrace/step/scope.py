@@ -200,6 +200,11 @@ class StepScope:
             raise
 
     # ------------------------------------------------------------ enter
+    # Entry and exit are never traced by torch.compile. In a compiled step function (the
+    # ``with`` block, or a decorated step, inside a function torch.compile compiles) the graph
+    # breaks at them and they run eagerly, with dynamo off for all they call: the step gets its
+    # FLOPs and phases as without the compiler. Costs no entry time the benchmark can tell.
+    @torch.compiler.disable
     def __enter__(self) -> "StepScope":
         rt = current.runtime()
         if rt is None or rt.replaying:  # a forensic replay records nothing itself
@@ -260,6 +265,7 @@ class StepScope:
             self.throughput.started_at = t1
 
     # ------------------------------------------------------------ exit
+    @torch.compiler.disable  # (as __enter__)
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self._active:
             return False

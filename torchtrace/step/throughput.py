@@ -20,15 +20,7 @@ import torch
 
 from torchtrace.measure import peaks
 from torchtrace.measure.batch import NOTHING, BatchSize, batch_of
-from torchtrace.measure.flops import (
-    LateKey,
-    StepFlops,
-    countable,
-    drop_counter,
-    profiler_running,
-    release_counter,
-    shape_key,
-)
+from torchtrace.measure.flops import LateKey, StepFlops, countable, drop_counter, release_counter, shape_key
 from torchtrace.measure.learning_rates import learning_rates, plan_rates
 from torchtrace.measure.scaler import find_side_effect_owners, scale_at_start, skipped_update
 from torchtrace.measure.shape_keys import loose_shape_key, truncated
@@ -402,12 +394,6 @@ class RunThroughput:
         counter = self.flops.begin(key)  # (None while a profiler records: a later step counts)
         if counter is not None:
             self._counting = weakref.ref(scope)  # weak: a scope holds the user's model
-        elif not profiler_running():  # refused: the step runs inside a function torch.compile runs
-            self.rt.warn_once(("flops compiled", scope.name),
-                              "torchtrace: %s runs inside a function that torch.compile compiles: its FLOPs cannot "
-                              "be counted there (record_batch(flops=...) gives them), and torchtrace's step breaks "
-                              "that function's graph at its with-block; compile the model (model.compile()) "
-                              "instead", scope.name)
         return counter
 
     def _release_container(self) -> bool:
