@@ -203,7 +203,8 @@ class StepScope:
     # Entry and exit are never traced by torch.compile. In a compiled step function (the
     # ``with`` block, or a decorated step, inside a function torch.compile compiles) the graph
     # breaks at them and they run eagerly, with dynamo off for all they call: the step gets its
-    # FLOPs and phases as without the compiler. Costs no entry time the benchmark can tell.
+    # FLOPs and phases as without the compiler. Its cost is within noise (benchmarks/RESULTS.md,
+    # 2026-11-29, session 23: step entry, and BASIC's cost in benchmarks/tree_cost.py).
     @torch.compiler.disable
     def __enter__(self) -> "StepScope":
         rt = current.runtime()
