@@ -296,3 +296,15 @@ def test_a_compiled_step_function_is_recorded_like_an_eager_one(tt_runtime, fres
     assert all(set(row["phases"]) == {"forward", "backward", "optimizer"} for row in rows), \
         [row.get("phases") for row in rows]
     assert not [r.getMessage() for r in caplog.records if r.name.startswith("torchtrace")]
+
+
+def test_importing_torchtrace_does_not_import_the_compiler():
+    """The step's entry and exit keep out of torch.compile without importing it: ``import
+    torchtrace`` leaves ``torch._dynamo`` unimported (a second of import time, and NumPy)."""
+    import subprocess
+    import sys
+
+    code = "import sys, torchtrace; print('torch._dynamo' in sys.modules, 'torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]

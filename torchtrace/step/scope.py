@@ -11,8 +11,10 @@ it on to export. One scope serves ``with``, ``async with`` and the decorators.
 from __future__ import annotations
 
 import contextvars
+import functools
+import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import torch
 from opentelemetry import context as otel_context
@@ -39,6 +41,34 @@ if TYPE_CHECKING:
     from torchtrace.step.runtime import Runtime
 
 STEP_KINDS = checks.STEP_KINDS
+
+
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def _outside_compiler(method: _M) -> _M:
+    """``method``, never traced by ``torch.compile``, for the step's entry and exit.
+
+    In a compiled step function (the ``with`` block, or a decorated step, inside a function
+    torch.compile compiles) the graph breaks at them and they run eagerly, with dynamo off for
+    all they call: the step gets its FLOPs and phases as without the compiler.
+
+    ``torch.compiler.disable`` imports ``torch._dynamo``: a second, so not at ``import
+    torchtrace``. Until something imports it (torch does as the first optimizer is made) nothing
+    can compile, and ``method`` runs as it is. The first call after that puts the disabled
+    method on the class in place of this one, so later steps pay for the disabled call only:
+    0.4 us in a warm loop, 1-2 us of step entry (the check on every step cost 3 us;
+    benchmarks/RESULTS.md, 2026-11-29, session 23).
+    """
+    @functools.wraps(method)
+    def until_dynamo_loads(*args: object, **kwargs: object) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return method(*args, **kwargs)
+        disabled = torch.compiler.disable(method)
+        setattr(StepScope, method.__name__, disabled)
+        return disabled(*args, **kwargs)
+
+    return cast(_M, until_dynamo_loads)
 
 
 class StepScope:
@@ -200,12 +230,7 @@ class StepScope:
             raise
 
     # ------------------------------------------------------------ enter
-    # Entry and exit are never traced by torch.compile. In a compiled step function (the
-    # ``with`` block, or a decorated step, inside a function torch.compile compiles) the graph
-    # breaks at them and they run eagerly, with dynamo off for all they call: the step gets its
-    # FLOPs and phases as without the compiler. Its cost is within noise (benchmarks/RESULTS.md,
-    # 2026-11-29, session 23: step entry, and BASIC's cost in benchmarks/tree_cost.py).
-    @torch.compiler.disable
+    @_outside_compiler
     def __enter__(self) -> "StepScope":
         rt = current.runtime()
         if rt is None or rt.replaying:  # a forensic replay records nothing itself
@@ -266,7 +291,7 @@ class StepScope:
             self.throughput.started_at = t1
 
     # ------------------------------------------------------------ exit
-    @torch.compiler.disable  # (as __enter__)
+    @_outside_compiler
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self._active:
             return False
