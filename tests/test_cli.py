@@ -95,8 +95,10 @@ def test_demo_tells_the_story_in_a_pipe(tmp_path):
     assert tp["samples_per_s"] == pytest.approx(sum(s["attributes"]["torchtrace.samples"] for s in last) / cycles,
                                                  rel=0.01)
     # ... and where the wall time went: the skipped update and the replay among the rest
-    assert re.search(r"\n  goodput +\d+% of wall time in applied updates; the rest: startup .*forensics", out)
-    assert "skipped_step" in re.search(r"\n  goodput .*\n", out).group(0)
+    # (the rest comes largest first: startup leads when it holds torch's first imports, not always)
+    goodput = re.search(r"\n  goodput +\d+% of wall time in applied updates; the rest: (.*)\n", out)
+    assert goodput, out
+    assert {"startup", "forensics", "skipped_step"} <= {part.split()[0] for part in goodput.group(1).split(", ")}
 
 
 @pytest.mark.timeout(120)
