@@ -308,3 +308,42 @@ def test_importing_torchtrace_does_not_import_the_compiler():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True"]
+
+
+def test_a_process_whose_first_step_is_compiled_records_it(tmp_path):
+    """The first step a process ever enters is inside a compiled step function: the entry is
+    then still the plain method when dynamo meets it (it becomes the disabled one at its first
+    call), and the steps are still recorded with their FLOPs and phases. A fresh process: in
+    this one, earlier tests' steps made the swap already."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import json, torch, torchtrace as tt
+from torchtrace import api
+tt.configure(service_name="first", prometheus_port="off", run_dir={str(tmp_path)!r}, register_atexit=False,
+             strict=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(4, 8)
+def body():
+    opt.zero_grad(set_to_none=True)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+step = torch.compile(tt.debug_operation(name="train_step", model=model, optimizer=opt)(body), backend="eager")
+for _ in range(3):
+    step()
+rows = api.get_runtime().history.steps()
+print(json.dumps([[row["flops"], sorted(row["phases"])] for row in rows]))
+tt.shutdown()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    # 4 x 8 -> 16 -> 4: forward 2*4*8*16 + 2*4*16*4 = 1536 FLOPs, backward twice that less the
+    # first layer's input gradient (2*4*8*16 = 1024): 1536 + 3072 - 1024 = 3584
+    assert rows == [[3584, ["backward", "forward", "optimizer"]]] * 3
