@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,14 +35,19 @@ def _frames() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _run(compiled, opt, x, steps, instrument: bool, level: str = "basic", watched=None):
-    def step():
+def _sgd_body(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor):
+    """A training step's body: zero the gradients, the loss, backward, the update."""
+    def body():
         opt.zero_grad(set_to_none=True)
-        loss = compiled(x).pow(2).mean()
+        loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()
         return loss
+    return body
 
+
+def _run(compiled, opt, x, steps, instrument: bool, level: str = "basic", watched=None):
+    step = _sgd_body(compiled, opt, x)
     if instrument:
         api.get_runtime().set_level(level)
         step = tt.debug_operation(name="train_step", model=watched if watched is not None else compiled,
@@ -266,15 +273,7 @@ def test_a_compiled_step_function_is_recorded_like_an_eager_one(tt_runtime, fres
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(4, 8)
-
-    def body():
-        opt.zero_grad(set_to_none=True)
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
+    body = _sgd_body(model, opt, torch.randn(4, 8))
     if form == "torch.compile(decorated step)":
         step = torch.compile(tt.debug_operation(name="train_step", model=model, optimizer=opt)(body),
                              backend="eager")
@@ -322,18 +321,13 @@ def test_a_process_whose_first_step_is_compiled_records_it(tmp_path):
     code = f"""
 import json, torch, torchtrace as tt
 from torchtrace import api
+from tests.test_compile import Net, _sgd_body
 tt.configure(service_name="first", prometheus_port="off", run_dir={str(tmp_path)!r}, register_atexit=False,
              strict=True)
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+model = Net()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-x = torch.randn(4, 8)
-def body():
-    opt.zero_grad(set_to_none=True)
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    opt.step()
-    return loss
+body = _sgd_body(model, opt, torch.randn(4, 8))
 step = torch.compile(tt.debug_operation(name="train_step", model=model, optimizer=opt)(body), backend="eager")
 for _ in range(3):
     step()
@@ -341,9 +335,10 @@ rows = api.get_runtime().history.steps()
 print(json.dumps([[row["flops"], sorted(row["phases"])] for row in rows]))
 tt.shutdown()
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=root)
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    # 4 x 8 -> 16 -> 4: forward 2*4*8*16 + 2*4*16*4 = 1536 FLOPs, backward twice that less the
+    # Net, 4 x 8 -> 16 -> 4: forward 2*4*8*16 + 2*4*16*4 = 1536 FLOPs, backward twice that less the
     # first layer's input gradient (2*4*8*16 = 1024): 1536 + 3072 - 1024 = 3584
     assert rows == [[3584, ["backward", "forward", "optimizer"]]] * 3
