@@ -1,4 +1,5 @@
-"""Instrumenting a compiled model adds no graph breaks (eager and aot_eager backends, on CPU)."""
+"""Instrumenting a compiled model adds no graph breaks (eager and aot_eager backends, on CPU), and a
+compiled step function (torchtrace's block or decorator inside it) is recorded as an eager one."""
 
 from __future__ import annotations
 
