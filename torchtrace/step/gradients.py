@@ -36,6 +36,20 @@ if TYPE_CHECKING:
 _NO_GRADIENTS = frozenset({"evaluation", "checkpoint"})  # operation kinds that make no gradients
 
 
+def updates_model(rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` updates every parameter of ``model`` that requires a gradient, and
+    the model has one. The watched lists are the runtime's cached ones; the loop stops at the
+    first parameter missing, so one optimizer per parameter costs a few lookups each."""
+    updated = {id(ref.param) for ref in rt.params_for(model, optimizer)}
+    trainable = False
+    for ref in rt.params_for(model, None):
+        if ref.param.requires_grad:
+            if id(ref.param) not in updated:
+                return False
+            trainable = True
+    return trainable
+
+
 class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
@@ -157,13 +171,24 @@ class GradientCheck:
     def measure_at_end(self) -> None:
         """No optimizer was hooked: measure the gradients as the step leaves them. (With an
         optimizer that did not step, no update used them: nothing to measure. An evaluation or
-        checkpoint operation makes none: what it would find are the last training step's.)"""
+        checkpoint operation makes none: what it would find are the last training step's.)
+
+        None left, after optimizers stepped in the step (one per parameter, inside
+        ``backward()``, each zeroing its tensor's gradient): the step's gradients were not
+        measured, which a warning says once per operation."""
         scope = self.scope
         if self.fired or scope.model is None or scope.kind in _NO_GRADIENTS or \
                 scope.optimizer is not None and hookable(scope.optimizer):
             return
         self.fired = True
         self.stats = grad_measure.gradient_norms(self.rt.params_for(scope.model, None))
+        stepped = scope.forensics.stepped or ()
+        if self.stats is None and any(isinstance(u, torch.optim.Optimizer) for u in stepped):
+            self.rt.warn_once(("gradients-gone", scope.name),
+                              "torchtrace: %s: the step's gradients were not measured: optimizers stepped in it, "
+                              "none of them updating all of the model's trainable parameters (one optimizer per "
+                              "parameter, stepped in backward()?), and no gradient was left at its end; pass "
+                              "optimizer= to measure one optimizer's gradients before its update", scope.name)
 
     def _decide(self, params: list, values: list[float] | None = None) -> None:
         """Read the norms now (a host read of its own, unless ``values`` are the CPU norms already

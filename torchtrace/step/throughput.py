@@ -160,9 +160,15 @@ class RunThroughput:
         elif marks.state(model) is None:
             marks.detach()
             marks.attach(model)
-        if optimizer is not None and optimizer not in self._optimizers and hookable(optimizer):
-            self._optimizers[optimizer] = OptimizerMarks(optimizer)
+        if optimizer is not None:
+            self.mark_optimizer(optimizer)
         return bool(marks.state(model))
+
+    def mark_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the phase marks on ``optimizer`` where they are not: its steps mark the optimizer
+        phase of the open step."""
+        if optimizer not in self._optimizers and hookable(optimizer):
+            self._optimizers[optimizer] = OptimizerMarks(optimizer)
 
     def finish_step(self, scope: StepScope, state: StepThroughput, exc: BaseException | None,
                     given: tuple | None, plan: ReadPlan) -> StepFigures:

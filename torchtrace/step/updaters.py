@@ -19,7 +19,11 @@ its own ``scale`` and inherits ``step``, which finds it.
 notes every optimizer that steps inside an open step besides the step's own (one in a
 global, or the second of a GAN's two): a forensic replay calls the step function again, and
 must not apply any of their updates a second time. Outside a step the hook reads a context
-variable.
+variable. A step that names a model but no optimizer takes the first optimizer that steps in
+it and updates every trainable parameter of the model as its own, as if passed as
+``optimizer=``: its gradients are measured (and guarded) right before its update, which a
+loop that zeroes them at the step's end leaves no other moment for. One optimizer per
+parameter (stepped inside ``backward()``) is never the step's: each updates one tensor.
 
 **Learning-rate schedulers.** The ``step`` of every scheduler class in
 ``torch.optim.lr_scheduler`` is wrapped likewise: a scheduler stepped inside the step (the
@@ -43,7 +47,9 @@ from torch.optim import lr_scheduler, swa_utils
 from torch.optim import optimizer as optimizer_module
 
 from torchtrace import current
+from torchtrace.errors import NonFiniteError
 from torchtrace.measure.scaler import scale_at_start
+from torchtrace.step.gradients import updates_model
 from torchtrace.step.watched import real_optimizer
 
 if TYPE_CHECKING:
@@ -73,11 +79,14 @@ _T = TypeVar("_T")
 
 
 def _safely(note: Callable[[_T], None], obj: _T) -> None:
-    """``note(obj)`` outside a compiled graph (no break), never raising into the user's call."""
+    """``note(obj)`` outside a compiled graph (no break), never raising into the user's call
+    but the guard's error (``guard="raise"``: the user asked for it)."""
     if is_compiling():
         return
     try:
         note(obj)
+    except NonFiniteError:
+        raise
     except Exception as exc:
         rt = current.runtime(create=False)
         if rt is not None:
@@ -87,7 +96,27 @@ def _safely(note: Callable[[_T], None], obj: _T) -> None:
 def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     _safely(_note, optimizer)
     _safely(_unguarded, optimizer)
+    _safely(_adopt, optimizer)
     _safely(_skipped, optimizer)
+
+
+def _adopt(optimizer: torch.optim.Optimizer) -> None:
+    """The open step names a model but no optimizer, and its gradients are not measured yet:
+    ``optimizer``, if it updates every trainable parameter of the model, becomes the step's.
+    Its gradients are measured now, before its update (a skip guard's decision drops them in
+    :func:`_skipped`, next), and the phase marks go on it (this update's optimizer phase
+    starts after the measuring, which counts in the backward)."""
+    scope = current.step()
+    if scope is None or not scope.active or scope.optimizer is not None or scope.model is None:
+        return
+    if scope.gradients is not None and scope.gradients.fired:
+        return
+    rt = current.runtime(create=False)
+    if rt is None or not updates_model(rt, scope.model, optimizer):
+        return
+    if scope.throughput is not None:
+        rt.throughput.mark_optimizer(optimizer)
+    scope.check_gradients_now(optimizer)
 
 
 def _skipped(optimizer: torch.optim.Optimizer) -> None:

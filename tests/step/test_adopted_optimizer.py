@@ -1,0 +1,176 @@
+"""A step that names its model but not its optimizer, whose optimizer steps inside it.
+
+Plain loops often hand torchtrace the model only (``debug_context("train_step", model=m)``,
+or a decorated step whose optimizer is a global, not an argument) and zero the gradients at
+the step's end. The gradients were then gone when the step ended: the record had no gradient
+norm, no learning rate, and no warning said so. Now the first optimizer that steps inside such
+a step and updates every trainable parameter of the model is the step's, as if passed as
+``optimizer=``: its gradients are measured right before its update. One optimizer per
+parameter, stepped inside ``backward()`` (the memory-saving pattern of PyTorch's tutorial and
+torchtune's ``optimizer_in_bwd``), is not taken for the step's: a warning says the step's
+gradients were not measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace.api import get_runtime
+
+STEPS = 4
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def _batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 8, generator=gen) for _ in range(STEPS)]
+
+
+def _norm64(grads: list[torch.Tensor]) -> float:
+    """The total 2-norm in float64, summed in a plain loop."""
+    total = 0.0
+    for g in grads:
+        for v in g.detach().double().flatten().tolist():
+            total += v * v
+    return math.sqrt(total)
+
+
+def _reference() -> tuple[list[float], list[float]]:
+    """Losses and gradient norms (before each update) of the same training without torchtrace."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses, norms = [], []
+    for x in _batches():
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        norms.append(_norm64([p.grad for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, norms
+
+
+def _records(form: str) -> list:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)  # named nowhere: not an argument, not passed
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # gone at the step's end
+        return loss
+
+    records = []
+    if form == "debug_context":
+        for x in _batches():
+            with tt.debug_context("train_step", model=model) as step:
+                step.record_loss(body(x))
+            records.append(step.record)
+    else:
+        decorated = tt.debug_operation(name="train_step", model=model)(body)
+        for x in _batches():
+            decorated(x)
+            records.append(get_runtime().history.last_record)
+    return records
+
+
+@pytest.mark.parametrize("form", ["debug_context", "debug_operation"])
+def test_the_optimizer_that_steps_in_a_model_only_step_is_measured(tt_runtime, form):
+    losses, norms = _reference()
+    records = _records(form)
+    assert [r.loss for r in records] == pytest.approx(losses, rel=0, abs=0)  # bit for bit
+    for record, norm in zip(records, norms):
+        assert record.grad_norm == pytest.approx(norm, rel=1e-5)
+        assert record.lr == [0.05]
+        assert record.anomalies == []
+    assert set(records[-1].phases) == {"forward", "backward", "optimizer"}
+
+
+def test_a_nan_gradient_is_skipped_before_the_adopted_optimizer_updates(tmp_path):
+    tt.configure(service_name="test", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
+                 register_atexit=False, guard="skip")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for i, x in enumerate(_batches()):
+        if i == 2:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        with tt.debug_context("train_step", model=model) as step:
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step.record_loss(loss)
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert step.record.skipped is (i == 2)
+        assert unchanged is (i == 2)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_an_optimizer_for_another_model_is_not_the_steps(tt_runtime):
+    """A GAN's step names the generator: the discriminator's optimizer steps first, then the
+    generator's, whose gradients are the step's."""
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+    z = torch.randn(16, 4)
+    with tt.debug_context("gan_step", model=gen) as step:
+        d_loss = disc(gen(z).detach()).mean()
+        d_loss.backward()
+        opt_d.step()
+        opt_d.zero_grad(set_to_none=True)
+        g_loss = -disc(gen(z)).mean()
+        g_loss.backward()
+        expected = _norm64([p.grad for p in gen.parameters()])
+        opt_g.step()
+        opt_g.zero_grad(set_to_none=True)
+        opt_d.zero_grad(set_to_none=True)
+        step.record_loss(g_loss)
+    assert step.record.grad_norm == pytest.approx(expected, rel=1e-5)
+
+
+def test_an_optimizer_per_parameter_stepped_in_backward_is_said_not_measured(tt_runtime, caplog):
+    caplog.set_level(logging.WARNING, logger="torchtrace")
+
+    def train(model: torch.nn.Module, instrumented: bool) -> list[float]:
+        per_param = {p: torch.optim.Adam([p], lr=1e-3) for p in model.parameters()}
+
+        def step_now(p: torch.Tensor) -> None:
+            per_param[p].step()
+            per_param[p].zero_grad(set_to_none=True)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step_now)
+        losses = []
+        for x in _batches():
+            if instrumented:
+                with tt.debug_context("train_step", model=model) as step:
+                    loss = model(x).pow(2).mean()
+                    loss.backward()
+                    step.record_loss(loss)
+                assert step.record.grad_norm is None
+            else:
+                loss = model(x).pow(2).mean()
+                loss.backward()
+            losses.append(loss.item())
+        return losses
+
+    model = _model()
+    plain = copy.deepcopy(model)
+    assert train(model, True) == train(plain, False)  # bit for bit
+    said = [r.getMessage() for r in caplog.records if "gradients were not measured" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "train_step" in said[0] and "optimizer=" in said[0]
