@@ -176,14 +176,20 @@ def test_a_subset_a_generator_and_a_single_tensor_reuse_the_norms(tt_runtime):
 
 
 def test_an_empty_generator_warns_as_torch_does(tt_runtime):
+    """torch 2.13 warns that an empty generator clips nothing; 2.6 does not: the same here."""
+    with warnings.catch_warnings(record=True) as torchs:
+        warnings.simplefilter("always")
+        want = TORCH_CLIP((p for p in []), 1.0)
     params = _params([torch.float32], 5, scale=1.0)
     opt = torch.optim.SGD(params, lr=0.0)
     with tt.debug_context("train_step", optimizer=opt):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)
-    assert float(got) == 0.0
-    assert any("empty generator" in str(w.message) for w in caught)
+    assert float(got) == float(want) == 0.0
+    assert [str(w.message) for w in caught] == [str(w.message) for w in torchs]
+    if torch.__version__ >= "2.13":
+        assert any("empty generator" in str(w.message) for w in caught)
 
 
 def test_the_deprecated_clip_grad_norm_reuses_the_norms_too(tt_runtime):

@@ -38,7 +38,9 @@ def graph_bytes(t: torch.Tensor, max_nodes: int = _GRAPH_NODES) -> int:
     fn = t.grad_fn
     if fn is None:
         return 0
-    seen_nodes: set[int] = set()
+    # Nodes seen, kept alive: a node's Python object may be made anew at an access and freed
+    # after, and a freed object's id is reused (a walk keyed by bare ids skips nodes).
+    seen_nodes: dict[int, object] = {}
     seen_storage: set[int] = set()
     total = 0
     stack = [fn]
@@ -46,7 +48,7 @@ def graph_bytes(t: torch.Tensor, max_nodes: int = _GRAPH_NODES) -> int:
         node = stack.pop()
         if node is None or id(node) in seen_nodes:
             continue
-        seen_nodes.add(id(node))
+        seen_nodes[id(node)] = node
         for attr in dir(node):
             if not attr.startswith("_saved_"):
                 continue

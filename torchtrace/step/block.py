@@ -57,7 +57,10 @@ def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     """The leaf tensors (``AccumulateGrad`` nodes) of ``loss``'s autograd graph, each once, in
     breadth-first order from the loss. The graph's structure outlives ``backward()``."""
     leaves: list[torch.Tensor] = []
-    seen_nodes: set[int] = set()
+    # Nodes seen, kept alive: torch may make a node's Python object anew at an access and free it
+    # after, and a freed object's id is reused (torch 2.6: with bare ids the walk took the leaf
+    # for a node it had seen, and found none).
+    seen_nodes: dict[int, torch.autograd.graph.Node] = {}
     seen_leaves: set[int] = set()
     queue: collections.deque[torch.autograd.graph.Node | None]
     queue = collections.deque([loss.grad_fn] if loss.grad_fn is not None else [])
@@ -65,7 +68,7 @@ def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
         node = queue.popleft()
         if node is None or id(node) in seen_nodes:
             continue
-        seen_nodes.add(id(node))
+        seen_nodes[id(node)] = node
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor) and id(variable) not in seen_leaves:
             seen_leaves.add(id(variable))
