@@ -176,8 +176,10 @@ def test_a_costly_heap_sample_is_spread_over_steps_and_keeps_the_slope(tmp_path,
     step_no = [0]
     calls = []
 
-    def costly_heap():  # a fragmented heap: 3 ms of CPU a call (the walk); grows 300 KB per step
-        end = time.thread_time() + 0.003
+    # A fragmented heap: 15 ms of CPU a call (the walk); grows 300 KB per step. (At 3 ms, steps
+    # slowed past 9 ms by a busy machine earned a shorter gap, and one sample more.)
+    def costly_heap():
+        end = time.thread_time() + 0.015
         while time.thread_time() < end:
             pass
         calls.append(step_no[0])
@@ -197,7 +199,7 @@ def test_a_costly_heap_sample_is_spread_over_steps_and_keeps_the_slope(tmp_path,
                 opt.zero_grad()
                 model(torch.randn(3, 4)).sum().backward()
                 opt.step()
-        # A ~1 ms step cannot give 0.5 % of itself to a 3 ms sample: one sample every 64 steps.
+        # A step under 47 ms cannot give 0.5 % of itself to a 15 ms sample: one every 64 steps.
         assert probe.heap_every == memory_tracking.HEAP_MAX_GAP
         assert len(calls) <= 2 + 1 + steps // memory_tracking.HEAP_MAX_GAP  # the first call is a warm-up
         gaps = {b - a for a, b in zip(calls[2:], calls[3:])}
