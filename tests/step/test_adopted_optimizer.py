@@ -97,9 +97,10 @@ def test_the_optimizer_that_steps_in_a_model_only_step_is_measured(tt_runtime, f
     assert set(records[-1].phases) == {"forward", "backward", "optimizer"}
 
 
-def test_a_nan_gradient_is_skipped_before_the_adopted_optimizer_updates(tmp_path):
+@pytest.mark.parametrize("guard", ["skip", "raise"])
+def test_a_nan_gradient_is_stopped_before_the_adopted_optimizer_updates(tmp_path, guard):
     tt.configure(service_name="test", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
-                 register_atexit=False, guard="skip")
+                 register_atexit=False, guard=guard)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for i, x in enumerate(_batches()):
@@ -107,15 +108,23 @@ def test_a_nan_gradient_is_skipped_before_the_adopted_optimizer_updates(tmp_path
             x = x.clone()
             x[0, 0] = float("nan")
         before = [p.detach().clone() for p in model.parameters()]
-        with tt.debug_context("train_step", model=model) as step:
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
+        raised = None
+        try:
+            with tt.debug_context("train_step", model=model) as step:
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                step.record_loss(loss)
+        except tt.NonFiniteError as exc:
+            raised = exc
             opt.zero_grad(set_to_none=True)
-            step.record_loss(loss)
         unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-        assert step.record.skipped is (i == 2)
         assert unchanged is (i == 2)
+        if guard == "skip":
+            assert raised is None and step.record.skipped is (i == 2)
+        else:
+            assert (raised is not None) is (i == 2) and not step.record.skipped
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
