@@ -23,7 +23,7 @@ variable. A step that names a model but no optimizer takes the first optimizer t
 it and updates every trainable parameter of the model as its own, as if passed as
 ``optimizer=``: its gradients are measured (and guarded) right before its update, which a
 loop that zeroes them at the step's end leaves no other moment for. One optimizer per
-parameter (stepped inside ``backward()``) is never the step's: each updates one tensor.
+parameter (stepped inside ``backward()``) is not the step's: none updates the whole model.
 
 **Learning-rate schedulers.** The ``step`` of every scheduler class in
 ``torch.optim.lr_scheduler`` is wrapped likewise: a scheduler stepped inside the step (the
