@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from torchtrace.errors import get_logger
+from torchtrace.measure.autograd_graph import graph_nodes
 
 logger = get_logger(__name__)
 
@@ -38,17 +39,9 @@ def graph_bytes(t: torch.Tensor, max_nodes: int = _GRAPH_NODES) -> int:
     fn = t.grad_fn
     if fn is None:
         return 0
-    # Nodes seen, kept alive: a node's Python object may be made anew at an access and freed
-    # after, and a freed object's id is reused (a walk keyed by bare ids skips nodes).
-    seen_nodes: dict[int, object] = {}
     seen_storage: set[int] = set()
     total = 0
-    stack = [fn]
-    while stack and len(seen_nodes) < max_nodes:
-        node = stack.pop()
-        if node is None or id(node) in seen_nodes:
-            continue
-        seen_nodes[id(node)] = node
+    for node in graph_nodes(fn, max_nodes):
         for attr in dir(node):
             if not attr.startswith("_saved_"):
                 continue
@@ -65,9 +58,6 @@ def graph_bytes(t: torch.Tensor, max_nodes: int = _GRAPH_NODES) -> int:
                     if key not in seen_storage:
                         seen_storage.add(key)
                         total += v.numel() * v.element_size()
-        for nxt, _ in getattr(node, "next_functions", ()):
-            if nxt is not None:
-                stack.append(nxt)
     return total
 
 

@@ -20,7 +20,6 @@ next to the autograd anomaly detection it comes with.
 
 from __future__ import annotations
 
-import collections
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -30,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchtrace import current
 from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.measure.autograd_graph import graph_leaves
 from torchtrace.step.scope import StepScope
 
 if TYPE_CHECKING:
@@ -51,31 +51,6 @@ class BlockTensors(torch.nn.Module):
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         for i, leaf in enumerate(self.leaves):
             yield f"{prefix}tensor{i}", leaf
-
-
-def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors (``AccumulateGrad`` nodes) of ``loss``'s autograd graph, each once, in
-    breadth-first order from the loss. The graph's structure outlives ``backward()``."""
-    leaves: list[torch.Tensor] = []
-    # Nodes seen, kept alive: torch may make a node's Python object anew at an access and free it
-    # after, and a freed object's id is reused (torch 2.6: with bare ids the walk took the leaf
-    # for a node it had seen, and found none).
-    seen_nodes: dict[int, torch.autograd.graph.Node] = {}
-    seen_leaves: set[int] = set()
-    queue: collections.deque[torch.autograd.graph.Node | None]
-    queue = collections.deque([loss.grad_fn] if loss.grad_fn is not None else [])
-    while queue:
-        node = queue.popleft()
-        if node is None or id(node) in seen_nodes:
-            continue
-        seen_nodes[id(node)] = node
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor) and id(variable) not in seen_leaves:
-            seen_leaves.add(id(variable))
-            leaves.append(variable)
-        for child, _index in node.next_functions:
-            queue.append(child)
-    return leaves
 
 
 class _BackwardWatch(TorchFunctionMode):
@@ -212,4 +187,4 @@ def _report(exc: BaseException) -> None:
         logger.warning("torchtrace: watching the block failed (%s: %s)", type(exc).__name__, exc)
 
 
-__all__ = ["BlockTensors", "WatchedBlock", "graph_leaves", "level_block"]
+__all__ = ["BlockTensors", "WatchedBlock", "level_block"]

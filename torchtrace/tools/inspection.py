@@ -22,6 +22,7 @@ from torchtrace.forensics.blame import ModuleCalls, localise
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure import tensors as tensor_measure
 from torchtrace.measure.activations import first_tensor, layer_modules
+from torchtrace.measure.autograd_graph import graph_leaves
 from torchtrace.record import readout
 
 
@@ -137,21 +138,7 @@ def debug_backward_pass(loss: torch.Tensor, model: torch.nn.Module | None = None
     if model is not None:
         leaves = [(r.name, r.param) for r in grad_measure.named_params(model)]
     else:
-        leaves = []
-        # Nodes seen, kept alive: a node's Python object may be made anew at an access and freed
-        # after, and a freed object's id is reused. (With bare ids, torch 2.11 on a GPU machine
-        # found no leaves here; holding the nodes, it found them.)
-        seen: dict[int, Any] = {}
-        stack = [loss.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or id(fn) in seen:
-                continue
-            seen[id(fn)] = fn
-            var = getattr(fn, "variable", None)
-            if isinstance(var, torch.Tensor):
-                leaves.append((f"param_{len(leaves)}", var))
-            stack.extend(n for n, _ in fn.next_functions)
+        leaves = [(f"param_{i}", leaf) for i, leaf in enumerate(graph_leaves(loss))]
     t0 = time.perf_counter()
     loss.backward(retain_graph=retain_graph)
     elapsed = time.perf_counter() - t0
