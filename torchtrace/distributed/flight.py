@@ -3,8 +3,10 @@
 
 The flight recorder (``TORCH_FR_BUFFER_SIZE``; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` for NCCL)
 records every collective a process group runs, also those issued from C++ such as DDP's
-gradient all-reduce, which never passes through ``torch.distributed.all_reduce``. In PyTorch
-2.13 gloo and NCCL both record into it. :func:`enable` turns it on with a small buffer when
+gradient all-reduce, which never passes through ``torch.distributed.all_reduce``. Where torch
+has ``_dump_fr_trace_json`` (2.13 does) gloo and NCCL both record into it; an older torch has
+only NCCL's recorder, read through ``_dump_nccl_trace_json``, and gloo's collectives are
+counted from Python there (:func:`records_every_backend`). :func:`enable` turns it on with a small buffer when
 neither variable is set: gloo reads it at its first collective, NCCL when its process group
 is created (set the variable before ``init_process_group`` there; ``0`` keeps it off). It is
 read off the training thread (the watchdog, about once a second; a dump of 64 entries takes
@@ -62,17 +64,35 @@ def _initialized() -> bool:
         return False
 
 
+def _dump() -> Callable[[bool, bool], bytes] | None:
+    """torch's recorder dump: ``_dump_fr_trace_json`` (every backend), else NCCL's own
+    ``_dump_nccl_trace_json`` (an older torch), else None (a build with neither)."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return None
+    return getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+
+
+def records_every_backend() -> bool:
+    """Whether this torch's recorder sees gloo's collectives as well as NCCL's (it has
+    ``_dump_fr_trace_json``). Where it does not, :func:`count_calls` is needed besides it."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return False
+    return hasattr(c10d, "_dump_fr_trace_json")
+
+
 def last_collective() -> dict[str, Any] | None:
     """The last collective the recorder holds: ``seq`` (this process's count, all groups),
     ``op``, ``group``, ``group_seq`` and ``active`` (entered, not completed); None without a
     recorder, a process group or any entry."""
-    if not enabled() or not _initialized():
+    dump_json = _dump()
+    if dump_json is None or not enabled() or not _initialized():
         return None
     try:
-        # (not in torch's type stubs; the ImportError below covers a torch without it)
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
-
-        dump = json.loads(_dump_fr_trace_json(True, False))
+        dump = json.loads(dump_json(True, False))
     except Exception:
         return None
     entries = dump.get("entries") if isinstance(dump, dict) else None

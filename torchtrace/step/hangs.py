@@ -45,10 +45,10 @@ def watch(rt: Runtime) -> None:
 def _watch(rt: Runtime, fields: dict[str, Any]) -> None:
     ident, s = rt.identity, rt.settings
     progress.track(fields)
-    # DDP's all-reduce runs in C++: only the flight recorder sees it. Without one, count the
-    # torch.distributed calls made from Python.
+    # DDP's all-reduce runs in C++: only the flight recorder sees it. Without one, or with an
+    # older torch's that records NCCL only, count the torch.distributed calls made from Python.
     recorder = flight.enable() if ident.distributed else flight.enabled()
-    if ident.distributed and not recorder:
+    if ident.distributed and not (recorder and flight.records_every_backend()):
         flight.count_calls(progress.collective_began, progress.collective_ended)
     run_path = rt.run_path
     box = rt.rank_state
