@@ -207,6 +207,14 @@ def gradient_norms(params: Sequence[ParamRef]) -> GradStats | None:
     return GradStats(names=names, norms=norms, grads=grads, scope=scope)
 
 
+def unscaled(stats: GradStats, scale: torch.Tensor) -> GradStats:
+    """The norms of gradients that still carry a loss scaler's ``scale`` (a device tensor of one
+    element), divided by it on the device: those of the gradients the update applies. (The
+    scale is a power of two: the division is exact.)"""
+    norms = stats.norms / scale.detach().to(stats.norms.device, stats.norms.dtype).reshape(())
+    return GradStats(names=stats.names, norms=norms, grads=stats.grads, scope=stats.scope)
+
+
 def _grouped_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
     """Norms of gradients of several dtypes or devices: one foreach kernel per (device, dtype)
     group (foreach kernels want uniform lists), float64 when any gradient is. Returns the

@@ -64,6 +64,32 @@ def skipped_update(scaler: object, optimizer: torch.optim.Optimizer | None,
     return None
 
 
+def kernel_scale(optimizer: object) -> torch.Tensor | None:
+    """The scale the gradients still carry as ``optimizer`` updates, or None: ``GradScaler.step``
+    leaves an optimizer that unscales in its own kernel (``_step_supports_amp_scaling``: the
+    fused Adam, AdamW, SGD and Adagrad) the scaled gradients and the scale as
+    ``optimizer.grad_scale``, for the length of that ``step`` call. After ``scaler.unscale_``
+    (a clip first) it sets none: the gradients are unscaled already.
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> kernel_scale(opt) is None
+    True
+    """
+    scale = getattr(optimizer, "grad_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def unscaled_by(scaler: object) -> bool:
+    """Whether ``scaler`` (enabled) unscaled an optimizer's gradients since its last ``update()``
+    (``scaler.unscale_(optimizer)``, before a clip): its ``step`` then skips that update itself
+    when it found Inf or NaN in them."""
+    if scaler is None or not _enabled(scaler):
+        return False
+    states = getattr(scaler, "_per_optimizer_states", None)
+    return isinstance(states, dict) and any(isinstance(state, dict) and state.get("found_inf_per_device")
+                                            for state in states.values())
+
+
 def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[Any]]:
     """Optimizers and GradScalers passed to a step function: a replay neutralises their updates,
     and throughput reads a scaler's skipped updates.

@@ -22,6 +22,7 @@ import torch
 
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import gradients as grad_measure
+from torchtrace.measure.scaler import kernel_scale, unscaled_by
 from torchtrace.record import readout
 from torchtrace.record.policy import GuardPolicy, agree_any
 from torchtrace.step.throughput import learning_rates
@@ -147,6 +148,10 @@ class GradientCheck:
         try:
             params = rt.params_for(scope.model, optimizer)
             self.stats = grad_measure.gradient_norms(params)
+            scale = kernel_scale(optimizer)
+            if self.stats is not None and scale is not None:
+                # Stepped through a GradScaler, a fused optimizer unscales in its kernel.
+                self.stats = grad_measure.unscaled(self.stats, scale)
             if rt.guard is not GuardPolicy.WARN and (self.stats is not None or rt.identity.distributed):
                 self._decide(params)
             elif self.stats is not None and rt.forensics is not None and \
@@ -190,6 +195,13 @@ class GradientCheck:
                               "parameter, stepped in backward()?), and no gradient was left at its end; pass "
                               "optimizer= to measure one optimizer's gradients before its update", scope.name)
 
+    def _left_to_scaler(self) -> bool:
+        """Whether a loss scaler skips this update itself if the gradients hold Inf or NaN: it
+        unscaled them (``scaler.unscale_`` before a clip), or it steps a fused optimizer that
+        unscales in its kernel. Its overflows are routine while its scale backs off: the guard
+        leaves them to it (the record tells an overflow from a non-finite loss)."""
+        return kernel_scale(self.optimizer) is not None or unscaled_by(self.scope.scaler)
+
     def _decide(self, params: list, values: list[float] | None = None) -> None:
         """Read the norms now (a host read of its own, unless ``values`` are the CPU norms already
         looked at) and skip or raise when one is non-finite."""
@@ -207,7 +219,7 @@ class GradientCheck:
                 bad = agree_any(bad)
             except Exception as exc:
                 rt.errors.report("distributed", exc)
-        if not bad:
+        if not bad or self._left_to_scaler():
             return
         report = None
         if not local_bad:

@@ -1,0 +1,142 @@
+"""Float16 training with a real loss scaler (``torch.amp.GradScaler``, enabled), in the two orders
+PyTorch's AMP recipe gives: ``scaler.step(opt)`` straight after the backward, and
+``scaler.unscale_(opt)`` then ``clip_grad_norm_`` first (nanoGPT's). Each with a plain and a
+fused AdamW: a fused optimizer unscales the gradients in its own kernel, so they are still
+scaled when its update begins.
+
+- The recorded gradient norm is that of the unscaled gradients: the float64 norm of
+  ``grad / scale`` summed in a plain loop of a run without torchtrace.
+- A scale overflow (Inf in the scaled gradients, routine while the scale backs off) is the
+  scaler's business: it skips the update itself. No guard raises or skips for it, the weights
+  and losses are those of the run without torchtrace, and the record says ``scaler_overflow``
+  with no anomaly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torchtrace as tt
+from torchtrace.api import get_runtime
+
+STEPS = 12
+
+
+def _setup(fused: bool, init_scale: float):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    return model, opt, scaler, torch.randn(64, 16)
+
+
+def _body(model, opt, scaler, x, clip: bool, norms: list | None = None):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).pow(2).mean()
+    scaler.scale(loss).backward()
+    if clip:
+        scaler.unscale_(opt)
+        if norms is not None:  # the reference: unscaled already
+            norms.append(math.sqrt(sum(float(v) ** 2 for p in model.parameters() for v in p.grad.double().flatten())))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    elif norms is not None:
+        scale = scaler.get_scale()
+        norms.append(math.sqrt(sum((float(v) / scale) ** 2 for p in model.parameters()
+                                   for v in p.grad.double().flatten())))
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _plain(fused: bool, clip: bool, init_scale: float):
+    """The run without torchtrace: losses, the unscaled gradient norms, scales, final weights."""
+    model, opt, scaler, x = _setup(fused, init_scale)
+    losses, norms, scales = [], [], []
+    for _ in range(STEPS):
+        scales.append(scaler.get_scale())
+        losses.append(_body(model, opt, scaler, x, clip, norms).item())
+    return losses, norms, scales, [p.detach().clone() for p in model.parameters()]
+
+
+def _traced(tmp_path, guard: str, fused: bool, clip: bool, init_scale: float):
+    tt.configure(service_name="scaler", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
+                 register_atexit=False, guard=guard)
+    try:
+        model, opt, scaler, x = _setup(fused, init_scale)
+        losses, records = [], []
+        for _ in range(STEPS):
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                loss = _body(model, opt, scaler, x, clip)
+                step.record_loss(loss)
+            losses.append(loss.item())
+            records.append(get_runtime().history.last_record)  # (on the CPU a step's record is final at its end)
+        return losses, records, [p.detach().clone() for p in model.parameters()]
+    finally:
+        tt.shutdown()
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+def test_the_recorded_norm_is_that_of_the_unscaled_gradients(tmp_path, fused, clip):
+    losses, norms, scales, weights = _plain(fused, clip, init_scale=1024.0)
+    assert min(scales) == max(scales) == 1024.0  # no overflow: every step updates
+    got, records, got_weights = _traced(tmp_path, "warn", fused, clip, init_scale=1024.0)
+    assert got == losses
+    assert all(torch.equal(a, b) for a, b in zip(got_weights, weights))
+    assert [r.grad_norm for r in records] == pytest.approx(norms, rel=1e-5)
+    assert norms[0] < 10  # (the scaled norm would be 1024 times this)
+
+
+@pytest.mark.parametrize("guard", ["warn", "skip", "raise"])
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+def test_a_scale_overflow_is_left_to_the_scaler(tmp_path, guard, fused, clip):
+    losses, _, scales, weights = _plain(fused, clip, init_scale=2.0 ** 24)
+    overflowed = [later < now for now, later in zip(scales, scales[1:])]
+    assert any(overflowed) and not all(overflowed)  # the case: some steps overflow, later ones update
+    got, records, got_weights = _traced(tmp_path, guard, fused, clip, init_scale=2.0 ** 24)
+    assert got == losses
+    assert all(torch.equal(a, b) for a, b in zip(got_weights, weights))
+    assert [r.scaler_overflow for r in records][:-1] == overflowed
+    assert not any(r.skipped for r in records)
+    assert [r.anomaly_kinds for r in records] == [[]] * STEPS
+
+
+def test_a_non_finite_weight_under_a_scaler_raises_at_the_steps_end_and_training_goes_on(tmp_path):
+    """A NaN planted in a weight, under ``guard="raise"`` (the clip order): the scaler skips the
+    update, the record names the module, and the error is raised as the step ends, after the
+    user's ``scaler.update()``. Raised at the clip call instead, the scaler was left unscaled:
+    the next step's ``unscale_`` failed with torch's "already been called" error."""
+    tt.configure(service_name="scaler", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
+                 register_atexit=False, guard="raise")
+    try:
+        model, opt, scaler, x = _setup(False, 1024.0)
+
+        @tt.debug_operation(model=model, optimizer=opt)
+        def train_step(x):
+            return _body(model, opt, scaler, x, clip=True)
+
+        outcomes = []
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")
+            before = [p.detach().clone() for p in model.parameters()]
+            try:
+                train_step(x)
+                outcomes.append("ok")
+            except tt.NonFiniteError as err:
+                outcomes.append(err.kinds)
+                assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()) if not a.isnan().any())
+                assert get_runtime().history.last_record.forensics["module"] == "0"
+                opt.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    model[0].weight[0, 0] = 0.0
+        assert outcomes[:2] == ["ok", "ok"] and outcomes[3] == "ok"
+        assert "nonfinite_param" in outcomes[2]
+    finally:
+        tt.shutdown()
