@@ -64,21 +64,6 @@ def skipped_update(scaler: object, optimizer: torch.optim.Optimizer | None,
     return None
 
 
-def kernel_scale(optimizer: object) -> torch.Tensor | None:
-    """The scale the gradients still carry as ``optimizer`` updates, or None: ``GradScaler.step``
-    leaves an optimizer that unscales in its own kernel (``_step_supports_amp_scaling``: the
-    fused Adam, AdamW, SGD and Adagrad) the scaled gradients and the scale as
-    ``optimizer.grad_scale``, for the length of that ``step`` call. After ``scaler.unscale_``
-    (a clip first) it sets none: the gradients are unscaled already.
-
-    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    >>> kernel_scale(opt) is None
-    True
-    """
-    scale = getattr(optimizer, "grad_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
-
-
 def unscaled_by(scaler: object) -> bool:
     """Whether ``scaler`` (enabled) unscaled an optimizer's gradients since its last ``update()``
     (``scaler.unscale_(optimizer)``, before a clip): its ``step`` then skips that update itself
@@ -129,4 +114,4 @@ def _enabled(scaler: object) -> bool:
         return False
 
 
-__all__ = ["find_side_effect_owners", "scale_at_start", "scaler_enabled", "skipped_update"]
+__all__ = ["find_side_effect_owners", "scale_at_start", "scaler_enabled", "skipped_update", "unscaled_by"]

@@ -22,7 +22,7 @@ import torch
 
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import gradients as grad_measure
-from torchtrace.measure.scaler import kernel_scale, unscaled_by
+from torchtrace.measure.scaler import unscaled_by
 from torchtrace.record import readout
 from torchtrace.record.policy import GuardPolicy, agree_any
 from torchtrace.step.throughput import learning_rates
@@ -35,6 +35,21 @@ if TYPE_CHECKING:
     from torchtrace.step.scope import StepScope
 
 _NO_GRADIENTS = frozenset({"evaluation", "checkpoint"})  # operation kinds that make no gradients
+
+
+def kernel_scale(optimizer: object) -> torch.Tensor | None:
+    """The scale the gradients still carry as ``optimizer`` updates, or None: ``GradScaler.step``
+    leaves an optimizer that unscales in its own kernel (``_step_supports_amp_scaling``: the
+    fused Adam, AdamW, SGD and Adagrad) the scaled gradients and the scale as
+    ``optimizer.grad_scale``, for the length of that ``step`` call. After ``scaler.unscale_``
+    (a clip first) it sets none: the gradients are unscaled already.
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> kernel_scale(opt) is None
+    True
+    """
+    scale = getattr(optimizer, "grad_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
 
 
 def updates_model(rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
