@@ -197,6 +197,26 @@ def test_mixed_precision_grads_are_measured_unscaled(tmp_path):
         assert ref < 1000  # the scaled gradients would be ~1024 times larger
 
 
+@pytest.mark.parametrize("guard", ["skip", "raise"])
+def test_a_16_mixed_scale_overflow_is_left_to_the_scaler(tmp_path, guard):
+    """Lightning's 16-mixed unscales before ``on_before_optimizer_step``: a scale so large that
+    the first steps overflow (Inf gradients the scaler skips, then backs off from) is no
+    anomaly, and no guard skips or raises for it. (Before: ``raise`` ended ``trainer.fit`` at
+    step 0, and ``skip`` counted each overflow as a ``nonfinite_grad`` with a forensic replay.)"""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    configure(tmp_path, guard=guard)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    trainer = pl.Trainer(max_steps=5, accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[TorchtraceCallback()])
+    trainer.fit(Module(), loaders()[0])
+    assert scaler.get_scale() < 2.0 ** 24  # the case: overflows the scaler skipped
+    rows = get_runtime().history.steps()
+    assert len(rows) == 5
+    assert [(row["anomalies"], row["skipped"]) for row in rows] == [([], False)] * 5
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_mfus_peak_is_taken_at_the_precision_the_step_computed_in(tmp_path, monkeypatch, precision):
     """Lightning's bf16-mixed autocast is open only inside its training step: the peak comes
