@@ -4,8 +4,9 @@ Plain loops often hand torchtrace the model only (``debug_context("train_step", 
 or a decorated step whose optimizer is a global, not an argument) and zero the gradients at
 the step's end. The gradients were then gone when the step ended: the record had no gradient
 norm, no learning rate, and no warning said so. Now the first optimizer that steps inside such
-a step and updates every trainable parameter of the model is the step's, as if passed as
-``optimizer=``: its gradients are measured right before its update. One optimizer per
+a step, after its backward, and updates part of the model is the step's: all of the model's
+gradients are measured right before its update (with several optimizers sharing the model,
+Muon-style, before the first one's). One optimizer per
 parameter, stepped inside ``backward()`` (the memory-saving pattern of PyTorch's tutorial and
 torchtune's ``optimizer_in_bwd``), is not taken for the step's: a warning says the step's
 gradients were not measured.
@@ -183,3 +184,86 @@ def test_an_optimizer_per_parameter_stepped_in_backward_is_said_not_measured(tt_
     said = [r.getMessage() for r in caplog.records if "gradients were not measured" in r.getMessage()]
     assert len(said) == 1, said
     assert "train_step" in said[0] and "optimizer=" in said[0]
+
+
+def _split_optimizers(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """Two optimizers sharing the model, as Muon-style recipes do (one for the matrices, another
+    for the vectors)."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    vectors = [p for p in model.parameters() if p.ndim != 2]
+    return [torch.optim.SGD(matrices, lr=0.05, momentum=0.9), torch.optim.Adam(vectors, lr=0.01)]
+
+
+def _split_step(model, optimizers, x) -> torch.Tensor:
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return loss
+
+
+def test_several_optimizers_sharing_the_model_are_measured_together(tt_runtime):
+    """Each optimizer updates part of the model: the first to step takes the step's check, and
+    the norm is the whole model's (before, none updated every parameter: nothing was measured)."""
+    plain = _model()
+    plain_opts = _split_optimizers(plain)
+    losses, norms = [], []
+    for x in _batches():
+        loss = plain(x).pow(2).mean()
+        loss.backward()
+        norms.append(_norm64([p.grad for p in plain.parameters()]))
+        for opt in plain_opts:
+            opt.step()
+        plain.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model = _model()
+    optimizers = _split_optimizers(model)
+    records = []
+    for x in _batches():
+        with tt.debug_context("train_step", model=model) as step:
+            step.record_loss(_split_step(model, optimizers, x))
+        records.append(step.record)
+    assert [r.loss for r in records] == losses  # bit for bit
+    assert [r.grad_norm for r in records] == pytest.approx(norms, rel=1e-5)
+    assert [r.lr for r in records] == [[0.05]] * STEPS  # the first optimizer's
+    assert set(records[-1].phases) == {"forward", "backward", "optimizer"}
+
+
+def test_skip_drops_every_optimizers_update_of_a_bad_step(tmp_path):
+    tt.configure(service_name="test", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
+                 register_atexit=False, guard="skip")
+    model = _model()
+    optimizers = _split_optimizers(model)
+    for i, x in enumerate(_batches()):
+        if i == 2:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        with tt.debug_context("train_step", model=model) as step:
+            step.record_loss(_split_step(model, optimizers, x))
+        unchanged = [torch.equal(a, p) for a, p in zip(before, model.parameters())]
+        assert unchanged == [i == 2] * len(unchanged)
+        assert step.record.skipped is (i == 2)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_sparse_embeddings_optimizer_and_the_rests_are_measured_together(tt_runtime):
+    """``nn.Embedding(sparse=True)`` with ``SparseAdam``, an ``Adam`` for the rest: the norm
+    counts the sparse gradient's values too."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(50, 8, sparse=True), "head": torch.nn.Linear(8, 1)})
+    sparse = torch.optim.SparseAdam(list(model["emb"].parameters()), lr=1e-2)
+    dense = torch.optim.Adam(model["head"].parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        idx = torch.randint(0, 50, (16, 4), generator=gen)
+        with tt.debug_context("train_step", model=model) as step:
+            loss = model["head"](model["emb"](idx).mean(1)).pow(2).mean()
+            loss.backward()
+            expected = _norm64([model["emb"].weight.grad.coalesce().values(), *[p.grad for p in model["head"].parameters()]])
+            sparse.step()
+            dense.step()
+            model.zero_grad(set_to_none=True)
+            step.record_loss(loss)
+        assert step.record.grad_norm == pytest.approx(expected, rel=1e-5)

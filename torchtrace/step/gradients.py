@@ -52,18 +52,11 @@ def kernel_scale(optimizer: object) -> torch.Tensor | None:
     return scale if isinstance(scale, torch.Tensor) else None
 
 
-def updates_model(rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` updates every parameter of ``model`` that requires a gradient, and
-    the model has one. The watched lists are the runtime's cached ones; the loop stops at the
-    first parameter missing, so one optimizer per parameter costs a few lookups each."""
-    updated = {id(ref.param) for ref in rt.params_for(model, optimizer)}
-    trainable = False
-    for ref in rt.params_for(model, None):
-        if ref.param.requires_grad:
-            if id(ref.param) not in updated:
-                return False
-            trainable = True
-    return trainable
+def updates_part_of(rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` updates a parameter of ``model`` that requires a gradient. The
+    watched lists are the runtime's cached ones; the loop stops at the first such parameter."""
+    trainable = {id(ref.param) for ref in rt.params_for(model, None) if ref.param.requires_grad}
+    return any(id(ref.param) in trainable for ref in rt.params_for(model, optimizer))
 
 
 class GradientCheck:
@@ -144,8 +137,21 @@ class GradientCheck:
                     if ref.param.grad is not None:
                         ref.param.grad.zero_()
 
-    def before_update(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Measure the gradients the optimizer is about to use; apply the guard policy.
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step names a model but no optimizer, and ``optimizer``, the first to update part
+        of the model in it, is about to: all of the model's gradients are measured (and
+        guarded) now, whichever of its optimizers update them, and the step's learning rates
+        are this one's.
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients.
+        """
+        assert self.scope.model is not None  # (a step that names its model)
+        self.before_update(optimizer, self.rt.params_for(self.scope.model, None))
+
+    def before_update(self, optimizer: torch.optim.Optimizer | None, params: list | None = None) -> None:
+        """Measure the gradients the optimizer is about to use (``params``: the parameters to
+        measure, when not the optimizer's); apply the guard policy.
 
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
@@ -161,7 +167,8 @@ class GradientCheck:
             self.lr = learning_rates(optimizer)
         rt = self.rt
         try:
-            params = rt.params_for(scope.model, optimizer)
+            if params is None:
+                params = rt.params_for(scope.model, optimizer)
             self.stats = grad_measure.gradient_norms(params)
             scale = kernel_scale(optimizer)
             if self.stats is not None and scale is not None:

@@ -20,10 +20,12 @@ notes every optimizer that steps inside an open step besides the step's own (one
 global, or the second of a GAN's two): a forensic replay calls the step function again, and
 must not apply any of their updates a second time. Outside a step the hook reads a context
 variable. A step that names a model but no optimizer takes the first optimizer that steps in
-it and updates every trainable parameter of the model as its own, as if passed as
-``optimizer=``: its gradients are measured (and guarded) right before its update, which a
-loop that zeroes them at the step's end leaves no other moment for. One optimizer per
-parameter (stepped inside ``backward()``) is not the step's: none updates the whole model.
+it after the backward and updates part of the model as its own: all of the model's gradients
+are measured (and guarded) right before that update, which a loop that zeroes them at the
+step's end leaves no other moment for. Several optimizers sharing the model (Muon and AdamW, a
+sparse embedding's SparseAdam and an Adam for the rest) are measured together at the first
+one's update. One optimizer per parameter stepped inside ``backward()`` is not the step's:
+the other gradients do not exist yet there.
 
 **Learning-rate schedulers.** The ``step`` of every scheduler class in
 ``torch.optim.lr_scheduler`` is wrapped likewise: a scheduler stepped inside the step (the
@@ -49,7 +51,7 @@ from torch.optim import optimizer as optimizer_module
 from torchtrace import current
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure.scaler import scale_at_start
-from torchtrace.step.gradients import updates_model
+from torchtrace.step.gradients import updates_part_of
 from torchtrace.step.watched import real_optimizer
 
 if TYPE_CHECKING:
@@ -102,21 +104,29 @@ def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
 
 def _adopt(optimizer: torch.optim.Optimizer) -> None:
     """The open step names a model but no optimizer, and its gradients are not measured yet:
-    ``optimizer``, if it updates every trainable parameter of the model, becomes the step's.
-    Its gradients are measured now, before its update (a skip guard's decision drops them in
-    :func:`_skipped`, next), and the phase marks go on it (this update's optimizer phase
-    starts after the measuring, which counts in the backward)."""
+    ``optimizer``, if it updates part of the model and steps after the backward (not inside
+    it), becomes the step's. All of the model's gradients are measured now, before the first
+    update (a skip guard's decision drops them in :func:`_skipped`, next, and for every later
+    optimizer of the step), and the phase marks go on it (this update's optimizer phase starts
+    after the measuring, which counts in the backward)."""
     scope = current.step()
     if scope is None or not scope.active or scope.optimizer is not None or scope.model is None:
         return
-    if scope.gradients is not None and scope.gradients.fired:
+    if scope.gradients is None or scope.gradients.fired:
         return
     rt = current.runtime(create=False)
-    if rt is None or not updates_model(rt, scope.model, optimizer):
+    if rt is None or _in_backward() or not updates_part_of(rt, scope.model, optimizer):
         return
     if scope.throughput is not None:
         rt.throughput.mark_optimizer(optimizer)
-    scope.check_gradients_now(optimizer)
+    scope.gradients.adopt(optimizer)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (an optimizer stepped
+    from a gradient hook: then the model's other gradients are not all computed yet)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _skipped(optimizer: torch.optim.Optimizer) -> None:
