@@ -320,7 +320,7 @@ def test_import_patches_nothing_configure_patches_and_shutdown_puts_torch_back(t
 import json, logging, sys, torch
 from torch.optim import lr_scheduler, optimizer as optimizer_module, swa_utils
 def found():
-    return [torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_,
+    return [torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_, torch.nn.utils.clip_grads_with_norm_,
             torch.nn.utils.clip_grad.clip_grad_norm_, torch.amp.GradScaler.scale, torch.amp.GradScaler.step,
             lr_scheduler.LRScheduler.step, swa_utils.AveragedModel.update_parameters]
 def patched():

@@ -1,11 +1,13 @@
 """Gradient clipping inside a step is measured first: the recorded norm is the one before clipping.
 
-``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` are wrapped at ``configure()`` and
-put back at ``shutdown()``: inside an open step the wrapper lets the step measure (and guard) the gradients
-as backward left them, then clips. Outside a step it only reads a context variable. Without
-it the optimizer hook would see clipped gradients and an explosion would read as
-``max_norm``. A function bound by name before ``configure()``
-(``from torch.nn.utils import clip_grad_norm_``) is not reached (documented).
+``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_`` (the
+scaling half of a clip whose total norm the caller took with ``get_total_norm``, torchtitan's
+way) are wrapped at ``configure()`` and put back at ``shutdown()``: inside an open step the
+wrapper lets the step measure (and guard) the gradients as backward left them, then clips.
+Outside a step it only reads a context variable. Without it the optimizer hook would see
+clipped gradients and an explosion would read as ``max_norm``. A function bound by name
+before ``configure()`` (``from torch.nn.utils import clip_grad_norm_``) is not reached
+(documented).
 
 ``clip_grad_norm_`` (and the deprecated ``clip_grad_norm``, which calls it) does not read the
 gradients a second time: the total norm comes from the per-tensor norms the step has just
@@ -33,6 +35,9 @@ from torchtrace.measure import clip_norm
 if TYPE_CHECKING:
     from torchtrace.measure.gradients import GradStats
     from torchtrace.step.scope import StepScope
+
+
+CLIPS = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")  # the torch.nn.utils functions wrapped
 
 
 def is_compiling() -> bool:
@@ -123,7 +128,8 @@ def _clip_with_norms(original: Callable[..., Any], stats: GradStats, args: tuple
     # torch reads the same flag from the device before it clips: no added host read.
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
         return original(params, max_norm, norm_type, error_if_nonfinite, foreach)  # raises torch's error
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    scale = torch.nn.utils.clip_grads_with_norm_  # (wrapped: measuring is done, torch's own scales)
+    getattr(scale, "__wrapped__", scale)(params, max_norm, total, foreach)
     return total
 
 
@@ -132,7 +138,7 @@ def install() -> None:
     import torch.nn.utils as nn_utils
     from torch.nn.utils import clip_grad as clip_module
 
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
+    for name in CLIPS:
         existing = getattr(nn_utils, name, None)
         if existing is None or getattr(existing, "__torchtrace_wrapped__", False):
             continue
@@ -148,7 +154,7 @@ def uninstall() -> None:
     from torch.nn.utils import clip_grad as clip_module
 
     for module in (nn_utils, clip_module):
-        for name in ("clip_grad_norm_", "clip_grad_value_"):
+        for name in CLIPS:
             wrapped = getattr(module, name, None)
             if wrapped is not None and getattr(wrapped, "__torchtrace_wrapped__", False):
                 setattr(module, name, wrapped.__wrapped__)
