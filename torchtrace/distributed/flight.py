@@ -4,11 +4,11 @@
 The flight recorder (``TORCH_FR_BUFFER_SIZE``; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` for NCCL)
 records every collective a process group runs, also those issued from C++ such as DDP's
 gradient all-reduce, which never passes through ``torch.distributed.all_reduce``. Where torch
-has ``_dump_fr_trace_json`` (2.13 does) gloo and NCCL both record into it; an older torch has
-only NCCL's recorder, read through ``_dump_nccl_trace_json``, and gloo's collectives are
-counted from Python there (:func:`records_every_backend`). :func:`enable` turns it on with a small buffer when
-neither variable is set: gloo reads it at its first collective, NCCL when its process group
-is created (set the variable before ``init_process_group`` there; ``0`` keeps it off). It is
+has ``_dump_fr_trace_json`` (2.13 does) gloo and NCCL both record into it; an older torch
+(2.6) has only NCCL's recorder, read through ``_dump_nccl_trace_json``, and gloo's collectives
+are counted from Python there (:func:`records_every_backend`). :func:`enable` turns it on with
+a small buffer when neither variable is set: gloo reads it at its first collective, NCCL when
+its process group is created (set the variable before ``init_process_group`` there; ``0`` keeps it off). It is
 read off the training thread (the watchdog, about once a second; a dump of 64 entries takes
 well under a millisecond).
 
