@@ -140,3 +140,42 @@ def test_a_non_finite_weight_under_a_scaler_raises_at_the_steps_end_and_training
         assert "nonfinite_param" in outcomes[2]
     finally:
         tt.shutdown()
+
+
+def _split(model) -> list[torch.optim.Optimizer]:
+    """Two optimizers sharing the model (matrices, vectors), as Muon-style recipes have."""
+    return [torch.optim.SGD([p for p in model.parameters() if p.ndim == 2], lr=1e-2),
+            torch.optim.Adam([p for p in model.parameters() if p.ndim != 2], lr=1e-2)]
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+def test_a_model_only_step_with_two_optimizers_under_a_scaler_measures_no_mixed_norm(tt_runtime, caplog, clip):
+    """A scaler unscales one optimizer's gradients as it steps: at the first one's update the
+    other's are still scaled, so the step does not measure there (a norm mixing both would be
+    about 1024 times too large). After ``unscale_`` of both and a clip, the clip measures the
+    whole model: the float64 norm of the unscaled gradients."""
+    model, _, scaler, x = _setup(False, 1024.0)
+    optimizers = _split(model)
+    expected = []
+    for _ in range(3):
+        with tt.debug_context("train_step", model=model) as step:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()
+            if clip:
+                for opt in optimizers:
+                    scaler.unscale_(opt)
+                expected.append(math.sqrt(sum(float(v) ** 2 for p in model.parameters()
+                                              for v in p.grad.double().flatten())))
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for opt in optimizers:
+                scaler.step(opt)
+            scaler.update()
+            model.zero_grad(set_to_none=True)
+            step.record_loss(loss)
+        if clip:
+            assert step.record.grad_norm == pytest.approx(expected[-1], rel=1e-5)
+        else:
+            assert step.record.grad_norm is None
+    said = [r.getMessage() for r in caplog.records if "gradients were not measured" in r.getMessage()]
+    assert len(said) == (0 if clip else 1), said

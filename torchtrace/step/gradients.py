@@ -22,7 +22,7 @@ import torch
 
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import gradients as grad_measure
-from torchtrace.measure.scaler import unscaled_by
+from torchtrace.measure.scaler import scaler_enabled, unscaled_by
 from torchtrace.record import readout
 from torchtrace.record.policy import GuardPolicy, agree_any
 from torchtrace.step.throughput import learning_rates
@@ -52,11 +52,17 @@ def kernel_scale(optimizer: object) -> torch.Tensor | None:
     return scale if isinstance(scale, torch.Tensor) else None
 
 
-def updates_part_of(rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` updates a parameter of ``model`` that requires a gradient. The
-    watched lists are the runtime's cached ones; the loop stops at the first such parameter."""
-    trainable = {id(ref.param) for ref in rt.params_for(model, None) if ref.param.requires_grad}
-    return any(id(ref.param) in trainable for ref in rt.params_for(model, optimizer))
+def adoptable(rt: Runtime, scope: StepScope, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step that names a model but no optimizer takes ``optimizer`` as its own: it
+    updates part of the model's trainable parameters; with an enabled loss scaler in the step,
+    all of them (the scaler unscales one optimizer's gradients at a time, as each steps: the
+    others would still be scaled)."""
+    assert scope.model is not None  # (a step that names its model)
+    updated = {id(ref.param) for ref in rt.params_for(scope.model, optimizer)}
+    trainable = [id(ref.param) for ref in rt.params_for(scope.model, None) if ref.param.requires_grad]
+    if scaler_enabled(scope.scaler):
+        return bool(trainable) and all(p in updated for p in trainable)
+    return any(p in updated for p in trainable)
 
 
 class GradientCheck:

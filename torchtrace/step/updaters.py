@@ -24,8 +24,9 @@ it after the backward and updates part of the model as its own: all of the model
 are measured (and guarded) right before that update, which a loop that zeroes them at the
 step's end leaves no other moment for. Several optimizers sharing the model (Muon and AdamW, a
 sparse embedding's SparseAdam and an Adam for the rest) are measured together at the first
-one's update. One optimizer per parameter stepped inside ``backward()`` is not the step's:
-the other gradients do not exist yet there.
+one's update, but under an enabled loss scaler, which unscales one optimizer's gradients at a
+time. One optimizer per parameter stepped inside ``backward()`` is not the step's: the other
+gradients do not exist yet there.
 
 **Learning-rate schedulers.** The ``step`` of every scheduler class in
 ``torch.optim.lr_scheduler`` is wrapped likewise: a scheduler stepped inside the step (the
@@ -51,7 +52,7 @@ from torch.optim import optimizer as optimizer_module
 from torchtrace import current
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure.scaler import scale_at_start
-from torchtrace.step.gradients import updates_part_of
+from torchtrace.step.gradients import adoptable
 from torchtrace.step.watched import real_optimizer
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def _adopt(optimizer: torch.optim.Optimizer) -> None:
     if scope.gradients is None or scope.gradients.fired:
         return
     rt = current.runtime(create=False)
-    if rt is None or _in_backward() or not updates_part_of(rt, scope.model, optimizer):
+    if rt is None or _in_backward() or not adoptable(rt, scope, optimizer):
         return
     if scope.throughput is not None:
         rt.throughput.mark_optimizer(optimizer)
