@@ -27,6 +27,9 @@ sparse embedding's SparseAdam and an Adam for the rest) are measured together at
 one's update, but under an enabled loss scaler, which unscales one optimizer's gradients at a
 time. One optimizer per parameter stepped inside ``backward()`` is not the step's: the other
 gradients do not exist yet there.
+A step's optimizer that hands its update to a base optimizer sharing its parameter groups
+(SAM, Lookahead) has the base's update taken for its own: measured before it when the
+wrapper's own ``step`` never ran, and not a second optimizer the guard cannot cover.
 
 **Learning-rate schedulers.** The ``step`` of every scheduler class in
 ``torch.optim.lr_scheduler`` is wrapped likewise: a scheduler stepped inside the step (the
@@ -53,7 +56,7 @@ from torchtrace import current
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure.scaler import scale_at_start
 from torchtrace.step.gradients import adoptable
-from torchtrace.step.watched import real_optimizer
+from torchtrace.step.watched import real_optimizer, shares_groups
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -100,6 +103,7 @@ def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     _safely(_note, optimizer)
     _safely(_unguarded, optimizer)
     _safely(_adopt, optimizer)
+    _safely(_base_of_the_steps, optimizer)
     _safely(_skipped, optimizer)
 
 
@@ -121,6 +125,24 @@ def _adopt(optimizer: torch.optim.Optimizer) -> None:
     if scope.throughput is not None:
         rt.throughput.mark_optimizer(optimizer)
     scope.gradients.adopt(optimizer)
+
+
+def _base_of_the_steps(optimizer: torch.optim.Optimizer) -> None:
+    """The step's optimizer hands its update to ``optimizer``, whose parameter groups it shares
+    (SAM's ``second_step``, Lookahead's ``step``): when the step's gradients are not measured
+    yet (SAM never calls its own ``step``), they are measured now, before this update, and the
+    phase marks go on it."""
+    scope = current.step()
+    if scope is None or not scope.active or scope.optimizer is None or optimizer is scope.optimizer:
+        return
+    if scope.gradients is None or scope.gradients.fired or not shares_groups(optimizer, scope.optimizer):
+        return
+    rt = current.runtime(create=False)
+    if rt is None:
+        return
+    if scope.throughput is not None:
+        rt.throughput.mark_optimizer(optimizer)
+    scope.check_gradients_now(optimizer)
 
 
 def _in_backward() -> bool:
@@ -152,7 +174,7 @@ def _unguarded(optimizer: torch.optim.Optimizer) -> None:
     the skip guard cannot act on it, which the runtime says once."""
     scope = current.step()
     if scope is not None and scope.active and scope.optimizer is not None and optimizer is not scope.optimizer \
-            and real_optimizer(optimizer) is not scope.optimizer:
+            and real_optimizer(optimizer) is not scope.optimizer and not shares_groups(optimizer, scope.optimizer):
         rt = current.runtime(create=False)
         if rt is not None:
             rt.guard_other_optimizer(scope, optimizer)

@@ -120,6 +120,23 @@ def real_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optim
     return optimizer
 
 
+def shares_groups(optimizer: object, other: object) -> bool:
+    """Whether two optimizers update through one list of parameter groups: a wrapper and the
+    base optimizer it hands its update to (SAM, Lookahead: ``self.param_groups =
+    base_optimizer.param_groups``).
+
+    >>> sgd = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    >>> class Wrapper(torch.optim.Optimizer):
+    ...     def __init__(self, base):
+    ...         super().__init__(base.param_groups, {})
+    ...         self.base, self.param_groups = base, base.param_groups
+    >>> shares_groups(Wrapper(sgd), sgd), shares_groups(sgd, torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    (True, False)
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    return groups is not None and groups is getattr(other, "param_groups", None)
+
+
 def hookable(optimizer: object) -> bool:
     """True when torch's step hooks can be registered on ``optimizer`` (its ``Optimizer.__init__`` ran)."""
     return hasattr(optimizer, "_optimizer_step_pre_hooks")
