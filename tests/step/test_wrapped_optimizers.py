@@ -8,8 +8,8 @@ training scripts carry are.
 SAM never calls its own ``step``: before, no gradient was measured (``grad_norm`` None every
 step) and ``guard="skip"`` let a NaN update through, which poisoned every later step. The
 base's update is now the step's: its gradients (SAM's second) are measured before it.
-Lookahead's base was taken for a second optimizer the skip guard could not cover, with a
-warning saying so.
+Lookahead's base, and the shard optimizer ``ZeroRedundancyOptimizer`` steps, were taken for a
+second optimizer the skip guard could not cover, with a warning saying so.
 """
 
 from __future__ import annotations
@@ -152,3 +152,64 @@ def test_lookaheads_base_is_no_second_optimizer(tmp_path, caplog):
         if expected is not None:
             assert step.record.grad_norm == pytest.approx(expected, rel=1e-5)
     assert not [r.getMessage() for r in caplog.records if "second optimizer" in r.getMessage()]
+
+
+def test_zeros_shard_optimizer_is_no_second_optimizer(tmp_path):
+    """``ZeroRedundancyOptimizer`` (a real gloo group of one rank, in a fresh process) steps the
+    Adam of its shard inside its own ``step``: that Adam updates only the step's optimizer's
+    parameters, so a skip decided on the step's gradients drops its update too. Before, a
+    warning said it was a second optimizer whose update was applied."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = f"""
+import json, logging, math, torch, torch.distributed as dist, torchtrace as tt
+from torch.distributed.optim import ZeroRedundancyOptimizer
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("torchtrace").addHandler(Keep())
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+tt.configure(service_name="zero", prometheus_port="off", run_dir={str(tmp_path)!r}, register_atexit=False,
+             strict=True, guard="skip")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+rows = []
+for i in range(4):
+    x = torch.randn(4, 8)
+    if i == 2:
+        x[0, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        norm = math.sqrt(sum(v * v for p in model.parameters() for v in p.grad.double().flatten().tolist()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step.record_loss(loss)
+    rows.append([step.record.grad_norm, norm, step.record.skipped,
+                 all(torch.equal(a, p) for a, p in zip(before, model.parameters()))])
+tt.shutdown()
+dist.destroy_process_group()
+print(json.dumps({{"rows": rows, "said": said}}))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_", "RANK", "WORLD_SIZE"))}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={**env, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for i, (recorded, norm, skipped, unchanged) in enumerate(out["rows"]):
+        assert skipped is (i == NAN_AT) and unchanged is (i == NAN_AT)
+        if i != NAN_AT:
+            assert recorded == pytest.approx(norm, rel=1e-5)
+    assert not [m for m in out["said"] if "second optimizer" in m]

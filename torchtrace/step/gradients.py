@@ -65,6 +65,14 @@ def adoptable(rt: Runtime, scope: StepScope, optimizer: torch.optim.Optimizer) -
     return any(p in updated for p in trainable)
 
 
+def covers(rt: Runtime, scope: StepScope, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter ``optimizer`` updates is one the step's optimizer updates: a skip
+    decided on the step's gradients then drops this update too (the base optimizer a wrapper
+    steps: ZeRO's shard, Lookahead's, accelerate's)."""
+    watched = {id(ref.param) for ref in rt.params_for(scope.model, scope.optimizer)}
+    return all(id(ref.param) in watched for ref in rt.params_for(scope.model, optimizer))
+
+
 class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 

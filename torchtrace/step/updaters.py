@@ -29,7 +29,8 @@ time. One optimizer per parameter stepped inside ``backward()`` is not the step'
 gradients do not exist yet there.
 A step's optimizer that hands its update to a base optimizer sharing its parameter groups
 (SAM, Lookahead) has the base's update taken for its own: measured before it when the
-wrapper's own ``step`` never ran, and not a second optimizer the guard cannot cover.
+wrapper's own ``step`` never ran. An optimizer that updates only the step's optimizer's
+parameters (ZeRO's shard optimizer) is not a second optimizer the guard cannot cover.
 
 **Learning-rate schedulers.** The ``step`` of every scheduler class in
 ``torch.optim.lr_scheduler`` is wrapped likewise: a scheduler stepped inside the step (the
@@ -55,8 +56,8 @@ from torch.optim import optimizer as optimizer_module
 from torchtrace import current
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure.scaler import scale_at_start
-from torchtrace.step.gradients import adoptable
-from torchtrace.step.watched import real_optimizer, shares_groups
+from torchtrace.step.gradients import adoptable, covers
+from torchtrace.step.watched import shares_groups
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -170,14 +171,16 @@ def _skipped(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _unguarded(optimizer: torch.optim.Optimizer) -> None:
-    """A second optimizer stepping in a step that has one of its own (the other of a GAN's two):
-    the skip guard cannot act on it, which the runtime says once."""
+    """A second optimizer stepping in a step that has one of its own, updating parameters the
+    step's optimizer does not (the other of a GAN's two): the skip guard cannot act on those,
+    which the runtime says once. An optimizer that updates only the step's optimizer's
+    parameters (the base a wrapper steps) is covered by it."""
     scope = current.step()
-    if scope is not None and scope.active and scope.optimizer is not None and optimizer is not scope.optimizer \
-            and real_optimizer(optimizer) is not scope.optimizer and not shares_groups(optimizer, scope.optimizer):
-        rt = current.runtime(create=False)
-        if rt is not None:
-            rt.guard_other_optimizer(scope, optimizer)
+    if scope is None or not scope.active or scope.optimizer is None or optimizer is scope.optimizer:
+        return
+    rt = current.runtime(create=False)
+    if rt is not None and not covers(rt, scope, optimizer):
+        rt.guard_other_optimizer(scope, optimizer)
 
 
 def _wrap(original: Callable[..., Any], note: Callable[[Any], None]) -> Callable[..., Any]:
