@@ -103,47 +103,39 @@ def _safely(note: Callable[[_T], None], obj: _T) -> None:
 def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     _safely(_note, optimizer)
     _safely(_unguarded, optimizer)
-    _safely(_adopt, optimizer)
-    _safely(_base_of_the_steps, optimizer)
+    _safely(_the_steps_update, optimizer)
     _safely(_skipped, optimizer)
 
 
-def _adopt(optimizer: torch.optim.Optimizer) -> None:
-    """The open step names a model but no optimizer, and its gradients are not measured yet:
-    ``optimizer``, if it updates part of the model and steps after the backward (not inside
-    it), becomes the step's. All of the model's gradients are measured now, before the first
-    update (a skip guard's decision drops them in :func:`_skipped`, next, and for every later
-    optimizer of the step), and the phase marks go on it (this update's optimizer phase starts
-    after the measuring, which counts in the backward)."""
-    scope = current.step()
-    if scope is None or not scope.active or scope.optimizer is not None or scope.model is None:
-        return
-    if scope.gradients is None or scope.gradients.fired:
-        return
-    rt = current.runtime(create=False)
-    if rt is None or _in_backward() or not adoptable(rt, scope, optimizer):
-        return
-    if scope.throughput is not None:
-        rt.throughput.mark_optimizer(optimizer)
-    scope.gradients.adopt(optimizer)
+def _the_steps_update(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` is about to update in an open step whose gradients are not measured yet.
+    Its update is the step's, measured (and guarded) now, with the phase marks on it, when:
 
+    - the step names a model but no optimizer, and this one steps after the backward (not
+      inside it) and updates part of the model: all of the model's gradients are measured
+      (:meth:`GradientCheck.adopt`; a skip decision drops them in :func:`_skipped`, next, and
+      for every later optimizer of the step);
+    - the step's optimizer hands its update to this one, sharing its parameter groups (SAM's
+      ``second_step``: SAM never calls its own ``step``).
 
-def _base_of_the_steps(optimizer: torch.optim.Optimizer) -> None:
-    """The step's optimizer hands its update to ``optimizer``, whose parameter groups it shares
-    (SAM's ``second_step``, Lookahead's ``step``): when the step's gradients are not measured
-    yet (SAM never calls its own ``step``), they are measured now, before this update, and the
-    phase marks go on it."""
+    This update's optimizer phase starts after the measuring, which counts in the backward."""
     scope = current.step()
-    if scope is None or not scope.active or scope.optimizer is None or optimizer is scope.optimizer:
-        return
-    if scope.gradients is None or scope.gradients.fired or not shares_groups(optimizer, scope.optimizer):
+    if scope is None or not scope.active or optimizer is scope.optimizer or scope.gradients is None or \
+            scope.gradients.fired:
         return
     rt = current.runtime(create=False)
     if rt is None:
         return
-    if scope.throughput is not None:
-        rt.throughput.mark_optimizer(optimizer)
-    scope.check_gradients_now(optimizer)
+    if scope.optimizer is None:
+        if scope.model is None or _in_backward() or not adoptable(rt, scope, optimizer):
+            return
+        if scope.throughput is not None:
+            rt.throughput.mark_optimizer(optimizer)
+        scope.gradients.adopt(optimizer)
+    elif shares_groups(optimizer, scope.optimizer):
+        if scope.throughput is not None:
+            rt.throughput.mark_optimizer(optimizer)
+        scope.check_gradients_now(optimizer)
 
 
 def _in_backward() -> bool:
