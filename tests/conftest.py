@@ -53,6 +53,8 @@ SERIAL_TESTS = {
                                     "test_the_exit_handler_keeps_the_shutdown_deadline_when_the_final_metrics_push_hangs"},
     "tests/export/test_second_audit.py": {"test_shutdown_keeps_its_deadline_with_metrics_pushed_to_a_black_hole"},
     "tests/job/test_sigterm.py": {"test_sigterm_with_the_default_action", "test_the_applications_handler_still_runs"},
+    # A ratio of median step times within 1.5: a second worker beside it made one 1.83 (1.21 alone).
+    "tests/export/test_debug_api_load.py": {"test_fifty_slow_clients_do_not_slow_training"},
 }
 
 
