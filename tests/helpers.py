@@ -55,3 +55,29 @@ class DifferentiatingModel(torch.nn.Module):
         u = self.net(x)
         du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
         return ((du - torch.cos(x)) ** 2).mean()
+
+
+def small_mlp() -> torch.nn.Module:
+    """The step tests' model: an 8-16-1 MLP, seeded (the same weights at every call)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def seeded_batches(steps: int, scale: float = 1.0, nan_at: int | None = None) -> list[torch.Tensor]:
+    """``steps`` batches of 4 rows for :func:`small_mlp`, the same at every call, times ``scale``;
+    the first value of batch ``nan_at`` NaN."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [scale * torch.randn(4, 8, generator=gen) for _ in range(steps)]
+    if nan_at is not None:
+        batches[nan_at][0, 0] = float("nan")
+    return batches
+
+
+def norm64(tensors) -> float:
+    """The 2-norm of all of ``tensors`` together, in float64, summed in a plain loop: the
+    reference a gradient norm is checked against."""
+    total = 0.0
+    for t in tensors:
+        for v in t.detach().double().flatten().tolist():
+            total += v * v
+    return total ** 0.5

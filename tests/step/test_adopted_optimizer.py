@@ -16,34 +16,23 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 
 import pytest
 import torch
 
 import torchtrace as tt
+from tests.helpers import norm64, seeded_batches, small_mlp
 from torchtrace.api import get_runtime
 
 STEPS = 4
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    return small_mlp()
 
 
 def _batches() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randn(4, 8, generator=gen) for _ in range(STEPS)]
-
-
-def _norm64(grads: list[torch.Tensor]) -> float:
-    """The total 2-norm in float64, summed in a plain loop."""
-    total = 0.0
-    for g in grads:
-        for v in g.detach().double().flatten().tolist():
-            total += v * v
-    return math.sqrt(total)
+    return seeded_batches(STEPS)
 
 
 def _reference() -> tuple[list[float], list[float]]:
@@ -54,7 +43,7 @@ def _reference() -> tuple[list[float], list[float]]:
     for x in _batches():
         loss = model(x).pow(2).mean()
         loss.backward()
-        norms.append(_norm64([p.grad for p in model.parameters()]))
+        norms.append(norm64([p.grad for p in model.parameters()]))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -144,7 +133,7 @@ def test_an_optimizer_for_another_model_is_not_the_steps(tt_runtime):
         opt_d.zero_grad(set_to_none=True)
         g_loss = -disc(gen(z)).mean()
         g_loss.backward()
-        expected = _norm64([p.grad for p in gen.parameters()])
+        expected = norm64([p.grad for p in gen.parameters()])
         opt_g.step()
         opt_g.zero_grad(set_to_none=True)
         opt_d.zero_grad(set_to_none=True)
@@ -212,7 +201,7 @@ def test_several_optimizers_sharing_the_model_are_measured_together(tt_runtime):
     for x in _batches():
         loss = plain(x).pow(2).mean()
         loss.backward()
-        norms.append(_norm64([p.grad for p in plain.parameters()]))
+        norms.append(norm64([p.grad for p in plain.parameters()]))
         for opt in plain_opts:
             opt.step()
         plain.zero_grad(set_to_none=True)
@@ -261,7 +250,7 @@ def test_a_sparse_embeddings_optimizer_and_the_rests_are_measured_together(tt_ru
         with tt.debug_context("train_step", model=model) as step:
             loss = model["head"](model["emb"](idx).mean(1)).pow(2).mean()
             loss.backward()
-            expected = _norm64([model["emb"].weight.grad.coalesce().values(), *[p.grad for p in model["head"].parameters()]])
+            expected = norm64([model["emb"].weight.grad.coalesce().values(), *[p.grad for p in model["head"].parameters()]])
             sparse.step()
             dense.step()
             model.zero_grad(set_to_none=True)

@@ -8,25 +8,22 @@ clip: every step read as ``max_norm``, however large its gradients.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import torchtrace as tt
+from tests.helpers import norm64, seeded_batches, small_mlp
 
 MAX_NORM = 1.0
 STEPS = 4
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    return small_mlp()
 
 
 def _batches() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [100.0 * torch.randn(4, 8, generator=gen) for _ in range(STEPS)]  # large gradients: clipped
+    return seeded_batches(STEPS, scale=100.0)  # large gradients: clipped
 
 
 def _clipped_step(model, opt, x) -> torch.Tensor:
@@ -48,7 +45,7 @@ def _reference() -> tuple[list[float], list[float], list[torch.Tensor]]:
         opt.zero_grad(set_to_none=True)
         loss = model(x).pow(2).mean()
         loss.backward()
-        norms.append(math.sqrt(sum(v * v for p in model.parameters() for v in p.grad.double().flatten().tolist())))
+        norms.append(norm64(p.grad for p in model.parameters()))
         params = list(model.parameters())
         torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, torch.nn.utils.get_total_norm([p.grad for p in params]))
         opt.step()
@@ -76,10 +73,7 @@ def test_skip_decided_at_the_clip_leaves_the_weights_unchanged(tmp_path):
                  register_atexit=False, guard="skip")
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for i, x in enumerate(_batches()):
-        if i == 2:
-            x = x.clone()
-            x[0, 0] = float("nan")
+    for i, x in enumerate(seeded_batches(STEPS, scale=100.0, nan_at=2)):
         before = [p.detach().clone() for p in model.parameters()]
         with tt.debug_context("train_step", model=model, optimizer=opt) as step:
             step.record_loss(_clipped_step(model, opt, x))

@@ -15,12 +15,12 @@ second optimizer the skip guard could not cover, with a warning saying so.
 from __future__ import annotations
 
 import logging
-import math
 
 import pytest
 import torch
 
 import torchtrace as tt
+from tests.helpers import norm64, seeded_batches, small_mlp
 
 STEPS = 5
 NAN_AT = 2
@@ -72,20 +72,15 @@ class Lookahead(torch.optim.Optimizer):
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    return small_mlp()
 
 
 def _batches(nan_at: int | None = None) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randn(4, 8, generator=gen) for _ in range(STEPS)]
-    if nan_at is not None:
-        batches[nan_at][0, 0] = float("nan")
-    return batches
+    return seeded_batches(STEPS, nan_at=nan_at)
 
 
 def _norm64(model: torch.nn.Module) -> float:
-    return math.sqrt(sum(v * v for p in model.parameters() for v in p.grad.double().flatten().tolist()))
+    return norm64(p.grad for p in model.parameters())
 
 
 def _sam_step(model, opt, x, norms: list | None = None) -> torch.Tensor:
