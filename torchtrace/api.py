@@ -21,7 +21,7 @@ from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
 from torchtrace.step import block, checks, clipping, updaters
 from torchtrace.step.scope import StepScope
-from torchtrace.step.watched import instance_first, watched
+from torchtrace.step.watched import instance_first, unwatch_layouts, watch_layouts, watched
 
 if TYPE_CHECKING:
     from torchtrace.step.runtime import Runtime
@@ -123,6 +123,7 @@ def configure(
         current.set_runtime(rt)
         clipping.install()
         updaters.install()
+        watch_layouts()
         if resolved.register_atexit and not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
@@ -148,6 +149,7 @@ def shutdown(timeout_s: float | None = None) -> None:
             # torch as it was: the clip functions, GradScaler, schedulers and the optimizer hook
             clipping.uninstall()
             updaters.uninstall()
+            unwatch_layouts()
 
 
 def _shutdown_at_exit() -> None:

@@ -34,6 +34,7 @@ from torchtrace.record.policy import GuardPolicy
 from torchtrace.record.step import StepRecord
 from torchtrace.step import finish, hangs, job, report, setup
 from torchtrace.step.throughput import RunThroughput
+from torchtrace.step.watched import layout_version
 
 if TYPE_CHECKING:
     import torch
@@ -175,15 +176,16 @@ class Runtime:
             proc.on_end(span)
 
     def params_for(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list:
-        """The watched parameters of (model, optimizer), cached; re-checked when groups change."""
+        """The watched parameters of (model, optimizer), cached; listed anew when the groups
+        change, or any module's layout (:func:`~torchtrace.step.watched.layout_version`)."""
         key_obj = optimizer if optimizer is not None else model
         if key_obj is None:
             return []
         signature: tuple[Any, ...]
         if optimizer is not None:
-            signature = (id(model), tuple(len(g["params"]) for g in optimizer.param_groups))
+            signature = (id(model), layout_version(), tuple(len(g["params"]) for g in optimizer.param_groups))
         else:
-            signature = (id(model),)
+            signature = (id(model), layout_version())
         cached = self._param_cache.get(key_obj)
         if cached is not None and cached[0] == signature:
             return cached[1]

@@ -89,6 +89,38 @@ def instance_first(fn: Callable[..., Any]) -> bool:
         inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
+_layout_version = 0
+_layout_hooks: list[Any] = []
+
+
+def layout_version() -> int:
+    """How many submodules and parameters were registered on modules anywhere in the process
+    since :func:`watch_layouts`: a list of a model's parameters made at another version may be
+    stale (its head replaced for fine-tuning, adapters injected, a weight pruned)."""
+    return _layout_version
+
+
+def _layout_changed(module: torch.nn.Module, name: str, value: object) -> None:
+    global _layout_version
+    _layout_version += 1
+
+
+def watch_layouts() -> None:
+    """Count registrations through torch's global module and parameter registration hooks
+    (idempotent; at ``configure()``)."""
+    if not _layout_hooks:
+        from torch.nn.modules import module as module_module
+
+        _layout_hooks.append(module_module.register_module_module_registration_hook(_layout_changed))
+        _layout_hooks.append(module_module.register_module_parameter_registration_hook(_layout_changed))
+
+
+def unwatch_layouts() -> None:
+    """Remove the hooks of :func:`watch_layouts` (idempotent; at ``shutdown()``)."""
+    while _layout_hooks:
+        _layout_hooks.pop().remove()
+
+
 def real_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     """The torch optimizer behind a wrapper that never initialised torch's ``Optimizer`` (its
     hooks cannot be registered on it): accelerate's ``AcceleratedOptimizer`` holds the real one
