@@ -256,3 +256,38 @@ def test_a_sparse_embeddings_optimizer_and_the_rests_are_measured_together(tt_ru
             model.zero_grad(set_to_none=True)
             step.record_loss(loss)
         assert step.record.grad_norm == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_closure_optimizer_is_measured_when_its_closure_has_run(tt_runtime):
+    """LBFGS in a model-only step: ``optimizer.step(closure)`` makes the gradients inside the
+    closure, so they are measured as its first evaluation returns (before, at the optimizer's
+    pre-hook: the gradients the previous step's last evaluation had left)."""
+    def run(instrumented: bool) -> tuple[list[float], list[float]]:
+        model = _model()
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+        losses, norms = [], []
+        for x in _batches():
+            first: list[float] = []
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                if not first:
+                    first.append(norm64(p.grad for p in model.parameters()))
+                return loss
+
+            if instrumented:
+                with tt.debug_context("train_step", model=model) as step:
+                    step.record_loss(opt.step(closure))
+                losses.append(step.record.loss)
+                norms.append(step.record.grad_norm)
+            else:
+                losses.append(opt.step(closure).item())
+                norms.append(first[0])
+        return losses, norms
+
+    plain_losses, first_norms = run(False)
+    losses, norms = run(True)
+    assert losses == plain_losses  # bit for bit
+    assert norms == pytest.approx(first_norms, rel=1e-5)

@@ -77,7 +77,7 @@ class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
-                 "lr", "_hook", "_skip_params")
+                 "lr", "whole_model", "_hook", "_skip_params")
 
     def __init__(self, scope: StepScope, rt: Runtime) -> None:
         self.scope = scope
@@ -90,6 +90,7 @@ class GradientCheck:
         self.update_before: tuple[list, list[torch.Tensor]] | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # the optimizer whose update was checked
         self.lr: list[float] | None = None  # its learning rates for this update (before a scheduler steps)
+        self.whole_model = False  # measure all of the model's gradients, not the optimizer's (see adopt)
         self._hook: RemovableHandle | None = None
         self._skip_params: list | None = None  # the parameters whose update the guard skips
 
@@ -151,21 +152,23 @@ class GradientCheck:
                     if ref.param.grad is not None:
                         ref.param.grad.zero_()
 
-    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+    def adopt(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The step names a model but no optimizer, and ``optimizer``, the first to update part
-        of the model in it, is about to: all of the model's gradients are measured (and
-        guarded) now, whichever of its optimizers update them, and the step's learning rates
-        are this one's.
+        of the model in it, is about to (its step pre-hook's arguments): all of the model's
+        gradients are measured (and guarded) before its update, whichever of its optimizers
+        update them, and the step's learning rates are this one's. Returns the step's arguments
+        with its closure wrapped (``optimizer.step(closure)``: measured as the closure's first
+        evaluation returns), or None.
 
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
         """
-        assert self.scope.model is not None  # (a step that names its model)
-        self.before_update(optimizer, self.rt.params_for(self.scope.model, None))
+        self.whole_model = True
+        return self._pre_hook(optimizer, args, kwargs)
 
-    def before_update(self, optimizer: torch.optim.Optimizer | None, params: list | None = None) -> None:
-        """Measure the gradients the optimizer is about to use (``params``: the parameters to
-        measure, when not the optimizer's); apply the guard policy.
+    def before_update(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Measure the gradients the optimizer is about to use (all of the model's, adopted);
+        apply the guard policy.
 
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
@@ -181,8 +184,7 @@ class GradientCheck:
             self.lr = learning_rates(optimizer)
         rt = self.rt
         try:
-            if params is None:
-                params = rt.params_for(scope.model, optimizer)
+            params = rt.params_for(scope.model, None if self.whole_model else optimizer)
             self.stats = grad_measure.gradient_norms(params)
             scale = kernel_scale(optimizer)
             if self.stats is not None and scale is not None:

@@ -82,32 +82,36 @@ def _note(updater: object) -> None:
         scope.forensics.note_stepped(updater)
 
 
-_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
-def _safely(note: Callable[[_T], None], obj: _T) -> None:
-    """``note(obj)`` outside a compiled graph (no break), never raising into the user's call
-    but the guard's error (``guard="raise"``: the user asked for it)."""
+def _safely(note: Callable[..., _R], *args: object) -> _R | None:
+    """``note(*args)`` outside a compiled graph (no break), never raising into the user's call
+    but the guard's error (``guard="raise"``: the user asked for it); its result, or None."""
     if is_compiling():
-        return
+        return None
     try:
-        note(obj)
+        return note(*args)
     except NonFiniteError:
         raise
     except Exception as exc:
         rt = current.runtime(create=False)
         if rt is not None:
             rt.errors.report("step", exc)
+        return None
 
 
-def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The global step pre-hook; returns the step's arguments with its closure wrapped where the
+    step's gradients are measured as the closure's first evaluation returns."""
     _safely(_note, optimizer)
     _safely(_unguarded, optimizer)
-    _safely(_the_steps_update, optimizer)
+    replaced = _safely(_the_steps_update, optimizer, args, kwargs)
     _safely(_skipped, optimizer)
+    return replaced
 
 
-def _the_steps_update(optimizer: torch.optim.Optimizer) -> None:
+def _the_steps_update(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """``optimizer`` is about to update in an open step whose gradients are not measured yet.
     Its update is the step's, measured (and guarded) now, with the phase marks on it, when:
 
@@ -118,24 +122,27 @@ def _the_steps_update(optimizer: torch.optim.Optimizer) -> None:
     - the step's optimizer hands its update to this one, sharing its parameter groups (SAM's
       ``second_step``: SAM never calls its own ``step``).
 
-    This update's optimizer phase starts after the measuring, which counts in the backward."""
+    This update's optimizer phase starts after the measuring, which counts in the backward.
+    Returns the step's arguments (``args``, ``kwargs``, its pre-hook's) with a closure wrapped,
+    or None."""
     scope = current.step()
     if scope is None or not scope.active or optimizer is scope.optimizer or scope.gradients is None or \
             scope.gradients.fired:
-        return
+        return None
     rt = current.runtime(create=False)
     if rt is None:
-        return
+        return None
     if scope.optimizer is None:
         if scope.model is None or _in_backward() or not adoptable(rt, scope, optimizer):
-            return
+            return None
         if scope.throughput is not None:
             rt.throughput.mark_optimizer(optimizer)
-        scope.gradients.adopt(optimizer)
-    elif shares_groups(optimizer, scope.optimizer):
+        return scope.gradients.adopt(optimizer, args, kwargs)
+    if shares_groups(optimizer, scope.optimizer):
         if scope.throughput is not None:
             rt.throughput.mark_optimizer(optimizer)
         scope.check_gradients_now(optimizer)
+    return None
 
 
 def _in_backward() -> bool:
