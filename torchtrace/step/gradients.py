@@ -77,7 +77,7 @@ class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
-                 "lr", "whole_model", "_hook", "_skip_params")
+                 "lr", "whole_model", "updates", "_hook", "_skip_params")
 
     def __init__(self, scope: StepScope, rt: Runtime) -> None:
         self.scope = scope
@@ -91,6 +91,7 @@ class GradientCheck:
         self.optimizer: torch.optim.Optimizer | None = None  # the optimizer whose update was checked
         self.lr: list[float] | None = None  # its learning rates for this update (before a scheduler steps)
         self.whole_model = False  # measure all of the model's gradients, not the optimizer's (see adopt)
+        self.updates = 0  # updates of the step's optimizer begun in the step
         self._hook: RemovableHandle | None = None
         self._skip_params: list | None = None  # the parameters whose update the guard skips
 
@@ -108,6 +109,8 @@ class GradientCheck:
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # ``args`` holds the optimizer itself first (torch passes step's own arguments).
+        later = self.updates > 0
+        self.updates += 1
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if callable(closure) and not self.fired:
             # optimizer.step(closure) (LBFGS, or SGD given one): the gradients do not exist yet;
@@ -116,9 +119,11 @@ class GradientCheck:
             if len(args) > 1:
                 return (args[0], measured, *args[2:]), kwargs
             return args, {**kwargs, "closure": measured}
-        if self.fired:  # measured earlier (a clip call): the rates are read as the update begins
+        if self.fired:  # measured earlier (a clip call, an earlier update): the rates are read now
             if self.scope.active and self.scope.features is not None and self.scope.features.throughput:
                 self.lr = learning_rates(optimizer)
+            if later:
+                self._guard_again(optimizer)
             self.drop_skipped()
             return None
         self.before_update(optimizer)
@@ -210,6 +215,31 @@ class GradientCheck:
         except Exception as exc:
             rt.errors.report("gradients", exc)
         scope.add_overhead(time.perf_counter() - t0)
+
+    def _guard_again(self, optimizer: torch.optim.Optimizer) -> None:
+        """A later update of the step's optimizer in the same step (the minibatch loop of a PPO
+        update inside one step): under ``skip`` or ``raise`` its gradients are guarded too, with
+        a norm pass and a host read of their own. The step's statistics stay its first update's
+        unless this one is non-finite; a skip drops this update and every later one of the step.
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients.
+        """
+        rt, scope = self.rt, self.scope
+        if rt.guard is GuardPolicy.WARN or self.skipped or not scope.active:
+            return
+        params = rt.params_for(scope.model, None if self.whole_model else optimizer)
+        stats = grad_measure.gradient_norms(params)
+        scale = kernel_scale(optimizer)
+        if stats is not None and scale is not None:
+            stats = grad_measure.unscaled(stats, scale)
+        if stats is None and not rt.identity.distributed:
+            return
+        first = self.stats, self.values
+        self.stats, self.values = stats, None
+        self._decide(params)  # may raise (the record then shows this update)
+        if not self.skipped:  # finite: the record keeps the first update's statistics
+            self.stats, self.values = first
 
     def measure_at_end(self) -> None:
         """No optimizer was hooked: measure the gradients as the step leaves them. (With an
