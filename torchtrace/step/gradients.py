@@ -52,6 +52,16 @@ def kernel_scale(optimizer: object) -> torch.Tensor | None:
     return scale if isinstance(scale, torch.Tensor) else None
 
 
+def _applied_norms(params: list, optimizer: torch.optim.Optimizer | None) -> grad_measure.GradStats | None:
+    """The norms of the gradients of ``params`` as ``optimizer``'s update will apply them: divided
+    by the scale a fused optimizer stepped through a GradScaler still has to remove."""
+    stats = grad_measure.gradient_norms(params)
+    scale = kernel_scale(optimizer)
+    if stats is not None and scale is not None:
+        stats = grad_measure.unscaled(stats, scale)
+    return stats
+
+
 def adoptable(rt: Runtime, scope: StepScope, optimizer: torch.optim.Optimizer) -> bool:
     """Whether a step that names a model but no optimizer takes ``optimizer`` as its own: it
     updates part of the model's trainable parameters; with an enabled loss scaler in the step,
@@ -190,11 +200,7 @@ class GradientCheck:
         rt = self.rt
         try:
             params = rt.params_for(scope.model, None if self.whole_model else optimizer)
-            self.stats = grad_measure.gradient_norms(params)
-            scale = kernel_scale(optimizer)
-            if self.stats is not None and scale is not None:
-                # Stepped through a GradScaler, a fused optimizer unscales in its kernel.
-                self.stats = grad_measure.unscaled(self.stats, scale)
+            self.stats = _applied_norms(params, optimizer)
             if rt.guard is not GuardPolicy.WARN and (self.stats is not None or rt.identity.distributed):
                 self._decide(params)
             elif self.stats is not None and rt.forensics is not None and \
@@ -229,10 +235,7 @@ class GradientCheck:
         if rt.guard is GuardPolicy.WARN or self.skipped or not scope.active:
             return
         params = rt.params_for(scope.model, None if self.whole_model else optimizer)
-        stats = grad_measure.gradient_norms(params)
-        scale = kernel_scale(optimizer)
-        if stats is not None and scale is not None:
-            stats = grad_measure.unscaled(stats, scale)
+        stats = _applied_norms(params, optimizer)
         if stats is None and not rt.identity.distributed:
             return
         first = self.stats, self.values
