@@ -27,7 +27,8 @@ def _free_port() -> int:
 def _run(code: str, tmp_path: Path, **env: str) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_", "TORCH_FR", "RANK",
                                                                       "WORLD_SIZE", "LOCAL_"))}
-    done = subprocess.run([sys.executable, "-c", code.replace("PORT", str(_free_port()))], capture_output=True,
+    code = code.replace("PORT", str(_free_port())).replace("RUNDIR", str(tmp_path / "runs"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path, env={**clean, "PYTHONPATH": str(ROOT), **env})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -58,14 +59,14 @@ def test_a_torch_whose_recorder_is_nccls_only_counts_gloo_collectives_from_pytho
     environment; the process group itself is a world of one, so that it starts alone). Its
     all-reduces are then counted: the hang report's collective is the third."""
     out = _run("""
-import json, tempfile, torch, torch.distributed as dist
+import json, torch, torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 if hasattr(c10d, "_dump_fr_trace_json"):
     del c10d._dump_fr_trace_json
 import torchtrace as tt
 from torchtrace.distributed import flight
 from torchtrace.job import progress
-tt.configure(service_name="fr", prometheus_port="off", run_dir=tempfile.mkdtemp(), register_atexit=False)
+tt.configure(service_name="fr", prometheus_port="off", run_dir="RUNDIR", register_atexit=False)
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:PORT", rank=0, world_size=1)
 for _ in range(3):
     dist.all_reduce(torch.ones(2))
