@@ -126,6 +126,29 @@ def test_a_context_whose_model_sees_several_batches_stops_counting_and_gets_no_f
     assert step.record.flops is None and step.record.samples is None
 
 
+def test_minibatches_each_with_its_backward_are_the_steps_batches(run):
+    """A PPO update inside one context: each minibatch sets the gradients to None, runs its
+    backward and updates (CleanRL's loop). Every minibatch is one more batch of the step:
+    the step's samples are all of theirs and its FLOPs all of their passes. Before, a new
+    gradient made at the address of the one freed read as no backward between two calls
+    (the tensor's ``id`` was compared), and 4 to 10 steps in 30 lost their samples and FLOPs."""
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    minibatches = [torch.randn(8, 16) for _ in range(4)]
+    records = []
+    for _ in range(30):
+        with tt.debug_context("ppo_update", model=model, optimizer=opt) as step:
+            for x in minibatches:
+                loss = model(x).pow(2).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        records.append(step.record)
+    per_pass = _reference(8)  # one minibatch's forward and backward, counted by FlopCounterMode
+    assert [r.samples for r in records] == [4 * 8] * 30  # a plain count over the minibatches
+    assert [r.flops for r in records] == [4 * per_pass] * 30
+
+
 def test_record_batch_flops_win_in_a_context_and_a_context_with_inputs_is_keyed_by_them(run):
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -13,6 +13,7 @@ the step's end fills in.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Hashable
 
 import torch
@@ -29,11 +30,14 @@ MAX_KEYS = 256  # operations, and keys of each kind below, kept
 MANY = object()  # StepClock.batch once the model was called on another batch in the step
 
 
+_Mark = tuple["weakref.ref[torch.Tensor] | None", int]  # see _gradient_mark
+
+
 class _Call(tuple):
     """A model call's ``(args, kwargs)``, with the state of the model's gradients when it was
     made (:func:`_gradient_mark`): a later call after a backward is another micro-batch."""
 
-    grads: tuple[int, int] | None = None
+    grads: _Mark | None = None
 
 
 def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
@@ -59,7 +63,7 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
     if same_arguments(last, args, kwargs):
         return
     grads = _gradient_mark(scope)
-    if grads is not None and grads != batch.grads and _countable_calls(batch):
+    if _backward_between(batch.grads, grads) and _countable_calls(batch):
         calls = list(batch[0]) if type(batch) is MicroBatches else [tuple(batch)]
         clock.batch = MicroBatches.of([*calls, (args, kwargs)])
         clock.batch.grads = grads
@@ -88,10 +92,14 @@ def _countable_calls(batch: object) -> bool:
     return type(batch) is not MicroBatches or len(batch[0]) < MAX_MICRO_BATCHES
 
 
-def _gradient_mark(scope: StepScope) -> tuple[int, int] | None:
-    """Where the gradient of the model's first trained parameter stands: its tensor's identity
-    and version (a backward sets it or adds to it in place; a host read of no device value).
-    ``(0, 0)`` before it has one; None without a model or a trained parameter."""
+def _gradient_mark(scope: StepScope) -> _Mark | None:
+    """Where the gradient of the model's first trained parameter stands: a weak reference to its
+    tensor and the tensor's version (a backward sets it or adds to it in place; a host read of
+    no device value). ``(None, 0)`` before it has one; None without a model or a trained
+    parameter. The reference is weak: it keeps no gradient alive (an embedding's can be
+    hundreds of MB), and a tensor freed since cannot be taken for a new one made at its
+    address, as its ``id`` could (gradients set to None and made again by each minibatch's
+    backward)."""
     model = getattr(scope, "model", None)
     if not isinstance(model, torch.nn.Module):
         return None
@@ -100,8 +108,21 @@ def _gradient_mark(scope: StepScope) -> tuple[int, int] | None:
             return None
         if param.requires_grad:
             grad = param.grad
-            return (id(grad), grad._version) if grad is not None else (0, 0)
+            return (weakref.ref(grad), grad._version) if grad is not None else (None, 0)
     return None
+
+
+def _backward_between(before: _Mark | None, now: _Mark | None) -> bool:
+    """Whether the gradient moved between two model calls (:func:`_gradient_mark`): another
+    tensor than before (the one seen then may be gone), or the same written in place."""
+    if before is None or now is None:
+        return False
+    (ref, version), (ref_now, version_now) = before, now
+    seen = ref() if ref is not None else None
+    if ref is not None and seen is None:
+        return True  # the gradient seen before was freed: set to None, or replaced by a backward
+    current_grad = ref_now() if ref_now is not None else None
+    return seen is not current_grad or version != version_now
 
 
 class CallKeys:
