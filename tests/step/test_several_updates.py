@@ -3,7 +3,9 @@ shape) inside one ``debug_context``. The gradients were measured, and guarded, a
 update only: under ``skip`` a NaN in a later minibatch was applied, and every parameter was NaN
 from then on. Now, under ``skip`` and ``raise``, every update of the step's optimizer is
 guarded; a skip drops the bad update and the step's later ones. The step's statistics stay
-those of its first update when every update is finite.
+those of its first update when every update is finite. The same holds for a step that names
+only its model (``debug_context(model=...)``): the optimizer it takes for its own has every
+update guarded, as the step's own optimizer does.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def _reference() -> tuple[list[torch.Tensor], float]:
     return [p.detach().clone() for p in model.parameters()], first
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["optimizer", "model-only"])
 @pytest.mark.parametrize("guard", ["skip", "raise"])
-def test_every_update_of_the_step_is_guarded(tmp_path, guard):
+def test_every_update_of_the_step_is_guarded(tmp_path, guard, named):
     weights, first_norm = _reference()
     tt.configure(service_name="test", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
                  register_atexit=False, guard=guard)
@@ -66,7 +69,7 @@ def test_every_update_of_the_step_is_guarded(tmp_path, guard):
         records, raised = [], []
         for step in range(2):
             try:
-                with tt.debug_context("ppo_update", model=model, optimizer=opt) as scope:
+                with tt.debug_context("ppo_update", model=model, optimizer=opt if named else None) as scope:
                     for x in _minibatches(step):
                         loss = _update(model, opt, x)
                     scope.record_loss(loss)

@@ -171,7 +171,8 @@ class GradientCheck:
         """The step names a model but no optimizer, and ``optimizer``, the first to update part
         of the model in it, is about to (its step pre-hook's arguments): all of the model's
         gradients are measured (and guarded) before its update, whichever of its optimizers
-        update them, and the step's learning rates are this one's. Returns the step's arguments
+        update them, and the step's learning rates are this one's. Its later updates in the step
+        come here too, and are guarded as the step's own optimizer's are. Returns the step's arguments
         with its closure wrapped (``optimizer.step(closure)``: measured as the closure's first
         evaluation returns), or None.
 
@@ -179,6 +180,8 @@ class GradientCheck:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
         """
         self.whole_model = True
+        if self.optimizer is None:  # measured at a clip call, before any optimizer was known
+            self.optimizer = optimizer
         return self._pre_hook(optimizer, args, kwargs)
 
     def before_update(self, optimizer: torch.optim.Optimizer | None) -> None:

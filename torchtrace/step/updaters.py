@@ -118,7 +118,8 @@ def _the_steps_update(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
     - the step names a model but no optimizer, and this one steps after the backward (not
       inside it) and updates part of the model: all of the model's gradients are measured
       (:meth:`GradientCheck.adopt`; a skip decision drops them in :func:`_skipped`, next, and
-      for every later optimizer of the step);
+      for every later optimizer of the step). Its later updates in the step are guarded as
+      the step's own optimizer's are (a minibatch loop inside one step);
     - the step's optimizer hands its update to this one, sharing its parameter groups (SAM's
       ``second_step``: SAM never calls its own ``step``).
 
@@ -126,18 +127,22 @@ def _the_steps_update(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
     Returns the step's arguments (``args``, ``kwargs``, its pre-hook's) with a closure wrapped,
     or None."""
     scope = current.step()
-    if scope is None or not scope.active or optimizer is scope.optimizer or scope.gradients is None or \
-            scope.gradients.fired:
+    if scope is None or not scope.active or optimizer is scope.optimizer or scope.gradients is None:
         return None
     rt = current.runtime(create=False)
-    if rt is None:
+    if rt is None or rt.replaying:
         return None
+    check = scope.gradients
     if scope.optimizer is None:
+        if check.optimizer is not None:  # adopted already: its later updates are guarded too
+            return check.adopt(optimizer, args, kwargs) if optimizer is check.optimizer else None
         if scope.model is None or _in_backward() or not adoptable(rt, scope, optimizer):
             return None
         if scope.throughput is not None:
             rt.throughput.mark_optimizer(optimizer)
-        return scope.gradients.adopt(optimizer, args, kwargs)
+        return check.adopt(optimizer, args, kwargs)
+    if check.fired:
+        return None
     if shares_groups(optimizer, scope.optimizer):
         if scope.throughput is not None:
             rt.throughput.mark_optimizer(optimizer)
