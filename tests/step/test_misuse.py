@@ -147,6 +147,35 @@ def test_a_guard_with_an_optimizer_does_not_warn(tmp_path, tiny_model, caplog):
         tt.shutdown()
 
 
+def test_an_optimizer_stepping_after_its_step_is_said_once(tmp_path, tiny_model, caplog):
+    """A step around the forward and backward only, its optimizer stepping after the block:
+    the update's gradients are not measured and the guard cannot act on them. Before, nothing
+    said so: the records had no gradient norm and a NaN update was applied under ``skip``.
+    Micro-batches whose last one steps the optimizer inside its step are not warned about."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), guard="skip", register_atexit=False)
+    try:
+        opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
+        caplog.set_level(logging.WARNING, logger="torchtrace")
+        for micro in range(4):  # accumulation: the optimizer steps in the last micro-batch's step
+            with tt.debug_context("micro_step", model=tiny_model, optimizer=opt):
+                tiny_model(torch.ones(2, 8)).pow(2).mean().backward()
+                if micro == 3:
+                    opt.step()
+                    opt.zero_grad()
+        for _ in range(3):
+            opt.zero_grad()
+            with tt.debug_context("forward_backward", model=tiny_model, optimizer=opt) as step:
+                tiny_model(torch.ones(2, 8)).pow(2).mean().backward()
+            opt.step()
+            assert step.record.grad_norm is None
+        said = [r.getMessage() for r in caplog.records if "stepped after the step ended" in r.getMessage()]
+        assert len(said) == 1
+        assert "forward_backward (SGD)" in said[0] and "guard='skip'" in said[0] and "inside the step" in said[0]
+        assert get_runtime().errors.total == 0
+    finally:
+        tt.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["evaluation", "checkpoint"])
 def test_an_evaluation_with_the_model_does_not_report_the_last_training_steps_gradients(tmp_path, tiny_model,
                                                                                      caplog, kind):

@@ -249,15 +249,22 @@ class GradientCheck:
 
     def measure_at_end(self) -> None:
         """No optimizer was hooked: measure the gradients as the step leaves them. (With an
-        optimizer that did not step, no update used them: nothing to measure. An evaluation or
-        checkpoint operation makes none: what it would find are the last training step's.)
+        optimizer that did not step, no update used them: nothing to measure, and the optimizer
+        is noted in ``rt.unstepped``, for the warning should it step after the step, outside
+        it. An evaluation or checkpoint operation makes none: what it would find are the last
+        training step's.)
 
         None left, after optimizers stepped in the step (one per parameter, inside
         ``backward()``, each zeroing its tensor's gradient): the step's gradients were not
         measured, which a warning says once per operation."""
         scope = self.scope
-        if self.fired or scope.model is None or scope.kind in _NO_GRADIENTS or \
-                scope.optimizer is not None and hookable(scope.optimizer):
+        if self.fired or scope.kind in _NO_GRADIENTS:
+            return
+        if scope.optimizer is not None and hookable(scope.optimizer):
+            # It did not step in the step: one that steps after it is said once (updaters).
+            self.rt.unstepped[scope.optimizer] = scope.name
+            return
+        if scope.model is None:
             return
         self.fired = True
         self.stats = grad_measure.gradient_norms(self.rt.params_for(scope.model, None))

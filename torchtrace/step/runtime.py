@@ -102,6 +102,8 @@ class Runtime:
         self._deferred: collections.deque[_Deferred] = collections.deque()
         self._changes: collections.deque[Callable[[], None]] = collections.deque()
         self._param_cache: "weakref.WeakKeyDictionary[Any, tuple[Any, list]]" = weakref.WeakKeyDictionary()
+        # A step's optimizer that did not step in it -> the step's name (GradientCheck.measure_at_end).
+        self.unstepped: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()
         self.processors: list[BoundedBatchSpanProcessor] = []
         self.server: TelemetryServer | None = None
         self.spans_path: Path | None = None

@@ -104,11 +104,31 @@ def _safely(note: Callable[..., _R], *args: object) -> _R | None:
 def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """The global step pre-hook; returns the step's arguments with its closure wrapped where the
     step's gradients are measured as the closure's first evaluation returns."""
+    _safely(_stepped_after_its_step, optimizer)
     _safely(_note, optimizer)
     _safely(_unguarded, optimizer)
     replaced = _safely(_the_steps_update, optimizer, args, kwargs)
     _safely(_skipped, optimizer)
     return replaced
+
+
+def _stepped_after_its_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` is about to update, and the last step that named it (``optimizer=``) ended
+    without its update: when no step is open now, the update comes after that step (a ``with``
+    block around the forward and backward only), unmeasured and unguarded, which is said once
+    per operation. Inside a step (the last micro-batch of an accumulation) it is not."""
+    rt = current.runtime(create=False)
+    if rt is None or rt.replaying or not rt.unstepped:
+        return
+    name = rt.unstepped.pop(optimizer, None)
+    scope = current.step()
+    if name is None or (scope is not None and scope.active):
+        return
+    rt.warn_once(("stepped-after", name),
+                 "torchtrace: the optimizer of %s (%s) stepped after the step ended: the gradients of its update "
+                 "were not measured, and guard='%s' could not act on them; call optimizer.step() inside the "
+                 "step (the with block or the decorated function)", name, type(optimizer).__name__,
+                 rt.guard.value)
 
 
 def _the_steps_update(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
