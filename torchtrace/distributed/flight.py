@@ -64,24 +64,26 @@ def _initialized() -> bool:
         return False
 
 
-def _dump() -> Callable[[bool, bool], bytes] | None:
-    """torch's recorder dump: ``_dump_fr_trace_json`` (every backend), else NCCL's own
-    ``_dump_nccl_trace_json`` (an older torch), else None (a build with neither)."""
+def _c10d() -> Any:
+    """torch's c10d bindings, or None in a build without them."""
     try:
         from torch._C import _distributed_c10d as c10d
     except ImportError:
         return None
+    return c10d
+
+
+def _dump() -> Callable[[bool, bool], bytes] | None:
+    """torch's recorder dump: ``_dump_fr_trace_json`` (every backend), else NCCL's own
+    ``_dump_nccl_trace_json`` (an older torch), else None (a build with neither)."""
+    c10d = _c10d()
     return getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
 
 
 def records_every_backend() -> bool:
     """Whether this torch's recorder sees gloo's collectives as well as NCCL's (it has
     ``_dump_fr_trace_json``). Where it does not, :func:`count_calls` is needed besides it."""
-    try:
-        from torch._C import _distributed_c10d as c10d
-    except ImportError:
-        return False
-    return hasattr(c10d, "_dump_fr_trace_json")
+    return hasattr(_c10d(), "_dump_fr_trace_json")
 
 
 def last_collective() -> dict[str, Any] | None:
