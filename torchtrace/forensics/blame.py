@@ -35,6 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from torchtrace.measure.activations import first_tensor
+from torchtrace.measure.names import user_name, wrapper_prefix
 from torchtrace.measure.tensors import STAT_NAMES, tensor_stats
 from torchtrace.record import readout
 
@@ -111,7 +112,8 @@ class ModuleCalls:
     def __init__(self, model: torch.nn.Module, timing: bool = True) -> None:
         self.model = model
         self.timing = timing
-        self.names = {m: n for n, m in model.named_modules()}
+        prefix = wrapper_prefix(model)
+        self.names = {m: user_name(n, prefix) for n, m in model.named_modules()}
         self.calls: list[Call] = []
         self._stack: list[Call] = []
         self._handles: list[Any] = []

@@ -5,8 +5,7 @@ optimizers', schedulers' and scalers' updates become no-ops (:func:`neutralised`
 DistributedDataParallel issues no collective (:func:`local_only`), torch.compile'd code runs
 eagerly so that the hooks see every module (:func:`eager`), an ``async def`` step is driven
 to its end outside the event loop (:func:`finished`), and the RNG state is the step's
-(:func:`capture_rng`, :func:`restore_rng`). Names in reports are the user's model's
-(:func:`user_name`: without DDP's ``module.`` or torch.compile's ``_orig_mod.``).
+(:func:`capture_rng`, :func:`restore_rng`).
 """
 
 from __future__ import annotations
@@ -79,27 +78,6 @@ def side_effect_owners(scope: StepScope) -> tuple[list[Any], list[Any]]:
         scalers.append(scope.scaler)
     return opts, scalers
 
-
-
-# The prefixes a wrapper puts before the user's names: DistributedDataParallel's ``module.``
-# and torch.compile's ``_orig_mod.``. Reports name modules and parameters as in the user's model.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-_WRAPPER_ROOTS = ("module", "_orig_mod")
-
-
-def user_name(name: str) -> str:
-    """A module or parameter name as the user's own model spells it (wrapper prefixes dropped).
-
-    >>> user_name("module._orig_mod.mlp.c_fc.weight"), user_name("module")
-    ('mlp.c_fc.weight', '')
-    """
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
-    return "" if name in _WRAPPER_ROOTS else name
 
 
 def _is_ddp(obj: object) -> bool:
@@ -194,4 +172,4 @@ def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
         yield
 
 __all__ = ["autocast_as", "autocast_state", "capture_rng", "eager", "finished", "is_distributed_data_parallel",
-           "local_only", "neutralised", "restore_rng", "side_effect_owners", "user_name"]
+           "local_only", "neutralised", "restore_rng", "side_effect_owners"]

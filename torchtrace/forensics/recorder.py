@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch
 
 from torchtrace.forensics import blame
-from torchtrace.forensics.isolation import user_name
 from torchtrace.measure import tensors as tensor_measure
+from torchtrace.measure.names import user_name, wrapper_prefix
 
 
 def _all_finite(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -33,7 +33,8 @@ class Recorder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.names = {m: user_name(n) for n, m in model.named_modules()}
+        prefix = wrapper_prefix(model)
+        self.names = {m: user_name(n, prefix) for n, m in model.named_modules()}
         self.calls: list[dict[str, Any]] = []  # in completion order
         self._stack: list[dict[str, Any]] = []
         self.grad_flags: list[tuple[str, str, torch.Tensor]] = []  # (module, "in"/"out", finite flag)

@@ -30,9 +30,9 @@ from torchtrace.forensics.isolation import (
     local_only,
     neutralised,
     restore_rng,
-    user_name,
 )
 from torchtrace.forensics.recorder import Recorder
+from torchtrace.measure.names import user_name, wrapper_prefix
 from torchtrace.record import readout
 
 logger = get_logger("torchtrace.forensics")
@@ -84,8 +84,9 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
     Everything the replay touches is restored before returning.
     """
     t0 = time.perf_counter()
-    params = [(user_name(n), p) for n, p in model.named_parameters()]
-    module_names = {user_name(n) for n, _ in model.named_modules()}
+    prefix = wrapper_prefix(model)
+    params = [(user_name(n, prefix), p) for n, p in model.named_parameters()]
+    module_names = {user_name(n, prefix) for n, _ in model.named_modules()}
     saved_grads = [(p, p.grad) for _, p in params]
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
     # The parameters too: a step that updates them by hand (``p.data.add_(p.grad, alpha=-lr)``,

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from torchtrace.distributed import collectives
+from torchtrace.measure.names import user_name, wrapper_prefix
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -71,12 +72,14 @@ def named_params(model: torch.nn.Module | None = None,
     """The parameters to watch, deduplicated (shared parameters appear once).
 
     With an optimizer, exactly the tensors it updates, named after the model when one is
-    given; otherwise the model's parameters.
+    given; otherwise the model's parameters. Names are the user's model's, without a wrapper's
+    prefix (:mod:`torchtrace.measure.names`: DDP's ``module.``, torch.compile's ``_orig_mod.``).
     """
     names: dict[int, str] = {}
     if model is not None:
+        prefix = wrapper_prefix(model)
         for name, p in model.named_parameters(remove_duplicate=True):
-            names.setdefault(id(p), name)
+            names.setdefault(id(p), user_name(name, prefix))
     refs: list[ParamRef] = ParamList()
     seen: set[int] = set()
     if optimizer is not None:
@@ -88,10 +91,10 @@ def named_params(model: torch.nn.Module | None = None,
                 refs.append(ParamRef(names.get(id(p), f"group{gi}.param{pi}"), p))
         return refs
     if model is not None:
-        for name, p in model.named_parameters(remove_duplicate=True):
+        for p in model.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                refs.append(ParamRef(name, p))
+                refs.append(ParamRef(names[id(p)], p))
     return refs
 
 
