@@ -60,7 +60,9 @@ class Spy(pl.Callback):
         self.before.append([p.detach().clone() for p in pl_module.parameters()])
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.norms.append(math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in pl_module.parameters())))
+        # (None: a skip decided at a manual-optimization module's clip_gradients cleared them)
+        self.norms.append(math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in pl_module.parameters()
+                                        if p.grad is not None)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after.append([p.detach().clone() for p in pl_module.parameters()])
@@ -162,6 +164,76 @@ def test_nan_detected_and_update_skipped(tmp_path, caplog):
     samples = scrape(result.metrics_url)
     assert value(samples, "torchtrace_skipped_steps_total", operation="train_step") == 1
     assert value(samples, "torchtrace_anomalies_total", operation="train_step", kind="nonfinite_grad") == 1
+
+
+class ManualModule(pl.LightningModule):
+    """Manual optimization, as Lightning's docs show it: the module clips with
+    ``self.clip_gradients`` before its ``optimizer.step()``. ``gan``: a second optimizer, for a
+    discriminator trained after the generator in the same batch (its own loss and backward).
+    ``norms``: the generator's gradient norm before the clip, float64, per batch (a forensic
+    replay of ``training_step`` is not counted)."""
+
+    def __init__(self, gan: bool = False, nan_at: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.critic = torch.nn.Linear(1, 1)
+        self.gan, self.nan_at = gan, nan_at
+        self.norms: dict[int, float] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opts = self.optimizers()
+        opt = opts[0] if self.gan else opts
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if batch_idx == self.nan_at:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.norms.setdefault(batch_idx, math.sqrt(sum(float((p.grad.double() ** 2).sum())
+                                                       for p in self.net.parameters())))
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        if self.gan:
+            critic_opt = opts[1]
+            critic_opt.zero_grad()
+            self.manual_backward(self.critic(self.net(x).detach()).pow(2).mean())
+            critic_opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        generator = torch.optim.Adam(self.net.parameters(), lr=0.01)
+        if self.gan:
+            return [generator, torch.optim.Adam(self.critic.parameters(), lr=0.01)]
+        return generator
+
+
+@pytest.mark.parametrize("gan", [False, True], ids=["one-optimizer", "gan"])
+def test_manual_optimization_is_measured_before_the_modules_own_clip(tmp_path, gan):
+    """The norm is the gradients' own, not the clipped one: before, it was 0.5 (the clip value)
+    on every batch, so no explosion could be seen. With a GAN's two optimizers it is the
+    generator's update's alone, though the critic's stale gradients are there."""
+    result = configure(tmp_path)
+    module = ManualModule(gan=gan)
+    fit(module, [TorchtraceCallback()], steps=8 if gan else 4, val=False)  # (a GAN's batch steps twice)
+    spans = [s for s in read_spans(result.spans_path) if s["name"] == "train_step"]
+    assert len(spans) == 4 and len(module.norms) == 4
+    for i, span in enumerate(spans):
+        assert span["attributes"][semconv.GRAD_NORM] == pytest.approx(module.norms[i], rel=1e-6)
+    assert max(module.norms.values()) > 0.5  # the clip changed the gradients
+    assert "clip_gradients" not in vars(module)  # teardown put the module's own method back
+
+
+def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path):
+    configure(tmp_path, guard="skip")
+    spy = Spy()
+    module = ManualModule(nan_at=2)
+    fit(module, [spy, TorchtraceCallback()], steps=4, val=False)
+    for i, (before, after) in enumerate(zip(spy.before, spy.after)):
+        assert all(torch.equal(a, b) for a, b in zip(before, after)) == (i == 2), i
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert tt.api.get_runtime().history.totals["skipped_steps"] == 1
 
 
 def test_guard_raise_ends_span_and_propagates(tmp_path):

@@ -89,6 +89,10 @@ class TorchtraceCallback(_pl.Callback):
       span that ``on_validation_start/end`` open and close: in goodput the whole loop is
       evaluation, its loading between batches included.
 
+    - Under manual optimization (``automatic_optimization = False``), ``setup`` has the
+      module's ``clip_gradients`` measure the gradients of the optimizer it is given before
+      clipping them (the module clips before its ``optimizer.step()``, and so before
+      ``on_before_optimizer_step``); ``teardown`` puts the module's own method back.
     - ``setup`` times the strategy's checkpoint IO (``save_checkpoint``, ``load_checkpoint``:
       serialising and writing, whatever the IO plugin) as checkpoint saves and loads
       (``torchtrace_checkpoint_seconds``, badput ``checkpoint``, the black box's last
@@ -111,6 +115,8 @@ class TorchtraceCallback(_pl.Callback):
 
     # ------------------------------------------------------------ checkpoints
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not getattr(pl_module, "automatic_optimization", True) and not _measures_clips(pl_module):
+            pl_module.clip_gradients = _measured_clip(self._train, pl_module)  # type: ignore[method-assign]
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         if io is None or getattr(io.save_checkpoint, "__torchtrace_kind__", None):
             return
@@ -118,6 +124,8 @@ class TorchtraceCallback(_pl.Callback):
             setattr(io, name, _timed(getattr(io, name), kind))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if _measures_clips(pl_module):
+            del pl_module.clip_gradients  # the instance's wrapper off: the class's method again
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         for name in ("save_checkpoint", "load_checkpoint"):
             if io is not None and getattr(getattr(io, name, None), "__torchtrace_kind__", None):
@@ -205,6 +213,29 @@ def _read_as_consumed(driver: StepDriver, module: torch.nn.Module, batch: Any) -
         rt = api.get_runtime()
         if rt is not None:
             rt.errors.report("other", exc)
+
+
+def _measures_clips(pl_module: object) -> bool:
+    """Whether the instance's ``clip_gradients`` is :func:`_measured_clip`'s."""
+    own = getattr(pl_module, "__dict__", {}).get("clip_gradients")
+    return bool(getattr(own, "__torchtrace_measures__", False))
+
+
+def _measured_clip(driver: StepDriver, pl_module: LightningModule) -> Callable[..., None]:
+    """``pl_module.clip_gradients`` that measures (and guards) the gradients of the optimizer it
+    is given before they are clipped. Under manual optimization the module's ``training_step``
+    clips before ``optimizer.step()``, and so before ``on_before_optimizer_step``: measured
+    there, the step's norm was the clipped one (``gradient_clip_val`` on every step, so no
+    explosion could be seen)."""
+    original = pl_module.clip_gradients
+
+    # Any: clip_gradients' own arguments (the clip value and algorithm), passed through.
+    def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        driver.measure(pl_module, optimizer)
+        original(optimizer, *args, **kwargs)
+
+    clip_gradients.__torchtrace_measures__ = True  # type: ignore[attr-defined]
+    return clip_gradients
 
 
 def _timed(method: Callable[..., _R], kind: str) -> Callable[..., _R]:

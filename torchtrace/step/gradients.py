@@ -179,9 +179,9 @@ class GradientCheck:
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
         """
-        self.whole_model = True
-        if self.optimizer is None:  # measured at a clip call, before any optimizer was known
+        if self.optimizer is None:  # adopted now (perhaps measured at a clip call already)
             self.optimizer = optimizer
+            self.whole_model = True
         return self._pre_hook(optimizer, args, kwargs)
 
     def before_update(self, optimizer: torch.optim.Optimizer | None) -> None:
