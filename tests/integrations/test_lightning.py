@@ -225,6 +225,27 @@ def test_manual_optimization_is_measured_before_the_modules_own_clip(tmp_path, g
     assert "clip_gradients" not in vars(module)  # teardown put the module's own method back
 
 
+def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path):
+    """Under ``16-mixed`` the module's ``clip_gradients`` runs on gradients the loss scaler has
+    not unscaled yet (Lightning unscales inside ``optimizer.step()``): measured there they
+    read 1024 times too large (12,817 against 12.5 on the first batch). They are measured at
+    ``on_before_optimizer_step`` instead, after the unscaling: the gradients the update uses."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    result = configure(tmp_path)
+    spy = Spy()
+    module = ManualModule()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", plugins=[plugin], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[spy, TorchtraceCallback()])
+    trainer.fit(module, loaders()[0])
+    spans = read_spans(result.spans_path)
+    assert len(spans) == 3 and len(spy.norms) == 3
+    for span, ref in zip(spans, spy.norms):
+        assert span["attributes"][semconv.GRAD_NORM] == pytest.approx(ref, rel=1e-5)
+    assert min(module.norms.values()) > 1000  # what the module's clip was given: still scaled
+
+
 def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path):
     configure(tmp_path, guard="skip")
     spy = Spy()

@@ -20,6 +20,7 @@ from torchtrace.job.checkpoints import checkpoint
 from torchtrace.measure.batch import infer_batch
 from torchtrace.measure.batch_layout import sequence_layout
 from torchtrace.measure.loss import extract_loss
+from torchtrace.measure.scaler import scaler_enabled, unscaled_by
 
 try:
     import lightning.pytorch as _pl
@@ -92,7 +93,9 @@ class TorchtraceCallback(_pl.Callback):
     - Under manual optimization (``automatic_optimization = False``), ``setup`` has the
       module's ``clip_gradients`` measure the gradients of the optimizer it is given before
       clipping them (the module clips before its ``optimizer.step()``, and so before
-      ``on_before_optimizer_step``); ``teardown`` puts the module's own method back.
+      ``on_before_optimizer_step``), unless a ``16-mixed`` loss scaler has not unscaled them
+      yet (they are measured at ``on_before_optimizer_step`` then); ``teardown`` puts the
+      module's own method back.
     - ``setup`` times the strategy's checkpoint IO (``save_checkpoint``, ``load_checkpoint``:
       serialising and writing, whatever the IO plugin) as checkpoint saves and loads
       (``torchtrace_checkpoint_seconds``, badput ``checkpoint``, the black box's last
@@ -226,16 +229,29 @@ def _measured_clip(driver: StepDriver, pl_module: LightningModule) -> Callable[.
     is given before they are clipped. Under manual optimization the module's ``training_step``
     clips before ``optimizer.step()``, and so before ``on_before_optimizer_step``: measured
     there, the step's norm was the clipped one (``gradient_clip_val`` on every step, so no
-    explosion could be seen)."""
+    explosion could be seen). Gradients a loss scaler has not unscaled yet are left to
+    ``on_before_optimizer_step`` (:func:`_still_scaled`)."""
     original = pl_module.clip_gradients
 
     # Any: clip_gradients' own arguments (the clip value and algorithm), passed through.
     def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        driver.measure(pl_module, optimizer)
+        if not _still_scaled(pl_module):
+            driver.measure(pl_module, optimizer)
         original(optimizer, *args, **kwargs)
 
     clip_gradients.__torchtrace_measures__ = True  # type: ignore[attr-defined]
     return clip_gradients
+
+
+def _still_scaled(pl_module: LightningModule) -> bool:
+    """Whether the trainer's loss scaler (``16-mixed``) has not unscaled the gradients yet, as
+    in a manual-optimization ``training_step`` before ``optimizer.step()``: Lightning unscales
+    them inside the step, before ``on_before_optimizer_step``, which then measures them."""
+    try:
+        scaler = getattr(pl_module.trainer.precision_plugin, "scaler", None)
+    except Exception:  # no trainer attached
+        return False
+    return scaler_enabled(scaler) and not unscaled_by(scaler)
 
 
 def _timed(method: Callable[..., _R], kind: str) -> Callable[..., _R]:
