@@ -1,9 +1,9 @@
 """A model handed over inside a wrapper (DataParallel or DistributedDataParallel, torch.compile,
-or both) has its parameters named as the user's model names them, in the record and in the
-forensic report alike. Before, the record named the wrapper's attribute first
-(``_orig_mod.0.weight``, ``module.0.weight``) while the forensic report of the same step named
-the module without it: a name changed with the job's wrappers, and one report spoke of the same
-layer twice, under two names."""
+Lightning Fabric's ``setup``, or several) has its parameters named as the user's model names
+them, in the record and in the forensic report alike. Before, the record named the wrapper's
+attribute first (``_orig_mod.0.weight``, ``module.0.weight``, ``_forward_module.0.weight``)
+while the forensic report of the same step named the module without it: a name changed with
+the job's wrappers, and one report spoke of the same layer twice, under two names."""
 
 from __future__ import annotations
 
@@ -14,10 +14,17 @@ import torchtrace as tt
 from tests.helpers import seeded_batches, small_mlp
 from torchtrace.measure.names import user_name, wrapper_prefix
 
+
+def _fabric(model: torch.nn.Module) -> torch.nn.Module:
+    fabric = pytest.importorskip("lightning.fabric")
+    return fabric.Fabric(accelerator="cpu", devices=1).setup_module(model)
+
+
 WRAPPERS = {
     "data_parallel": lambda m: torch.nn.DataParallel(m),
     "compiled": lambda m: torch.compile(m, backend="eager"),
     "data_parallel_of_compiled": lambda m: torch.nn.DataParallel(torch.compile(m, backend="eager")),
+    "lightning_fabric": _fabric,
 }
 
 

@@ -2,7 +2,8 @@
 
 A model handed over inside a wrapper names everything under the wrapper's attribute:
 ``DistributedDataParallel`` and ``DataParallel`` under ``module.``, ``torch.compile`` under
-``_orig_mod.``, one after the other when both wrap it. Records, spans and forensic reports
+``_orig_mod.``, Lightning Fabric's ``setup`` under ``_forward_module.``, one after the other
+when several wrap it. Records, spans and forensic reports
 name parameters and modules without them, so a name reads the same whether the job runs
 compiled, distributed or neither.
 """
@@ -17,9 +18,11 @@ def _wrapped(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
     not a wrapper."""
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         return "module", model.module
-    inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule (not imported: dynamo)
-    if type(model).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
-        return "_orig_mod", inner
+    # By class name, not imported: torch.compile's (dynamo) and Lightning Fabric's.
+    for wrapper, attribute in (("OptimizedModule", "_orig_mod"), ("_FabricModule", "_forward_module")):
+        inner = getattr(model, attribute, None)
+        if type(model).__name__ == wrapper and isinstance(inner, torch.nn.Module):
+            return attribute, inner
     return None
 
 
