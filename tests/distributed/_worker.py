@@ -156,6 +156,38 @@ def scenario_guard(out: str, rank: int, world: int) -> dict:
             "raise": _ddp_steps(out, rank, "raise", nan_step=2, steps=6)}
 
 
+def scenario_minibatches(out: str, rank: int, world: int) -> dict:
+    """A PPO update's minibatch loop inside one step that names only its DDP model: a NaN on
+    rank 1 alone, planted after the all-reduce in the third minibatch of step 1. Every rank
+    must skip that update and the step's later ones, agreeing in the same collective."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(Net())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    configure(out, guard="skip")
+    g = torch.Generator().manual_seed(100 + rank)
+    records = []
+    for step in range(2):
+        with tt.debug_context("ppo_update", model=model) as scope:
+            for minibatch in range(4):
+                x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # DDP all-reduces here
+                if rank == 1 and (step, minibatch) == (1, 2):
+                    model.module.head.weight.grad[0, 0] = float("nan")  # after the all-reduce: rank 1 only
+                opt.step()
+        records.append({"skipped": scope.record.skipped, "peer": scope.record.guard_peer_nonfinite})
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, params)
+    same = all(torch.equal(gathered[0], t) for t in gathered)
+    finite = bool(torch.isfinite(params).all())
+    tt.shutdown()
+    return {"records": records, "params_equal": same, "params_finite": finite}
+
+
 def scenario_skew(out: str, rank: int, world: int) -> dict:
     """Independent models (no per-step sync); rank 1 is slowed by a sleep inside each step."""
     torch.manual_seed(rank)

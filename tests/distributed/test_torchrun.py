@@ -43,9 +43,10 @@ def _torchrun(args: list[str], tmp: Path) -> tuple[subprocess.CompletedProcess, 
 
 @pytest.fixture(scope="session")  # once a worker: a module fixture ran again when xdist ran tests between
 def worker(tmp_path_factory):
-    """One launch: shard, guard, skew, then crash (rank 1 raises; the job must end, not hang)."""
+    """One launch: shard, guard, minibatches, skew, then crash (rank 1 raises; the job must end,
+    not hang)."""
     out = tmp_path_factory.mktemp("worker")
-    proc, wall = _torchrun([str(WORKER), str(out), "shard", "guard", "skew", "crash"], out)
+    proc, wall = _torchrun([str(WORKER), str(out), "shard", "guard", "minibatches", "skew", "crash"], out)
 
     def load(scenario: str) -> list[dict]:
         results = []
@@ -93,6 +94,19 @@ def test_nan_on_one_rank_makes_every_rank_skip_or_raise_in_the_same_step(worker)
         assert res["raise"]["params_equal"]
     assert "another rank" in r0["raise"]["message"]
     assert "another rank" not in r1["raise"]["message"]
+
+
+@pytest.mark.timeout(200)
+def test_a_nan_on_one_rank_in_a_later_minibatch_is_skipped_on_every_rank(worker):
+    """A step that names only its DDP model, updating once per minibatch: the NaN rank 1 alone
+    sees in a later minibatch is agreed on, and both ranks drop that update and the step's
+    later ones. Before, only the first update of such a step was guarded: the NaN update was
+    applied on rank 1, and the next minibatch's all-reduce made every rank's parameters NaN."""
+    r0, r1 = worker["load"]("minibatches")
+    for res in (r0, r1):
+        assert [r["skipped"] for r in res["records"]] == [False, True]
+        assert res["params_equal"] and res["params_finite"]
+    assert r0["records"][1]["peer"] and not r1["records"][1]["peer"]
 
 
 @pytest.mark.timeout(200)
