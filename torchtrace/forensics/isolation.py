@@ -79,7 +79,6 @@ def side_effect_owners(scope: StepScope) -> tuple[list[Any], list[Any]]:
     return opts, scalers
 
 
-
 def _is_ddp(obj: object) -> bool:
     return isinstance(obj, torch.nn.parallel.DistributedDataParallel)
 
