@@ -247,6 +247,9 @@ def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path):
 
 
 def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path):
+    """The NaN batch's update is skipped, decided now at the module's clip (before the clip was
+    wrapped it was decided at ``on_before_optimizer_step``, with the same outcome): the
+    weights are unchanged by that batch alone and finite at the end."""
     configure(tmp_path, guard="skip")
     spy = Spy()
     module = ManualModule(nan_at=2)
