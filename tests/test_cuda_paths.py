@@ -9,6 +9,8 @@ benchmarks/RESULTS.md.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import pickle
 
 import pytest
@@ -149,6 +151,58 @@ def test_fp16_gradscaler_overflow_steps_are_skipped_steps_on_the_gpu(tmp_path):
         peak = _device_peak("fp16")
         if peak is not None:
             assert get_runtime().throughput.ledger.peak_of("train_step") == peak
+    finally:
+        tt.shutdown()
+
+
+def fused_adamw_under_a_scaler(device: str, traced: bool, steps: int = 8) -> tuple[list, list]:
+    """Steps of a fused AdamW stepped by an enabled GradScaler under float16 autocast, and for
+    each: without torchtrace, the float64 norm of the gradients the fused kernel applies (the
+    scaled gradients divided by the scale, read before ``scaler.step``); with it, the step's
+    record. The scaler hands the fused optimizer the scaled gradients and ``grad_scale``; the
+    kernel unscales them. Traced steps run under ``set_sync_debug_mode("error")`` on CUDA.
+    (``tests/step/test_loss_scaler.py`` shows the same on the CPU.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0)
+    x = torch.randn(256, 64, device=device)
+    out = []
+    for _ in range(steps):
+        debug = torch.cuda.set_sync_debug_mode if traced and device == "cuda" else None
+        if debug is not None:
+            debug("error")
+        try:
+            with tt.debug_context("train_step", model=model, optimizer=opt, inputs=x) if traced \
+                    else contextlib.nullcontext() as s:
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(device, dtype=torch.float16):
+                    loss = model(x).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                if not traced:
+                    scale = scaler.get_scale()  # (a host read: the reference run only)
+                    out.append(math.sqrt(sum(float((p.grad.double() / scale).pow(2).sum())
+                                             for p in model.parameters())))
+                scaler.step(opt)
+                scaler.update()
+        finally:
+            if debug is not None:
+                debug(0)
+        if traced:
+            out.append(s)
+    return out, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_fused_adamw_stepped_by_a_scaler_records_the_unscaled_norm_without_a_sync(tmp_path):
+    reference, weights = fused_adamw_under_a_scaler("cuda", traced=False)
+    _configure(tmp_path)
+    try:
+        reads = readout.reads()
+        scopes, traced_weights = fused_adamw_under_a_scaler("cuda", traced=True)
+        tt.flush()
+        assert readout.reads() - reads == len(scopes)
+        assert [s.record.grad_norm for s in scopes] == [pytest.approx(r, rel=1e-4) for r in reference]
+        assert all(torch.equal(a, b) for a, b in zip(weights, traced_weights))
     finally:
         tt.shutdown()
 
