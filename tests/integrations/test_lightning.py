@@ -225,6 +225,30 @@ def test_manual_optimization_is_measured_before_the_modules_own_clip(tmp_path, g
     assert "clip_gradients" not in vars(module)  # teardown put the module's own method back
 
 
+def test_a_fit_after_one_that_raised_measures_before_the_clip_again(tmp_path):
+    """A fit that raises ends without the callbacks' ``teardown``: the module keeps the measuring
+    ``clip_gradients``, bound to that fit's callback. The next fit, with a callback of its own,
+    measures before the clip again. Before, it recorded the clip value (0.5) on every batch."""
+    class RaisesOnce(ManualModule):
+        def training_step(self, batch, batch_idx):
+            if self.boom and batch_idx == 1:
+                raise RuntimeError("planted")
+            return super().training_step(batch, batch_idx)
+
+    result = configure(tmp_path)
+    module = RaisesOnce()
+    module.boom = True
+    with pytest.raises(RuntimeError, match="planted"):
+        fit(module, [TorchtraceCallback()], steps=3, val=False)
+    module.boom = False
+    module.norms.clear()
+    fit(module, [TorchtraceCallback()], steps=3, val=False)
+    spans = [s for s in read_spans(result.spans_path) if s["name"] == "train_step"][-3:]
+    assert [s["attributes"][semconv.GRAD_NORM] for s in spans] == \
+        [pytest.approx(n, rel=1e-6) for n in module.norms.values()]
+    assert "clip_gradients" not in vars(module)
+
+
 def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path):
     """Under ``16-mixed`` the module's ``clip_gradients`` runs on gradients the loss scaler has
     not unscaled yet (Lightning unscales inside ``optimizer.step()``): measured there they

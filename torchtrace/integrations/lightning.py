@@ -118,7 +118,9 @@ class TorchtraceCallback(_pl.Callback):
 
     # ------------------------------------------------------------ checkpoints
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not getattr(pl_module, "automatic_optimization", True) and not _measures_clips(pl_module):
+        if _measures_clips(pl_module):  # left by a fit that ended without its teardown (an exception)
+            del pl_module.clip_gradients
+        if not getattr(pl_module, "automatic_optimization", True):
             pl_module.clip_gradients = _measured_clip(self._train, pl_module)  # type: ignore[method-assign]
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         if io is None or getattr(io.save_checkpoint, "__torchtrace_kind__", None):
