@@ -116,6 +116,14 @@ def scenario_shard(out: str, rank: int, world: int) -> dict:
     return result
 
 
+def _replicas(model: torch.nn.Module) -> tuple[bool, bool]:
+    """(whether every rank holds the same parameters, bit for bit; whether this rank's are finite)."""
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, params)
+    return all(torch.equal(gathered[0], t) for t in gathered), bool(torch.isfinite(params).all())
+
+
 def _ddp_steps(out: str, rank: int, guard: str, nan_step: int, steps: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -140,11 +148,7 @@ def _ddp_steps(out: str, rank: int, guard: str, nan_step: int, steps: int) -> di
             break
         if step.record.skipped:
             skipped.append(i)
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, params)
-    same = all(torch.equal(gathered[0], t) for t in gathered)
-    finite = bool(torch.isfinite(params).all())
+    same, finite = _replicas(model)
     tt.shutdown()
     return {"skipped": skipped, "raised_at": raised_at, "message": message, "params_equal": same,
             "params_finite": finite}
@@ -179,11 +183,7 @@ def scenario_minibatches(out: str, rank: int, world: int) -> dict:
                     model.module.head.weight.grad[0, 0] = float("nan")  # after the all-reduce: rank 1 only
                 opt.step()
         records.append({"skipped": scope.record.skipped, "peer": scope.record.guard_peer_nonfinite})
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, params)
-    same = all(torch.equal(gathered[0], t) for t in gathered)
-    finite = bool(torch.isfinite(params).all())
+    same, finite = _replicas(model)
     tt.shutdown()
     return {"records": records, "params_equal": same, "params_finite": finite}
 
