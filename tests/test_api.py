@@ -309,22 +309,23 @@ def test_current_step_outside_a_step_is_inert(tmp_path, setup):
 
 def test_import_patches_nothing_configure_patches_and_shutdown_puts_torch_back(tmp_path):
     """``import torchtrace`` leaves torch and logging as they are; ``configure()`` wraps the clip
-    functions, GradScaler, the schedulers and the weight average and adds the global optimizer
-    hook and the module and parameter registration hooks; ``shutdown()`` puts back the very
-    functions it found and removes the hooks."""
+    functions, GradScaler, the schedulers, the weight average and ``init_process_group`` and adds
+    the global optimizer hook and the module and parameter registration hooks; ``shutdown()``
+    puts back the very functions it found and removes the hooks."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     script = r"""
-import json, logging, sys, torch
+import json, logging, sys, torch, torch.distributed
 from torch.optim import lr_scheduler, optimizer as optimizer_module, swa_utils
 from torch.nn.modules import module as module_module
 def found():
     return [torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_, torch.nn.utils.clip_grads_with_norm_,
             torch.nn.utils.clip_grad.clip_grad_norm_, torch.amp.GradScaler.scale, torch.amp.GradScaler.step,
-            lr_scheduler.LRScheduler.step, swa_utils.AveragedModel.update_parameters]
+            lr_scheduler.LRScheduler.step, swa_utils.AveragedModel.update_parameters,
+            torch.distributed.init_process_group, torch.distributed.distributed_c10d.init_process_group]
 def patched():
     return [getattr(f, "__torchtrace_wrapped__", False) for f in found()] + [
         bool(optimizer_module._global_optimizer_pre_hooks), bool(module_module._global_module_registration_hooks),

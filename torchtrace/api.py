@@ -16,6 +16,7 @@ import torch
 from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
+from torchtrace.distributed.identity import unwatch_group_start, watch_group_start
 from torchtrace.errors import get_logger
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
@@ -124,6 +125,7 @@ def configure(
         clipping.install()
         updaters.install()
         watch_layouts()
+        watch_group_start(_process_group_started)
         if resolved.register_atexit and not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
@@ -150,6 +152,14 @@ def shutdown(timeout_s: float | None = None) -> None:
             clipping.uninstall()
             updaters.uninstall()
             unwatch_layouts()
+            unwatch_group_start()
+
+
+def _process_group_started() -> None:
+    """``torch.distributed.init_process_group`` returned: the runtime reads its identity again."""
+    rt = current.runtime(create=False)
+    if rt is not None:
+        rt.process_group_started()
 
 
 def _shutdown_at_exit() -> None:

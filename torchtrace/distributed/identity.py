@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,64 @@ def identity(environ: Mapping[str, str] | None = None) -> Identity:
     return Identity(rank=rank, local_rank=local, world_size=max(world, 1), node=socket.gethostname(),
                     instance_id=uuid.uuid4().hex, local_world_size=max(local_world, local + 1, 1),
                     node_rank=node_rank)
+
+
+def refreshed(ident: Identity) -> Identity:
+    """``ident`` with rank, local rank and world size read again (:func:`identity`), the same
+    process otherwise (its ``instance_id`` and node kept)."""
+    fresh = identity()
+    return dataclasses.replace(fresh, instance_id=ident.instance_id, node=ident.node)
+
+
+_STARTS = "init_process_group"  # the torch.distributed function that starts the default process group
+
+
+def watch_group_start(started: Callable[[], None]) -> None:
+    """Call ``started()`` after ``torch.distributed.init_process_group`` returns (wrapped where
+    torch and the frameworks reach it: ``torch.distributed`` and its ``distributed_c10d``).
+
+    A framework's launcher starts the process group after the user's script configured
+    torchtrace (Lightning's ``devices=N`` on one machine, a ``torch.multiprocessing`` spawn):
+    one process of the job may have read a world of one from its environment, another a world
+    of two. Collectives decided on that reading would wait for each other forever; read again
+    as the group starts, every rank decides alike. A function bound by name before
+    ``configure()`` is not reached; the environment torchrun sets is read at configure.
+    """
+    for module in _group_modules():
+        fn = getattr(module, _STARTS, None)
+        if fn is not None and not getattr(fn, "__torchtrace_wrapped__", False):
+            setattr(module, _STARTS, _calling_after(fn, started))
+
+
+def unwatch_group_start() -> None:
+    """Put torch's own ``init_process_group`` back (idempotent; at ``shutdown()``)."""
+    for module in _group_modules():
+        fn = getattr(module, _STARTS, None)
+        if fn is not None and getattr(fn, "__torchtrace_wrapped__", False):
+            setattr(module, _STARTS, fn.__wrapped__)
+
+
+def _group_modules() -> list[Any]:
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+    except Exception:  # a torch built without distributed
+        return []
+    return [dist, distributed_c10d] if dist.is_available() else []
+
+
+def _calling_after(fn: Callable[..., Any], started: Callable[[], None]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        try:
+            started()
+        except Exception:  # the caller's group is up; torchtrace's reading of it never fails the call
+            pass
+        return result
+
+    init_process_group.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
+    return init_process_group
 
 
 def rank_file_name(stem: str, suffix: str, ident: Identity) -> str:

@@ -45,11 +45,8 @@ def watch(rt: Runtime) -> None:
 def _watch(rt: Runtime, fields: dict[str, Any]) -> None:
     ident, s = rt.identity, rt.settings
     progress.track(fields)
-    # DDP's all-reduce runs in C++: only the flight recorder sees it. Without one, or with an
-    # older torch's that records NCCL only, count the torch.distributed calls made from Python.
     recorder = flight.enable() if ident.distributed else flight.enabled()
-    if ident.distributed and not (recorder and flight.records_every_backend()):
-        flight.count_calls(progress.collective_began, progress.collective_ended)
+    count_collectives(rt)
     run_path = rt.run_path
     box = rt.rank_state
     assert box is not None
@@ -64,6 +61,14 @@ def _watch(rt: Runtime, fields: dict[str, Any]) -> None:
     rt.metrics.registry.register(HangMetrics(s.run_id, str(ident.rank), progress.tracked))
     rt.report_sections["hangs"] = rt.watchdog.summary
     rt.watchdog.start()
+
+
+def count_collectives(rt: Runtime) -> None:
+    """DDP's all-reduce runs in C++: only the flight recorder sees it. Without one, or with an
+    older torch's that records NCCL only, the torch.distributed calls made from Python are
+    counted, on a distributed job (at configure, or when its process group starts later)."""
+    if rt.identity.distributed and not (flight.enabled() and flight.records_every_backend()):
+        flight.count_calls(progress.collective_began, progress.collective_ended)
 
 
 def stop(rt: Runtime) -> None:

@@ -19,6 +19,7 @@ from torchtrace import files, semconv
 from torchtrace._version import __version__
 from torchtrace.config import Settings
 from torchtrace.distributed import Identity, identity
+from torchtrace.distributed.identity import refreshed
 from torchtrace.errors import InternalErrors, OncePerProcessTree, get_logger
 from torchtrace.export import spans as span_export
 from torchtrace.export import transport
@@ -257,6 +258,23 @@ class Runtime:
             self.errors.report("tracing", exc)
         except Exception:
             pass
+
+    def process_group_started(self) -> None:
+        """``torch.distributed.init_process_group`` returned after ``configure()`` (a framework's
+        launcher started the job's processes): the identity is read again from the group, so
+        every rank takes its collective decisions (the guard's agreement) on the same world. The
+        rank-skew probe and the count of Python collectives start at the next step boundary.
+        File names and metric labels keep the identity read at configure."""
+        try:
+            self.identity = refreshed(self.identity)
+        except Exception as exc:
+            self.errors.report("distributed", exc)
+            return
+        self.request(self._distributed_from_now)
+
+    def _distributed_from_now(self) -> None:
+        setup.straggler(self)
+        hangs.count_collectives(self)
 
     # ------------------------------------------------------------ changes and boundaries
     @property

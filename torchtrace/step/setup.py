@@ -189,9 +189,16 @@ def probes(rt: Runtime) -> None:
     rt.probes.add(MemoryProbe(rt))
     rt.probes.add(LeakProbe(rt))
     rt.forensics = rt.probes.add(ForensicsProbe(rt))
+    straggler(rt)
+
+
+def straggler(rt: Runtime) -> None:
+    """The rank-skew probe, on a distributed job (once); a single process's skew is 1. Called
+    at configure, and again when a process group starts after it (:meth:`Runtime.process_group_started`)."""
     s = rt.settings
     if rt.identity.distributed and s.rank_skew_interval:
-        rt.probes.add(StragglerProbe(rt, s.rank_skew_interval))
+        if rt.probes.find(StragglerProbe) is None:
+            rt.probes.add(StragglerProbe(rt, s.rank_skew_interval))
     elif not rt.identity.distributed:
         # One rank is its own median and its own slowest: the skew is exactly 1.
         rt.metrics.set_rank_skew(1.0)
