@@ -294,7 +294,7 @@ class _Operation:
         model, optimizer, scaler = watched(self.model, self.optimizer, self.scaler, args, kwargs)
         scope = StepScope(self.name, model=model, optimizer=optimizer, level=self.level,
                           mode=self.mode, attributes=self.attributes, scaler=scaler, kind=self.kind,
-                          inputs=(args, kwargs))
+                          inputs=(args, kwargs), checked=True)
         if method and args:
             scope.batch_skip = 1  # a method's instance (a trainer) is not its batch
         if self.replay is not False:

@@ -42,6 +42,9 @@ class ActivationProbe(Probe[_State]):
         self._kept: weakref.WeakKeyDictionary[torch.nn.Module, LayerHooks] = weakref.WeakKeyDictionary()
         self._runtime_extreme = bool(runtime.features.activations)
 
+    def wanted(self, features: Features) -> bool:
+        return features.activations
+
     def enter(self, scope: StepScope) -> _State | None:
         model = scope.model
         if scope.features is None or not scope.features.activations or model is None:

@@ -11,8 +11,10 @@ forensics, stragglers). Its three step hooks run on the training thread:
   (``record.activations``, ``record.leak``...) and may add anomalies. It never touches the
   span: export turns the record into span attributes and events.
 
-A probe overrides only the hooks it needs: :class:`ProbeSet` calls only overridden ones.
-A probe's failure is counted under its ``component`` and the step goes on.
+A probe overrides only the hooks it needs: :class:`ProbeSet` calls only overridden ones, and
+only on steps whose features the probe acts on (:meth:`Probe.wanted`): at BASIC a step calls
+no activation, memory-sample, leak or profiler code at all. A probe's failure is counted under
+its ``component`` and the step goes on.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class Probe(Generic[S]):
     name = "probe"  # the report section's name
     component = "other"  # torchtrace_internal_errors_total{component} of its failures
 
+    def wanted(self, features: Features) -> bool:
+        """Whether the probe acts on steps with ``features``. Asked when :class:`ProbeSet` makes
+        the hook lists for a step's features, not on every step: a probe whose answer changes
+        for another reason (a ``profiling()`` block opened) calls :meth:`ProbeSet.refresh`."""
+        return True
+
     def enter(self, scope: StepScope) -> S | None:
         return None
 
@@ -76,6 +84,18 @@ def _overrides(probe: Probe[Any], method: str) -> bool:
     return getattr(type(probe), method) is not getattr(Probe, method)
 
 
+class _Hooks:
+    """The probes one set of features runs, by step hook: (index, probe) pairs in the set's order."""
+
+    __slots__ = ("features", "enter", "exit", "finish")
+
+    def __init__(self, features: Features | None) -> None:
+        self.features = features
+        self.enter: list[tuple[int, Probe[Any]]] = []
+        self.exit: list[tuple[int, Probe[Any]]] = []
+        self.finish: list[tuple[int, Probe[Any]]] = []
+
+
 class ProbeSet:
     """The probes of one runtime, in a fixed order, with the step hooks each one overrides.
     Each probe has its own state type: here they are ``Probe[Any]``, and a step's states a
@@ -84,20 +104,35 @@ class ProbeSet:
     def __init__(self, errors: InternalErrors) -> None:
         self._errors = errors
         self._probes: list[Probe[Any]] = []
-        self._enter: list[tuple[int, Probe[Any]]] = []
-        self._exit: list[tuple[int, Probe[Any]]] = []
-        self._finish: list[tuple[int, Probe[Any]]] = []
         self._index: dict[int, int] = {}
+        self._hooks: _Hooks | None = None  # the hook lists of the last features asked for
 
     def add(self, probe: P) -> P:
         """Add a probe (at configure, before the first step)."""
-        i = len(self._probes)
+        self._index[id(probe)] = len(self._probes)
         self._probes.append(probe)
-        self._index[id(probe)] = i
-        for method, table in (("enter", self._enter), ("exit", self._exit), ("finish", self._finish)):
-            if _overrides(probe, method):
-                table.append((i, probe))
+        self.refresh()
         return probe
+
+    def refresh(self) -> None:
+        """A probe's :meth:`Probe.wanted` may answer otherwise now: the next step asks again."""
+        self._hooks = None
+
+    def _hooks_for(self, features: Features | None) -> _Hooks:
+        """The probes that act on steps with ``features``, by the step hooks they override; made
+        again only when a step's features are another object than the last step's (a level
+        change, an operation pinned at its own level) or after :meth:`refresh`."""
+        hooks = self._hooks
+        if hooks is not None and hooks.features is features:
+            return hooks
+        hooks = self._hooks = _Hooks(features)
+        for i, probe in enumerate(self._probes):
+            if features is None or not probe.wanted(features):
+                continue
+            for method, table in (("enter", hooks.enter), ("exit", hooks.exit), ("finish", hooks.finish)):
+                if _overrides(probe, method):
+                    table.append((i, probe))
+        return hooks
 
     def __iter__(self) -> Iterator[Probe[Any]]:
         return iter(list(self._probes))
@@ -121,7 +156,7 @@ class ProbeSet:
     # ------------------------------------------------------------ step hooks
     def enter(self, scope: StepScope) -> list[object] | None:
         states: list[object] | None = None
-        for i, probe in self._enter:
+        for i, probe in self._hooks_for(scope.features).enter:
             try:
                 state = probe.enter(scope)
             except Exception as exc:
@@ -134,7 +169,7 @@ class ProbeSet:
         return states
 
     def exit(self, scope: StepScope, states: list[object] | None, exc: BaseException | None, plan: ReadPlan) -> None:
-        for i, probe in self._exit:
+        for i, probe in self._hooks_for(scope.features).exit:
             try:
                 tensor = probe.exit(scope, states[i] if states is not None else None, exc)
                 if tensor is not None:
@@ -144,7 +179,7 @@ class ProbeSet:
 
     def finish(self, scope: StepScope, states: list[object] | None, record: StepRecord, plan: ReadPlan,
                values: list[float] | None) -> None:
-        for i, probe in self._finish:
+        for i, probe in self._hooks_for(scope.features).finish:
             try:
                 probe.finish(scope, states[i] if states is not None else None, record,
                              plan.take(probe, values) if plan is not None else None)
@@ -153,6 +188,7 @@ class ProbeSet:
 
     # ------------------------------------------------------------ lifecycle
     def on_level(self, features: Features) -> None:
+        self.refresh()
         for probe in list(self._probes):
             try:
                 probe.on_level(features)

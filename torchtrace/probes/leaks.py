@@ -115,6 +115,9 @@ class LeakProbe(Probe[None]):
                 "heap_sampled_every_steps": self.heap_every, "heap_extra_samples": self.heap_extra_samples,
                 "slopes": {d: t.slope for d, t in self.trackers.items()}, "reports": list(self.reports)}
 
+    def wanted(self, features: Features) -> bool:
+        return features.leak_detector
+
     def on_level(self, features: Features) -> None:
         """The level changed: without the leak detector, an investigation in progress (and the
         tracemalloc it started, which slows every allocation) ends now, not at the next
@@ -176,11 +179,6 @@ class LeakProbe(Probe[None]):
         return rose >= 0.25 * self.threshold * self.window and rose > self.threshold * (tick - ref[0])
 
     def finish(self, scope: StepScope, state: None, record: StepRecord, values: list[float] | None) -> None:
-        if scope.features is None or not scope.features.leak_detector:
-            if self.investigation is not None:
-                self.investigation.stop()
-                self.investigation = None
-            return
         tick = self.ticks
         self.ticks += 1
         if self.investigation is None and self._backoff and tick > self._quiet_until + self.window:

@@ -11,6 +11,7 @@ from torchtrace.probes.leaks import heap_gap, timed_heap_sample
 from torchtrace.record.step import StepRecord
 
 if TYPE_CHECKING:
+    from torchtrace.levels import Features
     from torchtrace.step.runtime import Runtime
     from torchtrace.step.scope import StepScope
 
@@ -39,6 +40,11 @@ class MemoryProbe(Probe[None]):
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.heap_wait = 0  # steps until the next heap sample
+
+    def wanted(self, features: Features) -> bool:
+        """With the ``memory_profiling`` feature, or inside ``memory_tracking()`` (which asks the
+        probes again as it opens and closes)."""
+        return features.memory_profiling or _TRACKER.active
 
     def finish(self, scope: StepScope, state: None, record: StepRecord, values: list[float] | None) -> None:
         if (scope.features is not None and scope.features.memory_profiling) or _TRACKER.active:

@@ -34,6 +34,7 @@ from torchtrace.probes.base import Probe
 if TYPE_CHECKING:
     from torch.profiler import profile
 
+    from torchtrace.levels import Features
     from torchtrace.record.step import StepRecord
     from torchtrace.step.runtime import Runtime
     from torchtrace.step.scope import StepScope
@@ -241,12 +242,17 @@ class ProfilerProbe(Probe[Window]):
         feats = scope.features if scope is not None else self.rt.features
         return ProfileSchedule.default() if feats is not None and feats.profiling else None
 
+    def wanted(self, features: Features) -> bool:
+        """With the ``profiling`` feature, a schedule from ``profiling()``, or a window open."""
+        return features.profiling or self.schedule is not None or self.window is not None
+
     def open_schedule(self, schedule: ProfileSchedule, output: Path | None = None) -> Saved:
         """``profiling(schedule=...)``: steps are profiled by ``schedule`` into ``output`` until
         :meth:`restore` puts back what this returns."""
         saved = (self.schedule, self.output, self.window)
         self.schedule = schedule
         self.output = output
+        self.rt.probes.refresh()
         return saved
 
     def directory(self) -> Path:
@@ -331,16 +337,21 @@ class ProfilerProbe(Probe[Window]):
         saved = (self.schedule, self.output, self.window)
         self.schedule = schedule
         self.window = window
+        self.rt.probes.refresh()
         return saved
 
     def restore(self, saved: Saved) -> None:
         self.schedule, self.output, self.window = saved
+        if not self.wanted(self.rt.features):
+            self.armed = None  # (a trigger of the schedule that ended)
+        self.rt.probes.refresh()
 
     def close_window(self) -> None:
         """Stop the open window and write its trace (capped in size)."""
         w, self.window = self.window, None
         if w is None:
             return
+        self.rt.probes.refresh()
         try:
             if w.rec is not None:
                 w.rec.__exit__(None, None, None)

@@ -1,10 +1,10 @@
 """The step's gradient check: measured right before the optimizer uses the gradients.
 
-With an optimizer, :class:`GradientCheck` hooks its ``step`` (``register_step_pre_hook``), so
-the norms are those of the update about to happen and a ``skip`` guard can drop it before any
-parameter changes. ``torch.nn.utils.clip_grad_norm_`` called inside a step measures first
-(:mod:`torchtrace.step.clipping`), so the recorded norm is the one before clipping. Without an
-optimizer the gradients are measured when the step ends.
+With an optimizer, :class:`GradientCheck` hears its ``step`` begin (a step pre-hook the runtime
+keeps on it, :class:`UpdateHooks`), so the norms are those of the update about to happen and a
+``skip`` guard can drop it before any parameter changes. ``torch.nn.utils.clip_grad_norm_``
+called inside a step measures first (:mod:`torchtrace.step.clipping`), so the recorded norm is
+the one before clipping. Without an optimizer the gradients are measured when the step ends.
 
 The norms stay on the device and ride in the step's one host read, unless a decision is due
 now: a ``skip``/``raise`` guard must decide before the update (its own host read), and on the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -83,11 +84,62 @@ def covers(rt: Runtime, scope: StepScope, optimizer: torch.optim.Optimizer) -> b
     return all(id(ref.param) in watched for ref in rt.params_for(scope.model, optimizer))
 
 
+class UpdateHooks:
+    """The step pre-hooks through which each open step's :class:`GradientCheck` hears its
+    optimizer's update: one hook kept on each optimizer a step named, registered at its first
+    step and removed at shutdown, that calls the checks of the steps open on that optimizer
+    (outermost first: a step inside another one naming the same optimizer is measured by both,
+    each with its own check). Registering a hook and removing it again on every step cost
+    about 4 us of step entry on a 2-core machine (``benchmarks/step_entry.py``).
+
+    The kept hook runs after the pre-hooks the user had registered before the optimizer's first
+    step, and before the ones registered later.
+    """
+
+    def __init__(self) -> None:
+        self._handles: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = \
+            weakref.WeakKeyDictionary()
+        self._checks: dict[int, list[GradientCheck]] = {}  # id(optimizer) -> the open steps' checks
+
+    def watch(self, optimizer: torch.optim.Optimizer, check: GradientCheck) -> None:
+        """``check`` hears ``optimizer``'s updates until :meth:`unwatch`."""
+        if optimizer not in self._handles:
+            self._handles[optimizer] = optimizer.register_step_pre_hook(self._updating)
+        self._checks.setdefault(id(optimizer), []).append(check)
+
+    def unwatch(self, optimizer: torch.optim.Optimizer, check: GradientCheck) -> None:
+        checks = self._checks.get(id(optimizer))
+        if checks is not None and check in checks:
+            checks.remove(check)
+            if not checks:
+                del self._checks[id(optimizer)]
+
+    def _updating(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The kept pre-hook: each watching check in turn, each given the arguments the one
+        before it returned (as torch chains pre-hooks); the last replacement, or None."""
+        checks = self._checks.get(id(optimizer))
+        if not checks:
+            return None
+        replaced = None
+        for check in list(checks):
+            out = check.pre_hook(optimizer, args, kwargs)
+            if out is not None:
+                replaced = args, kwargs = out
+        return replaced
+
+    def close(self) -> None:
+        """Shutdown: every kept hook removed."""
+        for handle in list(self._handles.values()):
+            handle.remove()
+        self._handles.clear()
+        self._checks.clear()
+
+
 class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
-                 "lr", "whole_model", "updates", "_hook", "_skip_params")
+                 "lr", "whole_model", "updates", "_hooked", "_skip_params")
 
     def __init__(self, scope: StepScope, rt: Runtime) -> None:
         self.scope = scope
@@ -102,22 +154,24 @@ class GradientCheck:
         self.lr: list[float] | None = None  # its learning rates for this update (before a scheduler steps)
         self.whole_model = False  # measure all of the model's gradients, not the optimizer's (see adopt)
         self.updates = 0  # updates of the step's optimizer begun in the step
-        self._hook: RemovableHandle | None = None
+        self._hooked: torch.optim.Optimizer | None = None  # the optimizer whose updates it hears
         self._skip_params: list | None = None  # the parameters whose update the guard skips
 
     def hook(self, optimizer: torch.optim.Optimizer) -> None:
-        """Measure the gradients as ``optimizer.step()`` begins. An optimizer without torch's
-        step hooks (a wrapper that never ran ``Optimizer.__init__``) is not hooked: its step's
-        gradients are measured at the step's end (:meth:`measure_at_end`)."""
+        """Measure the gradients as ``optimizer.step()`` begins (through the runtime's
+        :class:`UpdateHooks`). An optimizer without torch's step hooks (a wrapper that never ran
+        ``Optimizer.__init__``) is not hooked: its step's gradients are measured at the step's
+        end (:meth:`measure_at_end`)."""
         if hookable(optimizer):
-            self._hook = optimizer.register_step_pre_hook(self._pre_hook)
+            self.rt.update_hooks.watch(optimizer, self)
+            self._hooked = optimizer
 
     def unhook(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        if self._hooked is not None:
+            self.rt.update_hooks.unwatch(self._hooked, self)
+            self._hooked = None
 
-    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # ``args`` holds the optimizer itself first (torch passes step's own arguments).
         later = self.updates > 0
         self.updates += 1
@@ -182,7 +236,7 @@ class GradientCheck:
         if self.optimizer is None:  # adopted now (perhaps measured at a clip call already)
             self.optimizer = optimizer
             self.whole_model = True
-        return self._pre_hook(optimizer, args, kwargs)
+        return self.pre_hook(optimizer, args, kwargs)
 
     def before_update(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Measure the gradients the optimizer is about to use (all of the model's, adopted);

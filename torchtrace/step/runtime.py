@@ -34,6 +34,7 @@ from torchtrace.record.history import History
 from torchtrace.record.policy import GuardPolicy
 from torchtrace.record.step import StepRecord
 from torchtrace.step import finish, hangs, job, report, setup
+from torchtrace.step.gradients import UpdateHooks
 from torchtrace.step.throughput import RunThroughput
 from torchtrace.step.watched import layout_version
 
@@ -123,6 +124,7 @@ class Runtime:
         self.tracer_provider = tracer_provider(setup.resource(self))
         self.tracer = self.tracer_provider.get_tracer("torchtrace", __version__)
         self.throughput = RunThroughput(self)
+        self.update_hooks = UpdateHooks()
         self.metrics.steps.run_source = self.throughput.scrape
         self.shared_step_trace = bool(settings.shared_step_trace)
         self.report_sections: dict[str, Callable[[], Any]] = {
@@ -418,6 +420,7 @@ class Runtime:
         self.throughput.ledger.pause(closing, last=True)  # (shutdown's own time is not the job's: not in wall time)
         self.probes.close()
         self.throughput.close()
+        self.update_hooks.close()
         written = time.monotonic()
         self._write_report_safely()
         # The deadline covers everything shutdown does: the exporters stop early enough for the

@@ -101,8 +101,9 @@ class StepScope:
                  level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
                  attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
                  scaler: torch.amp.GradScaler | None = None, kind: str = "train",
-                 inputs: tuple[tuple, dict] | None = None) -> None:
-        checks.check_scope_arguments(name, model, optimizer, scaler, replay, step, kind, attributes)
+                 inputs: tuple[tuple, dict] | None = None, checked: bool = False) -> None:
+        if not checked:  # (``debug_operation`` checks its arguments once, at decoration)
+            checks.check_scope_arguments(name, model, optimizer, scaler, replay, step, kind, attributes)
         self.name = name
         self.model = model
         self.optimizer = real_optimizer(optimizer)  # the torch optimizer behind accelerate's wrapper

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 import psutil
 import torch
 
+from torchtrace import current
 from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.snapshots import MemorySnapshot, MemoryTracker, tracker
 from torchtrace.record.growth import DEFAULT_THRESHOLD, DEFAULT_WINDOW, GrowthTracker
@@ -145,9 +146,18 @@ def memory_tracking(tracker_: MemoryTracker | None = None, enabled: bool = True)
         return
     was = trk.active
     trk.active = True
+    _probes_changed()
     trk.take_snapshot("start")
     try:
         yield trk
     finally:
         trk.take_snapshot("end")
         trk.active = was
+        _probes_changed()
+
+
+def _probes_changed() -> None:
+    """The memory probe runs on every step inside ``memory_tracking()``: the runtime asks again."""
+    rt = current.runtime(create=False)
+    if rt is not None:
+        rt.probes.refresh()
