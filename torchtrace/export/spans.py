@@ -35,6 +35,7 @@ from torchtrace.record.step import StepRecord, capped
 from torchtrace.semconv import DATA_WAIT_S, FLOPS, LR, SAMPLES, TOKENS
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
@@ -168,13 +169,14 @@ def _now() -> int:
 
 
 def open_span(tracer_provider: TracerProvider, name: str, attributes: dict[str, Any], start_ns: int,
-              sink: Callable[[StepSpan], None], trace_id: int = 0) -> trace.Span:
-    """A step span, child of the current span if there is one, sampled by the provider's sampler.
+              sink: Callable[[StepSpan], None], trace_id: int = 0, around: Context | None = None) -> trace.Span:
+    """A step span, child of the span current in the context ``around`` (default: the current
+    context) if there is one, sampled by the provider's sampler.
 
     ``trace_id``: forced (one trace per step across ranks) when the step is a root span.
     """
     parent: SpanContext | None
-    parent = trace.get_current_span().get_span_context()
+    parent = trace.get_current_span(around).get_span_context()
     if not parent.is_valid:
         parent = None
         trace_id = trace_id or tracer_provider.id_generator.generate_trace_id()

@@ -40,6 +40,7 @@ from torchtrace.step.watched import layout_version
 
 if TYPE_CHECKING:
     import torch
+    from opentelemetry.context import Context
     from opentelemetry.trace import Span
 
     from torchtrace.export.debug_api import DebugAPI
@@ -164,7 +165,10 @@ class Runtime:
             counters[operation] = given + 1
         return given
 
-    def open_span(self, scope: StepScope, level: DebugLevel, attributes: dict[str, Any] | None, start_ns: int) -> Span:
+    def open_span(self, scope: StepScope, level: DebugLevel, attributes: dict[str, Any] | None, start_ns: int,
+                  around: Context | None = None) -> Span:
+        """The step's span, child of the span current in the context ``around`` (default: the
+        current context)."""
         attrs = {semconv.STEP: scope.step, semconv.OPERATION: scope.name, semconv.LEVEL: level.value,
                  semconv.RANK: self.identity.rank}
         if scope.kind != "train":
@@ -174,7 +178,7 @@ class Runtime:
         assert scope.step is not None  # (numbered as the step began)
         forced = step_trace_id(self.settings.run_id, scope.name, scope.step) if self.shared_step_trace else 0
         return span_export.open_span(self.tracer_provider, scope.name, attrs, start_ns, self._span_ended,
-                                     forced)
+                                     forced, around)
 
     def _span_ended(self, span: span_export.StepSpan) -> None:
         for proc in self.processors:

@@ -271,8 +271,9 @@ class StepScope:
         self.pending_error = None
         self.suppress = False
         self._start_ns = time.time_ns()
-        self._span = rt.open_span(self, level, self._attributes, self._start_ns)
-        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        around = otel_context.get_current()  # (read once: the parent span's context, and the step's)
+        self._span = rt.open_span(self, level, self._attributes, self._start_ns, around)
+        self._token = otel_context.attach(trace.set_span_in_context(self._span, around))
         self._ctx_token = current.enter_step(self)
         if feats.grad_stats and (self.optimizer is not None or self.model is not None):
             self.gradients = GradientCheck(self, rt)

@@ -157,12 +157,14 @@ class RunThroughput:
         marks = self._models.get(model)
         if marks is None:
             marks = self._models[model] = ModelMarks(model)
-        elif marks.state(model) is None:
+        state = marks.state(model)
+        if state is None:
             marks.detach()
             marks.attach(model)
+            state = marks.state(model)
         if optimizer is not None:
             self.mark_optimizer(optimizer)
-        return bool(marks.state(model))
+        return bool(state)
 
     def mark_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Put the phase marks on ``optimizer`` where they are not: its steps mark the optimizer
