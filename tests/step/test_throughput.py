@@ -323,7 +323,7 @@ def test_rates_held_in_device_tensors_are_read_with_the_step():
     place among the float rates, taken when the rates were read, not after a scheduler's fill;
     no read, no rates."""
     from torchtrace.measure.learning_rates import DeviceRates, learning_rates, plan_rates, read_rates
-    from torchtrace.record.reads import ReadPlan
+    from torchtrace.record.readout import ReadPlan
 
     held = [torch.tensor(0.5), torch.tensor(0.25, dtype=torch.float64)]
     rates = DeviceRates([0.1, held[0].reshape(1).to(torch.float64, copy=True), 0.3,

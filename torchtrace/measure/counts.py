@@ -12,7 +12,7 @@ import torch
 from torchtrace.config.parsers import shown
 
 if TYPE_CHECKING:
-    from torchtrace.record.reads import ReadPlan
+    from torchtrace.record.readout import ReadPlan
 
 
 #: What ``record_batch`` accepts for a count (one limit: an int64, what a device count holds).

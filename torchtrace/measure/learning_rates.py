@@ -3,7 +3,7 @@
 A rate is usually a float; a config may leave any real number (a NumPy float), and a
 capturable optimizer (set up for CUDA graphs) holds its rates in one-value tensors on the GPU.
 Those are copied on the device and read with the step's one host read
-(:class:`~torchtrace.record.reads.ReadPlan`): reading them here would wait for the GPU.
+(:class:`~torchtrace.record.readout.ReadPlan`): reading them here would wait for the GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from torchtrace.record.reads import ReadPlan
+    from torchtrace.record.readout import ReadPlan
 
 
 _RATE = itemgetter("lr")

@@ -28,7 +28,7 @@ from torchtrace.record.step import StepRecord
 if TYPE_CHECKING:
     from torchtrace.errors import InternalErrors
     from torchtrace.levels import Features
-    from torchtrace.record.reads import ReadPlan
+    from torchtrace.record.readout import ReadPlan
     from torchtrace.step.scope import StepScope
 
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from torchtrace.measure.gradients import GradStats
-    from torchtrace.record.reads import ReadPlan
+    from torchtrace.record.readout import ReadPlan
     from torchtrace.step.runtime import Runtime
     from torchtrace.step.scope import StepScope
 

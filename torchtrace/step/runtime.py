@@ -50,8 +50,7 @@ if TYPE_CHECKING:
     from torchtrace.job.state import RankState
     from torchtrace.job.watchdog import Watchdog
     from torchtrace.probes.forensics import ForensicsProbe
-    from torchtrace.record.readout import Pending
-    from torchtrace.record.reads import ReadPlan
+    from torchtrace.record.readout import Pending, ReadPlan
     from torchtrace.step.scope import StepScope
 
 logger = get_logger("torchtrace")

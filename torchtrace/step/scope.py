@@ -3,7 +3,7 @@
 At entry the scope opens the step's span (so user code inside keeps it as its parent), hooks
 the optimizer and lets the probes start. While the step runs, it only launches device work.
 At exit it gathers every device value the record needs into one host read
-(:class:`~torchtrace.record.reads.ReadPlan`), builds the :class:`StepRecord` and hands it to
+(:class:`~torchtrace.record.readout.ReadPlan`), builds the :class:`StepRecord` and hands it to
 the runtime, which finishes it (now on the CPU; when the copy has landed on a GPU) and passes
 it on to export. One scope serves ``with``, ``async with`` and the decorators.
 """
@@ -28,7 +28,7 @@ from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.counts import checked_overrides, plan_given
 from torchtrace.measure.loss import LossValue, classify_loss
-from torchtrace.record.reads import ReadPlan
+from torchtrace.record.readout import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
 from torchtrace.step.gradients import GradientCheck

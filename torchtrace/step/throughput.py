@@ -36,7 +36,7 @@ from torchtrace.step.watched import hookable
 if TYPE_CHECKING:
     from contextlib import ExitStack
 
-    from torchtrace.record.reads import ReadPlan
+    from torchtrace.record.readout import ReadPlan
     from torchtrace.step.runtime import Runtime
     from torchtrace.step.scope import StepScope
 
