@@ -9,6 +9,7 @@ Needs ``pip install "torchtrace[lightning]"``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
@@ -144,6 +145,9 @@ class TorchtraceCallback(_pl.Callback):
         # The step number is Lightning's batch count over the run (restored when resuming from a checkpoint).
         step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "total_batch_idx", None)
         self._train.begin(None, batch, step=step, replay=training_step_replay(trainer, pl_module, batch, batch_idx))
+        scope = self._train.scope
+        if scope is not None and not getattr(pl_module, "automatic_optimization", True):
+            scope.before_clip = functools.partial(_join_at_clip, self._train, pl_module)
         _read_as_consumed(self._train, pl_module, batch)
         # The phases come from Lightning's hooks: forward to on_before_backward, backward to
         # on_before_optimizer_step, optimizer to the batch's end (its update, zero_grad, scheduler).
@@ -243,6 +247,21 @@ def _measured_clip(driver: StepDriver, pl_module: LightningModule) -> Callable[.
 
     clip_gradients.__torchtrace_measures__ = True  # type: ignore[attr-defined]
     return clip_gradients
+
+
+def _join_at_clip(driver: StepDriver, pl_module: LightningModule, parameters: list[torch.Tensor]) -> None:
+    """Manual optimization, torch's own clip (``torch.nn.utils.clip_grad_norm_``) called in
+    ``training_step``: the module joins the step, and the gradients of the optimizer that
+    updates the clipped parameters (the module's, where none does) are measured and guarded
+    before the clip, as :func:`_measured_clip` does for the module's ``clip_gradients``.
+    Gradients a loss scaler has not unscaled yet are left to ``on_before_optimizer_step``."""
+    if _still_scaled(pl_module):
+        return
+    clipped = {id(p) for p in parameters}
+    optimizers = getattr(getattr(pl_module, "trainer", None), "optimizers", None) or []
+    updating = next((opt for opt in optimizers
+                     if any(id(p) in clipped for group in opt.param_groups for p in group["params"])), None)
+    driver.measure(pl_module, updating)
 
 
 def _still_scaled(pl_module: LightningModule) -> bool:

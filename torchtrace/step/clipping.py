@@ -58,6 +58,9 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         measured: GradStats | None = None
         if scope is not None and scope.active and (scope.gradients is None or not scope.gradients.fired):
             try:
+                if scope.before_clip is not None:
+                    args, kwargs = _listed(args, kwargs)  # (a generator of parameters is read once)
+                    scope.before_clip(_clipped(args, kwargs))
                 scope.check_gradients_now()
                 measured = _fresh_norms(scope)
             except NonFiniteError:
@@ -76,6 +79,32 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     clip.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
     return clip
+
+
+def _listed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A clip call's arguments with its ``parameters`` (the first) made a list, so that they can
+    be read before the clip and again by it; an empty generator stays as it is (torch warns of
+    it)."""
+    if args:
+        first = args[0]
+        if not isinstance(first, (torch.Tensor, list, tuple)):
+            listed = list(first)
+            return ((listed, *args[1:]) if listed else args), kwargs
+        return args, kwargs
+    first = kwargs.get("parameters")
+    if first is not None and not isinstance(first, (torch.Tensor, list, tuple)):
+        listed = list(first)
+        if listed:
+            return args, {**kwargs, "parameters": listed}
+    return args, kwargs
+
+
+def _clipped(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The parameters a clip call (its arguments :func:`_listed`) clips."""
+    first = args[0] if args else kwargs.get("parameters", [])
+    if isinstance(first, torch.Tensor):
+        return [first]
+    return [p for p in first if isinstance(p, torch.Tensor)] if isinstance(first, (list, tuple)) else []
 
 
 def _report(exc: Exception) -> None:
