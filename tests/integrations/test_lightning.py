@@ -173,11 +173,13 @@ class ManualModule(pl.LightningModule):
     ``norms``: the generator's gradient norm before the clip, float64, per batch (a forensic
     replay of ``training_step`` is not counted)."""
 
-    def __init__(self, gan: bool = False, nan_at: int | None = None, torch_clip: bool = False) -> None:
+    def __init__(self, gan: bool = False, nan_at: int | None = None, clip: str = "module") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.automatic_optimization = False
-        self.torch_clip = torch_clip  # torch's clip_grad_norm_ called directly, as plain PyTorch code does
+        # "module": self.clip_gradients; "torch-norm" / "torch-value": torch's clip_grad_norm_ /
+        # clip_grad_value_ called directly, as plain PyTorch code does.
+        self.clip = clip
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.critic = torch.nn.Linear(1, 1)
         self.gan, self.nan_at = gan, nan_at
@@ -194,8 +196,10 @@ class ManualModule(pl.LightningModule):
         self.manual_backward(loss)
         self.norms.setdefault(batch_idx, math.sqrt(sum(float((p.grad.double() ** 2).sum())
                                                        for p in self.net.parameters())))
-        if self.torch_clip:
+        if self.clip == "torch-norm":
             torch.nn.utils.clip_grad_norm_(self.net.parameters(), 0.5)
+        elif self.clip == "torch-value":
+            torch.nn.utils.clip_grad_value_(self.net.parameters(), 0.05)
         else:
             self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
         opt.step()
@@ -213,16 +217,17 @@ class ManualModule(pl.LightningModule):
         return generator
 
 
-@pytest.mark.parametrize("torch_clip", [False, True], ids=["self.clip_gradients", "torch-clip_grad_norm_"])
+@pytest.mark.parametrize("clip", ["module", "torch-norm", "torch-value"])
 @pytest.mark.parametrize("gan", [False, True], ids=["one-optimizer", "gan"])
-def test_manual_optimization_is_measured_before_the_modules_own_clip(tmp_path, gan, torch_clip):
+def test_manual_optimization_is_measured_before_the_modules_own_clip(tmp_path, gan, clip):
     """The norm is the gradients' own, not the clipped one: before, it was 0.5 (the clip value)
     on every batch, so no explosion could be seen. With a GAN's two optimizers it is the
     generator's update's alone, though the critic's stale gradients are there. The same when
-    ``training_step`` calls torch's ``clip_grad_norm_`` itself on the generator's parameters
-    (plain PyTorch code moved into a module): before, that recorded 0.5 on every batch too."""
+    ``training_step`` calls torch's ``clip_grad_norm_`` (or ``clip_grad_value_``) itself on the
+    generator's parameters (plain PyTorch code moved into a module): before, that recorded the
+    clipped norm on every batch too."""
     result = configure(tmp_path)
-    module = ManualModule(gan=gan, torch_clip=torch_clip)
+    module = ManualModule(gan=gan, clip=clip)
     fit(module, [TorchtraceCallback()], steps=8 if gan else 4, val=False)  # (a GAN's batch steps twice)
     spans = [s for s in read_spans(result.spans_path) if s["name"] == "train_step"]
     assert len(spans) == 4 and len(module.norms) == 4
@@ -256,8 +261,8 @@ def test_a_fit_after_one_that_raised_measures_before_the_clip_again(tmp_path):
     assert "clip_gradients" not in vars(module)
 
 
-@pytest.mark.parametrize("torch_clip", [False, True], ids=["self.clip_gradients", "torch-clip_grad_norm_"])
-def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path, torch_clip):
+@pytest.mark.parametrize("clip", ["module", "torch-norm"])
+def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path, clip):
     """Under ``16-mixed`` the module's ``clip_gradients`` runs on gradients the loss scaler has
     not unscaled yet (Lightning unscales inside ``optimizer.step()``): measured there they
     read 1024 times too large (12,817 against 12.5 on the first batch). They are measured at
@@ -266,7 +271,7 @@ def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path, torch
 
     result = configure(tmp_path)
     spy = Spy()
-    module = ManualModule(torch_clip=torch_clip)
+    module = ManualModule(clip=clip)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", plugins=[plugin], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[spy, TorchtraceCallback()])
@@ -278,14 +283,14 @@ def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path, torch
     assert min(module.norms.values()) > 1000  # what the module's clip was given: still scaled
 
 
-@pytest.mark.parametrize("torch_clip", [False, True], ids=["self.clip_gradients", "torch-clip_grad_norm_"])
-def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path, torch_clip):
+@pytest.mark.parametrize("clip", ["module", "torch-norm"])
+def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path, clip):
     """The NaN batch's update is skipped, decided now at the module's clip (before the clip was
     wrapped it was decided at ``on_before_optimizer_step``, with the same outcome): the
     weights are unchanged by that batch alone and finite at the end."""
     configure(tmp_path, guard="skip")
     spy = Spy()
-    module = ManualModule(nan_at=2, torch_clip=torch_clip)
+    module = ManualModule(nan_at=2, clip=clip)
     fit(module, [spy, TorchtraceCallback()], steps=4, val=False)
     for i, (before, after) in enumerate(zip(spy.before, spy.after)):
         assert all(torch.equal(a, b) for a, b in zip(before, after)) == (i == 2), i
