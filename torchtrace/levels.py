@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 
@@ -73,7 +74,10 @@ class Features:
     throughput: bool = True  # batch size, FLOPs per input shape, learning rate, phases, goodput
 
     @staticmethod
+    @functools.lru_cache(maxsize=None)
     def for_level(level: DebugLevel, mode: DebugMode = DebugMode.NONE, throughput: bool = True) -> "Features":
+        """The features of ``level`` and ``mode``: one object per combination, so that the probe
+        lists made for a step's features (``ProbeSet``) serve every step with the same ones."""
         if level is DebugLevel.OFF:
             return Features(enabled=False, grad_stats=False, cuda_memory=False, forensics=False, throughput=False)
         adv = level in (DebugLevel.ADVANCED, DebugLevel.EXTREME)

@@ -92,3 +92,38 @@ def test_a_step_inside_another_on_the_same_optimizer_is_measured_by_both(tt_runt
     for scope in (outer, inner):
         assert scope.record is not None and scope.record.grad_norm is not None
         assert math.isclose(scope.record.grad_norm, expected, rel_tol=1e-5)
+
+
+def test_an_operation_pinned_at_its_own_level_keeps_its_probe_lists(tt_runtime):
+    """Steps of the runtime's level and of an operation pinned at another alternate: each set of
+    features gets its probe lists once, not on every change between them."""
+    from torchtrace.probes.base import Probe
+
+    class Asked(Probe):
+        name = "asked"
+
+        def __init__(self) -> None:
+            self.asked = 0
+            self.finished = 0
+
+        def wanted(self, features) -> bool:
+            self.asked += 1
+            return True
+
+        def finish(self, scope, state, record, values) -> None:
+            self.finished += 1
+
+    probe = tt.api.get_runtime().probes.add(Asked())
+    model, optimizer = _model_and_optimizer()
+    x = torch.randn(4, 8)
+    pinned = tt.debug_operation(name="pinned", model=model, optimizer=optimizer, level="advanced")(_step)
+    for _ in range(2):  # warm: each set of features is asked for once
+        _step(model, optimizer, x)
+        pinned(model, optimizer, x, name="pinned-inner")
+    asked = probe.asked
+    for _ in range(5):
+        _step(model, optimizer, x)
+        pinned(model, optimizer, x, name="pinned-inner")
+    tt.flush()
+    assert probe.asked == asked <= 3  # the runtime's features, the pinned operation's (and its inner step's)
+    assert probe.finished == 3 * 7  # every step ran it: the plain ones, the pinned ones and the steps inside them

@@ -84,6 +84,9 @@ def _overrides(probe: Probe[Any], method: str) -> bool:
     return getattr(type(probe), method) is not getattr(Probe, method)
 
 
+_MAX_FEATURE_SETS = 16  # hook lists kept at once (levels x modes in use; more only from hand-made Features)
+
+
 class _Hooks:
     """The probes one set of features runs, by step hook: (index, probe) pairs in the set's order."""
 
@@ -105,7 +108,7 @@ class ProbeSet:
         self._errors = errors
         self._probes: list[Probe[Any]] = []
         self._index: dict[int, int] = {}
-        self._hooks: _Hooks | None = None  # the hook lists of the last features asked for
+        self._hooks: dict[int, _Hooks] = {}  # id(features) -> the hook lists made for them
 
     def add(self, probe: P) -> P:
         """Add a probe (at configure, before the first step)."""
@@ -116,16 +119,18 @@ class ProbeSet:
 
     def refresh(self) -> None:
         """A probe's :meth:`Probe.wanted` may answer otherwise now: the next step asks again."""
-        self._hooks = None
+        self._hooks = {}
 
     def _hooks_for(self, features: Features | None) -> _Hooks:
         """The probes that act on steps with ``features``, by the step hooks they override; made
-        again only when a step's features are another object than the last step's (a level
-        change, an operation pinned at its own level) or after :meth:`refresh`."""
-        hooks = self._hooks
+        once per features object (``Features.for_level`` makes one per level and mode: the
+        runtime's, and those of operations pinned at their own) until :meth:`refresh`."""
+        hooks = self._hooks.get(id(features))
         if hooks is not None and hooks.features is features:
             return hooks
-        hooks = self._hooks = _Hooks(features)
+        if len(self._hooks) >= _MAX_FEATURE_SETS:
+            self._hooks = {}
+        hooks = self._hooks[id(features)] = _Hooks(features)
         for i, probe in enumerate(self._probes):
             if features is None or not probe.wanted(features):
                 continue
