@@ -236,7 +236,7 @@ def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | N
                   optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                   level: DebugLevel | str | None = None, mode: DebugMode | str | None = None,
                   attributes: dict[str, Any] | None = None, replay: Callable[[], Any] | None = None,
-                  scaler: torch.amp.GradScaler | None = None, kind: str = "train", inputs: Any = None) -> StepScope:
+                  scaler: torch.amp.GradScaler | None = None, kind: str = "train", inputs: object = None) -> StepScope:
     """A ``with`` (or ``async with``) block that is one instrumented operation.
 
     Args:

@@ -47,7 +47,7 @@ class GuardedLogger(logging.LoggerAdapter):
         except Exception:
             pass
 
-    def makeRecord(self, *args: Any, **kwargs: Any) -> logging.LogRecord:  # noqa: N802 (logging's name)
+    def makeRecord(self, *args: object, **kwargs: object) -> logging.LogRecord:  # noqa: N802 (logging's name)
         return self.logger.makeRecord(*args, **kwargs)
 
 

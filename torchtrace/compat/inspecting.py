@@ -38,7 +38,7 @@ class CheckingMixin:
     last_forward_pass: Result | None
 
     # ------------------------------------------------------------ gradients
-    def check_gradients(self, model: torch.nn.Module, second: Any = None, *, gradient_threshold: Any = None,
+    def check_gradients(self, model: torch.nn.Module, second: object = None, *, gradient_threshold: Any = None,
                         threshold: Any = None, step: int | None = None, loss: Any = None) -> GradientReport:
         """Global norm, per-parameter statistics and anomalies of the model's current gradients.
 
@@ -81,7 +81,7 @@ class CheckingMixin:
                       {"gradient_norm": report["global_norm"]}, logging.DEBUG)
         return report
 
-    def analyze_gradients(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> GradientReport:
+    def analyze_gradients(self, model: torch.nn.Module, *args: object, **kwargs: object) -> GradientReport:
         """Seed 001's name for :meth:`check_gradients`."""
         return self.check_gradients(model, *args, **kwargs)
 
@@ -174,7 +174,7 @@ class CheckingMixin:
         return Result(out.summary, param_stats=dict(out), ok=not out.summary["nonfinite_params"])
 
     # ------------------------------------------------------------ forward, backward, a step
-    def debug_forward_pass(self, model: torch.nn.Module, inputs: Any, layer_hooks: bool = True) -> Any:
+    def debug_forward_pass(self, model: torch.nn.Module, inputs: object, layer_hooks: bool = True) -> Any:
         """Run ``model(inputs)`` and return its outputs (seed 000: ``outputs =
         debugger.debug_forward_pass(...)``); the per-layer report (shapes, statistics, time,
         the module that made a NaN/Inf) is :attr:`last_forward_pass` and a ``forward_pass``
@@ -213,7 +213,7 @@ class CheckingMixin:
                   {"time_s": out["time_s"], "gradient_norm": out["global_norm"]}, logging.DEBUG)
         return out
 
-    def debug_training_step(self, model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., Any],
+    def debug_training_step(self, model: torch.nn.Module, inputs: object, targets: object, loss_fn: Callable[..., Any],
                             optimizer: torch.optim.Optimizer | None = None,
                             gradient_threshold: float | None = None) -> Result:
         """One training step as a torchtrace step (span ``debug_training_step``, step metrics):
@@ -247,7 +247,7 @@ class CheckingMixin:
         return out
 
     # ------------------------------------------------------------ memory
-    def profile_memory(self, name_or_model: Any = None, model: torch.nn.Module | None = None) -> Result:
+    def profile_memory(self, name_or_model: object = None, model: torch.nn.Module | None = None) -> Result:
         """Memory now (seed 003: ``profile_memory("training_batch")``; seed 001:
         ``profile_memory_usage(model)["total"]``).
 

@@ -26,7 +26,7 @@ STEP_KINDS = frozenset({semconv.NONFINITE_LOSS, semconv.NONFINITE_GRAD, semconv.
 
 def open_step(name: str, *, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
               step: int | None = None,
-              level: DebugLevel | None = None, mode: DebugMode | None = None, inputs: Any = None,
+              level: DebugLevel | None = None, mode: DebugMode | None = None, inputs: object = None,
               kind: str = "train") -> api.StepScope:
     """A step scope, as ``torchtrace.debug_context`` makes it (use with ``with``).
 

@@ -146,7 +146,7 @@ class TrainingDebugger(TrainingMonitor):
         self.step_history.clear()
 
     # ------------------------------------------------------------ seed 002 (and seed 000's order)
-    def debug_training_step(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Result:
+    def debug_training_step(self, model: torch.nn.Module, *args: object, **kwargs: object) -> Result:
         """One training step, inspected, as a torchtrace step ``debug_training_step``.
 
         Seed 002's order ``(model, optimizer, loss_fn, inputs, targets, step)`` and seed 000's

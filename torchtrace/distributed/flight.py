@@ -128,7 +128,7 @@ def count_calls(began: Callable[[str, str], Any], ended: Callable[[Any], None]) 
 def _counted(fn: Callable[..., Any], op: str, began: Callable[[str, str], Any],
              ended: Callable[[Any], None]) -> Callable[..., Any]:
     @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: object, **kwargs: object) -> Any:
         group = kwargs.get("group")
         token = began(op, getattr(group, "group_name", None) or "default")
         try:

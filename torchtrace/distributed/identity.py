@@ -108,7 +108,7 @@ def _group_modules() -> list[Any]:
 
 def _calling_after(fn: Callable[..., Any], started: Callable[[], None]) -> Callable[..., Any]:
     @functools.wraps(fn)
-    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+    def init_process_group(*args: object, **kwargs: object) -> Any:
         result = fn(*args, **kwargs)
         try:
             started()

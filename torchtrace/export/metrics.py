@@ -13,7 +13,6 @@ are prometheus_client instruments.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prometheus_client import CollectorRegistry, values
 from prometheus_client import Counter as _Counter
@@ -165,6 +164,6 @@ class Metrics:
         if memory_bytes is not None:
             self.opt_memory.labels(*lv).set(memory_bytes)
 
-    def value(self, name: str, labels: dict[str, str] | None = None) -> Any:
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """A sample's value as ``/metrics`` would show it (for tests and the report)."""
         return self.registry.get_sample_value(name, {"run_id": self.run_id, "rank": self.rank, **(labels or {})})

@@ -119,7 +119,7 @@ def eager() -> contextlib.AbstractContextManager:
 _MAX_BARE_YIELDS = 10_000
 
 
-def finished(out: Any) -> Any:
+def finished(out: object) -> Any:
     """The result of a replayed ``async def`` step: its coroutine is driven here, outside the
     event loop (the replay runs inside the optimizer's hook, which cannot await). Bare yields
     (``await asyncio.sleep(0)``) are passed over; awaiting a pending future of the loop (real

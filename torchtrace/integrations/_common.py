@@ -51,7 +51,7 @@ class StepDriver:
         return self.scope is not None and self.scope.active
 
     # Any: the batch the framework hands over, whatever its loader yields.
-    def begin(self, model: torch.nn.Module | None, batch: Any = None, loop: FrameType | None = None,
+    def begin(self, model: torch.nn.Module | None, batch: object = None, loop: FrameType | None = None,
               step: int | None = None, replay: Callable[[], Any] | None = None) -> None:
         """Open the step; ``batch`` (when the framework hands it over) gives its samples,
         tokens and input shapes (FLOPs counted once per shape). ``loop``: the frame of the

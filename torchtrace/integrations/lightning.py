@@ -40,7 +40,7 @@ _R = TypeVar("_R")
 __all__ = ["TorchtraceCallback", "training_step_replay"]
 
 
-def training_step_replay(trainer: Trainer, pl_module: LightningModule, batch: Any,
+def training_step_replay(trainer: Trainer, pl_module: LightningModule, batch: object,
                          batch_idx: int) -> Callable[[], Any]:
     """What forensics replays for a Lightning batch: ``training_step(batch, batch_idx)`` again,
     under the trainer's precision context, with ``self.log``/``self.log_dict`` silenced (a
@@ -138,7 +138,7 @@ class TorchtraceCallback(_pl.Callback):
                 delattr(io, name)  # the instance's wrapper off: the class's method again
 
     # ------------------------------------------------------------ training
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
         # The module joins the scope in on_before_optimizer_step: a batch that only
         # accumulates gradients gets no gradient statistics of partial sums. The batch gives
         # the step's samples and tokens; the optimizer, its learning rates.
@@ -162,7 +162,7 @@ class TorchtraceCallback(_pl.Callback):
         self._train.measure(pl_module, optimizer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule,
-                           outputs: STEP_OUTPUT, batch: Any, batch_idx: int) -> None:
+                           outputs: STEP_OUTPUT, batch: object, batch_idx: int) -> None:
         self._train.mark("optimizer_end")
         self._train.end(None, extract_loss(outputs))
 
@@ -177,13 +177,13 @@ class TorchtraceCallback(_pl.Callback):
         if self._loop is not None:
             self._loop.end(None)
 
-    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         if self._val is not None and not trainer.sanity_checking:
             self._val.begin(None, batch)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule,
-                                outputs: STEP_OUTPUT, batch: Any, batch_idx: int,
+                                outputs: STEP_OUTPUT, batch: object, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         if self._val is not None:
             loss = extract_loss(outputs)  # a tuple (predictions, labels) is no loss, and left unsaid
@@ -202,7 +202,7 @@ class TorchtraceCallback(_pl.Callback):
             self._loop.abort(exception)
 
 
-def _read_as_consumed(driver: StepDriver, module: torch.nn.Module, batch: Any) -> None:
+def _read_as_consumed(driver: StepDriver, module: torch.nn.Module, batch: object) -> None:
     """The batch's samples and tokens as the module consumes it (token ids fed to an
     embedding, a time-major layout: :mod:`torchtrace.measure.batch_layout`). The module joins
     the step's scope only at its update, so a batch that only accumulates gradients would be
@@ -279,7 +279,7 @@ def _timed(method: Callable[..., _R], kind: str) -> Callable[..., _R]:
     """``method`` timed as a checkpoint ``kind`` (``tt.checkpoint``: a torch.save inside counts once)."""
 
     # Any: the arguments of the checkpoint IO's method, passed through as they are.
-    def timed(*args: Any, **kwargs: Any) -> _R:
+    def timed(*args: object, **kwargs: object) -> _R:
         with checkpoint(kind):
             return method(*args, **kwargs)
 

@@ -120,7 +120,7 @@ def _wrap(owner: object, name: str, kind: str) -> None:
     original = getattr(owner, name)
 
     @functools.wraps(original)
-    def timed(*args: Any, **kwargs: Any) -> Any:
+    def timed(*args: object, **kwargs: object) -> Any:
         with checkpoint(kind):
             return original(*args, **kwargs)
 

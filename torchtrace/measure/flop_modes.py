@@ -143,7 +143,7 @@ class _Counter(FlopCounterMode):
             return None
         return self.unruled_s / self.op_s
 
-    def _count_flops(self, func_packet: OpOverloadPacket, out: Any, args: tuple, kwargs: dict) -> Any:
+    def _count_flops(self, func_packet: OpOverloadPacket, out: object, args: tuple, kwargs: dict) -> Any:
         """FlopCounterMode's per-op count (torch 2.1 and later), and the op's FLOPs by the dtype
         it computed in: the precision the step's matrix products really ran at, autocast
         inside the step included, which the step's end can no longer see."""

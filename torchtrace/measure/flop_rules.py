@@ -36,7 +36,7 @@ True
 from __future__ import annotations
 
 from math import prod
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.utils import flop_counter
@@ -50,7 +50,7 @@ Shape = tuple[int, ...]
 _aten = torch.ops.aten
 
 
-def _rows(input_shape: Shape, batch_sizes: Sequence[int] | None) -> int:
+def _rows(input_shape: Shape, batch_sizes: object) -> int:
     """Time steps times sequences of a recurrent layer's input: a packed input's rows (its
     ``batch_sizes`` are given), else every dimension but the features."""
     if batch_sizes:
@@ -64,7 +64,7 @@ def _weights(shapes: Sequence[object]) -> int:
 
 
 def recurrent_flops(input_shape: Shape, weight_shapes: Sequence[object],
-                    batch_sizes: Sequence[int] | None = None) -> int:
+                    batch_sizes: object = None) -> int:
     """Forward FLOPs of recurrent layers: ``2 * rows * sum(2-d weight sizes)`` (see the module).
 
     >>> recurrent_flops(torch.Size([5, 3, 8]), [torch.Size([64, 8]), torch.Size([64, 16]), torch.Size([64])])
@@ -73,15 +73,15 @@ def recurrent_flops(input_shape: Shape, weight_shapes: Sequence[object],
     return 2 * _rows(input_shape, batch_sizes) * _weights(weight_shapes)
 
 
-def _mkldnn_layer(input: Shape, weight0: Shape, weight1: Shape, *args: Any, out_shape: Any = None,
-                  **kwargs: Any) -> int:
+def _mkldnn_layer(input: Shape, weight0: Shape, weight1: Shape, *args: object, out_shape: object = None,
+                  **kwargs: object) -> int:
     # (input, weight0, weight1, weight2, weight3, hx, cx, reverse, batch_sizes, mode, ...)
     batch_sizes = args[5] if len(args) > 5 else kwargs.get("batch_sizes")
     return recurrent_flops(input, [weight0, weight1], batch_sizes)
 
 
-def _mkldnn_layer_backward(input: Shape, weight1: Shape, weight2: Shape, *args: Any, out_shape: Any = None,
-                           **kwargs: Any) -> int:
+def _mkldnn_layer_backward(input: Shape, weight1: Shape, weight2: Shape, *args: object, out_shape: object = None,
+                           **kwargs: object) -> int:
     # (input, weight1, weight2, weight3, weight4, hx, cx, output, hy, cy, grad_output, grad_hy,
     #  grad_cy, reverse, mode, hidden_size, num_layers, has_biases, train, bidirectional, batch_sizes, ...)
     batch_sizes = args[17] if len(args) > 17 else kwargs.get("batch_sizes")
@@ -92,7 +92,7 @@ def _fused_rnn(batch_at: int) -> Callable[..., int]:
     """The rule of cuDNN's or MIOpen's whole stack (``weight``: every layer's and direction's
     tensors), whose ``batch_sizes`` is the ``batch_at``-th argument after ``weight``."""
 
-    def rule(input: Shape, weight: Sequence[object], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    def rule(input: Shape, weight: Sequence[object], *args: object, out_shape: object = None, **kwargs: object) -> int:
         batch_sizes = args[batch_at] if len(args) > batch_at else kwargs.get("batch_sizes")
         return recurrent_flops(input, weight, batch_sizes)
 
@@ -103,7 +103,7 @@ def _fused_rnn_backward(batch_at: int, mask_at: int) -> Callable[..., int]:
     """The backward's rule: ``output_mask`` (input, hx, cx, weights) says what it computes;
     the data gradients and the weight gradients cost one forward's products each."""
 
-    def rule(input: Shape, weight: Sequence[object], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    def rule(input: Shape, weight: Sequence[object], *args: object, out_shape: object = None, **kwargs: object) -> int:
         batch_sizes = args[batch_at] if len(args) > batch_at else kwargs.get("batch_sizes")
         mask = args[mask_at] if len(args) > mask_at else kwargs.get("output_mask")
         forward = recurrent_flops(input, weight, batch_sizes)
@@ -114,12 +114,13 @@ def _fused_rnn_backward(batch_at: int, mask_at: int) -> Callable[..., int]:
     return rule
 
 
-def _attention(query: Shape, key: Shape, value: Shape, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def _attention(query: Shape, key: Shape, value: Shape, *args: object, out_shape: object = None,
+               **kwargs: object) -> int:
     return int(flop_counter.sdpa_flop_count(query, key, value))
 
 
-def _attention_backward(grad_out: Shape, query: Shape, key: Shape, value: Shape, *args: Any, out_shape: Any = None,
-                        **kwargs: Any) -> int:
+def _attention_backward(grad_out: Shape, query: Shape, key: Shape, value: Shape, *args: object,
+                        out_shape: object = None, **kwargs: object) -> int:
     # PaLM's convention: the backward's four products, twice the forward (torch's own rule
     # adds the scores' recomputation, a fifth: 2.5 times).
     return 2 * int(flop_counter.sdpa_flop_count(query, key, value))
@@ -130,10 +131,11 @@ def _palm_backward(original: Callable[..., int]) -> Callable[..., int]:
     and value are dense ``(batch, heads, length, dim)`` tensors; torch's rule (``original``)
     for anything else (variable-length packs)."""
 
-    def rule(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
-        qkv = args[1:4]
-        if len(qkv) == 3 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qkv):
-            return _attention_backward(args[0].shape, *(t.shape for t in qkv))
+    def rule(*args: object, out_val: object = None, **kwargs: object) -> int:
+        grad_out, qkv = (args[0] if args else None), args[1:4]
+        tensors = [t for t in qkv if isinstance(t, torch.Tensor) and t.dim() == 4]
+        if isinstance(grad_out, torch.Tensor) and len(tensors) == 3:
+            return _attention_backward(grad_out.shape, *(t.shape for t in tensors))
         return int(original(*args, out_val=out_val, **kwargs))
 
     rule._get_raw = True  # type: ignore[attr-defined]  # (FlopCounterMode: given the tensors, not shapes)

@@ -24,7 +24,7 @@ True
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Hashable, Iterator, TypeVar
+from typing import Callable, Hashable, Iterator, TypeVar
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -282,7 +282,7 @@ class StepFlops:
 _R = TypeVar("_R")
 
 
-def count_flops(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> tuple[_R, int]:
+def count_flops(fn: Callable[..., _R], *args: object, **kwargs: object) -> tuple[_R, int]:
     """Run ``fn(*args, **kwargs)`` once under a FLOP counter: ``(its result, its FLOPs)``.
 
     >>> import torch

@@ -64,7 +64,7 @@ class ModeResult:
     def __contains__(self, key: object) -> bool:
         return key in self.seed_view()
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: object = None) -> Any:
         return self.seed_view().get(key, default)
 
     def keys(self):

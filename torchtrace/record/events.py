@@ -64,7 +64,7 @@ class EventPool:
         self._free: dict[int, list[Any]] = {}
         self.created = 0  # events made (the rest of the marks reused one)
 
-    def recorded(self) -> Any:
+    def recorded(self) -> torch.cuda.Event:
         """An event recorded now on the current device's current stream."""
         direct = _DIRECT and torch.cuda.Event is _EVENT
         if direct:

@@ -168,7 +168,7 @@ class ReadPlan:
         """What was added with ``key``'s slot as its ``label``, or None."""
         return self._labels.get(key)
 
-    def first(self, key: Hashable, values: list[float] | None) -> Any:
+    def first(self, key: Hashable, values: list[float] | None) -> float | None:
         """The first value of ``key``'s slot, or None."""
         where = self._slots.get(key)
         if where is None or values is None:

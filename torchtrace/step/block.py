@@ -136,7 +136,7 @@ class WatchedBlock:
     def _pre_forward(self, module: torch.nn.Module, args: tuple) -> None:
         self._depth += 1
 
-    def _post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _post_forward(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0 and self.model is None and self.scope.model is None:
             # The outermost call with parameters is the model (a loss module has none).
@@ -167,7 +167,7 @@ class WatchedBlock:
 def level_block(level: DebugLevel, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                 step: int | None = None, mode: DebugMode | str | None = None, attributes: dict[str, Any] | None = None,
                 replay: Callable[[], Any] | None = None, scaler: torch.amp.GradScaler | None = None,
-                kind: str = "train", inputs: Any = None) -> WatchedBlock:
+                kind: str = "train", inputs: object = None) -> WatchedBlock:
     """The seeds' ``debug_context(DebugLevel.BASIC)``: a step named ``step`` at ``level``, under
     autograd anomaly detection (``DebugMode.ANOMALY_DETECTION`` unless ``mode`` says
     otherwise), that finds the block's model, optimizer and loss itself. The other arguments

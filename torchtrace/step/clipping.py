@@ -51,7 +51,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     reuses_norms = getattr(original, "__name__", "") == "clip_grad_norm_"
 
     @functools.wraps(original)
-    def clip(*args: Any, **kwargs: Any) -> Any:
+    def clip(*args: object, **kwargs: object) -> Any:
         if is_compiling():  # traced by torch.compile: stay out of the graph (no break)
             return original(*args, **kwargs)
         scope = current.step()

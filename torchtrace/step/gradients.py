@@ -195,7 +195,7 @@ class GradientCheck:
         return None
 
     def _measured(self, optimizer: torch.optim.Optimizer, closure: Callable[..., Any]) -> Callable[..., Any]:
-        def measured(*args: Any, **kwargs: Any) -> Any:
+        def measured(*args: object, **kwargs: object) -> Any:
             out = closure(*args, **kwargs)
             self.before_update(optimizer)  # once: the gradients where the step started
             self.drop_skipped()

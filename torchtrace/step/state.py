@@ -80,7 +80,7 @@ class StepThroughput:
         self.entered_at = entered_at
         self.left_before = left_before
         self.scale_before: torch.Tensor | float | None = None
-        self.step_end: Any = None
+        self.step_end: object = None
 
 
 class StepForensics:

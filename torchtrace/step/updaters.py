@@ -210,7 +210,7 @@ def _unguarded(optimizer: torch.optim.Optimizer) -> None:
 def _wrap(original: Callable[..., Any], note: Callable[[Any], None]) -> Callable[..., Any]:
     """``original`` (a method) that first notes its object with ``note``."""
     @functools.wraps(original)
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def method(self: object, *args: object, **kwargs: object) -> Any:
         _safely(note, self)
         return original(self, *args, **kwargs)
 

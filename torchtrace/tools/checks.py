@@ -60,7 +60,7 @@ def validate_model_input(x: torch.Tensor, *, expected_dims: int | Sequence[int] 
     return info
 
 
-def detect_model_anomalies(model: torch.nn.Module, x: Any, *, value_range: tuple[float, float] | None = None,
+def detect_model_anomalies(model: torch.nn.Module, x: object, *, value_range: tuple[float, float] | None = None,
                            uniform_tolerance: float = 1e-6) -> dict[str, Any]:
     """Run ``model(x)`` without gradients and check its output.
 

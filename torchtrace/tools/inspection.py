@@ -26,7 +26,7 @@ from torchtrace.measure.autograd_graph import graph_leaves
 from torchtrace.record import readout
 
 
-def _call(model: torch.nn.Module, inputs: Any) -> Any:
+def _call(model: torch.nn.Module, inputs: object) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -68,7 +68,7 @@ def _layer_rows(rows: list[dict[str, Any]], model: torch.nn.Module,
     return layers, root_row
 
 
-def debug_forward_pass(model: torch.nn.Module, inputs: Any, layer_hooks: bool = True,
+def debug_forward_pass(model: torch.nn.Module, inputs: object, layer_hooks: bool = True,
                        leaves_only: bool = True) -> dict[str, Any]:
     """Run ``model(inputs)`` and report each layer's output shape, dtype, statistics and time,
     and which module made a NaN/Inf, by the forensics rule (:mod:`torchtrace.forensics.blame`).
@@ -246,7 +246,7 @@ def _validate_forward(model, shape, dtype, device) -> dict[str, Any]:
     return failed
 
 
-def debug_training_step(model: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., torch.Tensor],
+def debug_training_step(model: torch.nn.Module, inputs: object, targets: object, loss_fn: Callable[..., torch.Tensor],
                         optimizer: torch.optim.Optimizer | None = None, layer_hooks: bool = True, *,
                         backward_stats: bool = True, before_step: Callable[[], Any] | None = None,
                         on_loss: Callable[[torch.Tensor], Any] | None = None) -> dict[str, Any]:
