@@ -393,3 +393,44 @@ def test_a_context_reads_the_call_of_a_model_marked_by_hooks(run, form):
     assert [(r.samples, r.flops_counted) for r in records] == [(8, True), (8, False), (8, False)]
     assert all(r.flops == pytest.approx(_reference(8), rel=0.10) for r in records)
     assert all(r.phases and r.phases["forward"] > 0 for r in records)
+
+
+def _double_dqn_body(model, opt, obs, next_obs):
+    with torch.no_grad():  # the online network picks the next actions: no training batch
+        next_actions = model(next_obs).argmax(1)
+    opt.zero_grad()
+    q = model(obs).gather(1, next_actions[:, None])
+    (q - 1.0).pow(2).mean().backward()
+    opt.step()
+
+
+def _evaluate_after_body(model, opt, x, held_out):
+    _body(model, opt, x)
+    with torch.no_grad():  # a held-out batch looked at after the update: no training batch
+        model(held_out)
+
+
+@pytest.mark.parametrize("body,no_grad_rows", [(_double_dqn_body, 8), (_evaluate_after_body, 4)],
+                         ids=["double-dqn", "evaluate-after-update"])
+def test_a_call_without_autograd_beside_the_training_call_is_not_a_batch_of_the_step(run, caplog, body,
+                                                                                     no_grad_rows):
+    """Double DQN picks the next actions with the online network under ``no_grad``, on the next
+    states, before its training call; a loop may look at a held-out batch under ``no_grad``
+    after the update. Neither call trains: the step's samples are its training batch's 8, and
+    its FLOPs all that ran (FlopCounterMode's count of the same body). Before, the first read
+    as two views of a batch (no samples, no FLOPs, and a warning) and the second as one more
+    micro-batch (8 + 4 samples)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    reference_model = _mlp()
+    reference_opt = torch.optim.SGD(reference_model.parameters(), lr=0.01)
+    with FlopCounterMode(display=False) as ref:
+        body(reference_model, reference_opt, torch.randn(8, 16), torch.randn(no_grad_rows, 16))
+    records = []
+    for _ in range(5):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            body(model, opt, torch.randn(8, 16), torch.randn(no_grad_rows, 16))
+        records.append(step.record)
+    assert [r.samples for r in records] == [8] * 5
+    assert [r.flops for r in records] == [ref.get_total_flops()] * 5
+    assert "several batches" not in caplog.text

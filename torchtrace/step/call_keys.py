@@ -35,9 +35,11 @@ _Mark = tuple["weakref.ref[torch.Tensor] | None", int]  # see _gradient_mark
 
 class _Call(tuple):
     """A model call's ``(args, kwargs)``, with the state of the model's gradients when it was
-    made (:func:`_gradient_mark`): a later call after a backward is another micro-batch."""
+    made (:func:`_gradient_mark`): a later call after a backward is another micro-batch; and
+    whether autograd was on (``graph``): a call without it trains nothing."""
 
     grads: _Mark | None = None
+    graph = True
 
 
 def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
@@ -47,17 +49,26 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
     kept with the others (:class:`MicroBatches`, samples and tokens summed, FLOPs counted over
     them all). On another batch without a backward between (two views, an evaluation loop) the
     step has none, and its count ends if it is keyed by the call. An activation checkpoint's
-    recomputation passes the same tensors: one batch."""
+    recomputation passes the same tensors: one batch.
+
+    A call with autograd off beside calls with it on is no batch of the step: it trains nothing
+    (Double DQN's choice of the next actions with the online network, a held-out batch looked
+    at after the update). It is passed over, and an earlier such call gives way to the first
+    call with autograd on. (Its FLOPs ran, and are counted.)"""
     state = scope.throughput
     clock = state.clock if state is not None else None
     if state is None or clock is None:
         return
     batch = clock.batch
-    if batch is None:
+    graph = torch.is_grad_enabled()
+    if batch is None or (graph and type(batch) is _Call and not batch.graph):
         clock.batch = call = _Call((args, kwargs))
         call.grads = _gradient_mark(scope)
+        call.graph = graph
         return
     if batch is MANY:
+        return
+    if not graph and (type(batch) is MicroBatches or batch.graph):
         return
     last = batch[0][-1] if type(batch) is MicroBatches else batch
     if same_arguments(last, args, kwargs):
