@@ -218,6 +218,44 @@ def unscaled(stats: GradStats, scale: torch.Tensor) -> GradStats:
     return GradStats(names=stats.names, norms=norms, grads=stats.grads, scope=stats.scope)
 
 
+def remeasured(stats: GradStats | None, again: GradStats) -> GradStats:
+    """``stats`` with the tensors measured ``again`` (a later update's, after a backward of its
+    own) taking their new norms; tensors new to ``stats`` are added after the others."""
+    if stats is None:
+        return again
+    renamed = set(again.names)
+    keep = [i for i, name in enumerate(stats.names) if name not in renamed]
+    dtype = torch.promote_types(stats.norms.dtype, again.norms.dtype)
+    kept = stats.norms[torch.tensor(keep, dtype=torch.long, device=stats.norms.device)]
+    norms = torch.cat([kept.to(dtype), again.norms.to(stats.norms.device, dtype)])
+    return GradStats(names=[stats.names[i] for i in keep] + list(again.names), norms=norms,
+                     grads=[stats.grads[i] for i in keep] + list(again.grads) if stats.grads else list(again.grads),
+                     scope="local" if "local" in (stats.scope, again.scope) else stats.scope)
+
+
+GradientMark = tuple["weakref.ref[torch.Tensor] | None", int]
+
+
+def gradient_mark(param: torch.Tensor) -> GradientMark:
+    """Where ``param``'s gradient stands: a weak reference to its tensor and the tensor's version
+    (a backward sets it, or adds to it in place); ``(None, 0)`` while it has none. No device
+    value is read. The reference is weak: it keeps no gradient alive, and a tensor freed since
+    cannot be taken for a new one made at its address, as its ``id`` could."""
+    grad = param.grad
+    return (weakref.ref(grad), grad._version) if grad is not None else (None, 0)
+
+
+def gradient_moved(before: GradientMark, now: GradientMark) -> bool:
+    """Whether a gradient changed between two marks (:func:`gradient_mark`): another tensor than
+    before (the one seen then may be gone), or the same one written in place."""
+    (ref, version), (ref_now, version_now) = before, now
+    seen = ref() if ref is not None else None
+    if ref is not None and seen is None:
+        return True  # the gradient seen before was freed: set to None, or replaced by a backward
+    current_grad = ref_now() if ref_now is not None else None
+    return seen is not current_grad or version != version_now
+
+
 def _grouped_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
     """Norms of gradients of several dtypes or devices: one foreach kernel per (device, dtype)
     group (foreach kernels want uniform lists), float64 when any gradient is. Returns the

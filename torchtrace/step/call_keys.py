@@ -13,7 +13,6 @@ the step's end fills in.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Hashable
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from torchtrace import current
 from torchtrace.measure.batch import MAX_MICRO_BATCHES, MicroBatches, same_arguments
 from torchtrace.measure.flops import LateKey, StepFlops, countable, leave_counter, shape_key
+from torchtrace.measure.gradients import GradientMark, gradient_mark, gradient_moved
 
 if TYPE_CHECKING:
     from torchtrace.step.scope import StepScope
@@ -30,15 +30,12 @@ MAX_KEYS = 256  # operations, and keys of each kind below, kept
 MANY = object()  # StepClock.batch once the model was called on another batch in the step
 
 
-_Mark = tuple["weakref.ref[torch.Tensor] | None", int]  # see _gradient_mark
-
-
 class _Call(tuple):
     """A model call's ``(args, kwargs)``, with the state of the model's gradients when it was
     made (:func:`_gradient_mark`): a later call after a backward is another micro-batch; and
     whether autograd was on (``graph``): a call without it trains nothing."""
 
-    grads: _Mark | None = None
+    grads: GradientMark | None = None
     graph = True
 
 
@@ -103,14 +100,10 @@ def _countable_calls(batch: object) -> bool:
     return type(batch) is not MicroBatches or len(batch[0]) < MAX_MICRO_BATCHES
 
 
-def _gradient_mark(scope: StepScope) -> _Mark | None:
-    """Where the gradient of the model's first trained parameter stands: a weak reference to its
-    tensor and the tensor's version (a backward sets it or adds to it in place; a host read of
-    no device value). ``(None, 0)`` before it has one; None without a model or a trained
-    parameter. The reference is weak: it keeps no gradient alive (an embedding's can be
-    hundreds of MB), and a tensor freed since cannot be taken for a new one made at its
-    address, as its ``id`` could (gradients set to None and made again by each minibatch's
-    backward)."""
+def _gradient_mark(scope: StepScope) -> GradientMark | None:
+    """Where the gradient of the model's first trained parameter stands
+    (:func:`~torchtrace.measure.gradients.gradient_mark`); None without a model or a trained
+    parameter among its first 64."""
     model = getattr(scope, "model", None)
     if not isinstance(model, torch.nn.Module):
         return None
@@ -118,22 +111,13 @@ def _gradient_mark(scope: StepScope) -> _Mark | None:
         if index >= 64:
             return None
         if param.requires_grad:
-            grad = param.grad
-            return (weakref.ref(grad), grad._version) if grad is not None else (None, 0)
+            return gradient_mark(param)
     return None
 
 
-def _backward_between(before: _Mark | None, now: _Mark | None) -> bool:
-    """Whether the gradient moved between two model calls (:func:`_gradient_mark`): another
-    tensor than before (the one seen then may be gone), or the same written in place."""
-    if before is None or now is None:
-        return False
-    (ref, version), (ref_now, version_now) = before, now
-    seen = ref() if ref is not None else None
-    if ref is not None and seen is None:
-        return True  # the gradient seen before was freed: set to None, or replaced by a backward
-    current_grad = ref_now() if ref_now is not None else None
-    return seen is not current_grad or version != version_now
+def _backward_between(before: GradientMark | None, now: GradientMark | None) -> bool:
+    """Whether the gradient moved between two model calls (:func:`_gradient_mark`)."""
+    return before is not None and now is not None and gradient_moved(before, now)
 
 
 class CallKeys:

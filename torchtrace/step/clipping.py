@@ -15,9 +15,11 @@ measured (:func:`torchtrace.measure.clip_norm.total_norm`, the same bits as torc
 torch's own ``clip_grads_with_norm_`` scales the gradients with it. It falls back to torch's
 whole function, which reads the gradients again, where equality is not shown: ``norm_type``
 other than 2, gradients on several devices, ``foreach=False`` off the CPU, parameters the
-step does not watch, sparse or DTensor/FSDP2 gradients, a second clip call in the same step,
-a step whose norms came out non-finite, and ``error_if_nonfinite=True`` with a non-finite
-norm (torch's function then raises its own error).
+step does not watch, sparse or DTensor/FSDP2 gradients, a second clip call in the same step
+(but for a clip of another network's gradients after a backward of their own, measured then:
+:meth:`~torchtrace.step.gradients.GradientCheck.other_clip`), a step whose norms came out
+non-finite, and ``error_if_nonfinite=True`` with a non-finite norm (torch's function then
+raises its own error).
 """
 
 from __future__ import annotations
@@ -56,13 +58,19 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         scope = current.step()
         measured: GradStats | None = None
-        if scope is not None and scope.active and (scope.gradients is None or not scope.gradients.fired):
+        again = False  # measured again: another optimizer's parameters, after a backward of their own
+        if scope is not None and scope.active:
             try:
-                if scope.before_clip is not None:
-                    args, kwargs = _listed(args, kwargs)  # (a generator of parameters is read once)
-                    scope.before_clip(_clipped(args, kwargs))
-                scope.check_gradients_now()
-                measured = _fresh_norms(scope)
+                if scope.gradients is None or not scope.gradients.fired:
+                    if scope.before_clip is not None:
+                        args, kwargs = _listed(args, kwargs)  # (a generator of parameters is read once)
+                        scope.before_clip(_clipped(args, kwargs))
+                    scope.check_gradients_now()
+                    measured = _fresh_norms(scope)
+                elif scope.gradients.whole_model:
+                    args, kwargs = _listed(args, kwargs)
+                    again = scope.gradients.other_clip(_clipped(args, kwargs))
+                    measured = _fresh_norms(scope) if again else None
             except NonFiniteError:
                 raise  # guard="raise": the policy the user asked for
             except Exception as exc:  # torchtrace's own failure never reaches the user's clip call
@@ -71,6 +79,8 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             result = _clip_with_norms(original, measured, args, kwargs)
         else:
             result = original(*args, **kwargs)
+        if again and scope is not None and scope.gradients is not None:
+            scope.gradients.mark_again()  # the update that follows applies what the clip left
         if scope is not None and scope.active and scope.gradients is not None and scope.gradients.skipped:
             # guard="skip": the clip returned the true (non-finite) norm; the gradients stay
             # tensors, zeroed, so an update the user writes by hand changes nothing.

@@ -139,7 +139,7 @@ class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
-                 "lr", "whole_model", "updates", "_hooked", "_skip_params")
+                 "lr", "whole_model", "updates", "_hooked", "_skip_params", "_mark", "_again")
 
     def __init__(self, scope: StepScope, rt: Runtime) -> None:
         self.scope = scope
@@ -156,6 +156,11 @@ class GradientCheck:
         self.updates = 0  # updates of the step's optimizer begun in the step
         self._hooked: torch.optim.Optimizer | None = None  # the optimizer whose updates it hears
         self._skip_params: list | None = None  # the parameters whose update the guard skips
+        # Adopted (whole_model): the gradient of the model's first trained parameter the step's
+        # optimizer does not update, as that optimizer's last update began (see other_update);
+        # and the other optimizers whose gradients were measured again, after a backward.
+        self._mark: tuple[torch.Tensor, grad_measure.GradientMark] | None = None
+        self._again: list[torch.optim.Optimizer] | None = None
 
     def hook(self, optimizer: torch.optim.Optimizer) -> None:
         """Measure the gradients as ``optimizer.step()`` begins (through the runtime's
@@ -236,7 +241,102 @@ class GradientCheck:
         if self.optimizer is None:  # adopted now (perhaps measured at a clip call already)
             self.optimizer = optimizer
             self.whole_model = True
-        return self.pre_hook(optimizer, args, kwargs)
+        replaced = self.pre_hook(optimizer, args, kwargs)
+        self._mark_outside(optimizer)
+        return replaced
+
+    def _mark_outside(self, optimizer: torch.optim.Optimizer) -> None:
+        """As the step's (adopted) optimizer begins an update: mark the gradient of the model's
+        first trained parameter it does not update, if any (:meth:`other_update`)."""
+        assert self.scope.model is not None  # (adopted: the step names its model)
+        self._mark = None
+        for ref in self.rt.outside(self.scope.model, optimizer):
+            if ref.param.requires_grad:
+                self._mark = (ref.param, grad_measure.gradient_mark(ref.param))
+                return
+
+    def _backward_since_mark(self) -> bool:
+        """Whether the marked gradient (:meth:`_mark_outside`) moved: a backward ran since."""
+        if self._mark is None:
+            return False
+        param, mark = self._mark
+        return grad_measure.gradient_moved(mark, grad_measure.gradient_mark(param))
+
+    def other_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Another optimizer of the model begins an update, after the step's own (adopted) one.
+
+        When a backward ran since the step's optimizer began its last update (a GAN's second
+        network: its gradients were zeroed and made again), the model's gradients measured then
+        are not the ones this update applies: those of its parameters are measured now, take
+        their place in the step's statistics, and are guarded as the step's own update's are
+        (a skip drops this update and the step's later ones). A later such update of the same
+        optimizer is guarded only, as the step's own optimizer's later updates are. Without a
+        backward in between (Muon and AdamW over one backward) its gradients were measured with
+        the model's, and nothing is read again.
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients.
+        """
+        scope = self.scope
+        if not self.whole_model or self.skipped or not scope.active or not self._backward_since_mark():
+            return
+        assert scope.model is not None and self.optimizer is not None  # (adopted)
+        if self._again is not None and optimizer in self._again:
+            self._guard_again(optimizer)
+        else:
+            outside = {id(ref.param) for ref in self.rt.outside(scope.model, self.optimizer)}
+            refs = [ref for ref in self.rt.params_for(scope.model, optimizer) if id(ref.param) in outside]
+            self._again = [*(self._again or ()), optimizer]
+            self._remeasure(refs, optimizer)
+        self.mark_again()
+
+    def other_clip(self, params: list[torch.Tensor]) -> bool:
+        """A clip call after the step's (adopted) optimizer began its update: when a backward ran
+        since, the clipped parameters it does not update (a GAN's second network, clipped
+        before its own update) are measured now, before the clip, as :meth:`other_update`
+        would measure them as their update begins. Returns whether they were (their norms are
+        then the clip's to reuse, and :meth:`mark_again` is due after the clip).
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients.
+        """
+        scope = self.scope
+        if not self.whole_model or self.skipped or not scope.active or not self._backward_since_mark():
+            return False
+        assert scope.model is not None and self.optimizer is not None  # (adopted)
+        clipped = {id(p) for p in params}
+        refs = [ref for ref in self.rt.outside(scope.model, self.optimizer) if id(ref.param) in clipped]
+        if not refs:
+            return False
+        self._remeasure(refs, None)
+        return True
+
+    def mark_again(self) -> None:
+        """The gradients the next update applies are measured (by :meth:`other_update`, or by
+        :meth:`other_clip` before the clip that left them): mark them, so that this update
+        measures nothing again."""
+        if self._mark is not None:
+            self._mark = (self._mark[0], grad_measure.gradient_mark(self._mark[0]))
+
+    def _remeasure(self, refs: list, optimizer: torch.optim.Optimizer | None) -> None:
+        """Measure the gradients of ``refs`` again (see :meth:`other_update`), put their norms in
+        the step's statistics in place of the earlier ones, and guard.
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients.
+        """
+        rt, scope = self.rt, self.scope
+        t0 = time.perf_counter()
+        try:
+            stats = _applied_norms(refs, optimizer)
+            if stats is not None:
+                self.stats = grad_measure.remeasured(self.stats, stats)
+                self.values = None  # the earlier values, if read, are not all current now
+            if rt.guard is not GuardPolicy.WARN and (stats is not None or rt.identity.distributed):
+                assert scope.model is not None  # (adopted)
+                self._decide(rt.params_for(scope.model, None))  # a skip drops every later update too
+        finally:
+            scope.add_overhead(time.perf_counter() - t0)
 
     def before_update(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Measure the gradients the optimizer is about to use (all of the model's, adopted);

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from torchtrace.job.signals import SignalGuard
     from torchtrace.job.state import RankState
     from torchtrace.job.watchdog import Watchdog
+    from torchtrace.measure.gradients import ParamRef
     from torchtrace.probes.forensics import ForensicsProbe
     from torchtrace.record.readout import Pending, ReadPlan
     from torchtrace.step.scope import StepScope
@@ -104,6 +105,8 @@ class Runtime:
         self._deferred: collections.deque[_Deferred] = collections.deque()
         self._changes: collections.deque[Callable[[], None]] = collections.deque()
         self._param_cache: "weakref.WeakKeyDictionary[Any, tuple[Any, list]]" = weakref.WeakKeyDictionary()
+        self._outside_cache: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list, list, list]]" = \
+            weakref.WeakKeyDictionary()
         # A step's optimizer that did not step in it -> the step's name (GradientCheck.measure_at_end).
         self.unstepped: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()
         self.processors: list[BoundedBatchSpanProcessor] = []
@@ -199,6 +202,19 @@ class Runtime:
             return cached[1]
         refs = grad_measure.named_params(model, optimizer)
         self._param_cache[key_obj] = (signature, refs)
+        return refs
+
+    def outside(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[ParamRef]:
+        """The parameters of ``model`` that ``optimizer`` does not update (another optimizer's, or
+        none's), in the model's order; listed again when either list of :meth:`params_for` is."""
+        model_refs = self.params_for(model, None)
+        updated_refs = self.params_for(model, optimizer)
+        kept = self._outside_cache.get(optimizer)
+        if kept is not None and kept[0] is model_refs and kept[1] is updated_refs:
+            return kept[2]
+        updated = {id(ref.param) for ref in updated_refs}
+        refs = [ref for ref in model_refs if id(ref.param) not in updated]
+        self._outside_cache[optimizer] = (model_refs, updated_refs, refs)
         return refs
 
     def plan_parameter_check(self, scope: StepScope, plan: ReadPlan) -> None:

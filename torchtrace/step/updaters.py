@@ -25,8 +25,10 @@ are measured (and guarded) right before that update, which a loop that zeroes th
 step's end leaves no other moment for. Several optimizers sharing the model (Muon and AdamW, a
 sparse embedding's SparseAdam and an Adam for the rest) are measured together at the first
 one's update, but under an enabled loss scaler, which unscales one optimizer's gradients at a
-time. One optimizer per parameter stepped inside ``backward()`` is not the step's: the other
-gradients do not exist yet there.
+time. Another optimizer of the model that updates after a backward since (a GAN's second
+network) has its gradients measured again as it begins
+(:meth:`~torchtrace.step.gradients.GradientCheck.other_update`). One optimizer per parameter
+stepped inside ``backward()`` is not the step's: the other gradients do not exist yet there.
 A step's optimizer that hands its update to a base optimizer sharing its parameter groups
 (SAM, Lookahead) has the base's update taken for its own: measured before it when the
 wrapper's own ``step`` never ran. An optimizer that updates only the step's optimizer's
@@ -155,7 +157,10 @@ def _the_steps_update(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
     check = scope.gradients
     if scope.optimizer is None:
         if check.optimizer is not None:  # adopted already: its later updates are guarded too
-            return check.adopt(optimizer, args, kwargs) if optimizer is check.optimizer else None
+            if optimizer is check.optimizer:
+                return check.adopt(optimizer, args, kwargs)
+            check.other_update(optimizer)  # another of the model's, perhaps after a backward of its own
+            return None
         if scope.model is None or _in_backward() or not adoptable(rt, scope, optimizer):
             return None
         if scope.throughput is not None:

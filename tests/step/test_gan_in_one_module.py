@@ -1,0 +1,177 @@
+"""A step that names one module holding a GAN's two networks, and no optimizer, in the order of
+PyTorch's DCGAN example: the discriminator's gradients zeroed, its backward, its update; then
+the generator's gradients zeroed, its backward, its update.
+
+The step takes the first optimizer to update (the discriminator's) as its own and measures the
+whole module's gradients there. The generator's gradients at that moment are the last step's,
+and its own update comes after a backward of its own. Before, that update was neither measured
+nor guarded: a NaN born in the generator's backward was applied under ``guard="skip"``, its step
+recorded no anomaly, and the next step's record mixed the stale gradients into its norm.
+
+Now an update by another optimizer of the module, after a backward since the step's gradients
+were measured, has its parameters' gradients measured again as it begins: the record holds each
+parameter's gradient as the update that applies it saw it, and the guard decides on them. When
+no backward ran between the updates (Muon and AdamW over one backward), nothing is read again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchtrace as tt
+from tests.helpers import norm64
+from tests.step.test_clipping_bytes import GradientReads
+from torchtrace.errors import NonFiniteError
+
+STEPS = 4
+BAD = 2  # the step whose generator loss is NaN
+
+
+def _gan():
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh())
+    discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    gan = nn.ModuleDict({"G": generator, "D": discriminator})
+    opt_d = torch.optim.Adam(discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    return gan, opt_d, opt_g
+
+
+def _run(tmp_path, guard: str, bad: int | None = BAD, clip: float | None = None) -> list[dict]:
+    """Train STEPS steps; each row: the record, the float64 norm of the gradients each update
+    was given (before its network's clip, with ``clip``), the clips' total norms and torch's on
+    copies of the same gradients, and the generator's parameters before and after the step."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, guard=guard)
+    try:
+        gan, opt_d, opt_g = _gan()
+        generator, discriminator = gan["G"], gan["D"]
+        loss_fn = nn.BCEWithLogitsLoss()
+        data = torch.Generator().manual_seed(1)
+        rows = []
+        for step in range(STEPS):
+            real, noise = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+            row: dict = {"g_before": [p.detach().clone() for p in generator.parameters()], "raised": None,
+                         "clips": [], "torch_clips": []}
+            try:
+                with tt.debug_context("gan_step", model=gan) as scope:
+                    discriminator.zero_grad()
+                    out = discriminator(real)
+                    loss_d = loss_fn(out, torch.ones_like(out))
+                    loss_d.backward()
+                    fake = generator(noise)
+                    out = discriminator(fake.detach())
+                    loss_fn(out, torch.zeros_like(out)).backward()
+                    d_applied = [p.grad.detach().clone() for p in discriminator.parameters()]
+                    if clip is not None:
+                        _clip(row, discriminator, clip)
+                    opt_d.step()
+                    generator.zero_grad()
+                    out = discriminator(fake)
+                    loss_g = loss_fn(out, torch.ones_like(out))
+                    if step == bad:
+                        loss_g = loss_g * float("nan")
+                    loss_g.backward()
+                    g_applied = [p.grad.detach().clone() for p in generator.parameters()]
+                    if clip is not None:
+                        _clip(row, generator, clip)
+                    opt_g.step()
+                    scope.record_loss(loss_d)
+            except NonFiniteError as exc:
+                row["raised"] = exc
+            row["record"] = scope.record
+            row["applied"] = norm64(d_applied + g_applied)
+            row["g_after"] = [p.detach().clone() for p in generator.parameters()]
+            rows.append(row)
+        return rows
+    finally:
+        tt.shutdown()
+
+
+def _clip(row: dict, network: nn.Module, max_norm: float) -> None:
+    """The network's clip, and torch's own on copies of the same gradients."""
+    copies = [nn.Parameter(p.detach().clone()) for p in network.parameters()]
+    for copy, p in zip(copies, network.parameters()):
+        copy.grad = p.grad.detach().clone()
+    row["torch_clips"].append(torch.nn.utils.clip_grad_norm_(copies, max_norm))
+    row["clips"].append(torch.nn.utils.clip_grad_norm_(network.parameters(), max_norm))
+    row.setdefault("clipped", []).append(all(torch.equal(c.grad, p.grad) for c, p in zip(copies, network.parameters())))
+
+
+def _unchanged(row) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(row["g_before"], row["g_after"]))
+
+
+def test_each_update_is_measured_as_it_begins(tmp_path):
+    rows = _run(tmp_path, "warn", bad=None)
+    for row in rows:
+        assert row["record"].grad_norm == pytest.approx(row["applied"], rel=1e-6)
+        assert not row["record"].anomalies
+
+
+def test_each_network_clipped_is_measured_before_its_clip(tmp_path):
+    """Each network clipped before its own update: the record holds the norms before the
+    clips, and each clip is torch's, bit for bit."""
+    rows = _run(tmp_path, "warn", bad=None, clip=0.05)
+    for row in rows:
+        assert row["record"].grad_norm == pytest.approx(row["applied"], rel=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(row["clips"], row["torch_clips"]))
+        assert all(row["clipped"])
+        assert not row["record"].anomalies
+
+
+def test_a_nan_born_in_the_second_networks_backward_is_recorded_at_its_step(tmp_path):
+    rows = _run(tmp_path, "warn")
+    bad = rows[BAD]["record"]
+    assert "nonfinite_grad" in [a.kind for a in bad.anomalies]
+    assert set(bad.grad_nonfinite_params) == {"G.0.weight", "G.0.bias", "G.2.weight", "G.2.bias"}
+    assert all(not r["record"].anomalies for r in rows[:BAD])
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clipped"])
+def test_skip_drops_the_second_networks_nan_update(tmp_path, clip):
+    rows = _run(tmp_path, "skip", clip=clip)
+    assert rows[BAD]["record"].skipped
+    assert _unchanged(rows[BAD])  # the generator kept its weights
+    for row in rows[BAD + 1:]:  # and trains on, finite, with nothing left to skip
+        assert not row["record"].skipped and not row["record"].anomalies
+        assert all(bool(torch.isfinite(p).all()) for p in row["g_after"])
+        assert row["record"].grad_norm == pytest.approx(row["applied"], rel=1e-6)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clipped"])
+def test_raise_stops_before_the_second_networks_update(tmp_path, clip):
+    rows = _run(tmp_path, "raise", clip=clip)
+    assert isinstance(rows[BAD]["raised"], NonFiniteError)
+    assert _unchanged(rows[BAD])
+    assert all(row["raised"] is None for row in rows[:BAD])
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clipped"])
+def test_two_optimizers_over_one_backward_read_the_gradients_once(tt_runtime, clip):
+    """Muon and AdamW's shape: one backward, (a clip of the whole model,) then each optimizer's
+    update of its share of the model. The module's gradients were measured at the first update
+    (or the clip, which reuses the norms); the second update reads none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() != 2]
+    first, second = torch.optim.SGD(matrices, lr=0.01), torch.optim.AdamW(vectors, lr=0.01)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        first.zero_grad(set_to_none=True)
+        second.zero_grad(set_to_none=True)
+        with tt.debug_context("train_step", model=model) as scope:
+            model(x).pow(2).mean().backward()
+            grads = [p.grad for p in model.parameters()]
+            expected = norm64(grads)
+            counter = GradientReads(grads)
+            with counter:
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                first.step()
+                second.step()
+    total = sum(g.numel() * g.element_size() for g in grads)
+    assert counter.read == total  # each gradient byte once: the first update's measuring
+    assert scope.record.grad_norm == pytest.approx(expected, rel=1e-6)
