@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import threading
+import types
 
 import torch
 
@@ -44,10 +45,17 @@ class PathCounter:
         path = frame.f_code.co_filename
         if not self.everything and not path.startswith(PACKAGE_DIR):
             return
-        self.calls[(path, frame.f_code.co_qualname)] += 1
+        self.calls[(path, function_name(frame.f_code))] += 1
 
     def files(self) -> set[str]:
         return {path for path, _ in self.calls}
+
+
+def function_name(code: types.CodeType) -> str:
+    """A function's qualified name (``Class.method``, Python 3.11 and later); on Python 3.10,
+    which has no ``co_qualname``, its name and first line, which tell methods of one name apart."""
+    qualname = getattr(code, "co_qualname", None)
+    return qualname if qualname is not None else f"{code.co_name}@{code.co_firstlineno}"
 
 
 def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
