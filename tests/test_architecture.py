@@ -226,6 +226,8 @@ REVIEWED = {
     "step/scope.py": "the user's step and the pipeline's walk through it, top to bottom",
     "step/runtime.py": "what configure() builds, the runtime's per-step services and shutdown's ordered close",
     "step/phases.py": "the phase clock and every place that marks it (the model's seam, hooks, the optimizer's step)",
+    "step/gradients.py": "one step's gradient check: each moment it measures (an update, a clip, another network's "
+                         "update after its backward) and the guard's decision there",
     "config/parsers.py": "one small parser per kind of setting, and the table naming each setting's parser",
     "job/watchdog.py": "the hang watchdog: its tick, the adaptive timeout, the finding and what it writes",
     "measure/batch.py": "the batch's samples and tokens from a step's arguments, every shape the rules know",
