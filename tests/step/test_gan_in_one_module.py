@@ -16,6 +16,8 @@ no backward ran between the updates (Muon and AdamW over one backward), nothing 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -119,6 +121,16 @@ def test_each_network_clipped_is_measured_before_its_clip(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(row["clips"], row["torch_clips"]))
         assert all(row["clipped"])
         assert not row["record"].anomalies
+
+
+def test_a_module_without_a_forward_is_told_of_as_a_container(tmp_path, caplog):
+    """The phases cannot be split where the step's model is never called: said once, without
+    the advice to call it."""
+    caplog.set_level(logging.WARNING, logger="torchtrace")
+    _run(tmp_path, "warn", bad=None)
+    phases = [r.getMessage() for r in caplog.records if "phases" in r.getMessage()]
+    assert phases == ["torchtrace: the model of a step (ModuleDict) has no forward of its own: the step calls the "
+                      "modules it holds, so its phases hold the optimizer only"]
 
 
 def test_a_nan_born_in_the_second_networks_backward_is_recorded_at_its_step(tmp_path):
