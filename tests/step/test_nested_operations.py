@@ -118,3 +118,34 @@ def test_the_tail_of_a_run_of_epochs_is_data_wait(tmp_path):
         assert booked["badput_s"]["data_wait"] >= 0.4
     finally:
         tt.shutdown()
+
+
+@pytest.mark.parametrize("throughput", [True, False], ids=["throughput", "no-throughput"])
+def test_an_operation_holding_training_steps_leaves_the_gradients_to_them(tmp_path, caplog, throughput):
+    """An epoch given its model, around steps that name their optimizer: the steps measure and
+    guard their gradients; the epoch measures none at its end (it would find its last step's)
+    and does not say that ``guard="skip"`` cannot act for it (its steps' guard did)."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, guard="skip",
+                 throughput=throughput)
+    caplog.set_level("WARNING", logger="torchtrace")
+    model, train_step, _ = _steps()
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with tt.debug_context("epoch", model=model, kind="other") as epoch:
+        for x in batches:
+            train_step(x)
+            assert get_runtime().history.last_record.grad_norm is not None  # the step's own
+    assert epoch.record.grad_norm is None and not epoch.record.grad_names
+    assert not [r for r in caplog.records if "cannot skip" in r.getMessage()]
+
+
+def test_an_operation_around_evaluation_steps_still_measures_its_own_gradients(tmp_path):
+    """Only training steps inside take the gradients over: an operation whose inner steps are
+    evaluations measures the gradients its own backward made."""
+    _configure(tmp_path)
+    model, _, eval_step = _steps()
+    x = torch.randn(4, 8)
+    with tt.debug_context("train_and_look", model=model) as outer:
+        model(x).pow(2).mean().backward()
+        eval_step(x)
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()]))
+    assert outer.record.grad_norm == pytest.approx(float(expected), rel=1e-6)

@@ -139,7 +139,8 @@ class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
-                 "lr", "whole_model", "updates", "_hooked", "_skip_params", "_mark", "_again")
+                 "lr", "whole_model", "updates", "_hooked", "_skip_params", "_mark", "_again",
+                 "held")
 
     def __init__(self, scope: StepScope, rt: Runtime) -> None:
         self.scope = scope
@@ -161,6 +162,7 @@ class GradientCheck:
         # and the other optimizers whose gradients were measured again, after a backward.
         self._mark: tuple[torch.Tensor, grad_measure.GradientMark] | None = None
         self._again: list[torch.optim.Optimizer] | None = None
+        self.held = False  # a training step ran inside this one: the gradients were its to measure
 
     def hook(self, optimizer: torch.optim.Optimizer) -> None:
         """Measure the gradients as ``optimizer.step()`` begins (through the runtime's
@@ -408,11 +410,14 @@ class GradientCheck:
         it. An evaluation or checkpoint operation makes none: what it would find are the last
         training step's.)
 
+        A step that held training steps (an epoch given its model) measures none: what it would
+        find is its last step's, which that step measured and guarded.
+
         None left, after optimizers stepped in the step (one per parameter, inside
         ``backward()``, each zeroing its tensor's gradient): the step's gradients were not
         measured, which a warning says once per operation."""
         scope = self.scope
-        if self.fired or scope.kind in _NO_GRADIENTS:
+        if self.fired or self.held or scope.kind in _NO_GRADIENTS:
             return
         if scope.optimizer is not None and hookable(scope.optimizer):
             # It did not step in the step: one that steps after it is said once (updaters).

@@ -282,6 +282,8 @@ class StepScope:
             self.gradients = GradientCheck(self, rt)
             if self.optimizer is not None:
                 self.gradients.hook(self.optimizer)
+        if parent is not None and self.gradients is not None and self.kind == "train":
+            self._hold_gradients()
         if feats.anomaly_mode:
             self._anomaly_cm = torch.autograd.set_detect_anomaly(True, check_nan=True)  # no warning to raise
             self._anomaly_cm.__enter__()
@@ -294,6 +296,16 @@ class StepScope:
         self._t0 = t1
         if self.throughput is not None:
             self.throughput.started_at = t1
+
+    def _hold_gradients(self) -> None:
+        """This training step began inside other steps (an epoch, a run of epochs): the gradients
+        are its to measure and guard, and the steps around it measure none at their end."""
+        token = self._ctx_token
+        while token is not None and isinstance(token.old_value, StepScope):
+            outer = token.old_value
+            if outer.gradients is not None:
+                outer.gradients.held = True
+            token = outer._ctx_token
 
     # ------------------------------------------------------------ exit
     @_outside_compiler
