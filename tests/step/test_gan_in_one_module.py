@@ -25,6 +25,7 @@ import torch.nn as nn
 import torchtrace as tt
 from tests.helpers import norm64
 from tests.step.test_clipping_bytes import GradientReads
+from torchtrace.api import get_runtime
 from torchtrace.errors import NonFiniteError
 
 STEPS = 4
@@ -187,3 +188,41 @@ def test_two_optimizers_over_one_backward_read_the_gradients_once(tt_runtime, cl
     total = sum(g.numel() * g.element_size() for g in grads)
     assert counter.read == total  # each gradient byte once: the first update's measuring
     assert scope.record.grad_norm == pytest.approx(expected, rel=1e-6)
+
+
+def test_under_warn_the_replay_sees_the_second_network_before_its_update(tmp_path):
+    """A decorated step replays by itself. Under ``warn`` on the CPU the NaN measured at the
+    second network's update is replayed there, before that update: the report finds it born in
+    the generator's loss, not in the parameters the NaN update would have left."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, guard="warn")
+    try:
+        gan, opt_d, opt_g = _gan()
+        generator, discriminator = gan["G"], gan["D"]
+        loss_fn = nn.BCEWithLogitsLoss()
+
+        @tt.debug_operation(model=gan)
+        def gan_step(real, noise, bad):
+            discriminator.zero_grad()
+            out = discriminator(real)
+            loss_d = loss_fn(out, torch.ones_like(out))
+            loss_d.backward()
+            fake = generator(noise)
+            out = discriminator(fake.detach())
+            loss_fn(out, torch.zeros_like(out)).backward()
+            opt_d.step()
+            generator.zero_grad()
+            out = discriminator(fake)
+            loss_g = loss_fn(out, torch.ones_like(out))
+            (loss_g * float("nan") if bad else loss_g).backward()
+            opt_g.step()
+            return loss_d
+
+        data = torch.Generator().manual_seed(1)
+        for step in range(STEPS):
+            gan_step(torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data), step == BAD)
+        reports = list(get_runtime().forensics.reports)
+        assert [r["step"] for r in reports] == [BAD]
+        assert reports[0]["params_updated"] is False
+        assert (reports[0]["cause"], reports[0]["module"]) == ("backward", "<loss>")
+    finally:
+        tt.shutdown()

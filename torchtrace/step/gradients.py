@@ -334,9 +334,8 @@ class GradientCheck:
             if stats is not None:
                 self.stats = grad_measure.remeasured(self.stats, stats)
                 self.values = None  # the earlier values, if read, are not all current now
-            if rt.guard is not GuardPolicy.WARN and (stats is not None or rt.identity.distributed):
-                assert scope.model is not None  # (adopted)
-                self._decide(rt.params_for(scope.model, None))  # a skip drops every later update too
+            assert scope.model is not None  # (adopted)
+            self._guard(rt.params_for(scope.model, None), measured=stats is not None)  # a skip drops every later update
         finally:
             scope.add_overhead(time.perf_counter() - t0)
 
@@ -360,16 +359,7 @@ class GradientCheck:
         try:
             params = rt.params_for(scope.model, None if self.whole_model else optimizer)
             self.stats = _applied_norms(params, optimizer)
-            if rt.guard is not GuardPolicy.WARN and (self.stats is not None or rt.identity.distributed):
-                self._decide(params)
-            elif self.stats is not None and rt.forensics is not None and \
-                    rt.forensics.wants_early_look(scope, self.stats):
-                # CPU norms are already in host memory: look at them for free, and decide now on
-                # a bad step, while the parameters are still those the step saw. The values are
-                # kept: the step's end reads no norms again.
-                values = self.values = readout.peek_cpu(self.stats.norms)
-                if not all(map(math.isfinite, values)):
-                    self._decide(params, values)
+            self._guard(params, measured=self.stats is not None)
             every = rt.settings.update_ratio_interval
             if scope.features.param_stats and every and scope.step % every == 0 and params:
                 # Before the update: the parameters now, to measure what the update changed.
@@ -380,6 +370,25 @@ class GradientCheck:
         except Exception as exc:
             rt.errors.report("gradients", exc)
         scope.add_overhead(time.perf_counter() - t0)
+
+    def _guard(self, params: list, measured: bool) -> None:
+        """The guard, on the norms just measured (``measured``: there were gradients) before an
+        update: under ``skip`` or ``raise``, a host read and a decision now. Under ``warn``, CPU
+        norms are already in host memory: they are looked at for free, and a bad step is decided
+        on now (a forensic replay), while the parameters are still those the step saw; the
+        values are kept, and the step's end reads no norms again.
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients.
+        """
+        rt, stats = self.rt, self.stats
+        if rt.guard is not GuardPolicy.WARN and (measured or rt.identity.distributed):
+            self._decide(params)
+        elif measured and stats is not None and rt.forensics is not None and \
+                rt.forensics.wants_early_look(self.scope, stats):
+            values = self.values = readout.peek_cpu(stats.norms)
+            if not all(map(math.isfinite, values)):
+                self._decide(params, values)
 
     def _guard_again(self, optimizer: torch.optim.Optimizer) -> None:
         """A later update of the step's optimizer in the same step (the minibatch loop of a PPO
