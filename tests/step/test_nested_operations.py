@@ -149,3 +149,33 @@ def test_an_operation_around_evaluation_steps_still_measures_its_own_gradients(t
         eval_step(x)
     expected = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()]))
     assert outer.record.grad_norm == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_a_loss_function_decorated_inside_the_step_leaves_the_step_its_gradients(tmp_path):
+    """A training step with a hand-written update (no optimizer: measured at its end) calls a
+    loss function decorated on its own, which names the model too. The loss function measured
+    nothing before an update, so the step still measures its gradients."""
+    _configure(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+
+    @tt.debug_operation(model=model)
+    def loss_fn(model, x):
+        return model(x).pow(2).mean()
+
+    @tt.debug_operation(model=model)
+    def train_step(model, x):
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model, x)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-0.01)
+        return loss
+
+    for i in range(3):
+        train_step(model, torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
+        record = get_runtime().history.last_record
+        assert record.operation == "train_step"
+        expected = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()]))
+        assert record.grad_norm == pytest.approx(float(expected), rel=1e-6)

@@ -140,7 +140,7 @@ class GradientCheck:
 
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
                  "lr", "whole_model", "updates", "_hooked", "_skip_params", "_mark", "_again",
-                 "held")
+                 "nested", "held")
 
     def __init__(self, scope: StepScope, rt: Runtime) -> None:
         self.scope = scope
@@ -162,7 +162,8 @@ class GradientCheck:
         # and the other optimizers whose gradients were measured again, after a backward.
         self._mark: tuple[torch.Tensor, grad_measure.GradientMark] | None = None
         self._again: list[torch.optim.Optimizer] | None = None
-        self.held = False  # a training step ran inside this one: the gradients were its to measure
+        self.nested = False  # the step runs inside other steps
+        self.held = False  # a step inside this one measured the gradients before an update
 
     def hook(self, optimizer: torch.optim.Optimizer) -> None:
         """Measure the gradients as ``optimizer.step()`` begins (through the runtime's
@@ -353,6 +354,8 @@ class GradientCheck:
         t0 = time.perf_counter()
         self.fired = True
         self.optimizer = optimizer
+        if self.nested:
+            scope.hold_outer_gradients()
         if scope.features.throughput:
             self.lr = learning_rates(optimizer)
         rt = self.rt
@@ -419,8 +422,9 @@ class GradientCheck:
         it. An evaluation or checkpoint operation makes none: what it would find are the last
         training step's.)
 
-        A step that held training steps (an epoch given its model) measures none: what it would
-        find is its last step's, which that step measured and guarded.
+        A step around steps that measured their gradients before an update (an epoch given its
+        model) measures none: what it would find is its last step's, which that step measured
+        and guarded.
 
         None left, after optimizers stepped in the step (one per parameter, inside
         ``backward()``, each zeroing its tensor's gradient): the step's gradients were not

@@ -282,8 +282,8 @@ class StepScope:
             self.gradients = GradientCheck(self, rt)
             if self.optimizer is not None:
                 self.gradients.hook(self.optimizer)
-        if parent is not None and self.gradients is not None and self.kind == "train":
-            self._hold_gradients()
+        if parent is not None and self.gradients is not None:
+            self.gradients.nested = True
         if feats.anomaly_mode:
             self._anomaly_cm = torch.autograd.set_detect_anomaly(True, check_nan=True)  # no warning to raise
             self._anomaly_cm.__enter__()
@@ -297,9 +297,10 @@ class StepScope:
         if self.throughput is not None:
             self.throughput.started_at = t1
 
-    def _hold_gradients(self) -> None:
-        """This training step began inside other steps (an epoch, a run of epochs): the gradients
-        are its to measure and guard, and the steps around it measure none at their end."""
+    def hold_outer_gradients(self) -> None:
+        """This step, inside other steps (an epoch, a run of epochs), measured its gradients
+        before an update: they were its to measure and guard, and the steps around it measure
+        none at their end (where they would find this step's again)."""
         token = self._ctx_token
         while token is not None and isinstance(token.old_value, StepScope):
             outer = token.old_value
