@@ -226,3 +226,44 @@ def test_under_warn_the_replay_sees_the_second_network_before_its_update(tmp_pat
         assert (reports[0]["cause"], reports[0]["module"]) == ("backward", "<loss>")
     finally:
         tt.shutdown()
+
+
+def test_under_a_loss_scaler_each_network_is_measured_unscaled(tmp_path):
+    """Mixed precision: one GradScaler for both networks. The scaler unscales each optimizer's
+    gradients as that optimizer steps, so no moment has them all unscaled: each network is
+    measured as its own update begins. Before, the step measured at its end, where the
+    discriminator's gradients held the generator loss's scaled part (never applied): a norm
+    about 40,000 times too large, a false ``grad_explosion`` on every step."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    try:
+        gan, opt_d, opt_g = _gan()
+        generator, discriminator = gan["G"], gan["D"]
+        loss_fn = nn.BCEWithLogitsLoss()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        data = torch.Generator().manual_seed(1)
+        for _ in range(STEPS):
+            real, noise = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+            with tt.debug_context("gan_step", model=gan) as scope:
+                discriminator.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = discriminator(real)
+                    loss_d = loss_fn(out.float(), torch.ones(16, 1))
+                    fake = generator(noise)
+                    out = discriminator(fake.detach())
+                    loss_d = loss_d + loss_fn(out.float(), torch.zeros(16, 1))
+                scaler.scale(loss_d).backward()
+                d_applied = [p.grad / scaler.get_scale() for p in discriminator.parameters()]
+                scaler.step(opt_d)
+                generator.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = discriminator(fake)
+                    loss_g = loss_fn(out.float(), torch.ones(16, 1))
+                scaler.scale(loss_g).backward()
+                g_applied = [p.grad / scaler.get_scale() for p in generator.parameters()]
+                scaler.step(opt_g)
+                scaler.update()
+                scope.record_loss(loss_d)
+            assert scope.record.grad_norm == pytest.approx(norm64(d_applied + g_applied), rel=1e-6)
+            assert not scope.record.anomalies
+    finally:
+        tt.shutdown()

@@ -67,7 +67,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
                         scope.before_clip(_clipped(args, kwargs))
                     scope.check_gradients_now()
                     measured = _fresh_norms(scope)
-                elif scope.gradients.whole_model:
+                elif scope.gradients.adopted:
                     args, kwargs = _listed(args, kwargs)
                     again = scope.gradients.other_clip(_clipped(args, kwargs))
                     measured = _fresh_norms(scope) if again else None

@@ -65,15 +65,10 @@ def _applied_norms(params: list, optimizer: torch.optim.Optimizer | None) -> gra
 
 def adoptable(rt: Runtime, scope: StepScope, optimizer: torch.optim.Optimizer) -> bool:
     """Whether a step that names a model but no optimizer takes ``optimizer`` as its own: it
-    updates part of the model's trainable parameters; with an enabled loss scaler in the step,
-    all of them (the scaler unscales one optimizer's gradients at a time, as each steps: the
-    others would still be scaled)."""
+    updates part of the model's trainable parameters."""
     assert scope.model is not None  # (a step that names its model)
     updated = {id(ref.param) for ref in rt.params_for(scope.model, optimizer)}
-    trainable = [id(ref.param) for ref in rt.params_for(scope.model, None) if ref.param.requires_grad]
-    if scaler_enabled(scope.scaler):
-        return bool(trainable) and all(p in updated for p in trainable)
-    return any(p in updated for p in trainable)
+    return any(ref.param.requires_grad and id(ref.param) in updated for ref in rt.params_for(scope.model, None))
 
 
 def covers(rt: Runtime, scope: StepScope, optimizer: torch.optim.Optimizer) -> bool:
@@ -139,7 +134,7 @@ class GradientCheck:
     """One step's gradient measurement and guard decision (see the module docstring)."""
 
     __slots__ = ("scope", "rt", "stats", "values", "fired", "skipped", "peer_nonfinite", "update_before", "optimizer",
-                 "lr", "whole_model", "updates", "_hooked", "_skip_params", "_mark", "_again",
+                 "lr", "adopted", "whole_model", "updates", "_hooked", "_skip_params", "_mark", "_again",
                  "nested", "held")
 
     def __init__(self, scope: StepScope, rt: Runtime) -> None:
@@ -153,11 +148,12 @@ class GradientCheck:
         self.update_before: tuple[list, list[torch.Tensor]] | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # the optimizer whose update was checked
         self.lr: list[float] | None = None  # its learning rates for this update (before a scheduler steps)
+        self.adopted = False  # the step named no optimizer and took the first to update as its own
         self.whole_model = False  # measure all of the model's gradients, not the optimizer's (see adopt)
         self.updates = 0  # updates of the step's optimizer begun in the step
         self._hooked: torch.optim.Optimizer | None = None  # the optimizer whose updates it hears
         self._skip_params: list | None = None  # the parameters whose update the guard skips
-        # Adopted (whole_model): the gradient of the model's first trained parameter the step's
+        # Adopted: the gradient of the model's first trained parameter the step's
         # optimizer does not update, as that optimizer's last update began (see other_update);
         # and the other optimizers whose gradients were measured again, after a backward.
         self._mark: tuple[torch.Tensor, grad_measure.GradientMark] | None = None
@@ -233,7 +229,9 @@ class GradientCheck:
         """The step names a model but no optimizer, and ``optimizer``, the first to update part
         of the model in it, is about to (its step pre-hook's arguments): all of the model's
         gradients are measured (and guarded) before its update, whichever of its optimizers
-        update them, and the step's learning rates are this one's. Its later updates in the step
+        update them, and the step's learning rates are this one's. Under an enabled loss scaler,
+        which unscales one optimizer's gradients at a time as each steps, only this optimizer's
+        are: the others' are measured as their own updates begin (:meth:`other_update`). Its later updates in the step
         come here too, and are guarded as the step's own optimizer's are. Returns the step's arguments
         with its closure wrapped (``optimizer.step(closure)``: measured as the closure's first
         evaluation returns), or None.
@@ -243,7 +241,8 @@ class GradientCheck:
         """
         if self.optimizer is None:  # adopted now (perhaps measured at a clip call already)
             self.optimizer = optimizer
-            self.whole_model = True
+            self.adopted = True
+            self.whole_model = not scaler_enabled(self.scope.scaler)
         replaced = self.pre_hook(optimizer, args, kwargs)
         self._mark_outside(optimizer)
         return replaced
@@ -258,8 +257,9 @@ class GradientCheck:
                 self._mark = (ref.param, grad_measure.gradient_mark(ref.param))
                 return
 
-    def _backward_since_mark(self) -> bool:
-        """Whether the marked gradient (:meth:`_mark_outside`) moved: a backward ran since."""
+    def _gradients_moved(self) -> bool:
+        """Whether the marked gradient (:meth:`_mark_outside`) moved: a backward wrote it since.
+        (A loss scaler's unscaling writes in place without a new version: not seen here.)"""
         if self._mark is None:
             return False
         param, mark = self._mark
@@ -269,33 +269,41 @@ class GradientCheck:
         """Another optimizer of the model begins an update, after the step's own (adopted) one.
 
         When a backward ran since the step's optimizer began its last update (a GAN's second
-        network: its gradients were zeroed and made again), the model's gradients measured then
-        are not the ones this update applies: those of its parameters are measured now, take
-        their place in the step's statistics, and are guarded as the step's own update's are
-        (a skip drops this update and the step's later ones). A later such update of the same
-        optimizer is guarded only, as the step's own optimizer's later updates are. Without a
-        backward in between (Muon and AdamW over one backward) its gradients were measured with
-        the model's, and nothing is read again.
+        network: its gradients zeroed and made again), the ones measured then are not the ones
+        this update applies; under an enabled loss scaler, which unscales one optimizer's
+        gradients at a time as each steps, the first update measured its own only. Either way
+        this optimizer's parameters are measured now (unless a clip of them just did), take
+        their place in the step's statistics, and are guarded as the step's own update's are (a
+        skip drops this update and the step's later ones). A later update of the same optimizer
+        after another backward is guarded only, as the step's own optimizer's later updates
+        are. Without a backward in between and without a scaler (Muon and AdamW over one
+        backward) they were measured with the model's, and nothing is read again.
 
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
         """
         scope = self.scope
-        if not self.whole_model or self.skipped or not scope.active or not self._backward_since_mark():
+        if not self.adopted or self.skipped or not scope.active:
             return
+        moved = self._gradients_moved()
+        if self.whole_model and not moved:
+            return  # measured with the model's at the first update, and unchanged since
         assert scope.model is not None and self.optimizer is not None  # (adopted)
         if self._again is not None and optimizer in self._again:
-            self._guard_again(optimizer)
+            if moved:
+                self._guard_again(optimizer)
         else:
             outside = {id(ref.param) for ref in self.rt.outside(scope.model, self.optimizer)}
             refs = [ref for ref in self.rt.params_for(scope.model, optimizer) if id(ref.param) in outside]
-            self._again = [*(self._again or ()), optimizer]
-            self._remeasure(refs, optimizer)
+            measured = set(self.stats.names) if self.stats is not None else set()
+            if moved or any(ref.name not in measured for ref in refs):  # (under a loss scaler: not yet)
+                self._again = [*(self._again or ()), optimizer]
+                self._remeasure(refs, optimizer)
         self.mark_again()
 
     def other_clip(self, params: list[torch.Tensor]) -> bool:
-        """A clip call after the step's (adopted) optimizer began its update: when a backward ran
-        since, the clipped parameters it does not update (a GAN's second network, clipped
+        """A clip call after the step's (adopted) optimizer began its update: when the gradients
+        moved since (a backward), the clipped parameters it does not update (a GAN's second network, clipped
         before its own update) are measured now, before the clip, as :meth:`other_update`
         would measure them as their update begins. Returns whether they were (their norms are
         then the clip's to reuse, and :meth:`mark_again` is due after the clip).
@@ -304,7 +312,7 @@ class GradientCheck:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
         """
         scope = self.scope
-        if not self.whole_model or self.skipped or not scope.active or not self._backward_since_mark():
+        if not self.adopted or self.skipped or not scope.active or not self._gradients_moved():
             return False
         assert scope.model is not None and self.optimizer is not None  # (adopted)
         clipped = {id(p) for p in params}

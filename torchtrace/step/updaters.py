@@ -24,9 +24,9 @@ it after the backward and updates part of the model as its own: all of the model
 are measured (and guarded) right before that update, which a loop that zeroes them at the
 step's end leaves no other moment for. Several optimizers sharing the model (Muon and AdamW, a
 sparse embedding's SparseAdam and an Adam for the rest) are measured together at the first
-one's update, but under an enabled loss scaler, which unscales one optimizer's gradients at a
-time. Another optimizer of the model that updates after a backward since (a GAN's second
-network) has its gradients measured again as it begins
+one's update. Another optimizer of the model that updates after a backward since (a GAN's
+second network), or under an enabled loss scaler (which unscales one optimizer's gradients at
+a time, as each steps), has its gradients measured as its own update begins
 (:meth:`~torchtrace.step.gradients.GradientCheck.other_update`). One optimizer per parameter
 stepped inside ``backward()`` is not the step's: the other gradients do not exist yet there.
 A step's optimizer that hands its update to a base optimizer sharing its parameter groups
