@@ -148,34 +148,38 @@ def _split(model) -> list[torch.optim.Optimizer]:
             torch.optim.Adam([p for p in model.parameters() if p.ndim != 2], lr=1e-2)]
 
 
-@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+@pytest.mark.parametrize("clip", ["none", "all", "each"], ids=["step", "unscale-clip-step", "unscale-clip-each"])
 def test_a_model_only_step_with_two_optimizers_under_a_scaler_measures_no_mixed_norm(tt_runtime, caplog, clip):
     """A scaler unscales one optimizer's gradients as it steps: at the first one's update the
     other's are still scaled (a norm mixing both would be about 1024 times too large). So each
     optimizer's gradients are measured as its own update begins, unscaled. (They were not
     measured at all before, with a warning saying so.) After ``unscale_`` of both and a clip,
-    the clip measures the whole model. Either way: the float64 norm of the unscaled gradients."""
+    the clip measures the whole model. Each optimizer unscaled and clipped on its own before
+    its update: each clip measures the parameters it clips. Always: the float64 norm of the
+    unscaled gradients before any clip; and each clip's total is torch's, bit for bit."""
     model, _, scaler, x = _setup(False, 1024.0)
     optimizers = _split(model)
-    expected = []
     for _ in range(3):
         with tt.debug_context("train_step", model=model) as step:
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(x).pow(2).mean()
             scaler.scale(loss).backward()
-            scale = 1.0 if clip else scaler.get_scale()
-            if clip:
+            expected = math.sqrt(sum(float(v) ** 2 for p in model.parameters()
+                                     for v in p.grad.double().flatten())) / scaler.get_scale()
+            if clip == "all":
                 for opt in optimizers:
                     scaler.unscale_(opt)
-            expected.append(math.sqrt(sum(float(v) ** 2 for p in model.parameters()
-                                          for v in p.grad.double().flatten())) / scale)
-            if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             for opt in optimizers:
+                if clip == "each":
+                    scaler.unscale_(opt)
+                    params = [p for group in opt.param_groups for p in group["params"]]
+                    torch_total = torch.nn.utils.get_total_norm([p.grad.detach().clone() for p in params])
+                    assert torch.equal(torch.nn.utils.clip_grad_norm_(params, 0.01), torch_total)
                 scaler.step(opt)
             scaler.update()
             model.zero_grad(set_to_none=True)
             step.record_loss(loss)
-        assert step.record.grad_norm == pytest.approx(expected[-1], rel=1e-5)
+        assert step.record.grad_norm == pytest.approx(expected, rel=1e-5)
     said = [r.getMessage() for r in caplog.records if "gradients were not measured" in r.getMessage()]
     assert not said, said

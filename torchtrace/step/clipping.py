@@ -62,10 +62,14 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         if scope is not None and scope.active:
             try:
                 if scope.gradients is None or not scope.gradients.fired:
-                    if scope.before_clip is not None:
+                    only_clipped = scope.wants_clipped()  # (under a loss scaler: what was unscaled for the clip)
+                    clipped = None
+                    if scope.before_clip is not None or only_clipped:
                         args, kwargs = _listed(args, kwargs)  # (a generator of parameters is read once)
-                        scope.before_clip(_clipped(args, kwargs))
-                    scope.check_gradients_now()
+                        clipped = _clipped(args, kwargs)
+                        if scope.before_clip is not None:
+                            scope.before_clip(clipped)
+                    scope.check_gradients_now(clipped=clipped if only_clipped else None)
                     measured = _fresh_norms(scope)
                 elif scope.gradients.adopted:
                     args, kwargs = _listed(args, kwargs)

@@ -295,29 +295,38 @@ class GradientCheck:
         else:
             outside = {id(ref.param) for ref in self.rt.outside(scope.model, self.optimizer)}
             refs = [ref for ref in self.rt.params_for(scope.model, optimizer) if id(ref.param) in outside]
-            measured = set(self.stats.names) if self.stats is not None else set()
-            if moved or any(ref.name not in measured for ref in refs):  # (under a loss scaler: not yet)
+            if self._due(refs, moved):
                 self._again = [*(self._again or ()), optimizer]
                 self._remeasure(refs, optimizer)
         self.mark_again()
 
+    def _due(self, refs: list, moved: bool) -> bool:
+        """Whether the gradients of ``refs`` are to be measured now: a backward wrote them since
+        they were (``moved``), or some are not in the step's statistics yet (under a loss
+        scaler the first update measured its own only)."""
+        measured = set(self.stats.names) if self.stats is not None else set()
+        return bool(refs) and (moved or any(ref.name not in measured for ref in refs))
+
     def other_clip(self, params: list[torch.Tensor]) -> bool:
-        """A clip call after the step's (adopted) optimizer began its update: when the gradients
-        moved since (a backward), the clipped parameters it does not update (a GAN's second network, clipped
-        before its own update) are measured now, before the clip, as :meth:`other_update`
-        would measure them as their update begins. Returns whether they were (their norms are
+        """A clip call after the step's (adopted) optimizer began its update: the clipped
+        parameters it does not update (a GAN's second network, clipped before its own update)
+        are measured now, before the clip, where :meth:`other_update` would measure them as
+        their update begins. Returns whether they were (their norms are
         then the clip's to reuse, and :meth:`mark_again` is due after the clip).
 
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
         """
         scope = self.scope
-        if not self.adopted or self.skipped or not scope.active or not self._gradients_moved():
+        if not self.adopted or self.skipped or not scope.active:
+            return False
+        moved = self._gradients_moved()
+        if self.whole_model and not moved:
             return False
         assert scope.model is not None and self.optimizer is not None  # (adopted)
         clipped = {id(p) for p in params}
         refs = [ref for ref in self.rt.outside(scope.model, self.optimizer) if id(ref.param) in clipped]
-        if not refs:
+        if not self._due(refs, moved):
             return False
         self._remeasure(refs, None)
         return True
@@ -348,9 +357,11 @@ class GradientCheck:
         finally:
             scope.add_overhead(time.perf_counter() - t0)
 
-    def before_update(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Measure the gradients the optimizer is about to use (all of the model's, adopted);
-        apply the guard policy.
+    def before_update(self, optimizer: torch.optim.Optimizer | None,
+                      clipped: list[torch.Tensor] | None = None) -> None:
+        """Measure the gradients the optimizer is about to use (all of the model's, adopted; at
+        a clip under a loss scaler in a step that names no optimizer, ``clipped``, those the
+        clip was given); apply the guard policy.
 
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
@@ -369,6 +380,9 @@ class GradientCheck:
         rt = self.rt
         try:
             params = rt.params_for(scope.model, None if self.whole_model else optimizer)
+            if clipped is not None:
+                ids = {id(p) for p in clipped}
+                params = [ref for ref in params if id(ref.param) in ids]
             self.stats = _applied_norms(params, optimizer)
             self._guard(params, measured=self.stats is not None)
             every = rt.settings.update_ratio_interval

@@ -28,6 +28,7 @@ from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.counts import checked_overrides, plan_given
 from torchtrace.measure.loss import LossValue, classify_loss
+from torchtrace.measure.scaler import scaler_enabled
 from torchtrace.record.readout import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
@@ -203,10 +204,12 @@ class StepScope:
         """The per-step state ``probe.enter`` returned for this step (None when it returned none)."""
         return self._rt.probes.state_of(self._states, probe) if self._states is not None else None
 
-    def check_gradients_now(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def check_gradients_now(self, optimizer: torch.optim.Optimizer | None = None,
+                            clipped: list[torch.Tensor] | None = None) -> None:
         """Measure (and guard) the gradients now, as they are about to be used: the user is about
-        to clip them, or a framework says its optimizer is about to step (``optimizer`` then
-        names the parameters to watch). Once per step.
+        to clip them (``clipped``: the parameters, where :meth:`wants_clipped` said so), or a
+        framework says its optimizer is about to step (``optimizer`` then names the parameters
+        to watch). Once per step.
 
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
@@ -227,11 +230,17 @@ class StepScope:
                     self.gradients.optimizer = optimizer
                     self.gradients.lr = learning_rates(optimizer) if self.features.throughput else None
                 return
-            self.gradients.before_update(optimizer)
+            self.gradients.before_update(optimizer, clipped)
         except NonFiniteError as exc:
             if self.on_guard_raise is not None:
                 self.on_guard_raise(exc)
             raise
+
+    def wants_clipped(self) -> bool:
+        """Whether a clip should hand :meth:`check_gradients_now` the parameters it clips: the
+        step names no optimizer, and an enabled loss scaler unscales one optimizer's gradients
+        at a time (the others may still be scaled): only the clipped ones are measured."""
+        return self.optimizer is None and scaler_enabled(self.scaler)
 
     # ------------------------------------------------------------ enter
     @_outside_compiler
