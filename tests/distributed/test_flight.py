@@ -42,6 +42,12 @@ flight.enable()
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:PORT", rank=0, world_size=1)
 for _ in range(3):
     dist.all_reduce(torch.ones(2))
+# The recorder marks a collective completed from the work's own completion, which can come a
+# moment after all_reduce returns (a full suite run beside this one saw it still active).
+import time
+deadline = time.monotonic() + 10
+while (flight.last_collective() or {}).get("active") and time.monotonic() < deadline:
+    time.sleep(0.01)
 print(json.dumps({"every": flight.records_every_backend(), "last": flight.last_collective()}))
 dist.destroy_process_group()
 """, tmp_path)
