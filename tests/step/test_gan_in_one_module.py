@@ -42,6 +42,20 @@ def _gan():
     return gan, opt_d, opt_g
 
 
+def _discriminator_backward(gan, real, noise, loss_fn):
+    """The discriminator's half of a DCGAN step up to its update: its gradients zeroed, then
+    the backward of its loss on real and on generated samples; returns (its loss, the fakes)."""
+    generator, discriminator = gan["G"], gan["D"]
+    discriminator.zero_grad()
+    out = discriminator(real)
+    loss_d = loss_fn(out, torch.ones_like(out))
+    loss_d.backward()
+    fake = generator(noise)
+    out = discriminator(fake.detach())
+    loss_fn(out, torch.zeros_like(out)).backward()
+    return loss_d, fake
+
+
 def _run(tmp_path, guard: str, bad: int | None = BAD, clip: float | None = None) -> list[dict]:
     """Train STEPS steps; each row: the record, the float64 norm of the gradients each update
     was given (before its network's clip, with ``clip``), the clips' total norms and torch's on
@@ -59,13 +73,7 @@ def _run(tmp_path, guard: str, bad: int | None = BAD, clip: float | None = None)
                          "clips": [], "torch_clips": []}
             try:
                 with tt.debug_context("gan_step", model=gan) as scope:
-                    discriminator.zero_grad()
-                    out = discriminator(real)
-                    loss_d = loss_fn(out, torch.ones_like(out))
-                    loss_d.backward()
-                    fake = generator(noise)
-                    out = discriminator(fake.detach())
-                    loss_fn(out, torch.zeros_like(out)).backward()
+                    loss_d, fake = _discriminator_backward(gan, real, noise, loss_fn)
                     d_applied = [p.grad.detach().clone() for p in discriminator.parameters()]
                     if clip is not None:
                         _clip(row, discriminator, clip)
@@ -202,13 +210,7 @@ def test_under_warn_the_replay_sees_the_second_network_before_its_update(tmp_pat
 
         @tt.debug_operation(model=gan)
         def gan_step(real, noise, bad):
-            discriminator.zero_grad()
-            out = discriminator(real)
-            loss_d = loss_fn(out, torch.ones_like(out))
-            loss_d.backward()
-            fake = generator(noise)
-            out = discriminator(fake.detach())
-            loss_fn(out, torch.zeros_like(out)).backward()
+            loss_d, fake = _discriminator_backward(gan, real, noise, loss_fn)
             opt_d.step()
             generator.zero_grad()
             out = discriminator(fake)
