@@ -282,12 +282,10 @@ class GradientCheck:
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
         """
-        scope = self.scope
-        if not self.adopted or self.skipped or not scope.active:
+        moved = self._later_moment()
+        if moved is None:
             return
-        moved = self._gradients_moved()
-        if self.whole_model and not moved:
-            return  # measured with the model's at the first update, and unchanged since
+        scope = self.scope
         assert scope.model is not None and self.optimizer is not None  # (adopted)
         if self._again is not None and optimizer in self._again:
             if moved:
@@ -299,6 +297,18 @@ class GradientCheck:
                 self._again = [*(self._again or ()), optimizer]
                 self._remeasure(refs, optimizer)
         self.mark_again()
+
+    def _later_moment(self) -> bool | None:
+        """At another optimizer's update or clip in an adopted step: whether the gradients moved
+        since the step's optimizer began its last update (:meth:`_gradients_moved`); None when
+        there is nothing to measure (not adopted, skipped, over, or measured with the whole
+        model then and unchanged since)."""
+        if not self.adopted or self.skipped or not self.scope.active:
+            return None
+        moved = self._gradients_moved()
+        if self.whole_model and not moved:
+            return None
+        return moved
 
     def _due(self, refs: list, moved: bool) -> bool:
         """Whether the gradients of ``refs`` are to be measured now: a backward wrote them since
@@ -317,12 +327,10 @@ class GradientCheck:
         Raises:
             NonFiniteError: under ``guard="raise"`` with non-finite gradients.
         """
+        moved = self._later_moment()
+        if moved is None:
+            return False
         scope = self.scope
-        if not self.adopted or self.skipped or not scope.active:
-            return False
-        moved = self._gradients_moved()
-        if self.whole_model and not moved:
-            return False
         assert scope.model is not None and self.optimizer is not None  # (adopted)
         clipped = {id(p) for p in params}
         refs = [ref for ref in self.rt.outside(scope.model, self.optimizer) if id(ref.param) in clipped]
