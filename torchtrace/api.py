@@ -16,7 +16,7 @@ import torch
 from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
-from torchtrace.distributed.identity import unwatch_group_start, watch_group_start
+from torchtrace.distributed.identity import rerunning_main_script, unwatch_group_start, watch_group_start
 from torchtrace.errors import get_logger
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
@@ -99,6 +99,12 @@ def configure(
     Calling it again shuts the previous set-up down first. Without any call, the first
     instrumented step configures torchtrace from the environment.
 
+    Called from a script's top level in a process that ``multiprocessing`` starts with spawn or
+    forkserver (a DataLoader worker, a ``torch.multiprocessing.spawn`` rank), which runs that
+    top level again as it starts, the set-up waits for the process's first instrumented step
+    and is made then with these arguments (a DataLoader worker, which runs none, sets up
+    nothing); the result says ``enabled`` False until then.
+
     Raises:
         ValueError: an invalid argument, naming the setting and the accepted values.
 
@@ -113,6 +119,9 @@ def configure(
                 prometheus_port=prometheus_port, run_dir=run_dir, otlp_endpoint=otlp_endpoint,
                 otlp_protocol=otlp_protocol, disabled=disabled, **settings)
     resolved = Settings.resolve(args)  # raises before anything is torn down
+    if rerunning_main_script():
+        _put_off(args)
+        return ConfigureResult(None)
     with current.lock:
         shutdown()
         if resolved.disabled:
@@ -132,11 +141,24 @@ def configure(
         return ConfigureResult(rt)
 
 
+_put_off_args: dict[str, Any] | None = None
+"""The arguments of a ``configure()`` put off to the process's first step (see configure)."""
+
+
+def _put_off(args: dict[str, Any]) -> None:
+    global _put_off_args
+    _put_off_args = args
+    logger.debug("torchtrace: configure() ran in a process started by multiprocessing as it ran the main "
+                 "script's top level; torchtrace is set up at this process's first step, if it runs one")
+
+
 def shutdown(timeout_s: float | None = None) -> None:
     """Finish pending records, write the report, flush spans and stop servers, within a deadline.
 
     Safe to call any number of times, and when torchtrace was never configured.
     """
+    global _put_off_args
+    _put_off_args = None
     current.end_orphan()  # a framework's step whose loop raised: recorded before the runtime goes
     with current.lock:
         rt = current.runtime(create=False)
@@ -187,7 +209,7 @@ def _configure_on_first_use() -> Runtime | None:
     with current.lock:
         if current.runtime(create=False) is None and not current.disabled():
             try:
-                configure()
+                configure(**(_put_off_args or {}))
             except Exception as exc:  # a bad environment must not break the user's step
                 logger.warning("torchtrace could not configure itself (%s); instrumentation is off", exc)
                 current.set_disabled(True)

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import socket
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -125,6 +126,20 @@ def rank_file_name(stem: str, suffix: str, ident: Identity) -> str:
     if ident.distributed:
         return f"{stem}.rank{ident.rank}{suffix}"
     return f"{stem}{suffix}"
+
+
+def rerunning_main_script() -> bool:
+    """True while this process, started by ``multiprocessing`` with spawn or forkserver (a
+    DataLoader worker, a ``torch.multiprocessing.spawn`` rank), runs the main script's top level
+    again, as such a process does before it runs what it was started for: ``multiprocessing``
+    runs the script under the name ``__mp_main__`` (before ``multiprocessing.parent_process()``
+    is set), and a frame of that run is on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def in_dataloader_worker() -> bool:

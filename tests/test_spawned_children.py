@@ -1,0 +1,130 @@
+"""A script that calls ``configure()`` at its top level (as examples/quickstart.py does) and
+starts processes with spawn or forkserver: each such process runs the script's top level again
+as it starts, that ``configure()`` with it.
+
+- DataLoader workers never run a step: they set up no torchtrace of their own (no run
+  directory, server, black box or threads), however many epochs start them again.
+- ``torch.multiprocessing.spawn`` ranks that run steps have them traced with the settings the
+  script gave, as the rank the process group says they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LOADER = r"""
+import sys, torch, torchtrace as tt
+
+run = tt.configure(service_name="spawned", prometheus_port=0, run_dir=sys.argv[1], guard="skip")
+print("configured", run.enabled, flush=True)
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i)), torch.ones(1)
+
+
+if __name__ == "__main__":
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=2, multiprocessing_context=sys.argv[2])
+    for epoch in range(2):  # (each epoch starts its workers again)
+        for x, y in loader:
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                step.record_loss(loss)
+    tt.shutdown()
+    print("done", flush=True)
+"""
+
+RANKS = r"""
+import os, sys, torch, torch.distributed as dist, torchtrace as tt
+
+tt.configure(service_name="spawned", prometheus_port="off", run_dir=sys.argv[1], run_id="job", guard="skip")
+
+
+def train(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(4):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            opt.zero_grad()
+            x = torch.ones(2, 4) * (float("nan") if (rank == 1 and i == 2) else 1.0)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            step.record_loss(loss)
+    sys.stdout.write(f"rank {rank} finite {bool(torch.isfinite(model.weight).all())}\n")  # (one write: no interleaving)
+    sys.stdout.flush()
+    tt.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    tt.shutdown()  # this process trains nothing: its ranks do
+    torch.multiprocessing.spawn(train, args=(int(sys.argv[2]),), nprocs=2)
+"""
+
+
+def _run(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "runs"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_dataloader_workers_set_up_no_torchtrace_of_their_own(tmp_path, start_method):
+    proc = _run(tmp_path, LOADER, start_method)
+    lines = proc.stdout.splitlines()
+    # The main process is configured; each worker's call (2 workers, 2 epochs) is put off to a
+    # step it never runs.
+    assert sorted(lines) == ["configured False"] * 4 + ["configured True", "done"], lines
+    (run,) = (tmp_path / "runs").iterdir()  # one run: the main process's, none per worker and epoch
+    assert sorted(p.name for p in run.iterdir()) == ["report.json", "spans.jsonl", "state.json"]
+    report = json.loads((run / "report.json").read_text())
+    assert report["totals"]["steps"] == 8 and report["guard"]["policy"] == "skip", report["totals"]
+    assert "torchtrace" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_spawned_ranks_trace_their_steps_with_the_scripts_settings(tmp_path):
+    """A NaN on rank 1's third step: under the script's ``guard="skip"`` that update is not
+    applied, and rank 1's own report (named by the process group, not rank 0 twice) says so."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = _run(tmp_path, RANKS, str(port))
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 finite True", "rank 1 finite True"], proc.stdout
+    run = tmp_path / "runs" / "job"
+    assert not any(p.name.startswith("attempt-") for p in run.iterdir())  # two ranks, not two attempts of one
+    reports = {p.name: json.loads(p.read_text()) for p in run.glob("report.rank*.json")}
+    assert sorted(reports) == ["report.rank0.json", "report.rank1.json"], sorted(p.name for p in run.iterdir())
+    for name, report in reports.items():
+        assert report["rank"] == int(name[len("report.rank")]) and report["world_size"] == 2
+        assert report["guard"]["policy"] == "skip" and report["totals"]["steps"] == 4
+    assert reports["report.rank1.json"]["totals"]["skipped_steps"] == 1
+    assert reports["report.rank0.json"]["totals"]["nonfinite_steps"] == 0
