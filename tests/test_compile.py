@@ -204,13 +204,15 @@ def test_a_compiled_model_has_its_flops_and_phases(tt_runtime, form):
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_a_compiled_optimizer_step_gets_no_graph_break_from_torchtrace(patched_torch):
     """torchtrace's global optimizer step pre-hook (which notes optimizers stepped inside a
-    step) stays out of a compiled ``optimizer.step()``: the same graph breaks as without the
-    hook (torch's own), none from reading torchtrace's context variable."""
+    step) stays out of a compiled ``optimizer.step()``: the same graphs as without the hook, no
+    graph break the bare step lacks (torch's own only), none from reading torchtrace's context
+    variable. (On Python 3.13 dynamo counts torch's own break once with the hook and twice
+    without it, the graphs alike; on 3.10-3.12 twice in both.)"""
     from torch._dynamo.utils import counters
 
     from torchtrace.step import updaters
 
-    breaks = {}
+    breaks, graphs = {}, {}
     for hooked in (False, True):
         if not hooked:
             updaters.uninstall()
@@ -224,8 +226,11 @@ def test_a_compiled_optimizer_step_gets_no_graph_break_from_torchtrace(patched_t
         net(torch.randn(4, 8)).sum().backward()
         torch.compile(lambda: opt.step(), backend="eager")()
         breaks[hooked] = dict(counters["graph_break"])
+        graphs[hooked] = counters["stats"]["unique_graphs"]
     assert updaters._hook_handle is not None
-    assert breaks[True] == breaks[False]
+    assert graphs[True] == graphs[False] >= 1
+    assert breaks[False] and all(count <= breaks[False].get(reason, 0) for reason, count in breaks[True].items()), \
+        (breaks[True], breaks[False])
     assert not any("ContextVar" in reason for reason in breaks[True])
 
 
