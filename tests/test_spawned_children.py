@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from torchtrace.cli import main as cli_main
+
 ROOT = Path(__file__).resolve().parents[1]
 
 LOADER = r"""
@@ -55,11 +57,17 @@ if __name__ == "__main__":
 RANKS = r"""
 import os, sys, torch, torch.distributed as dist, torchtrace as tt
 
-tt.configure(service_name="spawned", prometheus_port="off", run_dir=sys.argv[1], run_id="job", guard="skip")
+SETTINGS = dict(service_name="spawned", prometheus_port="off", run_dir=sys.argv[1], guard="skip")
+if sys.argv[4] != "-":
+    SETTINGS["run_id"] = sys.argv[4]
+if sys.argv[3] == "top":
+    tt.configure(**SETTINGS)
 
 
 def train(rank, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if sys.argv[3] == "inside":  # the pattern of PyTorch's DDP tutorial: set up after the group
+        tt.configure(**SETTINGS)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -110,16 +118,22 @@ def test_dataloader_workers_set_up_no_torchtrace_of_their_own(tmp_path, start_me
 
 
 @pytest.mark.slow
-def test_spawned_ranks_trace_their_steps_with_the_scripts_settings(tmp_path):
-    """A NaN on rank 1's third step: under the script's ``guard="skip"`` that update is not
-    applied, and rank 1's own report (named by the process group, not rank 0 twice) says so."""
+@pytest.mark.parametrize("where, run_id", [("top", "job"), ("top", None), ("inside", None)])
+def test_spawned_ranks_trace_their_steps_with_the_scripts_settings_in_one_run(tmp_path, capsys, where, run_id):
+    """Two ranks of ``torch.multiprocessing.spawn``, the script's ``configure()`` at its top level
+    or in the ranks' function after ``init_process_group``, with a run id or none: both ranks
+    write in one run directory, as the ranks of a world of 2 (not rank 0 twice, nor a second
+    attempt). A NaN on rank 1's third step: under the script's ``guard="skip"`` that update is
+    not applied, and rank 1's report says so. ``torchtrace why`` sees both ranks."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    proc = _run(tmp_path, RANKS, str(port))
+    proc = _run(tmp_path, RANKS, str(port), where, run_id or "-")
     assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == [
         "rank 0 finite True", "rank 1 finite True"], proc.stdout
-    run = tmp_path / "runs" / "job"
+    (run,) = {p.parent for p in (tmp_path / "runs").rglob("report.rank*.json")}
+    if run_id is not None:
+        assert run == tmp_path / "runs" / run_id
     assert not any(p.name.startswith("attempt-") for p in run.iterdir())  # two ranks, not two attempts of one
     reports = {p.name: json.loads(p.read_text()) for p in run.glob("report.rank*.json")}
     assert sorted(reports) == ["report.rank0.json", "report.rank1.json"], sorted(p.name for p in run.iterdir())
@@ -128,3 +142,8 @@ def test_spawned_ranks_trace_their_steps_with_the_scripts_settings(tmp_path):
         assert report["guard"]["policy"] == "skip" and report["totals"]["steps"] == 4
     assert reports["report.rank1.json"]["totals"]["skipped_steps"] == 1
     assert reports["report.rank0.json"]["totals"]["nonfinite_steps"] == 0
+    capsys.readouterr()
+    assert cli_main(["why", str(run)]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("verdict: completed (every rank completed)"), said
+    assert [line.split(":")[0] for line in said.splitlines() if line.startswith("rank ")] == ["rank 0", "rank 1"], said

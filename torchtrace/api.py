@@ -16,8 +16,9 @@ import torch
 from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
-from torchtrace.distributed.identity import rerunning_main_script, unwatch_group_start, watch_group_start
+from torchtrace.distributed.identity import identity, rerunning_main_script, unwatch_group_start, watch_group_start
 from torchtrace.errors import get_logger
+from torchtrace.job.identity import spawned_run_id
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
 from torchtrace.step import block, checks, clipping, updaters
@@ -118,7 +119,7 @@ def configure(
     args = dict(service_name=service_name, run_id=run_id, level=level, mode=mode, prometheus_host=prometheus_host,
                 prometheus_port=prometheus_port, run_dir=run_dir, otlp_endpoint=otlp_endpoint,
                 otlp_protocol=otlp_protocol, disabled=disabled, **settings)
-    resolved = Settings.resolve(args)  # raises before anything is torn down
+    resolved = Settings.resolve(args, default_run_id=_spawned_ranks_run_id())  # raises before anything is torn down
     if rerunning_main_script():
         _put_off(args)
         return ConfigureResult(None)
@@ -139,6 +140,14 @@ def configure(
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
         return ConfigureResult(rt)
+
+
+def _spawned_ranks_run_id() -> str | None:
+    """The run id the ranks of a job started by ``multiprocessing`` share when nothing names one
+    (:func:`torchtrace.job.identity.spawned_run_id`), for a process that is a rank of a world of
+    more than one: its files go beside the other ranks' black boxes, where the watchdog and
+    ``torchtrace why`` look for them."""
+    return spawned_run_id() if identity().distributed else None
 
 
 _put_off_args: dict[str, Any] | None = None

@@ -160,8 +160,12 @@ class Settings:
 
     # ------------------------------------------------------------ resolution
     @classmethod
-    def resolve(cls, args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "Settings":
+    def resolve(cls, args: Mapping[str, Any], environ: Mapping[str, str] | None = None,
+                default_run_id: str | None = None) -> "Settings":
         """Merge arguments (``None`` means "not given"), environment and defaults; validate.
+
+        ``default_run_id``: the run id when neither an argument, the environment nor the launcher
+        names one (else a new one, :func:`new_run_id`).
 
         Raises:
             ValueError: an argument is invalid; the message names the setting and what it accepts.
@@ -197,7 +201,7 @@ class Settings:
             values["run_id"] = values["job_id"]
         if not values.get("run_id"):
             elastic = env.get("TORCHELASTIC_RUN_ID", "")
-            values["run_id"] = elastic if elastic and elastic != "none" else new_run_id()
+            values["run_id"] = elastic if elastic and elastic != "none" else default_run_id or new_run_id()
         check_run_id(values["run_id"], "run_id")
         values.setdefault("otlp_protocol", "http/protobuf")
         return cls(**values)

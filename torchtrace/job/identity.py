@@ -26,7 +26,9 @@ The launcher's count, when there is one, is where counting starts.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import multiprocessing
 import os
 import re
 import socket
@@ -138,10 +140,50 @@ def _same_process(pid: int, started: object) -> bool:
 
 def process_start_time(pid: int | str = "self") -> float | None:
     """When process ``pid`` started (unix time, from ``/proc``, to about 10 ms), or None where unknown."""
+    ticks = _start_ticks(pid)
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
         uptime = float(Path("/proc/uptime").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return time.time() - (uptime - started_after_boot)
+    if ticks is None:
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def spawned_run_id() -> str | None:
+    """A run id that every process one parent started through ``multiprocessing`` computes
+    alike (the ranks of ``torch.multiprocessing.spawn`` or Lightning's ``ddp_spawn``): the
+    parent's start time (UTC, to the second) and 6 hex digits of a hash of its host, boot time,
+    pid and start. None in a process ``multiprocessing`` did not start, or where ``/proc`` does
+    not tell when the parent started.
+
+    Each rank reads the same integers (the boot time in seconds and the parent's start in clock
+    ticks since boot), so no rank can round to another second than the others."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid is None:
+        return None
+    ticks, booted = _start_ticks(parent.pid), _boot_time()
+    if ticks is None or booted is None:
+        return None
+    started = booted + ticks // os.sysconf("SC_CLK_TCK")
+    digest = hashlib.sha256(f"{socket.gethostname()} {booted} {parent.pid} {ticks}".encode()).hexdigest()[:6]
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(started)) + "-" + digest
+
+
+def _start_ticks(pid: int | str) -> int | None:
+    """When process ``pid`` started, in clock ticks since the boot (``/proc/<pid>/stat``), or None."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_time() -> int | None:
+    """When this host booted, in whole unix seconds (``btime`` of ``/proc/stat``), or None."""
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
