@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,66 @@ def test_spawned_ranks_trace_their_steps_with_the_scripts_settings_in_one_run(tm
     said = capsys.readouterr().out
     assert said.startswith("verdict: completed (every rank completed)"), said
     assert [line.split(":")[0] for line in said.splitlines() if line.startswith("rank ")] == ["rank 0", "rank 1"], said
+
+
+HANG = r"""
+import sys, time, torch, torch.distributed as dist, torchtrace as tt
+
+tt.configure(prometheus_port="off", run_dir=sys.argv[1], hang_timeout_s=4)
+
+
+def train(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(40):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as scope:
+            while rank == 1 and step == 5:
+                time.sleep(0.2)  # rank 1's input never comes; rank 0 waits in DDP's all-reduce
+            loss = model(torch.randn(8, 16)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            scope.record_loss(loss)
+        time.sleep(0.3)
+
+
+if __name__ == "__main__":
+    tt.shutdown()
+    torch.multiprocessing.spawn(train, args=(int(sys.argv[2]),), nprocs=2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_spawned_rank_that_never_reaches_the_collective_is_named(tmp_path):
+    """Rank 1 of a ``torch.multiprocessing.spawn`` job stops before its forward at step 5: each
+    rank's watchdog names it from the other's black box in their shared run directory, and so
+    does ``torchtrace why``."""
+    script = tmp_path / "train.py"
+    script.write_text(HANG)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(script), str(runs), str(port)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while len(list(runs.glob("*/hang.rank*.json"))) < 2:
+            assert time.monotonic() < deadline, "two hang files not written in time"
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        (run,) = {p.parent for p in runs.glob("*/hang.rank*.json")}  # one run directory for both ranks
+        for rank in (0, 1):
+            finding = json.loads((run / f"hang.rank{rank}.json").read_text())
+            assert finding["peers"]["culprit_ranks"] == [1], finding
+        out = subprocess.run([sys.executable, "-m", "torchtrace.cli", "why", str(run), "--json"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        report = json.loads(out.stdout)
+        assert report["verdict"] == "hang" and report["culprit_ranks"] == [1], report
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
