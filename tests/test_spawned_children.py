@@ -89,8 +89,15 @@ def train(rank, port):
 
 if __name__ == "__main__":
     tt.shutdown()  # this process trains nothing: its ranks do
-    torch.multiprocessing.spawn(train, args=(int(sys.argv[2]),), nprocs=2)
+    for port in sys.argv[2].split(","):  # one launch per port
+        torch.multiprocessing.spawn(train, args=(int(port),), nprocs=2)
 """
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _run(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess:
@@ -127,10 +134,7 @@ def test_spawned_ranks_trace_their_steps_with_the_scripts_settings_in_one_run(tm
     write in one run directory, as the ranks of a world of 2 (not rank 0 twice, nor a second
     attempt). A NaN on rank 1's third step: under the script's ``guard="skip"`` that update is
     not applied, and rank 1's report says so. ``torchtrace why`` sees both ranks."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = _run(tmp_path, RANKS, str(port), where, run_id or "-")
+    proc = _run(tmp_path, RANKS, str(_free_port()), where, run_id or "-")
     assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == [
         "rank 0 finite True", "rank 1 finite True"], proc.stdout
     (run,) = {p.parent for p in (tmp_path / "runs").rglob("report.rank*.json")}
@@ -149,6 +153,22 @@ def test_spawned_ranks_trace_their_steps_with_the_scripts_settings_in_one_run(tm
     said = capsys.readouterr().out
     assert said.startswith("verdict: completed (every rank completed)"), said
     assert [line.split(":")[0] for line in said.splitlines() if line.startswith("rank ")] == ["rank 0", "rank 1"], said
+
+
+@pytest.mark.slow
+def test_a_second_spawn_from_the_same_process_is_a_run_of_its_own(tmp_path):
+    """Two launches from one parent (a script that trains then launches again, a notebook run
+    twice), no run id named: the second launch's ranks find the first's black boxes, ended,
+    where their shared run id points, and write a run of their own beside it, not a second
+    attempt of the first (a restart, which would count towards a crash loop)."""
+    ports = f"{_free_port()},{_free_port()}"
+    proc = _run(tmp_path, RANKS, ports, "inside", "-")
+    assert sum(line.startswith("rank") for line in proc.stdout.splitlines()) == 4, proc.stdout
+    runs = sorted({p.parent for p in (tmp_path / "runs").rglob("report.rank*.json")})
+    assert len(runs) == 2 and runs[1].name == runs[0].name + "-2", runs
+    for run in runs:
+        assert sorted(p.name for p in run.glob("report.rank*.json")) == ["report.rank0.json", "report.rank1.json"]
+        assert not any(p.name.startswith("attempt-") for p in run.iterdir())
 
 
 HANG = r"""
@@ -187,9 +207,7 @@ def test_a_spawned_rank_that_never_reaches_the_collective_is_named(tmp_path):
     does ``torchtrace why``."""
     script = tmp_path / "train.py"
     script.write_text(HANG)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
     env["PYTHONPATH"] = str(ROOT)
     runs = tmp_path / "runs"

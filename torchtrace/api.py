@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, TypeVar, overload
 
 import torch
@@ -16,7 +17,13 @@ import torch
 from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
-from torchtrace.distributed.identity import identity, rerunning_main_script, unwatch_group_start, watch_group_start
+from torchtrace.distributed.identity import (
+    identity,
+    rank_file_name,
+    rerunning_main_script,
+    unwatch_group_start,
+    watch_group_start,
+)
 from torchtrace.errors import get_logger
 from torchtrace.job.identity import spawned_run_id
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
@@ -119,7 +126,10 @@ def configure(
     args = dict(service_name=service_name, run_id=run_id, level=level, mode=mode, prometheus_host=prometheus_host,
                 prometheus_port=prometheus_port, run_dir=run_dir, otlp_endpoint=otlp_endpoint,
                 otlp_protocol=otlp_protocol, disabled=disabled, **settings)
-    resolved = Settings.resolve(args, default_run_id=_spawned_ranks_run_id())  # raises before anything is torn down
+    resolved = Settings.resolve(args)  # raises before anything is torn down
+    spawned = _spawned_ranks_run_id(resolved)
+    if spawned is not None:  # (used where nothing names a run id)
+        resolved = Settings.resolve(args, default_run_id=spawned)
     if rerunning_main_script():
         _put_off(args)
         return ConfigureResult(None)
@@ -142,12 +152,16 @@ def configure(
         return ConfigureResult(rt)
 
 
-def _spawned_ranks_run_id() -> str | None:
+def _spawned_ranks_run_id(settings: Settings) -> str | None:
     """The run id the ranks of a job started by ``multiprocessing`` share when nothing names one
     (:func:`torchtrace.job.identity.spawned_run_id`), for a process that is a rank of a world of
     more than one: its files go beside the other ranks' black boxes, where the watchdog and
     ``torchtrace why`` look for them."""
-    return spawned_run_id() if identity().distributed else None
+    ident = identity()
+    if not ident.distributed:
+        return None
+    run_dir = Path(settings.run_dir) if settings.write_files else None
+    return spawned_run_id(run_dir, rank_file_name("state", ".json", ident))
 
 
 _put_off_args: dict[str, Any] | None = None

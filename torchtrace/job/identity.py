@@ -150,7 +150,7 @@ def process_start_time(pid: int | str = "self") -> float | None:
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def spawned_run_id() -> str | None:
+def spawned_run_id(run_dir: Path | None, state_name: str) -> str | None:
     """A run id that every process one parent started through ``multiprocessing`` computes
     alike (the ranks of ``torch.multiprocessing.spawn`` or Lightning's ``ddp_spawn``): the
     parent's start time (UTC, to the second) and 6 hex digits of a hash of its host, boot time,
@@ -158,7 +158,13 @@ def spawned_run_id() -> str | None:
     not tell when the parent started.
 
     Each rank reads the same integers (the boot time in seconds and the parent's start in clock
-    ticks since boot), so no rank can round to another second than the others."""
+    ticks since boot), so no rank can round to another second than the others.
+
+    A later launch from the same parent (a script that spawns twice, a notebook run again)
+    finds there, under ``run_dir``, this rank's black box (``state_name``) of an earlier one,
+    ended: a launcher that starts processes this way never restarts them, so it is not a second
+    attempt but a run of its own, ``<id>-2``, ``<id>-3``..., the first whose slot is free, which
+    every rank of it finds alike."""
     parent = multiprocessing.parent_process()
     if parent is None or parent.pid is None:
         return None
@@ -167,7 +173,12 @@ def spawned_run_id() -> str | None:
         return None
     started = booted + ticks // os.sysconf("SC_CLK_TCK")
     digest = hashlib.sha256(f"{socket.gethostname()} {booted} {parent.pid} {ticks}".encode()).hexdigest()[:6]
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(started)) + "-" + digest
+    first = time.strftime("%Y%m%d-%H%M%S", time.gmtime(started)) + "-" + digest
+    run_id, launch = first, 1
+    while run_dir is not None and _slot_taken(run_dir / run_id / state_name):
+        launch += 1
+        run_id = f"{first}-{launch}"
+    return run_id
 
 
 def _start_ticks(pid: int | str) -> int | None:
