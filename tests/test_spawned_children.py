@@ -6,6 +6,10 @@ as it starts, that ``configure()`` with it.
   directory, server, black box or threads), however many epochs start them again.
 - ``torch.multiprocessing.spawn`` ranks that run steps have them traced with the settings the
   script gave, as the rank the process group says they are.
+
+With no run id named, the ranks of one spawn share one run directory, so each rank's watchdog
+and ``torchtrace why`` see every rank (a rank that never reaches the collective is named), and
+a second spawn from the same parent is a run of its own, not a restart of the first.
 """
 
 from __future__ import annotations
