@@ -107,11 +107,9 @@ def configure(
     Calling it again shuts the previous set-up down first. Without any call, the first
     instrumented step configures torchtrace from the environment.
 
-    Called from a script's top level in a process that ``multiprocessing`` starts with spawn or
-    forkserver (a DataLoader worker, a ``torch.multiprocessing.spawn`` rank), which runs that
-    top level again as it starts, the set-up waits for the process's first instrumented step
-    and is made then with these arguments (a DataLoader worker, which runs none, sets up
-    nothing); the result says ``enabled`` False until then.
+    From a script's top level, which a spawn/forkserver child (a DataLoader worker, a
+    ``torch.multiprocessing.spawn`` rank) runs again as it starts, the set-up waits for that
+    process's first instrumented step (a worker runs none); ``enabled`` is False until then.
 
     Raises:
         ValueError: an invalid argument, naming the setting and the accepted values.
@@ -126,10 +124,7 @@ def configure(
     args = dict(service_name=service_name, run_id=run_id, level=level, mode=mode, prometheus_host=prometheus_host,
                 prometheus_port=prometheus_port, run_dir=run_dir, otlp_endpoint=otlp_endpoint,
                 otlp_protocol=otlp_protocol, disabled=disabled, **settings)
-    resolved = Settings.resolve(args)  # raises before anything is torn down
-    spawned = _spawned_ranks_run_id(resolved)
-    if spawned is not None:  # (used where nothing names a run id)
-        resolved = Settings.resolve(args, default_run_id=spawned)
+    resolved = _settings(args)  # raises before anything is torn down
     if rerunning_main_script():
         _put_off(args)
         return ConfigureResult(None)
@@ -150,6 +145,14 @@ def configure(
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
         return ConfigureResult(rt)
+
+
+def _settings(args: dict[str, Any]) -> Settings:
+    """``configure()``'s settings; ranks started through ``multiprocessing`` take the run id
+    they share where nothing names one (:func:`_spawned_ranks_run_id`)."""
+    resolved = Settings.resolve(args)
+    spawned = _spawned_ranks_run_id(resolved)
+    return resolved if spawned is None else Settings.resolve(args, default_run_id=spawned)
 
 
 def _spawned_ranks_run_id(settings: Settings) -> str | None:
