@@ -37,3 +37,50 @@ def test_a_lightning_ddp_job_from_its_own_launcher_skips_alike_and_ends(tmp_path
         assert res["skews"] == 3  # every 3 steps, on both
         assert res["finite"]
     assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+SPAWN_SCRIPT = r"""
+import os, sys, torch, lightning.pytorch as pl
+from torchtrace.integrations.lightning import TorchtraceCallback
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+if __name__ == "__main__":
+    x = torch.randn(64, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[TorchtraceCallback()])
+    trainer.fit(Regressor(), data)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_lightning_ddp_spawn_ranks_configured_by_their_first_step_share_one_run(tmp_path):
+    """``strategy="ddp_spawn"`` starts its ranks through ``multiprocessing``; with no
+    ``configure()`` call and no run id, each rank sets torchtrace up from the environment at its
+    first step. Both write one run directory, as ranks 0 and 1 of a world of 2 (before, a run
+    directory each, where neither rank's watchdog saw the other)."""
+    script = tmp_path / "train.py"
+    script.write_text(SPAWN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env.update(PYTHONPATH=str(ROOT), TORCHTRACE_RUN_DIR=str(tmp_path / "runs"), TORCHTRACE_PROMETHEUS_PORT="off")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    reports = [json.loads((run / f"report.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["rank"], r["world_size"]) for r in reports] == [(0, 2), (1, 2)]
+    assert [r["totals"]["steps"] for r in reports] == [4, 4]  # 64 samples, batches of 8, split over 2 ranks
