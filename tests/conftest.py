@@ -55,6 +55,9 @@ SERIAL_TESTS = {
     "tests/job/test_sigterm.py": {"test_sigterm_with_the_default_action", "test_the_applications_handler_still_runs"},
     # A ratio of median step times within 1.5: a second worker beside it made one 1.83 (1.21 alone).
     "tests/export/test_debug_api_load.py": {"test_fifty_slow_clients_do_not_slow_training"},
+    # The slowest step under a header flood below 0.5 s: 4-6 ms alone, but 521 ms in a CI run with
+    # three workers and the flood process on 2 cores (its median ratio was 1.12 there).
+    "tests/export/test_http_limits.py": {"test_a_header_flood_keeps_memory_and_step_time_bounded"},
 }
 
 
