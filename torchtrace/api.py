@@ -9,6 +9,9 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import multiprocessing
+import multiprocessing.util
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, TypeVar, overload
 
@@ -120,7 +123,6 @@ def configure(
     True
     >>> tt.shutdown()
     """
-    global _atexit_registered
     args = dict(service_name=service_name, run_id=run_id, level=level, mode=mode, prometheus_host=prometheus_host,
                 prometheus_port=prometheus_port, run_dir=run_dir, otlp_endpoint=otlp_endpoint,
                 otlp_protocol=otlp_protocol, disabled=disabled, **settings)
@@ -128,8 +130,16 @@ def configure(
     if rerunning_main_script():
         _put_off(args)
         return ConfigureResult(None)
+    return _set_up(resolved)
+
+
+def _set_up(resolved: Settings) -> ConfigureResult:
+    """Replace the runtime with one built from ``resolved``: ``configure()`` once its arguments
+    are checked."""
+    global _atexit_registered
     with current.lock:
         shutdown()
+        _let_go_of_inherited()
         if resolved.disabled:
             current.set_disabled(True)
             return ConfigureResult(None)
@@ -225,21 +235,71 @@ get_runtime = current.runtime
 
 
 def _configure_on_first_use() -> Runtime | None:
-    """The runtime built from the environment when a step runs before any ``configure()``."""
+    """The runtime built when a step runs before any ``configure()`` in this process: from the
+    environment, from a ``configure()`` put off, or, in a forked child, from its parent's."""
     if disabled_by_environment():
         return None
-    if in_dataloader_worker():
-        # A spawn/forkserver DataLoader worker: the main process owns the run's telemetry;
-        # configuring here would open a second server and a second run directory.
-        return None
     with current.lock:
+        if in_dataloader_worker():
+            # The main process owns the run's telemetry: configuring here would open a second
+            # server and run directory. A forked worker keeps its parent's runtime (its guard,
+            # its once-only warnings); a spawn/forkserver worker runs without.
+            current.set_runtime(_inherited)
+            return _inherited
         if current.runtime(create=False) is None and not current.disabled():
             try:
-                configure(**(_put_off_args or {}))
+                if _inherited is not None:
+                    _set_up_forked_child(_inherited)
+                else:
+                    configure(**(_put_off_args or {}))
             except Exception as exc:  # a bad environment must not break the user's step
                 logger.warning("torchtrace could not configure itself (%s); instrumentation is off", exc)
                 current.set_disabled(True)
         return current.runtime(create=False)
+
+
+_inherited: Runtime | None = None
+"""In a child forked from a configured process, the parent's runtime, set aside (see _forked)."""
+
+
+def _forked() -> None:
+    """In a child just forked from a configured process: the parent's runtime is set aside.
+
+    Its threads, server and exporters run in the parent only, so what the child's steps gave it
+    was dropped (the steps of Hogwild workers, of a ``multiprocessing.Pool`` of trials). At the
+    child's first step (:func:`_configure_on_first_use`) a DataLoader worker takes it back, and
+    any other child is set up for itself (:func:`_set_up_forked_child`).
+    """
+    global _inherited
+    _inherited = current.runtime(create=False)
+    current.set_runtime(None)
+
+
+def _set_up_forked_child(parent: Runtime) -> None:
+    """Set a forked child that trains up with its parent's settings, under the parent's job id.
+
+    The ranks of a process group share one run, as spawned ranks do (:func:`_spawned_ranks_run_id`);
+    any other child has a run of its own, ``<parent's run id>-pid<pid>``. A ``multiprocessing``
+    child ends through ``os._exit`` once its target returns, so no exit handler runs there;
+    multiprocessing's own finalizers do, and one shuts torchtrace down.
+    """
+    settings = parent.settings.replace(job_id=parent.job_id)
+    run_id = _spawned_ranks_run_id(settings) or f"{parent.settings.run_id}-pid{os.getpid()}"
+    _set_up(settings.replace(run_id=run_id))
+    if settings.register_atexit and multiprocessing.parent_process() is not None:
+        multiprocessing.util.Finalize(None, _shutdown_at_exit, exitpriority=0)
+
+
+def _let_go_of_inherited() -> None:
+    """A forked child being set up lets its parent's runtime go: the signal handlers it
+    inherited give way to its own (the parent's threads and files stay the parent's)."""
+    global _inherited
+    parent, _inherited = _inherited, None
+    if parent is not None and parent.signals is not None:
+        parent.signals.restore()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 current.set_auto_configure(_configure_on_first_use)

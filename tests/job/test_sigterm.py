@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures.netfaults import BlackHole
 from tests.job.helpers import clean_env, events, start, wait_ready
 from torchtrace.job.state import read_states
 
@@ -69,3 +71,53 @@ def test_sigterm_under_torchrun(tmp_path):
     (state,) = read_states(root)
     assert state["end_time"] - sent < 2.0  # the worker's own end, whatever the agent does after
     assert took < 30.0 and code != 0
+
+
+_SHUTS_DOWN = r"""
+import sys, torch, torchtrace as tt
+
+tt.configure(prometheus_port=None, run_dir=sys.argv[1], run_id="held", otlp_endpoint=sys.argv[2],
+             otlp_protocol="http/protobuf", metrics_exporter="otlp", metrics_export_interval_s=30.0,
+             shutdown_timeout_s=3.0, register_atexit=False)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(10):
+    with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+        opt.zero_grad()
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        opt.step()
+        step.record_loss(loss)
+print("shutting down", flush=True)
+tt.shutdown()  # the collector never answers: the final metrics push waits for most of the 3 s deadline
+print("shut down", flush=True)
+"""
+
+
+def test_a_sigterm_during_shutdown_ends_the_process_once_shutdown_has_ended(tmp_path):
+    """A SIGTERM while torchtrace shuts down (a pool's ``terminate()`` as its workers end, a
+    launcher tearing down a job that is finishing) used to end the process in the middle: here
+    0.5 s in, as the final metrics push to a collector that never answers waits (2.6 s), the
+    report's second write (the final export counts) never came. Now the signal takes effect as shutdown ends,
+    within its deadline: the report is final, and the process still ends by the signal."""
+    run_dir = tmp_path / "runs"
+    with BlackHole() as hole:
+        proc = subprocess.Popen([sys.executable, "-c", _SHUTS_DOWN, str(run_dir), hole.endpoint], env=clean_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "shutting down", proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert "shut down" not in out  # the script did not go on past the signal
+    assert took < 3.0, took  # within shutdown's deadline
+    report = json.loads((run_dir / "held" / "report.json").read_text())
+    # The final write: the collector's 10 spans, never acknowledged, counted as dropped, and the
+    # final push as failed.
+    telemetry = report["telemetry"]
+    (otlp,) = [e for e in telemetry["span_exporters"] if e["exporter"] == "otlp_http"]
+    assert sum(otlp["dropped"].values()) == 10 and otlp["queued"] == otlp["in_flight"] == 0, otlp
+    assert telemetry["metrics_push_failures"] == 1, telemetry
+    assert report["job"]["attempts"][0]["ended"] == "completed"  # (shutdown had begun: it had said so)

@@ -57,6 +57,8 @@ class SignalGuard:
         self.chained: dict[int, Handler] = {}
         self.received: list[int] = []
         self.pid = os.getpid()
+        self.holding = False  # torchtrace is shutting down (see hold)
+        self.held: int | None = None  # the signal held until the shutdown ends
         self._real_signal = signal.signal
         self._real_getsignal = signal.getsignal
 
@@ -83,8 +85,28 @@ class SignalGuard:
             signal.getsignal = self._getsignal
         return [signal.Signals(s).name for s in self.chained]
 
+    def hold(self) -> None:
+        """torchtrace shuts down from now until :meth:`restore`: a signal that would end the
+        process then (no application handler) takes effect at that restore, so the shutdown's
+        report and black box are whole. The shutdown keeps its own deadline.
+
+        (A worker of a ``multiprocessing.Pool`` that ends with the pool's ``with`` block gets
+        the pool's SIGTERM while it shuts torchtrace down, having seen the end of its tasks.)
+        """
+        self.holding = True
+
     def restore(self) -> None:
-        """Give every signal back the handler the application set last (main thread only)."""
+        """Give every signal back the handler the application set last (main thread only); then
+        a signal held since :meth:`hold` takes effect (by that handler: the default ends the process)."""
+        try:
+            self._restore_handlers()
+        finally:
+            self.holding = False
+            signum, self.held = self.held, None
+            if signum is not None:
+                signal.raise_signal(signum)  # (to this thread: the default ends the process before it returns)
+
+    def _restore_handlers(self) -> None:
         if signal.signal == self._signal:
             signal.signal = self._real_signal
         if signal.getsignal == self._getsignal:
@@ -117,6 +139,8 @@ class SignalGuard:
         if chained is signal.SIG_IGN:
             return
         self.received.append(signum)
+        # (read before on_signal: a shutdown that on_signal starts itself ends the process on time)
+        held = self.holding and os.getpid() == self.pid
         handler = chained if callable(chained) else None
         terminal = handler is None
         # A forked child (a DataLoader worker) inherits the handler, not the run: it only chains.
@@ -127,6 +151,9 @@ class SignalGuard:
                 logger.debug("torchtrace's %s work failed", signum, exc_info=True)
         if handler is not None:
             handler(signum, frame)
+            return
+        if held:
+            self.held = signum
             return
         # The default action: restore it and raise the signal again, so the process ends by it.
         self._real_signal(signum, signal.SIG_DFL)

@@ -301,9 +301,6 @@ def _close(rt: Runtime) -> None:
         last_look(rt)
         box.write()
     checkpoints.uninstall()
-    guard = rt.signals
-    if guard is not None:
-        guard.restore()
     hook = sys.excepthook
     if isinstance(hook, _ExceptHook) and hook.rt is rt:
         sys.excepthook = hook.previous
@@ -317,11 +314,17 @@ def write_now(rt: Runtime) -> None:
 
 
 def release(rt: Runtime) -> None:
-    """The black box's file claim, after the last write (``close`` wrote it; no second write
-    here: this runs after the exporters, at the end of shutdown's deadline)."""
+    """At the end of shutdown: the black box's file claim, after the last write (``close``
+    wrote it; no second write here: this runs after the exporters, at the end of shutdown's
+    deadline), then the signal handlers given back. A signal held while shutting down
+    (:meth:`~torchtrace.job.signals.SignalGuard.hold`) takes effect then."""
     box = rt.rank_state
-    if box is not None and box.path is not None:
-        files.release_file(box.path)
+    try:
+        if box is not None and box.path is not None:
+            files.release_file(box.path)
+    finally:
+        if rt.signals is not None:
+            rt.signals.restore()
 
 
 def job_section(rt: Runtime) -> dict[str, Any]:

@@ -419,10 +419,18 @@ class Runtime:
             return
         self.closed = True
         if os.getpid() != self.pid:
-            # A forked child's copy (a user's os.fork(), ending through shutdown() or at exit):
+            # A forked child's copy (a DataLoader worker keeps its parent's; see api._forked):
             # its threads and server are the parent's, not running here, and waiting for them
             # to stop would wait forever; the run's files and telemetry are the parent's too.
             return
+        if self.signals is not None:
+            self.signals.hold()  # a SIGTERM from here on ends the process once shutdown has ended
+        try:
+            self._shut_down(at_exit)
+        finally:
+            job.release(self)  # (and the signal handlers given back)
+
+    def _shut_down(self, at_exit: bool) -> None:
         # The deadline and shutdown's own time (not the job's) start here.
         deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
         # First the watchdog stops (a slow shutdown is never taken for a hang), then the black
@@ -455,7 +463,6 @@ class Runtime:
         for path in (self.spans_path, self.report_path):
             if path is not None:
                 files.release_file(path)
-        job.release(self)
 
     def _write_report_safely(self) -> None:
         try:
