@@ -57,6 +57,36 @@ if __name__ == "__main__":
 """
 
 
+RAISES = r"""
+import sys, torch, torch.multiprocessing as mp, torchtrace as tt
+
+
+def train(worker):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(10):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            opt.zero_grad()
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            if worker == 1 and i == 5:
+                raise ValueError("a bad batch")
+            loss.backward()
+            opt.step()
+            step.record_loss(loss)
+
+
+if __name__ == "__main__":
+    run = tt.configure(service_name="raises", prometheus_port="off", run_dir=sys.argv[1])
+    print("parent", run.run_id, flush=True)
+    workers = [mp.get_context("fork").Process(target=train, args=(w,)) for w in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+        print("worker", w.pid, w.exitcode, flush=True)
+"""
+
+
 def _run(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(source)
@@ -220,3 +250,23 @@ def test_ranks_started_with_fork_share_one_run(tmp_path):
         assert report["totals"]["skipped_steps"] == 1 and report["anomalies_by_kind"]["nonfinite_grad"] == 1
         assert report["anomalies_by_kind"].get("nonfinite_loss", 0) == rank, report["anomalies_by_kind"]
         assert report["job"]["job_id"] == parent_id
+
+
+def test_a_worker_whose_target_raises_ends_as_an_exception(tmp_path):
+    """``multiprocessing`` catches the exception that ends a worker's target and prints it, so
+    no ``sys.excepthook`` runs there: the black box said ``completed``. Now the worker whose
+    sixth step raised ends as ``exception``, at that step, and the other as ``completed``."""
+    proc = _run(tmp_path, RAISES)
+    lines = proc.stdout.splitlines()
+    parent_id = next(line.split()[1] for line in lines if line.startswith("parent"))
+    codes = dict(line.split()[1:] for line in lines if line.startswith("worker"))
+    assert sorted(codes.values()) == ["0", "1"], lines
+    reports = _reports(tmp_path)
+    for pid, code in codes.items():
+        report = reports[f"{parent_id}-pid{pid}/report.json"]
+        (attempt,) = report["job"]["attempts"]
+        if code == "1":
+            assert (attempt["ended"], attempt["detail"], attempt["last_step"]) == ("exception", "ValueError", 5)
+            assert (report["totals"]["steps"], report["totals"]["failed_steps"]) == (6, 1), report["totals"]
+        else:
+            assert (attempt["ended"], report["totals"]["steps"]) == ("completed", 10), (attempt, report["totals"])

@@ -12,6 +12,7 @@ import inspect
 import multiprocessing
 import multiprocessing.util
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, TypeVar, overload
 
@@ -31,7 +32,7 @@ from torchtrace.errors import get_logger
 from torchtrace.job.identity import spawned_run_id
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
-from torchtrace.step import block, checks, clipping, updaters
+from torchtrace.step import block, checks, clipping, job, updaters
 from torchtrace.step.scope import StepScope
 from torchtrace.step.watched import instance_first, unwatch_layouts, watch_layouts, watched
 
@@ -281,13 +282,28 @@ def _set_up_forked_child(parent: Runtime) -> None:
     The ranks of a process group share one run, as spawned ranks do (:func:`_spawned_ranks_run_id`);
     any other child has a run of its own, ``<parent's run id>-pid<pid>``. A ``multiprocessing``
     child ends through ``os._exit`` once its target returns, so no exit handler runs there;
-    multiprocessing's own finalizers do, and one shuts torchtrace down.
+    multiprocessing's own finalizers do, and one shuts torchtrace down
+    (:func:`_shutdown_multiprocessing_child`).
     """
     settings = parent.settings.replace(job_id=parent.job_id)
     run_id = _spawned_ranks_run_id(settings) or f"{parent.settings.run_id}-pid{os.getpid()}"
     _set_up(settings.replace(run_id=run_id))
     if settings.register_atexit and multiprocessing.parent_process() is not None:
-        multiprocessing.util.Finalize(None, _shutdown_at_exit, exitpriority=0)
+        multiprocessing.util.Finalize(None, _shutdown_multiprocessing_child, exitpriority=0)
+
+
+def _shutdown_multiprocessing_child() -> None:
+    """multiprocessing's finalizer in a child it started: the exception that ended the child's
+    target, which multiprocessing catches and prints (no ``sys.excepthook`` runs), is the end
+    recorded in the black box; then torchtrace shuts down as at exit."""
+    rt = current.runtime(create=False)
+    ending = sys.exc_info()[1]  # (the finalizer runs as that exception leaves the target)
+    if rt is not None and ending is not None and not isinstance(ending, SystemExit):
+        try:
+            job.record_exception(rt, ending)
+        except Exception:
+            logger.debug("torchtrace: recording how the process ended failed", exc_info=True)
+    _shutdown_at_exit()
 
 
 def _let_go_of_inherited() -> None:

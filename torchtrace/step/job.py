@@ -267,19 +267,27 @@ class _ExceptHook:
 
     def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         try:
-            box = self.rt.rank_state
-            if box is not None and box.fields.get("ended") is None:
-                detail = exc_type.__name__
-                if self.rt.settings.record_exception_messages:
-                    detail = f"{detail}: {str(exc)[:500]}"
-                step = current.step()
-                last_look(self.rt)
-                box.fields.update(ended="exception", end_detail=detail, end_time=time.time(),
-                                  end_step=step.step if step is not None else box.fields.get("step"))
-                box.write()
+            record_exception(self.rt, exc)
         except Exception:
             pass
         self.previous(exc_type, exc, tb)
+
+
+def record_exception(rt: Runtime, exc: BaseException) -> None:
+    """An exception that ends the process, into the black box: ``exception``, its type (and its
+    message with ``record_exception_messages``) and the step it ended, unless the process
+    already said how it ended."""
+    box = rt.rank_state
+    if box is None or box.fields.get("ended") is not None:
+        return
+    detail = type(exc).__name__
+    if rt.settings.record_exception_messages:
+        detail = f"{detail}: {str(exc)[:500]}"
+    step = current.step()
+    last_look(rt)
+    box.fields.update(ended="exception", end_detail=detail, end_time=time.time(),
+                      end_step=step.step if step is not None else box.fields.get("step"))
+    box.write()
 
 
 def close(rt: Runtime) -> None:
