@@ -234,3 +234,51 @@ def test_a_spawned_rank_that_never_reaches_the_collective_is_named(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=60)
+
+
+RAISES = r"""
+import sys, torch, torch.distributed as dist, torchtrace as tt
+
+
+def train(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tt.configure(prometheus_port="off", run_dir=sys.argv[1], run_id="raises")
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(6):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            opt.zero_grad()
+            loss = model(torch.ones(2, 4)).pow(2).mean()
+            if rank == 1 and i == 3:
+                raise ValueError("a bad batch")
+            loss.backward()
+            opt.step()
+            step.record_loss(loss)
+    tt.shutdown()
+
+
+if __name__ == "__main__":
+    try:
+        torch.multiprocessing.spawn(train, args=(int(sys.argv[2]),), nprocs=2)
+    except Exception as exc:
+        print("spawn raised", type(exc).__name__, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_spawned_rank_that_raises_ends_as_an_exception(tmp_path, capsys):
+    """``torch.multiprocessing.spawn`` catches a rank's exception, hands it to the parent and ends
+    the rank with ``sys.exit(1)``: no ``sys.excepthook`` runs, and the rank's black box said
+    ``completed``. Now it says ``exception`` (ValueError) at the step that raised, and ``why``
+    names the rank."""
+    proc = _run(tmp_path, RAISES, str(_free_port()))
+    assert "spawn raised ProcessRaisedException" in proc.stdout
+    run = tmp_path / "runs" / "raises"
+    states = {p.name: json.loads(p.read_text()) for p in run.glob("state.rank*.json")}
+    rank1 = states["state.rank1.json"]
+    assert (rank1["ended"], rank1["end_detail"], rank1["end_step"]) == ("exception", "ValueError", 3), rank1
+    assert states["state.rank0.json"]["ended"] in ("completed", "preempted")  # (spawn may SIGTERM it as it ends)
+    capsys.readouterr()
+    cli_main(["why", str(run)])
+    said = capsys.readouterr().out
+    assert said.startswith("verdict: died (rank 1 ended with an exception)\nculprit ranks: 1"), said

@@ -43,6 +43,7 @@ logger = get_logger("torchtrace")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _atexit_registered = False
+_finalizer_pid: int | None = None  # the process whose multiprocessing finalizer shuts torchtrace down
 
 
 class ConfigureResult:
@@ -137,7 +138,6 @@ def configure(
 def _set_up(resolved: Settings) -> ConfigureResult:
     """Replace the runtime with one built from ``resolved``: ``configure()`` once its arguments
     are checked."""
-    global _atexit_registered
     with current.lock:
         shutdown()
         _let_go_of_inherited()
@@ -152,10 +152,23 @@ def _set_up(resolved: Settings) -> ConfigureResult:
         updaters.install()
         watch_layouts()
         watch_group_start(_process_group_started)
-        if resolved.register_atexit and not _atexit_registered:
-            atexit.register(_shutdown_at_exit)
-            _atexit_registered = True
+        if resolved.register_atexit:
+            _shut_down_as_the_process_ends()
         return ConfigureResult(rt)
+
+
+def _shut_down_as_the_process_ends() -> None:
+    """torchtrace shuts down as this process ends: at the interpreter's exit, and, in a process
+    ``multiprocessing`` started, from multiprocessing's finalizers, which run as its target ends
+    (:func:`_shutdown_multiprocessing_child`; a forked one then ends through ``os._exit``, which
+    runs no exit handler)."""
+    global _atexit_registered, _finalizer_pid
+    if not _atexit_registered:
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered = True
+    if multiprocessing.parent_process() is not None and _finalizer_pid != os.getpid():
+        multiprocessing.util.Finalize(None, _shutdown_multiprocessing_child, exitpriority=0)
+        _finalizer_pid = os.getpid()
 
 
 def _settings(args: dict[str, Any]) -> Settings:
@@ -280,25 +293,26 @@ def _set_up_forked_child(parent: Runtime) -> None:
     """Set a forked child that trains up with its parent's settings, under the parent's job id.
 
     The ranks of a process group share one run, as spawned ranks do (:func:`_spawned_ranks_run_id`);
-    any other child has a run of its own, ``<parent's run id>-pid<pid>``. A ``multiprocessing``
-    child ends through ``os._exit`` once its target returns, so no exit handler runs there;
-    multiprocessing's own finalizers do, and one shuts torchtrace down
-    (:func:`_shutdown_multiprocessing_child`).
+    any other child has a run of its own, ``<parent's run id>-pid<pid>``.
     """
     settings = parent.settings.replace(job_id=parent.job_id)
     run_id = _spawned_ranks_run_id(settings) or f"{parent.settings.run_id}-pid{os.getpid()}"
     _set_up(settings.replace(run_id=run_id))
-    if settings.register_atexit and multiprocessing.parent_process() is not None:
-        multiprocessing.util.Finalize(None, _shutdown_multiprocessing_child, exitpriority=0)
 
 
 def _shutdown_multiprocessing_child() -> None:
     """multiprocessing's finalizer in a child it started: the exception that ended the child's
-    target, which multiprocessing catches and prints (no ``sys.excepthook`` runs), is the end
-    recorded in the black box; then torchtrace shuts down as at exit."""
+    target is the end recorded in the black box; then torchtrace shuts down as at exit.
+
+    No ``sys.excepthook`` runs for it: multiprocessing catches and prints it, and
+    ``torch.multiprocessing.spawn`` catches it and ends the rank with ``sys.exit(1)`` (whose
+    exception leads back to it).
+    """
     rt = current.runtime(create=False)
-    ending = sys.exc_info()[1]  # (the finalizer runs as that exception leaves the target)
-    if rt is not None and ending is not None and not isinstance(ending, SystemExit):
+    ending = sys.exc_info()[1]  # (the finalizer runs as the exception leaves the target)
+    if isinstance(ending, SystemExit):
+        ending = ending.__context__ if ending.code not in (0, None) else None
+    if rt is not None and ending is not None:
         try:
             job.record_exception(rt, ending)
         except Exception:
