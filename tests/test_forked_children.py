@@ -1,7 +1,7 @@
 """Processes forked from a configured process that train: Hogwild workers (PyTorch's
 mnist_hogwild example: ``configure()`` in the parent, ``model.share_memory()``, the steps in
 ``multiprocessing.Process`` workers), a ``multiprocessing.Pool`` of trials, ranks started with
-``start_method="fork"``.
+``start_method="fork"`` or by Accelerate's ``notebook_launcher``.
 
 Such a child inherits its parent's runtime, whose threads, server and exporters do not run in
 it: its steps were measured and then dropped (a Hogwild job's run said 0 steps). Each one that
@@ -270,3 +270,43 @@ def test_a_worker_whose_target_raises_ends_as_an_exception(tmp_path):
             assert (report["totals"]["steps"], report["totals"]["failed_steps"]) == (6, 1), report["totals"]
         else:
             assert (attempt["ended"], report["totals"]["steps"]) == ("completed", 10), (attempt, report["totals"])
+
+
+NOTEBOOK = r"""
+import sys, torch, torchtrace as tt
+from accelerate import Accelerator, notebook_launcher
+
+
+def train():
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    for i in range(5):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            opt.zero_grad()
+            loss = model(torch.ones(2, 4)).pow(2).mean()
+            accelerator.backward(loss)
+            opt.step()
+            step.record_loss(loss)
+
+
+if __name__ == "__main__":
+    run = tt.configure(service_name="notebook", prometheus_port="off", run_dir=sys.argv[1])
+    print("parent", run.run_id, flush=True)
+    notebook_launcher(train, num_processes=2)  # (torchelastic's agent, its workers forked)
+"""
+
+
+def test_accelerates_notebook_launcher_ranks_share_one_run(tmp_path):
+    """Accelerate's ``notebook_launcher`` (training from a Jupyter notebook whose earlier cell
+    configured torchtrace) forks its ranks through torchelastic's agent: their 5 steps each
+    were dropped (the run said 0 steps). Now both ranks are in one run, of a world of 2."""
+    proc = _run(tmp_path, NOTEBOOK)
+    parent_id = next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("parent"))
+    reports = _reports(tmp_path)
+    (shared,) = {name.split("/")[0] for name in reports if "/report.rank" in name}
+    for rank in (0, 1):
+        report = reports[f"{shared}/report.rank{rank}.json"]
+        assert (report["rank"], report["world_size"], report["totals"]["steps"]) == (rank, 2, 5), report["totals"]
+        assert report["job"]["job_id"] == parent_id
