@@ -3,6 +3,7 @@ and restored at shutdown, tt.checkpoint for anything else, a nested save counted
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -75,3 +76,80 @@ def test_distributed_checkpoint_is_wrapped_when_imported(rt, tmp_path):
     dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
     assert torch.equal(state["w"], torch.ones(4))
     assert _hist(rt, "save")[0] == 1 and _hist(rt, "load")[0] == 1  # its inner torch.save calls not again
+
+
+def _steps(first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        with tt.debug_context("train_step", step=step):
+            pass
+
+
+def test_a_distributed_checkpoint_written_by_several_threads_counts_once(rt, tmp_path):
+    """``FileSystemWriter(thread_count=3)`` writes its files from threads of its own, each item
+    through ``torch.save``: those calls are part of the save on the training thread. They were
+    counted as saves of their own (and their time as checkpoint badput beside the save's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    _steps(0, 2)
+    state = {f"w{i}": torch.full((256,), float(i)) for i in range(12)}
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "dcp"), thread_count=3), no_dist=True)
+    assert _hist(rt, "save")[0] == 1
+    assert rt.rank_state.fields["checkpoint_step"] == 2
+
+
+def test_an_asynchronous_save_counts_when_its_upload_completes_as_of_its_call(rt, tmp_path):
+    """``dcp.async_save`` (torchtitan's asynchronous checkpoints) stages the state as it is
+    called and uploads it on a thread while training goes on. The checkpoint holds the step of
+    the call, and exists once the upload completes.
+
+    Before: each ``torch.save`` of the upload thread counted as a save of its own, and the last
+    one set ``checkpoint_step`` to the step finished when the upload ended (here 9, for a
+    checkpoint of step 4): a restart's lost progress was short by those steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    uploading = threading.Event()
+    release = threading.Event()
+
+    class HeldWriter(FileSystemWriter):
+        """Holds the upload until the test lets it go: slow storage, on cue."""
+
+        def write_data(self, plan, planner):
+            uploading.set()
+            assert release.wait(30)
+            return super().write_data(plan, planner)
+
+    _steps(0, 4)
+    state = {f"w{i}": torch.full((256,), float(i)) for i in range(12)}
+    t0 = time.perf_counter()
+    upload = dcp.async_save(state, storage_writer=HeldWriter(str(tmp_path / "async")), no_dist=True)
+    called = time.perf_counter() - t0
+    assert uploading.wait(30)
+    _steps(5, 9)  # training goes on while the upload waits
+    box = rt.rank_state.fields
+    assert box.get("checkpoint_step") is None  # not saved yet: a restart now would start from scratch
+    release.set()
+    upload.result(timeout=30)
+    deadline = time.monotonic() + 10  # (the done callback runs on the upload's thread)
+    while box.get("checkpoint_step") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert box["checkpoint_step"] == 4
+    count, total = _hist(rt, "save")
+    assert count == 1 and 0 < total <= called  # the call's own time: the wait the training saw
+
+
+def test_an_asynchronous_save_whose_upload_fails_is_no_checkpoint(rt, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class FailingWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError("the bucket is gone")
+
+    _steps(0, 3)
+    upload = dcp.async_save({"w": torch.ones(4)}, storage_writer=FailingWriter(str(tmp_path / "gone")), no_dist=True)
+    with pytest.raises(BaseException, match="the bucket is gone"):  # (dcp's CheckpointException is a BaseException)
+        upload.result(timeout=30)
+    time.sleep(0.1)
+    assert rt.rank_state.fields.get("checkpoint_step") is None

@@ -9,7 +9,12 @@ loading code the same way.
 
 A save inside another save (Lightning's checkpoint IO calling ``torch.save``; a distributed
 checkpoint that calls ``torch.save`` per shard) counts once: only the outermost call of each
-thread is timed.
+thread is timed, and the sink counts only calls on the thread that trains (a distributed
+checkpoint's writer threads save its items while the training thread waits in it).
+
+``torch.distributed.checkpoint.async_save`` stages the state as it is called and uploads it on
+a thread of its own while training goes on: the call is timed (the wait the training sees), and
+the sink is handed the upload's future: the checkpoint exists once the upload completes.
 
 Limits: code that took its own reference before ``configure()`` (``from torch import save``)
 calls the original and is not timed; safetensors' ``save_file`` is not wrapped (mark it with
@@ -26,6 +31,7 @@ import logging
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
@@ -37,8 +43,9 @@ logger = logging.getLogger(__name__)
 KINDS = ("save", "load")
 """The values of the ``kind`` label of ``torchtrace_checkpoint_seconds``."""
 
-Sink = Callable[[str, float, float], None]
-"""``sink(kind, start, end)``: perf_counter seconds of one outermost save or load."""
+Sink = Callable[[str, float, float, "Future[Any] | None"], None]
+"""``sink(kind, start, end, upload)``: perf_counter seconds of one outermost save or load;
+``upload``, for an asynchronous save, the future that completes once it is stored (else None)."""
 
 _sink: Sink | None = None
 _depth = threading.local()
@@ -74,6 +81,8 @@ def _wrap_dcp(dcp: ModuleType) -> None:
                        ("load_state_dict", "load")):
         if callable(getattr(dcp, name, None)):
             _wrap(dcp, name, kind)
+    if callable(getattr(dcp, "async_save", None)):
+        _wrap_async_save(dcp, "async_save")
 
 
 class _DcpFinder(importlib.abc.MetaPathFinder):
@@ -121,11 +130,59 @@ def _wrap(owner: object, name: str, kind: str) -> None:
 
     @functools.wraps(original)
     def timed(*args: object, **kwargs: object) -> Any:
-        with checkpoint(kind):
+        with _timed(kind):
             return original(*args, **kwargs)
 
     setattr(owner, name, timed)
     _originals.append((owner, name, original))
+
+
+def _wrap_async_save(owner: object, name: str) -> None:
+    """``dcp.async_save``, timed as a save whose checkpoint exists once its upload completes."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def timed(*args: object, **kwargs: object) -> Any:
+        with _timed("save") as call:
+            response = original(*args, **kwargs)
+            # A Future, or (where the staging is asynchronous too) a response that holds the
+            # staging's future and the upload's.
+            upload = getattr(response, "upload_completion", response)
+            call.upload = upload if callable(getattr(upload, "add_done_callback", None)) else None
+            return response
+
+    setattr(owner, name, timed)
+    _originals.append((owner, name, original))
+
+
+class _Call:
+    """What the sink learns of a timed call besides its time: an asynchronous save's upload."""
+
+    def __init__(self) -> None:
+        self.upload: Future[Any] | None = None
+
+
+@contextlib.contextmanager
+def _timed(kind: str) -> Iterator[_Call]:
+    """Time the block as a ``kind`` call and hand it to the sink, if it is the thread's
+    outermost and did not raise."""
+    depth = getattr(_depth, "n", 0)
+    _depth.n = depth + 1
+    call = _Call()
+    start = time.perf_counter()
+    finished = False
+    try:
+        yield call
+        finished = True
+    finally:
+        _depth.n = depth
+        sink = _sink
+        # A save that raised saved nothing: no checkpoint to resume from.
+        if depth == 0 and sink is not None and finished:
+            try:
+                sink(kind, start, time.perf_counter(), call.upload)
+            except Exception:  # never break the user's save
+                logger.debug("torchtrace could not record a checkpoint %s", kind, exc_info=True)
 
 
 @contextlib.contextmanager
@@ -134,7 +191,8 @@ def checkpoint(kind: str = "save") -> Iterator[None]:
 
     Its time goes to ``torchtrace_checkpoint_seconds{kind}`` and to badput ``checkpoint``; a
     save sets the black box's ``checkpoint_step`` to the last step finished. Inside another
-    save or load (wrapped or marked) it counts nothing more. A block that raises counts nothing.
+    save or load (wrapped or marked) it counts nothing more, nor on a thread other than the
+    one that trains (there the step it holds is not known). A block that raises counts nothing.
 
     Raises:
         ValueError: ``kind`` is not ``save`` or ``load`` (at the call, before the block runs).
@@ -145,19 +203,5 @@ def checkpoint(kind: str = "save") -> Iterator[None]:
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(KINDS)}")
-    depth = getattr(_depth, "n", 0)
-    _depth.n = depth + 1
-    start = time.perf_counter()
-    finished = False
-    try:
+    with _timed(kind):
         yield
-        finished = True
-    finally:
-        _depth.n = depth
-        sink = _sink
-        # A save that raised saved nothing: no checkpoint to resume from.
-        if depth == 0 and sink is not None and finished:
-            try:
-                sink(kind, start, time.perf_counter())
-            except Exception:  # never break the user's save
-                logger.debug("torchtrace could not record a checkpoint %s", kind, exc_info=True)

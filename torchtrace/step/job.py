@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -56,7 +57,7 @@ def watch(rt: Runtime) -> None:
     except Exception as exc:
         rt.errors.report("metrics", exc)
     rt.report_sections["job"] = lambda: job_section(rt)
-    checkpoints.install(lambda kind, start, end: on_checkpoint(rt, kind, start, end))
+    checkpoints.install(lambda kind, start, end, upload: on_checkpoint(rt, kind, start, end, upload))
     rt.signals = SignalGuard(lambda signum, terminal: on_signal(rt, signum, terminal))
     rt.signals.install()
     sys.excepthook = _ExceptHook(rt, sys.excepthook)
@@ -148,9 +149,16 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def on_checkpoint(rt: Runtime, kind: str, start: float, end: float) -> None:
+def on_checkpoint(rt: Runtime, kind: str, start: float, end: float, upload: Future[Any] | None = None) -> None:
     """One outermost checkpoint save or load (perf_counter seconds): the histogram, badput
-    ``checkpoint`` (between steps; one inside a step is the step's time) and the black box."""
+    ``checkpoint`` (between steps; one inside a step is the step's time) and the black box.
+
+    Only a call on the thread that trains counts: one on another thread is part of a save in
+    progress (a distributed checkpoint's writer threads, an asynchronous save's upload).
+    ``upload``: an asynchronous save's upload (see :func:`checkpoint_saved`)."""
+    box = rt.rank_state
+    if box is not None and box.fields.get("thread") not in (None, threading.get_ident()):
+        return
     seconds = end - start
     metrics = rt.job_metrics
     if metrics is not None:
@@ -166,7 +174,7 @@ def on_checkpoint(rt: Runtime, kind: str, start: float, end: float) -> None:
     totals[kind] = totals.get(kind, 0.0) + seconds
     f["checkpoint_seconds"] = totals
     if kind == "save":
-        checkpoint_saved(rt, f.get("step"))
+        checkpoint_saved(rt, f.get("step"), upload)
 
 
 def framework_books_checkpoints(rt: Runtime, flag: bool) -> None:
@@ -177,9 +185,13 @@ def framework_books_checkpoints(rt: Runtime, flag: bool) -> None:
     rt.checkpoints_booked_by_framework = flag
 
 
-def checkpoint_saved(rt: Runtime, step: int | None) -> None:
+def checkpoint_saved(rt: Runtime, step: int | None, upload: Future[Any] | None = None) -> None:
     """A checkpoint saved now, holding ``step``: the black box's last checkpoint (for lost
-    progress: the steps after it are the ones a restart repeats)."""
+    progress: the steps after it are the ones a restart repeats).
+
+    ``upload``: the checkpoint was staged now and is stored on another thread: it becomes the
+    last checkpoint, as of now, once that future completes without error, unless a later one
+    was saved in the meantime."""
     box = rt.rank_state
     if box is None:
         return
@@ -188,7 +200,21 @@ def checkpoint_saved(rt: Runtime, step: int | None) -> None:
     except Exception as exc:
         rt.errors.report("record", exc)
         return
-    box.fields.update(checkpoint_step=step, checkpoint_time=time.time(), checkpoint_productive_s=productive)
+    now = time.time()
+    saved = {"checkpoint_step": step, "checkpoint_time": now, "checkpoint_productive_s": productive}
+    if upload is None:
+        box.fields.update(saved)
+        return
+
+    def uploaded(done: Future[Any]) -> None:
+        try:
+            stored = not done.cancelled() and done.exception() is None
+            if stored and (box.fields.get("checkpoint_time") or 0.0) <= now:
+                box.fields.update(saved)
+        except Exception as exc:
+            rt.errors.report("record", exc)
+
+    upload.add_done_callback(uploaded)
 
 
 def on_signal(rt: Runtime, signum: int, terminal: bool) -> None:
