@@ -3,6 +3,7 @@ and restored at shutdown, tt.checkpoint for anything else, a nested save counted
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 
@@ -153,3 +154,40 @@ def test_an_asynchronous_save_whose_upload_fails_is_no_checkpoint(rt, tmp_path):
         upload.result(timeout=30)
     time.sleep(0.1)
     assert rt.rank_state.fields.get("checkpoint_step") is None
+
+
+class _SlowFile(io.BytesIO):
+    """Storage that takes 0.1 s a write: a save of a few seconds."""
+
+    def write(self, data):
+        time.sleep(0.1)
+        return super().write(data)
+
+
+def test_a_long_save_between_steps_is_a_checkpoint_not_a_hang(tmp_path):
+    """A plain ``torch.save`` between steps (nanoGPT's checkpoint) that outlasts the hang
+    timeout was flagged as a hang in phase ``data_wait`` (and, under ``on_hang="abort"``, would
+    end the job in its checkpoint). The wrapped save now marks the phase ``checkpoint`` while it
+    runs, with that phase's allowance. The same pause with no save in it is still a hang."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="slow", hang_timeout_s=2.0,
+                 register_atexit=False)
+    try:
+        rt = current.runtime(create=False)
+        box = rt.rank_state.fields
+        _steps(0, 4)
+        phases = []
+        sampler = threading.Thread(target=lambda: [phases.append(box.get("phase")) or time.sleep(0.2)
+                                                   for _ in range(10)])
+        sampler.start()
+        t0 = time.perf_counter()
+        torch.save({"w": torch.zeros(1000)}, _SlowFile())
+        took = time.perf_counter() - t0
+        sampler.join()
+        assert took > 3.5, took  # longer than the timeout and the watchdog's look
+        assert not box.get("hangs") and not (tmp_path / "slow" / "hang.json").exists()
+        assert "checkpoint" in phases and box["phase"] == "data_wait"  # (and back after it)
+        assert box["checkpoint_step"] == 4
+        time.sleep(took)  # the same pause, no save in it
+        assert box.get("hangs") == 1 and (tmp_path / "slow" / "hang.json").exists()
+    finally:
+        tt.shutdown()

@@ -38,6 +38,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from torchtrace.job import progress
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("save", "load")
@@ -169,6 +171,9 @@ def _timed(kind: str) -> Iterator[_Call]:
     depth = getattr(_depth, "n", 0)
     _depth.n = depth + 1
     call = _Call()
+    # The watchdog's view: a long save is a checkpoint, with its allowance, not a hang.
+    before = progress.checkpoint_began() if depth == 0 and _sink is not None and progress.on_training_thread() \
+        else None
     start = time.perf_counter()
     finished = False
     try:
@@ -176,6 +181,8 @@ def _timed(kind: str) -> Iterator[_Call]:
         finished = True
     finally:
         _depth.n = depth
+        if before is not None:
+            progress.checkpoint_ended(before)
         sink = _sink
         # A save that raised saved nothing: no checkpoint to resume from.
         if depth == 0 and sink is not None and finished:

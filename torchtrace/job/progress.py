@@ -135,6 +135,33 @@ def collective_ended(before: str) -> None:
         f["phase_since"] = now
 
 
+def on_training_thread() -> bool:
+    """Whether the caller is the thread that runs the steps (before the first step: the one
+    that configured)."""
+    return _fields.get("thread") in (None, _ident())
+
+
+def checkpoint_began() -> str:
+    """A checkpoint save or load began on the training thread (``torch.save`` between steps,
+    say): the phase is ``checkpoint``, with its allowance, until it ends. Returns the phase
+    before it, for :func:`checkpoint_ended`."""
+    f = _fields
+    now = f["progress"] = _clock()
+    before = f.get("phase", "idle")
+    f["phase"] = "checkpoint"
+    f["phase_since"] = now
+    return before
+
+
+def checkpoint_ended(before: str) -> None:
+    """The save or load returned: the phase before it again."""
+    f = _fields
+    now = f["progress"] = _clock()
+    if f.get("phase") == "checkpoint":
+        f["phase"] = before
+        f["phase_since"] = now
+
+
 def between(kind: str) -> None:
     """A framework says the time until its next step is a checkpoint or an evaluation (a
     Trainer about to evaluate or save between two steps): the phase is that kind, with its

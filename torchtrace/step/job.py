@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torchtrace import current, files, semconv
 from torchtrace.errors import get_logger
-from torchtrace.job import checkpoints
+from torchtrace.job import checkpoints, progress
 from torchtrace.job.metrics import JobMetrics
 from torchtrace.job.signals import SignalGuard
 from torchtrace.job.story import job_story, story_of
@@ -156,8 +156,7 @@ def on_checkpoint(rt: Runtime, kind: str, start: float, end: float, upload: Futu
     Only a call on the thread that trains counts: one on another thread is part of a save in
     progress (a distributed checkpoint's writer threads, an asynchronous save's upload).
     ``upload``: an asynchronous save's upload (see :func:`checkpoint_saved`)."""
-    box = rt.rank_state
-    if box is not None and box.fields.get("thread") not in (None, threading.get_ident()):
+    if not progress.on_training_thread():
         return
     seconds = end - start
     metrics = rt.job_metrics
