@@ -191,3 +191,30 @@ def test_a_long_save_between_steps_is_a_checkpoint_not_a_hang(tmp_path):
         assert box.get("hangs") == 1 and (tmp_path / "slow" / "hang.json").exists()
     finally:
         tt.shutdown()
+
+
+class _SlowRead(io.BytesIO):
+    def read(self, *args):
+        time.sleep(0.05)
+        return super().read(*args)
+
+
+def test_a_load_before_the_first_step_stays_idle(tmp_path):
+    """A resume's load before the first step stays in phase ``idle``, which no timeout watches
+    (a large checkpoint may take longer than the checkpoint phase's 600 s to read)."""
+    buffer = io.BytesIO()
+    torch.save({"w": torch.zeros(1000)}, buffer)
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="resume", register_atexit=False)
+    try:
+        box = current.runtime(create=False).rank_state.fields
+        phases = []
+        sampler = threading.Thread(target=lambda: [phases.append(box.get("phase")) or time.sleep(0.05)
+                                                   for _ in range(10)])
+        sampler.start()
+        state = torch.load(_SlowRead(buffer.getvalue()))
+        sampler.join()
+        assert torch.equal(state["w"], torch.zeros(1000))
+        assert set(phases) == {"idle"} and box["phase"] == "idle", phases
+        assert _hist(current.runtime(create=False), "load")[0] == 1  # (timed all the same)
+    finally:
+        tt.shutdown()

@@ -143,13 +143,15 @@ def on_training_thread() -> bool:
 
 def checkpoint_began() -> str:
     """A checkpoint save or load began on the training thread (``torch.save`` between steps,
-    say): the phase is ``checkpoint``, with its allowance, until it ends. Returns the phase
-    before it, for :func:`checkpoint_ended`."""
+    say): the phase is ``checkpoint``, with its allowance, until it ends; while ``idle``
+    (before the first step: a resume's load) it stays idle, which no timeout watches. Returns
+    the phase before it, for :func:`checkpoint_ended`."""
     f = _fields
     now = f["progress"] = _clock()
     before = f.get("phase", "idle")
-    f["phase"] = "checkpoint"
-    f["phase_since"] = now
+    if before != "idle":
+        f["phase"] = "checkpoint"
+        f["phase_since"] = now
     return before
 
 
