@@ -144,7 +144,7 @@ def _wrap_async_save(owner: object, name: str) -> None:
     original = getattr(owner, name)
 
     @functools.wraps(original)
-    def timed(*args: object, **kwargs: object) -> Any:
+    def timed(*args: object, **kwargs: object) -> object:
         with _timed("save") as call:
             response = original(*args, **kwargs)
             # A Future, or (where the staging is asynchronous too) a response that holds the
