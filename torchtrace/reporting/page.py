@@ -8,6 +8,7 @@ from torchtrace.reporting.assets import page
 
 POLL_MS = 1000
 MAX_EVENTS = 5000
+LIVE_STEPS = 500  # the page draws the latest this many steps
 
 _LIVE_JS = """
 (function () {
@@ -60,5 +61,5 @@ setting (<code>TORCHTRACE_DEBUG_TOKEN</code>). The training thread applies a cha
 @functools.lru_cache(maxsize=1)
 def live_page() -> str:
     """The page's HTML: self-contained, it needs nothing but the debug API it came from."""
-    script = _LIVE_JS % {"steps": 500, "max_events": MAX_EVENTS, "poll": POLL_MS}
+    script = _LIVE_JS % {"steps": LIVE_STEPS, "max_events": MAX_EVENTS, "poll": POLL_MS}
     return page("torchtrace live", "connecting…", _HELP, script)
