@@ -18,6 +18,9 @@ Variants:
   bare       the plain step
   floor      the plain step plus the least any per-step gradient check costs: one fused norm
              over the gradients (before the update) and one host read of the norms and loss
+  devfloor   the device floor: the floor's norm pass, with a copy of the norms and loss to the
+             host that nothing waits for (read a step later); on a GPU the floor's host read
+             stalls the device, which no check needs to do. basic - devfloor is BASIC beyond it.
   off        decorated with @debug_operation, torchtrace configured with level=off
   basic / advanced / extreme   decorated, at that level; basic-nothr is BASIC with the
              throughput features (batch size, FLOPs, learning rate, phases, goodput) off;
@@ -59,6 +62,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import functools
 import json
 import logging
 import math
@@ -85,8 +89,8 @@ from torchtrace.measure.flops import shape_key  # noqa: E402
 from torchtrace.record import readout  # noqa: E402
 from torchtrace.record.step import StepRecord  # noqa: E402
 
-VARIANTS = ("bare", "floor", "off", "basic", "basic-nothr", "basic-aa", "basic-nojob", "basic-nofx", "advanced", "extreme",
-            "marks", "least", "ideal", "seed", "anomaly")
+VARIANTS = ("bare", "floor", "devfloor", "off", "basic", "basic-nothr", "basic-aa", "basic-nojob", "basic-nofx",
+            "advanced", "extreme", "marks", "least", "ideal", "seed", "anomaly")
 
 
 # ---------------------------------------------------------------- workloads
@@ -222,6 +226,44 @@ class Workload:
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
         optimizer.step()
+        return loss
+
+
+class DeviceFloor:
+    """The ``devfloor`` variant: ``step`` plus the one fused gradient norm pass and a copy of the
+    loss and norms to the host that nothing waits for: on CUDA a non-blocking copy into pinned
+    memory, whose values are taken a step later (by then the device has long finished it). What
+    a per-step check that never stalls a GPU must pay; on the CPU it is the ``floor`` without
+    its difference (there the copy is the read)."""
+
+    def __init__(self, wl: "Workload") -> None:
+        self.wl = wl
+        self.pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self.values: list[float] = []
+
+    def step(self, model, batch):
+        wl = self.wl
+        wl.optimizer.zero_grad(set_to_none=True)
+        loss = wl.loss(model, batch)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
+        values = torch.cat([loss.detach().reshape(1).to(torch.float64), norms])
+        if wl.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), wl.clip)
+        wl.optimizer.step()
+        if values.device.type != "cuda":
+            self.values = values.tolist()
+            return loss
+        if self.pending is not None:  # the last step's copy: landed long ago, so no wait
+            host, landed = self.pending
+            landed.synchronize()
+            self.values = host.tolist()
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        self.pending = (host, landed)
         return loss
 
 
@@ -392,6 +434,8 @@ def make_runner(variant: str, wl: Workload):
         return lambda: wl.step(model, batch)
     if variant == "floor":
         return lambda: wl.floor_step(model, batch)
+    if variant == "devfloor":
+        return functools.partial(DeviceFloor(wl).step, model, batch)
     if variant == "seed":
         def seeded():
             loss = wl.step(model, batch)
@@ -639,6 +683,8 @@ def fmt_table(name: str, wl: Workload, times, background: float = 0.0) -> str:
         lines.extend(paired_verdict(wall, "basic-nojob", "the job's per-step work"))
     if "basic" in wall and "basic-nofx" in wall:
         lines.extend(paired_verdict(wall, "basic-nofx", "NaN forensics on healthy steps"))
+    if "basic" in wall and "devfloor" in wall:
+        lines.extend(device_floor_verdict(wall))
     lines.append(f"torchtrace's background threads (span export, HTTP): {background * 1e6:.1f} us CPU per "
                  f"instrumented step")
     return "\n".join(lines)
@@ -694,6 +740,21 @@ def throughput_verdict(wall: dict[str, list[float]]) -> list[str]:
                      f"rates): {lmed * 1e6:+.1f} us ({lshare * 100:+.2f} % of bare), 95 % interval [{llo * 1e6:+.1f}, "
                      f"{lhi * 1e6:+.1f}] us ({within}); the features beyond it: {(med - lmed) * 1e6:+.1f} us")
     return lines
+
+
+def device_floor_verdict(wall: dict[str, list[float]]) -> list[str]:
+    """BASIC beyond the device floor (basic - devfloor, paired per round): in µs, as a share of
+    the bare step, with the 95 % interval of the median; and the device floor itself against
+    the bare step."""
+    floor = [f - b for f, b in zip(wall["devfloor"], wall["bare"])]
+    beyond = [x - f for x, f in zip(wall["basic"], wall["devfloor"])]
+    share = statistics.median((x - f) / b for x, f, b in zip(wall["basic"], wall["devfloor"], wall["bare"]))
+    lo, hi = median_interval(beyond)
+    return [f"device floor (devfloor - bare: the fused norm pass and a copy nothing waits for): "
+            f"{statistics.median(floor) * 1e6:+.1f} us",
+            f"BASIC beyond the device floor (basic - devfloor, paired per round): "
+            f"{statistics.median(beyond) * 1e6:+.1f} us ({share * 100:+.2f} % of bare), 95 % interval "
+            f"[{lo * 1e6:+.1f}, {hi * 1e6:+.1f}] us"]
 
 
 def paired_verdict(wall: dict[str, list[float]], without: str, what: str) -> list[str]:

@@ -25,7 +25,7 @@ def test_quick_benchmark_prints_the_table(tmp_path):
     assert "ms/step" in out and "ratio" in out
     for workload in ("mlp-", "encoder-", "tensors-"):
         assert workload in out, out
-    for variant in ("bare", "off", "basic", "advanced", "extreme", "marks", "least", "ideal", "seed", "anomaly"):
+    for variant in ("bare", "devfloor", "off", "basic", "advanced", "extreme", "marks", "least", "ideal", "seed", "anomaly"):
         assert any(line.split()[:1] == [variant] for line in out.splitlines()), f"no {variant} row:\n{out}"
     assert "OFF decorated call" in out
     assert "torchtrace_overhead_seconds_total" in out
@@ -34,6 +34,25 @@ def test_quick_benchmark_prints_the_table(tmp_path):
     assert "least phase capture (marks - floor" in out
     assert "least capture (least - floor: marks plus the shape key" in out
     assert "ideal features (ideal - floor: least plus the leanest per-step processing)" in out
+    assert "BASIC beyond the device floor (basic - devfloor, paired per round)" in out
+
+
+def test_the_device_floor_step_reads_the_loss_and_every_gradient_norm():
+    """``devfloor``'s step keeps the loss and each gradient's norm for the host, the values a
+    check must see, against float64 norms of the gradients taken by a plain loop."""
+    import torch
+
+    bench = load("overhead")
+    torch.manual_seed(0)
+    wl = bench.Workload("mlp", bench.MLP(6, layers=3), lambda d: (torch.randn(4, 6), torch.randn(4, 6)),
+                        bench._mse, torch.device("cpu"))
+    floor = bench.DeviceFloor(wl)
+    wl.optimizer.param_groups[0]["lr"] = 0.0  # the gradients stay those the values were taken from
+    loss = floor.step(wl.model, wl.batch)
+    grads = [p.grad.double() for p in wl.model.parameters()]
+    expected = [float(loss)] + [float(torch.sqrt((g * g).sum())) for g in grads]
+    assert len(floor.values) == 1 + 6
+    assert floor.values == pytest.approx(expected, rel=1e-6)
 
 
 def test_median_interval_holds_the_true_median_and_tells_a_shift_from_noise():
