@@ -182,7 +182,7 @@ def _timed(kind: str) -> Iterator[_Call]:
     finally:
         _depth.n = depth
         if before is not None:
-            progress.checkpoint_ended(before)
+            progress.phase_ended("checkpoint", before)
         sink = _sink
         # A save that raised saved nothing: no checkpoint to resume from.
         if depth == 0 and sink is not None and finished:

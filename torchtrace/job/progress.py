@@ -113,7 +113,7 @@ def step_ended(step: int) -> None:
 def collective_began(op: str, group: str) -> str:
     """A ``torch.distributed`` call was entered: counted, the phase is ``collective``.
 
-    Returns the phase before it, for :func:`collective_ended`.
+    Returns the phase before it, for :func:`phase_ended`.
     """
     f = _fields
     now = f["progress"] = _clock()
@@ -126,15 +126,6 @@ def collective_began(op: str, group: str) -> str:
     return before
 
 
-def collective_ended(before: str) -> None:
-    """The call returned (an ``async_op`` call returns before its work completes)."""
-    f = _fields
-    now = f["progress"] = _clock()
-    if f.get("phase") == "collective":
-        f["phase"] = before
-        f["phase_since"] = now
-
-
 def on_training_thread() -> bool:
     """Whether the caller is the thread that runs the steps (before the first step: the one
     that configured)."""
@@ -145,7 +136,7 @@ def checkpoint_began() -> str:
     """A checkpoint save or load began on the training thread (``torch.save`` between steps,
     say): the phase is ``checkpoint``, with its allowance, until it ends; while ``idle``
     (before the first step: a resume's load) it stays idle, which no timeout watches. Returns
-    the phase before it, for :func:`checkpoint_ended`."""
+    the phase before it, for :func:`phase_ended`."""
     f = _fields
     now = f["progress"] = _clock()
     before = f.get("phase", "idle")
@@ -155,11 +146,13 @@ def checkpoint_began() -> str:
     return before
 
 
-def checkpoint_ended(before: str) -> None:
-    """The save or load returned: the phase before it again."""
+def phase_ended(phase: str, before: str) -> None:
+    """A call that set ``phase`` returned (:func:`collective_began`'s ``torch.distributed``
+    call, which for ``async_op`` returns before its work completes; :func:`checkpoint_began`'s
+    save or load): the phase ``before`` it again, unless something else set one meanwhile."""
     f = _fields
     now = f["progress"] = _clock()
-    if f.get("phase") == "checkpoint":
+    if f.get("phase") == phase:
         f["phase"] = before
         f["phase_since"] = now
 

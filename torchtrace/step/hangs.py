@@ -9,6 +9,7 @@ how it decides.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Status, StatusCode
@@ -68,7 +69,7 @@ def count_collectives(rt: Runtime) -> None:
     older torch's that records NCCL only, the torch.distributed calls made from Python are
     counted, on a distributed job (at configure, or when its process group starts later)."""
     if rt.identity.distributed and not (flight.enabled() and flight.records_every_backend()):
-        flight.count_calls(progress.collective_began, progress.collective_ended)
+        flight.count_calls(progress.collective_began, functools.partial(progress.phase_ended, "collective"))
 
 
 def stop(rt: Runtime) -> None:
