@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 
 import pytest
@@ -567,4 +568,83 @@ def test_checkpoint_io_is_timed_as_saves_and_loads(tmp_path):
     assert 0 < rt.metrics.value("torchtrace_checkpoint_seconds_sum", labels) <= took
     assert rt.metrics.value("torchtrace_checkpoint_seconds_count", {"kind": "load"}) == 1
     assert rt.rank_state.fields["checkpoint_step"] is not None
+    tt.shutdown()
+
+
+class HeldWrites(pl.plugins.TorchCheckpointIO):
+    """Checkpoint files written on cue: each write waits for ``release`` (slow storage), then
+    is written, or fails (``fail``)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.writing = threading.Event()
+        self.release = threading.Event()
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.writing.set()
+        assert self.release.wait(30)
+        if self.fail:
+            raise OSError("the volume is full")
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class HeldWhileTraining(pl.Callback):
+    """After torchtrace's callback: the black box's checkpoint step at each batch's end while
+    the first write is held; lets the write go two batches later."""
+
+    def __init__(self, writes: HeldWrites) -> None:
+        self.writes = writes
+        self.held_seen: list[object] = []
+        self.step_at_end: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.step_at_end.append(get_runtime().rank_state.fields["step"])
+        if self.writes.writing.is_set() and not self.writes.release.is_set():
+            self.held_seen.append(get_runtime().rank_state.fields.get("checkpoint_step"))
+            if len(self.held_seen) == 2:
+                self.writes.release.set()
+
+
+def async_fit(tmp_path, callbacks, writes, steps=6):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[*callbacks, saving], limit_val_batches=0,
+                         plugins=[AsyncCheckpointIO(writes)])
+    trainer.fit(Module(), loaders()[0])
+    return trainer
+
+
+def test_an_asynchronous_checkpoint_io_counts_a_save_once_written_as_of_its_call(tmp_path):
+    """Lightning's ``AsyncCheckpointIO`` hands the checkpoint to a thread that writes it while
+    training goes on. The checkpoint holds the step of the call, and exists once written.
+
+    Before: it counted as saved when handed over, so a restart while the write was held (or
+    after it failed) would have been told it lost nothing."""
+    configure(tmp_path)
+    rt = get_runtime()
+    writes = HeldWrites()
+    held = HeldWhileTraining(writes)
+    async_fit(tmp_path, [TorchtraceCallback(validation_name=None), held], writes)
+    assert held.held_seen == [None, None]  # written nowhere yet: a restart would start from scratch
+    # Saves after batches 1, 3 and 5 (every 2 steps); the last holds the last batch's step.
+    assert rt.rank_state.fields["checkpoint_step"] == held.step_at_end[-1]
+    assert rt.metrics.value("torchtrace_checkpoint_seconds_count", {"kind": "save"}) == 3
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
+    tt.shutdown()
+
+
+def test_an_asynchronous_checkpoint_io_whose_write_fails_is_no_checkpoint(tmp_path):
+    configure(tmp_path)
+    rt = get_runtime()
+    writes = HeldWrites(fail=True)
+    held = HeldWhileTraining(writes)
+    with pytest.raises(OSError, match="the volume is full"):  # Lightning raises it at the next save
+        async_fit(tmp_path, [TorchtraceCallback(validation_name=None), held], writes)
+    assert held.held_seen == [None, None]
+    assert rt.rank_state.fields.get("checkpoint_step") is None
     tt.shutdown()

@@ -156,6 +156,25 @@ def test_an_asynchronous_save_whose_upload_fails_is_no_checkpoint(rt, tmp_path):
     assert rt.rank_state.fields.get("checkpoint_step") is None
 
 
+def test_a_marked_save_that_hands_over_counts_once_its_upload_completes(rt, tmp_path):
+    """``tt.checkpoint("save")`` around code that hands the checkpoint to a thread of its own
+    (an object store's upload): the yielded call's ``upload`` is that thread's future."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+    _steps(0, 2)
+    with ThreadPoolExecutor(max_workers=1) as uploads:
+        with tt.checkpoint("save") as call:
+            call.upload = uploads.submit(release.wait, 30)
+        _steps(3, 6)
+        assert rt.rank_state.fields.get("checkpoint_step") is None  # not stored yet
+        release.set()
+    deadline = time.monotonic() + 10  # (the done callback runs on the upload's thread)
+    while rt.rank_state.fields.get("checkpoint_step") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rt.rank_state.fields["checkpoint_step"] == 2
+
+
 class _SlowFile(io.BytesIO):
     """Storage that takes 0.1 s a write: a save of a few seconds."""
 

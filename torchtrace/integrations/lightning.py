@@ -8,8 +8,10 @@ Needs ``pip install "torchtrace[lightning]"``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
@@ -30,6 +32,9 @@ except ImportError:  # the older package name
         import pytorch_lightning as _pl  # type: ignore[no-redef]
     except ImportError:
         _pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
+
+# Lightning's checkpoint IO that writes on a thread of its own (None where this Lightning has none).
+_ASYNC_IO: type | None = getattr(getattr(_pl, "plugins", None), "AsyncCheckpointIO", None)
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -126,16 +131,19 @@ class TorchtraceCallback(_pl.Callback):
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         if io is None or getattr(io.save_checkpoint, "__torchtrace_kind__", None):
             return
-        for name, kind in (("save_checkpoint", "save"), ("load_checkpoint", "load")):
-            setattr(io, name, _timed(getattr(io, name), kind))
+        handing_over = (_ASYNC_IO is not None and isinstance(io, _ASYNC_IO)
+                        and getattr(io, "checkpoint_io", None) is not None)
+        io.save_checkpoint = _timed_handover(io) if handing_over else _timed(io.save_checkpoint, "save")
+        io.load_checkpoint = _timed(io.load_checkpoint, "load")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if _measures_clips(pl_module):
             del pl_module.clip_gradients  # the instance's wrapper off: the class's method again
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
-        for name in ("save_checkpoint", "load_checkpoint"):
-            if io is not None and getattr(getattr(io, name, None), "__torchtrace_kind__", None):
-                delattr(io, name)  # the instance's wrapper off: the class's method again
+        for plugin in (io, getattr(io, "checkpoint_io", None)):  # (an AsyncCheckpointIO's writer too)
+            for name in ("save_checkpoint", "load_checkpoint"):
+                if plugin is not None and getattr(getattr(plugin, name, None), "__torchtrace_kind__", None):
+                    delattr(plugin, name)  # the instance's wrapper off: the class's method again
 
     # ------------------------------------------------------------ training
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
@@ -273,6 +281,44 @@ def _still_scaled(pl_module: LightningModule) -> bool:
     except Exception:  # no trainer attached
         return False
     return scaler_enabled(scaler) and not unscaled_by(scaler)
+
+
+def _timed_handover(io: Any) -> Callable[..., None]:
+    """``save_checkpoint`` of an ``AsyncCheckpointIO``, which hands the checkpoint to its one
+    thread and returns: timed as a save that counts once written (``TimedCall.upload``).
+
+    The thread runs the writes in the order of the calls, through the plugin ``io`` wraps: each
+    call queues a future, and that plugin's ``save_checkpoint``, wrapped too, completes the
+    oldest as its write ends. (A call that raises before handing over, which Lightning does only
+    once a write has failed and the fit is ending, would leave its future to the next write.)
+    """
+    written: collections.deque[Future[None]] = collections.deque()
+    writer = io.checkpoint_io
+    write = writer.save_checkpoint
+    hand_over = io.save_checkpoint
+
+    def writing(*args: object, **kwargs: object) -> None:
+        done = written.popleft() if written else None
+        try:
+            write(*args, **kwargs)
+        except BaseException as exc:
+            if done is not None:
+                done.set_exception(exc)
+            raise
+        if done is not None:
+            done.set_result(None)
+
+    def timed(*args: object, **kwargs: object) -> None:
+        done: Future[None] = Future()
+        written.append(done)
+        with checkpoint("save") as call:
+            call.upload = done
+            hand_over(*args, **kwargs)
+
+    writing.__torchtrace_kind__ = "write"  # type: ignore[attr-defined]
+    writer.save_checkpoint = writing
+    timed.__torchtrace_kind__ = "save"  # type: ignore[attr-defined]
+    return timed
 
 
 def _timed(method: Callable[..., _R], kind: str) -> Callable[..., _R]:

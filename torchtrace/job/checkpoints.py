@@ -157,20 +157,25 @@ def _wrap_async_save(owner: object, name: str) -> None:
     _originals.append((owner, name, original))
 
 
-class _Call:
-    """What the sink learns of a timed call besides its time: an asynchronous save's upload."""
+class TimedCall:
+    """What the sink learns of a timed save or load besides its time.
+
+    ``upload``: for a save that only hands the checkpoint over to be stored on another thread
+    (``dcp.async_save``, Lightning's ``AsyncCheckpointIO``), a future that completes once it is
+    stored. The checkpoint then counts, holding the step of the call, when the future completes
+    without error; one that fails is no checkpoint."""
 
     def __init__(self) -> None:
         self.upload: Future[Any] | None = None
 
 
 @contextlib.contextmanager
-def _timed(kind: str) -> Iterator[_Call]:
+def _timed(kind: str) -> Iterator[TimedCall]:
     """Time the block as a ``kind`` call and hand it to the sink, if it is the thread's
     outermost and did not raise."""
     depth = getattr(_depth, "n", 0)
     _depth.n = depth + 1
-    call = _Call()
+    call = TimedCall()
     # The watchdog's view: a long save is a checkpoint, with its allowance, not a hang.
     before = progress.checkpoint_began() if depth == 0 and _sink is not None and progress.on_training_thread() \
         else None
@@ -193,13 +198,16 @@ def _timed(kind: str) -> Iterator[_Call]:
 
 
 @contextlib.contextmanager
-def checkpoint(kind: str = "save") -> Iterator[None]:
+def checkpoint(kind: str = "save") -> Iterator[TimedCall]:
     """Mark a checkpoint save or load that torchtrace cannot see on its own.
 
     Its time goes to ``torchtrace_checkpoint_seconds{kind}`` and to badput ``checkpoint``; a
     save sets the black box's ``checkpoint_step`` to the last step finished. Inside another
     save or load (wrapped or marked) it counts nothing more, nor on a thread other than the
     one that trains (there the step it holds is not known). A block that raises counts nothing.
+
+    A block that only hands the checkpoint over to be stored elsewhere sets the yielded call's
+    ``upload`` to a future that completes once it is stored (:class:`TimedCall`).
 
     Raises:
         ValueError: ``kind`` is not ``save`` or ``load`` (at the call, before the block runs).
@@ -210,5 +218,5 @@ def checkpoint(kind: str = "save") -> Iterator[None]:
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(KINDS)}")
-    with _timed(kind):
-        yield
+    with _timed(kind) as call:
+        yield call
