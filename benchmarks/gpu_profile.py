@@ -9,8 +9,9 @@ Per variant and per step: the wall time, the device's busy time (the union of it
 and fills), the device's idle time between a round's first and last kernel, the time from a
 round's start to its first kernel (host work the device waits for), and the time from its last
 kernel to the round's end. Then the kernels whose device time per step differs from the bare
-step's by more than a microsecond, and each thread's CPU time per BASIC step, unprofiled. Needs
-CUDA.
+step's by more than a microsecond; unprofiled, the time from calling each variant's step to
+its body's first line (host work the device waits for after a synchronisation), and each
+thread's CPU time per BASIC step. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -117,6 +118,35 @@ def thread_cpu_per_step(runner, steps: int) -> tuple[float, dict[str, float]]:
     return wall / steps * 1e6, {name: (after[name] - before.get(name, 0.0)) / steps * 1e6 for name in after}
 
 
+def entry_latency(wl, variant: str, rounds: int, steps: int, sync) -> tuple[float, float]:
+    """Median µs from calling a ``variant`` step to its body's first line (the user's code; on a
+    GPU the device idles until then after a synchronisation): for the first step of a round,
+    which follows ``sync()``, and for the others. Unprofiled."""
+    starts: list[float] = []
+    body = wl.step
+
+    def step(model, batch):
+        starts.append(time.perf_counter())
+        return body(model, batch)
+
+    wl.step = step  # (the instance's attribute: make_runner's variants call it)
+    try:
+        runner = overhead.make_runner(variant, wl)
+        for _ in range(3):
+            runner()
+        first, later = [], []
+        for _ in range(rounds):
+            sync()
+            for i in range(steps):
+                called = time.perf_counter()
+                runner()
+                (first if i == 0 else later).append((starts[-1] - called) * 1e6)
+        sync()
+    finally:
+        del wl.step
+    return statistics.median(first), statistics.median(later) if later else float("nan")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu-model", action="store_true")
@@ -159,6 +189,10 @@ def main() -> int:
               f"in all {sum(diff.values()):+.1f}:")
         for d, name in sorted(shown, reverse=True):
             print(f"  {d:+9.1f}  {name[:110]}")
+    print("\nµs from calling the step to its body's first line, median of 50 rounds (unprofiled):")
+    for variant in args.variants.split(","):
+        first, later = entry_latency(wl, variant, 50, args.steps, torch.cuda.synchronize)
+        print(f"  {variant:<8} first step of a round {first:8.1f}   later steps {later:8.1f}")
     if "basic" in args.variants.split(","):
         wall, threads = thread_cpu_per_step(overhead.make_runner("basic", wl), 100)
         print(f"\nbasic, 100 steps unprofiled: {wall:.1f} µs per step; CPU µs per step by thread:")

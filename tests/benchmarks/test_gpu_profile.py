@@ -31,3 +31,18 @@ def test_a_round_is_split_into_busy_idle_and_the_host_time_at_its_ends():
     assert out["wall"] == 500.0 and out["busy"] == 300.0 and out["idle_inside"] == 100.0
     assert out["to_first_kernel"] == 100.0 and out["after_last_kernel"] == 100.0
     assert out["ops"] == pytest.approx({"gemm": 150.0, "norm": 150.0, "Memcpy DtoH": 5.0})
+
+
+def test_entry_latency_sees_torchtrace_before_the_steps_body(tt_runtime):
+    """On the CPU: a BASIC step reaches its body later than the bare step does, and the bare
+    step's entry is a function call away."""
+    import torch
+
+    bench = load("gpu_profile")
+    args = type("Args", (), {"gpt": False, "gpu_model": False, "quick": True, "only_mlp": True})()
+    wl = bench.overhead.workloads(args, torch.device("cpu"))[0]
+    bare_first, bare_later = bench.entry_latency(wl, "bare", 30, 2, lambda: None)
+    basic_first, basic_later = bench.entry_latency(wl, "basic", 30, 2, lambda: None)
+    assert 0 < bare_first < 50 and 0 < bare_later < 50
+    assert basic_later > bare_later + 2
+    assert "step" not in vars(wl)  # the body is the workload's own again
