@@ -635,6 +635,7 @@ def test_an_asynchronous_checkpoint_io_counts_a_save_once_written_as_of_its_call
     assert rt.metrics.value("torchtrace_checkpoint_seconds_count", {"kind": "save"}) == 3
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
+    assert "save_checkpoint" not in vars(writes)  # teardown took the writer's wrapper off too
     tt.shutdown()
 
 
