@@ -6,6 +6,7 @@ import logging
 import math
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -572,8 +573,8 @@ def test_checkpoint_io_is_timed_as_saves_and_loads(tmp_path):
 
 
 class HeldWrites(pl.plugins.TorchCheckpointIO):
-    """Checkpoint files written on cue: each write waits for ``release`` (slow storage), then
-    is written, or fails (``fail``)."""
+    """Checkpoint files written on cue: each write off the main thread (the asynchronous
+    plugin's) waits for ``release`` (slow storage), then is written, or fails (``fail``)."""
 
     def __init__(self, fail: bool = False) -> None:
         super().__init__()
@@ -582,8 +583,9 @@ class HeldWrites(pl.plugins.TorchCheckpointIO):
         self.release = threading.Event()
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
-        self.writing.set()
-        assert self.release.wait(30)
+        if threading.current_thread() is not threading.main_thread():
+            self.writing.set()
+            assert self.release.wait(30)
         if self.fail:
             raise OSError("the volume is full")
         super().save_checkpoint(checkpoint, path, storage_options)
@@ -648,4 +650,50 @@ def test_an_asynchronous_checkpoint_io_whose_write_fails_is_no_checkpoint(tmp_pa
         async_fit(tmp_path, [TorchtraceCallback(validation_name=None), held], writes)
     assert held.held_seen == [None, None]
     assert rt.rank_state.fields.get("checkpoint_step") is None
+    tt.shutdown()
+
+
+class RawWrites(HeldWrites):
+    """Writes without ``torch.save`` (as a safetensors plugin does): torchtrace does not see
+    them on their own."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if threading.current_thread() is not threading.main_thread():
+            self.writing.set()
+            assert self.release.wait(30)
+        Path(path).write_bytes(repr(sorted(checkpoint)).encode())
+
+
+def test_a_direct_write_does_not_complete_a_save_handed_over(tmp_path):
+    """A write called on the training thread (straight to the plugin the asynchronous one
+    wraps) is not the write of a save waiting on the plugin's thread: each save handed over
+    counts when its own write ends."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    configure(tmp_path)
+    rt = get_runtime()
+    writes = RawWrites()
+    io = AsyncCheckpointIO(writes)
+    callback = TorchtraceCallback(validation_name=None)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(checkpoint_io=io))
+    callback.setup(trainer, Module(), "fit")
+    for step in (0, 1):  # a save after each step: the first write held, the second queued behind it
+        with tt.debug_context("train_step", step=step):
+            pass
+        io.save_checkpoint({"w": torch.ones(2)}, tmp_path / f"handed{step}.ckpt")
+        assert writes.writing.wait(10)
+    writes.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "direct.ckpt")
+    assert (tmp_path / "direct.ckpt").exists()
+    assert rt.rank_state.fields.get("checkpoint_step") is None  # neither save handed over is written yet
+    writes.release.set()
+    io.teardown()  # waits for the writes
+    deadline = time.monotonic() + 10
+    while rt.rank_state.fields.get("checkpoint_step") != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rt.rank_state.fields["checkpoint_step"] == 1
+    assert (tmp_path / "handed0.ckpt").exists() and (tmp_path / "handed1.ckpt").exists()
+    callback.teardown(trainer, Module(), "fit")
+    assert "save_checkpoint" not in vars(io) and "save_checkpoint" not in vars(writes)
     tt.shutdown()

@@ -289,8 +289,9 @@ def _timed_handover(io: Any) -> Callable[..., None]:
 
     The thread runs the writes in the order of the calls, through the plugin ``io`` wraps: each
     call queues a future, and that plugin's ``save_checkpoint``, wrapped too, completes the
-    oldest as its write ends. (A call that raises before handing over, which Lightning does only
-    once a write has failed and the fit is ending, would leave its future to the next write.)
+    oldest as its write on that thread ends. (A call that raises before handing over, which
+    Lightning does only once a write has failed and the fit is ending, would leave its future
+    to the next write.)
     """
     written: collections.deque[Future[None]] = collections.deque()
     writer = io.checkpoint_io
@@ -298,7 +299,8 @@ def _timed_handover(io: Any) -> Callable[..., None]:
     hand_over = io.save_checkpoint
 
     def writing(*args: object, **kwargs: object) -> None:
-        done = written.popleft() if written else None
+        # (a write on the training thread is a direct call, not one handed over)
+        done = written.popleft() if written and not progress.on_training_thread() else None
         try:
             write(*args, **kwargs)
         except BaseException as exc:
