@@ -146,7 +146,9 @@ def test_gil_holding_hang_leaves_every_threads_stack_in_the_run_directory(tmp_pa
         read_line(proc, "METRICS")
         hanging = float(read_line(proc, "HANGING"))
         # No Python thread runs: faulthandler's C thread dumps the stacks a little after the timeout.
-        dump = wait_for(lambda: [p for p in tmp_path.glob("*/stacks.txt") if "Timeout (" in p.read_text()], 60, proc)
+        # It writes them thread by thread, the training thread last: wait for the whole dump.
+        dump = wait_for(lambda: [p for p in tmp_path.glob("*/stacks.txt")
+                                 if "Timeout (" in (t := p.read_text()) and f'File "{WORKER}", line' in t], 60, proc)
         assert time.time() - hanging < 3.0 + 3.0 + 5.0
         text = dump[0].read_text()
         assert f'File "{WORKER}", line' in text and "in forward" in text
