@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import threading
 import time
 from pathlib import Path
@@ -642,15 +643,20 @@ def test_an_asynchronous_checkpoint_io_counts_a_save_once_written_as_of_its_call
 
 
 def test_an_asynchronous_checkpoint_io_whose_write_fails_is_no_checkpoint(tmp_path):
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     configure(tmp_path)
     rt = get_runtime()
     writes = HeldWrites(fail=True)
     held = HeldWhileTraining(writes)
-    with pytest.raises(OSError, match="the volume is full"):  # Lightning raises it at the next save
-        async_fit(tmp_path, [TorchtraceCallback(validation_name=None), held], writes)
-    assert held.held_seen == [None, None]
-    assert rt.rank_state.fields.get("checkpoint_step") is None
-    tt.shutdown()
+    try:
+        with pytest.raises(OSError, match="the volume is full"):  # Lightning raises it at the next save
+            async_fit(tmp_path, [TorchtraceCallback(validation_name=None), held], writes)
+        assert held.held_seen == [None, None]
+        assert rt.rank_state.fields.get("checkpoint_step") is None
+    finally:
+        tt.shutdown()
+        for sig, handler in handlers.items():  # a fit that raised leaves Lightning's handlers behind
+            signal.signal(sig, handler)
 
 
 class RawWrites(HeldWrites):
