@@ -214,15 +214,20 @@ class Workload:
         self.optimizer.step()
         return loss
 
-    def floor_step(self, model, batch, optimizer=None):
-        """``step`` plus one fused gradient norm pass and one host read (the ``floor`` variant)."""
+    def floor_step(self, model, batch, optimizer=None, read=None):
+        """``step`` plus one fused gradient norm pass and one host read (the ``floor`` variant).
+        ``read`` takes the loss and norms (one float64 vector) instead of reading them now."""
         optimizer = optimizer or self.optimizer
         optimizer.zero_grad(set_to_none=True)
         loss = self.loss(model, batch)
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
-        torch.cat([loss.detach().reshape(1).to(torch.float64), norms]).tolist()
+        values = torch.cat([loss.detach().reshape(1).to(torch.float64), norms])
+        if read is None:
+            values.tolist()
+        else:
+            read(values)
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
         optimizer.step()
@@ -242,19 +247,13 @@ class DeviceFloor:
         self.values: list[float] = []
 
     def step(self, model, batch):
-        wl = self.wl
-        wl.optimizer.zero_grad(set_to_none=True)
-        loss = wl.loss(model, batch)
-        loss.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
-        values = torch.cat([loss.detach().reshape(1).to(torch.float64), norms])
-        if wl.clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), wl.clip)
-        wl.optimizer.step()
+        return self.wl.floor_step(model, batch, read=self.read)
+
+    def read(self, values: torch.Tensor) -> None:
+        """Start copying ``values`` to the host; take the last step's copy, which has landed."""
         if values.device.type != "cuda":
             self.values = values.tolist()
-            return loss
+            return
         if self.pending is not None:  # the last step's copy: landed long ago, so no wait
             host, landed = self.pending
             landed.synchronize()
@@ -264,7 +263,6 @@ class DeviceFloor:
         landed = torch.cuda.Event()
         landed.record()
         self.pending = (host, landed)
-        return loss
 
 
 def _mse(model, batch):
