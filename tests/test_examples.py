@@ -6,6 +6,7 @@ tests/distributed/test_torchrun.py.)"""
 from __future__ import annotations
 
 import ast
+import decimal
 import json
 import math
 import os
@@ -66,7 +67,16 @@ def test_transformers_callback_example(tmp_path):
     _healthy_training(spans, report, steps=50, params=41)  # BERT's 41 trainable tensors at this size
     logged = [ast.literal_eval(m) for m in re.findall(r"\{'loss': [^}]*\}", proc.stdout + proc.stderr)]
     norms = [s["attributes"]["torchtrace.grad.norm"] for s in spans if s["name"] == "train_step"]
-    assert [float(entry["grad_norm"]) for entry in logged] == [round(norms[24], 4), round(norms[49], 4)], logged
+    assert len(logged) == 2, logged
+    for entry, norm in zip(logged, [norms[24], norms[49]]):
+        assert _agrees_to_its_digits(str(entry["grad_norm"]), norm), (entry, norm)
+
+
+def _agrees_to_its_digits(printed: str, value: float) -> bool:
+    """Whether ``printed`` is ``value`` to the digits it shows: the Trainer's console log
+    writes 4 significant digits (``1.134`` for 1.1337), older releases wrote more."""
+    last_digit = 10.0 ** decimal.Decimal(printed).as_tuple().exponent
+    return abs(float(printed) - value) <= 0.5 * last_digit * (1 + 1e-9)
 
 
 def test_optimize_benchmark_example(tmp_path):
