@@ -11,6 +11,12 @@ step hands their values over; the span sets them when first read). It reads like
 ``ReadableSpan`` (``name``, ``attributes``, ``events``, ``status``, ...), so ``spans.jsonl`` is
 written from it directly.
 
+A root step span under the SDK's default sampler (no span around the step: a plain training
+loop) decides nothing at entry: it is sampled, and its ids are drawn when first read, by a child
+span or, at the latest, the step's end (:meth:`StepSpan.get_span_context`). Step
+entry is on the critical path of a GPU that waits for the host; the step's end runs with the
+step's work queued (issue 52).
+
 :func:`apply_record` is the one place a finished :class:`~torchtrace.record.step.StepRecord`
 becomes span attributes, events and status.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from opentelemetry import trace
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
     from opentelemetry.trace import Span
     from opentelemetry.util.types import AnyValue, AttributeValue
 
@@ -46,6 +54,7 @@ _UNSET = Status(StatusCode.UNSET)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 MAX_USER_ATTRIBUTES = 128
+_FIRST_READ = threading.Lock()  # a span's ids are drawn once, whichever thread reads them first
 
 
 class SpanEvent:
@@ -61,15 +70,21 @@ class SpanEvent:
 
 class StepSpan(trace.Span):
     """The span of one step. Made by :func:`open_span`; ended by the runtime once the record is
-    finished (``end`` hands it to ``sink``, the runtime's span processors)."""
+    finished (``end`` hands it to ``sink``, the runtime's span processors).
 
-    __slots__ = ("name", "_context", "parent", "resource", "start_time", "end_time", "_own", "_user", "_events",
-                 "status", "_sink", "instrumentation_scope")
+    ``context`` None: a sampled root span whose ids ``ids`` draws when they are first read, in
+    the trace ``trace_id`` (0: a new trace).
+    """
 
-    def __init__(self, name: str, context: SpanContext, parent: SpanContext | None, resource: Resource,
-                 attributes: dict[str, Any], start_time: int, sink: Callable[["StepSpan"], None]) -> None:
+    __slots__ = ("name", "_context", "_ids", "parent", "resource", "start_time", "end_time", "_own", "_user",
+                 "_events", "status", "_sink", "instrumentation_scope")
+
+    def __init__(self, name: str, context: SpanContext | None, parent: SpanContext | None, resource: Resource,
+                 attributes: dict[str, Any], start_time: int, sink: Callable[["StepSpan"], None],
+                 ids: tuple[IdGenerator, int] | None = None) -> None:
         self.name = name
         self._context = context
+        self._ids = ids
         self.parent = parent
         self.resource = resource
         self.start_time = start_time
@@ -83,7 +98,19 @@ class StepSpan(trace.Span):
 
     # ------------------------------------------------------------ the user's span API
     def get_span_context(self) -> SpanContext:
-        return self._context
+        context = self._context
+        return context if context is not None else self._draw_ids()
+
+    def _draw_ids(self) -> SpanContext:
+        """The context of a root span opened without one: its ids, drawn once (two threads that
+        read them first get the same)."""
+        with _FIRST_READ:
+            if self._context is None:
+                assert self._ids is not None  # (a span is opened with a context or with its ids' source)
+                ids, trace_id = self._ids
+                self._context = SpanContext(trace_id or ids.generate_trace_id(), ids.generate_span_id(),
+                                            is_remote=False, trace_flags=_SAMPLED)
+            return self._context
 
     def is_recording(self) -> bool:
         return self.end_time is None
@@ -128,13 +155,13 @@ class StepSpan(trace.Span):
         if self.end_time is not None:
             return
         self.end_time = end_time or _now()
-        if self._context.trace_flags.sampled:
+        if self.get_span_context().trace_flags.sampled:
             self._sink(self)
 
     # ------------------------------------------------------------ read like a ReadableSpan
     @property
     def context(self) -> SpanContext:
-        return self._context
+        return self.get_span_context()
 
     @property
     def attributes(self) -> dict[str, Any]:
@@ -175,6 +202,11 @@ def open_span(tracer_provider: TracerProvider, name: str, attributes: dict[str, 
 
     ``trace_id``: forced (one trace per step across ranks) when the step is a root span.
     """
+    if around is not None and not around and tracer_provider.sampler is DEFAULT_ON:
+        # Nothing around the step (an empty context) and the default sampler: a sampled root
+        # span, whose ids are drawn when first read.
+        return StepSpan(name, None, None, tracer_provider.resource, attributes, start_ns, sink,
+                        (tracer_provider.id_generator, trace_id))
     parent: SpanContext | None
     parent = trace.get_current_span(around).get_span_context()
     if not parent.is_valid:
