@@ -233,6 +233,8 @@ REVIEWED = {
     "measure/batch.py": "the batch's samples and tokens from a step's arguments, every shape the rules know",
     "export/server.py": "the telemetry server: its connection limits, the request head's budget, the pacing "
                         "and the typed request handler",
+    "export/spans.py": "a step's span: the object the user's code sees inside the step, its ids drawn when first "
+                       "read, and the one place a finished record becomes its attributes",
     "api.py": "the public entry points (configure, shutdown, debug_context, debug_operation) with their examples",
     "step/throughput.py: finish_step": "the step's figures in the order they are decided; its first lines end "
                                        "the usual step",
