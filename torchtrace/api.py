@@ -22,6 +22,7 @@ from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
 from torchtrace.distributed import in_dataloader_worker
 from torchtrace.distributed.identity import (
+    Identity,
     identity,
     rank_file_name,
     rerunning_main_script,
@@ -29,7 +30,7 @@ from torchtrace.distributed.identity import (
     watch_group_start,
 )
 from torchtrace.errors import get_logger
-from torchtrace.job.identity import spawned_run_id
+from torchtrace.job.identity import hand_over_run_id, launched_rank_run_id, spawned_run_id, take_back_run_id
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
 from torchtrace.step import block, checks, clipping, job, updaters
@@ -148,6 +149,7 @@ def _set_up(resolved: Settings) -> ConfigureResult:
 
         rt = Runtime(resolved)
         current.set_runtime(rt)
+        hand_over_run_id(resolved.run_id)
         clipping.install()
         updaters.install()
         watch_layouts()
@@ -172,19 +174,20 @@ def _shut_down_as_the_process_ends() -> None:
 
 
 def _settings(args: dict[str, Any]) -> Settings:
-    """``configure()``'s settings; ranks started through ``multiprocessing`` take the run id
-    they share where nothing names one (:func:`_spawned_ranks_run_id`)."""
+    """``configure()``'s settings; where nothing names a run id, ranks started through
+    ``multiprocessing`` take the one they share (:func:`_spawned_ranks_run_id`), and ranks a
+    configured process started take its own (:func:`~torchtrace.job.identity.launched_rank_run_id`)."""
     resolved = Settings.resolve(args)
-    spawned = _spawned_ranks_run_id(resolved)
-    return resolved if spawned is None else Settings.resolve(args, default_run_id=spawned)
+    ident = identity()
+    shared = _spawned_ranks_run_id(resolved, ident) or launched_rank_run_id(ident.rank, ident.distributed)
+    return resolved if shared is None else Settings.resolve(args, default_run_id=shared)
 
 
-def _spawned_ranks_run_id(settings: Settings) -> str | None:
+def _spawned_ranks_run_id(settings: Settings, ident: Identity) -> str | None:
     """The run id the ranks of a job started by ``multiprocessing`` share when nothing names one
     (:func:`torchtrace.job.identity.spawned_run_id`), for a process that is a rank of a world of
     more than one: its files go beside the other ranks' black boxes, where the watchdog and
     ``torchtrace why`` look for them."""
-    ident = identity()
     if not ident.distributed:
         return None
     run_dir = Path(settings.run_dir) if settings.write_files else None
@@ -225,6 +228,7 @@ def shutdown(timeout_s: float | None = None) -> None:
             updaters.uninstall()
             unwatch_layouts()
             unwatch_group_start()
+            take_back_run_id()
 
 
 def _process_group_started() -> None:
@@ -296,7 +300,7 @@ def _set_up_forked_child(parent: Runtime) -> None:
     any other child has a run of its own, ``<parent's run id>-pid<pid>``.
     """
     settings = parent.settings.replace(job_id=parent.job_id)
-    run_id = _spawned_ranks_run_id(settings) or f"{parent.settings.run_id}-pid{os.getpid()}"
+    run_id = _spawned_ranks_run_id(settings, identity()) or f"{parent.settings.run_id}-pid{os.getpid()}"
     _set_up(settings.replace(run_id=run_id))
 
 

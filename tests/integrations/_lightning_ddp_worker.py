@@ -3,7 +3,8 @@ the CPU, gloo), with torchtrace configured at the top of the script, before the 
 the second process and the process group: as a user's script does it.
 
 Usage: ``python _lightning_ddp_worker.py OUT_DIR``; each process writes ``OUT_DIR/rank<r>.json``:
-its steps' skip decisions, its identity as torchtrace read it, a checksum of the final weights.
+its steps' skip decisions, its identity as torchtrace read it, its run id, a checksum of the final
+weights.
 A NaN loss on rank 1 at batch 2 of each epoch; the rank-skew collective every 3 steps.
 """
 
@@ -66,7 +67,8 @@ def main() -> int:
               "rank": rt.identity.rank, "world": rt.identity.world_size,
               "skews": rt.report()["distributed"]["collectives"].get("skew", 0),
               "weights": float(sum(p.detach().double().sum() for p in module.parameters())),
-              "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters())}
+              "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()),
+              "run_id": rt.settings.run_id}
     tt.shutdown()
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as fh:
         json.dump(result, fh)

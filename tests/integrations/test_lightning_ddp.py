@@ -3,7 +3,9 @@ of the script, before the launcher starts the second process and both start the 
 The first process read a world of one from its environment at configure, the second a world of
 two: before, the second alone issued the guard's agreement and the rank-skew collective, and the
 job hung for good (at its first step under ``guard="skip"``, at step 50 under the defaults).
-torchtrace now reads its identity again when ``init_process_group`` returns."""
+torchtrace now reads its identity again when ``init_process_group`` returns. The second process
+takes the first one's run id (before, each wrote a run of its own, and the second's files
+were named for rank 0)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_module
+from torchtrace.job.state import read_states
 
 require_module("lightning.pytorch")
 
@@ -37,6 +40,13 @@ def test_a_lightning_ddp_job_from_its_own_launcher_skips_alike_and_ends(tmp_path
         assert res["skews"] == 3  # every 3 steps, on both
         assert res["finite"]
     assert ranks[0]["weights"] == ranks[1]["weights"]
+    # One run: rank 1 took the run id of the script that started it; each black box says its
+    # rank in the world the process group made.
+    assert ranks[0]["run_id"] == ranks[1]["run_id"]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name == ranks[0]["run_id"]
+    assert [(s["rank"], s["world_size"], s["ended"]) for s in read_states(run)] == [(0, 2, "completed"),
+                                                                                 (1, 2, "completed")]
 
 
 SPAWN_SCRIPT = r"""

@@ -41,15 +41,21 @@ def identity(environ: Mapping[str, str] | None = None) -> Identity:
     the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK),
     else a single process.
 
+    A launcher that names no global rank (Lightning's for ``devices=N``: LOCAL_RANK, NODE_RANK
+    and WORLD_SIZE) gives the first node's processes their local rank as their rank; on a later
+    node the rank is unknown until the process group starts, and read as 0.
+
     >>> identity({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}).local_world_size
     2
+    >>> identity({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2"}).rank
+    1
     """
     env = os.environ if environ is None else environ
-    rank = _int(env, "RANK", 0)
     world = _int(env, "WORLD_SIZE", 1)
     local = _int(env, "LOCAL_RANK", 0)
     local_world = _int(env, "LOCAL_WORLD_SIZE", 1)
     node_rank = _int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0))
+    rank = _int(env, "RANK", local if world > 1 and node_rank == 0 else 0)
     try:
         import torch.distributed as dist
 

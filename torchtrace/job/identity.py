@@ -150,6 +150,41 @@ def process_start_time(pid: int | str = "self") -> float | None:
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
+LAUNCHER_RUN = "TORCHTRACE_LAUNCHER_RUN"
+"""Set by a configured process in its own environment, which the processes it starts inherit:
+``<pid> <run id>`` (see :func:`launched_rank_run_id`). torchtrace's own: not a setting."""
+
+
+def hand_over_run_id(run_id: str) -> None:
+    """Offer this process's run id to the ranks it may start (:func:`launched_rank_run_id`)."""
+    os.environ[LAUNCHER_RUN] = f"{os.getpid()} {run_id}"
+
+
+def take_back_run_id() -> None:
+    """Withdraw this process's offer (at shutdown): a later run of this process has its own id."""
+    if os.environ.get(LAUNCHER_RUN, "").split(" ", 1)[0] == str(os.getpid()):
+        del os.environ[LAUNCHER_RUN]
+
+
+def launched_rank_run_id(rank: int, distributed: bool, environ: Mapping[str, str] | None = None) -> str | None:
+    """The run id of the configured process that started this one, for a rank other than 0 of a
+    world of more than one that its parent started (Lightning's launcher for ``devices=N``: the
+    user's script, configured at its top, is rank 0 and starts the others with its environment);
+    None otherwise. Ranks started by a process that is not torchtrace's (torchrun's agent, a
+    shell), and rank 0, which may be a new job's first process, keep their own.
+
+    >>> launched_rank_run_id(1, True, {LAUNCHER_RUN: f"{os.getppid()} 20261130-120000-abc123"})
+    '20261130-120000-abc123'
+    >>> launched_rank_run_id(1, True, {LAUNCHER_RUN: "1 20261130-120000-abc123"}) is None  # not the parent
+    True
+    """
+    env = os.environ if environ is None else environ
+    pid, _, run_id = env.get(LAUNCHER_RUN, "").partition(" ")
+    if not distributed or rank == 0 or not run_id or pid != str(os.getppid()):
+        return None
+    return run_id
+
+
 def spawned_run_id(run_dir: Path | None, state_name: str) -> str | None:
     """A run id that every process one parent started through ``multiprocessing`` computes
     alike (the ranks of ``torch.multiprocessing.spawn`` or Lightning's ``ddp_spawn``): the

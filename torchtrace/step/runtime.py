@@ -285,12 +285,16 @@ class Runtime:
         launcher started the job's processes): the identity is read again from the group, so
         every rank takes its collective decisions (the guard's agreement) on the same world. The
         rank-skew probe and the count of Python collectives start at the next step boundary.
-        File names and metric labels keep the identity read at configure."""
+        The black box says the rank and world it has now, for the watchdog and ``torchtrace why``;
+        file names and metric labels keep the identity read at configure."""
         try:
             self.identity = refreshed(self.identity)
         except Exception as exc:
             self.errors.report("distributed", exc)
             return
+        box = self.rank_state
+        if box is not None:
+            box.fields["rank"], box.fields["world_size"] = self.identity.rank, self.identity.world_size
         self.request(self._distributed_from_now)
 
     def _distributed_from_now(self) -> None:

@@ -1,0 +1,83 @@
+"""Ranks that a configured process starts itself (Lightning's launcher for ``devices=N``: the
+user's script, configured at its top, is rank 0 and starts the other ranks with its
+environment, which names no global rank) share its run: one run directory, with each rank's
+black box under its own rank's name. Processes it starts that are not such ranks, and ranks
+started by anyone else, keep runs of their own.
+
+The full Lightning job is ``tests/integrations/test_lightning_ddp.py``; here a parent process
+starts children the way that launcher does (``subprocess.Popen`` with a copy of its environment
+plus LOCAL_RANK, NODE_RANK, WORLD_SIZE)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from torchtrace.distributed import identity
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHILD = r"""
+import json, sys, torchtrace as tt
+result = tt.configure(prometheus_port="off", run_dir=sys.argv[1], register_atexit=False)
+rt = tt.api.get_runtime()
+print(json.dumps({"run_id": rt.settings.run_id, "rank": rt.identity.rank, "spans": str(result.spans_path)}))
+tt.shutdown()
+"""
+
+PARENT = r"""
+import json, os, subprocess, sys, torchtrace as tt
+run_dir, child = sys.argv[1], sys.argv[2]
+def start(extra, via_shell=False):
+    env = dict(os.environ, **extra)
+    command = [sys.executable, "-c", child, run_dir]
+    if via_shell:  # a grandchild: the shell is its parent (it waits on it: "; true")
+        command = ["/bin/sh", "-c", '"$0" -c "$1" "$2"; true', *command[:1], child, run_dir]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+tt.configure(prometheus_port="off", run_dir=run_dir, register_atexit=False)
+own = tt.api.get_runtime().settings.run_id
+launched = {"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+found = {
+    "rank1": start(launched),
+    "rank0": start(dict(launched, LOCAL_RANK="0")),
+    "not_a_rank": start({}),
+    "named": start(dict(launched, TORCHTRACE_RUN_ID="named-run")),
+    "grandchild": start(launched, via_shell=True),
+}
+tt.shutdown()
+found["after_shutdown"] = start(launched)
+print(json.dumps({"own": own, "found": found, "left": os.environ.get("TORCHTRACE_LAUNCHER_RUN")}))
+"""
+
+
+def test_ranks_a_configured_process_starts_share_its_run(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHTRACE_", "OTEL_", "TORCHELASTIC_")) and k not in ("RANK", "LOCAL_RANK",
+                                                                                      "WORLD_SIZE", "NODE_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", PARENT, str(tmp_path), CHILD], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    own, found = out["own"], out["found"]
+    rank1 = found["rank1"]
+    assert rank1["run_id"] == own and rank1["rank"] == 1
+    assert Path(rank1["spans"]) == tmp_path / own / "spans.rank1.jsonl"  # beside rank 0's files, its own names
+    assert found["rank0"]["run_id"] != own  # rank 0 may be a new job's first process
+    assert found["not_a_rank"]["run_id"] != own  # a process of its own
+    assert found["named"]["run_id"] == "named-run"  # a run id named wins
+    assert found["grandchild"]["run_id"] != own and found["grandchild"]["rank"] == 1  # started by a shell
+    assert found["after_shutdown"]["run_id"] != own  # the offer ends with the run
+    assert out["left"] is None
+
+
+def test_a_launcher_that_names_no_global_rank_gives_the_first_nodes_processes_their_local_rank():
+    assert identity({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2"}).rank == 1
+    assert identity({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}).rank == 1
+    assert identity({"LOCAL_RANK": "1", "NODE_RANK": "1", "WORLD_SIZE": "4"}).rank == 0  # unknown until the group
+    assert identity({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}).rank == 3  # torchrun's
+    assert identity({"LOCAL_RANK": "2"}).rank == 0  # a world of one
