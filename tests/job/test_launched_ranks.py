@@ -11,12 +11,14 @@ plus LOCAL_RANK, NODE_RANK, WORLD_SIZE)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from torchtrace.distributed import identity
+from torchtrace.job.identity import LAUNCHER_RUN, launched_rank_run_id
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,3 +83,17 @@ def test_a_launcher_that_names_no_global_rank_gives_the_first_nodes_processes_th
     assert identity({"LOCAL_RANK": "1", "NODE_RANK": "1", "WORLD_SIZE": "4"}).rank == 0  # unknown until the group
     assert identity({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}).rank == 3  # torchrun's
     assert identity({"LOCAL_RANK": "2"}).rank == 0  # a world of one
+
+
+def _offer_from_the_parent() -> str | None:
+    """In a child: the run id a rank 1 would take from an offer its parent made."""
+    return launched_rank_run_id(1, True, {LAUNCHER_RUN: f"{os.getppid()} parent-run"})
+
+
+def test_ranks_multiprocessing_starts_keep_the_run_id_they_share():
+    """A ``multiprocessing`` rank does not take its parent's offer: it shares the run id of its
+    launch (``spawned_run_id``), which rank 0 computes alike, where the offer would reach only
+    the ranks other than 0."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_offer_from_the_parent) is None
+    assert launched_rank_run_id(1, True, {LAUNCHER_RUN: f"{os.getppid()} parent-run"}) == "parent-run"

@@ -171,7 +171,8 @@ def launched_rank_run_id(rank: int, distributed: bool, environ: Mapping[str, str
     world of more than one that its parent started (Lightning's launcher for ``devices=N``: the
     user's script, configured at its top, is rank 0 and starts the others with its environment);
     None otherwise. Ranks started by a process that is not torchtrace's (torchrun's agent, a
-    shell), and rank 0, which may be a new job's first process, keep their own.
+    shell), and rank 0, which may be a new job's first process, keep their own; so do ranks
+    ``multiprocessing`` started, which share theirs (:func:`spawned_run_id`).
 
     >>> launched_rank_run_id(1, True, {LAUNCHER_RUN: f"{os.getppid()} 20261130-120000-abc123"})
     '20261130-120000-abc123'
@@ -181,6 +182,8 @@ def launched_rank_run_id(rank: int, distributed: bool, environ: Mapping[str, str
     env = os.environ if environ is None else environ
     pid, _, run_id = env.get(LAUNCHER_RUN, "").partition(" ")
     if not distributed or rank == 0 or not run_id or pid != str(os.getppid()):
+        return None
+    if multiprocessing.parent_process() is not None:
         return None
     return run_id
 
