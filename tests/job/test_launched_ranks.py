@@ -26,8 +26,11 @@ CHILD = r"""
 import json, sys, torchtrace as tt
 result = tt.configure(prometheus_port="off", run_dir=sys.argv[1], register_atexit=False)
 rt = tt.api.get_runtime()
-print(json.dumps({"run_id": rt.settings.run_id, "rank": rt.identity.rank, "spans": str(result.spans_path)}))
+first = {"run_id": rt.settings.run_id, "rank": rt.identity.rank, "spans": str(result.spans_path)}
+tt.configure(prometheus_port="off", run_dir=sys.argv[1], register_atexit=False)  # configured again
+first["again"] = tt.api.get_runtime().settings.run_id
 tt.shutdown()
+print(json.dumps(first))
 """
 
 PARENT = r"""
@@ -67,7 +70,7 @@ def test_ranks_a_configured_process_starts_share_its_run(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     own, found = out["own"], out["found"]
     rank1 = found["rank1"]
-    assert rank1["run_id"] == own and rank1["rank"] == 1
+    assert rank1["run_id"] == rank1["again"] == own and rank1["rank"] == 1
     assert Path(rank1["spans"]) == tmp_path / own / "spans.rank1.jsonl"  # beside rank 0's files, its own names
     assert found["rank0"]["run_id"] != own  # rank 0 may be a new job's first process
     assert found["not_a_rank"]["run_id"] != own  # a process of its own

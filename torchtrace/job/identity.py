@@ -156,7 +156,11 @@ LAUNCHER_RUN = "TORCHTRACE_LAUNCHER_RUN"
 
 
 def hand_over_run_id(run_id: str) -> None:
-    """Offer this process's run id to the ranks it may start (:func:`launched_rank_run_id`)."""
+    """Offer this process's run id to the ranks it may start (:func:`launched_rank_run_id`).
+    A rank that took its parent's offer leaves that offer in place: a second ``configure()``
+    of it takes the same run id again."""
+    if os.environ.get(LAUNCHER_RUN) == f"{os.getppid()} {run_id}":
+        return
     os.environ[LAUNCHER_RUN] = f"{os.getpid()} {run_id}"
 
 
