@@ -97,3 +97,30 @@ def test_an_unsampled_parent_leaves_the_step_unrecorded(tt_runtime):
     assert step.record.span_id is None
     tt.flush()
     assert not Path(tt_runtime.spans_path).exists()  # no span was sampled, so none was written
+
+
+class _ReadingIds(RandomIdGenerator):
+    """Reads the span's ids while drawing them, as a signal handler that runs on the drawing
+    thread between two of its bytecodes would."""
+
+    span: spans.StepSpan | None = None
+    seen: trace.SpanContext | None = None
+
+    def generate_span_id(self) -> int:
+        span, self.span = self.span, None  # (once: the read inside draws ids too)
+        if span is not None:
+            self.seen = span.get_span_context()
+        return super().generate_span_id()
+
+
+def test_a_read_on_the_thread_drawing_the_ids_neither_waits_nor_reads_other_ids():
+    ids = _ReadingIds()
+    span = spans.open_span(TracerProvider(id_generator=ids), "train_step", {}, 1, lambda s: None, 0,
+                           otel_context.Context())
+    ids.span = span
+    read: list[trace.SpanContext] = []
+    reader = threading.Thread(target=lambda: read.append(span.get_span_context()), daemon=True)
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive(), "the read waited for the drawing thread's own lock"
+    assert read[0] is ids.seen is span.get_span_context()

@@ -54,7 +54,9 @@ _UNSET = Status(StatusCode.UNSET)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 MAX_USER_ATTRIBUTES = 128
-_FIRST_READ = threading.Lock()  # a span's ids are drawn once, whichever thread reads them first
+# A span's ids are drawn once, whichever thread reads them first. Reentrant: a signal handler
+# that reads them on the thread drawing them must not wait for that thread.
+_FIRST_READ = threading.RLock()
 
 
 class SpanEvent:
@@ -108,8 +110,10 @@ class StepSpan(trace.Span):
             if self._context is None:
                 assert self._ids is not None  # (a span is opened with a context or with its ids' source)
                 ids, trace_id = self._ids
-                self._context = SpanContext(trace_id or ids.generate_trace_id(), ids.generate_span_id(),
-                                            is_remote=False, trace_flags=_SAMPLED)
+                drawn = SpanContext(trace_id or ids.generate_trace_id(), ids.generate_span_id(),
+                                    is_remote=False, trace_flags=_SAMPLED)
+                if self._context is None:  # (unless a signal handler on this thread drew them meanwhile)
+                    self._context = drawn
             return self._context
 
     def is_recording(self) -> bool:
