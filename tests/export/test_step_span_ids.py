@@ -4,6 +4,7 @@ reading at once), and a span around the step still makes it a child."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -124,3 +125,34 @@ def test_a_read_on_the_thread_drawing_the_ids_neither_waits_nor_reads_other_ids(
     reader.join(5)
     assert not reader.is_alive(), "the read waited for the drawing thread's own lock"
     assert read[0] is ids.seen is span.get_span_context()
+
+
+def test_a_child_forked_while_another_thread_draws_ids_draws_its_own():
+    """A fork while another thread holds the lock the ids are drawn under: the child, where
+    that thread does not exist, still draws its spans' ids (a Pool forked from a thread)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with spans._FIRST_READ:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: draw, then leave at once
+        span = spans.open_span(TracerProvider(), "train_step", {}, 1, lambda s: None, 0, otel_context.Context())
+        os._exit(0 if span.get_span_context().is_valid else 1)
+    release.set()
+    holder.join()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child waited for its parent's lock")

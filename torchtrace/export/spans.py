@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -55,8 +56,17 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 MAX_USER_ATTRIBUTES = 128
 # A span's ids are drawn once, whichever thread reads them first. Reentrant: a signal handler
-# that reads them on the thread drawing them must not wait for that thread.
+# that reads them on the thread drawing them must not wait for that thread. A forked child gets
+# a new one: the thread that held its parent's at the fork does not exist in the child.
 _FIRST_READ = threading.RLock()
+
+
+def _new_lock_in_child() -> None:
+    global _FIRST_READ
+    _FIRST_READ = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 class SpanEvent:

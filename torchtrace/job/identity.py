@@ -166,7 +166,7 @@ def hand_over_run_id(run_id: str) -> None:
 
 def take_back_run_id() -> None:
     """Withdraw this process's offer (at shutdown): a later run of this process has its own id."""
-    if os.environ.get(LAUNCHER_RUN, "").split(" ", 1)[0] == str(os.getpid()):
+    if os.environ.get(LAUNCHER_RUN, "").partition(" ")[0] == str(os.getpid()):
         del os.environ[LAUNCHER_RUN]
 
 

@@ -294,7 +294,8 @@ class Runtime:
             return
         box = self.rank_state
         if box is not None:
-            box.fields["rank"], box.fields["world_size"] = self.identity.rank, self.identity.world_size
+            # One update: the writer thread's copy holds both new values or neither.
+            box.fields.update(rank=self.identity.rank, world_size=self.identity.world_size)
         self.request(self._distributed_from_now)
 
     def _distributed_from_now(self) -> None:
