@@ -30,7 +30,13 @@ from torchtrace.distributed.identity import (
     watch_group_start,
 )
 from torchtrace.errors import get_logger
-from torchtrace.job.identity import hand_over_run_id, launched_rank_run_id, spawned_run_id, take_back_run_id
+from torchtrace.job.identity import (
+    hand_over_run_id,
+    launched_rank_run_id,
+    run_id_offered_ahead,
+    spawned_run_id,
+    take_back_run_id,
+)
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
 from torchtrace.step import block, checks, clipping, job, updaters
@@ -176,10 +182,13 @@ def _shut_down_as_the_process_ends() -> None:
 def _settings(args: dict[str, Any]) -> Settings:
     """``configure()``'s settings; where nothing names a run id, ranks started through
     ``multiprocessing`` take the one they share (:func:`_spawned_ranks_run_id`), and ranks a
-    configured process started take its own (:func:`~torchtrace.job.identity.launched_rank_run_id`)."""
+    configured process started take its own (:func:`~torchtrace.job.identity.launched_rank_run_id`);
+    a process that offered a run id before it was configured takes that one
+    (:func:`~torchtrace.job.identity.offer_run_id_ahead`)."""
     resolved = Settings.resolve(args)
     ident = identity()
-    shared = _spawned_ranks_run_id(resolved, ident) or launched_rank_run_id(ident.rank, ident.distributed)
+    shared = (_spawned_ranks_run_id(resolved, ident) or launched_rank_run_id(ident.rank, ident.distributed)
+              or run_id_offered_ahead())
     return resolved if shared is None else Settings.resolve(args, default_run_id=shared)
 
 

@@ -70,7 +70,7 @@ class Regressor(pl.LightningModule):
 if __name__ == "__main__":
     x = torch.randn(64, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy=sys.argv[1], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[TorchtraceCallback()])
     trainer.fit(Regressor(), data)
@@ -78,17 +78,21 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(200)
-def test_lightning_ddp_spawn_ranks_configured_by_their_first_step_share_one_run(tmp_path):
-    """``strategy="ddp_spawn"`` starts its ranks through ``multiprocessing``; with no
-    ``configure()`` call and no run id, each rank sets torchtrace up from the environment at its
-    first step. Both write one run directory, as ranks 0 and 1 of a world of 2 (before, a run
-    directory each, where neither rank's watchdog saw the other)."""
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
+def test_lightning_ranks_configured_by_the_callback_alone_share_one_run(tmp_path, strategy):
+    """No ``configure()`` call and no run id: the script only passes ``TorchtraceCallback()`` to the
+    Trainer. ``strategy="ddp_spawn"`` starts its ranks through ``multiprocessing``; each sets
+    torchtrace up from the environment at its first step. ``strategy="ddp"`` runs the script
+    again for rank 1, after the first process built its callback, which sets torchtrace up there
+    and offers its run id to the ranks it starts. Either way both ranks write one run directory,
+    as ranks 0 and 1 of a world of 2 (before, a run directory each, where neither rank's watchdog
+    saw the other)."""
     script = tmp_path / "train.py"
     script.write_text(SPAWN_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
     env.update(PYTHONPATH=str(ROOT), TORCHTRACE_RUN_DIR=str(tmp_path / "runs"), TORCHTRACE_PROMETHEUS_PORT="off")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=150)
+    proc = subprocess.run([sys.executable, str(script), strategy], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (run,) = (tmp_path / "runs").iterdir()
     reports = [json.loads((run / f"report.rank{r}.json").read_text()) for r in (0, 1)]

@@ -23,7 +23,11 @@ from torchtrace.job.identity import LAUNCHER_RUN, launched_rank_run_id
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
-import json, sys, torchtrace as tt
+import json, os, sys, torchtrace as tt
+from torchtrace.distributed.identity import identity
+from torchtrace.job.identity import offer_run_id_ahead
+if os.environ.get("OFFER_AHEAD"):  # a rank that builds its Lightning callback before it is configured
+    offer_run_id_ahead(identity().rank, identity().distributed)
 result = tt.configure(prometheus_port="off", run_dir=sys.argv[1], register_atexit=False)
 rt = tt.api.get_runtime()
 first = {"run_id": rt.settings.run_id, "rank": rt.identity.rank, "spans": str(result.spans_path)}
@@ -78,6 +82,51 @@ def test_ranks_a_configured_process_starts_share_its_run(tmp_path):
     assert found["grandchild"]["run_id"] != own and found["grandchild"]["rank"] == 1  # started by a shell
     assert found["after_shutdown"]["run_id"] != own  # the offer ends with the run
     assert out["left"] is None
+
+
+AHEAD = r"""
+import json, os, subprocess, sys, torchtrace as tt
+from torchtrace.distributed.identity import identity
+from torchtrace.job.identity import offer_run_id_ahead
+run_dir, child = sys.argv[1], sys.argv[2]
+offer_run_id_ahead(identity().rank, identity().distributed)  # TorchtraceCallback() before the launcher runs
+offered = os.environ["TORCHTRACE_LAUNCHER_RUN"]
+offer_run_id_ahead(identity().rank, identity().distributed)  # a second callback
+second = os.environ["TORCHTRACE_LAUNCHER_RUN"]
+launched = {"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "OFFER_AHEAD": "1"}
+env = dict(os.environ, **launched)
+rank1 = json.loads(subprocess.run([sys.executable, "-c", child, run_dir], env=env, capture_output=True, text=True,
+                                  check=True).stdout.strip().splitlines()[-1])
+os.environ.update(TORCHTRACE_RUN_DIR=run_dir, TORCHTRACE_PROMETHEUS_PORT="off")
+with tt.debug_context("train_step"):  # the first step sets torchtrace up from the environment
+    pass
+first = tt.api.get_runtime().settings.run_id
+tt.configure(prometheus_port="off", run_dir=run_dir, register_atexit=False)  # configured again: a run of its own
+again = tt.api.get_runtime().settings.run_id
+tt.shutdown()
+print(json.dumps({"offered": offered, "second": second, "rank1": rank1, "first": first, "again": again}))
+"""
+
+
+def test_a_run_id_offered_before_configure_is_the_run_of_the_process_and_the_ranks_it_starts(tmp_path):
+    """A Lightning callback is built before Lightning's launcher starts the other ranks, and
+    torchtrace sets itself up at the first step, after that: the id offered when the callback
+    was built is the run of the first process and of the rank it starts; a rank that builds its
+    own callback keeps its parent's offer."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHTRACE_", "OTEL_", "TORCHELASTIC_")) and k not in ("RANK", "LOCAL_RANK",
+                                                                                      "WORLD_SIZE", "NODE_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", AHEAD, str(tmp_path), CHILD], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["second"] == out["offered"]  # one offer a process
+    offered_id = out["offered"].partition(" ")[2]
+    assert out["first"] == offered_id and out["rank1"]["run_id"] == offered_id and out["rank1"]["rank"] == 1
+    assert out["rank1"]["again"] == offered_id
+    assert out["again"] != offered_id  # the offer was spent by the first configuration
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({offered_id, out["again"]})
 
 
 def test_a_launcher_that_names_no_global_rank_gives_the_first_nodes_processes_their_local_rank():

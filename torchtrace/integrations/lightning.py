@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 import torch
 
 from torchtrace import api
+from torchtrace.distributed.identity import identity
 from torchtrace.integrations._common import StepDriver, require
 from torchtrace.job import progress
 from torchtrace.job.checkpoints import checkpoint
+from torchtrace.job.identity import offer_run_id_ahead
 from torchtrace.measure.batch import infer_batch
 from torchtrace.measure.batch_layout import sequence_layout
 from torchtrace.measure.loss import extract_loss
@@ -107,6 +109,11 @@ class TorchtraceCallback(_pl.Callback):
       (``torchtrace_checkpoint_seconds``, badput ``checkpoint``, the black box's last
       checkpoint step); ``teardown`` takes the timing off.
 
+    Built in a process where torchtrace is not configured yet, the callback offers the run id
+    that process will take to the ranks Lightning's launcher starts for ``devices=N``: all
+    write one run, whether ``configure()`` was called or torchtrace set itself up at the first
+    step.
+
     Nothing is logged through ``LightningModule.log``: Lightning's own logged metrics are
     untouched; torchtrace's numbers go to its spans, Prometheus metrics and report.
 
@@ -117,6 +124,13 @@ class TorchtraceCallback(_pl.Callback):
 
     def __init__(self, name: str = "train_step", validation_name: str | None = "validation_step") -> None:
         super().__init__()
+        # The script's first process builds its callbacks before Lightning's launcher
+        # (``devices=N``, ``strategy="ddp"``) runs the script again for the other ranks, and
+        # torchtrace is set up at the first step, after that: a run id offered now is the one
+        # they and this process take (one run, not one each).
+        if api.get_runtime(create=False) is None:
+            ident = identity()
+            offer_run_id_ahead(ident.rank, ident.distributed)
         self._train = StepDriver(name)
         # Validation batches are evaluation in goodput (badput), not training steps.
         self._val = StepDriver(validation_name, kind="evaluation") if validation_name else None

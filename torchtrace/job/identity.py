@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from torchtrace.config import new_run_id
+
 ATTEMPT_PREFIX = "attempt-"
 """An attempt's directory name under the run's: ``attempt-1``, ``attempt-2`` ..."""
 
@@ -155,10 +157,43 @@ LAUNCHER_RUN = "TORCHTRACE_LAUNCHER_RUN"
 ``<pid> <run id>`` (see :func:`launched_rank_run_id`). torchtrace's own: not a setting."""
 
 
+_offered_ahead: tuple[int, str] | None = None
+"""``(pid, run id)`` of :func:`offer_run_id_ahead` in this process, until it is configured."""
+
+
+def offer_run_id_ahead(rank: int, distributed: bool) -> None:
+    """Offer a new run id before this process is configured, to the ranks it may start first
+    (a Lightning callback is built before Lightning's launcher starts the ranks of
+    ``devices=N``, and torchtrace is set up at the first step, after it). This process takes
+    the same id when it is configured (:func:`run_id_offered_ahead`). Nothing changes in a rank
+    that takes its parent's offer, nor where this process has offered one already."""
+    global _offered_ahead
+    if launched_rank_run_id(rank, distributed) is not None:
+        return
+    if os.environ.get(LAUNCHER_RUN, "").partition(" ")[0] == str(os.getpid()):
+        return
+    _offered_ahead = (os.getpid(), new_run_id())
+    os.environ[LAUNCHER_RUN] = f"{os.getpid()} {_offered_ahead[1]}"
+
+
+def run_id_offered_ahead() -> str | None:
+    """The run id :func:`offer_run_id_ahead` offered in this process, while it stands (the
+    process was not configured since, nor took its offer back); else None."""
+    if _offered_ahead is None:
+        return None
+    pid, run_id = _offered_ahead
+    if pid != os.getpid() or os.environ.get(LAUNCHER_RUN) != f"{pid} {run_id}":
+        return None
+    return run_id
+
+
 def hand_over_run_id(run_id: str) -> None:
     """Offer this process's run id to the ranks it may start (:func:`launched_rank_run_id`).
     A rank that took its parent's offer leaves that offer in place: a second ``configure()``
-    of it takes the same run id again."""
+    of it takes the same run id again. An offer made ahead of the configuration is spent:
+    a later ``configure()`` of this process draws a new run id."""
+    global _offered_ahead
+    _offered_ahead = None
     if os.environ.get(LAUNCHER_RUN) == f"{os.getppid()} {run_id}":
         return
     os.environ[LAUNCHER_RUN] = f"{os.getpid()} {run_id}"
