@@ -92,7 +92,10 @@ def train(rank, port):
 
 
 if __name__ == "__main__":
-    tt.shutdown()  # this process trains nothing: its ranks do
+    if sys.argv[3] == "main":  # set up here only: a spawned rank does not run this block
+        tt.configure(**SETTINGS)
+    else:
+        tt.shutdown()  # this process trains nothing: its ranks do
     for port in sys.argv[2].split(","):  # one launch per port
         torch.multiprocessing.spawn(train, args=(int(port),), nprocs=2)
 """
@@ -131,10 +134,12 @@ def test_dataloader_workers_set_up_no_torchtrace_of_their_own(tmp_path, start_me
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where, run_id", [("top", "job"), ("top", None), ("inside", None)])
+@pytest.mark.parametrize("where, run_id", [("top", "job"), ("top", None), ("inside", None), ("main", None)])
 def test_spawned_ranks_trace_their_steps_with_the_scripts_settings_in_one_run(tmp_path, capsys, where, run_id):
-    """Two ranks of ``torch.multiprocessing.spawn``, the script's ``configure()`` at its top level
-    or in the ranks' function after ``init_process_group``, with a run id or none: both ranks
+    """Two ranks of ``torch.multiprocessing.spawn``, the script's ``configure()`` at its top level,
+    in the ranks' function after ``init_process_group``, or under ``if __name__ == "__main__":``
+    before the spawn (which a spawned rank does not run: it takes the arguments its parent
+    offers), with a run id or none: both ranks
     write in one run directory, as the ranks of a world of 2 (not rank 0 twice, nor a second
     attempt). A NaN on rank 1's third step: under the script's ``guard="skip"`` that update is
     not applied, and rank 1's report says so. ``torchtrace why`` sees both ranks."""
@@ -150,6 +155,7 @@ def test_spawned_ranks_trace_their_steps_with_the_scripts_settings_in_one_run(tm
     for name, report in reports.items():
         assert report["rank"] == int(name[len("report.rank")]) and report["world_size"] == 2
         assert report["guard"]["policy"] == "skip" and report["totals"]["steps"] == 4
+        assert report["service_name"] == "spawned"
     assert reports["report.rank1.json"]["totals"]["skipped_steps"] == 1
     assert reports["report.rank0.json"]["totals"]["nonfinite_steps"] == 0
     capsys.readouterr()
@@ -173,6 +179,64 @@ def test_a_second_spawn_from_the_same_process_is_a_run_of_its_own(tmp_path):
     for run in runs:
         assert sorted(p.name for p in run.glob("report.rank*.json")) == ["report.rank0.json", "report.rank1.json"]
         assert not any(p.name.startswith("attempt-") for p in run.iterdir())
+
+
+POOL = r"""
+import os, sys, torch, multiprocessing as mp, torchtrace as tt
+
+
+def trial(lr):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for i in range(5):
+        with tt.debug_context(f"trial_lr{lr}", model=model, optimizer=opt) as step:
+            opt.zero_grad()
+            x = torch.randn(8, 4) * (float("nan") if i == 2 else 1.0)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            step.record_loss(loss)
+    headers = tt.api.get_runtime().settings.otlp_headers
+    return lr, os.getpid(), bool(torch.isfinite(model.weight).all()), headers is None
+
+
+if __name__ == "__main__":
+    run = tt.configure(service_name="sweep", prometheus_port="off", run_dir=sys.argv[1], guard="skip",
+                       otlp_headers={"authorization": "secret"})
+    print("parent", run.run_id, flush=True)
+    with mp.get_context(sys.argv[2]).Pool(2) as pool:
+        for lr, pid, finite, no_headers in pool.map(trial, [0.1, 0.01, 0.001]):
+            print("trial", lr, pid, finite, no_headers, flush=True)
+    tt.shutdown()
+    print("offer left", "TORCHTRACE_PARENT_SETTINGS" in os.environ, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_spawned_pool_of_trials_takes_the_settings_its_parent_was_configured_with(tmp_path, start_method):
+    """``configure()`` under ``if __name__ == "__main__":``, then a spawn (or forkserver) Pool of
+    trials: the workers run the script as ``__mp_main__``, where that call never runs. Each
+    worker is set up at its first step with its parent's arguments (before, with the defaults:
+    another service name, the guard's ``warn``), in a run ``<parent's run id>-pid<pid>`` under the
+    parent's job id, as a forked worker is. The NaN batch of each trial is skipped under the
+    parent's ``guard="skip"``. The OTLP headers, a secret, are not handed down."""
+    proc = _run(tmp_path, POOL, start_method)
+    lines = proc.stdout.splitlines()
+    parent_id = next(line.split()[1] for line in lines if line.startswith("parent"))
+    trials = [line.split()[1:] for line in lines if line.startswith("trial")]
+    assert len(trials) == 3 and all(finite == no_headers == "True" for _, _, finite, no_headers in trials), lines
+    assert "offer left False" in lines
+    runs = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/report.json")}
+    workers = {pid for _, pid, _, _ in trials}
+    assert sorted(runs) == sorted([parent_id] + [f"{parent_id}-pid{pid}" for pid in workers]), sorted(runs)
+    for pid in workers:
+        report = runs[f"{parent_id}-pid{pid}"]
+        ran = sum(1 for _, p, _, _ in trials if p == pid)
+        assert report["service_name"] == "sweep" and report["guard"]["policy"] == "skip"
+        assert report["totals"]["steps"] == 5 * ran and report["totals"]["skipped_steps"] == ran, report["totals"]
+        assert report["job"]["job_id"] == parent_id
 
 
 HANG = r"""

@@ -31,11 +31,15 @@ from torchtrace.distributed.identity import (
 )
 from torchtrace.errors import get_logger
 from torchtrace.job.identity import (
+    SettingsOffer,
     hand_over_run_id,
     launched_rank_run_id,
+    offer_settings,
+    parents_settings,
     run_id_offered_ahead,
     spawned_run_id,
     take_back_run_id,
+    take_back_settings,
 )
 from torchtrace.levels import DebugLevel, DebugMode, debug_mode_setting
 from torchtrace.measure.loss import extract_loss, not_a_loss
@@ -139,7 +143,11 @@ def configure(
     if rerunning_main_script():
         _put_off(args)
         return ConfigureResult(None)
-    return _set_up(resolved)
+    result = _set_up(resolved)
+    rt = current.runtime(create=False)
+    if rt is not None:  # (the children multiprocessing spawns take these arguments: _set_up_spawned_child)
+        offer_settings(args, rt.settings.run_id, rt.job_id)
+    return result
 
 
 def _set_up(resolved: Settings) -> ConfigureResult:
@@ -238,6 +246,7 @@ def shutdown(timeout_s: float | None = None) -> None:
             unwatch_layouts()
             unwatch_group_start()
             take_back_run_id()
+            take_back_settings()
 
 
 def _process_group_started() -> None:
@@ -275,8 +284,11 @@ def _configure_on_first_use() -> Runtime | None:
             return _inherited
         if current.runtime(create=False) is None and not current.disabled():
             try:
+                offer = parents_settings() if _put_off_args is None else None
                 if _inherited is not None:
                     _set_up_forked_child(_inherited)
+                elif offer is not None:
+                    _set_up_spawned_child(offer)
                 else:
                     configure(**(_put_off_args or {}))
             except Exception as exc:  # a bad environment must not break the user's step
@@ -303,13 +315,24 @@ def _forked() -> None:
 
 
 def _set_up_forked_child(parent: Runtime) -> None:
-    """Set a forked child that trains up with its parent's settings, under the parent's job id.
+    """Set a forked child that trains up with its parent's settings, under the parent's job id."""
+    _set_up_child(parent.settings, parent.job_id, parent.settings.run_id)
 
-    The ranks of a process group share one run, as spawned ranks do (:func:`_spawned_ranks_run_id`);
-    any other child has a run of its own, ``<parent's run id>-pid<pid>``.
-    """
-    settings = parent.settings.replace(job_id=parent.job_id)
-    run_id = _spawned_ranks_run_id(settings, identity()) or f"{parent.settings.run_id}-pid{os.getpid()}"
+
+def _set_up_spawned_child(offer: SettingsOffer) -> None:
+    """Set a child that ``multiprocessing`` spawned from a configured process (a spawn Pool of
+    trials, a ``torch.multiprocessing.spawn`` rank), whose ``configure()`` ran under
+    ``if __name__ == "__main__":`` and so not here, up with the arguments it was given, under the
+    parent's job id."""
+    _set_up_child(Settings.resolve(offer.args), offer.job_id, offer.run_id)
+
+
+def _set_up_child(settings: Settings, job_id: str, parent_run_id: str) -> None:
+    """Set a child up with its parent's ``settings`` under the parent's job id. The ranks of a
+    process group share one run, as spawned ranks do (:func:`_spawned_ranks_run_id`); any other
+    child has a run of its own, ``<parent's run id>-pid<pid>``."""
+    settings = settings.replace(job_id=job_id)
+    run_id = _spawned_ranks_run_id(settings, identity()) or f"{parent_run_id}-pid{os.getpid()}"
     _set_up(settings.replace(run_id=run_id))
 
 

@@ -149,3 +149,19 @@ def test_ranks_multiprocessing_starts_keep_the_run_id_they_share():
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         assert pool.apply(_offer_from_the_parent) is None
     assert launched_rank_run_id(1, True, {LAUNCHER_RUN: f"{os.getppid()} parent-run"}) == "parent-run"
+
+
+def test_a_settings_offer_holds_the_arguments_json_can_hold_and_no_secret(monkeypatch):
+    from torchtrace.job.identity import PARENT_SETTINGS, offer_settings, settings_offer, take_back_settings
+    from torchtrace.levels import DebugLevel
+
+    monkeypatch.delenv(PARENT_SETTINGS, raising=False)
+    offer_settings({"level": DebugLevel.ADVANCED, "run_dir": Path("/runs"), "guard": "skip", "service_name": None,
+                    "resource_attributes": {"team": "nlp", "when": object()}, "otlp_headers": {"auth": "secret"},
+                    "debug_token": "token", "run_id": "mine", "job_id": "job"}, "run-1", "job-1")
+    offer = settings_offer(os.getpid())
+    assert offer is not None and (offer.run_id, offer.job_id) == ("run-1", "job-1")
+    assert offer.args == {"level": "advanced", "run_dir": "/runs", "guard": "skip"}
+    assert settings_offer(os.getpid() + 1) is None  # another process's offer
+    take_back_settings()
+    assert PARENT_SETTINGS not in os.environ

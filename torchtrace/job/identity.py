@@ -26,6 +26,8 @@ The launcher's count, when there is one, is where counting starts.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import multiprocessing
@@ -225,6 +227,71 @@ def launched_rank_run_id(rank: int, distributed: bool, environ: Mapping[str, str
     if multiprocessing.parent_process() is not None:
         return None
     return run_id
+
+
+PARENT_SETTINGS = "TORCHTRACE_PARENT_SETTINGS"
+"""Set by a configured process in its own environment, which the processes it starts inherit:
+a JSON object of its pid, run id, job id and ``configure()`` arguments (see
+:func:`offer_settings`). torchtrace's own: not a setting."""
+
+NOT_HANDED_DOWN = ("otlp_headers", "debug_token", "run_id", "job_id")
+"""``configure()`` arguments an offer leaves out: secrets are not copied into the environment
+(a child reads its own, from ``OTEL_EXPORTER_OTLP_HEADERS`` and ``TORCHTRACE_DEBUG_TOKEN``),
+and the run and job ids go as the parent's, for the child to name its run by."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingsOffer:
+    """What a configured parent offers the children ``multiprocessing`` spawns: its run id, its
+    job id, and the arguments its ``configure()`` was given (less :data:`NOT_HANDED_DOWN`)."""
+
+    run_id: str
+    job_id: str
+    args: dict[str, Any]
+
+
+def offer_settings(args: Mapping[str, Any], run_id: str, job_id: str) -> None:
+    """Offer this process's ``configure()`` arguments to the processes ``multiprocessing``
+    spawns from it (a spawn or forkserver child runs the main script as ``__mp_main__``, so a
+    ``configure()`` under ``if __name__ == "__main__":`` never runs there). An argument whose
+    value JSON cannot hold is left out."""
+    given: dict[str, Any] = {}
+    for name, value in args.items():
+        if value is None or name in NOT_HANDED_DOWN:
+            continue
+        value = value.value if isinstance(value, enum.Enum) else value
+        value = str(value) if isinstance(value, Path) else value
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        given[name] = value
+    os.environ[PARENT_SETTINGS] = json.dumps({"pid": os.getpid(), "run_id": run_id, "job_id": job_id,
+                                              "args": given})
+
+
+def take_back_settings() -> None:
+    """Withdraw this process's offer (at shutdown)."""
+    if settings_offer(os.getpid()) is not None:
+        del os.environ[PARENT_SETTINGS]
+
+
+def settings_offer(pid: int) -> SettingsOffer | None:
+    """The offer process ``pid`` made, as this process inherited it; None where there is none,
+    or it is another process's (a grandparent's), or it cannot be read."""
+    try:
+        offer = json.loads(os.environ.get(PARENT_SETTINGS, ""))
+        if offer["pid"] != pid:
+            return None
+        return SettingsOffer(str(offer["run_id"]), str(offer["job_id"]), dict(offer["args"]))
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def parents_settings() -> SettingsOffer | None:
+    """In a process ``multiprocessing`` started, the offer its parent made; else None."""
+    parent = multiprocessing.parent_process()
+    return settings_offer(parent.pid) if parent is not None and parent.pid is not None else None
 
 
 def spawned_run_id(run_dir: Path | None, state_name: str) -> str | None:
