@@ -284,10 +284,9 @@ def _configure_on_first_use() -> Runtime | None:
             return _inherited
         if current.runtime(create=False) is None and not current.disabled():
             try:
-                offer = parents_settings() if _put_off_args is None else None
                 if _inherited is not None:
                     _set_up_forked_child(_inherited)
-                elif offer is not None:
+                elif _put_off_args is None and (offer := parents_settings()) is not None:
                     _set_up_spawned_child(offer)
                 else:
                     configure(**(_put_off_args or {}))
