@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from torchtrace.errors import get_logger
 from torchtrace.export.transport import grpc_channel_options
+from torchtrace.job.signals import start_thread
 
 logger = get_logger(__name__)
 
@@ -229,8 +230,7 @@ class OtlpMetricsPusher:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="torchtrace-metrics-push", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "torchtrace-metrics-push")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

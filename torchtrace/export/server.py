@@ -24,6 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from torchtrace.errors import get_logger
 from torchtrace.export.pacing import RequestPacer
+from torchtrace.job.signals import start_thread
 
 logger = get_logger(__name__)
 
@@ -376,9 +377,7 @@ class TelemetryServer:
             self.port = httpd.server_address[1]
             if candidate != port:
                 logger.warning("torchtrace metrics port %d is in use; serving on %d instead", port, self.port)
-            self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                            name="torchtrace-http", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(httpd.serve_forever, "torchtrace-http", poll_interval=0.2)
             return self.port
         logger.warning("torchtrace metrics port %d is in use and the port policy is %r: no metrics server (%s)",
                        port, policy, last_error)

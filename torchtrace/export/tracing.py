@@ -29,6 +29,7 @@ from torchtrace.export.http_session import HttpSpanExporter
 from torchtrace.export.otlp_spans import otlp_span_exporter
 from torchtrace.export.span_file import JsonLinesSpanExporter, span_line, span_to_dict
 from torchtrace.export.spans import StepSpan, readable
+from torchtrace.job.signals import start_thread
 
 __all__ = ["BoundedBatchSpanProcessor", "DropCallback", "JsonLinesSpanExporter", "otlp_span_exporter", "span_line",
            "span_to_dict", "tracer_provider"]
@@ -203,8 +204,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._export([span])
 
     def _start_worker(self) -> None:
-        self._worker = threading.Thread(target=self._run, name="torchtrace-span-export", daemon=True)
-        self._worker.start()
+        self._worker = start_thread(self._run, "torchtrace-span-export")
 
     def _run(self) -> None:
         sdk_log.route_thread(self._sdk_record)
@@ -332,8 +332,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             # flag and close their channel or session here, which also cancels a stuck call.
             self._stop_exporter()
         else:
-            stopper = threading.Thread(target=self._stop_exporter, name="torchtrace-exporter-stop", daemon=True)
-            stopper.start()
+            stopper = start_thread(self._stop_exporter, "torchtrace-exporter-stop")
             stopper.join(max(0.05, deadline - time.monotonic()))
         if worker is not None and worker.is_alive():
             # A cancelled call returns within milliseconds: let it be counted as what it was.

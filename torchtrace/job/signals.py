@@ -40,6 +40,29 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """The signals that mean "stop": the end they cause is recorded as ``preempted``."""
 
 
+def start_thread(target: Callable[..., object], name: str, *args: object, **kwargs: object) -> threading.Thread:
+    """Start a daemon thread of torchtrace's that runs ``target(*args, **kwargs)`` with the stop
+    signals (:data:`SIGNALS`) blocked; return it.
+
+    The kernel gives a signal sent to the process to any of its threads that does not block
+    it, and Python runs the handler on the main thread, at its next bytecode. Had one of
+    torchtrace's threads taken the signal while the main thread waited in C with no timeout
+    (for the lock of a ``multiprocessing`` queue), the handler would wait for good: a
+    ``multiprocessing.Pool`` worker that SIGTERM did not end, and a pool's ``terminate()``
+    waiting for it. Blocked in torchtrace's threads (and in those they start), the signal goes
+    to a thread of the application's, in most processes the main thread, whose wait it ends.
+    """
+    thread = threading.Thread(target=_without_stop_signals, args=(target, args, kwargs), name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _without_stop_signals(target: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    if hasattr(signal, "pthread_sigmask"):  # (POSIX only)
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    target(*args, **kwargs)
+
+
 class SignalGuard:
     """torchtrace's SIGTERM/SIGINT handlers, chained to the application's.
 

@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from torchtrace import files
+from torchtrace.job.signals import start_thread
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,7 @@ class RankState:
         """Rewrite the file every ``period_s`` seconds on a daemon thread until :meth:`stop`."""
         if self.path is None or self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, args=(period_s,), name="torchtrace-blackbox", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "torchtrace-blackbox", period_s)
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """End the writer thread (waiting at most ``timeout_s``); the file stays as last written."""

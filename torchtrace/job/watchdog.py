@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, Callable, Iterable
 
 from torchtrace import files
 from torchtrace.job import culprit, progress, stacks
+from torchtrace.job.signals import start_thread
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +199,7 @@ class Watchdog:
         # The first look now, on the configuring thread: it arms faulthandler, so a hang that
         # holds the GIL before the thread's first tick (a first step stuck in C) is dumped too.
         self._look()
-        self._thread = threading.Thread(target=self._run, name="torchtrace-watchdog", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "torchtrace-watchdog")
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """End the thread and disarm faulthandler. The files stay, but for a stack file that
@@ -406,10 +406,9 @@ class Watchdog:
             f["peers_gone"] = sorted(set(known) | set(new))
             if persist:
                 self._persist()
-            threading.Thread(target=logger.error, args=(
-                "torchtrace: rank(s) %s of this job are gone: their process no longer exists and never said how it "
-                "ended (SIGKILL, the OOM killer); rank %s waits for them in vain", new, f.get("rank")),
-                name="torchtrace-hang-log", daemon=True).start()
+            start_thread(logger.error, "torchtrace-hang-log",
+                         "torchtrace: rank(s) %s of this job are gone: their process no longer exists and never said "
+                         "how it ended (SIGKILL, the OOM killer); rank %s waits for them in vain", new, f.get("rank"))
         return gone
 
     def _persist(self) -> None:
@@ -462,7 +461,7 @@ class Watchdog:
                    "every thread's stack: %s")
         # A logging handler's lock may be held by the stuck thread (a blocked stderr): log from
         # a thread of its own, so the watchdog itself never waits on it.
-        threading.Thread(target=logger.error, args=(message, *args), name="torchtrace-hang-log", daemon=True).start()
+        start_thread(logger.error, "torchtrace-hang-log", message, *args)
 
     def _abort(self, finding: dict[str, Any]) -> None:
         f = self.fields

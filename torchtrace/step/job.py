@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from concurrent.futures import Future
 from types import TracebackType
@@ -20,7 +19,7 @@ from torchtrace import current, files, semconv
 from torchtrace.errors import get_logger
 from torchtrace.job import checkpoints, progress
 from torchtrace.job.metrics import JobMetrics
-from torchtrace.job.signals import SignalGuard
+from torchtrace.job.signals import SignalGuard, start_thread
 from torchtrace.job.story import job_story, story_of
 
 if TYPE_CHECKING:
@@ -235,8 +234,8 @@ def on_signal(rt: Runtime, signum: int, terminal: bool) -> None:
         box.write(refresh=False)
     elif box is not None and found:
         box.write(refresh=False)
-    if rt.closed:
-        return
+    if rt.closed or (rt.signals is not None and rt.signals.holding):
+        return  # a shutdown under way: the signal takes effect once it has ended (SignalGuard.hold)
 
     def work() -> None:
         try:
@@ -248,8 +247,7 @@ def on_signal(rt: Runtime, signum: int, terminal: bool) -> None:
         except Exception as exc:
             logger.debug("torchtrace: flush on signal %s failed: %s", signum, exc)
 
-    helper = threading.Thread(target=work, name="torchtrace-preempted", daemon=True)
-    helper.start()
+    helper = start_thread(work, "torchtrace-preempted")
     helper.join(SIGNAL_DEADLINE_S)
     if helper.is_alive():
         logger.warning("torchtrace: flushing on %s took over %.1f s; ending without waiting for it",

@@ -422,14 +422,18 @@ class Runtime:
         """
         if self.closed:
             return
-        self.closed = True
         if os.getpid() != self.pid:
             # A forked child's copy (a DataLoader worker keeps its parent's; see api._forked):
             # its threads and server are the parent's, not running here, and waiting for them
             # to stop would wait forever; the run's files and telemetry are the parent's too.
+            self.closed = True
             return
         if self.signals is not None:
-            self.signals.hold()  # a SIGTERM from here on ends the process once shutdown has ended
+            # A SIGTERM from here on ends the process once shutdown has ended. (Held before the
+            # runtime is closed: a signal between the two would find a shutdown under way that
+            # it neither waits for nor does itself, and end the process in its middle.)
+            self.signals.hold()
+        self.closed = True
         try:
             self._shut_down(at_exit)
         finally:

@@ -1,0 +1,71 @@
+"""torchtrace's threads leave SIGTERM and SIGINT to the application's threads.
+
+The kernel gives a signal sent to a process to any thread that does not block it; Python runs
+the handler on the main thread. A fork ``multiprocessing.Pool`` worker whose main thread waited
+for the task queue's lock (no timeout) when the pool's ``terminate()`` sent SIGTERM did not end
+when one of torchtrace's threads had taken the signal: the handler waited for the main thread,
+the pool's process waited for the worker, for good (4 hangs in about 190 runs of the fork pool
+test, two at a time on the 2-core machine; ``benchmarks/RESULTS.md``, session 33).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir() or not hasattr(signal, "pthread_sigmask"),
+                                reason="reads each thread's signal mask from /proc (Linux)")
+
+THREADS = r"""
+import json, sys, threading, urllib.request, torch, torchtrace as tt
+from pathlib import Path
+
+result = tt.configure(service_name="masks", prometheus_port=0, run_dir=sys.argv[1], otlp_endpoint="http://127.0.0.1:9",
+                      metrics_exporter="both", hang_timeout_s=60)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+        loss = model(torch.ones(2, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        step.record_loss(loss)
+urllib.request.urlopen(result.metrics_url, timeout=10).read()
+
+
+def blocked(native_id):
+    try:
+        status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    except OSError:  # a thread that ended meanwhile (a request's)
+        return None
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    return [n for n in (2, 15) if mask >> (n - 1) & 1]
+
+
+masks = {t.name: blocked(t.native_id) for t in threading.enumerate()}
+print(json.dumps({name: mask for name, mask in masks.items() if mask is not None}))
+tt.shutdown()
+"""
+
+
+def test_torchtraces_threads_block_the_stop_signals_and_the_main_thread_does_not(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "runs")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    masks = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = {name: mask for name, mask in masks.items() if name.startswith("torchtrace-")}
+    # The metrics server, the span and metric exporters, the black box's writer, the watchdog.
+    assert {"torchtrace-http", "torchtrace-span-export", "torchtrace-metrics-push", "torchtrace-blackbox",
+            "torchtrace-watchdog"} <= set(ours), sorted(masks)
+    assert all(mask == [signal.SIGINT, signal.SIGTERM] for mask in ours.values()), ours
+    assert masks["MainThread"] == [], masks
