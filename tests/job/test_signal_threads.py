@@ -69,3 +69,35 @@ def test_torchtraces_threads_block_the_stop_signals_and_the_main_thread_does_not
             "torchtrace-watchdog"} <= set(ours), sorted(masks)
     assert all(mask == [signal.SIGINT, signal.SIGTERM] for mask in ours.values()), ours
     assert masks["MainThread"] == [], masks
+
+
+STUCK = r"""
+import multiprocessing, signal, sys, threading, time, torchtrace as tt
+
+tt.configure(service_name="stuck", prometheus_port="off", run_dir=sys.argv[1])
+lock = multiprocessing.Lock()
+lock.acquire()
+
+
+def noted_elsewhere():
+    time.sleep(0.3)
+    signal.raise_signal(signal.SIGTERM)  # Python notes it on this thread; the main thread waits in C
+
+
+threading.Thread(target=noted_elsewhere, daemon=True).start()
+lock.acquire()  # for good: a Pool worker waiting for the task queue's lock
+"""
+
+
+def test_a_sigterm_noted_while_the_main_thread_waits_in_c_still_ends_the_process(tmp_path):
+    """The signal is noted on another thread (as it is on the main thread just before a wait in
+    C), so nothing interrupts the main thread's wait: the watch sends it to the main thread,
+    whose handler then records ``preempted`` and ends the process by the signal."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", STUCK, str(tmp_path / "runs")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
+    (state,) = (tmp_path / "runs").glob("*/state.json")
+    box = json.loads(state.read_text())
+    assert (box["ended"], box["end_detail"]) == ("preempted", "SIGTERM")

@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any, Callable, Optional, Union
 
@@ -63,6 +64,152 @@ def _without_stop_signals(target: Callable[..., object], args: tuple[object, ...
     target(*args, **kwargs)
 
 
+NUDGE_AFTER_S = 0.5
+"""How long a stop signal may wait for its Python handler before :class:`StuckSignalWatch`
+sends it to the main thread again."""
+
+NUDGE_EVERY_S = 5.0
+"""At most one such nudge in this long: a main thread that no signal interrupts is nudged no faster."""
+
+
+class StuckSignalWatch:
+    """Sends a stop signal to the main thread again when its Python handler did not run.
+
+    CPython's C-level handler only notes a signal; the Python handler runs on the main thread at
+    its next bytecode. A signal noted as the main thread was about to wait in C with no timeout
+    wakes nothing: a ``multiprocessing.Pool`` worker that asks for its next task (the queue's
+    lock: tried once without blocking, then waited for, the GIL handed to another thread between
+    the two) as the pool's ``terminate()`` sends SIGTERM waited for good, and so did the pool.
+    Python writes each signal it notes to the wakeup file descriptor
+    (``signal.set_wakeup_fd``); a thread of torchtrace's reads it, and where the guard's handler
+    did not run within :data:`NUDGE_AFTER_S`, sends the signal to the main thread, whose wait
+    it interrupts. Python runs a handler once for signals noted together: the handler runs once.
+
+    An application that set a wakeup fd of its own (an asyncio event loop with signal handlers)
+    keeps it, and goes without this watch. A forked child does not inherit it.
+    """
+
+    def __init__(self, guard: SignalGuard) -> None:
+        self.guard = guard
+        self._write: int | None = None
+        self._read: int | None = None
+        self._stopping = False
+        self._nudged_at = -NUDGE_EVERY_S
+
+    def start(self) -> bool:
+        """On the main thread: take the wakeup fd and start the reading thread; False where an
+        application holds the wakeup fd or it cannot be set."""
+        global _watch
+        read, write = os.pipe()
+        os.set_blocking(write, False)  # (a full pipe drops a byte; the signal handler never waits)
+        try:
+            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            previous = None
+        if previous != -1:
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(read)
+            os.close(write)
+            return False
+        self._read, self._write, _watch = read, write, self
+        start_thread(self._run, "torchtrace-signal-watch", read)
+        return True
+
+    def stop(self) -> None:
+        """On the main thread: the wakeup fd given back (to none, or to whoever took it since)
+        and the reading thread ended."""
+        global _watch
+        write, self._write = self._write, None
+        if write is None:
+            return
+        if _watch is self:
+            _watch = None
+        current = signal.set_wakeup_fd(-1)
+        if current != write:
+            signal.set_wakeup_fd(current)
+        self._stopping = True
+        try:
+            os.write(write, b"\0")  # (wakes the reading thread, which sees it is stopping)
+        except OSError:
+            pass
+        os.close(write)
+
+    def _run(self, read: int) -> None:
+        try:
+            while not self._stopping:
+                data = os.read(read, 64)
+                if not data:
+                    return
+                stops = [signum for signum in data if signum in SIGNALS]
+                if stops and not self._stopping:
+                    self._nudge_if_unhandled(stops[-1], time.monotonic())
+        except OSError:
+            pass
+        finally:
+            self._read = None
+            os.close(read)
+
+    def _nudge_if_unhandled(self, signum: int, read_at: float) -> None:
+        time.sleep(NUDGE_AFTER_S)
+        if self.guard.handled_at >= read_at - NUDGE_AFTER_S or self._stopping:
+            return  # the handler ran (before this thread read the signal, or since)
+        if time.monotonic() - self._nudged_at < NUDGE_EVERY_S:
+            return
+        self._nudged_at = time.monotonic()
+        main = threading.main_thread().ident
+        if main is not None:
+            logger.debug("torchtrace: %s's handler did not run in %.1f s: the main thread waits in C; sent again",
+                         signal.Signals(signum).name, NUDGE_AFTER_S)
+            signal.pthread_kill(main, signum)
+
+    # The wakeup fd is the process's, and a forked child would inherit it, writing the signals
+    # it notes into the parent's pipe: it is unset while the main thread forks, and in the child.
+    def before_fork(self) -> bool:
+        if self._write is None or threading.current_thread() is not threading.main_thread():
+            return False
+        signal.set_wakeup_fd(-1)
+        return True
+
+    def after_fork_in_parent(self) -> None:
+        if self._write is not None:
+            signal.set_wakeup_fd(self._write)
+
+    def after_fork_in_child(self) -> None:
+        """The wakeup fd unset (a child of a fork from another thread inherited it) and the
+        pipe's ends closed: a child sets a watch of its own up when it is configured."""
+        global _watch
+        signal.set_wakeup_fd(-1)
+        for fd in (self._write, self._read):
+            if fd is not None:
+                os.close(fd)
+        self._write = self._read = _watch = None
+
+
+_watch: StuckSignalWatch | None = None
+"""The watch of this process, while one runs."""
+_unset_for_fork = False
+
+
+def _before_fork() -> None:
+    global _unset_for_fork
+    _unset_for_fork = _watch is not None and _watch.before_fork()
+
+
+def _after_fork_in_parent() -> None:
+    if _unset_for_fork and _watch is not None:
+        _watch.after_fork_in_parent()
+
+
+def _after_fork_in_child() -> None:
+    if _watch is not None:
+        _watch.after_fork_in_child()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
+
 class SignalGuard:
     """torchtrace's SIGTERM/SIGINT handlers, chained to the application's.
 
@@ -82,6 +229,8 @@ class SignalGuard:
         self.pid = os.getpid()
         self.holding = False  # torchtrace is shutting down (see hold)
         self.held: int | None = None  # the signal held until the shutdown ends
+        self.handled_at = -NUDGE_AFTER_S  # (time.monotonic) the last entry of the handler
+        self.watch = StuckSignalWatch(self)
         self._real_signal = signal.signal
         self._real_getsignal = signal.getsignal
 
@@ -106,6 +255,7 @@ class SignalGuard:
         if self.chained:
             signal.signal = self._signal
             signal.getsignal = self._getsignal
+            self.watch.start()
         return [signal.Signals(s).name for s in self.chained]
 
     def hold(self) -> None:
@@ -137,6 +287,7 @@ class SignalGuard:
         chained, self.chained = self.chained, {}
         if threading.current_thread() is not threading.main_thread():
             return
+        self.watch.stop()
         for signum, previous in chained.items():
             try:
                 if self._real_getsignal(signum) == self._handle:
@@ -158,6 +309,7 @@ class SignalGuard:
         return self._real_getsignal(signalnum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.handled_at = time.monotonic()
         chained = self.chained.get(signum, signal.SIG_DFL)
         if chained is signal.SIG_IGN:
             return
