@@ -1,11 +1,13 @@
-"""torchtrace's threads leave SIGTERM and SIGINT to the application's threads.
+"""A stop signal's handler runs, whatever the main thread waits for.
 
-The kernel gives a signal sent to a process to any thread that does not block it; Python runs
-the handler on the main thread. A fork ``multiprocessing.Pool`` worker whose main thread waited
-for the task queue's lock (no timeout) when the pool's ``terminate()`` sent SIGTERM did not end
-when one of torchtrace's threads had taken the signal: the handler waited for the main thread,
-the pool's process waited for the worker, for good (4 hangs in about 190 runs of the fork pool
-test, two at a time on the 2-core machine; ``benchmarks/RESULTS.md``, session 33).
+Python runs a signal's handler on the main thread, at its next bytecode. A fork
+``multiprocessing.Pool`` worker asks for its next task by waiting for the task queue's lock in
+C, with no timeout; a SIGTERM from the pool's ``terminate()`` noted just before that wait
+interrupted nothing, the handler never ran, and the pool's ``with`` block waited for the worker
+for good (1 run in 80 of the fork pool test, two at a time on the 2-core machine; none in 140
+since; ``benchmarks/RESULTS.md``, session 33). torchtrace's threads leave the stop signals to
+the application's threads, and a signal whose handler has not run is sent to the main thread
+again (``torchtrace.job.signals.StuckSignalWatch``).
 """
 
 from __future__ import annotations

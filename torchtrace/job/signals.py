@@ -45,13 +45,12 @@ def start_thread(target: Callable[..., object], name: str, *args: object, **kwar
     """Start a daemon thread of torchtrace's that runs ``target(*args, **kwargs)`` with the stop
     signals (:data:`SIGNALS`) blocked; return it.
 
-    The kernel gives a signal sent to the process to any of its threads that does not block
-    it, and Python runs the handler on the main thread, at its next bytecode. Had one of
-    torchtrace's threads taken the signal while the main thread waited in C with no timeout
-    (for the lock of a ``multiprocessing`` queue), the handler would wait for good: a
-    ``multiprocessing.Pool`` worker that SIGTERM did not end, and a pool's ``terminate()``
-    waiting for it. Blocked in torchtrace's threads (and in those they start), the signal goes
-    to a thread of the application's, in most processes the main thread, whose wait it ends.
+    The kernel gives a signal sent to the process to any of its threads that does not block it,
+    and Python runs the handler on the main thread, at its next bytecode. Blocked in
+    torchtrace's threads (and in those they start), a stop signal goes to a thread of the
+    application's, in most processes the main thread, whose wait in C it interrupts; taken by
+    a thread of torchtrace's, it would interrupt nothing, and a main thread waiting with no
+    timeout would leave the handler to :class:`StuckSignalWatch`.
     """
     thread = threading.Thread(target=_without_stop_signals, args=(target, args, kwargs), name=name, daemon=True)
     thread.start()
@@ -100,6 +99,10 @@ class StuckSignalWatch:
         """On the main thread: take the wakeup fd and start the reading thread; False where an
         application holds the wakeup fd or it cannot be set."""
         global _watch
+        if not hasattr(signal, "pthread_kill"):  # (POSIX only)
+            return False
+        if _watch is not None:  # one left by a guard given back off the main thread
+            _watch.stop()
         read, write = os.pipe()
         os.set_blocking(write, False)  # (a full pipe drops a byte; the signal handler never waits)
         try:
