@@ -103,3 +103,38 @@ def test_a_sigterm_noted_while_the_main_thread_waits_in_c_still_ends_the_process
     (state,) = (tmp_path / "runs").glob("*/state.json")
     box = json.loads(state.read_text())
     assert (box["ended"], box["end_detail"]) == ("preempted", "SIGTERM")
+
+
+FORKS = r"""
+import asyncio, json, os, signal, sys, torchtrace as tt
+
+tt.configure(service_name="forks", prometheus_port="off", run_dir=sys.argv[1])
+ours = signal.set_wakeup_fd(-1)
+signal.set_wakeup_fd(ours)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child: no wakeup fd of its parent's, whose pipe its signals would write into
+    os.write(write, str(signal.set_wakeup_fd(-1)).encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+child = int(os.read(read, 16))
+after_fork = signal.set_wakeup_fd(ours)
+loop = asyncio.new_event_loop()
+loop.add_signal_handler(signal.SIGUSR1, lambda: None)  # the loop takes the wakeup fd
+theirs = signal.set_wakeup_fd(-1)
+signal.set_wakeup_fd(theirs)
+tt.shutdown()
+left = signal.set_wakeup_fd(-1)
+print(json.dumps({"ours": ours, "child": child, "after_fork": after_fork, "theirs": theirs, "left": left}))
+"""
+
+
+def test_the_wakeup_fd_is_neither_inherited_by_a_forked_child_nor_taken_from_an_asyncio_loop(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", FORKS, str(tmp_path / "runs")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fds = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert fds["ours"] != -1 and fds["child"] == -1 and fds["after_fork"] == fds["ours"]
+    assert fds["theirs"] not in (-1, fds["ours"]) and fds["left"] == fds["theirs"]  # shutdown left the loop's

@@ -171,7 +171,10 @@ class StuckSignalWatch:
     def before_fork(self) -> bool:
         if self._write is None or threading.current_thread() is not threading.main_thread():
             return False
-        signal.set_wakeup_fd(-1)
+        current = signal.set_wakeup_fd(-1)
+        if current != self._write:  # an application's since (an asyncio loop's): left as it is
+            signal.set_wakeup_fd(current)
+            return False
         return True
 
     def after_fork_in_parent(self) -> None:
@@ -182,7 +185,9 @@ class StuckSignalWatch:
         """The wakeup fd unset (a child of a fork from another thread inherited it) and the
         pipe's ends closed: a child sets a watch of its own up when it is configured."""
         global _watch
-        signal.set_wakeup_fd(-1)
+        current = signal.set_wakeup_fd(-1)
+        if current not in (-1, self._write):  # an application's: left as it is
+            signal.set_wakeup_fd(current)
         for fd in (self._write, self._read):
             if fd is not None:
                 os.close(fd)
