@@ -40,7 +40,8 @@ def train(worker, model):
             loss.backward()
             opt.step()
             step.record_loss(loss)
-    print("worker", worker, os.getpid(), bool(torch.isfinite(model.weight).all()), flush=True)
+    sys.stdout.write(f"worker {worker} {os.getpid()} {bool(torch.isfinite(model.weight).all())}\n")  # (one write)
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

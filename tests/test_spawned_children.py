@@ -33,7 +33,8 @@ LOADER = r"""
 import sys, torch, torchtrace as tt
 
 run = tt.configure(service_name="spawned", prometheus_port=0, run_dir=sys.argv[1], guard="skip")
-print("configured", run.enabled, flush=True)
+sys.stdout.write(f"configured {run.enabled}\n")  # (one write: the workers' lines never interleave)
+sys.stdout.flush()
 
 
 class Data(torch.utils.data.Dataset):
