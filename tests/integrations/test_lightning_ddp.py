@@ -83,8 +83,8 @@ def test_lightning_ranks_configured_by_the_callback_alone_share_one_run(tmp_path
     """No ``configure()`` call and no run id: the script only passes ``TorchtraceCallback()`` to the
     Trainer. ``strategy="ddp_spawn"`` starts its ranks through ``multiprocessing``; each sets
     torchtrace up from the environment at its first step. ``strategy="ddp"`` runs the script
-    again for rank 1, after the first process built its callback, which sets torchtrace up there
-    and offers its run id to the ranks it starts. Either way both ranks write one run directory,
+    again for rank 1 after the first process built its callback, which offered the run id that
+    process takes at its first step; rank 1 takes it too. Either way both ranks write one run directory,
     as ranks 0 and 1 of a world of 2 (before, a run directory each, where neither rank's watchdog
     saw the other)."""
     script = tmp_path / "train.py"
