@@ -63,15 +63,21 @@ print(json.dumps({"own": own, "found": found, "left": os.environ.get("TORCHTRACE
 """
 
 
-def test_ranks_a_configured_process_starts_share_its_run(tmp_path):
+def _launch(script: str, run_dir: Path) -> dict:
+    """Run ``script`` (a launching process, given ``run_dir`` and :data:`CHILD`) in an environment
+    that names no rank, run id or launcher; its last line of output, read as JSON."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHTRACE_", "OTEL_", "TORCHELASTIC_")) and k not in ("RANK", "LOCAL_RANK",
                                                                                       "WORLD_SIZE", "NODE_RANK")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", PARENT, str(tmp_path), CHILD], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", script, str(run_dir), CHILD], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_ranks_a_configured_process_starts_share_its_run(tmp_path):
+    out = _launch(PARENT, tmp_path)
     own, found = out["own"], out["found"]
     rank1 = found["rank1"]
     assert rank1["run_id"] == rank1["again"] == own and rank1["rank"] == 1
@@ -113,14 +119,7 @@ def test_a_run_id_offered_before_configure_is_the_run_of_the_process_and_the_ran
     torchtrace sets itself up at the first step, after that: the id offered when the callback
     was built is the run of the first process and of the rank it starts; a rank that builds its
     own callback keeps its parent's offer."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TORCHTRACE_", "OTEL_", "TORCHELASTIC_")) and k not in ("RANK", "LOCAL_RANK",
-                                                                                      "WORLD_SIZE", "NODE_RANK")}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", AHEAD, str(tmp_path), CHILD], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _launch(AHEAD, tmp_path)
     assert out["second"] == out["offered"]  # one offer a process
     offered_id = out["offered"].partition(" ")[2]
     assert out["first"] == offered_id and out["rank1"]["run_id"] == offered_id and out["rank1"]["rank"] == 1

@@ -26,6 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir() or not hasattr(signal, "pthread_sigmask"),
                                 reason="reads each thread's signal mask from /proc (Linux)")
 
+def _run(script: str, run_dir: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter, given ``run_dir``, with no torchtrace or OpenTelemetry settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-c", script, str(run_dir)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 THREADS = r"""
 import json, sys, threading, urllib.request, torch, torchtrace as tt
 from pathlib import Path
@@ -59,10 +67,7 @@ tt.shutdown()
 
 
 def test_torchtraces_threads_block_the_stop_signals_and_the_main_thread_does_not(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "runs")], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = _run(THREADS, tmp_path / "runs", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     masks = json.loads(proc.stdout.strip().splitlines()[-1])
     ours = {name: mask for name, mask in masks.items() if name.startswith("torchtrace-")}
@@ -95,10 +100,7 @@ def test_a_sigterm_noted_while_the_main_thread_waits_in_c_still_ends_the_process
     """The signal is noted on another thread (as it is on the main thread just before a wait in
     C), so nothing interrupts the main thread's wait: the watch sends it to the main thread,
     whose handler then records ``preempted`` and ends the process by the signal."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", STUCK, str(tmp_path / "runs")], env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = _run(STUCK, tmp_path / "runs", timeout=60)
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
     (state,) = (tmp_path / "runs").glob("*/state.json")
     box = json.loads(state.read_text())
@@ -130,10 +132,7 @@ print(json.dumps({"ours": ours, "child": child, "after_fork": after_fork, "their
 
 
 def test_the_wakeup_fd_is_neither_inherited_by_a_forked_child_nor_taken_from_an_asyncio_loop(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", FORKS, str(tmp_path / "runs")], env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = _run(FORKS, tmp_path / "runs", timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fds = json.loads(proc.stdout.strip().splitlines()[-1])
     assert fds["ours"] != -1 and fds["child"] == -1 and fds["after_fork"] == fds["ours"]
