@@ -23,54 +23,22 @@ be the thing that hangs. The rules, in order:
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
+
+from torchtrace.job.identity import process_alive
 
 STALE_S = 10.0
 """A heartbeat older than this is stopped (the black box is rewritten every 0.5 s, a watchdog
 tick every second)."""
-PF_EXITING = 0x4
-"""The kernel's flag on a task that has begun to exit (in the flags, the 9th field of
-``/proc/PID/stat``)."""
 PHASE_ORDER = {"idle": 0, "data_wait": 1, "forward": 2, "backward": 3, "collective": 3, "optimizer": 4,
                "evaluation": 1, "checkpoint": 1}
-
-
-def pid_alive(state: dict[str, Any]) -> bool | None:
-    """Whether the rank's process still exists (not exiting, not a zombie); None when it ran on
-    another host."""
-    pid = state.get("pid")
-    if not isinstance(pid, int) or state.get("host") not in (None, socket.gethostname()):
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            stat = f.read().rsplit(")", 1)[-1].split()
-        # A zombie (ended, not yet reaped by its launcher) is gone, and so is a process that
-        # has begun to exit: a SIGKILLed rank's sockets close (its peers' collectives fail at
-        # once) while the kernel may still be freeing its memory, milliseconds before it
-        # becomes a zombie; a peer looking then must see it gone.
-        return stat[0] != "Z" and not int(stat[6]) & PF_EXITING
-    except FileNotFoundError:
-        # Reaped by its launcher since the first look, where /proc exists at all.
-        return not os.path.isdir("/proc/self")
-    except (OSError, IndexError, ValueError):
-        return True
 
 
 def condition(state: dict[str, Any], now: float) -> str:
     """One rank's condition: ``ended:<how>``, ``gone``, ``silent``, ``hung``, ``stalled`` or ``running``."""
     if state.get("ended"):
         return f"ended:{state['ended']}"
-    alive = pid_alive(state)
+    alive = process_alive(state)
     if alive is False:
         return "gone"
     heartbeat = state.get("time")

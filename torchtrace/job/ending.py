@@ -50,7 +50,7 @@ def how_ended(state: Mapping[str, Any], superseded: bool = False,
         return "unknown", f"black box says {ended!r}"
     beat = state.get("time")
     stale = isinstance(beat, (int, float)) and (time.time() if now is None else now) - beat > STALE_S
-    if not superseded and not stale and process_alive(state):
+    if not superseded and not stale and process_alive(state) is not False:
         return None, None
     return "killed", killed_detail(state)
 

@@ -113,15 +113,20 @@ def _slot_taken(path: Path) -> bool:
         return True
     if state.get("pid") == os.getpid():
         return False  # this process configured again: the same attempt
-    return state.get("ended") is not None or not process_alive(state)
+    return state.get("ended") is not None or process_alive(state) is False
 
 
-def process_alive(state: Mapping[str, Any]) -> bool:
-    """Whether the process that wrote ``state`` still runs. Only a process on this host can
-    be asked; one of another host counts as alive (nothing says otherwise)."""
+def process_alive(state: Mapping[str, Any]) -> bool | None:
+    """Whether the process that wrote the black box ``state`` still runs.
+
+    False once it is gone: no such pid, a zombie (ended, not yet reaped by its launcher), a
+    process that has begun to exit, or a pid that names another process now (pids are reused).
+    A box that names no pid names no process that runs. None where it cannot be asked: it ran
+    on another host.
+    """
     host = state.get("host")
     if host is not None and host != socket.gethostname():
-        return True
+        return None
     pid = state.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return False
@@ -130,8 +135,30 @@ def process_alive(state: Mapping[str, Any]) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass  # another user's process: /proc still tells whether it runs
+    except OSError:
+        return None
+    return _not_ending(pid) and _same_process(pid, state.get("process_started"))
+
+
+PF_EXITING = 0x4
+"""The kernel's flag on a task that has begun to exit (in the flags, the 9th field of
+``/proc/PID/stat``)."""
+
+
+def _not_ending(pid: int) -> bool:
+    """Whether live process ``pid`` is neither a zombie nor exiting. A SIGKILLed rank's sockets
+    close (its peers' collectives fail at once) while the kernel may still be freeing its
+    memory, milliseconds before it becomes a zombie; a peer looking then must see it gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            stat = f.read().rsplit(")", 1)[-1].split()
+        return stat[0] != "Z" and not int(stat[6]) & PF_EXITING
+    except FileNotFoundError:
+        # Reaped by its launcher since the first look, where /proc exists at all.
+        return not os.path.isdir("/proc/self")
+    except (OSError, IndexError, ValueError):
         return True
-    return _same_process(pid, state.get("process_started"))
 
 
 def _same_process(pid: int, started: object) -> bool:

@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, Callable, Iterable
 
 from torchtrace import files
 from torchtrace.job import culprit, progress, stacks
+from torchtrace.job.identity import process_alive
 from torchtrace.job.signals import start_thread
 
 logger = logging.getLogger(__name__)
@@ -396,7 +397,7 @@ class Watchdog:
         try:
             gone = [s["rank"] for s in self.peers()
                     if isinstance(s.get("rank"), int) and s.get("attempt") == f.get("attempt")
-                    and s.get("rank") != f.get("rank") and not s.get("ended") and culprit.pid_alive(s) is False]
+                    and s.get("rank") != f.get("rank") and not s.get("ended") and process_alive(s) is False]
         except Exception as exc:
             logger.debug("torchtrace: peers not read: %r", exc)
             return []
