@@ -83,3 +83,52 @@ def test_a_forked_child_ends_and_configures_without_waiting_for_its_parents_thre
     child = json.loads(next((tmp_path / "child").glob("*/report.json")).read_text())
     assert parent["totals"]["steps"] == 5, parent["totals"]
     assert child["totals"]["steps"] == 2, child["totals"]
+
+
+BARE_FORK = r"""
+import os, sys, torch, torchtrace as tt
+
+tt.configure(service_name="parent", prometheus_port="off", run_dir=sys.argv[1], run_id="bare")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for shut_down in (True, False):
+    pid = os.fork()
+    if pid == 0:  # a child that trains (torchtrace sets it up at its first step) and ends with os._exit
+        for _ in range(2):
+            with tt.debug_context("train_step", model=model, optimizer=opt):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        if shut_down:
+            tt.shutdown()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print(pid, shut_down, flush=True)
+tt.shutdown()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_bare_fork_child_that_ends_with_os_exit_is_told_by_its_shutdown(tmp_path):
+    """``os._exit`` runs no exit handler: a child that calls ``shutdown()`` first ends
+    ``completed``; one that does not is read as ``killed``, and the detail names ``os._exit``
+    among the causes (docs/jobs.md)."""
+    from torchtrace.job.ending import how_ended
+    from torchtrace.job.state import read_states
+
+    script = tmp_path / "bare_fork.py"
+    script.write_text(BARE_FORK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    children = dict(line.split() for line in done.stdout.splitlines())
+    ends = {}
+    for pid, shut_down in children.items():
+        (state,) = read_states(tmp_path / "runs" / f"bare-pid{pid}")
+        ends[shut_down] = how_ended(state)
+    assert ends["True"] == ("completed", None)
+    (told,) = read_states(tmp_path / "runs" / f"bare-pid{next(p for p, s in children.items() if s == 'True')}")
+    assert told["step"] == 1  # its two steps, numbered 0 and 1: the shutdown wrote the box
+    assert ends["False"][0] == "killed" and "os._exit" in ends["False"][1]

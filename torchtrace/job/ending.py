@@ -55,17 +55,21 @@ def how_ended(state: Mapping[str, Any], superseded: bool = False,
     return "killed", killed_detail(state)
 
 
+SILENT = "no shutdown and no signal handler ran (SIGKILL, a crash of the interpreter, or os._exit)"
+"""What a black box that says nothing tells of its process's end."""
+
+
 def killed_detail(state: Mapping[str, Any]) -> str:
     """Why a process that said nothing is gone, as far as the cgroup can tell."""
     group = state.get("cgroup")
     if not isinstance(group, Mapping) or not group.get("path"):
-        return "no shutdown and no signal handler ran (SIGKILL, or a crash of the interpreter)"
+        return SILENT
     before = group.get("oom_kills")
     now = cgroup.oom_kills(int(group.get("version") or 0), group["path"])
     if now is None or not isinstance(before, int):
-        return "no shutdown and no signal handler ran; the memory cgroup can no longer be read"
+        return f"{SILENT}; the memory cgroup can no longer be read"
     if now <= before:
-        return "no shutdown and no signal handler ran; the kernel counted no OOM kill in the memory cgroup"
+        return f"{SILENT}; the kernel counted no OOM kill in the memory cgroup"
     limit, rss = state.get("memory_limit_bytes"), state.get("rss_bytes")
     if isinstance(limit, int) and isinstance(rss, int) and rss >= NEAR_LIMIT * limit:
         return f"{HOST_OOM}: the kernel counted {now - before} OOM kill(s) in the memory cgroup, and memory was " \
