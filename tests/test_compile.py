@@ -201,6 +201,22 @@ def test_a_compiled_model_has_its_flops_and_phases(tt_runtime, form):
         [row.get("phases") for row in rows]
 
 
+def test_a_step_given_the_module_inside_torch_compiles_wrapper_says_which_to_give(tt_runtime, fresh_dynamo, caplog):
+    """``compiled = torch.compile(model)``, then ``model=model`` and ``compiled(x)`` in the step (a
+    script that keeps the plain module for its checkpoints): the module's call runs inside the
+    compiled code, where the forward marks are traced away. The step keeps its optimizer phase
+    and the warning says to give the step the module it calls."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="torchtrace"):
+        _run(torch.compile(model, backend="eager"), opt, torch.randn(4, 8), 3, True, watched=model)
+    rows = api.get_runtime().history.steps()[1:]  # (the first call, which compiles, is seen)
+    assert rows and all(set(row["phases"]) == {"optimizer"} for row in rows), [row.get("phases") for row in rows]
+    (warning,) = [r.getMessage() for r in caplog.records if "forward was not seen" in r.getMessage()]
+    assert "model=torch.compile(model)" in warning, warning
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_a_compiled_optimizer_step_gets_no_graph_break_from_torchtrace(patched_torch):
     """torchtrace's global optimizer step pre-hook (which notes optimizers stepped inside a

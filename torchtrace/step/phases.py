@@ -193,10 +193,11 @@ class StepClock:
         if (rt := current.runtime(create=False)) is not None and self.forward_end is None:
             inside = self.forward_start is not None  # (in optimizer.step(closure), LBFGS: no boundary to split at)
             how = "ran inside optimizer.step(closure)" if inside else \
-                "was not seen (model.forward(x), another method or module called, or a call inside a function " \
-                "that torch.compile compiles)"
-            advice = "" if inside else "; call the model as model(...), outside compiled functions, to split forward " \
-                "and backward"
+                "was not seen (model.forward(x), another method or module called, or a call inside compiled " \
+                "code: a function torch.compile compiles, or the module torch.compile(model) returned)"
+            advice = "" if inside else "; give the step the module it calls (model=torch.compile(model)'s result, " \
+                "not the module inside it) and call it as model(...), outside compiled functions, to split " \
+                "forward and backward"
             rt.warn_once(("phases", "closure" if inside else "unseen"), "torchtrace: a step ran its optimizer but its "
                          "model's forward %s: its phases hold the optimizer only%s", how, advice)
         seconds = self._between(self.optimizer_start, self.optimizer_end)
