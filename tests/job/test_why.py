@@ -62,6 +62,39 @@ def test_job_section_tells_attempts_apart(tmp_path):
     assert why(tmp_path)["verdict"] == "completed"  # the latest attempt
 
 
+def test_a_job_its_scheduler_stopped_is_preempted_not_running(tmp_path):
+    """Every rank ended by SIGTERM (a preemption, torchrun passing on the agent's stop) or one
+    rank completed and the other stopped: the job is over, and it was stopped, not stalled."""
+    for rank in (0, 1):
+        _write(tmp_path, rank, ended="preempted", end_detail="SIGTERM", phase="idle", current_step=None)
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("preempted", [])
+    assert "SIGTERM" in report["reason"] and "ranks 0, 1" in report["reason"], report["reason"]
+    _write(tmp_path, 0, ended="completed", phase="idle", current_step=None)
+    report = why(tmp_path)
+    assert report["verdict"] == "preempted" and "rank 1 " in report["reason"], report["reason"]
+    assert render(report).startswith("verdict: preempted (rank 1 ")
+
+
+def test_a_rank_stopped_while_the_others_run_is_named_not_called_stalled(tmp_path):
+    """Rank 1 stopped by a SIGINT (a user's ^C on one node) while rank 0 still trains: the job
+    runs on, and the reason names the stopped rank."""
+    _write(tmp_path, 0, phase="forward", progress=time.time() - 0.5)
+    _write(tmp_path, 1, ended="preempted", end_detail="SIGINT", phase="idle", current_step=None)
+    report = why(tmp_path)
+    assert report["verdict"] == "running"
+    assert report["reason"] == "rank 1 ended preempted (SIGINT); the others run", report["reason"]
+
+
+def test_a_job_whose_ranks_ended_in_ways_torchtrace_does_not_know_is_ended(tmp_path):
+    """Black boxes of a later torchtrace that name an ending this one does not know: over, and
+    said as the boxes say it."""
+    for rank in (0, 1):
+        _write(tmp_path, rank, ended="drained", phase="idle", current_step=None)
+    report = why(tmp_path)
+    assert (report["verdict"], report["reason"]) == ("ended", "every rank ended: ranks 0, 1 drained")
+
+
 def test_why_on_a_path_that_does_not_exist_says_so(tmp_path, capsys):
     assert main(["why", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -2,8 +2,8 @@
 
 It reads only files (each rank's black box ``state*.json``, the watchdog's ``hang*.json`` and
 ``stacks*.txt``), so it answers while the job is still hung and after it is gone, for one
-rank or many. It prints the verdict (healthy, running, hang, died, completed), the culprit
-ranks and each rank's step, phase and stack (the user's frames first).
+rank or many. It prints the verdict (healthy, running, hang, died, completed, preempted,
+ended), the culprit ranks and each rank's step, phase and stack (the user's frames first).
 
 >>> import tempfile
 >>> report = why(tempfile.mkdtemp())
@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
 def add_subcommand(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("why", help="what happened to this job: verdict, culprit ranks, where each rank is",
                               description="Read a run directory's black boxes: the verdict (healthy, running, hang, "
-                                          "died, completed), the culprit ranks, each rank's step, phase and stack.")
+                                          "died, completed, preempted, ended), the culprit ranks, each rank's step, "
+                                          "phase and stack.")
     p.add_argument("path", help="a run directory (<run_dir>/<run_id>) or the run_dir holding several")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)

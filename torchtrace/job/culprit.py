@@ -13,9 +13,13 @@ be the thing that hangs. The rules, in order:
    culprits are those not inside the collective the others wait in (a lower collective
    sequence number than theirs); without that difference, those behind the others (a lower
    step, or the same step at an earlier phase); without any difference, all of them;
-3. every rank ``completed``: ``completed``; every rank alive and progressing within its
-   timeout: ``healthy``; otherwise (some rank stalled beyond half its timeout, or fewer
-   black boxes than the world size): ``running``, no verdict yet.
+3. every rank ``completed``: ``completed``; every rank ended, some stopped by a signal (a
+   scheduler's preemption, torchrun passing its agent's SIGTERM on, a user's ^C):
+   ``preempted``, with no culprit (the stop came from outside); every rank ended otherwise (an
+   ending a later torchtrace wrote): ``ended``; every rank alive and progressing within its
+   timeout: ``healthy``; otherwise (some rank stalled beyond half its timeout, a rank stopped
+   while the others run, or fewer black boxes than the world size): ``running``, no verdict
+   yet, and the reason says which.
 
 >>> judge([{"rank": 0, "ended": "completed"}], now=0.0)["verdict"]
 'completed'
@@ -150,8 +154,36 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
     world = max((s.get("world_size") or 1) for s in boxes)
     if len(boxes) < world:
         out["reason"] = f"{len(boxes)} of {world} ranks have a black box"
+        return out
+    ends = {s["rank"]: _end_of(s) for s in boxes if conditions[s["rank"]].startswith("ended:")}
+    stopped = {r: end for r, end in ends.items() if end.startswith("preempted")}
+    if len(ends) == len(boxes):
+        if stopped:
+            signals = sorted({end.partition(" ")[2].strip("()") or "a signal" for end in stopped.values()})
+            out.update(verdict="preempted", reason=f"{_ranks(list(stopped))} stopped by {' or '.join(signals)}")
+        else:
+            out.update(verdict="ended", reason="every rank ended: " + "; ".join(
+                f"{_ranks([r for r in ends if ends[r] == end])} {end}" for end in sorted(set(ends.values()))))
     elif all(c in ("running", "ended:completed") for c in conditions.values()):
         out.update(verdict="healthy", reason="every rank is progressing")
-    else:
+    elif any(c == "stalled" for c in conditions.values()):
         out["reason"] = "some rank is stalled, not yet past its hang timeout"
+    else:
+        out["reason"] = "; ".join(f"rank {r} ended {end}" for r, end in sorted(ends.items())
+                                  if end != "completed") + "; the others run"
     return out
+
+
+def _end_of(state: dict[str, Any]) -> str:
+    """How a rank's black box says it ended, with the signal of a stop: ``preempted (SIGTERM)``."""
+    ended = str(state.get("ended"))
+    detail = state.get("end_detail")
+    if ended == "preempted" and isinstance(detail, str) and detail.startswith("SIG"):
+        return f"preempted ({detail})"
+    return ended
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0, 1``."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
