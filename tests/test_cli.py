@@ -222,3 +222,17 @@ def test_quickstart_example_runs(tmp_path):
     assert report["totals"]["steps"] == 100 and report["operations"] == {"train_step": 100}
     run_dir = next(tmp_path.glob("torchtrace-runs/*"))
     assert f"torchtrace report {run_dir.relative_to(tmp_path)} --html report.html" in proc.stdout, proc.stdout
+
+
+def test_a_command_whose_reader_went_away_ends_without_a_traceback(tmp_path):
+    """``torchtrace why DIR | head -1``: the reader closes the pipe; the command ends quietly,
+    as a process that SIGPIPE ended reports it (128 + 13), and says nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # (gone before the command writes: every write fails)
+    try:
+        done = subprocess.run([sys.executable, "-m", "torchtrace.cli", "why", str(tmp_path)], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=tmp_path, env=ENV)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert done.stderr == ""

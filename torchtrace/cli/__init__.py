@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 
 from torchtrace._version import __version__
@@ -34,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"torchtrace: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (``torchtrace why DIR | head``): what is left to write goes
+        # nowhere, so that the exit's flush of stdout does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # as a process that SIGPIPE ended reports it
 
 
 if __name__ == "__main__":  # pragma: no cover
