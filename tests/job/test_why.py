@@ -73,7 +73,9 @@ def test_a_job_its_scheduler_stopped_is_preempted_not_running(tmp_path):
     _write(tmp_path, 0, ended="completed", phase="idle", current_step=None)
     report = why(tmp_path)
     assert report["verdict"] == "preempted" and "rank 1 " in report["reason"], report["reason"]
-    assert render(report).startswith("verdict: preempted (rank 1 ")
+    assert render(report).splitlines()[:4] == ["verdict: preempted (rank 1 stopped by SIGTERM)", "culprit ranks: none",
+                                               "rank 0: ended completed, step 6 (finished), collective #12",
+                                               "rank 1: ended preempted (SIGTERM), step 6 (finished), collective #12"]
 
 
 def test_a_rank_stopped_while_the_others_run_is_named_not_called_stalled(tmp_path):

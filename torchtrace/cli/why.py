@@ -110,13 +110,17 @@ def render(report: dict[str, Any]) -> str:
     lines.append("culprit ranks: " + (", ".join(str(r) for r in blamed) if blamed else "none"))
     for r in sorted(report["ranks"], key=lambda r: (r["rank"] not in blamed, r["rank"] or 0)):
         c = r["collective"]
-        coll = f", collective #{c['seq']} {c['op']} ({c['group']}){' in progress' if c['active'] else ''}" \
+        coll = "".join((f", collective #{c['seq']}", f" {c['op']}" if c["op"] else "",
+                        f" ({c['group']})" if c["group"] else "", " in progress" if c["active"] else "")) \
             if c.get("seq") else ""
         step = f"step {r['step']}" + (" (in progress)" if r["in_step"] else " (finished)") if r["step"] is not None \
             else "no step yet"
-        lines.append(f"rank {r['rank']}{' [culprit]' if r['rank'] in blamed else ''}: {r['condition']}, {step}, "
-                     f"phase {r['phase']}, no progress for {r['stalled_s']} s{coll}"
-                     + (f", ended {r['ended']}" if r["ended"] else ""))
+        if r["ended"]:  # (how it ended says it all: no phase, no stall)
+            detail = f" ({r['end_detail']})" if r["end_detail"] else ""
+            state = f"ended {r['ended']}{detail}, {step}{coll}"
+        else:
+            state = f"{r['condition']}, {step}, phase {r['phase']}, no progress for {r['stalled_s']} s{coll}"
+        lines.append(f"rank {r['rank']}{' [culprit]' if r['rank'] in blamed else ''}: {state}")
         for frame in r["stack"][:12]:
             lines.append(f"    {frame}")
     for a in report["job"]["attempts"]:
