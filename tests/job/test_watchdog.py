@@ -76,6 +76,31 @@ def test_a_tick_flags_a_stall_once_and_learns_periods(tmp_path):
         dog.stop()
 
 
+def test_a_stall_between_steps_is_told_after_the_last_step(tmp_path, caplog):
+    """A rank stuck in its data source, between steps: the log and the stack file say after
+    which step it stalled, not "in step None"."""
+    release = threading.Event()
+    trainer = threading.Thread(target=release.wait, args=(10,), name="trainer")
+    trainer.start()
+    f = _fields(phase="data_wait", progress=100.0, steps_done=20, step_time=100.0, current_step=None, step=19,
+                thread=trainer.ident, rank=1)
+    dog = Watchdog(f, given_timeout_s=5.0, stack_path=tmp_path / "stacks.txt", hang_path=tmp_path / "hang.json")
+    dog._stack_file = open(tmp_path / "stacks.txt", "ab")
+    try:
+        with caplog.at_level("ERROR", logger="torchtrace"):
+            assert dog.tick(106.0) is not None
+            deadline = time.monotonic() + 10  # (logged from a thread of its own)
+            while not caplog.records and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        release.set()
+        trainer.join()
+        dog.stop()
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "no progress for 6.0 s after step 19, phase data_wait" in message, message
+    assert "after step 19, phase data_wait" in (tmp_path / "stacks.txt").read_text()
+
+
 def test_a_run_without_a_hang_leaves_no_empty_stack_file_and_one_with_stacks_keeps_it(tmp_path):
     quiet = Watchdog(_fields(phase="idle", progress=0.0), given_timeout_s=None, stack_path=tmp_path / "quiet.txt")
     quiet.start()

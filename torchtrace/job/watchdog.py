@@ -130,6 +130,16 @@ def hang_timeout(given: float | None, phase: str | None, steps_done: int, recent
     return base
 
 
+def _steps_at(finding: dict[str, Any]) -> str:
+    """Where in the run a stall is: ``in step 20``, ``after step 19`` (between steps: the data
+    source, the loop's own code) or ``before the first step``."""
+    if finding.get("step") is not None:
+        return f"in step {finding['step']}"
+    if finding.get("last_step") is not None:
+        return f"after step {finding['last_step']}"
+    return "before the first step"
+
+
 class Watchdog:
     """Watches one process's training thread through its black box's ``fields``.
 
@@ -437,7 +447,7 @@ class Watchdog:
     def _write(self, finding: dict[str, Any], threads: list[dict[str, Any]]) -> None:
         if self._stack_file is not None:
             head = (f"\ntorchtrace: hang at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(finding['time']))}: "
-                    f"step {finding['step']}, phase {finding['phase']}, no progress for {finding['stalled_s']:.1f} s "
+                    f"{_steps_at(finding)}, phase {finding['phase']}, no progress for {finding['stalled_s']:.1f} s "
                     f"(timeout {finding['timeout_s']:.1f} s)\n")
             try:
                 self._stack_file.write((head + stacks.format_threads(threads)).encode("utf-8", "replace"))
@@ -454,11 +464,11 @@ class Watchdog:
     def _log(self, finding: dict[str, Any]) -> None:
         peers = finding.get("peers") or {}
         blamed = peers.get("culprit_ranks")
-        args = (finding["rank"], finding["stalled_s"], finding["step"], finding["phase"],
+        args = (finding["rank"], finding["stalled_s"], _steps_at(finding), finding["phase"],
                 stacks.where(finding["where"]),
                 f"; culprit rank(s) {blamed}: {peers.get('reason')}" if blamed else "",
                 self.stack_path or "(no run directory)")
-        message = ("torchtrace: training hang on rank %s: no progress for %.1f s in step %s, phase %s, at %s%s; "
+        message = ("torchtrace: training hang on rank %s: no progress for %.1f s %s, phase %s, at %s%s; "
                    "every thread's stack: %s")
         # A logging handler's lock may be held by the stuck thread (a blocked stderr): log from
         # a thread of its own, so the watchdog itself never waits on it.
