@@ -148,6 +148,14 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
             culprits, why = stuck_culprits(pool)
         out.update(verdict="hang", culprit_ranks=culprits, reason=why)
         return out
+    out.update(_neither_died_nor_hung(boxes, conditions))
+    return out
+
+
+def _neither_died_nor_hung(boxes: list[dict[str, Any]], conditions: dict[int, str]) -> dict[str, Any]:
+    """Rule 3: the verdict (``completed``, ``preempted``, ``ended``, ``healthy`` or ``running``)
+    and its reason, for ranks none of which died or hung."""
+    out: dict[str, Any] = {"verdict": "running", "reason": ""}
     if all(c == "ended:completed" for c in conditions.values()):
         out.update(verdict="completed", reason="every rank completed")
         return out
