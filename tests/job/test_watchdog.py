@@ -220,6 +220,17 @@ def test_a_gone_rank_named_by_its_peers_is_the_culprit_not_the_ranks_that_then_f
     assert verdict["conditions"] == {0: "ended:exception", 1: "ended:exception", 2: "gone"}
 
 
+def test_of_ranks_that_all_raised_the_first_to_end_is_the_culprit():
+    """torchrun, DDP: rank 1 raises in its step; rank 0 raises 0.7 s later, in the collective
+    that rank 1 never joined. The job story names rank 1 first; so does the verdict."""
+    boxes = [_box(0, ended="exception", end_detail="RuntimeError", end_time=1000.8, time=1000.8),
+             _box(1, ended="exception", end_detail="RuntimeError", end_time=1000.1, time=1000.1)]
+    verdict = culprit.judge(boxes, now=1001.0)
+    assert (verdict["verdict"], verdict["culprit_ranks"]) == ("died", [1])
+    assert verdict["reason"] == ("rank 1 ended with an exception; rank 0 ended with one after it (most likely a "
+                                 "collective that failed for want of it)"), verdict["reason"]
+
+
 def test_a_silent_heartbeat_of_a_live_process_is_a_hang():
     boxes = [_box(0, phase="forward", time=900.0), _box(1, phase="forward")]
     verdict = culprit.judge(boxes, now=1000.5)

@@ -6,7 +6,8 @@ be the thing that hangs. The rules, in order:
 1. a rank that ended with an exception, or whose process is gone without saying how it
    ended (SIGKILL, the OOM killer), is blamed: verdict ``died``. Ranks the others saw gone
    while they ran come first, then ranks gone without a word (the others' exceptions are
-   most likely their collectives failing for want of it);
+   most likely their collectives failing for want of it); of ranks that all raised, the first
+   to end (the others raised after it, in a collective it never joined, as a rule);
 2. a rank whose heartbeat stopped while its process lives (a thread holding the GIL in a C
    call stops every Python thread, the black box's writer too), or whose watchdog flagged a
    hang with no progress since, is stuck: verdict ``hang``. Among the stuck ranks the
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchtrace.job.ending import last_seen
 from torchtrace.job.identity import process_alive
 
 STALE_S = 10.0
@@ -127,12 +129,21 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
         # A rank that vanished without a word, beside ranks that ended with an exception: the
         # exceptions are most likely the collective failing for want of it.
         died = vanished
+    followers: list[int] = []
+    if not named and not vanished and len(died) > 1:
+        # Ranks that all raised: the first to end is the cause; the others raised after its last
+        # sign of life, most likely in a collective that failed for want of it (as the job story
+        # orders them).
+        seen = {s["rank"]: last_seen(s) for s in boxes}
+        first = min(died, key=lambda r: seen[r])
+        died, followers = [first], sorted(r for r in died if r != first)
     if died:
-        out.update(verdict="died", culprit_ranks=died,
-                   reason="; ".join(f"rank {r} "
-                                    + ("is gone (its process no longer exists)" if conditions[r] == "gone"
-                                       else "ended with an exception")
-                                    for r in died))
+        reason = "; ".join(f"rank {r} " + ("is gone (its process no longer exists)" if conditions[r] == "gone"
+                                            else "ended with an exception") for r in died)
+        if followers:
+            reason += (f"; {_ranks(followers)} ended with one after it (most likely a collective that failed for "
+                       "want of it)")
+        out.update(verdict="died", culprit_ranks=died, reason=reason)
         return out
     hung_boxes = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent") or s.get("ended") == "hang"]
     if hung_boxes:

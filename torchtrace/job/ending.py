@@ -89,3 +89,12 @@ def end_time(state: Mapping[str, Any]) -> float | None:
         return None
     period = state.get("period_s")
     return max(beats) + (period / 2 if isinstance(period, (int, float)) else 0.0)
+
+
+def last_seen(state: Mapping[str, Any]) -> float:
+    """The rank's last sign of life: the time it recorded its end, else its last heartbeat."""
+    told = state.get("end_time")
+    if isinstance(told, (int, float)):
+        return float(told)
+    beats = [v for v in (state.get("time"), state.get("step_time")) if isinstance(v, (int, float))]
+    return max(beats) if beats else 0.0

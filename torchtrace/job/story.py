@@ -35,7 +35,7 @@ import time
 from typing import Any, Mapping
 
 from torchtrace import semconv
-from torchtrace.job.ending import end_time, how_ended
+from torchtrace.job.ending import end_time, how_ended, last_seen
 from torchtrace.job.state import read_states
 
 _ABNORMAL = ("killed", "exception", "hang", "unknown")
@@ -74,7 +74,7 @@ def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: f
         ranks.append({"rank": _int(state.get("rank")), "ended": ended, "detail": detail,
                       "last_step": state.get("step"), "end": end_time(state) if ended else None,
                       "pid": state.get("pid")})
-        seen[_int(state.get("rank"))] = _last_seen(state)
+        seen[_int(state.get("rank"))] = last_seen(state)
     over = [r for r in ranks if r["ended"] is not None]
     abnormal = [r for r in over if r["ended"] in _ABNORMAL]
     # The cause is the rank that ended first, each ordered by when it was last seen alive: a
@@ -181,12 +181,3 @@ def _num(value: object) -> float:
 
 def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _last_seen(state: Mapping[str, Any]) -> float:
-    """The rank's last sign of life: the time it recorded its end, else its last heartbeat."""
-    told = state.get("end_time")
-    if isinstance(told, (int, float)):
-        return float(told)
-    beats = [v for v in (state.get("time"), state.get("step_time")) if isinstance(v, (int, float))]
-    return max(beats) if beats else 0.0
