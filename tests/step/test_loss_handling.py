@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import numpy as np
@@ -106,6 +107,12 @@ def test_classify_and_extract_against_their_rules():
         loss = torch.tensor(0.75)
     assert extract_loss(Out()).item() == 0.75
     assert extract_loss({"logits": 1}) is None
+    # A named tuple that names its loss gives it, as an object with .loss does; a plain tuple's
+    # order is no convention ((loss, logits) in one codebase, (logits, loss) in another).
+    named = collections.namedtuple("Output", "logits loss")
+    assert extract_loss(named(torch.ones(2), torch.tensor(0.5))).item() == 0.5
+    assert extract_loss((torch.tensor(0.5), torch.ones(2)))[0].item() == 0.5  # (the tuple, judged no loss)
+    assert classify_loss(extract_loss(collections.namedtuple("Pair", "a b")(1.0, 2.0))).problem is not None
 
 
 def test_a_failure_under_anomaly_detection_records_its_kind(tmp_path):

@@ -61,7 +61,8 @@ def classify_loss(loss: object) -> LossValue:
 
 
 def extract_loss(result: object) -> object:
-    """The loss from a step's return value: a tensor, a number, a dict's "loss", an object's .loss.
+    """The loss from a step's return value: a tensor, a number, a dict's "loss", an object's (a
+    named tuple's too) .loss.
 
     Whatever is found is judged by :func:`classify_loss` (a non-scalar tensor is reported, not
     silently cut to its first element).
@@ -75,6 +76,8 @@ def extract_loss(result: object) -> object:
         return result  # a NumPy scalar too (np.float32 is no float), as record_loss takes it
     if isinstance(result, dict):
         return result.get("loss")
+    if isinstance(result, tuple) and "loss" in getattr(result, "_fields", ()):
+        return getattr(result, "loss")  # a named tuple that names its loss
     if isinstance(result, (tuple, list)) and result:
         return result  # judged by classify_loss: a tuple is said to hold no loss
     return getattr(result, "loss", None)
