@@ -39,6 +39,18 @@ def test_a_module_as_the_decorators_argument(tt_runtime, tiny_model):
         tt.debug_operation(tiny_model)
 
 
+def test_debug_context_used_as_a_decorator_says_which_decorator_to_use(tt_runtime, model_and_opt):
+    """``@tt.debug_context("train_step", ...)`` above a function: refused where it is written,
+    naming the decorator that takes the same arguments, not "'StepScope' object is not callable"."""
+    model, opt = model_and_opt
+    with pytest.raises(TypeError, match=r"debug_context\(\) is a context manager.*"
+                                        r"@torchtrace.debug_operation\(name='train_step', model=\.\.\., optimizer=\.\.\.\)"):
+        @tt.debug_context("train_step", model=model, optimizer=opt)
+        def train_step():
+            pass
+    assert get_runtime().errors.total == 0 and get_runtime().history.totals["steps"] == 0
+
+
 def test_a_module_as_debug_contexts_name(tt_runtime, tiny_model):
     with pytest.raises(TypeError, match=r"first argument is the operation's name, got a TinyNet.*model=model"):
         tt.debug_context(tiny_model)

@@ -14,7 +14,7 @@ import contextvars
 import functools
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar, cast
 
 import torch
 from opentelemetry import context as otel_context
@@ -241,6 +241,13 @@ class StepScope:
         step names no optimizer, and an enabled loss scaler unscales one optimizer's gradients
         at a time (the others may still be scaled): only the clipped ones are measured."""
         return self.optimizer is None and scaler_enabled(self.scaler)
+
+    def __call__(self, func: object) -> NoReturn:
+        """``@debug_context(...)`` above a function: a step's scope is used once, in a ``with``
+        block; the decorator that makes each call a step is :func:`torchtrace.debug_operation`."""
+        raise TypeError(f"debug_context() is a context manager (with torchtrace.debug_context({self.name!r}, ...): "
+                        f"...); to make each call of a function a step, decorate it with "
+                        f"@torchtrace.debug_operation(name={self.name!r}, model=..., optimizer=...)")
 
     # ------------------------------------------------------------ enter
     @_outside_compiler
