@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.job.helpers import clean_env
+
 SCRIPT = r"""
 import os, sys, time, torch, torchtrace as tt
 
@@ -66,14 +67,17 @@ print("parent done", flush=True)
 """
 
 
+def _run(tmp_path: Path, text: str, *args: Path) -> subprocess.CompletedProcess:
+    """Run the script ``text`` with ``args``, in ``tmp_path``, without the caller's torchtrace settings."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script), *[str(a) for a in args]], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_ends_and_configures_without_waiting_for_its_parents_threads(tmp_path):
-    script = tmp_path / "fork.py"
-    script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-    env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "parent"), str(tmp_path / "child")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = _run(tmp_path, SCRIPT, tmp_path / "parent", tmp_path / "child")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "shutdown-child exit 0" in done.stdout, done.stdout + done.stderr[-2000:]
     assert "exiting-child exit 0" in done.stdout, done.stdout + done.stderr[-2000:]
@@ -116,12 +120,7 @@ def test_a_bare_fork_child_that_ends_with_os_exit_is_told_by_its_shutdown(tmp_pa
     from torchtrace.job.ending import how_ended
     from torchtrace.job.state import read_states
 
-    script = tmp_path / "bare_fork.py"
-    script.write_text(BARE_FORK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
-    env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = _run(tmp_path, BARE_FORK, tmp_path / "runs")
     assert done.returncode == 0, done.stderr[-3000:]
     children = dict(line.split() for line in done.stdout.splitlines())
     ends = {}

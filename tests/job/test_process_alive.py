@@ -7,6 +7,7 @@ its launcher) and a new process that was given the dead writer's pid. Both are g
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -72,7 +73,5 @@ def test_a_writer_of_another_host_cannot_be_asked():
 def test_a_restart_finds_the_zombie_writers_slot_taken(tmp_path, zombie):
     """A torchrun restart whose earlier rank is a zombie not reaped yet: the box is an earlier
     attempt's, so the new process takes the next attempt."""
-    import json
-
     (tmp_path / "state.json").write_text(json.dumps(zombie), encoding="utf-8")
     assert choose_attempt(tmp_path, "state.json") == 1
