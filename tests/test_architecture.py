@@ -238,6 +238,7 @@ REVIEWED = {
     "api.py": "the public entry points (configure, shutdown, debug_context, debug_operation) with their examples",
     "step/throughput.py: finish_step": "the step's figures in the order they are decided; its first lines end "
                                        "the usual step",
+    "step/runtime.py: __init__": "what configure() builds, one line a part, in the order the parts need each other",
 }
 SHOWN = 8  # the largest modules and functions printed with the test output
 

@@ -48,13 +48,14 @@ from torchtrace.step.scope import StepScope
 from torchtrace.step.watched import instance_first, unwatch_layouts, watch_layouts, watched
 
 if TYPE_CHECKING:
-    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.runtime import RunSoFar, Runtime
 
 logger = get_logger("torchtrace")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _atexit_registered = False
 _finalizer_pid: int | None = None  # the process whose multiprocessing finalizer shuts torchtrace down
+_run_so_far: RunSoFar | None = None  # the run the last shutdown() in this process ended (_keep_run_so_far)
 
 
 class ConfigureResult:
@@ -120,7 +121,8 @@ def configure(
     """Set torchtrace up (or set it up again). Every argument is optional.
 
     Arguments beat ``TORCHTRACE_*``/``OTEL_*`` environment variables, which beat defaults.
-    Calling it again shuts the previous set-up down first. Without any call, the first
+    Calling it again shuts the previous set-up down first; under the same run id and run
+    directory the new set-up goes on with the run (docs/jobs.md). Without any call, the first
     instrumented step configures torchtrace from the environment.
 
     From a script's top level, which a spawn/forkserver child (a DataLoader worker, a
@@ -161,7 +163,7 @@ def _set_up(resolved: Settings) -> ConfigureResult:
             return ConfigureResult(None)
         from torchtrace.step.runtime import Runtime
 
-        rt = Runtime(resolved)
+        rt = Runtime(resolved, _run_so_far)
         current.set_runtime(rt)
         hand_over_run_id(resolved.run_id)
         clipping.install()
@@ -239,6 +241,7 @@ def shutdown(timeout_s: float | None = None) -> None:
             rt.settings = rt.settings.replace(shutdown_timeout_s=timeout_s)
         try:
             rt.close()
+            _keep_run_so_far(rt)
         finally:
             # torch as it was: the clip functions, GradScaler, schedulers and the optimizer hook
             clipping.uninstall()
@@ -247,6 +250,17 @@ def shutdown(timeout_s: float | None = None) -> None:
             unwatch_group_start()
             take_back_run_id()
             take_back_settings()
+
+
+def _keep_run_so_far(rt: Runtime) -> None:
+    """Keep what ``rt``'s run did in this process: a later ``configure()`` of the same run id and
+    run directory here goes on with it (:class:`~torchtrace.step.runtime.RunSoFar`)."""
+    global _run_so_far
+    try:
+        _run_so_far = rt.so_far()
+    except Exception as exc:
+        _run_so_far = None
+        logger.debug("torchtrace: the run so far was not kept: %s", exc)
 
 
 def _process_group_started() -> None:

@@ -87,6 +87,12 @@ from torchtrace.job.signals import start_thread
 
 logger = logging.getLogger(__name__)
 
+RUN_PROGRESS = ("step", "step_time", "loss", "last_anomaly", "first_step", "first_step_seconds", "first_step_start",
+                "steps_finished", "step_seconds", "checkpoint_step", "checkpoint_time", "checkpoint_productive_s",
+                "checkpoint_seconds", "hang", "hangs", "hang_recovered_s")
+"""The fields that hold what the attempt has done so far: the runtime of a second ``configure()``
+of the same run id in one process (the same attempt) starts its black box with them."""
+
 STATE_GLOB = "state*.json"
 """The black boxes' file names: ``state.json``, ``state.rank3.json`` and any attempt suffix."""
 

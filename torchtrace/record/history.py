@@ -149,3 +149,25 @@ class History:
             self.operations.clear()
             self.last_record = None
             self.first_step_unix = None
+
+    def continued(self, maxlen: int) -> History:
+        """A history of ``maxlen`` entries that goes on from this one: its events and steps (the
+        newest that fit), totals and sequence numbers.
+
+        >>> h = History(maxlen=3)
+        >>> for i in range(3): _ = h.add_event("note", f"n{i}")
+        >>> later = h.continued(maxlen=2)
+        >>> [e.message for e in later.events()], later.add_event("note", "n3").seq
+        (['n1', 'n2'], 4)
+        """
+        later = History(maxlen)
+        with self._lock:
+            later._events.extend(self._events)
+            later._steps.extend(self._steps)
+            later._seq = self._seq
+            later.totals.update(self.totals)
+            later.anomaly_counts.update(self.anomaly_counts)
+            later.operations.update(self.operations)
+            later.last_record = self.last_record
+            later.first_step_unix = self.first_step_unix
+        return later

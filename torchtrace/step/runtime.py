@@ -27,6 +27,7 @@ from torchtrace.export.metrics import Metrics
 from torchtrace.export.server import TelemetryServer
 from torchtrace.export.trace_ids import step_trace_id
 from torchtrace.export.tracing import BoundedBatchSpanProcessor, tracer_provider
+from torchtrace.job.state import RUN_PROGRESS
 from torchtrace.levels import DebugLevel, DebugMode, Features
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.probes.base import ProbeSet
@@ -70,8 +71,37 @@ class _Deferred:
         self.exc = exc
 
 
+class RunSoFar:
+    """What a run did in one process, kept as its runtime shuts down (:meth:`Runtime.so_far`):
+    the runtime a later ``configure()`` of the same run id and run directory in the same process
+    builds goes on from it (the process keeps its attempt). It numbers its steps on from the last, its report
+    keeps the steps and events so far, its goodput the time so far, and its black box the
+    attempt's start and progress."""
+
+    __slots__ = ("run_id", "run_dir", "pid", "started_unix", "step_counters", "history", "goodput", "progress")
+
+    def __init__(self, settings: Settings, pid: int, started_unix: float, step_counters: collections.Counter[str],
+                 history: History, goodput: dict[str, Any], progress: dict[str, Any]) -> None:
+        self.run_id = settings.run_id
+        self.run_dir = os.path.abspath(settings.run_dir)
+        self.pid = pid
+        self.started_unix = started_unix
+        self.step_counters = step_counters
+        self.history = history
+        self.goodput = goodput  # GoodputLedger.state_dict()
+        self.progress = progress  # the black box's RUN_PROGRESS fields
+
+    def goes_on_in(self, settings: Settings) -> bool:
+        """Whether a runtime of ``settings`` in this process goes on with this run."""
+        return (settings.run_id == self.run_id and os.path.abspath(settings.run_dir) == self.run_dir
+                and os.getpid() == self.pid)
+
+
 class Runtime:
-    """One configured torchtrace: built by ``configure()``, closed by ``shutdown()``."""
+    """One configured torchtrace: built by ``configure()``, closed by ``shutdown()``.
+
+    ``so_far``: the run the last runtime of this process shut down; when it has the same run
+    id and run directory, this runtime goes on with it (:class:`RunSoFar`)."""
 
     # The whole job's attributes, set by torchtrace.step.job.init (and filled by setup.run_files,
     # setup.black_box and job.watch): declared here so that a type checker knows them.
@@ -85,7 +115,8 @@ class Runtime:
     job_goodput_cache: tuple[float, float | None] | None
     checkpoints_booked_by_framework: bool
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, so_far: RunSoFar | None = None) -> None:
+        earlier = so_far if so_far is not None and so_far.goes_on_in(settings) else None
         self.settings = settings
         self.pid = os.getpid()  # the process that owns its threads, server and files
         self.identity: Identity = identity()
@@ -93,11 +124,12 @@ class Runtime:
         self.mode: DebugMode = settings.mode
         self.features = Features.for_level(self.level, self.mode, settings.throughput)
         self.guard = GuardPolicy.parse(settings.guard, "guard")
-        self.history = History(settings.history_size)
-        self.started_unix = time.time()
         self.closed = False
         self.replaying = False  # a forensic replay is running: its steps record nothing
-        self.step_counters: collections.Counter[str] = collections.Counter()
+        # A new run, or the one this process's last set-up of the run left (before anything is set up)
+        self.history = earlier.history.continued(settings.history_size) if earlier else History(settings.history_size)
+        self.started_unix = earlier.started_unix if earlier else time.time()
+        self.step_counters = collections.Counter(earlier.step_counters if earlier else ())
         self.consecutive_bad = 0
         self.log_counts: collections.Counter[str] = collections.Counter()
         self.guard_unable: collections.Counter[str] = collections.Counter()  # operation -> bad steps not skipped
@@ -143,7 +175,28 @@ class Runtime:
             setup.black_box(self)
         except Exception as exc:  # the black box and the watchdog are never worth the run
             self.errors.report("files", exc)
+        self._go_on(earlier)
         hangs.watch(self)
+
+    def _go_on(self, earlier: RunSoFar | None) -> None:
+        """The goodput and the black box's progress of the run so far, if it goes on (the rest of
+        ``earlier`` was taken as the runtime began)."""
+        if earlier is None:
+            return
+        try:
+            self.throughput.ledger.load_state_dict(earlier.goodput)
+            if self.rank_state is not None:
+                self.rank_state.fields.update(earlier.progress)
+                self.rank_state.write()
+        except Exception as exc:
+            self.errors.report("files", exc)
+
+    def so_far(self) -> RunSoFar:
+        """What this run did in this process (see :class:`RunSoFar`); after :meth:`close`."""
+        box = self.rank_state.fields if self.rank_state is not None else {}
+        return RunSoFar(self.settings, self.pid, self.started_unix, collections.Counter(self.step_counters),
+                        self.history, self.throughput.ledger.state_dict(),
+                        {name: box[name] for name in RUN_PROGRESS if name in box})
 
     # ------------------------------------------------------------ per-step services
     @property
