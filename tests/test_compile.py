@@ -3,6 +3,7 @@ compiled step function (torchtrace's block or decorator inside it) is recorded a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -364,3 +365,53 @@ tt.shutdown()
     # Net, 4 x 8 -> 16 -> 4: forward 2*4*8*16 + 2*4*16*4 = 1536 FLOPs, backward twice that less the
     # first layer's input gradient (2*4*8*16 = 1024): 1536 + 3072 - 1024 = 3584
     assert rows == [[3584, ["backward", "forward", "optimizer"]]] * 3
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["optimizer named", "optimizer adopted"])
+@pytest.mark.parametrize("clip", [False, True], ids=["no clip", "clip"])
+@pytest.mark.parametrize("order", ["debug_operation(torch.compile(step))", "torch.compile(debug_operation(step))"])
+def test_a_nan_in_a_compiled_step_function_is_replayed_and_skipped(tmp_path, monkeypatch, fresh_dynamo, order,
+                                                                    clip, named):
+    """A compiled step function calls ``optimizer.step()`` (and ``clip_grad_norm_``) inside the
+    compiled code, so torchtrace measures the gradients from there: the optimizer's step
+    pre-hook, the clip, or the global hook through which a step given no optimizer adopts the
+    one that steps. Before, dynamo traced them, and the replay they start on a non-finite step
+    failed inside the trace (an internal error: no forensic report). Now they run eagerly,
+    outside the compiler: the replay names the input, the guard skips the update, and the
+    parameters are as before the step."""
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_")):
+            monkeypatch.delenv(name, raising=False)
+    tt.configure(service_name="test", prometheus_port="off", run_dir=str(tmp_path), strict=True,
+                 register_atexit=False, guard="skip")
+    try:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def train_step(x):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        decorate = tt.debug_operation(name="train_step", model=model, optimizer=opt if named else None)
+        if order == "debug_operation(torch.compile(step))":
+            step = decorate(torch.compile(train_step, backend="eager"))
+        else:
+            step = torch.compile(decorate(train_step), backend="eager")
+        step(torch.randn(4, 8))
+        before = [p.detach().clone() for p in model.parameters()]
+        bad = torch.randn(4, 8)
+        bad[1, 3] = float("nan")
+        step(bad)
+        rt = api.get_runtime()
+        record = rt.history.last_record
+        assert "nonfinite_grad" in record.anomaly_kinds and record.skipped
+        assert rt.forensics.reports and rt.forensics.reports[-1]["cause"] == "input"
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    finally:
+        tt.shutdown()

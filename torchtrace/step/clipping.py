@@ -33,6 +33,7 @@ import torch
 from torchtrace import current
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import clip_norm
+from torchtrace.step.compiled import is_compiling
 
 if TYPE_CHECKING:
     from torchtrace.measure.gradients import GradStats
@@ -40,12 +41,6 @@ if TYPE_CHECKING:
 
 
 CLIPS = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")  # the torch.nn.utils functions wrapped
-
-
-def is_compiling() -> bool:
-    """True while torch.compile traces the caller (a wrapper then steps aside: no graph break)."""
-    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(check()) if check is not None else False
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:

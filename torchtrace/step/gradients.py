@@ -26,6 +26,7 @@ from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure.scaler import scaler_enabled, unscaled_by
 from torchtrace.record import readout
 from torchtrace.record.policy import GuardPolicy, agree_any
+from torchtrace.step.compiled import outside_compiler
 from torchtrace.step.throughput import learning_rates
 from torchtrace.step.watched import hookable
 
@@ -109,6 +110,7 @@ class UpdateHooks:
             if not checks:
                 del self._checks[id(optimizer)]
 
+    @outside_compiler
     def _updating(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The kept pre-hook: each watching check in turn, each given the arguments the one
         before it returned (as torch chains pre-hooks); the last replacement, or None."""
@@ -225,6 +227,7 @@ class GradientCheck:
                     if ref.param.grad is not None:
                         ref.param.grad.zero_()
 
+    @outside_compiler
     def adopt(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The step names a model but no optimizer, and ``optimizer``, the first to update part
         of the model in it, is about to (its step pre-hook's arguments): all of the model's
@@ -265,6 +268,7 @@ class GradientCheck:
         param, mark = self._mark
         return grad_measure.gradient_moved(mark, grad_measure.gradient_mark(param))
 
+    @outside_compiler
     def other_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Another optimizer of the model begins an update, after the step's own (adopted) one.
 

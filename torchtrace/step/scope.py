@@ -11,10 +11,8 @@ it on to export. One scope serves ``with``, ``async with`` and the decorators.
 from __future__ import annotations
 
 import contextvars
-import functools
-import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
 from opentelemetry import context as otel_context
@@ -32,6 +30,7 @@ from torchtrace.measure.scaler import scaler_enabled
 from torchtrace.record.readout import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks
+from torchtrace.step.compiled import outside_compiler
 from torchtrace.step.gradients import GradientCheck
 from torchtrace.step.state import Given, StepForensics, StepThroughput
 from torchtrace.step.throughput import drop_counter, learning_rates
@@ -44,32 +43,6 @@ if TYPE_CHECKING:
 STEP_KINDS = checks.STEP_KINDS
 
 
-_M = TypeVar("_M", bound=Callable[..., Any])
-
-
-def _outside_compiler(method: _M) -> _M:
-    """``method``, never traced by ``torch.compile``, for the step's entry and exit.
-
-    In a compiled step function (the ``with`` block, or a decorated step, inside a function
-    torch.compile compiles) the graph breaks at them and they run eagerly, with dynamo off for
-    all they call: the step gets its FLOPs and phases as without the compiler.
-
-    ``torch.compiler.disable`` imports ``torch._dynamo``: a second, so not at ``import
-    torchtrace``. Until something imports it (torch does as the first optimizer is made) nothing
-    can compile, and ``method`` runs as it is. The first call after that puts the disabled
-    method on the class in place of this one, so later steps pay for the disabled call only:
-    0.4 us in a warm loop, 1-2 us of step entry (the check on every step cost 3 us;
-    benchmarks/RESULTS.md, 2026-11-29, session 23).
-    """
-    @functools.wraps(method)
-    def until_dynamo_loads(*args: object, **kwargs: object) -> Any:
-        if "torch._dynamo" not in sys.modules:
-            return method(*args, **kwargs)
-        disabled = torch.compiler.disable(method)
-        setattr(StepScope, method.__name__, disabled)
-        return disabled(*args, **kwargs)
-
-    return cast(_M, until_dynamo_loads)
 
 
 class StepScope:
@@ -204,6 +177,7 @@ class StepScope:
         """The per-step state ``probe.enter`` returned for this step (None when it returned none)."""
         return self._rt.probes.state_of(self._states, probe) if self._states is not None else None
 
+    @outside_compiler
     def check_gradients_now(self, optimizer: torch.optim.Optimizer | None = None,
                             clipped: list[torch.Tensor] | None = None) -> None:
         """Measure (and guard) the gradients now, as they are about to be used: the user is about
@@ -250,7 +224,7 @@ class StepScope:
                         f"@torchtrace.debug_operation(name={self.name!r}, model=..., optimizer=...)")
 
     # ------------------------------------------------------------ enter
-    @_outside_compiler
+    @outside_compiler
     def __enter__(self) -> "StepScope":
         rt = current.runtime()
         if rt is None or rt.replaying:  # a forensic replay records nothing itself
@@ -325,7 +299,7 @@ class StepScope:
             token = outer._ctx_token
 
     # ------------------------------------------------------------ exit
-    @_outside_compiler
+    @outside_compiler
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self._active:
             return False
