@@ -161,12 +161,14 @@ def test_model_compile_after_torchtrace_watched_it(tt_runtime):
 
 
 @pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile() before", "model.compile() after"])
-def test_a_compiled_model_has_its_flops_and_phases(tt_runtime, form):
+def test_a_compiled_model_has_its_flops_and_phases(tt_runtime, form, caplog):
     """Every way of compiling a model gets the step's FLOPs (equal to FlopCounterMode on the
     same step run eagerly) and all three phases, compiles as many graphs as without torchtrace
-    and trains to the same losses. ``model.compile()`` fills the call seam that holds
-    torchtrace's forward marks: the marks go around the compiled call, outside the compiled
-    code (inside it they would be traced away), before or after the user compiles."""
+    and trains to the same losses, with no warning. ``model.compile()`` fills the call seam that
+    holds torchtrace's forward marks: the marks go around the compiled call, outside the
+    compiled code (inside it they would be traced away), before or after the user compiles.
+    (``torch.compile(model)``'s wrapper was told it had no forward of its own: its forward is
+    set on the instance.)"""
     from torch._dynamo.utils import counters
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -200,6 +202,7 @@ def test_a_compiled_model_has_its_flops_and_phases(tt_runtime, form):
     assert rows and all(row["flops"] == counter.get_total_flops() for row in rows), [r.get("flops") for r in rows]
     assert all(set(row["phases"]) == {"forward", "backward", "optimizer"} for row in rows), \
         [row.get("phases") for row in rows]
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("torchtrace")]
 
 
 def test_a_step_given_the_module_inside_torch_compiles_wrapper_says_which_to_give(tt_runtime, fresh_dynamo, caplog):

@@ -157,7 +157,8 @@ class RunThroughput:
         marks = self._models.get(model)
         if marks is None:
             marks = self._models[model] = ModelMarks(model)
-            if type(model).forward is torch.nn.Module.forward:  # a container: a GAN's two networks, say
+            # A container (a GAN's two networks, say); torch.compile(model)'s wrapper sets its forward on itself.
+            if type(model).forward is torch.nn.Module.forward and "forward" not in vars(model):
                 # (said under the key of the warning for a forward not seen, which it replaces)
                 self.rt.warn_once(("phases", "unseen"), "torchtrace: the model of a step (%s) has no forward of its "
                                   "own: the step calls the modules it holds, so its phases hold the optimizer only",
