@@ -100,3 +100,33 @@ def test_a_job_whose_ranks_ended_in_ways_torchtrace_does_not_know_is_ended(tmp_p
 def test_why_on_a_path_that_does_not_exist_says_so(tmp_path, capsys):
     assert main(["why", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_directory_of_several_jobs_is_read_as_its_newest_job(tmp_path, capsys):
+    """``torchtrace why torchtrace-runs`` (the run_dir, holding a directory per run) reads the
+    newest job, and says so. Before, its verdict and ranks were taken from every job's black
+    boxes together: an old run's dead rank made a newer, completed run read as died."""
+    old, new = tmp_path / "run-old", tmp_path / "run-new"
+    old.mkdir()
+    new.mkdir()
+    gone = dict(job_id="run-old", attempt=1, started=time.time() - 3600, pid=2 ** 22 + 4321,
+                time=time.time() - 3000, progress=time.time() - 3000, phase="forward", step=3, current_step=4)
+    _write(old, 0, **gone)  # a two-rank job, restarted once, whose processes are gone
+    _write(old, 1, **gone)
+    _write(new, 0, world_size=1, job_id="run-new", started=time.time() - 60, ended="completed", step=90,
+           current_step=None, phase="idle")
+    report = why(tmp_path)
+    assert report["verdict"] == "completed" and report["culprit_ranks"] == []
+    assert [(r["rank"], r["step"]) for r in report["ranks"]] == [(0, 90)]
+    assert report["job"]["job_id"] == "run-new" and report["jobs"] == ["run-new", "run-old"]
+    assert render(report).splitlines()[0] == (f"job run-new, the newest of 2 under {tmp_path} (also: run-old); "
+                                              "give its directory to read one other")
+    assert why(old)["verdict"] == "died" and why(old)["jobs"] == ["run-old"]
+    assert render(why(new)).splitlines()[0].startswith("verdict: completed")
+
+
+def test_a_directory_of_many_jobs_names_a_few_of_the_others():
+    report = {"path": "runs", "jobs": [f"run{i}" for i in range(9, -1, -1)], "verdict": "completed", "reason": None,
+              "culprit_ranks": [], "ranks": [], "job": {"attempts": []}}
+    assert render(report).splitlines()[0] == ("job run9, the newest of 10 under runs (also: run8, run7, run6, run5, "
+                                              "run4 and 4 more); give its directory to read one other")

@@ -23,7 +23,7 @@ from typing import Any
 
 from torchtrace.job import culprit, stacks
 from torchtrace.job.state import read_states
-from torchtrace.job.story import job_story
+from torchtrace.job.story import jobs_of, story_of
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -93,19 +93,29 @@ def _rank_view(state: dict[str, Any], condition: str, now: float) -> dict[str, A
 
 
 def why(path: str | os.PathLike[str], now: float | None = None) -> dict[str, Any]:
-    """The verdict on the job whose run directory (or run directories' parent) is ``path``."""
+    """The verdict on the job whose run directory is ``path``; of a directory of runs (the
+    ``run_dir``), its newest job's (``jobs``: every job found, the one read first)."""
     now = time.time() if now is None else now
     states = read_states(path)
+    jobs = jobs_of(states)
+    if len(jobs) > 1:
+        states = [s for s in states if s.get("job_id") == jobs[0]]
     verdict = culprit.judge(states, now)
     boxes = culprit.latest_attempt(states)
     ranks = [_rank_view(s, verdict["conditions"][s["rank"]], now) for s in boxes]
     return {"path": str(path), "verdict": verdict["verdict"], "culprit_ranks": verdict["culprit_ranks"],
-            "reason": verdict["reason"], "ranks": ranks, "job": job_story(path, now)}
+            "reason": verdict["reason"], "ranks": ranks, "job": story_of(states, now), "jobs": jobs}
 
 
 def render(report: dict[str, Any]) -> str:
     """The report as text: verdict, culprits, then each rank (culprits first)."""
-    lines = [f"verdict: {report['verdict']}" + (f" ({report['reason']})" if report["reason"] else "")]
+    lines = []
+    jobs = report.get("jobs") or []
+    if len(jobs) > 1:
+        others = ", ".join(str(j) for j in jobs[1:6]) + (f" and {len(jobs) - 6} more" if len(jobs) > 6 else "")
+        lines.append(f"job {jobs[0]}, the newest of {len(jobs)} under {report['path']} (also: {others}); "
+                     f"give its directory to read one other")
+    lines.append(f"verdict: {report['verdict']}" + (f" ({report['reason']})" if report["reason"] else ""))
     blamed = report["culprit_ranks"]
     lines.append("culprit ranks: " + (", ".join(str(r) for r in blamed) if blamed else "none"))
     for r in sorted(report["ranks"], key=lambda r: (r["rank"] not in blamed, r["rank"] or 0)):
@@ -147,7 +157,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                               description="Read a run directory's black boxes: the verdict (healthy, running, hang, "
                                           "died, completed, preempted, ended), the culprit ranks, each rank's step, "
                                           "phase and stack.")
-    p.add_argument("path", help="a run directory (<run_dir>/<run_id>) or the run_dir holding several")
+    p.add_argument("path", help="a run directory (<run_dir>/<run_id>), or the run_dir holding several: its newest job")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 

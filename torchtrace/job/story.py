@@ -52,8 +52,7 @@ def story_of(states: list[dict[str, Any]], now: float | None = None) -> dict[str
     if not states:
         return {"job_id": None, "attempts": [], "goodput": None, "wall_s": 0.0, "productive_s": 0.0,
                 "badput": dict.fromkeys(semconv.JOB_BADPUT_KINDS, 0.0)}
-    newest = max(states, key=lambda s: _num(s.get("started")))
-    job_id = newest.get("job_id")
+    job_id = jobs_of(states)[0]
     by_attempt: dict[int, list[dict[str, Any]]] = {}
     for state in states:
         if state.get("job_id") == job_id:
@@ -62,6 +61,20 @@ def story_of(states: list[dict[str, Any]], now: float | None = None) -> dict[str
     last = max(by_attempt)
     attempts = [_attempt(n, ranks, n < last, now) for n, ranks in sorted(by_attempt.items())]
     return {"job_id": job_id, **_accounts(attempts, now)}
+
+
+def jobs_of(states: list[dict[str, Any]]) -> list[Any]:
+    """The job ids of black boxes ``states`` (a directory of runs holds several), the newest job
+    first: the one whose latest box started last.
+
+    >>> jobs_of([{"job_id": "a", "started": 1.0}, {"job_id": "b", "started": 2.0}, {"job_id": "a", "started": 0.5}])
+    ['b', 'a']
+    """
+    started: dict[Any, float] = {}
+    for state in states:
+        job = state.get("job_id")
+        started[job] = max(started.get(job, float("-inf")), _num(state.get("started")))
+    return sorted(started, key=lambda job: started[job], reverse=True)
 
 
 def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: float) -> dict[str, Any]:
