@@ -254,3 +254,21 @@ def test_otel_traces_exporter_none_turns_the_environment_endpoint_off(exporter, 
 def test_otel_traces_exporter_none_leaves_an_endpoint_argument_alone():
     env = {"OTEL_TRACES_EXPORTER": "none"}
     assert Settings.resolve({"otlp_endpoint": "http://collector:4318"}, env).otlp_endpoint == "http://collector:4318"
+
+
+def test_a_misspelt_environment_variable_is_named_with_the_one_meant(caplog):
+    """``TORCHTRACE_GAURD=skip`` set no guard at all, silently: now a warning names the variable
+    torchtrace reads. Variables of other tools (this project's scripts' own among them) and
+    torchtrace's own bookkeeping are not mistaken for misspellings."""
+    env = {"TORCHTRACE_GAURD": "skip", "TORCHTRACE_PROMETHEUS_PORTS": "9000", "TORCHTRACE_HANG_TIMEOUT": "60",
+           "TORCHTRACE_SKIP_LINT": "1", "TORCHTRACE_TEST_WORKERS": "3", "TORCHTRACE_REQUIRE_SERVERS": "1",
+           "TORCHTRACE_TORCH_VERSION": "2.13.0", "TORCHTRACE_SETUP_FORCE": "1", "TORCHTRACE_ARTIFACTS_DIR": "/a",
+           "TORCHTRACE_LAUNCHER_RUN": "1 run", "TORCHTRACE_PARENT_SETTINGS": "{}", "TORCHTRACE_LEVEL": "basic"}
+    with caplog.at_level(logging.WARNING):
+        s = Settings.resolve({}, environ=env)
+    assert s.guard == "warn"
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring TORCHTRACE_GAURD: torchtrace reads no such variable; did you mean TORCHTRACE_GUARD?",
+        "ignoring TORCHTRACE_HANG_TIMEOUT: torchtrace reads no such variable; did you mean TORCHTRACE_HANG_TIMEOUT_S?",
+        "ignoring TORCHTRACE_PROMETHEUS_PORTS: torchtrace reads no such variable; did you mean "
+        "TORCHTRACE_PROMETHEUS_PORT?"]

@@ -55,6 +55,7 @@ from torchtrace.config.env import (
     ENV_THROUGHPUT,
     ENV_UPDATE_RATIO_INTERVAL,
     disabled_by_environment,
+    misspelt,
 )
 from torchtrace.config.parsers import (
     ENV_SOURCES,
@@ -190,6 +191,8 @@ class Settings:
                 except ValueError as exc:
                     logger.warning("ignoring %s: %s; using the default", env_name, exc)
                 break
+        for env_name, meant in misspelt(env, (n for env_names, _ in ENV_SOURCES.values() for n in env_names)):
+            logger.warning("ignoring %s: torchtrace reads no such variable; did you mean %s?", env_name, meant)
         if env.get(ENV_OTEL_TRACES_EXPORTER, "").strip().lower() == "none":
             values.pop("otlp_endpoint", None)  # the platform's "no trace exporter"; an argument still wins
         # Arguments are validated strictly.

@@ -9,8 +9,9 @@ the environment ranks against arguments and defaults.
 
 from __future__ import annotations
 
+import difflib
 import os
-from typing import Mapping
+from typing import Iterable, Mapping
 
 ENV_DISABLED = "TORCHTRACE_DISABLED"
 """``1``/``true``: torchtrace does nothing at all: no threads, sockets or files."""
@@ -95,3 +96,21 @@ def disabled_by_environment(environ: Mapping[str, str] | None = None) -> bool:
         if raw is not None and raw.strip().lower() in TRUE_STRINGS:
             return True
     return False
+
+
+def misspelt(environ: Mapping[str, str], known: Iterable[str]) -> list[tuple[str, str]]:
+    """The ``TORCHTRACE_*`` variables of ``environ`` that torchtrace does not read but that are a
+    letter or two away from one it does (``TORCHTRACE_GAURD``), each with the name it reads.
+    Other names (a tool's own ``TORCHTRACE_*``) are left alone.
+
+    >>> misspelt({"TORCHTRACE_GAURD": "skip", "TORCHTRACE_GUARD": "warn", "OMP_NUM_THREADS": "1"}, [ENV_GUARD])
+    [('TORCHTRACE_GAURD', 'TORCHTRACE_GUARD')]
+    """
+    names = sorted(set(known))
+    found = []
+    for name in sorted(environ):
+        if name.startswith("TORCHTRACE_") and name not in names:
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+            if close:
+                found.append((name, close[0]))
+    return found
