@@ -32,6 +32,7 @@ from torchtrace.distributed.identity import (
 from torchtrace.errors import get_logger
 from torchtrace.job.identity import (
     SettingsOffer,
+    agent_run_id,
     hand_over_run_id,
     launched_rank_run_id,
     offer_settings,
@@ -194,12 +195,19 @@ def _settings(args: dict[str, Any]) -> Settings:
     ``multiprocessing`` take the one they share (:func:`_spawned_ranks_run_id`), and ranks a
     configured process started take its own (:func:`~torchtrace.job.identity.launched_rank_run_id`);
     a process that offered a run id before it was configured takes that one
-    (:func:`~torchtrace.job.identity.offer_run_id_ahead`)."""
+    (:func:`~torchtrace.job.identity.offer_run_id_ahead`); the ranks torchrun started with no
+    rendezvous id take one their agent gives them alike (:func:`~torchtrace.job.identity.agent_run_id`)."""
     resolved = Settings.resolve(args)
     ident = identity()
-    shared = (_spawned_ranks_run_id(resolved, ident) or launched_rank_run_id(ident.rank, ident.distributed)
-              or run_id_offered_ahead())
-    return resolved if shared is None else Settings.resolve(args, default_run_id=shared)
+    agent = agent_run_id()
+    shared = (_spawned_ranks_run_id(resolved, ident) or agent
+              or launched_rank_run_id(ident.rank, ident.distributed) or run_id_offered_ahead())
+    settings = resolved if shared is None else Settings.resolve(args, default_run_id=shared)
+    if agent is not None and settings.run_id == agent and ident.world_size > ident.local_world_size:
+        logger.warning("torchtrace: torchrun gave this job no rendezvous id (--rdzv-id): the ranks of this host "
+                       "share the run id %s, and the other hosts' ranks have run ids of their own; give torchrun "
+                       "--rdzv-id (or every rank TORCHTRACE_RUN_ID) to make every rank one run", agent)
+    return settings
 
 
 def _spawned_ranks_run_id(settings: Settings, ident: Identity) -> str | None:

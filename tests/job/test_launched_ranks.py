@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from torchtrace.distributed import identity
@@ -164,3 +165,14 @@ def test_a_settings_offer_holds_the_arguments_json_can_hold_and_no_secret(monkey
     assert settings_offer(os.getpid() + 1) is None  # another process's offer
     take_back_settings()
     assert PARENT_SETTINGS not in os.environ
+
+
+def test_the_agent_run_id_is_for_torchrun_ranks_whose_rendezvous_names_none():
+    from torchtrace.job.identity import agent_run_id
+
+    assert agent_run_id({}) is None  # not torchrun
+    assert agent_run_id({"TORCHELASTIC_RUN_ID": "job-42"}) is None  # the rendezvous names the run
+    first = agent_run_id({"TORCHELASTIC_RUN_ID": "none"})
+    assert first is not None and first == agent_run_id({"TORCHELASTIC_RUN_ID": "none"})  # alike for every rank
+    stamp, _, digest = first.rpartition("-")
+    assert len(digest) == 6 and time.strptime(stamp, "%Y%m%d-%H%M%S")

@@ -339,17 +339,40 @@ def spawned_run_id(run_dir: Path | None, state_name: str) -> str | None:
     parent = multiprocessing.parent_process()
     if parent is None or parent.pid is None:
         return None
-    ticks, booted = _start_ticks(parent.pid), _boot_time()
-    if ticks is None or booted is None:
+    first = _run_id_of_parent(parent.pid)
+    if first is None:
         return None
-    started = booted + ticks // os.sysconf("SC_CLK_TCK")
-    digest = hashlib.sha256(f"{socket.gethostname()} {booted} {parent.pid} {ticks}".encode()).hexdigest()[:6]
-    first = time.strftime("%Y%m%d-%H%M%S", time.gmtime(started)) + "-" + digest
     run_id, launch = first, 1
     while run_dir is not None and _slot_taken(run_dir / run_id / state_name):
         launch += 1
         run_id = f"{first}-{launch}"
     return run_id
+
+
+def agent_run_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The run id the ranks torchrun started on this host share when its rendezvous names none
+    (no ``--rdzv-id``: ``TORCHELASTIC_RUN_ID`` is ``none``), where each rank took a run id of its
+    own before, and the ranks' black boxes never met. Derived, as :func:`spawned_run_id`'s is,
+    from their parent: torchrun's agent, which starts them and starts them again after a
+    failure, so every attempt of the job finds the others too. Ranks on other hosts have agents
+    of their own. None when the rendezvous names an id, outside torchrun, or where ``/proc``
+    does not tell when the agent started."""
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_RUN_ID", "").strip() != "none":
+        return None
+    return _run_id_of_parent(os.getppid())
+
+
+def _run_id_of_parent(pid: int) -> str | None:
+    """A run id every child of process ``pid`` computes alike: its start time (UTC, to the second)
+    and 6 hex digits of a hash of the host, boot time, pid and start; None where ``/proc`` does
+    not tell when it started."""
+    ticks, booted = _start_ticks(pid), _boot_time()
+    if ticks is None or booted is None:
+        return None
+    started = booted + ticks // os.sysconf("SC_CLK_TCK")
+    digest = hashlib.sha256(f"{socket.gethostname()} {booted} {pid} {ticks}".encode()).hexdigest()[:6]
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(started)) + "-" + digest
 
 
 def _start_ticks(pid: int | str) -> int | None:
