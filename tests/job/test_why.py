@@ -130,3 +130,14 @@ def test_a_directory_of_many_jobs_names_a_few_of_the_others():
               "culprit_ranks": [], "ranks": [], "job": {"attempts": []}}
     assert render(report).splitlines()[0] == ("job run9, the newest of 10 under runs (also: run8, run7, run6, run5, "
                                               "run4 and 4 more); give its directory to read one other")
+
+
+def test_a_rank_that_completed_is_in_no_collective(tmp_path):
+    """A completed rank whose flight recorder's last look still held a collective in flight (the
+    job's last one, or destroy_process_group's) was shown "in progress" by ``torchtrace why``."""
+    for rank in (0, 1):
+        _write(tmp_path, rank, ended="completed", step=59, current_step=None, phase="idle", collective_seq=1,
+               collective_op="gloo:all_gather", collective_group="default_pg", collective_active=rank == 1)
+    report = why(tmp_path)
+    assert [r["collective"]["active"] for r in report["ranks"]] == [False, False]
+    assert "in progress" not in render(report)

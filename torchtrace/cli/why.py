@@ -83,8 +83,10 @@ def _rank_view(state: dict[str, Any], condition: str, now: float) -> dict[str, A
         "phase": phase, "stalled_s": round(stalled, 1) if stalled is not None and phase != "idle" else 0.0,
         "heartbeat_age_s": round(now - state["time"], 1) if isinstance(state.get("time"), (int, float)) else None,
         "hang_timeout_s": state.get("hang_timeout_s"),
+        # (a rank that completed is in no collective: the flight recorder's last look may say otherwise)
         "collective": {"seq": state.get("collective_seq"), "op": state.get("collective_op"),
-                       "group": state.get("collective_group"), "active": bool(state.get("collective_active"))},
+                       "group": state.get("collective_group"),
+                       "active": bool(state.get("collective_active")) and state.get("ended") != "completed"},
         "ended": state.get("ended"), "end_detail": state.get("end_detail"),
         "where": stacks.where(stack[0]) if stack else None,
         "stack": [stacks.where(f) + ("" if f.get("user") else " [library]") for f in stack],
