@@ -141,3 +141,12 @@ def test_a_rank_that_completed_is_in_no_collective(tmp_path):
     report = why(tmp_path)
     assert [r["collective"]["active"] for r in report["ranks"]] == [False, False]
     assert "in progress" not in render(report)
+
+
+def test_a_job_whose_boxes_all_completed_but_some_ranks_have_none_says_so(tmp_path):
+    """Rank 0 of two completed and rank 1 left no black box (it never set torchtrace up, or it
+    ran on a host whose files are not here). The verdict said "every rank completed"."""
+    _write(tmp_path, 0, ended="completed", step=59, current_step=None, phase="idle")
+    report = why(tmp_path)
+    assert report["verdict"] == "completed"
+    assert report["reason"] == "rank 0 completed; 1 of 2 ranks have a black box"

@@ -14,7 +14,8 @@ be the thing that hangs. The rules, in order:
    culprits are those not inside the collective the others wait in (a lower collective
    sequence number than theirs); without that difference, those behind the others (a lower
    step, or the same step at an earlier phase); without any difference, all of them;
-3. every rank ``completed``: ``completed``; every rank ended, some stopped by a signal (a
+3. every rank ``completed``: ``completed`` (the reason says how many ranks have a black box,
+   if not all); every rank ended, some stopped by a signal (a
    scheduler's preemption, torchrun passing its agent's SIGTERM on, a user's ^C):
    ``preempted``, with no culprit (the stop came from outside); every rank ended otherwise (an
    ending a later torchtrace wrote): ``ended``; every rank alive and progressing within its
@@ -167,12 +168,14 @@ def _neither_died_nor_hung(boxes: list[dict[str, Any]], conditions: dict[int, st
     """Rule 3: the verdict (``completed``, ``preempted``, ``ended``, ``healthy`` or ``running``)
     and its reason, for ranks none of which died or hung."""
     out: dict[str, Any] = {"verdict": "running", "reason": ""}
-    if all(c == "ended:completed" for c in conditions.values()):
-        out.update(verdict="completed", reason="every rank completed")
-        return out
     world = max((s.get("world_size") or 1) for s in boxes)
-    if len(boxes) < world:
-        out["reason"] = f"{len(boxes)} of {world} ranks have a black box"
+    missing = f"{len(boxes)} of {world} ranks have a black box" if len(boxes) < world else ""
+    if all(c == "ended:completed" for c in conditions.values()):
+        reason = f"{_ranks(list(conditions))} completed; {missing}" if missing else "every rank completed"
+        out.update(verdict="completed", reason=reason)
+        return out
+    if missing:
+        out["reason"] = missing
         return out
     ends = {s["rank"]: _end_of(s) for s in boxes if conditions[s["rank"]].startswith("ended:")}
     stopped = {r: end for r, end in ends.items() if end.startswith("preempted")}
