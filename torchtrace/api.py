@@ -38,6 +38,7 @@ from torchtrace.job.identity import (
     offer_settings,
     parents_settings,
     run_id_offered_ahead,
+    slurm_step_run_id,
     spawned_run_id,
     take_back_run_id,
     take_back_settings,
@@ -195,12 +196,13 @@ def _settings(args: dict[str, Any]) -> Settings:
     ``multiprocessing`` take the one they share (:func:`_spawned_ranks_run_id`), and ranks a
     configured process started take its own (:func:`~torchtrace.job.identity.launched_rank_run_id`);
     a process that offered a run id before it was configured takes that one
-    (:func:`~torchtrace.job.identity.offer_run_id_ahead`); the ranks torchrun started with no
-    rendezvous id take one their agent gives them alike (:func:`~torchtrace.job.identity.agent_run_id`)."""
+    (:func:`~torchtrace.job.identity.offer_run_id_ahead`); the ranks of a Slurm job step take its
+    ids (:func:`~torchtrace.job.identity.slurm_step_run_id`), and the ranks torchrun started with
+    no rendezvous id one their agent gives them alike (:func:`~torchtrace.job.identity.agent_run_id`)."""
     resolved = Settings.resolve(args)
     ident = identity()
     agent = agent_run_id()
-    shared = (_spawned_ranks_run_id(resolved, ident) or agent
+    shared = (_spawned_ranks_run_id(resolved, ident) or slurm_step_run_id(ident.distributed) or agent
               or launched_rank_run_id(ident.rank, ident.distributed) or run_id_offered_ahead())
     settings = resolved if shared is None else Settings.resolve(args, default_run_id=shared)
     if agent is not None and settings.run_id == agent and ident.world_size > ident.local_world_size:

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.job.helpers import clean_env
 from torchtrace.distributed import identity
 from torchtrace.job.identity import LAUNCHER_RUN, launched_rank_run_id
 
@@ -176,3 +177,59 @@ def test_the_agent_run_id_is_for_torchrun_ranks_whose_rendezvous_names_none():
     assert first is not None and first == agent_run_id({"TORCHELASTIC_RUN_ID": "none"})  # alike for every rank
     stamp, _, digest = first.rpartition("-")
     assert len(digest) == 6 and time.strptime(stamp, "%Y%m%d-%H%M%S")
+
+
+SLURM_RANK = r"""
+import sys, torch, torch.distributed as dist, torchtrace as tt
+
+dist.init_process_group("gloo")
+tt.configure(prometheus_port="off", run_dir=sys.argv[1], register_atexit=False)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    with tt.debug_context("train_step", model=model, optimizer=opt):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+tt.shutdown()
+dist.destroy_process_group()
+"""
+
+
+def test_the_ranks_srun_starts_share_the_job_steps_run(tmp_path):
+    """``srun --ntasks=2 python train.py``: Slurm starts each rank itself, no torchrun. Each rank
+    took a run id of its own before, so their black boxes lay apart, where neither the watchdog
+    nor ``torchtrace why`` saw the other rank. Now the ranks of a job step share
+    ``slurm-<job>.<step>``."""
+    import socket
+
+    from torchtrace.cli.why import why
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = clean_env(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID=str(rank),
+                        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", SLURM_RANK, str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["slurm-4242.0"]
+    report = why(tmp_path / "slurm-4242.0")
+    assert report["verdict"] == "completed" and sorted(r["rank"] for r in report["ranks"]) == [0, 1]
+    assert report["job"]["job_id"] == "4242"
+
+
+def test_a_slurm_step_of_one_task_or_of_independent_processes_keeps_run_ids_of_their_own():
+    from torchtrace.job.identity import slurm_step_run_id
+
+    step = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "4"}
+    assert slurm_step_run_id(True, step) == "slurm-4242.3"
+    assert slurm_step_run_id(False, step) is None  # four independent trials
+    assert slurm_step_run_id(True, dict(step, SLURM_NTASKS="1")) is None
+    assert slurm_step_run_id(True, {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4"}) is None  # salloc, outside srun
+    assert slurm_step_run_id(True, {}) is None

@@ -363,6 +363,28 @@ def agent_run_id(environ: Mapping[str, str] | None = None) -> str | None:
     return _run_id_of_parent(os.getppid())
 
 
+def slurm_step_run_id(distributed: bool, environ: Mapping[str, str] | None = None) -> str | None:
+    """The run id the ranks of one Slurm job step share when ``srun`` starts them itself (no
+    torchrun): ``slurm-<job id>.<step id>``. Before, each rank took a run id of its own, and the
+    ranks' black boxes never met. A requeued job keeps its job and step ids, so its attempts
+    (``SLURM_RESTART_COUNT``) find one another. None for a process that is not a rank of a world
+    of more than one (the tasks of a step may be independent trials), for a step of one task, and
+    outside a job step.
+
+    >>> slurm_step_run_id(True, {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8"})
+    'slurm-4242.0'
+    >>> slurm_step_run_id(False, {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8"}) is None
+    True
+    """
+    env = os.environ if environ is None else environ
+    job, step = env.get("SLURM_JOB_ID", "").strip(), env.get("SLURM_STEP_ID", "").strip()
+    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "")).strip()
+    if not distributed or not job or not step or not tasks.isdigit() or int(tasks) < 2:
+        return None
+    run_id = f"slurm-{job}.{step}"
+    return run_id if re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", run_id) else None
+
+
 def _run_id_of_parent(pid: int) -> str | None:
     """A run id every child of process ``pid`` computes alike: its start time (UTC, to the second)
     and 6 hex digits of a hash of the host, boot time, pid and start; None where ``/proc`` does
