@@ -212,32 +212,16 @@ def test_the_example_runs_two_ranks_of_a_one_gpu_machine_on_the_cpu():
     assert pick("cpu", 8, 1, 2).type == "cpu" and str(pick("cuda", 1, 0, 2)) == "cuda:0"
 
 
-NO_RDZV_ID = r"""
-import sys, torch, torch.distributed as dist, torchtrace as tt
-
-dist.init_process_group("gloo")
-tt.configure(prometheus_port="off", run_dir=sys.argv[1])
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(3):
-    with tt.debug_context("train_step", model=model, optimizer=opt):
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-tt.shutdown()
-dist.destroy_process_group()
-"""
-
-
 def test_ranks_torchrun_gave_no_rendezvous_id_share_one_run(tmp_path):
     """``torchrun --rdzv-backend=c10d --rdzv-endpoint=...`` without ``--rdzv-id`` gives its
     ranks ``TORCHELASTIC_RUN_ID=none``. Each rank took a run id of its own before: their black
     boxes lay in two run directories, where neither the watchdog nor ``torchtrace why`` saw the
     other rank. Now the ranks take one run id from their agent, and ``why`` reads both."""
+    from tests.job.helpers import RANK_SCRIPT
     from torchtrace.cli.why import why
 
     script = tmp_path / "train.py"
-    script.write_text(NO_RDZV_ID)
+    script.write_text(RANK_SCRIPT)
     proc, _ = _torchrun([str(script), str(tmp_path / "runs")], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = list((tmp_path / "runs").iterdir())

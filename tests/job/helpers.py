@@ -20,6 +20,24 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+RANK_SCRIPT = r"""
+import sys, torch, torch.distributed as dist, torchtrace as tt
+
+dist.init_process_group("gloo")
+tt.configure(prometheus_port="off", run_dir=sys.argv[1])
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    with tt.debug_context("train_step", model=model, optimizer=opt):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+tt.shutdown()
+dist.destroy_process_group()
+"""
+"""A rank of a two-rank gloo job, however it was launched: two steps into ``argv[1]``, its run dir."""
+
+
 def start(config: dict, env: dict[str, str], cmd: list[str] | None = None) -> subprocess.Popen:
     return subprocess.Popen((cmd or [sys.executable]) + [str(TRAINER), json.dumps(config)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.job.helpers import clean_env
+from tests.job.helpers import RANK_SCRIPT, clean_env
 from torchtrace.distributed import identity
 from torchtrace.job.identity import LAUNCHER_RUN, launched_rank_run_id
 
@@ -179,23 +179,6 @@ def test_the_agent_run_id_is_for_torchrun_ranks_whose_rendezvous_names_none():
     assert len(digest) == 6 and time.strptime(stamp, "%Y%m%d-%H%M%S")
 
 
-SLURM_RANK = r"""
-import sys, torch, torch.distributed as dist, torchtrace as tt
-
-dist.init_process_group("gloo")
-tt.configure(prometheus_port="off", run_dir=sys.argv[1], register_atexit=False)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(2):
-    with tt.debug_context("train_step", model=model, optimizer=opt):
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-tt.shutdown()
-dist.destroy_process_group()
-"""
-
-
 def test_the_ranks_srun_starts_share_the_job_steps_run(tmp_path):
     """``srun --ntasks=2 python train.py``: Slurm starts each rank itself, no torchrun. Each rank
     took a run id of its own before, so their black boxes lay apart, where neither the watchdog
@@ -213,7 +196,7 @@ def test_the_ranks_srun_starts_share_the_job_steps_run(tmp_path):
         env = clean_env(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID=str(rank),
                         RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-c", SLURM_RANK, str(tmp_path)], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(tmp_path)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for proc in procs:
         _, err = proc.communicate(timeout=120)
