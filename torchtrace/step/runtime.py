@@ -220,6 +220,12 @@ class Runtime:
             counters[operation] = given + 1
         return given
 
+    def give_back_step_number(self, operation: str, step: int) -> None:
+        """A counted step of ``operation`` that was no step (its data ran out before it began):
+        the next step takes its number."""
+        if self.step_counters[operation] == step + 1:
+            self.step_counters[operation] = step
+
     def open_span(self, scope: StepScope, level: DebugLevel, attributes: dict[str, Any] | None, start_ns: int,
                   around: Context | None = None) -> Span:
         """The step's span, child of the span current in the context ``around`` (default: the

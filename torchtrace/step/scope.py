@@ -61,12 +61,13 @@ class StepScope:
                  "on_guard_raise", "before_clip", "record", "duration_s", "given", "throughput", "gradients",
                  "forensics", "raised", "pending_error", "suppress", "_step_arg", "_level_arg", "_mode_arg",
                  "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm", "_t0", "_start_ns",
-                 "_overhead", "_states", "_anomalies", "__weakref__")
+                 "_overhead", "_states", "_anomalies", "_holds_steps", "__weakref__")
     # Set as a step begins (_begin), not in __init__.
     _rt: Runtime
     _states: list[object] | None
     _anomalies: list[tuple[str, str, dict[str, Any]]] | None
     _overhead: float
+    _holds_steps: bool
     _t0: float
     _start_ns: int
 
@@ -254,11 +255,14 @@ class StepScope:
         if current.orphan_check is not None and current.step() is not None:
             current.orphan_check()  # a framework's step its loop left by an exception ends first
         parent = current.step()  # the operation this step runs inside, if any
+        if parent is not None:
+            parent._holds_steps = True
         self._states = self._anomalies = self._anomaly_cm = None
         self.given.loss = self.given.batch = None
         self.throughput = None
         self.forensics.stepped = None
         self._overhead = 0.0
+        self._holds_steps = False
         self.gradients = None
         self.raised = None
         self.pending_error = None
@@ -315,6 +319,11 @@ class StepScope:
         end_ns = time.time_ns()
         self._active = False
         rt = self._rt
+        if isinstance(exc, StopIteration):  # the loop's data ran out: its signal, not the step's failure
+            if self._did_nothing():
+                self._leave_unrecorded(rt, exc)
+                return False
+            exc = None  # the step trained, then found no next batch: a step like any other
         try:
             self._finish(rt, exc, duration, end_ns, t0)
         except Exception as err:
@@ -328,6 +337,41 @@ class StepScope:
             error, self.pending_error = self.pending_error, None
             raise error  # a guard policy decided on the host record
         return bool(exc is not None and self.suppress)
+
+    def _did_nothing(self) -> bool:
+        """Nothing of the step's work was seen: no loss given, no anomaly added, no update begun
+        (the step's optimizer or another), no forward of its model, no step inside it."""
+        if self.given.loss is not None or self._anomalies or self.forensics.stepped or self._holds_steps:
+            return False
+        grads = self.gradients
+        if grads is not None and (grads.fired or grads.updates):
+            return False
+        clock = self.throughput.clock if self.throughput is not None else None
+        return clock is None or clock.forward_start is None
+
+    def _leave_unrecorded(self, rt: Runtime, exc: StopIteration) -> None:
+        """The loop's data ran out before the step did anything (``next(batches)`` at its top
+        raised ``StopIteration``): it was no step. Everything it began is undone, the span ends
+        unexported, its time counts as the next step's wait for data, and a counted number is
+        the next step's."""
+        try:
+            self._restore()
+            rt.probes.exit(self, self._states, exc, ReadPlan())  # (a probe lets go of what it holds)
+            state = self.throughput
+            if state is not None and state.counter is not None:
+                drop_counter(state.counter)
+                state.counter = None
+            assert self._token is not None  # (set as the step began)
+            otel_context.detach(self._token)
+            self._token = None
+            if self._step_arg is None and self.step is not None:
+                rt.give_back_step_number(self.name, self.step)
+        except Exception as err:
+            try:
+                rt.errors.report("step", err)
+            finally:
+                self._abandon()
+        self.release()
 
     def _abandon(self) -> None:
         """After an internal error in ``_begin`` or ``_finish``: restore every global, end the
