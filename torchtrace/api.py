@@ -204,7 +204,7 @@ def _settings(args: dict[str, Any]) -> Settings:
     agent = agent_run_id()
     shared = (_spawned_ranks_run_id(resolved, ident) or slurm_step_run_id(ident.distributed) or agent
               or launched_rank_run_id(ident.rank, ident.distributed) or run_id_offered_ahead())
-    settings = resolved if shared is None else Settings.resolve(args, default_run_id=shared)
+    settings = resolved if shared is None else Settings.resolve(args, default_run_id=shared, warn=False)
     if agent is not None and settings.run_id == agent and ident.world_size > ident.local_world_size:
         logger.warning("torchtrace: torchrun gave this job no rendezvous id (--rdzv-id): the ranks of this host "
                        "share the run id %s, and the other hosts' ranks have run ids of their own; give torchrun "

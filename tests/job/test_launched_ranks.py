@@ -216,3 +216,24 @@ def test_a_slurm_step_of_one_task_or_of_independent_processes_keeps_run_ids_of_t
     assert slurm_step_run_id(True, dict(step, SLURM_NTASKS="1")) is None
     assert slurm_step_run_id(True, {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4"}) is None  # salloc, outside srun
     assert slurm_step_run_id(True, {}) is None
+
+
+def test_a_rank_that_takes_a_shared_run_id_warns_of_a_bad_variable_once(monkeypatch, caplog):
+    """A rank whose run id is the one its launcher's ranks share resolves its settings twice
+    (the second time with that id); each bad variable was named twice in its log."""
+    import logging
+
+    from torchtrace import api
+
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_", "SLURM_", "TORCHELASTIC_")):
+            monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                        "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHTRACE_GUARD": "skipp",
+                        "TORCHTRACE_GAURD": "skip"}.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING):
+        settings = api._settings({})
+    assert settings.run_id == "slurm-4242.0"
+    assert sorted(r.getMessage().split(":")[0] for r in caplog.records) == [
+        "ignoring TORCHTRACE_GAURD", "ignoring TORCHTRACE_GUARD"]

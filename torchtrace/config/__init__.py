@@ -162,11 +162,13 @@ class Settings:
     # ------------------------------------------------------------ resolution
     @classmethod
     def resolve(cls, args: Mapping[str, Any], environ: Mapping[str, str] | None = None,
-                default_run_id: str | None = None) -> "Settings":
+                default_run_id: str | None = None, *, warn: bool = True) -> "Settings":
         """Merge arguments (``None`` means "not given"), environment and defaults; validate.
 
         ``default_run_id``: the run id when neither an argument, the environment nor the launcher
-        names one (else a new one, :func:`new_run_id`).
+        names one (else a new one, :func:`new_run_id`). ``warn``: log a warning for each
+        environment variable ignored (a bad value, a misspelt name); False for a second
+        resolution of one environment, whose first named them.
 
         Raises:
             ValueError: an argument is invalid; the message names the setting and what it accepts.
@@ -189,10 +191,12 @@ class Settings:
                 try:
                     values[name] = parse(raw, env_name)
                 except ValueError as exc:
-                    logger.warning("ignoring %s: %s; using the default", env_name, exc)
+                    if warn:
+                        logger.warning("ignoring %s: %s; using the default", env_name, exc)
                 break
-        for env_name, meant in misspelt(env, (n for env_names, _ in ENV_SOURCES.values() for n in env_names)):
-            logger.warning("ignoring %s: torchtrace reads no such variable; did you mean %s?", env_name, meant)
+        if warn:
+            for env_name, meant in misspelt(env, (n for env_names, _ in ENV_SOURCES.values() for n in env_names)):
+                logger.warning("ignoring %s: torchtrace reads no such variable; did you mean %s?", env_name, meant)
         if env.get(ENV_OTEL_TRACES_EXPORTER, "").strip().lower() == "none":
             values.pop("otlp_endpoint", None)  # the platform's "no trace exporter"; an argument still wins
         # Arguments are validated strictly.
