@@ -33,6 +33,7 @@ MEMORY_CUDA_ALLOCATED_BYTES = "torchtrace.memory.cuda_allocated_bytes"
 MEMORY_CUDA_RESERVED_BYTES = "torchtrace.memory.cuda_reserved_bytes"
 MEMORY_CUDA_PEAK_BYTES = "torchtrace.memory.cuda_peak_allocated_bytes"
 STEP_SKIPPED = "torchtrace.step.skipped"  # the guard skipped the optimizer update
+STEP_SCALER_OVERFLOW = "torchtrace.step.scaler_overflow"  # the loss scaler found Inf/NaN grads, skipped the update
 OVERHEAD_SECONDS = "torchtrace.overhead_seconds"
 RANK_STEP_SKEW = "torchtrace.rank.step_skew"  # slowest rank's mean step time over the median's (every N steps)
 RANK_SLOWEST = "torchtrace.rank.slowest"  # the rank with the slowest mean step time in that window

@@ -183,3 +183,34 @@ def test_a_model_only_step_with_two_optimizers_under_a_scaler_measures_no_mixed_
         assert step.record.grad_norm == pytest.approx(expected, rel=1e-5)
     said = [r.getMessage() for r in caplog.records if "gradients were not measured" in r.getMessage()]
     assert not said, said
+
+
+@pytest.mark.parametrize("report_json", [True, False], ids=["report", "spans-only"])
+def test_the_updates_the_scaler_skipped_are_on_the_spans_and_in_the_report(tmp_path, report_json):
+    """float16 whose scale starts too high: the scaler finds Inf gradients and skips the update
+    itself until the scale has backed off. A run stuck there does not train, and before, nothing
+    but goodput said so: no span attribute, no total, no report line."""
+    import json
+
+    from torchtrace import semconv
+    from torchtrace.reporting import terminal_report
+
+    _, _, scales, _ = _plain(False, False, init_scale=2.0 ** 24)
+    overflowed = [later < now for now, later in zip(scales, scales[1:])]
+    result = tt.configure(service_name="scaler", prometheus_port="off", run_dir=str(tmp_path / "runs"),
+                          strict=True, register_atexit=False)
+    model, opt, scaler, x = _setup(False, 2.0 ** 24)
+    for _ in range(STEPS):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            step.record_loss(_body(model, opt, scaler, x, clip=False))
+    totals = dict(get_runtime().history.totals)
+    tt.shutdown()
+    run_dir = tmp_path / "runs" / result.run_id
+    spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
+    flagged = [s["attributes"].get(semconv.STEP_SCALER_OVERFLOW, False) for s in spans]
+    assert flagged[:-1] == overflowed and sum(flagged) >= 2
+    assert totals["scaler_overflow_steps"] == sum(flagged)
+    if not report_json:
+        (run_dir / "report.json").unlink()  # the report read from the spans alone
+    shown = ", ".join(str(i) for i, f in enumerate(flagged) if f)
+    assert f"  skipped by the loss scaler: {sum(flagged)} (step {shown})\n" in terminal_report(run_dir)

@@ -336,6 +336,8 @@ def _health(attrs: dict[str, Any], record: StepRecord) -> None:
         attrs[semconv.MEMORY_GROWTH_BYTES_PER_STEP] = record.memory_growth
     if record.skipped:
         attrs[semconv.STEP_SKIPPED] = True
+    if record.scaler_overflow:
+        attrs[semconv.STEP_SCALER_OVERFLOW] = True
     if record.guard_peer_nonfinite:
         attrs[semconv.GUARD_PEER_NONFINITE] = True
     if record.rank_skew is not None:

@@ -124,6 +124,8 @@ class History:
                 self.totals["nonfinite_steps"] += 1
             if record.skipped:
                 self.totals["skipped_steps"] += 1
+            if record.scaler_overflow:
+                self.totals["scaler_overflow_steps"] += 1
             if record.exception_type:
                 self.totals["failed_steps"] += 1
             for kind in record.anomaly_kinds:

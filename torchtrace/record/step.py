@@ -140,6 +140,8 @@ class StepRecord:
             "skipped": self.skipped,
             "trace_id": self.trace_id,
         }
+        if self.scaler_overflow:
+            out["scaler_overflow"] = True
         if self.samples is not None:
             out["samples"] = self.samples
         if self.tokens is not None:

@@ -107,6 +107,7 @@ def _step_from_span(span: dict[str, Any]) -> dict[str, Any] | None:
         "data_wait_s": _number(attrs.get(semconv.DATA_WAIT_S)),
         "anomalies": [a["kind"] for a in anomalies],
         "skipped": bool(attrs.get(semconv.STEP_SKIPPED, False)),
+        "scaler_overflow": bool(attrs.get(semconv.STEP_SCALER_OVERFLOW, False)),
         "_anomaly_events": anomalies,
         "_forensics": forensics,
         "trace_id": span.get("trace_id"),

@@ -181,16 +181,18 @@ def _memory_lines(steps: list[dict[str, Any]]) -> list[str]:
 
 
 def _anomaly_lines(steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[str]:
-    """The anomaly totals by kind, the skipped updates, and the first anomaly events."""
+    """The anomaly totals by kind, the updates skipped (by the guard, by the loss scaler), and the
+    first anomaly events."""
     tr = training_summary_from_steps(steps)
     lines = [f"  anomalies: {tr['anomaly_steps']} step(s), rate {tr['anomaly_rate'] * 100:.2f} %"
              + (": " + ", ".join(f"{k} {v}" for k, v in sorted(tr["anomalies_by_kind"].items()))
                 if tr["anomalies_by_kind"] else "")]
-    skipped = [st.get("step") for st in steps if st.get("skipped")]
-    if skipped:
-        shown = (", ".join(str(x) for x in skipped[:MAX_ANOMALY_LINES])
-                 + (" ..." if len(skipped) > MAX_ANOMALY_LINES else ""))
-        lines.append(f"  skipped updates: {len(skipped)} (step {shown})")
+    for key, label in (("skipped", "skipped updates"), ("scaler_overflow", "skipped by the loss scaler")):
+        numbers = [st.get("step") for st in steps if st.get(key)]
+        if numbers:
+            shown = (", ".join(str(x) for x in numbers[:MAX_ANOMALY_LINES])
+                     + (" ..." if len(numbers) > MAX_ANOMALY_LINES else ""))
+            lines.append(f"  {label}: {len(numbers)} (step {shown})")
     anomaly_events = [e for e in events if e.get("type") == "anomaly"]
     for e in anomaly_events[:MAX_ANOMALY_LINES]:
         d = e.get("data") or {}

@@ -26,7 +26,8 @@ def summary(rt: Runtime) -> dict[str, Any]:
     """The run so far: totals, anomalies by kind, telemetry health, last step, report sections."""
     h = rt.history
     totals = dict(h.totals)
-    for key in ("steps", "anomaly_steps", "nonfinite_steps", "skipped_steps", "failed_steps", "events"):
+    for key in ("steps", "anomaly_steps", "nonfinite_steps", "skipped_steps", "scaler_overflow_steps", "failed_steps",
+                "events"):
         totals.setdefault(key, 0)
     last = h.last_record
     out = {
