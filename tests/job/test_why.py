@@ -150,3 +150,20 @@ def test_a_job_whose_boxes_all_completed_but_some_ranks_have_none_says_so(tmp_pa
     report = why(tmp_path)
     assert report["verdict"] == "completed"
     assert report["reason"] == "rank 0 completed; 1 of 2 ranks have a black box"
+
+
+def test_an_attempt_that_ended_says_where_its_last_checkpoint_was(tmp_path):
+    """A preempted job is resumed from its last checkpoint: the attempt's line says which step
+    that was, or that torchtrace saw none saved (a restart would begin again)."""
+    for rank in (0, 1):
+        _write(tmp_path, rank, ended="preempted", end_detail="SIGTERM", phase="idle", current_step=None,
+               step=2287, checkpoint_step=2000 if rank == 0 else None)
+    assert render(why(tmp_path)).splitlines()[-1] == (
+        "attempt 0: ended preempted (SIGTERM), rank 0 first, last step 2287, last checkpoint at step 2000")
+    for rank in (0, 1):
+        _write(tmp_path, rank, ended="preempted", end_detail="SIGTERM", phase="idle", current_step=None, step=9)
+    assert render(why(tmp_path)).splitlines()[-1] == (
+        "attempt 0: ended preempted (SIGTERM), rank 0 first, last step 9, no checkpoint saved that torchtrace saw")
+    for rank in (0, 1):
+        _write(tmp_path, rank, ended="completed", phase="idle", current_step=None, step=9)
+    assert render(why(tmp_path)).splitlines()[-1] == "attempt 0: ended completed, rank 0 first, last step 9"

@@ -139,8 +139,18 @@ def render(report: dict[str, Any]) -> str:
         detail = f" ({a['detail']})" if a.get("detail") else ""
         first = a.get("cause") or {}
         by = f", rank {first['rank']} first" if (a.get("world_size") or 1) > 1 and first else ""
-        lines.append(f"attempt {a['attempt']}: ended {a['ended'] or 'not yet'}{detail}{by}, last step {a['last_step']}")
+        lines.append(f"attempt {a['attempt']}: ended {a['ended'] or 'not yet'}{detail}{by}, last step {a['last_step']}"
+                     + _checkpoint(a))
     return "\n".join(lines)
+
+
+def _checkpoint(attempt: dict) -> str:
+    """Where an attempt that ended other than completed would be resumed from: its last
+    checkpoint save (rank 0's), or none seen."""
+    if attempt["ended"] in (None, "completed"):
+        return ""
+    saved = attempt.get("checkpoint_step")
+    return f", last checkpoint at step {saved}" if saved is not None else ", no checkpoint saved that torchtrace saw"
 
 
 def run(args: argparse.Namespace) -> int:

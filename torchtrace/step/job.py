@@ -250,7 +250,7 @@ def on_signal(rt: Runtime, signum: int, terminal: bool) -> None:
     helper = start_thread(work, "torchtrace-preempted")
     helper.join(SIGNAL_DEADLINE_S)
     if helper.is_alive():
-        logger.warning("torchtrace: flushing on %s took over %.1f s; ending without waiting for it",
+        logger.warning("torchtrace: flushing on %s took over %.1f s; handing the signal on without waiting for it",
                        signal.Signals(signum).name, SIGNAL_DEADLINE_S)
 
 
