@@ -92,6 +92,14 @@ def test_rank_stuck_in_its_input_is_named_while_the_others_wait_in_the_all_reduc
             finding = json.loads(next((tmp_path / "runs").glob(f"*/hang.rank{r}.json")).read_text())
             assert finding["peers"]["culprit_ranks"] == [2]
             assert finding["stalled_s"] < 4.0 + 4.0  # hang_timeout_s=4, ticks of 1 s
+        # The launcher tears the hung job down: SIGTERM, which rank 2 (in Python) handles, and
+        # SIGKILL for ranks 0 and 1, stuck in the C all-reduce where no handler runs. It was a
+        # hang, and stays one (before, the killed ranks were the culprits of a job that "died").
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        report = _why(tmp_path)
+        assert (report["verdict"], report["culprit_ranks"]) == ("hang", [2]), report["reason"]
+        assert "; then " in report["reason"] and "2 stopped by SIGTERM" in report["reason"], report["reason"]
     finally:
         _end(proc, tmp_path)
 

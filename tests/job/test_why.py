@@ -167,3 +167,50 @@ def test_an_attempt_that_ended_says_where_its_last_checkpoint_was(tmp_path):
     for rank in (0, 1):
         _write(tmp_path, rank, ended="completed", phase="idle", current_step=None, step=9)
     assert render(why(tmp_path)).splitlines()[-1] == "attempt 0: ended completed, rank 0 first, last step 9"
+
+
+def _hung_then_torn_down(tmp_path, rank1_end: dict):
+    """Boxes as a real run left them (``torchrun`` of two DDP ranks, rank 1 with fewer batches):
+    rank 0 waits in the backward's all_reduce, rank 1, out of data, in a barrier; both flagged
+    hung; then the launcher tore the job down: rank 1 ran its SIGTERM handler, rank 0, stuck in
+    the C call, could not and was killed."""
+    since = time.time() - 60
+    hang = {"since": since, "detected": since + 4, "phase": "collective", "timeout_s": 4.0, "source": "watchdog"}
+    _write(tmp_path, 0, pid=2 ** 22 + 4321, step=4, current_step=5, phase="backward", step_time=since - 0.001,
+           progress=since, time=since + 49, collective_seq=11, collective_op="gloo:all_reduce",
+           collective_active=True, hang=dict(hang, step=5))
+    _write(tmp_path, 1, step=4, current_step=None, phase="idle", step_time=since + 5e-6, progress=since + 49.5,
+           time=since + 49.5, end_time=since + 49.5, collective_seq=11, collective_op="gloo:barrier",
+           collective_active=True, hang=dict(hang, step=None), peers_gone=[0], **rank1_end)
+
+
+def test_a_hung_job_its_launcher_tore_down_is_a_hang_not_a_death(tmp_path):
+    """Before, rank 0 (killed while stuck) was the culprit of a job that "died"; the hang, which
+    both watchdogs had flagged 45 s earlier, was not in the verdict."""
+    _hung_then_torn_down(tmp_path, {"ended": "preempted", "end_detail": "SIGTERM"})
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1])
+    assert report["reason"] == ("ranks in different collectives at #11 (rank 0 gloo:all_reduce, rank 1 gloo:barrier); "
+                                "behind the other ranks (step, phase); then rank 0 gone (killed while stuck), "
+                                "rank 1 stopped by SIGTERM")
+
+
+def test_a_hung_rank_whose_collective_finally_raised_is_still_a_hang(tmp_path):
+    """The collective's own timeout (NCCL's, ten minutes by default) ends a stuck rank with an
+    exception long after torchtrace flagged the hang."""
+    _hung_then_torn_down(tmp_path, {"ended": "exception", "end_detail": "DistBackendError"})
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1])
+    assert report["reason"].endswith("then rank 0 gone (killed while stuck), rank 1 ended with an exception")
+
+
+def test_a_rank_that_died_while_the_others_ran_is_still_the_culprit_of_their_hang(tmp_path):
+    """The order that stays a death: rank 1 was killed as it trained (no hang of its own), and
+    rank 0 hung waiting for it."""
+    since = time.time() - 60
+    _write(tmp_path, 0, step=4, current_step=5, progress=since, step_time=since - 1, time=time.time(),
+           hang={"since": since, "detected": since + 4, "step": 5})
+    _write(tmp_path, 1, pid=2 ** 22 + 4321, step=4, current_step=5, phase="forward", progress=since + 0.5,
+           step_time=since - 1, time=since + 0.5)
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("died", [1])

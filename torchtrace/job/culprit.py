@@ -3,6 +3,12 @@
 Only the black boxes are read (files in the run directory), never the communicator that may
 be the thing that hangs. The rules, in order:
 
+0. ranks that ended (by a signal or an exception) or vanished while stuck in a hang their
+   watchdog had flagged, no step finished since, ended of the hang: a launcher or scheduler
+   tearing the hung job down (SIGTERM, then SIGKILL for a rank stuck in a C call, which
+   cannot run its handler), or the collective's own timeout. When every rank that ended or
+   vanished did so, the verdict is ``hang`` (rule 2, those ranks judged where they were
+   stuck), and the reason says how each ended;
 1. a rank that ended with an exception, or whose process is gone without saying how it
    ended (SIGKILL, the OOM killer), is blamed: verdict ``died``. Ranks the others saw gone
    while they ran come first, then ranks gone without a word (the others' exceptions are
@@ -13,7 +19,9 @@ be the thing that hangs. The rules, in order:
    hang with no progress since, is stuck: verdict ``hang``. Among the stuck ranks the
    culprits are those not inside the collective the others wait in (a lower collective
    sequence number than theirs); without that difference, those behind the others (a lower
-   step, or the same step at an earlier phase); without any difference, all of them;
+   step, or the same step at an earlier phase); without any difference, all of them. Ranks
+   waiting at one collective number in collectives of different kinds (an all_reduce and a
+   barrier: a rank out of data left its loop) are named in the reason;
 3. every rank ``completed``: ``completed`` (the reason says how many ranks have a black box,
    if not all); every rank ended, some stopped by a signal (a
    scheduler's preemption, torchrun passing its agent's SIGTERM on, a user's ^C):
@@ -81,11 +89,24 @@ def stuck_culprits(stuck: list[dict[str, Any]]) -> tuple[list[int], str]:
         top = max(seqs.values())
         behind = sorted(r for r, q in seqs.items() if q < top)
         return behind, f"not inside collective #{top} that the others entered"
+    mismatch = _mismatch(stuck) if len(seqs) == len(stuck) else ""
     positions = {s["rank"]: _position(s) for s in stuck}
     if len(set(positions.values())) > 1:
         front = max(positions.values())
-        return sorted(r for r, p in positions.items() if p < front), "behind the other ranks (step, phase)"
-    return sorted(positions), "stuck"
+        return sorted(r for r, p in positions.items() if p < front), mismatch + "behind the other ranks (step, phase)"
+    return sorted(positions), mismatch + "stuck"
+
+
+def _mismatch(stuck: list[dict[str, Any]]) -> str:
+    """``ranks in different collectives at #11 (rank 0 all_reduce, rank 1 barrier); `` when the
+    stuck ranks, at one collective number, wait in collectives of different kinds (a rank that
+    ran out of data waits in its loop's closing barrier while the others wait in a backward's
+    all_reduce), else ``""``."""
+    ops = {s["rank"]: s.get("collective_op") for s in stuck if s.get("collective_active") and s.get("collective_op")}
+    if len(ops) < len(stuck) or len(set(ops.values())) < 2:
+        return ""
+    where = ", ".join(f"rank {r} {op}" for r, op in sorted(ops.items()))
+    return f"ranks in different collectives at #{stuck[0].get('collective_seq')} ({where}); "
 
 
 def _int_field(state: dict[str, Any], name: str) -> int:
@@ -121,6 +142,12 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
         out["reason"] = "no black box found"
         return out
     died = [r for r, c in conditions.items() if c in ("gone", "ended:exception", "ended:killed")]
+    torn_down = [s for s in boxes if _ended_while_hung(s, conditions[s["rank"]])]
+    if torn_down and set(died) <= {s["rank"] for s in torn_down}:
+        # Every rank that ended did so stuck in a hang its watchdog had flagged: a launcher or
+        # scheduler tearing the hung job down, or the collective's own timeout. The hang is the story.
+        out.update(_hang(boxes, conditions, torn_down))
+        return out
     # A rank its peers saw gone while they still ran is the first to go: the others died of it.
     named = {r for s in boxes for r in (s.get("peers_gone") or []) if r in died}
     vanished = [r for r in died if conditions[r] == "gone"]
@@ -146,22 +173,55 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
                        "want of it)")
         out.update(verdict="died", culprit_ranks=died, reason=reason)
         return out
-    hung_boxes = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent") or s.get("ended") == "hang"]
-    if hung_boxes:
-        silent = [s["rank"] for s in hung_boxes if conditions[s["rank"]] == "silent"]
-        if silent and len(silent) < len(boxes):
-            culprits, why = silent, ("heartbeat stopped while the process lives (a thread holds the GIL, "
-                                     "or the process is stopped)")
-        else:
-            # The ranks waiting on a stuck peer are stuck too, flagged or not yet (stalled):
-            # judge among every rank that makes no progress.
-            pool = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent", "stalled")
-                    or s.get("ended") == "hang"]
-            culprits, why = stuck_culprits(pool)
-        out.update(verdict="hang", culprit_ranks=culprits, reason=why)
+    if any(conditions[s["rank"]] in ("hung", "silent") or s.get("ended") == "hang" for s in boxes):
+        out.update(_hang(boxes, conditions, []))
         return out
     out.update(_neither_died_nor_hung(boxes, conditions))
     return out
+
+
+def _ended_while_hung(state: dict[str, Any], condition_now: str) -> bool:
+    """The rank's watchdog flagged a hang, the rank finished no step after that, and then it
+    ended by a signal or an exception, or vanished (SIGKILL: a rank stuck in a C call cannot
+    run its SIGTERM handler, and its launcher kills it)."""
+    if condition_now not in ("gone", "ended:preempted", "ended:exception", "ended:killed"):
+        return False
+    hang = state.get("hang")
+    flagged = (hang.get("detected") or hang.get("since")) if isinstance(hang, dict) else None
+    finished = state.get("step_time")
+    return isinstance(flagged, (int, float)) and not (isinstance(finished, (int, float)) and finished > flagged)
+
+
+def _hang(boxes: list[dict[str, Any]], conditions: dict[int, str], torn_down: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rule 2: the verdict ``hang``, its culprits and reason; ``torn_down``, the ranks that ended
+    while stuck in it, are judged where they were stuck, and the reason says how they ended."""
+    ended = {s["rank"] for s in torn_down}
+    silent = [s["rank"] for s in boxes if conditions[s["rank"]] == "silent"]
+    if silent and len(silent) < len(boxes) and not ended:
+        culprits, why = silent, ("heartbeat stopped while the process lives (a thread holds the GIL, "
+                                 "or the process is stopped)")
+    else:
+        # The ranks waiting on a stuck peer are stuck too, flagged or not yet (stalled):
+        # judge among every rank that makes no progress.
+        pool = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent", "stalled")
+                or s.get("ended") == "hang" or s["rank"] in ended]
+        culprits, why = stuck_culprits(pool)
+    if torn_down:
+        ends: dict[str, list[int]] = {}
+        for s in torn_down:
+            ends.setdefault(_how_it_ended(s, conditions[s["rank"]]), []).append(s["rank"])
+        why += "; then " + ", ".join(f"{_ranks(ranks)} {how}" for how, ranks in ends.items())
+    return {"verdict": "hang", "culprit_ranks": culprits, "reason": why}
+
+
+def _how_it_ended(state: dict[str, Any], condition_now: str) -> str:
+    """``gone (killed while stuck)``, ``stopped by SIGTERM``, ``ended with an exception``."""
+    if condition_now == "gone":
+        return "gone (killed while stuck)"
+    end = _end_of(state)
+    if end.startswith("preempted"):
+        return "stopped by " + (end.partition(" ")[2].strip("()") or "a signal")
+    return "ended with an exception" if end == "exception" else f"ended {end}"
 
 
 def _neither_died_nor_hung(boxes: list[dict[str, Any]], conditions: dict[int, str]) -> dict[str, Any]:
