@@ -210,3 +210,8 @@ def test_on_hang_abort_writes_everything_and_exits_non_zero(tmp_path):
     assert len([s for s in spans if s["name"] == "train_step"]) == 5  # the steps before it, all written
     verdict = why(tmp_path)
     assert verdict["verdict"] == "hang" and verdict["job"]["attempts"][0]["ended"] == "hang"
+    # The job's time is counted once: the stretch from the last step to the abort is the hang's,
+    # not also the "other" the run's end booked it as.
+    job = verdict["job"]
+    booked = job["productive_s"] + sum(job["badput"].values())
+    assert job["badput"]["hang"] >= 2.0 and booked == pytest.approx(job["wall_s"], abs=0.6), job

@@ -7,6 +7,8 @@ import json
 import os
 import time
 
+import pytest
+
 from torchtrace.cli import main
 from torchtrace.cli.why import render, why
 
@@ -176,9 +178,10 @@ def _hung_then_torn_down(tmp_path, rank1_end: dict):
     the C call, could not and was killed."""
     since = time.time() - 60
     hang = {"since": since, "detected": since + 4, "phase": "collective", "timeout_s": 4.0, "source": "watchdog"}
+    # Its last write counted the stretch since its last step as data wait (0.3 s before that).
     _write(tmp_path, 0, pid=2 ** 22 + 4321, step=4, current_step=5, phase="backward", step_time=since - 0.001,
            progress=since, time=since + 49, collective_seq=11, collective_op="gloo:all_reduce",
-           collective_active=True, hang=dict(hang, step=5))
+           collective_active=True, hang=dict(hang, step=5), badput_s={"data_wait": 49.301, "other": 0.01})
     _write(tmp_path, 1, step=4, current_step=None, phase="idle", step_time=since + 5e-6, progress=since + 49.5,
            time=since + 49.5, end_time=since + 49.5, collective_seq=11, collective_op="gloo:barrier",
            collective_active=True, hang=dict(hang, step=None), peers_gone=[0], **rank1_end)
@@ -190,6 +193,10 @@ def test_a_hung_job_its_launcher_tore_down_is_a_hang_not_a_death(tmp_path):
     _hung_then_torn_down(tmp_path, {"ended": "preempted", "end_detail": "SIGTERM"})
     report = why(tmp_path)
     assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1])
+    # The job's time: the stretch stuck is hang, not the data wait rank 0's last write counted.
+    bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
+    assert bad["hang"] == pytest.approx(attempt["end"] - (time.time() - 60 - 0.001), abs=0.5)
+    assert bad["hang"] > 49 and bad["data_wait"] == pytest.approx(0.3, abs=0.02) and bad["other"] == 0
     assert report["reason"] == ("ranks in different collectives at #11 (rank 0 gloo:all_reduce, rank 1 gloo:barrier); "
                                 "behind the other ranks (step, phase); then rank 0 gone (killed while stuck), "
                                 "rank 1 stopped by SIGTERM")

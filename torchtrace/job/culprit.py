@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtrace.job.ending import last_seen
+from torchtrace.job.ending import hung_to_the_end, last_seen
 from torchtrace.job.identity import process_alive
 
 STALE_S = 10.0
@@ -184,12 +184,7 @@ def _ended_while_hung(state: dict[str, Any], condition_now: str) -> bool:
     """The rank's watchdog flagged a hang, the rank finished no step after that, and then it
     ended by a signal or an exception, or vanished (SIGKILL: a rank stuck in a C call cannot
     run its SIGTERM handler, and its launcher kills it)."""
-    if condition_now not in ("gone", "ended:preempted", "ended:exception", "ended:killed"):
-        return False
-    hang = state.get("hang")
-    flagged = (hang.get("detected") or hang.get("since")) if isinstance(hang, dict) else None
-    finished = state.get("step_time")
-    return isinstance(flagged, (int, float)) and not (isinstance(finished, (int, float)) and finished > flagged)
+    return condition_now in ("gone", "ended:preempted", "ended:exception", "ended:killed") and hung_to_the_end(state)
 
 
 def _hang(boxes: list[dict[str, Any]], conditions: dict[int, str], torn_down: list[dict[str, Any]]) -> dict[str, Any]:

@@ -98,3 +98,13 @@ def last_seen(state: Mapping[str, Any]) -> float:
         return float(told)
     beats = [v for v in (state.get("time"), state.get("step_time")) if isinstance(v, (int, float))]
     return max(beats) if beats else 0.0
+
+
+def hung_to_the_end(state: Mapping[str, Any]) -> bool:
+    """The rank's watchdog flagged a hang and the rank finished no step after that: if it has
+    ended, it ended stuck (a launcher tearing the hung job down, the collective's own timeout,
+    ``on_hang="abort"``)."""
+    hang = state.get("hang")
+    flagged = (hang.get("detected") or hang.get("since")) if isinstance(hang, dict) else None
+    finished = state.get("step_time")
+    return isinstance(flagged, (int, float)) and not (isinstance(finished, (int, float)) and finished > flagged)

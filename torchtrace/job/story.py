@@ -15,7 +15,8 @@
   summed, plus ``restart`` (an attempt's end to the next attempt's ``configure()``, process
   start included), ``lost_progress`` (from an attempt's last checkpoint save to its last step
   finished: the steps the next attempt repeats), ``compile`` (an attempt's first step beyond
-  its usual step time) and ``hang`` (a hung attempt's last step to its abort, and the stall of
+  its usual step time) and ``hang`` (a hung attempt's last step to its end, by its abort or by
+  its launcher tearing it down while stuck, and the stall of
   each step that came out of a hang under ``on_hang="record"``, from its last progress to its end).
 
 What it rests on, and so its limits: a killed rank's end is its last heartbeat (the black box
@@ -35,7 +36,7 @@ import time
 from typing import Any, Mapping
 
 from torchtrace import semconv
-from torchtrace.job.ending import end_time, how_ended, last_seen
+from torchtrace.job.ending import end_time, how_ended, hung_to_the_end, last_seen
 from torchtrace.job.state import read_states
 
 _ABNORMAL = ("killed", "exception", "hang", "unknown")
@@ -143,8 +144,10 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
         # hang (counted productive by the attempt's own goodput: taken out of it here).
         recovered = _num(lead.get("hang_recovered_s"))
         hang = recovered
-        if attempt["ended"] == "hang" and attempt["end"] is not None:
-            hang += max(0.0, attempt["end"] - _num(lead.get("step_time") or attempt["configured"]))
+        if attempt["end"] is not None and (attempt["ended"] == "hang" or _torn_down(attempt, lead)):
+            stuck_since = _num(lead.get("step_time") or attempt["configured"])
+            hang += max(0.0, attempt["end"] - stuck_since)
+            _take_back(own, max(0.0, last_seen(lead) - stuck_since))
         if i == 0:
             own["startup"] = own.get("startup", 0.0) + max(0.0, attempt["configured"] - attempt["start"])
         attempt["productive_s"] = max(0.0, mine - lost_productive - compile_s - recovered)
@@ -162,6 +165,24 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
     wall = max(0.0, (last["end"] if last["end"] is not None else now) - first["start"])
     return {"attempts": attempts, "wall_s": wall, "productive_s": productive,
             "goodput": productive / wall if wall > 0 else None, "badput": badput}
+
+
+def _torn_down(attempt: dict[str, Any], lead: Mapping[str, Any]) -> bool:
+    """The attempt ended other than completed with its lead rank stuck in a hang its watchdog
+    had flagged: a launcher or scheduler tore the hung job down (or the collective's own
+    timeout ended it). Its time from the last step on is the hang's."""
+    return attempt["ended"] not in (None, "completed") and hung_to_the_end(lead)
+
+
+def _take_back(own: dict[str, float], stretch: float) -> None:
+    """Take ``stretch`` seconds, booked as the hang's, out of the lead rank's own badput: its
+    last write counted the time since its last step as ``other`` (a run's end) or, written
+    while it ran, ``data_wait``."""
+    for kind in ("other", "data_wait"):
+        taken = min(stretch, own.get(kind, 0.0))
+        if taken > 0:
+            own[kind] -= taken
+            stretch -= taken
 
 
 def _lost(lead: Mapping[str, Any]) -> tuple[float, float]:
