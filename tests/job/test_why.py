@@ -185,6 +185,9 @@ def _hung_then_torn_down(tmp_path, rank1_end: dict):
     _write(tmp_path, 1, step=4, current_step=None, phase="idle", step_time=since + 5e-6, progress=since + 49.5,
            time=since + 49.5, end_time=since + 49.5, collective_seq=11, collective_op="gloo:barrier",
            collective_active=True, hang=dict(hang, step=None), peers_gone=[0], **rank1_end)
+    frames = [{"file": "/home/u/train.py", "line": 40, "function": "<module>", "user": True},
+              {"file": "/usr/lib/torch/distributed/c10d.py", "line": 4100, "function": "barrier", "user": False}]
+    (tmp_path / "hang.rank1.json").write_text(json.dumps({"since": since, "source": "watchdog", "stack": frames}))
 
 
 def test_a_hung_job_its_launcher_tore_down_is_a_hang_not_a_death(tmp_path):
@@ -197,6 +200,10 @@ def test_a_hung_job_its_launcher_tore_down_is_a_hang_not_a_death(tmp_path):
     bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
     assert bad["hang"] == pytest.approx(attempt["end"] - (time.time() - 60 - 0.001), abs=0.5)
     assert bad["hang"] > 49 and bad["data_wait"] == pytest.approx(0.3, abs=0.02) and bad["other"] == 0
+    # Where the rank that ran its SIGTERM handler was stuck until then: the watchdog's stack.
+    ranks = {r["rank"]: r for r in report["ranks"]}
+    assert ranks[1]["stack"] == ["/home/u/train.py:40 in <module>", "/usr/lib/torch/distributed/c10d.py:4100 in barrier "
+                                 "[library]"]
     assert report["reason"] == ("ranks in different collectives at #11 (rank 0 gloo:all_reduce, rank 1 gloo:barrier); "
                                 "behind the other ranks (step, phase); then rank 0 gone (killed while stuck), "
                                 "rank 1 stopped by SIGTERM")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace.job import culprit, stacks
+from torchtrace.job.ending import hung_to_the_end
 from torchtrace.job.state import read_states
 from torchtrace.job.story import jobs_of, story_of
 
@@ -43,11 +44,14 @@ def _sibling(state_file: str, stem: str, suffix: str) -> Path:
 def _stack_of(state: dict[str, Any], condition: str) -> tuple[list[dict[str, Any]], str | None]:
     """The stuck rank's training-thread stack: the watchdog's hang file for the stall it
     recorded, else faulthandler's dump written during this stall (a rank whose heartbeat
-    stopped: the GIL was held), else none. A rank that progresses has none."""
+    stopped: the GIL was held), else none. A rank that progresses has none; one that ended
+    stuck in a hang (its launcher's SIGTERM, the collective's timeout) has the hang's."""
     file = state.get("file")
-    if not file or condition not in ("hung", "silent", "gone", "ended:hang"):
+    ended_stuck = condition.startswith("ended:") and hung_to_the_end(state)
+    if not file or (condition not in ("hung", "silent", "gone", "ended:hang") and not ended_stuck):
         return [], None
-    since = state.get("progress")
+    # (the end of a rank that ended stuck moved its progress on: the hang's start is in its box)
+    since = state["hang"].get("since") if ended_stuck else state.get("progress")
     hang = _read_json(_sibling(file, "hang", ".json"))
     if hang is not None and hang.get("since") == since and hang.get("source") == "watchdog":
         return list(hang.get("stack") or []), "watchdog"
