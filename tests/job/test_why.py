@@ -198,6 +198,9 @@ def test_a_hung_job_its_launcher_tore_down_is_a_hang_not_a_death(tmp_path):
     assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1])
     # The job's time: the stretch stuck is hang, not the data wait rank 0's last write counted.
     bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
+    assert (attempt["ended"], attempt["detail"]) == ("hang", "stuck, then killed")
+    assert render(report).splitlines()[-1] == ("attempt 0: ended hang (stuck, then killed), rank 0 first, "
+                                               "last step 4, no checkpoint saved that torchtrace saw")
     assert bad["hang"] == pytest.approx(attempt["end"] - (time.time() - 60 - 0.001), abs=0.5)
     assert bad["hang"] > 49 and bad["data_wait"] == pytest.approx(0.3, abs=0.02) and bad["other"] == 0
     # Where the rank that ran its SIGTERM handler was stuck until then: the watchdog's stack.

@@ -5,10 +5,12 @@
 ``report.json`` (and of ``torchtrace why``):
 
 - ``attempts``: per attempt ``attempt``, ``ended`` (completed, exception, preempted, killed,
-  hang, unknown; None while it runs), ``detail``, ``last_step``, ``start`` (its first process's
-  start), ``configured``, ``end`` (unix seconds), ``cause`` (the rank that ended first, and
-  how) and ``ranks`` (each rank's ending; ``consequence`` marks a rank that ended after the
-  cause: usually the launcher's SIGTERM, not a cause of its own);
+  hang, unknown; None while it runs; ``hang`` too when every rank that ended did so stuck in a
+  hang its watchdog had flagged, ``detail`` saying how they ended), ``detail``,
+  ``last_step``, ``start`` (its first process's start), ``configured``, ``end`` (unix
+  seconds), ``cause`` (the rank that ended first, and how) and ``ranks`` (each rank's ending;
+  ``consequence`` marks a rank that ended after the cause: usually the launcher's SIGTERM, not
+  a cause of its own);
 - ``goodput``: productive step time over the job's wall time (the first attempt's process
   start to the last attempt's end, or now), all attempts;
 - ``badput``: seconds by kind: each attempt's own kinds (startup, data_wait, checkpoint ...),
@@ -102,14 +104,23 @@ def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: f
             r["consequence"] = (r is not cause and _num(r["end"]) >= seen[_int(cause["rank"])]
                                 and r["ended"] != "completed")
     finished = cause is not None and (bool(abnormal) or len(over) == len(ranks))
+    ended = detail = None
+    if finished and cause is not None:
+        ended = str(cause["ended"])
+        detail = str(cause["detail"]) if cause["detail"] is not None else None
+    by_rank = {_int(s.get("rank")): s for s in states}
+    if ended not in (None, "completed", "hang") and all(hung_to_the_end(by_rank[_int(r["rank"])]) for r in over):
+        # Every rank ended stuck in a hang its watchdog had flagged: its launcher or scheduler
+        # tore the hung job down (or the collective's own timeout ended it). The hang ended it.
+        ended, detail = "hang", f"stuck, then {ended}" + (f" ({detail})" if ended == "preempted" and detail else "")
     lead = states[0] if _int(states[0].get("rank")) == 0 else min(states, key=lambda s: _int(s.get("rank")))
     started = [_num(s["process_started"] if s.get("process_started") is not None else s.get("started"))
                for s in states]
     steps = [r["last_step"] for r in ranks if isinstance(r["last_step"], int)]
     return {
         "attempt": number,
-        "ended": cause["ended"] if finished and cause is not None else None,
-        "detail": cause["detail"] if finished and cause is not None else None,
+        "ended": ended,
+        "detail": detail,
         "last_step": cause["last_step"] if finished and cause is not None and abnormal else max(steps, default=None),
         "start": min(started),
         "configured": min(_num(s.get("started")) for s in states),
@@ -144,7 +155,7 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
         # hang (counted productive by the attempt's own goodput: taken out of it here).
         recovered = _num(lead.get("hang_recovered_s"))
         hang = recovered
-        if attempt["end"] is not None and (attempt["ended"] == "hang" or _torn_down(attempt, lead)):
+        if attempt["end"] is not None and attempt["ended"] == "hang":
             stuck_since = _num(lead.get("step_time") or attempt["configured"])
             hang += max(0.0, attempt["end"] - stuck_since)
             _take_back(own, max(0.0, last_seen(lead) - stuck_since))
@@ -165,13 +176,6 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
     wall = max(0.0, (last["end"] if last["end"] is not None else now) - first["start"])
     return {"attempts": attempts, "wall_s": wall, "productive_s": productive,
             "goodput": productive / wall if wall > 0 else None, "badput": badput}
-
-
-def _torn_down(attempt: dict[str, Any], lead: Mapping[str, Any]) -> bool:
-    """The attempt ended other than completed with its lead rank stuck in a hang its watchdog
-    had flagged: a launcher or scheduler tore the hung job down (or the collective's own
-    timeout ended it). Its time from the last step on is the hang's."""
-    return attempt["ended"] not in (None, "completed") and hung_to_the_end(lead)
 
 
 def _take_back(own: dict[str, float], stretch: float) -> None:
