@@ -237,3 +237,25 @@ def test_a_load_before_the_first_step_stays_idle(tmp_path):
         assert _hist(current.runtime(create=False), "load")[0] == 1  # (timed all the same)
     finally:
         tt.shutdown()
+
+
+def test_a_save_inside_a_training_step_is_checkpoint_time_not_the_steps(rt, tmp_path):
+    """A loop body wrapped whole, saving every few steps (nanoGPT's order): the saves' time was
+    the steps' own, productive, and goodput came out high by all of it."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    saved = 0.0
+    for step in range(6):
+        with tt.debug_context("train_step", model=model, optimizer=opt):
+            opt.zero_grad()
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+            if step % 3 == 2:
+                with tt.checkpoint("save"):
+                    time.sleep(0.15)  # the write
+                saved += _hist(rt, "save")[1] - saved
+    g = rt.throughput.ledger.snapshot(time.perf_counter())
+    assert saved >= 0.3
+    assert g.badput["checkpoint"] == pytest.approx(saved, rel=1e-6)
+    assert g.productive_s < 0.2, g  # six small steps, without the 0.3 s of saving
+    assert rt.rank_state.fields["checkpoint_step"] == 4  # (the step finished before the last save)

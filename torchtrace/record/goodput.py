@@ -14,7 +14,8 @@ once, in exactly one class, so that ``productive + sum(badput) == wall``:
   *productive*; ``train`` whose update was not applied (the guard skipped it) is
   *skipped_step*; ``checkpoint``, ``evaluation`` and ``other`` operations are badput of the
   same name. The FLOP-counting step made its update: it is productive (its slow-down
-  only leaves it out of throughput);
+  only leaves it out of throughput). Checkpoint saves and loads inside a step
+  (``FinishedStep.checkpoint_s``) are *checkpoint*, taken out of the step's own class;
 - *data_wait*: every instant after the first step's start that no step covers (the input pipeline,
   and everything else the loop does between steps), but torchtrace's own work between two steps
   (``entered``, ``left`` of :meth:`GoodputLedger.add_step`) and the run's end (``pause(last=True)``): *other*;
@@ -155,7 +156,12 @@ class GoodputLedger:
         if step.holds_steps and kind == TRAIN:
             own = "data_wait"
         with self._lock:
+            before = self._totals[own]
             wait, mine = self._book(start, end, own, step.enclosing, step.entered, step.left)
+            saving = min(step.checkpoint_s, self._totals[own] - before)
+            if saving > 0:  # (moved within one booking: a badput counter never goes down)
+                self._totals[own] -= saving
+                self._totals[_BADPUT_OF_KIND[CHECKPOINT]] += saving
             same_operation, self._last_operation = self._last_operation == operation, operation
             same_kind, self._last_kind = self._last_kind == kind, kind
             window = self._window(operation)
@@ -164,8 +170,8 @@ class GoodputLedger:
             # The wait after a step of another kind (training, then the first evaluation step) is not
             # this one's input pipeline; after one of the same kind (a GAN's two steps) it is. Rates
             # are per second of wall time: torchtrace's own time between the steps is in the cycle.
-            found = window.add(end - start + mine, wait if same_kind and wait is not None else 0.0, step.samples,
-                               step.tokens, step.flops, kind == TRAIN,
+            found = window.add(end - start - saving + mine, wait if same_kind and wait is not None else 0.0,
+                               step.samples, step.tokens, step.flops, kind == TRAIN,
                                step.device_cycle if same_operation else None)
         return StepAccount(wait, found)
 

@@ -31,6 +31,8 @@ class FinishedStep:
     ``entered``: when torchtrace began the step (before ``start``); ``left``: when it was done
     with the step before. Its own time between the two steps is *other*, not data wait
     (:func:`~torchtrace.record.goodput.own_time`).
+    ``checkpoint_s``: seconds of checkpoint saves and loads inside the step (a loop body that
+    saves every few steps): badput *checkpoint*, taken out of the step's own time.
     """
 
     start: float
@@ -47,6 +49,7 @@ class FinishedStep:
     entered: float | None = None
     left: float | None = None
     device_cycle: float | None = None
+    checkpoint_s: float = 0.0
 
 
 class StepAccount(NamedTuple):

@@ -150,7 +150,7 @@ def _rss_bytes() -> int | None:
 
 def on_checkpoint(rt: Runtime, kind: str, start: float, end: float, upload: Future[Any] | None = None) -> None:
     """One outermost checkpoint save or load (perf_counter seconds): the histogram, badput
-    ``checkpoint`` (between steps; one inside a step is the step's time) and the black box.
+    ``checkpoint`` (inside a step too: taken out of the step's time) and the black box.
 
     Only a call on the thread that trains counts: one on another thread is part of a save in
     progress (a distributed checkpoint's writer threads, an asynchronous save's upload).
@@ -162,8 +162,12 @@ def on_checkpoint(rt: Runtime, kind: str, start: float, end: float, upload: Futu
     if metrics is not None:
         metrics.observe_checkpoint(kind, seconds)
     booked = rt.checkpoints_booked_by_framework
-    if rt.features.throughput and current.step() is None and not rt.closed and not booked:
-        rt.throughput.book(start, end, "checkpoint", f"{kind}_checkpoint")
+    if rt.features.throughput and not rt.closed and not booked:
+        scope = current.step()
+        if scope is None:
+            rt.throughput.book(start, end, "checkpoint", f"{kind}_checkpoint")
+        elif scope.throughput is not None:  # taken out of the step's time as it is booked
+            scope.throughput.checkpoint_s += seconds
     box = rt.rank_state
     if box is None:
         return

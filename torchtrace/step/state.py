@@ -64,10 +64,12 @@ class StepThroughput:
     ``left_before`` (torchtrace was done with the step before) are ``perf_counter`` times for
     goodput. ``scale_before``: a GradScaler's scale at the start (a skipped update shows as a
     smaller scale). ``step_end``: the clock's mark where the backward ends without an optimizer.
+    ``checkpoint_s``: seconds of checkpoint saves and loads inside the step, goodput's
+    *checkpoint*, not the step's time.
     """
 
     __slots__ = ("key", "shape", "clock", "counter", "parent", "holds_steps", "started_at", "entered_at",
-                 "left_before", "scale_before", "step_end")
+                 "left_before", "scale_before", "step_end", "checkpoint_s")
 
     def __init__(self, parent: StepScope | None, entered_at: float, left_before: float | None) -> None:
         self.key: Hashable | None = None
@@ -81,6 +83,7 @@ class StepThroughput:
         self.left_before = left_before
         self.scale_before: torch.Tensor | float | None = None
         self.step_end: object = None
+        self.checkpoint_s = 0.0
 
 
 class StepForensics:

@@ -322,7 +322,7 @@ class RunThroughput:
             flops=int(flops) if flops is not None else None, kind=record.kind, operation=operation,
             enclosing=enclosing(outer.kind, parent.started_at, parent.holds_steps) if outer and parent else None,
             holds_steps=state.holds_steps, entered=state.entered_at, left=state.left_before,
-            device_cycle=device_cycle))
+            device_cycle=device_cycle, checkpoint_s=state.checkpoint_s))
         record.data_wait_s = account.data_wait_s
         for finding in account.findings:
             record.anomalies.append(Anomaly(finding.kind, finding.detail, record.step, operation, dict(finding.data)))
