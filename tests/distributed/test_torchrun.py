@@ -230,3 +230,18 @@ def test_ranks_torchrun_gave_no_rendezvous_id_share_one_run(tmp_path):
     report = why(runs[0])
     assert report["verdict"] == "completed" and sorted(r["rank"] for r in report["ranks"]) == [0, 1]
     assert "rendezvous id" not in proc.stderr  # one host: every rank is in the run, nothing to warn of
+
+
+@pytest.mark.timeout(200)
+def test_ranks_the_guard_stopped_are_told_by_the_rank_whose_loss_was_not_finite(tmp_path):
+    """``guard="raise"`` stops every rank at the step a NaN entered rank 1's batch. Before,
+    ``torchtrace why`` blamed whichever rank raised first and said the other raised "in a
+    collective that failed for want of it"."""
+    from torchtrace.cli.why import why
+
+    proc, _ = _torchrun([str(Path(__file__).with_name("guard_raise_worker.py")), str(tmp_path / "runs")], tmp_path)
+    assert proc.returncode != 0 and "NonFiniteError" in proc.stderr, proc.stderr[-3000:]
+    report = why(tmp_path / "runs")
+    assert (report["verdict"], report["culprit_ranks"]) == ("died", [1]), report["reason"]
+    assert report["reason"] == ("the guard (guard='raise') stopped ranks 0, 1 with NonFiniteError at step 3; "
+                                "rank 1 had a non-finite loss of its own")

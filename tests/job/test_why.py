@@ -231,3 +231,24 @@ def test_a_rank_that_died_while_the_others_ran_is_still_the_culprit_of_their_han
            step_time=since - 1, time=since + 0.5)
     report = why(tmp_path)
     assert (report["verdict"], report["culprit_ranks"]) == ("died", [1])
+
+
+def test_ranks_the_guard_stopped_name_the_rank_whose_own_loss_was_not_finite(tmp_path):
+    """``guard="raise"`` under DDP, a NaN in rank 1's batch: every rank raises NonFiniteError at
+    the same step, by the guard's agreed decision (a real torchrun run left these boxes). The
+    culprit is the rank whose own loss was non-finite, not whichever raised a hair first, and
+    no rank raised "in a collective that failed"."""
+    for rank, loss, end in ((0, 0.0089, 0.0003), (1, "NaN", 0.0)):
+        _write(tmp_path, rank, ended="exception", end_detail="NonFiniteError", step=5, current_step=None,
+               phase="idle", loss=loss, end_time=time.time() - 5 + end)
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("died", [1])
+    assert report["reason"] == ("the guard (guard='raise') stopped ranks 0, 1 with NonFiniteError at step 5; "
+                                "rank 1 had a non-finite loss of its own")
+    # A NaN born in the backward leaves every loss finite: every rank is named.
+    for rank, end in ((0, 0.0), (1, 0.0003)):
+        _write(tmp_path, rank, ended="exception", end_detail="NonFiniteError", step=5, current_step=None,
+               phase="idle", loss=0.01, end_time=time.time() - 5 + end)
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("died", [0, 1])
+    assert report["reason"].endswith("no rank's own loss was non-finite (its gradients were)")

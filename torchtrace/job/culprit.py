@@ -10,7 +10,9 @@ be the thing that hangs. The rules, in order:
    vanished did so, the verdict is ``hang`` (rule 2, those ranks judged where they were
    stuck), and the reason says how each ended;
 1. a rank that ended with an exception, or whose process is gone without saying how it
-   ended (SIGKILL, the OOM killer), is blamed: verdict ``died``. Ranks the others saw gone
+   ended (SIGKILL, the OOM killer), is blamed: verdict ``died``. Ranks that all ended with
+   torchtrace's ``NonFiniteError`` (``guard="raise"``: one decision, agreed at one step)
+   name the ranks whose own loss was not finite, else all of them. Ranks the others saw gone
    while they ran come first, then ranks gone without a word (the others' exceptions are
    most likely their collectives failing for want of it); of ranks that all raised, the first
    to end (the others raised after it, in a collective it never joined, as a rule);
@@ -37,6 +39,7 @@ be the thing that hangs. The rules, in order:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torchtrace.job.ending import hung_to_the_end, last_seen
@@ -157,6 +160,10 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
         # A rank that vanished without a word, beside ranks that ended with an exception: the
         # exceptions are most likely the collective failing for want of it.
         died = vanished
+    stopped = _guard_stop(boxes, died) if not named and not vanished else None
+    if stopped is not None:
+        out.update(verdict="died", culprit_ranks=stopped[0], reason=stopped[1])
+        return out
     followers: list[int] = []
     if not named and not vanished and len(died) > 1:
         # Ranks that all raised: the first to end is the cause; the others raised after its last
@@ -178,6 +185,34 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
         return out
     out.update(_neither_died_nor_hung(boxes, conditions))
     return out
+
+
+def _guard_stop(boxes: list[dict[str, Any]], died: list[int]) -> tuple[list[int], str] | None:
+    """Ranks that all ended with torchtrace's ``NonFiniteError``: the guard's decision under
+    ``guard="raise"``, agreed by every rank at one step, not one rank's failure the others
+    followed. The culprits are the ranks whose own loss was not finite (the NaN or Inf began
+    in their batch), else all of them. None when some rank that died ended otherwise."""
+    by_rank = {s["rank"]: s for s in boxes}
+    if not died or any(by_rank[r].get("end_detail") != "NonFiniteError" for r in died):
+        return None
+    steps = {_int_field(by_rank[r], "step") for r in died}
+    at = f" at step {steps.pop()}" if len(steps) == 1 else ""
+    reason = f"the guard (guard='raise') stopped {_ranks(died)} with NonFiniteError{at}; "
+    bad = [r for r in died if not _finite(by_rank[r].get("loss"))]
+    if bad:
+        return bad, reason + f"{_ranks(bad)} had a non-finite loss of its own"
+    return sorted(died), reason + "no rank's own loss was non-finite (its gradients were)"
+
+
+def _finite(loss: object) -> bool:
+    """A black box's loss (a number, or ``"NaN"`` and ``"Infinity"`` as JSON writes them) is
+    finite, or absent."""
+    if isinstance(loss, str):
+        try:
+            loss = float(loss)
+        except ValueError:
+            return True
+    return not isinstance(loss, (int, float)) or math.isfinite(loss)
 
 
 def _ended_while_hung(state: dict[str, Any], condition_now: str) -> bool:
