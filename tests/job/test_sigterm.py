@@ -20,7 +20,7 @@ from torchtrace.job.state import read_states
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def _preempt(tmp_path, cmd=None, **config):
+def _preempt(tmp_path, cmd=None, sig=signal.SIGTERM, **config):
     run_dir, log = tmp_path / "runs", tmp_path / "log.jsonl"
     (tmp_path / "ckpt").mkdir()
     env = clean_env(TORCHTRACE_RUN_ID="pre", TORCHTRACE_RUN_DIR=str(run_dir))
@@ -28,19 +28,19 @@ def _preempt(tmp_path, cmd=None, **config):
                "stop_at": 49, **config}, env, cmd)
     assert wait_ready(p) == 49
     sent = time.time()
-    os.killpg(p.pid, signal.SIGTERM) if cmd else os.kill(p.pid, signal.SIGTERM)
+    os.killpg(p.pid, sig) if cmd else os.kill(p.pid, sig)
     code = p.wait(30)
     return run_dir / "pre", code, time.time() - sent, events(log), sent
 
 
-def _assert_nothing_lost(root, steps=50):
+def _assert_nothing_lost(root, steps=50, sig="SIGTERM"):
     spans = [json.loads(line) for line in (root / "spans.jsonl").read_text().splitlines()]
     assert sorted(s["attributes"]["torchtrace.step"] for s in spans) == list(range(steps))
     report = json.loads((root / "report.json").read_text())
     assert report["totals"]["steps"] == steps
     assert report["job"]["attempts"][0]["ended"] == "preempted"
     (state,) = read_states(root)
-    assert (state["ended"], state["end_detail"], state["step"]) == ("preempted", "SIGTERM", steps - 1)
+    assert (state["ended"], state["end_detail"], state["step"]) == ("preempted", sig, steps - 1)
 
 
 def test_sigterm_with_the_default_action(tmp_path):
@@ -48,6 +48,34 @@ def test_sigterm_with_the_default_action(tmp_path):
     assert code == -signal.SIGTERM  # ended by the signal, as without torchtrace
     assert took < 2.0
     _assert_nothing_lost(root)
+
+
+def test_sighup_loses_nothing_and_ends_the_process_as_it_would_have(tmp_path):
+    """A run in a terminal whose session closed (an ssh connection lost, without nohup or tmux):
+    the hangup ended the process with nothing flushed, and the black box said "killed"."""
+    root, code, took, _, _ = _preempt(tmp_path, sig=signal.SIGHUP)
+    assert code == -signal.SIGHUP
+    assert took < 2.0
+    _assert_nothing_lost(root, sig="SIGHUP")
+
+
+def test_a_run_under_nohup_still_ignores_the_hangup(tmp_path):
+    run_dir, log = tmp_path / "runs", tmp_path / "log.jsonl"
+    (tmp_path / "ckpt").mkdir()
+    env = clean_env(TORCHTRACE_RUN_ID="pre", TORCHTRACE_RUN_DIR=str(run_dir))
+    p = start({"log": str(log), "ckpt_dir": str(tmp_path / "ckpt"), "step_s": 0.005, "last": 1000, "stop_at": 49},
+              env, ["nohup", sys.executable])
+    try:
+        assert wait_ready(p) == 49
+        os.killpg(p.pid, signal.SIGHUP)
+        time.sleep(1.0)
+        assert p.poll() is None  # ignored, as nohup asked
+        (state,) = read_states(run_dir / "pre")
+        assert state["ended"] is None
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(30)
+    _assert_nothing_lost(run_dir / "pre")
 
 
 @pytest.mark.parametrize("when", ["handler", "handler_after"])

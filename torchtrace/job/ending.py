@@ -2,7 +2,7 @@
 
 A process that ends through torchtrace says so itself in its black box: ``completed``
 (``shutdown()`` ran), ``exception`` (an exception reached the top of the main thread; its type,
-message and step), ``preempted`` (a SIGTERM or SIGINT handler ran), ``hang`` (the hang watchdog
+message and step), ``preempted`` (a SIGTERM, SIGINT or SIGHUP handler ran), ``hang`` (the hang watchdog
 aborted it). A SIGKILL runs no code at all, so a black box that says nothing, of a process that
 is gone, is read as ``killed``: the cause is inferred, never told. It is a *host OOM kill* when
 the kernel counted an OOM kill in the process's memory cgroup after the process started (the

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT: save what the process knows, then end as it would have.
+"""SIGTERM, SIGINT and SIGHUP: save what the process knows, then end as it would have.
 
 A preemption (Kubernetes, Slurm, a launcher tearing a job down) is a SIGTERM. Python's default
 action ends the process at once: no ``atexit``, no exporter flush. :class:`SignalGuard`
@@ -37,8 +37,10 @@ logger = logging.getLogger(__name__)
 # A callable(signum, frame), signal.SIG_DFL, signal.SIG_IGN, or None (a handler set from C).
 Handler = Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers, None]
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""The signals that mean "stop": the end they cause is recorded as ``preempted``."""
+SIGNALS = tuple(sig for sig in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if sig is not None)
+"""The signals that mean "stop": the end they cause is recorded as ``preempted``. SIGHUP is the
+hangup of a terminal that closed (an ssh session lost without nohup or tmux); under ``nohup``
+it is ignored, and stays ignored."""
 
 
 def start_thread(target: Callable[..., object], name: str, *args: object, **kwargs: object) -> threading.Thread:
@@ -219,7 +221,7 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
 
 
 class SignalGuard:
-    """torchtrace's SIGTERM/SIGINT handlers, chained to the application's.
+    """torchtrace's handlers of the stop signals (:data:`SIGNALS`), chained to the application's.
 
     Args:
         on_signal: called first, on the main thread, with the signal number and whether the
