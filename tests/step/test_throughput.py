@@ -243,6 +243,34 @@ def test_a_context_without_inputs_reads_the_batch_of_the_models_only_call(tmp_pa
         tt.shutdown()
 
 
+def test_a_model_another_step_watches_does_not_mark_this_steps_forward(tmp_path, caplog):
+    """A GAN trained in two steps, each given its own network: the generator's step calls the
+    critic on what it made. The critic's marks (put on by the critic's step) marked the
+    generator's step too: its forward looked called on two batches, so its samples were lost
+    (and a warning said so), and its forward phase ended at the critic's call."""
+    _configure(tmp_path)
+    try:
+        torch.manual_seed(0)
+        gen, critic = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+        opt_g, opt_c = torch.optim.SGD(gen.parameters(), lr=0.01), torch.optim.SGD(critic.parameters(), lr=0.01)
+        records = []
+        with caplog.at_level(logging.WARNING, logger="torchtrace"):
+            for _ in range(3):
+                with tt.debug_context("critic_step", model=critic, optimizer=opt_c) as step:
+                    opt_c.zero_grad()
+                    (critic(gen(torch.randn(16, 4)).detach()).mean() - critic(torch.randn(16, 8)).mean()).backward()
+                    opt_c.step()
+                with tt.debug_context("gen_step", model=gen, optimizer=opt_g) as step:
+                    opt_g.zero_grad()
+                    (-critic(gen(torch.randn(6, 4))).mean()).backward()
+                    opt_g.step()
+                records.append(step.record)
+        assert [r.samples for r in records] == [6, 6, 6]  # the generator's one batch
+        assert not [r for r in caplog.records if "gen_step called its model on several batches" in r.getMessage()]
+    finally:
+        tt.shutdown()
+
+
 def test_record_batch_overrides_what_is_inferred(tmp_path):
     _configure(tmp_path)
     try:

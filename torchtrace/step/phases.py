@@ -274,16 +274,18 @@ class ModelMarks:
         return first is not None and first.is_cuda
 
     @staticmethod
-    def _throughput() -> StepThroughput | None:
-        """The open step's throughput state, when it has a clock; None inside a torch.compile trace."""
+    def _throughput(module: torch.nn.Module) -> StepThroughput | None:
+        """The open step's throughput state, when it has a clock and ``module`` is its model
+        (another step's model called inside it, a critic in a generator's step, marks nothing);
+        None inside a torch.compile trace."""
         if _COMPILING is not None and _COMPILING():  # inside a torch.compile trace: stay out of the graph
             return None
         scope = current.step()
-        state = scope.throughput if scope is not None else None
+        state = scope.throughput if scope is not None and scope.model is module else None
         return state if state is not None and state.clock is not None else None
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        state = self._throughput()
+        state = self._throughput(module)
         if state is not None and state.clock is not None:  # (a state with a clock: see _throughput)
             scope = current.step()
             if state.clock.batch is not MANY and scope is not None:  # (as in the seam)
@@ -291,7 +293,7 @@ class ModelMarks:
             state.clock.announce("forward_start")  # a later call's start is kept in clock.again
 
     def _post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        state = self._throughput()
+        state = self._throughput(module)
         if state is not None and state.clock is not None:
             state.clock.announce("forward_end")
 
@@ -345,8 +347,8 @@ def _call_with_marks(model: torch.nn.Module, inner: Callable[..., Any] | None = 
         if module is not target and module is not None and frame(1).f_code is seam:
             return type(module)._call_impl(module, *args, **kwargs)  # a copy (a replica): its own call, no marks
         scope = open_step()
-        state = scope.throughput if scope is not None else None
-        if state is None or (clock := state.clock) is None:
+        state = scope.throughput if scope is not None and scope.model is target else None
+        if state is None or (clock := state.clock) is None:  # no step, or the model is not the open step's
             return impl(target, *args, **kwargs)
         if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
             note_call(scope, args, kwargs)  # type: ignore[arg-type]  # (a state: the scope is open)
