@@ -1,7 +1,8 @@
 """A DDP job for the hang tests (run by torchrun, 3 ranks, gloo, CPU).
 
-``HANG_MODE``: ``stop`` (rank 2 sleeps forever in its input code at step 5, before its
-forward), ``kill`` (rank 2 SIGKILLs itself there), ``none``. ``HANG_RUN_DIR``: the run
+``HANG_MODE``: ``stop`` (rank 2 sleeps forever in its input code at step 8, before its
+forward), ``kill`` (rank 2 SIGKILLs itself there), ``save`` (rank 2, after step 7, saves a
+checkpoint to storage that never answers), ``none``. ``HANG_RUN_DIR``: the run
 directory. Each rank prints ``RANK <r> STEP <n>`` as it finishes a step.
 """
 
@@ -44,6 +45,10 @@ def train() -> None:
             opt.zero_grad()
             scope.record_loss(loss)
         print(f"RANK {rank} STEP {step}", flush=True)
+        if MODE == "save" and rank == 2 and step == STOP_AT - 1:
+            with tt.checkpoint("save"):
+                while True:
+                    time.sleep(0.2)  # the storage never answers
         time.sleep(0.3)
     tt.shutdown()
     dist.destroy_process_group()

@@ -105,6 +105,26 @@ def test_rank_stuck_in_its_input_is_named_while_the_others_wait_in_the_all_reduc
 
 
 @pytest.mark.timeout(240)
+def test_a_rank_in_a_checkpoint_save_that_never_ends_is_named_while_the_others_wait(tmp_path):
+    """Its checkpoint phase has a long allowance (its own watchdog says nothing for minutes),
+    but the others wait for it in the next all_reduce: it is the culprit, not they."""
+    proc = _launch("save", tmp_path)
+    try:
+        deadline = time.monotonic() + 150
+        while len(list((tmp_path / "runs").glob("*/hang.rank*.json"))) < 2:
+            assert time.monotonic() < deadline, "two hang files not written in time"
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        report = _why(tmp_path)
+        assert (report["verdict"], report["culprit_ranks"]) == ("hang", [2]), report["reason"]
+        ranks = {r["rank"]: r for r in report["ranks"]}
+        assert ranks[2]["phase"] == "checkpoint" and ranks[2]["condition"] == "running"
+        assert report["reason"].startswith("not inside collective #")
+    finally:
+        _end(proc, tmp_path)
+
+
+@pytest.mark.timeout(240)
 def test_rank_sigkilled_mid_step_is_named_gone_by_the_others(tmp_path):
     proc = _launch("kill", tmp_path)
     try:

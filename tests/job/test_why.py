@@ -252,3 +252,19 @@ def test_ranks_the_guard_stopped_name_the_rank_whose_own_loss_was_not_finite(tmp
     report = why(tmp_path)
     assert (report["verdict"], report["culprit_ranks"]) == ("died", [0, 1])
     assert report["reason"].endswith("no rank's own loss was non-finite (its gradients were)")
+
+
+def test_a_rank_in_a_long_checkpoint_save_is_the_culprit_of_the_others_wait(tmp_path):
+    """Rank 1 saves a checkpoint to storage that stopped answering (its checkpoint phase has a
+    long allowance: its watchdog says nothing), while rank 0 waits for it in the next step's
+    all_reduce and is flagged hung. Before, rank 0 was the culprit, "stuck", of its own wait
+    (a real torchrun run left these boxes)."""
+    since = time.time() - 20
+    _write(tmp_path, 0, progress=since, step=4, current_step=5, phase="backward", collective_seq=11,
+           collective_op="gloo:all_reduce", collective_active=True, hang_timeout_s=4.0,
+           hang={"since": since, "detected": since + 4, "step": 5})
+    _write(tmp_path, 1, progress=since, step=4, current_step=None, phase="checkpoint", collective_seq=10,
+           collective_op="gloo:all_reduce", collective_active=False, hang_timeout_s=600.0)
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1]), report["reason"]
+    assert report["reason"] == "not inside collective #11 that the others entered"

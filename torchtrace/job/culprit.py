@@ -18,8 +18,10 @@ be the thing that hangs. The rules, in order:
    to end (the others raised after it, in a collective it never joined, as a rule);
 2. a rank whose heartbeat stopped while its process lives (a thread holding the GIL in a C
    call stops every Python thread, the black box's writer too), or whose watchdog flagged a
-   hang with no progress since, is stuck: verdict ``hang``. Among the stuck ranks the
-   culprits are those not inside the collective the others wait in (a lower collective
+   hang with no progress since, is stuck: verdict ``hang``. Among the ranks still alive
+   (stuck, or within an allowance of their own: a checkpoint save to storage that stopped
+   answering) and those that ended stuck, the culprits are those not inside the collective
+   the others wait in (a lower collective
    sequence number than theirs); without that difference, those behind the others (a lower
    step, or the same step at an earlier phase); without any difference, all of them. Ranks
    waiting at one collective number in collectives of different kinds (an all_reduce and a
@@ -231,9 +233,10 @@ def _hang(boxes: list[dict[str, Any]], conditions: dict[int, str], torn_down: li
         culprits, why = silent, ("heartbeat stopped while the process lives (a thread holds the GIL, "
                                  "or the process is stopped)")
     else:
-        # The ranks waiting on a stuck peer are stuck too, flagged or not yet (stalled):
-        # judge among every rank that makes no progress.
-        pool = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent", "stalled")
+        # The ranks waiting on a stuck peer are stuck too, flagged or not yet (stalled), and the
+        # peer may be within a long allowance of its own (a checkpoint save to storage that
+        # stopped answering): judge among every rank still alive, and those that ended stuck.
+        pool = [s for s in boxes if conditions[s["rank"]] in ("hung", "silent", "stalled", "running")
                 or s.get("ended") == "hang" or s["rank"] in ended]
         culprits, why = stuck_culprits(pool)
     if torn_down:
