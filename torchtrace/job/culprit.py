@@ -3,12 +3,12 @@
 Only the black boxes are read (files in the run directory), never the communicator that may
 be the thing that hangs. The rules, in order:
 
-0. ranks that ended (by a signal or an exception) or vanished while stuck in a hang their
-   watchdog had flagged, no step finished since, ended of the hang: a launcher or scheduler
-   tearing the hung job down (SIGTERM, then SIGKILL for a rank stuck in a C call, which
-   cannot run its handler), or the collective's own timeout. When every rank that ended or
-   vanished did so, the verdict is ``hang`` (rule 2, those ranks judged where they were
-   stuck), and the reason says how each ended;
+0. a rank that ended (by a signal or an exception) or vanished while stuck in a hang its
+   watchdog had flagged, no step finished since, ended because of the hang: a launcher or
+   scheduler tearing the hung job down (SIGTERM, then SIGKILL for a rank stuck in a C call,
+   which cannot run its handler), or the collective's own timeout. When every rank that
+   ended or vanished did so, the verdict is ``hang`` (rule 2, those ranks judged where they
+   were stuck), and the reason says how each ended;
 1. a rank that ended with an exception, or whose process is gone without saying how it
    ended (SIGKILL, the OOM killer), is blamed: verdict ``died``. Ranks that all ended with
    torchtrace's ``NonFiniteError`` (``guard="raise"``: one decision, agreed at one step)

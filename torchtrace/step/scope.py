@@ -351,9 +351,9 @@ class StepScope:
 
     def _leave_unrecorded(self, rt: Runtime, exc: StopIteration) -> None:
         """The loop's data ran out before the step did anything (``next(batches)`` at its top
-        raised ``StopIteration``): it was no step. Everything it began is undone, the span ends
-        unexported, its time counts as the next step's wait for data, and a counted number is
-        the next step's."""
+        raised ``StopIteration``): it was no step. Everything it began is undone, its span is
+        never ended (so nothing exports it), its time counts as the next step's wait for data,
+        and a counted number is the next step's."""
         try:
             self._restore()
             rt.probes.exit(self, self._states, exc, ReadPlan())  # (a probe lets go of what it holds)
