@@ -268,3 +268,17 @@ def test_a_rank_in_a_long_checkpoint_save_is_the_culprit_of_the_others_wait(tmp_
     report = why(tmp_path)
     assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1]), report["reason"]
     assert report["reason"] == "not inside collective #11 that the others entered"
+
+
+def test_a_single_rank_stuck_says_in_what(tmp_path):
+    """One process whose DataLoader worker never answers, stopped with ^C (a real run left
+    such a box): the reason said only "stuck"."""
+    since = time.time() - 30
+    (tmp_path / "state.json").write_text(json.dumps({
+        "pid": os.getpid(), "rank": 0, "world_size": 1, "attempt": 0, "ended": "preempted", "end_detail": "SIGINT",
+        "time": since + 12, "progress": since + 12, "phase": "idle", "current_step": None, "step": 9,
+        "step_time": since - 0.001, "hang_timeout_s": 3.0,
+        "hang": {"since": since, "detected": since + 3, "step": None, "phase": "data_wait"}}))
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("hang", [0])
+    assert report["reason"] == "stuck in data_wait; then rank 0 stopped by SIGINT"

@@ -99,7 +99,17 @@ def stuck_culprits(stuck: list[dict[str, Any]]) -> tuple[list[int], str]:
     if len(set(positions.values())) > 1:
         front = max(positions.values())
         return sorted(r for r, p in positions.items() if p < front), mismatch + "behind the other ranks (step, phase)"
-    return sorted(positions), mismatch + "stuck"
+    phases = {_stuck_phase(s) for s in stuck}
+    where = f" in {phases.pop()}" if len(phases) == 1 and None not in phases else ""
+    return sorted(positions), mismatch + "stuck" + where
+
+
+def _stuck_phase(state: dict[str, Any]) -> str | None:
+    """The phase a rank is stuck in: the one its hang was flagged in (a rank that ended since
+    has its phase reset), else its black box's."""
+    hang = state.get("hang")
+    phase = (hang.get("phase") if isinstance(hang, dict) else None) or state.get("phase")
+    return str(phase) if phase else None
 
 
 def _mismatch(stuck: list[dict[str, Any]]) -> str:
