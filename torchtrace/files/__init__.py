@@ -25,9 +25,10 @@ from torchtrace.files.private import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from torchtrace.files.strict_json import dumps, to_strict
+from torchtrace.files.strict_json import dumps, from_strict, to_strict
 
 __all__ = [
     "O_CLOEXEC", "O_NOFOLLOW", "JsonLinesFile", "claim_file", "dumps", "ensure_parent_dir", "ensure_private_dir",
-    "open_private", "read_json_lines", "release_file", "to_strict", "write_bytes_atomic", "write_json_atomic",
+    "from_strict", "open_private", "read_json_lines", "release_file", "to_strict", "write_bytes_atomic",
+    "write_json_atomic",
 ]

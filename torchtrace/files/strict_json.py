@@ -46,6 +46,23 @@ def to_strict(value: Any) -> Any:
     return value
 
 
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf,
+               "nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def from_strict(value: object) -> float | None:
+    """A number as :func:`to_strict` wrote it, back as a float: a number, or the string of a
+    non-finite one ("NaN", "Infinity", "-Infinity"; Python's spellings too); None for
+    anything else (absent, not a number).
+
+    >>> from_strict("NaN") != from_strict("NaN"), from_strict(2), from_strict(True), from_strict("x")
+    (True, 2.0, None, None)
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return _NON_FINITE.get(value) if isinstance(value, str) else None
+
+
 def dumps(value: object, indent: int | None = None) -> str:
     """Strict JSON text (``allow_nan=False``; non-finite floats as strings, see :func:`to_strict`).
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from torchtrace.files import from_strict
 from torchtrace.job.ending import hung_to_the_end, last_seen
 from torchtrace.job.identity import process_alive
 
@@ -210,21 +211,11 @@ def _guard_stop(boxes: list[dict[str, Any]], died: list[int]) -> tuple[list[int]
     steps = {_int_field(by_rank[r], "step") for r in died}
     at = f" at step {steps.pop()}" if len(steps) == 1 else ""
     reason = f"the guard (guard='raise') stopped {_ranks(died)} with NonFiniteError{at}; "
-    bad = [r for r in died if not _finite(by_rank[r].get("loss"))]
+    losses = {r: from_strict(by_rank[r].get("loss")) for r in died}
+    bad = [r for r, loss in losses.items() if loss is not None and not math.isfinite(loss)]
     if bad:
         return bad, reason + f"{_ranks(bad)} had a non-finite loss of its own"
     return sorted(died), reason + "no rank's own loss was non-finite (its gradients were)"
-
-
-def _finite(loss: object) -> bool:
-    """A black box's loss (a number, or ``"NaN"`` and ``"Infinity"`` as JSON writes them) is
-    finite, or absent."""
-    if isinstance(loss, str):
-        try:
-            loss = float(loss)
-        except ValueError:
-            return True
-    return not isinstance(loss, (int, float)) or math.isfinite(loss)
 
 
 def _ended_while_hung(state: dict[str, Any], condition_now: str) -> bool:

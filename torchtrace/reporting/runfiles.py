@@ -10,12 +10,12 @@ event); :attr:`RunData.forensics` holds it once, and the timeline holds one even
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchtrace import semconv
+from torchtrace.files import from_strict
 
 MAX_CHART_STEPS = 5000
 """Steps embedded in the HTML report at most: longer runs are thinned evenly, anomalous steps kept."""
@@ -48,18 +48,6 @@ class RunData:
         return [e["data"] for e in self.events if e.get("type") == "forensics"]
 
 
-def _number(value: object) -> float | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if value in ("NaN", "nan"):
-        return math.nan
-    if value in ("Infinity", "inf"):
-        return math.inf
-    if value in ("-Infinity", "-inf"):
-        return -math.inf
-    return None
 
 
 def _rank_file(run_dir: Path, stem: str, suffix: str, rank: int | None) -> Path | None:
@@ -99,12 +87,12 @@ def _step_from_span(span: dict[str, Any]) -> dict[str, Any] | None:
         "step": attrs.get(semconv.STEP),
         "start_unix_ns": start,
         "duration_s": (end - start) / 1e9 if end and start else None,
-        "loss": _number(attrs.get(semconv.LOSS)),
-        "grad_norm": _number(attrs.get(semconv.GRAD_NORM)),
+        "loss": from_strict(attrs.get(semconv.LOSS)),
+        "grad_norm": from_strict(attrs.get(semconv.GRAD_NORM)),
         "memory": memory,
         "samples": attrs.get(semconv.SAMPLES),
         "tokens": attrs.get(semconv.TOKENS),
-        "data_wait_s": _number(attrs.get(semconv.DATA_WAIT_S)),
+        "data_wait_s": from_strict(attrs.get(semconv.DATA_WAIT_S)),
         "anomalies": [a["kind"] for a in anomalies],
         "skipped": bool(attrs.get(semconv.STEP_SKIPPED, False)),
         "scaler_overflow": bool(attrs.get(semconv.STEP_SCALER_OVERFLOW, False)),

@@ -6,6 +6,8 @@ import collections
 import math
 from typing import Any
 
+from torchtrace.files import from_strict
+
 _LOSS_KINDS = frozenset({"nonfinite_loss", "loss_spike"})
 
 
@@ -78,7 +80,7 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     ops = section.get("operations") or {}
     for name, op in sorted(ops.items())[:MAX_OPERATION_ROWS]:
-        tokens, samples, flops, mfu = (_number(op.get(k))
+        tokens, samples, flops, mfu = (from_strict(op.get(k))
                                        for k in ("tokens_per_s", "samples_per_s", "flops_per_s", "mfu"))
         parts = []
         if tokens is not None:
@@ -98,7 +100,7 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
             parts.append("no MFU (this device's peak is unknown: set peak_flops)")
         rows.append(("throughput" if len(ops) == 1 else f"throughput {name}",
                      f"{', '.join(parts)}, over the last {op.get('steps', 0)} steps"))
-    ratio = _number(section.get("goodput_ratio"))
+    ratio = from_strict(section.get("goodput_ratio"))
     if ratio is not None:
         lost = _badput_text(section.get("badput_s") or {})
         rows.append(("goodput", f"{_shown(ratio, '{:.0%}')} of wall time in applied updates; the rest: {lost}"))
@@ -107,19 +109,12 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _badput_text(badput_s: dict[str, Any]) -> str:
     """The badput kinds above zero, largest first: ``data_wait 1.50 s, startup 50 ms`` (or "none")."""
-    figures = ((_number(v), k) for k, v in badput_s.items())
+    figures = ((from_strict(v), k) for k, v in badput_s.items())
     badput = sorted(((v, k) for v, k in figures if v is not None and not v <= 0),  # (a NaN is shown, last)
                     key=lambda p: (-math.inf if math.isnan(p[0]) else p[0], p[1]), reverse=True)
     return ", ".join(f"{k} {seconds_text(v) if math.isfinite(v) else _shown(v, '')}" for v, k in badput) or "none"
 
 
-def _number(value: object) -> float | None:
-    """A figure of report.json as a float: a number, or the strict-JSON string of a non-finite
-    one ("Infinity", "-Infinity", "NaN"); None for anything else (absent, not a figure)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return ({"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}.get(value) if isinstance(value, str)
-            else None)
 
 
 def _shown(value: float, spec: str) -> str:
