@@ -250,8 +250,44 @@ def test_the_report_card_counts_spans_per_sink(tmp_path):
     report_file.write_text(json.dumps(report))
     out = write_html_report(run_dir, tmp_path / "report.html")
     dom = render(binary, out, tmp_path)
-    cards = dict((label, value) for value, label in re.findall(r'<div class="stat"><b>([^<]*)</b><span>([^<]*)</span>', dom))
+    cards = report_cards(dom)
     assert cards["spans exported / dropped (file)"] == f"{STEPS} / 0", cards
     assert cards["spans exported / dropped (otlp_grpc)"] == "0 / 20", cards
     assert "spans exported / dropped" not in cards  # no sum over the sinks
     assert f"file: {STEPS} exported; otlp_grpc: 0 exported, 20 dropped" in terminal_report(run_dir)
+
+
+def test_the_report_card_counts_the_updates_the_loss_scaler_skipped(tmp_path):
+    """float16 whose scale starts too high: the scaler skips updates until the scale backs off.
+    The card says how many, as the terminal report does; a run without such steps shows no card."""
+    import torch
+
+    import torchtrace as tt
+    from torchtrace.api import get_runtime
+
+    from ..step.test_loss_scaler import STEPS as SCALER_STEPS
+    from ..step.test_loss_scaler import _body, _setup
+
+    binary = require_binary("chromium")
+    result = tt.configure(service_name="scaler", prometheus_port="off", run_dir=str(tmp_path / "runs"),
+                          strict=True, register_atexit=False)
+    model, opt, scaler, x = _setup(False, 2.0 ** 24)
+    scales = []
+    for _ in range(SCALER_STEPS):
+        scales.append(scaler.get_scale())
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            step.record_loss(_body(model, opt, scaler, x, clip=False))
+    skipped = get_runtime().history.totals["scaler_overflow_steps"]
+    tt.shutdown()
+    assert skipped >= 2 and isinstance(opt, torch.optim.AdamW)
+    assert skipped >= sum(later < now for now, later in zip(scales, scales[1:]))  # (the scale backed off)
+    dom = render(binary, write_html_report(tmp_path / "runs" / result.run_id, tmp_path / "scaler.html"), tmp_path)
+    assert report_cards(dom)["skipped by the loss scaler"] == str(skipped)
+    plain_dir, _ = make_run(tmp_path / "plain")
+    plain = report_cards(render(binary, write_html_report(plain_dir, tmp_path / "plain.html"), tmp_path))
+    assert "skipped updates" in plain and "skipped by the loss scaler" not in plain, plain
+
+
+def report_cards(dom: str) -> dict[str, str]:
+    """The report card's figures, by label."""
+    return {label: value for value, label in re.findall(r'<div class="stat"><b>([^<]*)</b><span>([^<]*)</span>', dom)}

@@ -252,6 +252,8 @@ JS = r"""
     g.appendChild(stat("anomaly rate", tr.anomaly_rate !== undefined ? (100 * tr.anomaly_rate).toFixed(2) + " %" : "–"));
     g.appendChild(stat("non-finite steps", String(tot.nonfinite_steps || 0)));
     g.appendChild(stat("skipped updates", String(tot.skipped_steps || 0)));
+    /* the updates a loss scaler skipped (Inf in the scaled gradients): a run stuck there trains nothing */
+    if (tot.scaler_overflow_steps) g.appendChild(stat("skipped by the loss scaler", String(tot.scaler_overflow_steps)));
     g.appendChild(stat("forensic replays", String(replays)));
     /* the charted operation's last step (a run of one operation: the run's last step) */
     var last = main.step || s.last_step || {}, of = main.several ? " (" + main.name + ")" : "";
