@@ -40,12 +40,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
+def _torchrun(out: Path, *args: str, worker: Path = WORKER) -> subprocess.CompletedProcess:
     """The worker on 2 ranks under real torchrun; asserts the job ended well."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTRACE_", "OTEL_"))}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "--max_restarts=0", str(WORKER), str(out), *args]
+           f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "--max_restarts=0", str(worker), str(out), *args]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
@@ -128,3 +128,17 @@ def test_one_nan_on_one_rank_at_the_defaults_does_not_kill_the_job(tmp_path, gua
     assert (rep1["cause"], rep1["module"], rep1["rank"], rep1["step"]) == ("parameter", "h.0.mlp.c_fc", 1, 15)
     assert (rep0["cause"], rep0["module"], rep0["rank"]) == ("peer", None, 0)
     assert r0["internal_errors"] == r1["internal_errors"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_the_shards_zero_sends_between_ranks_are_no_checkpoint(tmp_path):
+    """``ZeroRedundancyOptimizer.consolidate_state_dict`` sends each rank's shard to rank 0 as
+    ``torch.save``'d bytes (and rank 0 reads them with ``torch.load``). Before, each such call
+    counted as a checkpoint: rank 1, which saved nothing, had a save at step 1 in its black box
+    (``torchtrace why`` would resume it from there), and both ranks booked checkpoint time. Only
+    rank 0's own ``torch.save`` to a file is a checkpoint."""
+    _torchrun(tmp_path, worker=Path(__file__).with_name("_zero_worker.py"))
+    r0, r1 = (json.loads((tmp_path / f"zero.rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == {"counted": {"save": 1, "load": 0}, "checkpoint_step": 1}, r0
+    assert r1 == {"counted": {"save": 0, "load": 0}, "checkpoint_step": None}, r1
+    assert (tmp_path / "checkpoint.pt").exists()

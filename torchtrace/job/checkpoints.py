@@ -16,6 +16,10 @@ checkpoint's writer threads save its items while the training thread waits in it
 a thread of its own while training goes on: the call is timed (the wait the training sees), and
 the sink is handed the upload's future: the checkpoint exists once the upload completes.
 
+The calls torch makes itself (``ZeroRedundancyOptimizer`` sending its shards between ranks as
+``torch.save``'d bytes, ``torch.hub`` loading downloaded weights) are serialisation, not
+checkpoints, and are not counted.
+
 Limits: code that took its own reference before ``configure()`` (``from torch import save``)
 calls the original and is not timed; safetensors' ``save_file`` is not wrapped (mark it with
 :func:`checkpoint`).
@@ -65,8 +69,8 @@ def install(sink: Sink) -> None:
     _sink = sink
     if _originals:
         return
-    _wrap(torch, "save", "save")
-    _wrap(torch, "load", "load")
+    _wrap(torch, "save", "save", own_calls=False)
+    _wrap(torch, "load", "load", own_calls=False)
     if DCP in sys.modules:
         _wrap_dcp(sys.modules[DCP])
     elif not any(isinstance(f, _DcpFinder) for f in sys.meta_path):
@@ -127,16 +131,30 @@ def uninstall() -> None:
             setattr(owner, name, original)
 
 
-def _wrap(owner: object, name: str, kind: str) -> None:
+def _wrap(owner: object, name: str, kind: str, own_calls: bool = True) -> None:
+    """``owner.name`` timed as a ``kind`` call. ``own_calls`` False: not the calls torch makes
+    itself (see :func:`_called_by_torch`)."""
     original = getattr(owner, name)
 
     @functools.wraps(original)
     def timed(*args: object, **kwargs: object) -> Any:
+        if not own_calls and _called_by_torch():
+            return original(*args, **kwargs)
         with _timed(kind):
             return original(*args, **kwargs)
 
     setattr(owner, name, timed)
     _originals.append((owner, name, original))
+
+
+def _called_by_torch() -> bool:
+    """Whether the ``torch.save`` or ``torch.load`` being called was called by torch's own code:
+    serialisation inside a library call, not the application's checkpoint. ``ZeroRedundancyOptimizer.
+    consolidate_state_dict`` sends each rank's shard to one rank as ``torch.save``'d bytes, which
+    that rank ``torch.load``s: counted as checkpoints, a rank that saved nothing held a save in its
+    black box. (A distributed checkpoint's own saves are inside its wrapped ``save`` already.)"""
+    caller = sys._getframe(2)  # (0: this function, 1: the wrapper, 2: who called torch.save)
+    return str(caller.f_globals.get("__name__", "")).startswith("torch.")
 
 
 def _wrap_async_save(owner: object, name: str) -> None:
