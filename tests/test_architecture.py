@@ -239,6 +239,8 @@ REVIEWED = {
     "step/throughput.py: finish_step": "the step's figures in the order they are decided; its first lines end "
                                        "the usual step",
     "step/runtime.py: __init__": "what configure() builds, one line a part, in the order the parts need each other",
+    "step/job.py": "the runtime's side of the job: the black box's life, signals, the exception hook, checkpoints "
+                   "and how the process ended, each a short function",
     "job/identity.py": "the job's identity: its job id and attempt, whether a writer still runs, and the run id "
                        "the ranks one launcher started agree on without talking (multiprocessing, torchrun, srun)",
 }

@@ -49,6 +49,57 @@ def test_an_exception_is_told_with_its_type_and_step(tmp_path, messages):
         assert "secret-token-123" not in (tmp_path / "exc" / "state.json").read_text()
 
 
+_EXITS = textwrap.dedent("""
+    import math, sys, torch, torchtrace as tt
+    tt.configure(prometheus_port="off")
+    code = {"1": 1, "0": 0, "none": None, "text": "no data left", "caught": 1}[sys.argv[1]]
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        try:
+            with tt.debug_context("train_step", model=model, optimizer=opt):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                if step == 3:  # the engine's check of a loss that is not finite (DeiT, MAE, DETR)
+                    print("Loss is nan, stopping training")
+                    sys.exit(code)
+                opt.zero_grad(); loss.backward(); opt.step()
+        except SystemExit:
+            if sys.argv[1] != "caught":
+                raise
+""")
+
+
+@pytest.mark.parametrize("how", ["1", "text", "0", "none", "caught"])
+def test_sys_exit_inside_a_step_is_the_processs_end(tmp_path, how):
+    """The engines of DeiT, MAE and DETR call ``sys.exit(1)`` inside their loop when the loss is
+    not finite. Before, the process's black box said ``completed`` (no exception hook sees a
+    SystemExit), so ``torchtrace why`` found nothing wrong with a job its launcher saw fail. A
+    status of 0 (or none) is a clean end: that step is no failed step either. An exit the
+    script catches (and trains on) ends nothing."""
+    env = clean_env(TORCHTRACE_RUN_ID="exit", TORCHTRACE_RUN_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _EXITS, how], env=env, capture_output=True, text=True,
+                          timeout=300)
+    failed = how in ("1", "text")
+    assert done.returncode == (1 if failed else 0), done.stderr
+    (state,) = read_states(tmp_path / "exit")
+    report = json.loads((tmp_path / "exit" / "report.json").read_text())
+    spans = [json.loads(line) for line in (tmp_path / "exit" / "spans.jsonl").read_text().splitlines()]
+    if how == "caught":
+        assert (state["ended"], state["step"]) == ("completed", 5)
+        assert report["totals"]["failed_steps"] == 1  # (the step the exit left)
+        return
+    assert state["step"] == 3 and spans[-1]["attributes"]["torchtrace.step"] == 3
+    if failed:
+        detail = "SystemExit: 1" if how == "1" else "SystemExit"  # (a message only with record_exception_messages)
+        assert (state["ended"], state["end_detail"], state["end_step"]) == ("exception", detail, 3)
+        assert spans[-1]["status"] == "ERROR" and report["totals"]["failed_steps"] == 1
+        (attempt,) = report["job"]["attempts"]
+        assert (attempt["ended"], attempt["detail"]) == ("exception", detail)
+    else:
+        assert state["ended"] == "completed"
+        assert spans[-1]["status"] != "ERROR" and report["totals"]["failed_steps"] == 0
+
+
 def test_configure_off_the_main_thread_says_it_cannot_handle_signals(tmp_path, caplog):
     before = signal.getsignal(signal.SIGTERM)
     with caplog.at_level(logging.WARNING):

@@ -46,6 +46,7 @@ def init(rt: Runtime) -> None:
     rt.signals = None  # torchtrace.job.signals.SignalGuard
     rt.job_goodput_cache = None  # (monotonic time, the job's goodput) of the last scrape
     rt.checkpoints_booked_by_framework = False  # see framework_books_checkpoints
+    rt.exit_in_step = None  # see exit_in_step
 
 
 def watch(rt: Runtime) -> None:
@@ -300,21 +301,34 @@ class _ExceptHook:
         self.previous(exc_type, exc, tb)
 
 
-def record_exception(rt: Runtime, exc: BaseException) -> None:
+def record_exception(rt: Runtime, exc: BaseException, step: int | None = None) -> None:
     """An exception that ends the process, into the black box: ``exception``, its type (and its
-    message with ``record_exception_messages``) and the step it ended, unless the process
-    already said how it ended."""
+    message with ``record_exception_messages``; a ``sys.exit`` status always) and the step it
+    ended (``step``, else the step running, else the last finished), unless the process already
+    said how it ended."""
     box = rt.rank_state
     if box is None or box.fields.get("ended") is not None:
         return
     detail = type(exc).__name__
-    if rt.settings.record_exception_messages:
+    if isinstance(exc, SystemExit) and isinstance(exc.code, int):
+        detail = f"{detail}: {exc.code}"  # (a status, not a message)
+    elif rt.settings.record_exception_messages:
         detail = f"{detail}: {str(exc)[:500]}"
-    step = current.step()
+    if step is None:
+        running = current.step()
+        step = running.step if running is not None else box.fields.get("step")
     last_look(rt)
-    box.fields.update(ended="exception", end_detail=detail, end_time=time.time(),
-                      end_step=step.step if step is not None else box.fields.get("step"))
+    box.fields.update(ended="exception", end_detail=detail, end_time=time.time(), end_step=step)
     box.write()
+
+
+def exit_in_step(rt: Runtime, exc: SystemExit, step: int) -> None:
+    """``sys.exit`` with a failure status left step ``step`` (the engines of DeiT, MAE and DETR
+    exit so on a loss that is not finite). No exception hook sees a ``SystemExit``, and the exit
+    hook no status: kept here, it is the process's end at shutdown (:func:`close`), unless a step
+    finished after it (the script caught the exit and trained on). A ``sys.exit`` outside every
+    step is not seen: that process reads as completed."""
+    rt.exit_in_step = (exc, step)
 
 
 def close(rt: Runtime) -> None:
@@ -329,6 +343,9 @@ def close(rt: Runtime) -> None:
 def _close(rt: Runtime) -> None:
     box = rt.rank_state
     if box is not None:
+        exit_in_step = rt.exit_in_step
+        if exit_in_step is not None and exit_in_step[1] >= (box.fields.get("step") or 0):
+            record_exception(rt, *exit_in_step)  # (no step finished after it: the process's end)
         if box.fields.get("ended") is None:
             box.fields.update(ended="completed", end_time=time.time())
         box.stop()

@@ -114,6 +114,7 @@ class Runtime:
     signals: SignalGuard | None
     job_goodput_cache: tuple[float, float | None] | None
     checkpoints_booked_by_framework: bool
+    exit_in_step: tuple[SystemExit, int] | None
 
     def __init__(self, settings: Settings, so_far: RunSoFar | None = None) -> None:
         earlier = so_far if so_far is not None and so_far.goes_on_in(settings) else None

@@ -29,7 +29,7 @@ from torchtrace.measure.loss import LossValue, classify_loss
 from torchtrace.measure.scaler import scaler_enabled
 from torchtrace.record.readout import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
-from torchtrace.step import checks
+from torchtrace.step import checks, job
 from torchtrace.step.compiled import outside_compiler
 from torchtrace.step.gradients import GradientCheck
 from torchtrace.step.state import Given, StepForensics, StepThroughput
@@ -324,6 +324,11 @@ class StepScope:
                 self._leave_unrecorded(rt, exc)
                 return False
             exc = None  # the step trained, then found no next batch: a step like any other
+        elif isinstance(exc, SystemExit):  # the process ends: cleanly (status 0 or none), or failing
+            if exc.code in (0, None):
+                exc = None  # (the step did not fail)
+            else:
+                job.exit_in_step(rt, exc, self.step)
         try:
             self._finish(rt, exc, duration, end_ns, t0)
         except Exception as err:
