@@ -100,6 +100,61 @@ def test_sys_exit_inside_a_step_is_the_processs_end(tmp_path, how):
         assert spans[-1]["status"] != "ERROR" and report["totals"]["failed_steps"] == 0
 
 
+_CRASHES = textwrap.dedent("""
+    import ctypes, os, sys, time, torch, torchtrace as tt
+    tt.configure(prometheus_port="off")
+
+    def train_step(step):
+        with tt.debug_context("train_step", step=step):
+            torch.ones(3).sum()
+            if step == 3:
+                time.sleep(1.0)  # (the black box's writer says step 3 is running)
+                crash()
+
+    def crash():
+        if sys.argv[1] == "segfault":
+            ctypes.string_at(0)  # (a C extension reading a null pointer)
+        os.abort()  # (a C++ check that failed: gloo's EnforceNotMet, a CUDA assert)
+
+    for step in range(5):
+        train_step(step)
+""")
+
+
+@pytest.mark.parametrize("how, told", [("segfault", "Segmentation fault"), ("abort", "Aborted")])
+def test_a_process_that_crashed_is_told_apart_from_one_killed(tmp_path, how, told):
+    """A segmentation fault in a C extension, or an abort (a failed C++ check: gloo's
+    collective mismatch, a CUDA device assert), ends the process without any Python code running:
+    its black box said nothing and ``torchtrace why`` read it as ``killed`` ("SIGKILL, a crash
+    of the interpreter, or os._exit"), with no stack. Now faulthandler writes the crash into the
+    rank's stack file, and ``why`` names the fatal error and shows where the training thread was."""
+    from torchtrace.cli.why import render, why
+
+    env = clean_env(TORCHTRACE_RUN_ID="crash", TORCHTRACE_RUN_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _CRASHES, how], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode < 0, done.stderr  # (ended by the signal)
+    report = why(tmp_path / "crash")
+    (rank,), (attempt,) = report["ranks"], report["job"]["attempts"]
+    assert (attempt["ended"], attempt["detail"]) == ("killed", f"crashed: Fatal Python error: {told}")
+    assert (rank["condition"], rank["step"], rank["in_step"]) == ("gone", 3, True)
+    assert report["verdict"] == "died" and report["culprit_ranks"] == [0]
+    assert rank["stack_source"] == "crash"
+    line = 14 if how == "segfault" else 15
+    assert rank["stack"][:2] == [f"<string>:{line} in crash", "<string>:10 in train_step"], rank["stack"]
+    assert report["reason"] == f"rank 0 crashed (Fatal Python error: {told})"
+    assert f"ended killed (crashed: Fatal Python error: {told})" in render(report)
+
+
+def test_a_run_that_did_not_crash_leaves_no_stack_file(tmp_path):
+    env = clean_env(TORCHTRACE_RUN_ID="fine", TORCHTRACE_RUN_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _CRASHES.replace("step == 3", "step == 99"), "segfault"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "fine").glob("stacks*")) == []
+    assert read_states(tmp_path / "fine")[0]["ended"] == "completed"
+
+
 def test_configure_off_the_main_thread_says_it_cannot_handle_signals(tmp_path, caplog):
     before = signal.getsignal(signal.SIGTERM)
     with caplog.at_level(logging.WARNING):

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace.job import culprit, stacks
-from torchtrace.job.ending import hung_to_the_end
-from torchtrace.job.state import read_states
+from torchtrace.job.ending import crash_of, hung_to_the_end
+from torchtrace.job.state import read_states, sibling
 from torchtrace.job.story import jobs_of, story_of
 
 
@@ -35,27 +35,26 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _sibling(state_file: str, stem: str, suffix: str) -> Path:
-    """``hang.rank3.json`` beside ``state.rank3.json``."""
-    path = Path(state_file)
-    return path.with_name(stem + path.name[len("state"):-len(".json")] + suffix)
-
-
 def _stack_of(state: dict[str, Any], condition: str) -> tuple[list[dict[str, Any]], str | None]:
     """The stuck rank's training-thread stack: the watchdog's hang file for the stall it
     recorded, else faulthandler's dump written during this stall (a rank whose heartbeat
     stopped: the GIL was held), else none. A rank that progresses has none; one that ended
-    stuck in a hang (its launcher's SIGTERM, the collective's timeout) has the hang's."""
+    stuck in a hang (its launcher's SIGTERM, the collective's timeout) has the hang's, and one
+    that crashed (faulthandler's dump of its fatal error) the crash's."""
     file = state.get("file")
     ended_stuck = condition.startswith("ended:") and hung_to_the_end(state)
     if not file or (condition not in ("hung", "silent", "gone", "ended:hang") and not ended_stuck):
         return [], None
+    if condition == "gone" and crash_of(state) is not None:
+        text = sibling(file, "stacks", ".txt").read_text(encoding="utf-8", errors="replace")
+        threads = stacks.parse_faulthandler(text, state.get("thread"))
+        return (threads[0]["stack"], "crash") if threads else ([], None)
     # (the end of a rank that ended stuck moved its progress on: the hang's start is in its box)
     since = state["hang"].get("since") if ended_stuck else state.get("progress")
-    hang = _read_json(_sibling(file, "hang", ".json"))
+    hang = _read_json(sibling(file, "hang", ".json"))
     if hang is not None and hang.get("since") == since and hang.get("source") == "watchdog":
         return list(hang.get("stack") or []), "watchdog"
-    dump = _sibling(file, "stacks", ".txt")
+    dump = sibling(file, "stacks", ".txt")
     try:
         fresh = not isinstance(since, (int, float)) or dump.stat().st_mtime >= since
         text = dump.read_text(encoding="utf-8", errors="replace") if fresh else ""

@@ -45,7 +45,7 @@ import math
 from typing import Any
 
 from torchtrace.files import from_strict
-from torchtrace.job.ending import hung_to_the_end, last_seen
+from torchtrace.job.ending import crash_of, hung_to_the_end, last_seen
 from torchtrace.job.identity import process_alive
 
 STALE_S = 10.0
@@ -53,6 +53,14 @@ STALE_S = 10.0
 tick every second)."""
 PHASE_ORDER = {"idle": 0, "data_wait": 1, "forward": 2, "backward": 3, "collective": 3, "optimizer": 4,
                "evaluation": 1, "checkpoint": 1}
+
+
+def _died(state: dict[str, Any], condition_now: str) -> str:
+    """How a rank that died went, for the verdict's reason."""
+    if condition_now != "gone":
+        return "ended with an exception"
+    crash = crash_of(state)
+    return f"crashed ({crash})" if crash is not None else "is gone (its process no longer exists)"
 
 
 def condition(state: dict[str, Any], now: float) -> str:
@@ -153,6 +161,7 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
     """
     boxes = latest_attempt(states)
     conditions = {s["rank"]: condition(s, now) for s in boxes}
+    by_rank = {s["rank"]: s for s in boxes}
     out: dict[str, Any] = {"verdict": "running", "culprit_ranks": [], "reason": "", "conditions": conditions}
     if not boxes:
         out["reason"] = "no black box found"
@@ -186,8 +195,7 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
         first = min(died, key=lambda r: seen[r])
         died, followers = [first], sorted(r for r in died if r != first)
     if died:
-        reason = "; ".join(f"rank {r} " + ("is gone (its process no longer exists)" if conditions[r] == "gone"
-                                            else "ended with an exception") for r in died)
+        reason = "; ".join(f"rank {r} " + _died(by_rank[r], conditions[r]) for r in died)
         if followers:
             reason += (f"; {_ranks(followers)} ended with one after it (most likely a collective that failed for "
                        "want of it)")

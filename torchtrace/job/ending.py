@@ -4,7 +4,8 @@ A process that ends through torchtrace says so itself in its black box: ``comple
 (``shutdown()`` ran), ``exception`` (an exception reached the top of the main thread; its type,
 message and step), ``preempted`` (a SIGTERM, SIGINT or SIGHUP handler ran), ``hang`` (the hang watchdog
 aborted it). A SIGKILL runs no code at all, so a black box that says nothing, of a process that
-is gone, is read as ``killed``: the cause is inferred, never told. It is a *host OOM kill* when
+is gone, is read as ``killed``: the cause is inferred, never told. It *crashed* when faulthandler
+wrote a fatal error (a segmentation fault, an abort) into the rank's stack file. It is a *host OOM kill* when
 the kernel counted an OOM kill in the process's memory cgroup after the process started (the
 count saved in the black box at start is compared with the cgroup's count now) and the black
 box's last memory sample was near the cgroup's limit. A box that is neither is ``unknown``.
@@ -18,8 +19,9 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from torchtrace.job import cgroup
+from torchtrace.job import cgroup, stacks
 from torchtrace.job.identity import process_alive
+from torchtrace.job.state import sibling
 
 TOLD = ("completed", "exception", "preempted", "hang")
 """Endings a process records itself."""
@@ -60,7 +62,11 @@ SILENT = "no shutdown and no signal handler ran (SIGKILL, a crash of the interpr
 
 
 def killed_detail(state: Mapping[str, Any]) -> str:
-    """Why a process that said nothing is gone, as far as the cgroup can tell."""
+    """Why a process that said nothing is gone: the fatal error it crashed with, or what the
+    cgroup can tell."""
+    crash = crash_of(state)
+    if crash is not None:
+        return f"crashed: {crash}"
     group = state.get("cgroup")
     if not isinstance(group, Mapping) or not group.get("path"):
         return SILENT
@@ -108,3 +114,19 @@ def hung_to_the_end(state: Mapping[str, Any]) -> bool:
     flagged = (hang.get("detected") or hang.get("since")) if isinstance(hang, dict) else None
     finished = state.get("step_time")
     return isinstance(flagged, (int, float)) and not (isinstance(finished, (int, float)) and finished > flagged)
+
+
+def crash_of(state: Mapping[str, Any]) -> str | None:
+    """The fatal error the process crashed with (``Fatal Python error: Segmentation fault``), as
+    faulthandler wrote it into the rank's stack file (:class:`torchtrace.job.watchdog.CrashDump`)
+    after the process started; None for a process that did not crash, or crashed unseen."""
+    file = state.get("file")
+    if not file:
+        return None
+    path = sibling(file, "stacks", ".txt")
+    try:
+        if path.stat().st_mtime < float(state.get("started") or 0.0):
+            return None  # (an earlier process's)
+        return stacks.fatal_error(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError):
+        return None

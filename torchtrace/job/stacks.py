@@ -85,9 +85,29 @@ _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)(?: \[(.*)\])?
 _FILE = re.compile(r'^\s+File "(.*)", line (\d+|\?\?\?) in (.*)$')
 
 
+FATAL = "Fatal Python error: "
+"""How faulthandler begins the dump of a crash (``faulthandler.enable``): ``Fatal Python error:
+Segmentation fault``; a hang's dump (``dump_traceback_later``) begins ``Timeout (``."""
+
+
+def _last_dump(text: str) -> int:
+    """Where the last dump in ``text`` begins, a hang's or a crash's (-1: none)."""
+    return max(text.rfind("Timeout ("), text.rfind(FATAL))
+
+
+def fatal_error(text: str) -> str | None:
+    """``Fatal Python error: Segmentation fault`` when the last dump in ``text`` is a crash's,
+    else None."""
+    start = _last_dump(text)
+    if start < 0 or not text.startswith(FATAL, start):
+        return None
+    return text[start:].split("\n", 1)[0].strip()
+
+
 def parse_faulthandler(text: str, training: int | None) -> list[dict[str, Any]]:
-    """The threads of the last faulthandler dump in ``text`` (``dump_traceback_later``'s format)."""
-    start = text.rfind("Timeout (")
+    """The threads of the last faulthandler dump in ``text``: a hang's (``dump_traceback_later``)
+    or a crash's (``faulthandler.enable``)."""
+    start = _last_dump(text)
     threads: list[dict[str, Any]] = []
     frames: list[dict[str, Any]] | None = None
     ident = 0

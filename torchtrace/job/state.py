@@ -168,6 +168,12 @@ class RankState:
             return True
 
 
+def sibling(state_file: str | os.PathLike[str], stem: str, suffix: str) -> Path:
+    """A rank's other file beside its black box: ``hang.rank3.json`` beside ``state.rank3.json``."""
+    path = Path(state_file)
+    return path.with_name(stem + path.name[len("state"):-len(".json")] + suffix)
+
+
 def read_states(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every black box under ``path`` (the directory and its subdirectories, two levels deep),
     each with ``file`` added; unreadable or partial files are left out. Sorted by attempt,

@@ -111,10 +111,38 @@ class _ForkSafeDump:
         self.lock.release()
 
 
+class CrashDump:
+    """faulthandler's dump of a fatal error (a segmentation fault, an abort: a C++ check that
+    failed, gloo's collective mismatch) into the rank's stack file. A process that crashes runs
+    no Python code: its black box says nothing, and without the dump it read as killed, with no
+    stack (``torchtrace.job.ending.crash_of`` reads it).
+
+    Only where nothing enabled faulthandler before (the application, ``-X faulthandler``,
+    ``PYTHONFAULTHANDLER``: theirs stays as it is), and not in a forked child (a DataLoader
+    worker's crash is not this rank's, and the file is its parent's).
+    """
+
+    def __init__(self) -> None:
+        self.owner: int | None = None  # the process that enabled it
+
+    def enable(self, file: BinaryIO) -> None:
+        if faulthandler.is_enabled():
+            return
+        faulthandler.enable(file=file, all_threads=True)
+        self.owner = os.getpid()
+
+    def disable(self) -> None:
+        if self.owner is not None:
+            faulthandler.disable()
+            self.owner = None
+
+
 _DUMP = _ForkSafeDump()
+_CRASH = CrashDump()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_DUMP.before_fork, after_in_parent=_DUMP.after_fork_in_parent,
                         after_in_child=_DUMP.after_fork_in_child)
+    os.register_at_fork(after_in_child=_CRASH.disable)
 
 
 def hang_timeout(given: float | None, phase: str | None, steps_done: int, recent: Iterable[float]) -> float:
@@ -205,6 +233,7 @@ class Watchdog:
                 self._stack_file = open(self.stack_path, "ab")  # noqa: SIM115 (kept open for faulthandler)
                 self._dumped = self._stack_file.tell()
                 self._opened_by = os.getpid()
+                _CRASH.enable(self._stack_file)
             except OSError as exc:
                 logger.debug("torchtrace: stack file %s not opened: %s", self.stack_path, exc)
         # The first look now, on the configuring thread: it arms faulthandler, so a hang that
@@ -221,6 +250,7 @@ class Watchdog:
             thread.join(timeout_s)
         self._disarm()
         if self._stack_file is not None:
+            _CRASH.disable()
             try:
                 self._stack_file.close()
             except OSError:
