@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace.job import culprit, stacks
-from torchtrace.job.ending import crash_of, hung_to_the_end
+from torchtrace.job.ending import crash_dump, hung_to_the_end
 from torchtrace.job.state import read_states, sibling
 from torchtrace.job.story import jobs_of, story_of
 
@@ -45,9 +45,9 @@ def _stack_of(state: dict[str, Any], condition: str) -> tuple[list[dict[str, Any
     ended_stuck = condition.startswith("ended:") and hung_to_the_end(state)
     if not file or (condition not in ("hung", "silent", "gone", "ended:hang") and not ended_stuck):
         return [], None
-    if condition == "gone" and crash_of(state) is not None:
-        text = sibling(file, "stacks", ".txt").read_text(encoding="utf-8", errors="replace")
-        threads = stacks.parse_faulthandler(text, state.get("thread"))
+    crash = crash_dump(state) if condition == "gone" else None
+    if crash is not None:
+        threads = stacks.parse_faulthandler(crash, state.get("thread"))
         return (threads[0]["stack"], "crash") if threads else ([], None)
     # (the end of a rank that ended stuck moved its progress on: the hang's start is in its box)
     since = state["hang"].get("since") if ended_stuck else state.get("progress")

@@ -116,10 +116,10 @@ def hung_to_the_end(state: Mapping[str, Any]) -> bool:
     return isinstance(flagged, (int, float)) and not (isinstance(finished, (int, float)) and finished > flagged)
 
 
-def crash_of(state: Mapping[str, Any]) -> str | None:
-    """The fatal error the process crashed with (``Fatal Python error: Segmentation fault``), as
-    faulthandler wrote it into the rank's stack file (:class:`torchtrace.job.watchdog.CrashDump`)
-    after the process started; None for a process that did not crash, or crashed unseen."""
+def crash_dump(state: Mapping[str, Any]) -> str | None:
+    """The text of the rank's stack file when its last dump is the fatal error the process
+    crashed with (faulthandler's, :class:`torchtrace.job.watchdog.CrashDump`), written after the
+    process started; None for a process that did not crash, or crashed unseen."""
     file = state.get("file")
     if not file:
         return None
@@ -127,6 +127,14 @@ def crash_of(state: Mapping[str, Any]) -> str | None:
     try:
         if path.stat().st_mtime < float(state.get("started") or 0.0):
             return None  # (an earlier process's)
-        return stacks.fatal_error(path.read_text(encoding="utf-8", errors="replace"))
+        text = path.read_text(encoding="utf-8", errors="replace")
     except (OSError, ValueError):
         return None
+    return text if stacks.fatal_error(text) is not None else None
+
+
+def crash_of(state: Mapping[str, Any]) -> str | None:
+    """The fatal error the process crashed with (``Fatal Python error: Segmentation fault``),
+    from its :func:`crash_dump`; None for a process that did not crash, or crashed unseen."""
+    text = crash_dump(state)
+    return stacks.fatal_error(text) if text is not None else None
