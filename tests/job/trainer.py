@@ -4,7 +4,8 @@ Run as ``python trainer.py CONFIG_JSON``. CONFIG keys: ``log`` (a JSON-lines fil
 script writes its own timestamps: the tests' reference), ``ckpt_dir``, ``resume`` (a step to
 torch.load, or null), ``save_at`` (steps after which to torch.save), ``stop_at`` (after this
 step print READY and wait for a signal; null: run to ``last`` and exit), ``last``,
-``step_s`` (seconds a step sleeps), ``handler`` / ``handler_after`` (install an application
+``step_s`` (seconds a step sleeps), ``hold_in_step_at`` (inside this step, after its update, print
+READY and wait for a signal: a step the signal interrupts), ``handler`` / ``handler_after`` (install an application
 SIGTERM handler before / after configure()), ``blob_mb`` (size of the checkpoint's extra tensor).
 """
 
@@ -70,6 +71,10 @@ for step in range(first, config["last"] + 1):
         if config.get("dist"):
             dist.all_reduce(torch.ones(4))
         s.record_loss(loss)
+        if step == config.get("hold_in_step_at"):
+            log(ev="held", step=step, start=start)
+            print("READY", step, flush=True)
+            time.sleep(120)
     log(ev="step", step=step, start=start, end=time.time())
     if step in config.get("save_at", []):
         t0 = time.perf_counter()

@@ -15,6 +15,8 @@ Fields written here (besides those :mod:`torchtrace.job.state` lists):
   ``checkpoint`` and ``evaluation`` for the whole of a step marked with that ``kind=``.
 * ``progress``: unix time of the last mark of any kind (the watchdog's clock).
 * ``step_kind``: the open step's ``kind=`` (train, evaluation, checkpoint, other).
+* ``step_start``: unix time the open step began; None between steps. Kept at shutdown: a
+  process that ends inside a step (a signal) leaves the start of the step it interrupted.
 * ``steps_done``: steps finished in this process (the watchdog's step-period estimate).
 * ``thread``: the id of the thread that runs the steps (its stack comes first).
 
@@ -50,14 +52,15 @@ def track(fields: dict[str, Any]) -> None:
     global _fields, _train
     now = _clock()
     # The thread that configures is usually the one that trains (a step sets it again).
-    fields.update(phase="idle", phase_since=now, progress=now, current_step=None, step_kind=None,
+    fields.update(phase="idle", phase_since=now, progress=now, current_step=None, step_kind=None, step_start=None,
                   steps_done=0, collective_seq=fields.get("collective_seq") or 0, thread=_ident())
     _train = True
     _fields = fields
 
 
 def untrack(fields: dict[str, Any]) -> None:
-    """Stop storing into ``fields`` (shutdown): its phase becomes ``idle``."""
+    """Stop storing into ``fields`` (shutdown): its phase becomes ``idle``. ``step_start`` stays:
+    a step still running here (a signal ends the process) is one its end interrupted."""
     global _fields
     if _fields is fields:
         _fields = {}
@@ -77,6 +80,7 @@ def step_began(step: int, kind: str) -> None:
     now = _clock()
     f["current_step"] = step
     f["step_kind"] = kind
+    f["step_start"] = now
     f["thread"] = _ident()
     if kind in SLOW_KINDS:
         _train = False
@@ -104,6 +108,7 @@ def step_ended(step: int) -> None:
     f["step"] = step
     f["step_time"] = now
     f["current_step"] = None
+    f["step_start"] = None
     f["phase"] = "data_wait"
     f["phase_since"] = f["progress"] = now
     f["steps_done"] = f.get("steps_done", 0) + 1

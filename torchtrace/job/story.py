@@ -148,7 +148,11 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
         lost_s = lost_productive = 0.0
         restart = 0.0
         if later is not None:
-            lost_s, lost_productive = _lost(lead)
+            interrupted = _interrupted(lead, attempt)
+            # (a step the attempt's end interrupted is repeated too: lost up to that end)
+            lost_s, lost_productive = _lost(lead, lead.get("step_time") if interrupted is None else attempt["end"])
+            if interrupted is not None:  # (its last write counted the step so far as data wait)
+                _take_back(own, max(0.0, last_seen(lead) - interrupted))
             if attempt["end"] is not None:
                 restart = max(0.0, later["configured"] - attempt["end"])
         # A hung attempt's last step to its abort, and the stalls of steps that came out of a
@@ -189,19 +193,31 @@ def _take_back(own: dict[str, float], stretch: float) -> None:
             stretch -= taken
 
 
-def _lost(lead: Mapping[str, Any]) -> tuple[float, float]:
-    """(wall seconds, productive seconds) from the last checkpoint save to the last step finished."""
-    last = lead.get("step_time")
-    if not isinstance(last, (int, float)):
+def _interrupted(lead: Mapping[str, Any], attempt: Mapping[str, Any]) -> float | None:
+    """When the step that the attempt's end interrupted began (a SIGKILL or a SIGTERM in the
+    middle of a step: the black box's ``step_start``); None where it ended between steps, or
+    ended hung (the hang books that stretch)."""
+    began = lead.get("step_start")
+    if attempt["end"] is None or attempt["ended"] == "hang" or not isinstance(began, (int, float)):
+        return None
+    return float(began)
+
+
+def _lost(lead: Mapping[str, Any], until: object) -> tuple[float, float]:
+    """(wall seconds, productive seconds) from the last checkpoint save to ``until``: the last
+    step finished, or the attempt's end where that interrupted a step."""
+    if not isinstance(until, (int, float)):
         return 0.0, 0.0
     if lead.get("checkpoint_time") is not None:
         since = _num(lead.get("checkpoint_time"))
         productive = _num(lead.get("productive_s")) - _num(lead.get("checkpoint_productive_s"))
     else:
         first = lead.get("first_step_start")
+        if first is None:  # (no step finished: the interrupted one was the first)
+            first = lead.get("step_start")
         since = _num(first if first is not None else lead.get("started"))
         productive = _num(lead.get("productive_s"))
-    return max(0.0, last - since), max(0.0, productive)
+    return max(0.0, until - since), max(0.0, productive)
 
 
 def _lost_steps(lead: Mapping[str, Any]) -> int:
