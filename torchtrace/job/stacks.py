@@ -6,9 +6,11 @@ with the user's frames ahead of the rest, so its first line is the line of the u
 the thread is in (``where``).
 
 >>> import threading
+>>> is_user_file("/home/me/train.py"), is_user_file(threading.__file__), is_user_file(__file__)
+(True, False, False)
 >>> threads = capture(threading.get_ident())
->>> threads[0]["training"], threads[0]["where"]["function"]
-(True, '<module>')
+>>> threads[0]["training"], [t for t in threads if t["training"]] == threads[:1]
+(True, True)
 """
 
 from __future__ import annotations
