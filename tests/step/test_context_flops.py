@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import torchtrace as tt
 from torchtrace.api import get_runtime
+from torchtrace.measure.batch import MAX_MICRO_BATCHES
 
 
 def _configure(tmp_path, **kw):
@@ -147,6 +148,33 @@ def test_minibatches_each_with_its_backward_are_the_steps_batches(run):
     per_pass = _reference(8)  # one minibatch's forward and backward, counted by FlopCounterMode
     assert [r.samples for r in records] == [4 * 8] * 30  # a plain count over the minibatches
     assert [r.flops for r in records] == [4 * per_pass] * 30
+
+
+def test_batches_each_with_its_update_are_the_steps_batches_when_gradients_are_zeroed_first(run, caplog):
+    """The loop of PyTorch's MNIST example (zero_grad, forward, backward, step) inside one
+    context: the gradients are None at every call of the model, so no backward showed between
+    two calls, and each step lost its samples and FLOPs, with a warning that no backward ran
+    between them. An update of the step's optimizer between two calls makes them two batches.
+    More batches than the rules keep (an epoch in one step) are told as such."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    minibatches = [torch.randn(8, 16) for _ in range(4)]
+    records = []
+    for _ in range(3):
+        with tt.debug_context("mnist_loop", model=model, optimizer=opt) as step:
+            for x in minibatches:
+                _body(model, opt, x)
+        records.append(step.record)
+    assert [r.samples for r in records] == [4 * 8] * 3
+    assert [r.flops for r in records] == [4 * _reference(8)] * 3
+    assert "several batches" not in caplog.text
+    with tt.debug_context("epoch", model=model, optimizer=opt) as step:
+        for _ in range(MAX_MICRO_BATCHES + 1):
+            _body(model, opt, torch.randn(8, 16))
+    assert step.record.samples is None
+    told = [r.getMessage() for r in caplog.records if "epoch" in r.getMessage()]
+    assert len(told) == 1 and f"more than {MAX_MICRO_BATCHES} batches" in told[0], told
+    assert "no backward" not in told[0]
 
 
 def test_record_batch_flops_win_in_a_context_and_a_context_with_inputs_is_keyed_by_them(run):

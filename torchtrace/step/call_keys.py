@@ -36,6 +36,7 @@ class _Call(tuple):
     whether autograd was on (``graph``): a call without it trains nothing."""
 
     grads: GradientMark | None = None
+    updates = 0
     graph = True
 
 
@@ -44,9 +45,11 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
     MANY): keep the call's arguments. A call on another batch after a backward (the model's
     gradients changed since the call before: gradient accumulation) is one more micro-batch,
     kept with the others (:class:`MicroBatches`, samples and tokens summed, FLOPs counted over
-    them all). On another batch without a backward between (two views, an evaluation loop) the
-    step has none, and its count ends if it is keyed by the call. An activation checkpoint's
-    recomputation passes the same tensors: one batch.
+    them all); so is a call after an update of the step's optimizer (a loop that zeroes the
+    gradients before each forward: they are None at every call). On another batch without a
+    backward or an update between (two views, an evaluation loop), or past the batch rules'
+    limit of micro-batches, the step has none, and its count ends if it is keyed by the call.
+    An activation checkpoint's recomputation passes the same tensors: one batch.
 
     A call with autograd off beside calls with it on is no batch of the step: it trains nothing
     (Double DQN's choice of the next actions with the online network, a held-out batch looked
@@ -61,6 +64,7 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
     if batch is None or (graph and type(batch) is _Call and not batch.graph):
         clock.batch = call = _Call((args, kwargs))
         call.grads = _gradient_mark(scope)
+        call.updates = _updates(scope)
         call.graph = graph
         return
     if batch is MANY:
@@ -70,29 +74,35 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict) -> None:
     last = batch[0][-1] if type(batch) is MicroBatches else batch
     if same_arguments(last, args, kwargs):
         return
-    grads = _gradient_mark(scope)
-    if _backward_between(batch.grads, grads) and _countable_calls(batch):
+    grads, updates = _gradient_mark(scope), _updates(scope)
+    another = _backward_between(batch.grads, grads) or updates > batch.updates
+    if another and _countable_calls(batch):
         calls = list(batch[0]) if type(batch) is MicroBatches else [tuple(batch)]
         clock.batch = MicroBatches.of([*calls, (args, kwargs)])
         clock.batch.grads = grads
+        clock.batch.updates = updates
         return
     clock.batch = MANY
-    _say_no_batch(scope)
+    _say_no_batch(scope, too_many=another)
     counter = state.counter
     if counter is not None and type(state.key) is LateKey and leave_counter(counter):
         state.counter = None
 
 
-def _say_no_batch(scope: StepScope) -> None:
-    """Say once per operation and run why its steps get no samples (a warning, not silence)."""
+def _say_no_batch(scope: StepScope, too_many: bool) -> None:
+    """Say once per operation and run why its steps get no samples (a warning, not silence):
+    calls on several batches with no backward or update between them, or, ``too_many``, more
+    micro-batches than the batch rules keep."""
     name = getattr(scope, "name", None)
     rt = current.runtime(create=False)
     if not isinstance(name, str) or rt is None:
         return
-    rt.warn_once(("no batch", name), "torchtrace: %s called its model on several batches with no backward between "
-                 "them (two views of a batch, an evaluation loop): its steps get no samples, tokens or FLOPs from "
-                 "the model's calls; give step.record_batch(samples=..., tokens=...) or debug_context(inputs=...)",
-                 name)
+    why = (f"more than {MAX_MICRO_BATCHES} batches in one step (a loop over the data inside the step: an epoch?)"
+           if too_many else "several batches with no backward between them (two views of a batch, an evaluation "
+           "loop)")
+    rt.warn_once(("no batch", name), "torchtrace: %s called its model on %s: its steps get no samples, tokens or "
+                 "FLOPs from the model's calls; give step.record_batch(samples=..., tokens=...) or "
+                 "debug_context(inputs=...)", name, why)
 
 
 def _countable_calls(batch: object) -> bool:
@@ -113,6 +123,12 @@ def _gradient_mark(scope: StepScope) -> GradientMark | None:
         if param.requires_grad:
             return gradient_mark(param)
     return None
+
+
+def _updates(scope: StepScope) -> int:
+    """How many times the step's optimizer has updated so far in the step (0 without one)."""
+    check = scope.gradients
+    return check.updates if check is not None else 0
 
 
 def _backward_between(before: GradientMark | None, now: GradientMark | None) -> bool:
