@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from torchtrace.cli.why import why
+from torchtrace.cli.why import render, why
+from torchtrace.job import stacks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("hang_worker.py")
@@ -119,8 +120,22 @@ def test_dataloader_worker_that_never_returns_is_flagged_in_data_wait(tmp_path):
         assert debug["stalled_s"] > debug["timeout_s"] == 3.0
         summary = json.loads(urllib.request.urlopen(url.replace("/metrics", "/debug/summary"), timeout=5).read())
         assert summary["hangs"]["last"]["phase"] == "data_wait"
+        # The line that hangs is in the DataLoader's worker process: its stack, asked for.
+        [worker] = finding["workers"]
+        assert _parent_of(worker["pid"]) == proc.pid
+        frame = user_frame(worker["stack"], "__getitem__")
+        assert "time.sleep" in WORKER.read_text().splitlines()[frame["line"] - 1]
+        assert worker["where"] == frame
+        assert f"worker process {worker['pid']}" in next(tmp_path.glob("*/stacks.txt")).read_text()
+        report = why(tmp_path)
+        assert report["ranks"][0]["workers"] == [{"pid": worker["pid"], "where": stacks.where(frame)}]
+        assert f"DataLoader worker {worker['pid']}: {stacks.where(frame)}" in render(report)
     finally:
         stop(proc)
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def test_python_busy_loop_is_flagged(tmp_path):

@@ -35,25 +35,26 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _stack_of(state: dict[str, Any], condition: str) -> tuple[list[dict[str, Any]], str | None]:
-    """The stuck rank's training-thread stack: the watchdog's hang file for the stall it
-    recorded, else faulthandler's dump written during this stall (a rank whose heartbeat
-    stopped: the GIL was held), else none. A rank that progresses has none; one that ended
-    stuck in a hang (its launcher's SIGTERM, the collective's timeout) has the hang's, and one
-    that crashed (faulthandler's dump of its fatal error) the crash's."""
+def _stack_of(state: dict[str, Any], condition: str) -> tuple[list[dict[str, Any]], str | None, list[dict[str, Any]]]:
+    """The stuck rank's training-thread stack and its source, and its DataLoader workers'
+    (``{"pid", "where"}``, asked for at a hang in data_wait): the watchdog's hang file for the
+    stall it recorded, else faulthandler's dump written during this stall (a rank whose
+    heartbeat stopped: the GIL was held), else none. A rank that progresses has none; one that
+    ended stuck in a hang (its launcher's SIGTERM, the collective's own timeout) has the hang's,
+    and one that crashed (faulthandler's dump of its fatal error) the crash's."""
     file = state.get("file")
     ended_stuck = condition.startswith("ended:") and hung_to_the_end(state)
     if not file or (condition not in ("hung", "silent", "gone", "ended:hang") and not ended_stuck):
-        return [], None
+        return [], None, []
     crash = crash_dump(state) if condition == "gone" else None
     if crash is not None:
         threads = stacks.parse_faulthandler(crash, state.get("thread"))
-        return (threads[0]["stack"], "crash") if threads else ([], None)
+        return (threads[0]["stack"], "crash", []) if threads else ([], None, [])
     # (the end of a rank that ended stuck moved its progress on: the hang's start is in its box)
     since = state["hang"].get("since") if ended_stuck else state.get("progress")
     hang = _read_json(sibling(file, "hang", ".json"))
     if hang is not None and hang.get("since") == since and hang.get("source") == "watchdog":
-        return list(hang.get("stack") or []), "watchdog"
+        return list(hang.get("stack") or []), "watchdog", _workers_of(hang)
     dump = sibling(file, "stacks", ".txt")
     try:
         fresh = not isinstance(since, (int, float)) or dump.stat().st_mtime >= since
@@ -64,14 +65,20 @@ def _stack_of(state: dict[str, Any], condition: str) -> tuple[list[dict[str, Any
         threads = stacks.parse_faulthandler(text, state.get("thread"))
         training = next((t for t in threads if t["training"]), threads[0] if threads else None)
         if training is not None:
-            return training["stack"], "faulthandler"
+            return training["stack"], "faulthandler", []
     if hang is not None and hang.get("since") == since:
-        return list(hang.get("stack") or []), str(hang.get("source"))
-    return [], None
+        return list(hang.get("stack") or []), str(hang.get("source")), _workers_of(hang)
+    return [], None, []
+
+
+def _workers_of(hang: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rank's DataLoader workers the hang asked, each where it was."""
+    return [{"pid": w.get("pid"), "where": stacks.where(w.get("where"))} for w in hang.get("workers") or []
+            if isinstance(w, dict)]
 
 
 def _rank_view(state: dict[str, Any], condition: str, now: float) -> dict[str, Any]:
-    stack, source = _stack_of(state, condition)
+    stack, source, workers = _stack_of(state, condition)
     progress = state.get("progress")
     live = state.get("ended") is None and condition not in ("gone",)
     stalled = (now if live else (state.get("time") or now)) - progress if isinstance(progress, (int, float)) else None
@@ -93,7 +100,7 @@ def _rank_view(state: dict[str, Any], condition: str, now: float) -> dict[str, A
         "ended": state.get("ended"), "end_detail": state.get("end_detail"),
         "where": stacks.where(stack[0]) if stack else None,
         "stack": [stacks.where(f) + ("" if f.get("user") else " [library]") for f in stack],
-        "stack_source": source, "file": state.get("file"),
+        "stack_source": source, "workers": workers, "file": state.get("file"),
     }
 
 
@@ -138,6 +145,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"rank {r['rank']}{' [culprit]' if r['rank'] in blamed else ''}: {state}")
         for frame in r["stack"][:12]:
             lines.append(f"    {frame}")
+        for worker in r.get("workers") or []:
+            lines.append(f"  DataLoader worker {worker['pid']}: {worker['where']}")
     for a in report["job"]["attempts"]:
         detail = f" ({a['detail']})" if a.get("detail") else ""
         first = a.get("cause") or {}

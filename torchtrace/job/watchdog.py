@@ -39,6 +39,7 @@ from torchtrace import files
 from torchtrace.job import culprit, progress, stacks
 from torchtrace.job.identity import process_alive
 from torchtrace.job.signals import start_thread
+from torchtrace.job.workers import WORKERS
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,17 @@ def hang_timeout(given: float | None, phase: str | None, steps_done: int, recent
     return base
 
 
+def _format_workers(workers: list[dict[str, Any]]) -> str:
+    """The stacks of the rank's forked children (its DataLoader workers), as the stack file shows threads."""
+    lines: list[str] = []
+    for w in workers:
+        lines.append(f"DataLoader worker process {w['pid']}, the user's frames first:")
+        lines.extend(f'  File "{f["file"]}", line {f["line"]}, in {f["function"]}'
+                     + ("" if f["user"] else "  [library]") for f in w["stack"])
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _steps_at(finding: dict[str, Any]) -> str:
     """Where in the run a stall is: ``in step 20``, ``after step 19`` (between steps: the data
     source, the loop's own code) or ``before the first step``."""
@@ -177,6 +189,8 @@ class Watchdog:
         on_hang: ``record`` or ``abort``.
         stack_path: the rank's ``stacks*.txt`` (faulthandler's dump and readable stacks), or None.
         hang_path: the rank's ``hang*.json`` (the last finding), or None.
+        workers_path: the rank's ``workers*.txt``: its forked children's stacks, asked for at a
+            hang in ``data_wait`` (:mod:`torchtrace.job.workers`), or None.
         peers: reads every rank's black box (the run directory), for the culprit.
         on_finding: called with each finding (telemetry: span, metrics); errors are swallowed.
         on_abort: under ``abort``: write everything and flush, before the process exits.
@@ -188,7 +202,7 @@ class Watchdog:
     """
 
     def __init__(self, fields: dict[str, Any], *, given_timeout_s: float | None = None, on_hang: str = "record",
-                 stack_path: Path | None = None, hang_path: Path | None = None,
+                 stack_path: Path | None = None, hang_path: Path | None = None, workers_path: Path | None = None,
                  peers: Callable[[], list[dict[str, Any]]] | None = None,
                  on_finding: Callable[[dict[str, Any]], None] | None = None,
                  on_abort: Callable[[], None] | None = None, period_s: float = 1.0,
@@ -199,6 +213,7 @@ class Watchdog:
         self.on_hang = on_hang
         self.stack_path = stack_path
         self.hang_path = hang_path
+        self.workers_path = workers_path
         self.peers = peers
         self.on_finding = on_finding
         self.on_abort = on_abort
@@ -236,6 +251,8 @@ class Watchdog:
                 _CRASH.enable(self._stack_file)
             except OSError as exc:
                 logger.debug("torchtrace: stack file %s not opened: %s", self.stack_path, exc)
+        if self.workers_path is not None:
+            WORKERS.watch(self.workers_path)
         # The first look now, on the configuring thread: it arms faulthandler, so a hang that
         # holds the GIL before the thread's first tick (a first step stuck in C) is dumped too.
         self._look()
@@ -249,6 +266,8 @@ class Watchdog:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
         self._disarm()
+        if self.workers_path is not None:
+            WORKERS.unwatch()
         if self._stack_file is not None:
             _CRASH.disable()
             try:
@@ -400,6 +419,9 @@ class Watchdog:
             "where": training["where"] if training else None,
             "stack": training["stack"] if training else [], "threads": threads,
         }
+        if finding["phase"] == "data_wait" and self.workers_path is not None:
+            # (the line that hangs may be in a DataLoader worker: its stack, asked for)
+            finding["workers"] = WORKERS.collect(f.get("thread"))
         f["hangs"] = (f.get("hangs") or 0) + 1
         f["hang"] = {"since": since, "detected": now, "step": finding["step"], "phase": finding["phase"],
                      "stalled_s": finding["stalled_s"], "timeout_s": timeout, "where": stacks.where(finding["where"]),
@@ -480,7 +502,8 @@ class Watchdog:
                     f"{_steps_at(finding)}, phase {finding['phase']}, no progress for {finding['stalled_s']:.1f} s "
                     f"(timeout {finding['timeout_s']:.1f} s)\n")
             try:
-                self._stack_file.write((head + stacks.format_threads(threads)).encode("utf-8", "replace"))
+                text = head + stacks.format_threads(threads) + _format_workers(finding.get("workers") or [])
+                self._stack_file.write(text.encode("utf-8", "replace"))
                 self._stack_file.flush()
                 self._dumped = self._stack_file.tell()
             except (OSError, ValueError):
@@ -496,9 +519,11 @@ class Watchdog:
         blamed = peers.get("culprit_ranks")
         args = (finding["rank"], finding["stalled_s"], _steps_at(finding), finding["phase"],
                 stacks.where(finding["where"]),
+                "".join(f"; DataLoader worker {w['pid']} at {stacks.where(w['where'])}"
+                        for w in finding.get("workers") or []),
                 f"; culprit rank(s) {blamed}: {peers.get('reason')}" if blamed else "",
                 self.stack_path or "(no run directory)")
-        message = ("torchtrace: training hang on rank %s: no progress for %.1f s %s, phase %s, at %s%s; "
+        message = ("torchtrace: training hang on rank %s: no progress for %.1f s %s, phase %s, at %s%s%s; "
                    "every thread's stack: %s")
         # A logging handler's lock may be held by the stuck thread (a blocked stderr): log from
         # a thread of its own, so the watchdog itself never waits on it.

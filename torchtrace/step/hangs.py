@@ -55,6 +55,7 @@ def _watch(rt: Runtime, fields: dict[str, Any]) -> None:
         fields, given_timeout_s=s.hang_timeout_s, on_hang=s.on_hang,
         stack_path=run_path / rank_file_name("stacks", ".txt", ident) if run_path is not None else None,
         hang_path=run_path / rank_file_name("hang", ".json", ident) if run_path is not None else None,
+        workers_path=run_path / rank_file_name("workers", ".txt", ident) if run_path is not None else None,
         # (A job of one process has no peers to look at: no directory read every tick.)
         peers=(lambda: read_states(run_path)) if run_path is not None and ident.world_size > 1 else None,
         on_finding=lambda finding: hang_telemetry(rt, finding), on_abort=lambda: flush_for_abort(rt),
