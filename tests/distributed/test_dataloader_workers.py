@@ -53,7 +53,14 @@ def test_dataloader_workers_complete_without_duplicate_spans(method, tt_runtime,
     assert names == ["before_loader"] + ["train_step"] * 4  # workers exported nothing
     assert not (tmp_path / "torchtrace-runs").exists()
     # Only this process's files (its claims on their names are hidden .lock files while it runs).
-    # (the black box and the hang watchdog's stack file are the parent's alone too)
+    # (the black box and the hang watchdog's stack files are the parent's alone too: the
+    # workers' stacks are written into the parent's workers.txt only when a hang asks for them,
+    # and a run that asked none removes it at shutdown)
     assert sorted(p.name for p in tt_runtime.run_dir.iterdir() if not p.name.endswith(".lock")) == \
-        ["spans.jsonl", "stacks.txt", "state.json"]
+        ["spans.jsonl", "stacks.txt", "state.json", "workers.txt"]
+    workers_file = tt_runtime.run_dir / "workers.txt"
+    announced = workers_file.read_text()
+    assert announced.count("torchtrace worker ") == (2 if method == "fork" else 0), announced
+    tt.shutdown()
+    assert not workers_file.exists()
     assert json.loads((tt_runtime.run_dir / "state.json").read_text())["pid"] == os.getpid()
