@@ -230,3 +230,23 @@ def test_on_hang_abort_writes_everything_and_exits_non_zero(tmp_path):
     job = verdict["job"]
     booked = job["productive_s"] + sum(job["badput"].values())
     assert job["badput"]["hang"] >= 2.0 and booked == pytest.approx(job["wall_s"], abs=0.6), job
+
+
+def test_on_hang_abort_ends_the_dataloader_worker_that_hung(tmp_path):
+    """``os._exit`` skips the interpreter's exit, which ends a process's daemonic children: a
+    DataLoader worker stuck in ``__getitem__`` lived on after the abort, an orphan that each
+    restart of the job added to. The abort ends them as that exit would have."""
+    proc = start("loader", tmp_path, timeout="2", TORCHTRACE_ON_HANG="abort")
+    try:
+        assert proc.wait(120) == 124  # (not communicate: an orphan worker would hold its pipes open)
+        [worker] = hang_file(tmp_path)["workers"]
+        wait_for(lambda: not Path(f"/proc/{worker['pid']}").exists() or _state_of(worker["pid"]) == "Z", 10)
+    finally:
+        stop(proc)
+
+
+def _state_of(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None

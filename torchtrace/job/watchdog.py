@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import faulthandler
 import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -157,6 +158,19 @@ def hang_timeout(given: float | None, phase: str | None, steps_done: int, recent
     if steps_done < WARMUP_STEPS or phase in progress.SLOW_KINDS:
         return max(base, SLOW_S)
     return base
+
+
+def _end_daemonic_children() -> None:
+    """What the interpreter's exit does and ``os._exit`` skips: end this process's daemonic
+    ``multiprocessing`` children (DataLoader workers). A worker stuck in a read would otherwise
+    live on after the abort, an orphan holding the rank's pipes, which each restart adds to.
+    SIGKILL: a child stuck in C never runs the Python handler a SIGTERM would wait for."""
+    try:
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+    except Exception as exc:  # (never in the way of the abort)
+        logger.debug("torchtrace: daemonic children not ended: %r", exc)
 
 
 def _format_workers(workers: list[dict[str, Any]]) -> str:
@@ -538,6 +552,7 @@ class Watchdog:
                 self.on_abort()
             except Exception as exc:
                 logger.debug("torchtrace: abort's flush failed: %r", exc)
+        _end_daemonic_children()
         os._exit(HANG_EXIT_CODE)
 
     # ------------------------------------------------------------ the step's span
