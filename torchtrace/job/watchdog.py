@@ -433,9 +433,6 @@ class Watchdog:
             "where": training["where"] if training else None,
             "stack": training["stack"] if training else [], "threads": threads,
         }
-        if finding["phase"] == "data_wait" and self.workers_path is not None:
-            # (the line that hangs may be in a DataLoader worker: its stack, asked for)
-            finding["workers"] = WORKERS.collect(f.get("thread"))
         f["hangs"] = (f.get("hangs") or 0) + 1
         f["hang"] = {"since": since, "detected": now, "step": finding["step"], "phase": finding["phase"],
                      "stalled_s": finding["stalled_s"], "timeout_s": timeout, "where": stacks.where(finding["where"]),
@@ -447,6 +444,10 @@ class Watchdog:
             self.unmarked[step] = finding
         # The black box first: a reader that waits for the hang file finds the box saying so.
         self._persist()
+        if finding["phase"] == "data_wait" and self.workers_path is not None:
+            # The line that hangs may be in a DataLoader worker: its stack, asked for (up to
+            # 2 s: after the black box says hang, before the hang file).
+            finding["workers"] = WORKERS.collect(f.get("thread"))
         self._write(finding, threads)
         if self.on_finding is not None:
             try:
