@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import faulthandler
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -40,7 +39,7 @@ from torchtrace import files
 from torchtrace.job import culprit, progress, stacks
 from torchtrace.job.identity import process_alive
 from torchtrace.job.signals import start_thread
-from torchtrace.job.workers import WORKERS
+from torchtrace.job.workers import WORKERS, end_daemonic_children, format_workers
 
 logger = logging.getLogger(__name__)
 
@@ -158,30 +157,6 @@ def hang_timeout(given: float | None, phase: str | None, steps_done: int, recent
     if steps_done < WARMUP_STEPS or phase in progress.SLOW_KINDS:
         return max(base, SLOW_S)
     return base
-
-
-def _end_daemonic_children() -> None:
-    """What the interpreter's exit does and ``os._exit`` skips: end this process's daemonic
-    ``multiprocessing`` children (DataLoader workers). A worker stuck in a read would otherwise
-    live on after the abort, an orphan holding the rank's pipes, which each restart adds to.
-    SIGKILL: a child stuck in C never runs the Python handler a SIGTERM would wait for."""
-    try:
-        for child in multiprocessing.active_children():
-            if child.daemon:
-                child.kill()
-    except Exception as exc:  # (never in the way of the abort)
-        logger.debug("torchtrace: daemonic children not ended: %r", exc)
-
-
-def _format_workers(workers: list[dict[str, Any]]) -> str:
-    """The stacks of the rank's forked children (its DataLoader workers), as the stack file shows threads."""
-    lines: list[str] = []
-    for w in workers:
-        lines.append(f"DataLoader worker process {w['pid']}, the user's frames first:")
-        lines.extend(f'  File "{f["file"]}", line {f["line"]}, in {f["function"]}'
-                     + ("" if f["user"] else "  [library]") for f in w["stack"])
-        lines.append("")
-    return "\n".join(lines)
 
 
 def _steps_at(finding: dict[str, Any]) -> str:
@@ -517,7 +492,7 @@ class Watchdog:
                     f"{_steps_at(finding)}, phase {finding['phase']}, no progress for {finding['stalled_s']:.1f} s "
                     f"(timeout {finding['timeout_s']:.1f} s)\n")
             try:
-                text = head + stacks.format_threads(threads) + _format_workers(finding.get("workers") or [])
+                text = head + stacks.format_threads(threads) + format_workers(finding.get("workers") or [])
                 self._stack_file.write(text.encode("utf-8", "replace"))
                 self._stack_file.flush()
                 self._dumped = self._stack_file.tell()
@@ -553,7 +528,7 @@ class Watchdog:
                 self.on_abort()
             except Exception as exc:
                 logger.debug("torchtrace: abort's flush failed: %r", exc)
-        _end_daemonic_children()
+        end_daemonic_children()
         os._exit(HANG_EXIT_CODE)
 
     # ------------------------------------------------------------ the step's span

@@ -14,6 +14,9 @@ Linux only (a real-time signal, ``/proc``), and only children made by ``fork``: 
 DataLoader's default on Linux before Python 3.14. A worker started by ``spawn`` or
 ``forkserver`` never registers, and is never signalled.
 
+When the watchdog aborts the rank (``on_hang="abort"``), :func:`end_daemonic_children` ends its
+DataLoader workers, as the interpreter's exit would have.
+
 >>> _announced("torchtrace worker 41 7\\nCurrent thread 0x1 (most recent call first):\\ntorchtrace worker 42 9\\n")
 {41: 7, 42: 9}
 """
@@ -21,6 +24,7 @@ DataLoader's default on Linux before Python 3.14. A worker started by ``spawn`` 
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing
 import os
 import re
 import signal
@@ -196,6 +200,30 @@ class WorkerStacks:
                 return fh.read(size - start).decode("utf-8", "replace")
         except OSError:
             return ""
+
+
+def end_daemonic_children() -> None:
+    """What the interpreter's exit does and ``os._exit`` skips: end this process's daemonic
+    ``multiprocessing`` children (DataLoader workers). A worker stuck in a read would otherwise
+    live on after the abort, an orphan holding the rank's pipes, which each restart adds to.
+    SIGKILL: a child stuck in C never runs the Python handler a SIGTERM would wait for."""
+    try:
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+    except Exception as exc:  # (never in the way of the abort)
+        logger.debug("torchtrace: daemonic children not ended: %r", exc)
+
+
+def format_workers(workers: list[dict[str, Any]]) -> str:
+    """The stacks of the rank's forked children (its DataLoader workers), as the stack file shows threads."""
+    lines: list[str] = []
+    for w in workers:
+        lines.append(f"DataLoader worker process {w['pid']}, the user's frames first:")
+        lines.extend(f'  File "{f["file"]}", line {f["line"]}, in {f["function"]}'
+                     + ("" if f["user"] else "  [library]") for f in w["stack"])
+        lines.append("")
+    return "\n".join(lines)
 
 
 WORKERS = WorkerStacks()
