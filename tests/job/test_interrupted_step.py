@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.job.helpers import clean_env, events, start, wait_ready
+from torchtrace.cli.why import render, why
 from torchtrace.job.story import job_story
 
 HOLD_S = 1.5  # how long the held step runs before the signal: three black-box writes
@@ -49,3 +50,8 @@ def test_a_step_the_signal_interrupts_is_lost_progress_not_data_wait(tmp_path, s
     # The trainer waits for no data: what torchtrace books as data wait is its own steps' gaps.
     assert story["badput"]["data_wait"] < 0.2
     assert killed_at - held["start"] > HOLD_S
+    # The attempt's line names the step it lost in the middle, and where the next one resumed.
+    assert (first["interrupted_step"], second["interrupted_step"]) == (6, None)
+    line = render(why(run_dir)).splitlines()[-2]
+    assert line.startswith(f"attempt 0: ended {ended}") and line.endswith(
+        ", last step 5, step 6 interrupted, last checkpoint at step 3"), line

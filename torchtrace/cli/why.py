@@ -151,8 +151,9 @@ def render(report: dict[str, Any]) -> str:
         detail = f" ({a['detail']})" if a.get("detail") else ""
         first = a.get("cause") or {}
         by = f", rank {first['rank']} first" if (a.get("world_size") or 1) > 1 and first else ""
+        cut = f", step {a['interrupted_step']} interrupted" if a.get("interrupted_step") is not None else ""
         lines.append(f"attempt {a['attempt']}: ended {a['ended'] or 'not yet'}{detail}{by}, last step {a['last_step']}"
-                     + _checkpoint(a))
+                     + cut + _checkpoint(a))
     return "\n".join(lines)
 
 

@@ -16,7 +16,8 @@ Fields written here (besides those :mod:`torchtrace.job.state` lists):
 * ``progress``: unix time of the last mark of any kind (the watchdog's clock).
 * ``step_kind``: the open step's ``kind=`` (train, evaluation, checkpoint, other).
 * ``step_start``: unix time the open step began; None between steps. Kept at shutdown: a
-  process that ends inside a step (a signal) leaves the start of the step it interrupted.
+  process that ends inside a step (a signal) leaves the start of the step it interrupted, and
+  that step's number as ``interrupted_step``.
 * ``steps_done``: steps finished in this process (the watchdog's step-period estimate).
 * ``thread``: the id of the thread that runs the steps (its stack comes first).
 
@@ -59,12 +60,15 @@ def track(fields: dict[str, Any]) -> None:
 
 
 def untrack(fields: dict[str, Any]) -> None:
-    """Stop storing into ``fields`` (shutdown): its phase becomes ``idle``. ``step_start`` stays:
-    a step still running here (a signal ends the process) is one its end interrupted."""
+    """Stop storing into ``fields`` (shutdown): its phase becomes ``idle``. A step still running
+    here (a signal ends the process) is one its end interrupted: its number is kept as
+    ``interrupted_step``, and ``step_start`` stays."""
     global _fields
     if _fields is fields:
         _fields = {}
     now = _clock()
+    if fields.get("current_step") is not None:
+        fields["interrupted_step"] = fields["current_step"]
     fields.update(phase="idle", phase_since=now, progress=now, current_step=None)
 
 

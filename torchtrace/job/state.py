@@ -45,7 +45,8 @@ The fields, all optional for a reader (a file from an older attempt may lack som
 ``peers_gone``            ranks of this attempt whose process this rank saw gone
 ``end_step``              the step in progress when an exception ended the process
 ``step_start``            when the open step began (unix time); kept at the end: the start of
-                          the step a signal interrupted (lost progress in the job's story)
+``interrupted_step``      the step a signal interrupted, and its number (lost progress in the
+                          job's story)
 ``host``,                 the host (a pid is checked only on the same host), and when the
                           process started (unix time, from /proc):
 ``process_started``       an attempt's restart badput begins at its process's start

@@ -147,8 +147,9 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
         later = attempts[i + 1] if i + 1 < len(attempts) else None
         lost_s = lost_productive = 0.0
         restart = 0.0
+        interrupted = _interrupted(lead, attempt)
+        attempt["interrupted_step"] = _step_in(lead) if interrupted is not None else None
         if later is not None:
-            interrupted = _interrupted(lead, attempt)
             # (a step the attempt's end interrupted is repeated too: lost up to that end)
             lost_s, lost_productive = _lost(lead, lead.get("step_time") if interrupted is None else attempt["end"])
             if interrupted is not None:  # (its last write counted the step so far as data wait)
@@ -201,6 +202,16 @@ def _interrupted(lead: Mapping[str, Any], attempt: Mapping[str, Any]) -> float |
     if attempt["end"] is None or attempt["ended"] == "hang" or not isinstance(began, (int, float)):
         return None
     return float(began)
+
+
+def _step_in(lead: Mapping[str, Any]) -> int | None:
+    """The number of the step the end interrupted: the one open at the last write (a SIGKILL),
+    or the one open when a signal's shutdown stopped the marks."""
+    for key in ("current_step", "interrupted_step"):
+        step = lead.get(key)
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+    return None
 
 
 def _lost(lead: Mapping[str, Any], until: object) -> tuple[float, float]:
