@@ -217,6 +217,7 @@ def test_on_hang_abort_writes_everything_and_exits_non_zero(tmp_path):
     assert proc.returncode == 124, err[-3000:]
     state = json.loads(next(tmp_path.glob("*/state.json")).read_text())
     assert state["ended"] == "hang" and state["hangs"] == 1
+    assert not list(tmp_path.glob("*/workers.*"))  # no worker was asked: no file left
     report = json.loads(next(tmp_path.glob("*/report.json")).read_text())
     assert report["hangs"]["hangs"] == 1 and report["hangs"]["last"]["phase"] == "forward"
     spans = [json.loads(line) for line in next(tmp_path.glob("*/spans.jsonl")).read_text().splitlines()]

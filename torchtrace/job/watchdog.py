@@ -528,6 +528,8 @@ class Watchdog:
                 self.on_abort()
             except Exception as exc:
                 logger.debug("torchtrace: abort's flush failed: %r", exc)
+        if self.workers_path is not None:
+            WORKERS.unwatch()  # (os._exit runs no shutdown: a file that holds no stack goes now)
         end_daemonic_children()
         os._exit(HANG_EXIT_CODE)
 
