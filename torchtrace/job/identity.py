@@ -397,11 +397,22 @@ def _run_id_of_parent(pid: int) -> str | None:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime(started)) + "-" + digest
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name: the state first (``Z``: a
+    zombie), the parent's pid second, the start in clock ticks since the boot 20th; None where
+    the process or ``/proc`` is not there."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _start_ticks(pid: int | str) -> int | None:
     """When process ``pid`` started, in clock ticks since the boot (``/proc/<pid>/stat``), or None."""
+    fields = proc_stat(pid)
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
+        return int(fields[19]) if fields is not None else None
+    except (ValueError, IndexError):
         return None
 
 

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 
 from torchtrace.errors import get_logger
 from torchtrace.job import stacks
+from torchtrace.job.identity import proc_stat
 
 logger = get_logger("torchtrace")
 
@@ -81,19 +82,11 @@ def own_frames(dump: str) -> str:
     return "\n".join(kept)
 
 
-def _stat(pid: int | str) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command's name (state first), or None."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _ours(pid: int, ticks: int) -> bool:
     """Whether ``pid`` is still the child that announced itself: this process's child, started
     at ``ticks`` (not a pid the kernel gave again), and not a zombie."""
-    fields = _stat(pid)
-    return (fields is not None and fields[0] != "Z" and fields[1] == str(os.getpid())
+    fields = proc_stat(pid)
+    return (fields is not None and len(fields) > 19 and fields[0] != "Z" and fields[1] == str(os.getpid())
             and fields[19] == str(ticks))
 
 
@@ -148,8 +141,8 @@ class WorkerStacks:
             return
         try:
             faulthandler.register(SIGNAL, file=self.file, all_threads=True, chain=False)
-            fields = _stat("self")
-            if fields is not None:
+            fields = proc_stat("self")
+            if fields is not None and len(fields) > 19:
                 os.write(self.file.fileno(), f"torchtrace worker {os.getpid()} {fields[19]}\n".encode())
         except (OSError, ValueError, RuntimeError) as exc:
             logger.debug("torchtrace: a forked child's stacks cannot be asked for: %s", exc)
