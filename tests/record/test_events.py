@@ -95,6 +95,42 @@ def test_a_step_clock_gives_its_events_back_once_its_phases_and_cycle_are_read(f
     assert step("evaluate")[1] is None  # ... ends the cycle too: none across it
 
 
+def test_pauses_with_no_backward_in_them_are_neither_phase_on_a_gpu_too(fake_cuda):
+    """A rollout on a GPU: three calls of the policy (2 ms each) with 6 ms of environment
+    between them, in which no gradient moved (the gradient marks say so), then a 4 ms backward.
+    Forward is the calls' 6 ms, backward the 4 ms after the last, not the pauses' 12 ms too.
+    When a backward moved the gradient in the second pause only, that pause is backward time."""
+    from torchtrace.measure.gradients import gradient_mark
+
+    param = torch.zeros(2, requires_grad=True)
+
+    def step(backward_in_pause: set[int]) -> dict | None:
+        param.grad = None
+        clock = StepClock(cuda=True)
+        for i in range(3):
+            if i > 0:
+                if i in backward_in_pause:
+                    param.grad = torch.ones(2) if param.grad is None else param.grad.add_(1.0)
+                FakeEvent.now[0] += 5.0  # the pause: 6 ms from the call's end
+            clock.announce("forward_start", gradient_mark(param))
+            FakeEvent.now[0] += 1.0  # the call: 2 ms from its start mark
+            clock.announce("forward_end")
+        FakeEvent.now[0] += 3.0  # the backward after the last call
+        clock.optimizer_start = clock.mark()
+        clock.optimizer_end = clock.mark()
+        out = clock.phases(None)
+        events.TIMING.give_back(clock.last)
+        return out
+
+    assert step(set()) == {"forward": pytest.approx(0.006), "backward": pytest.approx(0.004),
+                           "optimizer": pytest.approx(0.001)}
+    assert step({2}) == {"forward": pytest.approx(0.006), "backward": pytest.approx(0.010),
+                         "optimizer": pytest.approx(0.001)}
+    made = events.TIMING.created
+    step({1, 2})
+    assert events.TIMING.created == made  # every pause's events went back, flagged or not
+
+
 def test_a_landed_copy_gives_its_event_back(fake_cuda):
     event = events.LANDED.recorded()
     pending = readout.Pending(torch.tensor([1.5, 2.0], dtype=torch.float64), event)

@@ -1186,6 +1186,53 @@ def test_micro_batches_in_one_step_split_forward_from_backward(tmp_path, model_c
         tt.shutdown()
 
 
+ENV_SLEEP_S = 0.04
+"""A reinforcement-learning environment's step between two calls of the policy (no backward)."""
+
+
+@pytest.mark.parametrize("model_class", [_SlowModel, _SlowOwnCall])
+@pytest.mark.parametrize("arguments", ["batch", "none"])
+def test_a_rollouts_pauses_without_a_backward_are_neither_forward_nor_backward(tmp_path, model_class, arguments):
+    """A policy-gradient step (PyTorch's REINFORCE example): the policy is called on four
+    states, the environment steps between the calls (a planted 40 ms each, no backward), then
+    one backward over the episode and the update. Forward is the four calls (80 ms); backward
+    is the backward (four 40 ms), not the environment's 120 ms with it: the pauses in which no
+    gradient moved belong to neither phase. The step's arguments hold its batch, or none (the
+    states come from the environment)."""
+    _configure(tmp_path)
+    try:
+        model = model_class(0.02)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt.register_step_pre_hook(lambda *a: _plant("optimizer", OPTIMIZER_SLEEP_S))
+        states = torch.randn(4, 4)
+
+        def episode(*batch):
+            outputs = []
+            for i in range(4):
+                if i:
+                    _plant("env", ENV_SLEEP_S)
+                outputs.append(model(states[i:i + 1]))
+            opt.zero_grad()
+            torch.cat(outputs).sum().backward()
+            opt.step()
+
+        step = tt.debug_operation(name="episode", model=model, optimizer=opt)(episode)
+        slept = []
+        for _ in range(3):
+            _SLEPT.clear()
+            step(*((states,) if arguments == "batch" else ()))
+            slept.append(dict(_SLEPT))
+        rt = get_runtime()
+        rt.finish_deferred(block=True)
+        for row, planted in zip(rt.history.steps()[1:], slept[1:]):
+            env = planted.pop("env")
+            assert env >= 3 * ENV_SLEEP_S and planted["backward"] >= 0.16, planted
+            _assert_phases_hold_their_sleeps(row["phases"], planted)
+            assert sum(row["phases"].values()) + env <= row["duration_s"] + 1e-9
+    finally:
+        tt.shutdown()
+
+
 def test_a_model_under_activation_checkpointing_keeps_its_phases(tmp_path):
     """The whole model under ``checkpoint`` (non-reentrant): the backward calls the model again
     to recompute, and that call stops early with an error PyTorch catches. The forward phase

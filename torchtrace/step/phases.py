@@ -18,12 +18,13 @@ import torch
 from torchtrace import current
 from torchtrace.job import progress
 from torchtrace.record import events
-from torchtrace.step.call_keys import MANY, note_call
+from torchtrace.step.call_keys import MANY, FirstGradient, backward_between, note_call
 from torchtrace.step.cycles import DeviceCycles  # noqa: F401  (imported from here before)
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
+    from torchtrace.measure.gradients import GradientMark
     from torchtrace.step.state import StepThroughput
 
 _COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -56,11 +57,19 @@ class StepClock:
     optimizer_end: Any = None
     last: Any = None  # on a GPU, once the phases are read: the step's last mark (see DeviceCycles)
     graph = True  # the forward ran with autograd on (without it, no backward can follow)
-    # The time between the model's calls in the step (micro-batches with a backward after
-    # each, two views): not forward time. On the host, seconds; on a GPU, the (end, start)
-    # event pairs around each pause, None once more than MAX_GAPS (the split is then unknown).
+    # The time between the model's calls in the step: not forward time. A pause in which a
+    # backward moved the model's gradients (micro-batches) is backward time; one in which none
+    # did (two views, a reinforcement-learning rollout stepping its environment) is neither.
+    # On the host, seconds in ``gaps`` (backward) and ``idle``; on a GPU, the (end, start,
+    # backward) events and flag of each pause in ``gaps``, None once more than MAX_GAPS (the
+    # split is then unknown).
     gaps: Any = 0.0
+    idle = 0.0
     again: Any = None  # a later call's start mark, booked as a pause's end once the call ends
+    # whether a backward moved the gradients in the pause that ``again`` ends
+    again_backward = True
+    # the model's gradients at its last call's start (FirstGradient), None when not known
+    grads: GradientMark | None = None
     # mark(): a boundary now, a host time or a recorded CUDA event (on the host, one C call)
     mark: Callable[[], Any] = time.perf_counter
 
@@ -72,24 +81,28 @@ class StepClock:
             self.gaps = []
             self.mark = events.TIMING.recorded
 
-    def announce(self, point: str) -> None:
+    def announce(self, point: str, grads: GradientMark | None = None) -> None:
         """A boundary a framework hook announces (``forward_start``, ``forward_end``,
         ``optimizer_start``, ``optimizer_end``), by the rules the model and optimizer marks
         follow: the first forward start and optimizer start count (a later forward start ends
         a pause between forward calls), a forward end only before the optimizer started, an
-        optimizer end only after it did."""
+        optimizer end only after it did. ``grads``: at a forward start, the model's gradients
+        (:class:`~torchtrace.step.call_keys.FirstGradient`); without them a pause is taken for
+        a micro-batch's backward."""
         if point == "forward_start":
             progress.mark("forward")  # (what the training thread does now: the watchdog's view)
             if self.forward_start is None:
                 self.forward_start = self.mark()
+                self.grads = grads
             elif self.forward_end is not None and self.optimizer_start is None:
                 self.again = self.mark()
+                self.again_backward = self.moved(grads)
         elif point == "forward_end":
             progress.mark("backward" if torch.is_grad_enabled() else "forward")
             if self.forward_start is not None and self.optimizer_start is None:
                 if self.again is not None:
                     self.again, again = None, self.again
-                    self.pause(again)
+                    self.pause(again, self.again_backward)
                 self.end_forward()
         elif point == "optimizer_start":
             progress.mark("optimizer")
@@ -103,20 +116,31 @@ class StepClock:
             raise ValueError(f"point={point!r} is not valid; accepted values: forward_start, forward_end, "
                              "optimizer_start, optimizer_end")
 
-    def pause(self, again: Any) -> None:
+    def moved(self, grads: GradientMark | None) -> bool:
+        """At a later call's start, the model's gradients ``grads``: whether a backward moved
+        them since the call before began (True when either mark is not known: the pause is then
+        taken for a micro-batch's backward)."""
+        before, self.grads = self.grads, grads
+        return before is None or grads is None or backward_between(before, grads)
+
+    def pause(self, again: Any, backward: bool = True) -> None:
         """A later call of the model, begun at mark ``again``, has ended (right before its end
-        mark): the time from the call before's end to ``again`` was a pause (a micro-batch's
-        loss and backward), not forward time. A call that raised (an activation checkpoint's
-        recomputation, stopped early inside the backward) books nothing: its time stays with
-        the backward."""
+        mark): the time from the call before's end to ``again`` was a pause, not forward time:
+        a micro-batch's loss and backward (``backward``), or no phase of the model's (an
+        environment stepped between a policy's calls). A call that raised (an activation
+        checkpoint's recomputation, stopped early inside the backward) books nothing: its time
+        stays with the backward."""
         end = self.forward_end
         if not self.cuda:
-            self.gaps += again - end
+            if backward:
+                self.gaps += again - end
+            else:
+                self.idle += again - end
         elif self.gaps is not None and len(self.gaps) < MAX_GAPS:
-            self.gaps.append((end, again))
+            self.gaps.append((end, again, backward))
         else:  # too many pauses to keep: the forward and backward split is not known
             if self.gaps:
-                events.TIMING.give_back(*(e for pair in self.gaps for e in pair))
+                events.TIMING.give_back(*(e for end_, start, _ in self.gaps for e in (end_, start)))
             self.gaps = None
             events.TIMING.give_back(end, again)
 
@@ -131,8 +155,9 @@ class StepClock:
         without one; a forward run without autograd (an evaluation under ``no_grad``) has no
         backward. A step whose forward was not seen (``model.forward`` called directly, another
         module called) has its optimizer phase only: where its backward began is not known.
-        A model called several times (micro-batches, two views): forward is the sum of its
-        calls, and the pauses between them count with the backward."""
+        A model called several times (micro-batches, two views, a rollout): forward is the sum
+        of its calls; a pause between them counts with the backward when a backward moved the
+        gradients in it, else with no phase."""
         if self.cuda:
             try:
                 return self._device_phases(step_end)
@@ -140,7 +165,7 @@ class StepClock:
                 # last, which measures the next step's cycle (DeviceCycles gives it back then)
                 marks = [self.forward_start, self.forward_end, self.optimizer_start, self.optimizer_end, step_end]
                 if self.gaps:
-                    marks.extend(e for pair in self.gaps for e in pair)
+                    marks.extend(e for end, start, _ in self.gaps for e in (end, start))
                     self.gaps = []
                 if self.again is not None:  # a later call that never ended
                     marks.append(self.again)
@@ -157,25 +182,27 @@ class StepClock:
         o0 = self.optimizer_start
         o1 = self.optimizer_end
         gaps = self.gaps
+        forward = f1 - f0 - gaps - self.idle  # (one forward call: x - 0.0 - 0.0 is x)
         if o0 is not None and o1 is not None:
-            if not gaps:  # (one forward call: x - 0.0 is x)
-                return {"forward": f1 - f0, "backward": o0 - f1, "optimizer": o1 - o0}
-            return {"forward": f1 - f0 - gaps, "backward": o0 - f1 + gaps, "optimizer": o1 - o0}
+            return {"forward": forward, "backward": o0 - f1 + gaps, "optimizer": o1 - o0}
         if step_end is None or not self.graph:
-            return {"forward": f1 - f0 - gaps}
-        return {"forward": f1 - f0 - gaps, "backward": step_end - f1 + gaps}
+            return {"forward": forward}
+        return {"forward": forward, "backward": step_end - f1 + gaps}
 
     def _device_phases(self, step_end: Any) -> dict[str, float] | None:
         if self.forward_start is None or self.forward_end is None or self.gaps is None:
             return self._optimizer_only()
-        paused = 0.0
-        for end, start in self.gaps:
+        paused = idle = 0.0
+        for end, start, backward in self.gaps:
             seconds = self._between(end, start)
             if seconds is None:
                 return None
-            paused += seconds
+            if backward:
+                paused += seconds
+            else:
+                idle += seconds
         forward = self._between(self.forward_start, self.forward_end)
-        out = {"forward": forward - paused if forward is not None else None}
+        out = {"forward": forward - paused - idle if forward is not None else None}
         if self.optimizer_start is not None and self.optimizer_end is not None:
             backward = self._between(self.forward_end, self.optimizer_start)
             out["backward"] = backward + paused if backward is not None else None
@@ -233,6 +260,7 @@ class ModelMarks:
         # parameters); weak, like the model.
         first = next(model.parameters(), None)
         self.first = weakref.ref(first) if first is not None else none_ref
+        self.gradients = FirstGradient(model)  # where its gradients stand at each call (hooks)
         self.attach(model)
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -288,9 +316,10 @@ class ModelMarks:
         state = self._throughput(module)
         if state is not None and state.clock is not None:  # (a state with a clock: see _throughput)
             scope = current.step()
+            grads = self.gradients()
             if state.clock.batch is not MANY and scope is not None:  # (as in the seam)
-                note_call(scope, args, kwargs)
-            state.clock.announce("forward_start")  # a later call's start is kept in clock.again
+                note_call(scope, args, kwargs, grads)
+            state.clock.announce("forward_start", grads)  # a later call's start is kept in clock.again
 
     def _post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         state = self._throughput(module)
@@ -338,6 +367,7 @@ def _call_with_marks(model: torch.nn.Module, inner: Callable[..., Any] | None = 
     compiling, frame, seam, open_step, grad_enabled, many = _COMPILING or _never, sys._getframe, _SEAM_CODE, \
         current.step, torch.is_grad_enabled, MANY
     phase_mark = progress.mark
+    gradients = FirstGradient(model)
 
     def call_with_marks(*args: Any, **kwargs: Any) -> Any:
         if compiling():  # traced by torch.compile: no frames, no marks
@@ -350,11 +380,13 @@ def _call_with_marks(model: torch.nn.Module, inner: Callable[..., Any] | None = 
         state = scope.throughput if scope is not None and scope.model is target else None
         if state is None or (clock := state.clock) is None:  # no step, or the model is not the open step's
             return impl(target, *args, **kwargs)
+        grads = gradients()  # (where the model's gradients stand: a backward since the call before?)
         if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
-            note_call(scope, args, kwargs)  # type: ignore[arg-type]  # (a state: the scope is open)
+            note_call(scope, args, kwargs, grads)  # type: ignore[arg-type]  # (a state: the scope is open)
         if clock.forward_start is None:  # the step's first call (the usual step's only one)
             phase_mark("forward")
             clock.forward_start = clock.mark()
+            clock.grads = grads
             out = impl(target, *args, **kwargs)
             if clock.optimizer_start is None:  # StepClock.end_forward, inline
                 clock.forward_end = clock.mark()
@@ -362,12 +394,12 @@ def _call_with_marks(model: torch.nn.Module, inner: Callable[..., Any] | None = 
                 phase_mark("backward" if graph else "forward")
             return out
         again = clock.mark() if clock.forward_end is not None and clock.optimizer_start is None else None
-        # (called again: since its last call ended, a pause if this call ends)
+        backward = clock.moved(grads) if again is not None else True  # (a pause since its last call: whose?)
         phase_mark("forward")
         out = impl(target, *args, **kwargs)
         if clock.optimizer_start is None:
             if again is not None:
-                clock.pause(again)
+                clock.pause(again, backward)
             clock.forward_end = clock.mark()
             clock.graph = grad_enabled()
         phase_mark("backward" if grad_enabled() else "forward")
