@@ -203,3 +203,31 @@ def test_two_views_of_a_batch_before_one_backward_still_have_no_one_batch_and_sa
     assert [r.get("samples") for r in _records(3)] == [None, None, None]
     told = [r for r in caplog.records if "no backward between" in r.getMessage()]
     assert len(told) == 1 and "two_views" in told[0].getMessage()
+
+
+def test_a_critic_called_on_several_batches_in_a_step_whose_arguments_give_the_batch_says_nothing(tmp_path, caplog):
+    """A WGAN-GP critic step, decorated with its real batch as argument, calls the critic on
+    generated samples, on the real ones and on interpolates (for the gradient penalty) before
+    one backward. The step's arguments give its batch (32 samples), so the model's calls are
+    not needed for it: no warning that its steps get no samples, and every step has its 32."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    critic = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LeakyReLU(0.2), torch.nn.Linear(32, 1))
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-4)
+
+    @tt.debug_operation(name="critic", model=critic, optimizer=opt)
+    def critic_step(real):
+        opt.zero_grad()
+        fake = torch.randn_like(real)
+        mix = torch.rand(real.shape[0], 1)
+        between = (mix * real + (1 - mix) * fake).requires_grad_(True)
+        out = critic(between)
+        grad, = torch.autograd.grad(out, between, torch.ones_like(out), create_graph=True)
+        loss = critic(fake).mean() - critic(real).mean() + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
+        loss.backward()
+        opt.step()
+
+    with caplog.at_level(logging.WARNING, logger="torchtrace"):
+        for _ in range(3):
+            critic_step(torch.randn(32, 16))
+    assert [r.get("samples") for r in _records(3)] == [32, 32, 32]
+    assert not [r for r in caplog.records if "no samples" in r.getMessage()], caplog.text

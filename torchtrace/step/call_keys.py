@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Hashable
 import torch
 
 from torchtrace import current
-from torchtrace.measure.batch import MAX_MICRO_BATCHES, MicroBatches, same_arguments
+from torchtrace.measure.batch import MAX_MICRO_BATCHES, MicroBatches, batch_of, same_arguments
 from torchtrace.measure.flops import LateKey, StepFlops, countable, leave_counter, shape_key
 from torchtrace.measure.gradients import GradientMark, gradient_mark, gradient_moved
 from torchtrace.step.watched import layout_version
@@ -95,10 +95,12 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict, grads: GradientMark |
 def _say_no_batch(scope: StepScope, too_many: bool) -> None:
     """Say once per operation and run why its steps get no samples (a warning, not silence):
     calls on several batches with no backward or update between them, or, ``too_many``, more
-    micro-batches than the batch rules keep."""
+    micro-batches than the batch rules keep. A step whose arguments give its batch (a WGAN
+    critic's step given its real batch, calling the critic on fakes and interpolates too) has
+    its samples all the same: nothing to say."""
     name = getattr(scope, "name", None)
     rt = current.runtime(create=False)
-    if not isinstance(name, str) or rt is None:
+    if not isinstance(name, str) or rt is None or _arguments_give_batch(scope):
         return
     why = (f"more than {MAX_MICRO_BATCHES} batches in one step (a loop over the data inside the step: an epoch?)"
            if too_many else "several batches with no backward between them (two views of a batch, an evaluation "
@@ -106,6 +108,16 @@ def _say_no_batch(scope: StepScope, too_many: bool) -> None:
     rt.warn_once(("no batch", name), "torchtrace: %s called its model on %s: its steps get no samples, tokens or "
                  "FLOPs from the model's calls; give step.record_batch(samples=..., tokens=...) or "
                  "debug_context(inputs=...)", name, why)
+
+
+def _arguments_give_batch(scope: StepScope) -> bool:
+    """Whether the step is keyed by its arguments (not by its model's call) and they hold a
+    batch with samples or tokens: the model's calls are then not where its batch comes from."""
+    key = scope.throughput.key if scope.throughput is not None else None
+    if key is None or type(key) is LateKey:
+        return False
+    batch = batch_of(scope.inputs, scope.batch_skip, scope.model)
+    return batch is not None and (batch.samples is not None or batch.tokens is not None)
 
 
 def _countable_calls(batch: object) -> bool:
