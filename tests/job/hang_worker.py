@@ -2,8 +2,9 @@
 
 Cases: ``forward`` (a module's forward sleeps forever), ``loader`` (a DataLoader worker
 never returns a batch), ``regex`` (a catastrophic regular expression holds the GIL),
-``busy`` (a Python busy loop), ``slow_first`` / ``checkpoint`` / ``evaluation`` / ``slow_steps``
-(no hang: must not be flagged). ``HANG_TIMEOUT``: hang_timeout_s, unset for the adaptive
+``busy`` (a Python busy loop), ``stuck_evaluation`` (an evaluation loop the script does not
+mark, whose forward sleeps forever), ``slow_first`` / ``checkpoint`` / ``evaluation`` /
+``unmarked_evaluation`` / ``slow_steps`` (no hang: must not be flagged). ``HANG_TIMEOUT``: hang_timeout_s, unset for the adaptive
 timeout. The process prints ``METRICS <url>`` and ``HANGING <unix time>`` (flushed).
 """
 
@@ -29,7 +30,7 @@ class Stuck(torch.nn.Module):
     def forward(self, x):
         if self.stuck:
             print(f"HANGING {time.time()}", flush=True)
-            if CASE == "forward":
+            if CASE in ("forward", "stuck_evaluation"):
                 while True:
                     time.sleep(0.5)  # waits forever, as a lost peer or a dead device would
             if CASE == "busy":
@@ -85,6 +86,14 @@ def train() -> None:
         if CASE == "checkpoint" and step == 3:
             with tt.debug_context("save", kind="checkpoint"):
                 time.sleep(8.0)
+        if CASE in ("unmarked_evaluation", "stuck_evaluation") and step == 3:
+            # nanoGPT's estimate_loss, a validation pass: the model called under no_grad
+            # between steps, for longer than the timeout, and not marked
+            model.stuck = CASE == "stuck_evaluation"
+            with torch.no_grad():
+                for _ in range(8):
+                    model(torch.randn(1, 8))
+                    time.sleep(0.5)
         if CASE == "evaluation" and step == 3:
             with tt.debug_context("evaluate", model=model, kind="evaluation"), torch.no_grad():
                 for _ in range(4):

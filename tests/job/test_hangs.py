@@ -190,15 +190,31 @@ def test_sigterm_and_ctrl_c_still_end_a_hung_process(tmp_path, sig):
         stop(proc)
 
 
-@pytest.mark.parametrize("case", ["slow_first", "checkpoint", "evaluation"])
+@pytest.mark.parametrize("case", ["slow_first", "checkpoint", "evaluation", "unmarked_evaluation"])
 def test_no_false_alarm(tmp_path, case):
-    # A 2 s timeout: the first steps and marked checkpoint/evaluation steps keep their allowance.
+    # A 2 s timeout: the first steps and marked checkpoint/evaluation steps keep their allowance;
+    # an evaluation loop the script does not mark (4 s of calls of the model) makes progress.
     proc = start(case, tmp_path, timeout="2", HANG_STEPS="8")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "DONE" in out
     assert not list(tmp_path.glob("*/hang.json")), err[-2000:]
     assert why(tmp_path)["verdict"] == "completed"
+
+
+def test_an_unmarked_evaluation_whose_forward_never_returns_is_still_a_hang(tmp_path):
+    """The calls of the model between steps are progress, not an allowance: a forward of an
+    unmarked evaluation loop that never returns is flagged after the timeout, between steps,
+    at the model's frame."""
+    proc = start("stuck_evaluation", tmp_path, timeout="2")
+    try:
+        stuck_at = float(read_line(proc, "HANGING"))
+        finding = wait_for(lambda: hang_file(tmp_path), 30, proc)
+        assert finding["step"] is None and finding["last_step"] == 3, finding
+        assert 2.0 <= finding["time"] - stuck_at < 10.0, finding
+        user_frame(finding["stack"], "forward")
+    finally:
+        stop(proc)
 
 
 def test_no_false_alarm_on_steps_of_three_seconds_with_the_adaptive_timeout(tmp_path):

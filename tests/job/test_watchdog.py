@@ -272,6 +272,38 @@ def test_phase_marks_of_a_real_step(tt_runtime, tiny_model):
     assert f["phase"] == "idle" and f["ended"] == "completed"
 
 
+class _OwnCall(__import__("torch").nn.Linear):
+    def __call__(self, *args, **kwargs):  # a class that routes its own calls: its marks are hooks
+        return super().__call__(*args, **kwargs)
+
+
+@pytest.mark.parametrize("model_class", ["plain", "own call"])
+def test_a_call_of_the_model_between_steps_is_progress_on_the_training_thread_only(tt_runtime, model_class):
+    """An evaluation loop the script does not mark calls the model between steps: each call
+    (its start and its end) is progress, the phase stays ``data_wait``. A call from another
+    thread (a server answering with the same model) is not the training's progress."""
+    import torch
+
+    model = torch.nn.Linear(8, 2) if model_class == "plain" else _OwnCall(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    f = tt.current.runtime().rank_state.fields
+    with tt.debug_context("train_step", model=model, optimizer=opt):
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+    ended = f["progress"]
+    time.sleep(0.02)
+    with torch.no_grad():
+        model(torch.ones(2, 8))
+    evaluated = f["progress"]
+    assert evaluated > ended and f["phase"] == "data_wait" and f["current_step"] is None
+    time.sleep(0.02)
+    other = threading.Thread(target=lambda: model(torch.ones(2, 8)))
+    other.start()
+    other.join()
+    assert f["progress"] == evaluated
+    tt.shutdown()
+
+
 def test_hang_series_at_scrape_time():
     f = {"phase": "forward", "progress": time.time() - 42.0, "hangs": 2, "collective_seq": 17, "hang_timeout_s": 30.0}
     registry = CollectorRegistry()

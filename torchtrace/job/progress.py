@@ -104,6 +104,16 @@ def mark(phase: str) -> None:
         f["phase_since"] = now
 
 
+def called_between_steps() -> None:
+    """A model a step watches was called between steps (an evaluation loop the script does not
+    mark, nanoGPT's ``estimate_loss``, a sample generated): progress, when it is the thread that
+    runs the steps (another thread serving the model says nothing of the training). The phase
+    stays what it was: the call gets no allowance, so one that never returns is still a hang."""
+    f = _fields
+    if f.get("current_step") is None and f.get("thread") == _ident():
+        f["progress"] = _clock()
+
+
 def step_ended(step: int) -> None:
     """A step ended (``StepScope.__exit__``): data_wait until the next one."""
     global _train

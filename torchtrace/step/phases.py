@@ -305,11 +305,15 @@ class ModelMarks:
     def _throughput(module: torch.nn.Module) -> StepThroughput | None:
         """The open step's throughput state, when it has a clock and ``module`` is its model
         (another step's model called inside it, a critic in a generator's step, marks nothing);
-        None inside a torch.compile trace."""
+        None inside a torch.compile trace. With no step open the call is progress
+        (:func:`_between_steps`)."""
         if _COMPILING is not None and _COMPILING():  # inside a torch.compile trace: stay out of the graph
             return None
         scope = current.step()
-        state = scope.throughput if scope is not None and scope.model is module else None
+        if scope is None:  # between steps (an evaluation loop): progress, as in the seam
+            progress.called_between_steps()
+            return None
+        state = scope.throughput if scope.model is module else None
         return state if state is not None and state.clock is not None else None
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -366,8 +370,7 @@ def _call_with_marks(model: torch.nn.Module, inner: Callable[..., Any] | None = 
     # Every forward call pays for what follows: names are bound here, not looked up per call.
     compiling, frame, seam, open_step, grad_enabled, many = _COMPILING or _never, sys._getframe, _SEAM_CODE, \
         current.step, torch.is_grad_enabled, MANY
-    phase_mark = progress.mark
-    gradients = FirstGradient(model)
+    phase_mark, gradients = progress.mark, FirstGradient(model)  # (where its gradients stand at each call)
 
     def call_with_marks(*args: Any, **kwargs: Any) -> Any:
         if compiling():  # traced by torch.compile: no frames, no marks
@@ -377,12 +380,14 @@ def _call_with_marks(model: torch.nn.Module, inner: Callable[..., Any] | None = 
         if module is not target and module is not None and frame(1).f_code is seam:
             return type(module)._call_impl(module, *args, **kwargs)  # a copy (a replica): its own call, no marks
         scope = open_step()
-        state = scope.throughput if scope is not None and scope.model is target else None
-        if state is None or (clock := state.clock) is None:  # no step, or the model is not the open step's
+        if scope is None:  # between steps: an evaluation loop, say
+            return _between_steps(impl, target, args, kwargs)
+        state = scope.throughput if scope.model is target else None
+        if state is None or (clock := state.clock) is None:  # the model is not the open step's
             return impl(target, *args, **kwargs)
         grads = gradients()  # (where the model's gradients stand: a backward since the call before?)
         if clock.batch is not many:  # a step whose arguments gave no batch (yet): the model's call may say it
-            note_call(scope, args, kwargs, grads)  # type: ignore[arg-type]  # (a state: the scope is open)
+            note_call(scope, args, kwargs, grads)
         if clock.forward_start is None:  # the step's first call (the usual step's only one)
             phase_mark("forward")
             clock.forward_start = clock.mark()
@@ -439,6 +444,16 @@ class OptimizerMarks:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _between_steps(impl: Callable[..., Any], target: torch.nn.Module | None, args: tuple, kwargs: dict) -> Any:
+    """A call of a step's model with no step open: progress as it begins and as it ends
+    (:func:`~torchtrace.job.progress.called_between_steps`), so that an evaluation loop the
+    script does not mark is no hang, while a call that never returns still is."""
+    progress.called_between_steps()
+    out = impl(target, *args, **kwargs)
+    progress.called_between_steps()
+    return out
 
 
 def _never() -> bool:
