@@ -76,6 +76,60 @@ def test_a_tick_flags_a_stall_once_and_learns_periods(tmp_path):
         dog.stop()
 
 
+def test_a_wall_clock_that_steps_is_neither_a_stall_nor_progress(tmp_path):
+    """The marks stamp progress with the wall clock; NTP or a resumed VM can step it. A step of
+    an hour forward between two ticks, the training making progress all along, is no hang and
+    teaches no hour-long pause (the adaptive timeout stays 30 s); a real stall after it is
+    flagged at its length on the monotonic clock. A step backward does not hide a stall."""
+    release = threading.Event()
+    trainer = threading.Thread(target=release.wait, args=(20,), name="trainer")
+    trainer.start()
+    f = _fields(phase="forward", progress=100.0, steps_done=5, step_time=100.0, current_step=5, thread=trainer.ident)
+    dog = Watchdog(f, given_timeout_s=None, hang_path=tmp_path / "hang.json")
+    try:
+        assert dog.tick(101.0, 5001.0) is None
+        assert dog.tick(3702.0, 5002.0) is None  # the clock stepped an hour inside a step of 2 s so far
+        # Steps go on, one a second, stamped by the new clock.
+        for i in range(1, 6):
+            f.update(progress=3701.0 + i, steps_done=5 + i, step_time=3701.0 + i, current_step=5 + i)
+            assert dog.tick(3701.2 + i, 5001.2 + i) is None, i
+        assert max(dog.recent) <= 2.5 and f["hang_timeout_s"] == 30.0, (list(dog.recent), f["hang_timeout_s"])
+        # Now a real stall: no progress after 3706.0 (monotonic 5006.2 at the last tick).
+        assert dog.tick(3706.0 + 29.0, 5006.2 + 29.0) is None
+        finding = dog.tick(3706.0 + 31.5, 5006.2 + 31.5)
+        assert finding is not None and 31.0 <= finding["stalled_s"] <= 32.0, finding and finding["stalled_s"]
+    finally:
+        release.set()
+        trainer.join()
+        dog.stop()
+    # Backward: the clock steps an hour back while the thread is stuck.
+    f = _fields(phase="forward", progress=100.0, steps_done=5, step_time=99.0, current_step=5, thread=threading.get_ident())
+    dog = Watchdog(f, given_timeout_s=5.0, hang_path=tmp_path / "hang2.json")
+    try:
+        assert dog.tick(101.0, 5001.0) is None
+        finding = dog.tick(101.0 - 3600.0 + 6.0, 5007.0)
+        assert finding is not None and finding["stalled_s"] == pytest.approx(7.0), finding
+    finally:
+        dog.stop()
+
+
+def test_the_stalled_seconds_series_counts_on_the_watchdogs_clock():
+    """``torchtrace_stalled_seconds`` with the watchdog's clock: a wall clock stepped since the
+    last progress reads as the time the monotonic clock counted."""
+    from torchtrace.job.stall import StallClock
+
+    wall, mono = [1000.0], [50.0]
+    clock = StallClock(wall=lambda: wall[0], mono=lambda: mono[0])
+    f = {"phase": "forward", "progress": 999.0}
+    assert clock.look(999.0, wall[0], mono[0]) == 1.0
+    wall[0], mono[0] = 1000.0 + 3600.0 + 2.0, 52.0  # two seconds later, the clock an hour ahead
+    registry = CollectorRegistry()
+    registry.register(HangMetrics("r", "0", lambda: f, clock.now))
+    assert registry.get_sample_value("torchtrace_stalled_seconds", {"run_id": "r", "rank": "0"}) == 3.0
+    f["progress"] = 4601.5  # progress since the last tick: at most as long ago as that tick
+    assert registry.get_sample_value("torchtrace_stalled_seconds", {"run_id": "r", "rank": "0"}) == 0.5
+
+
 def test_a_stall_between_steps_is_told_after_the_last_step(tmp_path, caplog):
     """A rank stuck in its data source, between steps: the log and the stack file say after
     which step it stalled, not "in step None"."""

@@ -4,8 +4,10 @@
 last made progress; 0 while idle, before the first step and after shutdown), so it keeps
 growing while the training thread is stuck, as long as the scrape itself can run (a thread
 that holds the GIL stops the HTTP server too: the target then stops answering, which
-``TorchtraceTargetDown`` covers). ``torchtrace_hang_timeout_seconds`` is the watchdog's
-current timeout, so an alert rule can compare the two per rank.
+``TorchtraceTargetDown`` covers). It is counted on the monotonic clock when the watchdog's
+:class:`~torchtrace.job.stall.StallClock` is given (a wall clock that steps is no stall).
+``torchtrace_hang_timeout_seconds`` is the watchdog's current timeout, so an alert rule can
+compare the two per rank.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ class HangMetrics:
     ['torchtrace_collectives', 'torchtrace_hang_timeout_seconds']
     """
 
-    def __init__(self, run_id: str, rank: str, fields: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, run_id: str, rank: str, fields: Callable[[], dict[str, Any]],
+                 stalled: Callable[[float], float] | None = None) -> None:
         self.base = [run_id, rank]
         self.fields = fields
+        # seconds since a progress stamp (StallClock.now); else by the wall clock
+        self.stalled = stalled if stalled is not None else _by_wall_clock
 
     def collect(self) -> Iterator[Metric]:
         f = self.fields()
@@ -37,7 +42,7 @@ class HangMetrics:
         if f.get("collective_active") and phase != "idle":
             phase = "collective"
         since = f.get("progress")
-        stalled = time.time() - since if phase != "idle" and isinstance(since, (int, float)) else 0.0
+        stalled = self.stalled(since) if phase != "idle" and isinstance(since, (int, float)) else 0.0
         g = GaugeMetricFamily(semconv.M_STALLED_SECONDS, "Seconds since the training thread last made progress.",
                               labels=labels)
         g.add_metric(self.base, max(stalled, 0.0))
@@ -65,3 +70,8 @@ class HangMetrics:
     def series_caps(self) -> dict[str, int]:
         return {semconv.M_STALLED_SECONDS: 1, semconv.M_HANG_TIMEOUT: 1, semconv.M_HANGS[: -len("_total")]: 1,
                 semconv.M_PHASE: len(semconv.TRAINING_PHASES), semconv.M_COLLECTIVES[: -len("_total")]: 1}
+
+
+def _by_wall_clock(since: float) -> float:
+    """Seconds since the wall-clock stamp ``since``."""
+    return time.time() - since

@@ -39,6 +39,7 @@ from torchtrace import files
 from torchtrace.job import culprit, progress, stacks
 from torchtrace.job.identity import process_alive
 from torchtrace.job.signals import start_thread
+from torchtrace.job.stall import StallClock, ago
 from torchtrace.job.workers import WORKERS, end_daemonic_children, format_workers
 
 logger = logging.getLogger(__name__)
@@ -210,6 +211,7 @@ class Watchdog:
         self.collectives = collectives
         self.persist = persist
         self.recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.stall = StallClock()  # the stall on the monotonic clock: a wall clock that steps is none
         # Known before the first tick (/metrics may be scraped at once).
         fields["hang_timeout_s"] = hang_timeout(given_timeout_s, fields.get("phase"), 0, ())
         self.findings: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
@@ -219,6 +221,8 @@ class Watchdog:
         self._seen_phase: str | None = None
         self._seen_steps = 0
         self._seen_step_time: float | None = None
+        self._seen_step_mono = 0.0  # when the step of _seen_step_time ended, on the monotonic clock
+        self._looked: float | None = None  # the monotonic time of the last tick
         self._flagged_since: float | None = None
         self._stack_file: BinaryIO | None = None
         self._opened_by: int | None = None  # the process that opened the stack file
@@ -283,20 +287,23 @@ class Watchdog:
 
     def _look(self) -> None:
         try:
-            self.tick(time.time())
+            self.tick(time.time(), time.monotonic())
         except Exception as exc:  # the watchdog never takes the process down
             logger.debug("torchtrace: watchdog tick failed: %r", exc)
 
     # ------------------------------------------------------------ one tick
-    def tick(self, now: float) -> dict[str, Any] | None:
-        """Look once; returns the finding when this tick found a hang."""
+    def tick(self, now: float, mono: float | None = None) -> dict[str, Any] | None:
+        """Look once at wall time ``now`` and monotonic time ``mono`` (None: ``now``, a clock
+        that never steps); returns the finding when this tick found a hang."""
         self.ticks += 1
         f = self.fields
+        mono = now if mono is None else mono
         self._read_collectives(f)
-        self._read_dump(now)
+        self._read_dump(now, mono)
         self.check_peers()
         phase, since, steps = f.get("phase"), f.get("progress"), f.get("steps_done") or 0
-        self._observe(f, since, steps, now)
+        stalled = self.stall.look(since, now, mono) if isinstance(since, (int, float)) else 0.0
+        self._observe(f, since, steps, stalled, now, mono)
         timeout = hang_timeout(self.given, phase, steps, self.recent)
         f["hang_timeout_s"] = timeout
         # faulthandler is armed from what this tick sees, but the training thread may start a
@@ -307,7 +314,6 @@ class Watchdog:
         if phase in (None, "idle") or not isinstance(since, (int, float)):
             self._arm(armed + grace)
             return None
-        stalled = now - since
         if self._flagged_since == since:
             return None  # this stall is recorded already; it may still end
         if stalled > timeout:
@@ -315,19 +321,27 @@ class Watchdog:
         self._arm(max(armed - stalled, 0.0) + grace)
         return None
 
-    def _observe(self, f: dict[str, Any], since: float | None, steps: int, now: float) -> None:
+    def _observe(self, f: dict[str, Any], since: float | None, steps: int, stalled: float, now: float,
+                 mono: float) -> None:
         """Learn the step period and the pauses that ended since the last tick (outside the
-        slow kinds, which have their own allowance)."""
+        slow kinds, which have their own allowance). The steps' wall-clock stamps give the
+        period, never more than the monotonic clock allows (a wall clock that stepped is no
+        slow step): no more than from the step seen before (placed on the monotonic clock by
+        its wall-clock age when first seen) to this tick."""
         step_time = f.get("step_time")
         if steps > self._seen_steps and isinstance(step_time, (int, float)) and self._seen_step_time is not None:
-            self.recent.append((step_time - self._seen_step_time) / (steps - self._seen_steps))
+            elapsed = min(step_time - self._seen_step_time, mono - self._seen_step_mono)
+            self.recent.append(max(elapsed, 0.0) / (steps - self._seen_steps))
         if steps != self._seen_steps:
             self._seen_steps, self._seen_step_time = steps, step_time
+            if isinstance(step_time, (int, float)):
+                self._seen_step_mono = mono - ago(step_time, now, mono, self._looked)
         if since != self._seen_progress:
             if self._seen_progress is not None and self._seen_phase not in progress.SLOW_KINDS + ("idle",):
                 self.recent.append(self._seen_stall)
             self._seen_progress, self._seen_phase = since, f.get("phase")
-        self._seen_stall = now - since if isinstance(since, (int, float)) else 0.0
+        self._seen_stall = stalled
+        self._looked = mono
 
     def _read_collectives(self, f: dict[str, Any]) -> None:
         if self.collectives is None:
@@ -356,7 +370,7 @@ class Watchdog:
             _DUMP.cancel()  # (a no-op in a forked child: its copy was never armed there)
             self._armed = False
 
-    def _read_dump(self, now: float) -> None:
+    def _read_dump(self, now: float, mono: float) -> None:
         """A dump faulthandler wrote while this thread could not run: record it as a hang."""
         if self.stack_path is None or self._stack_file is None:
             return
@@ -377,7 +391,7 @@ class Watchdog:
         f = self.fields
         threads = stacks.parse_faulthandler(text, f.get("thread"))
         since = f.get("progress")
-        stalled = now - since if isinstance(since, (int, float)) else 0.0
+        stalled = self.stall.look(since, now, mono) if isinstance(since, (int, float)) else 0.0
         timeout = hang_timeout(self.given, f.get("phase"), f.get("steps_done") or 0, self.recent)
         if f.get("phase") in (None, "idle") or stalled <= timeout:
             # The GIL was held past the dump's deadline, but the stall that applies ended (a
@@ -542,7 +556,7 @@ class Watchdog:
         """For the report and the debug API: the timeout, the stall now, the findings (stacks left out)."""
         f = self.fields
         since = f.get("progress")
-        stalled = time.time() - since if isinstance(since, (int, float)) and f.get("phase") != "idle" else 0.0
+        stalled = self.stall.now(since) if isinstance(since, (int, float)) and f.get("phase") != "idle" else 0.0
         return {"timeout_s": f.get("hang_timeout_s"), "given_timeout_s": self.given, "on_hang": self.on_hang,
                 "phase": f.get("phase"), "stalled_s": round(stalled, 3), "hangs": f.get("hangs") or 0,
                 "last": f.get("hang"), "culprit_ranks": f.get("culprit_ranks"), "stack_file": str(self.stack_path)

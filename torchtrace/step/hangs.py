@@ -60,7 +60,7 @@ def _watch(rt: Runtime, fields: dict[str, Any]) -> None:
         peers=(lambda: read_states(run_path)) if run_path is not None and ident.world_size > 1 else None,
         on_finding=lambda finding: hang_telemetry(rt, finding), on_abort=lambda: flush_for_abort(rt),
         collectives=flight.last_collective if recorder else None, persist=box.write)
-    rt.metrics.registry.register(HangMetrics(s.run_id, str(ident.rank), progress.tracked))
+    rt.metrics.registry.register(HangMetrics(s.run_id, str(ident.rank), progress.tracked, rt.watchdog.stall.now))
     rt.report_sections["hangs"] = rt.watchdog.summary
     rt.watchdog.start()
 
