@@ -108,3 +108,48 @@ def test_a_plain_sigkill_is_not_an_oom_kill(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     (attempt,) = job_story(run_dir / "plain")["attempts"]
     assert attempt["ended"] == "killed" and HOST_OOM not in attempt["detail"]
+
+
+_GREEDY_WORKER = textwrap.dedent("""
+    import time, torch, torchtrace as tt
+    tt.configure(prometheus_port="off")
+
+    class Hoarding(torch.utils.data.Dataset):
+        def __init__(self):
+            self.hoard = []
+
+        def __len__(self):
+            return 10_000
+
+        def __getitem__(self, i):
+            self.hoard.append(torch.ones(5 * 1024 * 1024))  # 20 MB an item, kept in the worker
+            return torch.randn(4)
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in torch.utils.data.DataLoader(Hoarding(), batch_size=None, num_workers=1):
+        with tt.debug_context("train_step", model=model, optimizer=opt):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            time.sleep(0.05)
+""")
+
+
+def test_a_dataloader_worker_the_kernel_killed_is_named_beside_the_exception(tmp_path):
+    """The kernel kills the DataLoader worker that hoards memory; the training process gets
+    PyTorch's ``RuntimeError: DataLoader worker (pid N) is killed by signal`` (or ``exited
+    unexpectedly``) and ends with it. Its end says the exception and that the kernel counted an
+    OOM kill in its cgroup while it ran (the message itself is not recorded by default)."""
+    run_dir = tmp_path / "runs"
+    env = clean_env(TORCHTRACE_RUN_ID="worker-oom", TORCHTRACE_RUN_DIR=str(run_dir))
+    with _memory_cgroup(LIMIT) as procs:
+        def enter_cgroup():
+            procs.write_text(str(os.getpid()))
+
+        proc = subprocess.run([sys.executable, "-c", _GREEDY_WORKER], env=env, preexec_fn=enter_cgroup,
+                              capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "DataLoader worker (pid" in proc.stderr, proc.stderr[-2000:]
+    (attempt,) = job_story(run_dir / "worker-oom")["attempts"]
+    assert attempt["ended"] == "exception", attempt
+    assert attempt["detail"].startswith("RuntimeError; the kernel counted 1 OOM kill"), attempt["detail"]

@@ -70,18 +70,42 @@ def killed_detail(state: Mapping[str, Any]) -> str:
     group = state.get("cgroup")
     if not isinstance(group, Mapping) or not group.get("path"):
         return SILENT
-    before = group.get("oom_kills")
-    now = cgroup.oom_kills(int(group.get("version") or 0), group["path"])
-    if now is None or not isinstance(before, int):
+    kills = oom_kills_since_start(state)
+    if kills is None:
         return f"{SILENT}; the memory cgroup can no longer be read"
-    if now <= before:
+    if kills == 0:
         return f"{SILENT}; the kernel counted no OOM kill in the memory cgroup"
     limit, rss = state.get("memory_limit_bytes"), state.get("rss_bytes")
     if isinstance(limit, int) and isinstance(rss, int) and rss >= NEAR_LIMIT * limit:
-        return f"{HOST_OOM}: the kernel counted {now - before} OOM kill(s) in the memory cgroup, and memory was " \
+        return f"{HOST_OOM}: the kernel counted {kills} OOM kill(s) in the memory cgroup, and memory was " \
                f"{rss / limit:.0%} of its limit of {limit} bytes at the last sample"
-    return f"the kernel counted {now - before} OOM kill(s) in the memory cgroup, but this rank's last memory " \
+    return f"the kernel counted {kills} OOM kill(s) in the memory cgroup, but this rank's last memory " \
            f"sample ({rss} bytes) was far from the limit ({limit}): perhaps another process was killed"
+
+
+def oom_kills_since_start(state: Mapping[str, Any]) -> int | None:
+    """How many processes the kernel's OOM killer killed in the rank's memory cgroup since the
+    rank started (its black box's ``cgroup`` count then); None when it cannot be told (no
+    cgroup recorded, or it can no longer be read)."""
+    group = state.get("cgroup")
+    if not isinstance(group, Mapping) or not group.get("path"):
+        return None
+    before = group.get("oom_kills")
+    now = cgroup.oom_kills(int(group.get("version") or 0), group["path"])
+    if now is None or not isinstance(before, int):
+        return None
+    return max(now - before, 0)
+
+
+def oom_note(state: Mapping[str, Any]) -> str:
+    """For a process that ends with an exception: ``"; the kernel counted N OOM kill(s) ..."``
+    when processes of its memory cgroup were OOM-killed while it ran (a DataLoader worker: its
+    parent then gets PyTorch's ``RuntimeError`` that the worker was killed), else ``""``."""
+    kills = oom_kills_since_start(state)
+    if not kills:
+        return ""
+    return f"; the kernel counted {kills} OOM kill{'s' if kills > 1 else ''} in the memory cgroup while it ran " \
+           "(a DataLoader worker, or another process of the container)"
 
 
 def end_time(state: Mapping[str, Any]) -> float | None:

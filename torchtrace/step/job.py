@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torchtrace import current, files, semconv
 from torchtrace.errors import get_logger
-from torchtrace.job import checkpoints, progress
+from torchtrace.job import checkpoints, ending, progress
 from torchtrace.job.metrics import JobMetrics
 from torchtrace.job.signals import SignalGuard, start_thread
 from torchtrace.job.story import job_story, story_of
@@ -314,6 +314,7 @@ def record_exception(rt: Runtime, exc: BaseException, step: int | None = None) -
         detail = f"{detail}: {exc.code}"  # (a status, not a message)
     elif rt.settings.record_exception_messages:
         detail = f"{detail}: {str(exc)[:500]}"
+    detail += ending.oom_note(box.fields)
     if step is None:
         running = current.step()
         step = running.step if running is not None else box.fields.get("step")
