@@ -1258,6 +1258,44 @@ def test_a_model_under_activation_checkpointing_keeps_its_phases(tmp_path):
         tt.shutdown()
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps 40 ms (backward time before the checkpoint's recomputation)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _plant("backward", 0.04)
+        return grad
+
+
+def test_a_reentrant_checkpoints_recomputation_keeps_the_backward_before_it(tmp_path):
+    """The whole model under ``checkpoint(use_reentrant=True)``: the backward reaches the
+    checkpoint after 40 ms of its own (a planted sleep after the model's output), then calls the
+    model again to recompute, a call that runs to its end. No gradient of the model has moved
+    yet when it begins, but the pause before it was backward, not a pause of no phase: the
+    backward holds those 40 ms too."""
+    from torch.utils.checkpoint import checkpoint
+
+    _configure(tmp_path)
+    try:
+        model = _SlowModel(0.02)
+
+        def body(opt, x):
+            opt.zero_grad()
+            _SlowBackward.apply(checkpoint(model, x, use_reentrant=True)).sum().backward()
+            opt.step()
+
+        rows = _phase_rows(model, body, torch.randn(2, 4, requires_grad=True), steps=3)
+        assert _SLEEPS["forward"] == 2 and _SLEEPS["backward"] == 2, _SLEEPS  # the recomputation ran whole
+        for row, slept in rows:
+            _assert_phases_hold_their_sleeps(row["phases"], slept)
+    finally:
+        tt.shutdown()
+
+
 def test_a_forward_called_past_the_model_keeps_the_optimizer_phase(tmp_path, caplog):
     """``model.forward(x)`` called directly goes past the call seam: the step has no forward
     or backward phase (where the backward began is not known), but its optimizer phase (a

@@ -245,6 +245,14 @@ def gradient_mark(param: torch.Tensor) -> GradientMark:
     return (weakref.ref(grad), grad._version) if grad is not None else (None, 0)
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread now (an optimizer stepped
+    from a gradient hook, with the model's other gradients not all computed yet; a model called
+    again to recompute an activation checkpoint)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def gradient_moved(before: GradientMark, now: GradientMark) -> bool:
     """Whether a gradient changed between two marks (:func:`gradient_mark`): another tensor than
     before (the one seen then may be gone), or the same one written in place."""

@@ -17,6 +17,7 @@ import torch
 
 from torchtrace import current
 from torchtrace.job import progress
+from torchtrace.measure.gradients import in_backward
 from torchtrace.record import events
 from torchtrace.step.call_keys import MANY, FirstGradient, backward_between, note_call
 from torchtrace.step.cycles import DeviceCycles  # noqa: F401  (imported from here before)
@@ -117,11 +118,13 @@ class StepClock:
                              "optimizer_start, optimizer_end")
 
     def moved(self, grads: GradientMark | None) -> bool:
-        """At a later call's start, the model's gradients ``grads``: whether a backward moved
-        them since the call before began (True when either mark is not known: the pause is then
-        taken for a micro-batch's backward)."""
+        """At a later call's start, the model's gradients ``grads``: whether the pause before it
+        was backward time. So it is when a backward moved them since the call before began, when
+        the call comes inside a backward (a reentrant activation checkpoint's recomputation,
+        before the model's gradients are made), and when either mark is not known (the pause is
+        then taken for a micro-batch's backward)."""
         before, self.grads = self.grads, grads
-        return before is None or grads is None or backward_between(before, grads)
+        return before is None or grads is None or backward_between(before, grads) or in_backward()
 
     def pause(self, again: Any, backward: bool = True) -> None:
         """A later call of the model, begun at mark ``again``, has ended (right before its end

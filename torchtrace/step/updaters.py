@@ -57,6 +57,7 @@ from torch.optim import optimizer as optimizer_module
 
 from torchtrace import current
 from torchtrace.errors import NonFiniteError
+from torchtrace.measure.gradients import in_backward
 from torchtrace.measure.scaler import scale_at_start
 from torchtrace.step.gradients import adoptable, covers
 from torchtrace.step.watched import shares_groups
@@ -161,7 +162,7 @@ def _the_steps_update(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
                 return check.adopt(optimizer, args, kwargs)
             check.other_update(optimizer)  # another of the model's, perhaps after a backward of its own
             return None
-        if scope.model is None or _in_backward() or not adoptable(rt, scope, optimizer):
+        if scope.model is None or in_backward() or not adoptable(rt, scope, optimizer):  # (a gradient hook's)
             return None
         if scope.throughput is not None:
             rt.throughput.mark_optimizer(optimizer)
@@ -173,13 +174,6 @@ def _the_steps_update(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
             rt.throughput.mark_optimizer(optimizer)
         scope.check_gradients_now(optimizer)
     return None
-
-
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (an optimizer stepped
-    from a gradient hook: then the model's other gradients are not all computed yet)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 def _skipped(optimizer: torch.optim.Optimizer) -> None:
