@@ -139,7 +139,7 @@ _GREEDY_WORKER = textwrap.dedent("""
 def test_a_dataloader_worker_the_kernel_killed_is_named_beside_the_exception(tmp_path):
     """The kernel kills the DataLoader worker that hoards memory; the training process gets
     PyTorch's ``RuntimeError: DataLoader worker (pid N) is killed by signal`` (or ``exited
-    unexpectedly``) and ends with it. Its end says the exception and that the kernel counted an
+    unexpectedly``, or a ``ConnectionResetError`` from the dead worker's socket) and ends with it. Its end says the exception and that the kernel counted an
     OOM kill in its cgroup while it ran (the message itself is not recorded by default)."""
     run_dir = tmp_path / "runs"
     env = clean_env(TORCHTRACE_RUN_ID="worker-oom", TORCHTRACE_RUN_DIR=str(run_dir))
@@ -149,7 +149,11 @@ def test_a_dataloader_worker_the_kernel_killed_is_named_beside_the_exception(tmp
 
         proc = subprocess.run([sys.executable, "-c", _GREEDY_WORKER], env=env, preexec_fn=enter_cgroup,
                               capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 1 and "DataLoader worker (pid" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]
     (attempt,) = job_story(run_dir / "worker-oom")["attempts"]
     assert attempt["ended"] == "exception", attempt
-    assert attempt["detail"].startswith("RuntimeError; the kernel counted 1 OOM kill"), attempt["detail"]
+    # What the parent raises depends on when it notices: the worker's death (RuntimeError), or
+    # a connection the killed worker held (ConnectionResetError, while a batch was passed).
+    error, note = attempt["detail"].split("; ", 1)
+    assert error in ("RuntimeError", "ConnectionResetError"), (attempt["detail"], proc.stderr[-2000:])
+    assert note.startswith("the kernel counted 1 OOM kill in the memory cgroup while it ran"), attempt["detail"]
