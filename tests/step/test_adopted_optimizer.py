@@ -258,6 +258,46 @@ def test_a_sparse_embeddings_optimizer_and_the_rests_are_measured_together(tt_ru
         assert step.record.grad_norm == pytest.approx(expected, rel=1e-5)
 
 
+def test_a_second_optimizer_updating_the_models_other_parameters_is_said_once(tt_runtime, caplog):
+    """The same model, but the step names the dense part's optimizer (``optimizer=dense``), as
+    a loop that passes both does: the norm is the dense parameters' alone (``SparseAdam``'s
+    embedding is another optimizer's), and a warning says once, whatever the guard, which of
+    the model's parameters another optimizer updated unmeasured. A GAN's step given its
+    generator and the generator's optimizer, in which the discriminator's optimizer steps too,
+    says nothing: the discriminator is no part of the step's model."""
+    caplog.set_level(logging.WARNING, logger="torchtrace")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(50, 8, sparse=True), "head": torch.nn.Linear(8, 1)})
+    sparse = torch.optim.SparseAdam(list(model["emb"].parameters()), lr=1e-2)
+    dense = torch.optim.Adam(model["head"].parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        idx = torch.randint(0, 50, (16, 4), generator=gen)
+        with tt.debug_context("train_step", model=model, optimizer=dense) as step:
+            loss = model["head"](model["emb"](idx).mean(1)).pow(2).mean()
+            loss.backward()
+            expected = norm64([p.grad for p in model["head"].parameters()])
+            sparse.step()
+            dense.step()
+            model.zero_grad(set_to_none=True)
+            step.record_loss(loss)
+        assert step.record.grad_norm == pytest.approx(expected, rel=1e-5)
+    said = [r.getMessage() for r in caplog.records if "not measured" in r.getMessage()]
+    assert len(said) == 1 and "SparseAdam" in said[0] and "emb.weight" in said[0] and "train_step" in said[0], said
+    caplog.clear()
+    generator, critic = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt_g, opt_d = torch.optim.SGD(generator.parameters(), lr=0.1), torch.optim.SGD(critic.parameters(), lr=0.1)
+    for _ in range(2):
+        with tt.debug_context("gan_step", model=generator, optimizer=opt_g):
+            fake = generator(torch.randn(8, 4))
+            critic(fake.detach()).mean().backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            (-critic(fake).mean()).backward()
+            opt_g.step()
+    assert not [r.getMessage() for r in caplog.records if "not measured" in r.getMessage()]
+
+
 def test_a_closure_optimizer_is_measured_when_its_closure_has_run(tt_runtime):
     """LBFGS in a model-only step: ``optimizer.step(closure)`` makes the gradients inside the
     closure, so they are measured as its first evaluation returns (before, at the optimizer's

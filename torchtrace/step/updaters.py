@@ -48,6 +48,7 @@ a second time.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
@@ -64,6 +65,9 @@ from torchtrace.step.watched import shares_groups
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
+
+    from torchtrace.step.runtime import Runtime
+    from torchtrace.step.scope import StepScope
 
 _METHODS = ("scale", "step")
 AVERAGE = "update_parameters"  # the method of a weight average (AveragedModel) a replay must not call
@@ -204,6 +208,35 @@ def _unguarded(optimizer: torch.optim.Optimizer) -> None:
     rt = current.runtime(create=False)
     if rt is not None and not covers(rt, scope, optimizer):
         rt.guard_other_optimizer(scope, optimizer)
+        if scope.model is not None:
+            _say_unmeasured(rt, scope, optimizer)
+
+
+_TOLD: weakref.WeakKeyDictionary[torch.optim.Optimizer, set[str]] = weakref.WeakKeyDictionary()
+"""The operations each other optimizer was looked at in by :func:`_say_unmeasured`."""
+
+
+def _say_unmeasured(rt: Runtime, scope: StepScope, optimizer: torch.optim.Optimizer) -> None:
+    """A second optimizer stepped in a step that names its model and its own optimizer, and
+    updates parameters of that model the step's optimizer does not (``SparseAdam`` for the
+    embedding beside ``optimizer=Adam`` of the rest): their gradients are not measured, which
+    is said once, whatever the guard. Looked at once per operation and optimizer. Parameters
+    of another model (a GAN's other network) are none of the step's."""
+    told = _TOLD.setdefault(optimizer, set())
+    if scope.name in told:
+        return
+    told.add(scope.name)
+    assert scope.model is not None and scope.optimizer is not None  # (a step with both: see _unguarded)
+    outside = {id(ref.param): ref.name for ref in rt.outside(scope.model, scope.optimizer)}
+    names = [outside[id(ref.param)] for ref in rt.params_for(scope.model, optimizer) if id(ref.param) in outside]
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        rt.warn_once(("unmeasured", scope.name, type(optimizer).__name__),
+                     "torchtrace: %s stepped in %s and updated parameters of its model that its optimizer= (%s) "
+                     "does not (%s): their gradients are not measured (not in the step's norms, nor in its "
+                     "non-finite check); pass the model without optimizer= to measure them all, or give that "
+                     "update a step of its own", type(optimizer).__name__, scope.name,
+                     type(scope.optimizer).__name__, shown)
 
 
 def _wrap(original: Callable[..., Any], note: Callable[[Any], None]) -> Callable[..., Any]:
