@@ -785,6 +785,72 @@ def test_the_time_after_the_last_step_is_not_data_wait_in_the_report(tmp_path):
     assert badput["data_wait"] < 0.1 and badput["other"] >= 0.4
 
 
+def _evaluate(model, calls: int, grad: bool = False) -> float:
+    """An evaluation loop the script does not mark (nanoGPT's estimate_loss): ``calls`` calls of
+    the model with 30 ms of planted work each and 20 ms of loading between them, under no_grad
+    unless ``grad``. Returns its seconds, first call to last."""
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(grad):
+        for i in range(calls):
+            if i:
+                time.sleep(0.02)
+            model(torch.randn(8, 16))
+            time.sleep(0.03)  # (inside the call's time: the loss on the output)
+    return time.perf_counter() - t0
+
+
+class _Busy(torch.nn.Linear):
+    def forward(self, x):
+        time.sleep(0.03)
+        return super().forward(x)
+
+
+class _BusyOwnCall(_Busy):
+    def __call__(self, *args, **kwargs):  # a class that routes its own calls: the marks are hooks
+        return super().__call__(*args, **kwargs)
+
+
+@pytest.mark.parametrize("model_class", [_Busy, _BusyOwnCall])
+@pytest.mark.parametrize("where", ["between steps", "after the last step"])
+def test_an_unmarked_evaluation_is_evaluation_badput_not_data_wait(tmp_path, where, model_class):
+    """The model called under no_grad between steps, with no step open and no ``kind=`` marked
+    (an evaluation loop of eight calls, 0.4 s): goodput books the span from its first call to
+    its last as evaluation, not as data wait; also when it runs after the last step, before
+    shutdown. The same calls with autograd on (a loop that trains outside its steps) stay data
+    wait."""
+    import json
+
+    _configure(tmp_path, run_id="unmarked")
+    model = model_class(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    train_step = tt.debug_operation(model=model, optimizer=opt)(lambda x: _train_once(model, opt, x))
+    evaluated = 0.0
+    for i in range(4):
+        train_step(torch.randn(8, 16))
+        if (i == 1 and where == "between steps") or (i == 3 and where == "after the last step"):
+            evaluated = _evaluate(model, 8)
+    if where == "between steps":
+        section = get_runtime().throughput.section()
+        assert section["badput_s"]["evaluation"] == pytest.approx(evaluated - 0.03, abs=0.02), section
+        assert section["badput_s"]["data_wait"] < 0.1, section
+        _evaluate(model, 4, grad=True)
+        train_step(torch.randn(8, 16))
+        section = get_runtime().throughput.section()
+        assert section["badput_s"]["evaluation"] == pytest.approx(evaluated - 0.03, abs=0.02), section
+        assert section["badput_s"]["data_wait"] >= 0.17, section
+    tt.shutdown()
+    badput = json.loads((tmp_path / "unmarked" / "report.json").read_text())["throughput"]["badput_s"]
+    assert badput["evaluation"] == pytest.approx(evaluated - 0.03, abs=0.02), badput
+
+
+def _train_once(model, opt, x):
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def test_goodput_against_a_hand_computed_timeline(tmp_path):
     """configure, a slow first batch, three steps (the second's update skipped by the guard),
     a slow loader between them: productive time is the two applied steps, and every second of

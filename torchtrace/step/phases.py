@@ -264,6 +264,7 @@ class ModelMarks:
         first = next(model.parameters(), None)
         self.first = weakref.ref(first) if first is not None else none_ref
         self.gradients = FirstGradient(model)  # where its gradients stand at each call (hooks)
+        self.began: float | None = None  # a call between steps began then (hooks)
         self.attach(model)
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -308,18 +309,16 @@ class ModelMarks:
     def _throughput(module: torch.nn.Module) -> StepThroughput | None:
         """The open step's throughput state, when it has a clock and ``module`` is its model
         (another step's model called inside it, a critic in a generator's step, marks nothing);
-        None inside a torch.compile trace. With no step open the call is progress
-        (:func:`_between_steps`)."""
+        None inside a torch.compile trace."""
         if _COMPILING is not None and _COMPILING():  # inside a torch.compile trace: stay out of the graph
             return None
         scope = current.step()
-        if scope is None:  # between steps (an evaluation loop): progress, as in the seam
-            progress.called_between_steps()
-            return None
-        state = scope.throughput if scope.model is module else None
+        state = scope.throughput if scope is not None and scope.model is module else None
         return state if state is not None and state.clock is not None else None
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._between_steps(starting=True):
+            return
         state = self._throughput(module)
         if state is not None and state.clock is not None:  # (a state with a clock: see _throughput)
             scope = current.step()
@@ -329,9 +328,25 @@ class ModelMarks:
             state.clock.announce("forward_start", grads)  # a later call's start is kept in clock.again
 
     def _post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._between_steps(starting=False):
+            return
         state = self._throughput(module)
         if state is not None and state.clock is not None:
             state.clock.announce("forward_end")
+
+    def _between_steps(self, starting: bool) -> bool:
+        """At a hook: with no step open (outside a torch.compile trace), the call is progress,
+        and under no_grad time of an evaluation the script did not mark, as in the seam
+        (:func:`_between_steps`). True when no step is open."""
+        if (_COMPILING is not None and _COMPILING()) or current.step() is not None:
+            return False
+        progress.called_between_steps()
+        if starting:
+            self.began = time.perf_counter()
+        elif self.began is not None:
+            began, self.began = self.began, None
+            _unmarked_call(began)
+        return True
 
     remove = detach
 
@@ -452,11 +467,25 @@ class OptimizerMarks:
 def _between_steps(impl: Callable[..., Any], target: torch.nn.Module | None, args: tuple, kwargs: dict) -> Any:
     """A call of a step's model with no step open: progress as it begins and as it ends
     (:func:`~torchtrace.job.progress.called_between_steps`), so that an evaluation loop the
-    script does not mark is no hang, while a call that never returns still is."""
+    script does not mark is no hang, while a call that never returns still is; and under
+    no_grad, time of that evaluation (:func:`_unmarked_call`)."""
     progress.called_between_steps()
+    start = time.perf_counter()
     out = impl(target, *args, **kwargs)
     progress.called_between_steps()
+    _unmarked_call(start)
     return out
+
+
+def _unmarked_call(start: float) -> None:
+    """A watched model's call between steps, begun at ``start``, has ended: under no_grad and
+    on the training thread, it is part of an evaluation the script did not mark
+    (:meth:`~torchtrace.step.throughput.RunThroughput.unmarked_call`)."""
+    if torch.is_grad_enabled() or not progress.on_training_thread():
+        return
+    rt = current.runtime(create=False)
+    if rt is not None and rt.features.throughput:
+        rt.throughput.unmarked_call(start, time.perf_counter())
 
 
 def _never() -> bool:

@@ -511,6 +511,7 @@ class Runtime:
                 proc.prepare_exit()
         try:
             self.finish_deferred(block=True)
+            self.throughput.book_unmarked()  # an evaluation after the last step
         except Exception as exc:
             self.errors.report("record", exc)
         self.throughput.ledger.pause(closing, last=True)  # (shutdown's own time is not the job's: not in wall time)

@@ -12,6 +12,7 @@ MFU, the throughput rules.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple
@@ -25,6 +26,7 @@ from torchtrace.measure.learning_rates import learning_rates, plan_rates
 from torchtrace.measure.scaler import find_side_effect_owners, scale_at_start, skipped_update
 from torchtrace.measure.shape_keys import loose_shape_key, truncated
 from torchtrace.record.goodput import MAX_PEAKS, TRAIN, FinishedStep, GoodputLedger, enclosing
+from torchtrace.record.goodput_types import EVALUATION
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step.call_keys import MANY, CallKeys
 from torchtrace.step.cycles import DeviceCycles
@@ -57,6 +59,10 @@ class StepFigures(NamedTuple):
     lr: list[float] | None
 
 
+UNMARKED_EVALUATION = "unmarked_evaluation"
+"""The operation an evaluation the script did not mark is booked under (:meth:`RunThroughput.unmarked_call`)."""
+
+
 class RunThroughput:
     """The runtime's side: FLOPs per input shape, phase marks, peak FLOP/s and the goodput ledger."""
 
@@ -86,6 +92,11 @@ class RunThroughput:
         # The step whose FLOP counter was last opened (while open), weakly: a scope holds the user's model.
         self._counting: Callable[[], StepScope | None] = none_ref
         self.left_at: float | None = None  # when the last step's bookkeeping ended (perf_counter)
+        # [first start, last end] of the calls of a watched model under no_grad since the last
+        # step began (an evaluation the script did not mark), and the spans closed by a step's
+        # start, booked as evaluation in time order with the steps (see unmarked_call)
+        self._unmarked: list[float] | None = None
+        self._evaluations: list[tuple[float, float]] = []
 
     # ------------------------------------------------------------ step start and end
     def start(self, scope: StepScope, parent: StepScope | None, entered_at: float) -> StepThroughput:
@@ -99,6 +110,9 @@ class RunThroughput:
         counted yet, the open FLOP counter. A failure here costs the step its throughput
         figures, never its record.
         """
+        if self._unmarked is not None:  # an unmarked evaluation ran since the last step
+            self._evaluations.append((self._unmarked[0], self._unmarked[1]))
+            self._unmarked = None
         state = StepThroughput(parent, entered_at, self.left_at)
         outermost = parent is None
         if parent is not None:
@@ -315,6 +329,8 @@ class RunThroughput:
         outer = state.parent
         parent = outer.throughput if outer is not None else None
         start = state.started_at
+        if self._evaluations:
+            self._book_evaluations(before=start)
         account = self.ledger.add_step(FinishedStep(
             start, start + record.duration_s,
             applied=record.progressed,  # (a NaN update applied under warn is skipped_step)
@@ -330,8 +346,38 @@ class RunThroughput:
     def book(self, start: float, end: float, kind: str, operation: str) -> None:
         """Time between steps that a framework spent on an operation of ``kind`` (its evaluation
         loop, a checkpoint save) and the step pipeline saw no step of: badput of that kind
-        instead of data wait (perf_counter seconds; an operation named for the record)."""
+        instead of data wait (perf_counter seconds; an operation named for the record). An
+        unmarked evaluation before it is booked first."""
+        self.book_unmarked(before=start)
         self.ledger.add_step(FinishedStep(start, end, excluded=True, kind=kind, operation=operation))
+
+    def unmarked_call(self, start: float, end: float) -> None:
+        """A watched model was called from ``start`` to ``end`` (perf_counter) under no_grad,
+        between steps, on the training thread: part of an evaluation the script did not mark
+        (nanoGPT's ``estimate_loss``, a validation pass). The span from the first such call to
+        the last (its loading between the calls included) is evaluation, not data wait. The
+        next step's start closes it; it is booked when the ledger gets the first step that
+        began after it (on a GPU, the step before it may be booked after that start: its
+        record waits for its copy), a framework's booking after it, or the run's end."""
+        if self._unmarked is None:
+            self._unmarked = [start, end]
+        else:
+            self._unmarked[1] = end
+
+    def book_unmarked(self, before: float = math.inf) -> None:
+        """Book the unmarked evaluations (:meth:`unmarked_call`) that ended by ``before``
+        (perf_counter), in time order; all of them by default (the run's end)."""
+        if self._unmarked is not None and self._unmarked[1] <= before:
+            self._evaluations.append((self._unmarked[0], self._unmarked[1]))
+            self._unmarked = None
+        if self._evaluations:
+            self._book_evaluations(before)
+
+    def _book_evaluations(self, before: float) -> None:
+        while self._evaluations and self._evaluations[0][1] <= before:
+            start, end = self._evaluations.pop(0)
+            self.ledger.add_step(FinishedStep(start, end, excluded=True, kind=EVALUATION,
+                                              operation=UNMARKED_EVALUATION))
 
     def scrape(self) -> tuple[float | None, dict[str, float], dict[str, float]]:
         """For ``/metrics``: the goodput ratio now, badput seconds by kind (final counts: they
