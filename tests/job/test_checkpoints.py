@@ -259,3 +259,36 @@ def test_a_save_inside_a_training_step_is_checkpoint_time_not_the_steps(rt, tmp_
     assert g.badput["checkpoint"] == pytest.approx(saved, rel=1e-6)
     assert g.productive_s < 0.2, g  # six small steps, without the 0.3 s of saving
     assert rt.rank_state.fields["checkpoint_step"] == 4  # (the step finished before the last save)
+
+
+def test_a_save_while_the_step_before_waits_for_its_copy_is_booked_after_that_step(rt, tmp_path, monkeypatch):
+    """On a GPU a step's record waits for its copy and is booked when the next step ends. A
+    save between the two, booked at once, went into the goodput ledger before the step that
+    preceded it, whose time then read as data wait. Here the runtime says a record is pending
+    while the save is booked: the save waits, and goes in with the next step, after the one
+    before it. Every step's time stays productive, the save's is checkpoint badput."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        with tt.debug_context("train_step", model=model, optimizer=opt):
+            model(torch.randn(2, 4)).sum().backward()
+            time.sleep(0.05)
+            opt.step()
+            opt.zero_grad()
+
+    for _ in range(2):
+        step()
+    ledger = rt.throughput.ledger
+    productive = ledger.closed().productive_s
+    monkeypatch.setattr(rt, "records_pending", lambda: True)
+    t0 = time.perf_counter()
+    torch.save({"x": torch.zeros(1 << 16)}, tmp_path / "b.pt")
+    time.sleep(0.05)
+    saved = time.perf_counter() - t0
+    assert ledger.closed().badput["checkpoint"] == 0  # waiting for the step before it
+    monkeypatch.undo()
+    step()
+    g = ledger.closed()
+    assert 0 < g.badput["checkpoint"] <= saved
+    assert g.productive_s >= productive + 0.05 and g.badput["data_wait"] < saved

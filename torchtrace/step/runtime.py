@@ -9,6 +9,7 @@ finished by :func:`torchtrace.step.finish.finish` once its host values are known
 from __future__ import annotations
 
 import collections
+import math
 import os
 import time
 import weakref
@@ -420,6 +421,10 @@ class Runtime:
         except Exception as oerr:
             self.errors.report("metrics", oerr)
 
+    def records_pending(self) -> bool:
+        """Whether a finished step's record still waits for its copy (on a GPU)."""
+        return bool(self._deferred)
+
     def finish_deferred(self, block: bool, into: StepScope | None = None) -> None:
         """Finish the records whose copies landed (all of them, waiting, with ``block``). An
         error the guard decided on such a record (``max_consecutive_bad_steps`` reached) is
@@ -511,7 +516,7 @@ class Runtime:
                 proc.prepare_exit()
         try:
             self.finish_deferred(block=True)
-            self.throughput.book_unmarked()  # an evaluation after the last step
+            self.throughput.between_steps(before=math.inf)  # an evaluation after the last step
         except Exception as exc:
             self.errors.report("record", exc)
         self.throughput.ledger.pause(closing, last=True)  # (shutdown's own time is not the job's: not in wall time)

@@ -93,10 +93,12 @@ class RunThroughput:
         self._counting: Callable[[], StepScope | None] = none_ref
         self.left_at: float | None = None  # when the last step's bookkeeping ended (perf_counter)
         # [first start, last end] of the calls of a watched model under no_grad since the last
-        # step began (an evaluation the script did not mark), and the spans closed by a step's
-        # start, booked as evaluation in time order with the steps (see unmarked_call)
+        # step began (an evaluation the script did not mark: see unmarked_call)
         self._unmarked: list[float] | None = None
-        self._evaluations: list[tuple[float, float]] = []
+        # Time between steps that is not data wait, waiting to be booked in time order with the
+        # steps: unmarked evaluations a step's start closed, and bookings made while a step's
+        # record still waited for its copy (on a GPU): see between_steps
+        self._between: list[FinishedStep] = []
 
     # ------------------------------------------------------------ step start and end
     def start(self, scope: StepScope, parent: StepScope | None, entered_at: float) -> StepThroughput:
@@ -111,8 +113,7 @@ class RunThroughput:
         figures, never its record.
         """
         if self._unmarked is not None:  # an unmarked evaluation ran since the last step
-            self._evaluations.append((self._unmarked[0], self._unmarked[1]))
-            self._unmarked = None
+            self._close_unmarked()
         state = StepThroughput(parent, entered_at, self.left_at)
         outermost = parent is None
         if parent is not None:
@@ -329,8 +330,8 @@ class RunThroughput:
         outer = state.parent
         parent = outer.throughput if outer is not None else None
         start = state.started_at
-        if self._evaluations:
-            self._book_evaluations(before=start)
+        if self._between:
+            self.between_steps(before=start)
         account = self.ledger.add_step(FinishedStep(
             start, start + record.duration_s,
             applied=record.progressed,  # (a NaN update applied under warn is skipped_step)
@@ -346,10 +347,15 @@ class RunThroughput:
     def book(self, start: float, end: float, kind: str, operation: str) -> None:
         """Time between steps that a framework spent on an operation of ``kind`` (its evaluation
         loop, a checkpoint save) and the step pipeline saw no step of: badput of that kind
-        instead of data wait (perf_counter seconds; an operation named for the record). An
-        unmarked evaluation before it is booked first."""
-        self.book_unmarked(before=start)
-        self.ledger.add_step(FinishedStep(start, end, excluded=True, kind=kind, operation=operation))
+        instead of data wait (perf_counter seconds; an operation named for the record). Booked
+        now, after an unmarked evaluation before it; or, while a step's record still waits for
+        its copy (on a GPU), once that step is booked (:meth:`between_steps`): booked first, it
+        took the place of that step's time, which then read as data wait."""
+        if self._unmarked is not None and self._unmarked[1] <= start:
+            self._close_unmarked()
+        self._between.append(FinishedStep(start, end, excluded=True, kind=kind, operation=operation))
+        if not self.rt.records_pending():
+            self.between_steps(before=math.inf)
 
     def unmarked_call(self, start: float, end: float) -> None:
         """A watched model was called from ``start`` to ``end`` (perf_counter) under no_grad,
@@ -364,20 +370,21 @@ class RunThroughput:
         else:
             self._unmarked[1] = end
 
-    def book_unmarked(self, before: float = math.inf) -> None:
-        """Book the unmarked evaluations (:meth:`unmarked_call`) that ended by ``before``
-        (perf_counter), in time order; all of them by default (the run's end)."""
-        if self._unmarked is not None and self._unmarked[1] <= before:
-            self._evaluations.append((self._unmarked[0], self._unmarked[1]))
-            self._unmarked = None
-        if self._evaluations:
-            self._book_evaluations(before)
+    def _close_unmarked(self) -> None:
+        """The unmarked evaluation seen so far ended: it waits in :attr:`_between` to be booked."""
+        assert self._unmarked is not None
+        start, end = self._unmarked
+        self._unmarked = None
+        self._between.append(FinishedStep(start, end, excluded=True, kind=EVALUATION, operation=UNMARKED_EVALUATION))
 
-    def _book_evaluations(self, before: float) -> None:
-        while self._evaluations and self._evaluations[0][1] <= before:
-            start, end = self._evaluations.pop(0)
-            self.ledger.add_step(FinishedStep(start, end, excluded=True, kind=EVALUATION,
-                                              operation=UNMARKED_EVALUATION))
+    def between_steps(self, before: float) -> None:
+        """Book the time between steps waiting in :attr:`_between` that ended by ``before``
+        (perf_counter: the start of the step about to be booked; ``math.inf`` at the run's end,
+        with an unmarked evaluation still open), in time order."""
+        if before == math.inf and self._unmarked is not None:
+            self._close_unmarked()
+        while self._between and self._between[0].end <= before:
+            self.ledger.add_step(self._between.pop(0))
 
     def scrape(self) -> tuple[float | None, dict[str, float], dict[str, float]]:
         """For ``/metrics``: the goodput ratio now, badput seconds by kind (final counts: they
