@@ -843,6 +843,24 @@ def test_an_unmarked_evaluation_is_evaluation_badput_not_data_wait(tmp_path, whe
     assert badput["evaluation"] == pytest.approx(evaluated - 0.03, abs=0.02), badput
 
 
+def test_an_unmarked_evaluation_before_measuring_stops_is_booked_then(tmp_path):
+    """Goodput pauses while nothing is measured (level off): an unmarked evaluation just before
+    the level goes off is booked as it does, not left for a step that may never be measured."""
+    _configure(tmp_path, run_id="unmarked-off")
+    try:
+        model = _Busy(16, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        train_step = tt.debug_operation(model=model, optimizer=opt)(lambda x: _train_once(model, opt, x))
+        for _ in range(2):
+            train_step(torch.randn(8, 16))
+        evaluated = _evaluate(model, 4)
+        rt = get_runtime()
+        rt.set_level("off")
+        assert rt.throughput.ledger.closed().badput["evaluation"] == pytest.approx(evaluated - 0.03, abs=0.02)
+    finally:
+        tt.shutdown()
+
+
 def _train_once(model, opt, x):
     opt.zero_grad()
     loss = model(x).pow(2).mean()

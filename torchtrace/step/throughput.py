@@ -433,7 +433,9 @@ class RunThroughput:
         level OFF, or with ``throughput=False``, runs PyTorch's own call. The next step that
         measures throughput puts them back. The optimizers keep their two step hooks until
         shutdown (one call each per ``optimizer.step()``, which returns at once outside a step).
-        Goodput pauses until the next measured step: unmeasured time is no class's."""
+        Goodput pauses until the next measured step: unmeasured time is no class's (an unmarked
+        evaluation before it is booked first)."""
+        self.between_steps(before=math.inf)
         self.ledger.pause(time.perf_counter())
         for hooks in list(self._models.values()):
             hooks.detach()
