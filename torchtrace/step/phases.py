@@ -464,7 +464,7 @@ class OptimizerMarks:
         self.handles = []
 
 
-def _between_steps(impl: Callable[..., Any], target: torch.nn.Module | None, args: tuple, kwargs: dict) -> Any:
+def _between_steps(impl: Callable[..., object], target: torch.nn.Module | None, args: tuple, kwargs: dict) -> object:
     """A call of a step's model with no step open: progress as it begins and as it ends
     (:func:`~torchtrace.job.progress.called_between_steps`), so that an evaluation loop the
     script does not mark is no hang, while a call that never returns still is; and under
