@@ -264,6 +264,12 @@ def gradient_moved(before: GradientMark, now: GradientMark) -> bool:
     return seen is not current_grad or version != version_now
 
 
+def backward_between(before: GradientMark | None, now: GradientMark | None) -> bool:
+    """Whether a backward moved a gradient between two marks (:func:`gradient_mark`; a model's
+    at two of its calls); False when either is not known."""
+    return before is not None and now is not None and gradient_moved(before, now)
+
+
 def _grouped_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
     """Norms of gradients of several dtypes or devices: one foreach kernel per (device, dtype)
     group (foreach kernels want uniform lists), float64 when any gradient is. Returns the

@@ -13,7 +13,6 @@ the step's end fills in.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Hashable
 
 import torch
@@ -21,8 +20,7 @@ import torch
 from torchtrace import current
 from torchtrace.measure.batch import MAX_MICRO_BATCHES, MicroBatches, batch_of, same_arguments
 from torchtrace.measure.flops import LateKey, StepFlops, countable, leave_counter, shape_key
-from torchtrace.measure.gradients import GradientMark, gradient_mark, gradient_moved
-from torchtrace.step.watched import layout_version
+from torchtrace.measure.gradients import GradientMark, backward_between
 
 if TYPE_CHECKING:
     from torchtrace.step.scope import StepScope
@@ -34,7 +32,7 @@ MANY = object()  # StepClock.batch once the model was called on another batch in
 
 class _Call(tuple):
     """A model call's ``(args, kwargs)``, with the state of the model's gradients when it was
-    made (:class:`FirstGradient`): a later call after a backward is another micro-batch; and
+    made (:class:`~torchtrace.step.phases.FirstGradient`): a later call after a backward is another micro-batch; and
     whether autograd was on (``graph``): a call without it trains nothing."""
 
     grads: GradientMark | None = None
@@ -44,7 +42,7 @@ class _Call(tuple):
 
 def note_call(scope: StepScope, args: tuple, kwargs: dict, grads: GradientMark | None) -> None:
     """The model was called in a step whose arguments gave no batch (``clock.batch`` is not
-    MANY), its gradients standing at ``grads`` (:class:`FirstGradient`): keep the call's
+    MANY), its gradients standing at ``grads`` (:class:`~torchtrace.step.phases.FirstGradient`): keep the call's
     arguments. A call on another batch after a backward (the model's gradients changed since
     the call before: gradient accumulation) is one more micro-batch,
     kept with the others (:class:`MicroBatches`, samples and tokens summed, FLOPs counted over
@@ -125,55 +123,10 @@ def _countable_calls(batch: object) -> bool:
     return type(batch) is not MicroBatches or len(batch[0]) < MAX_MICRO_BATCHES
 
 
-class FirstGradient:
-    """Where a model's gradients stand (:func:`~torchtrace.measure.gradients.gradient_mark`), read
-    from its first trained parameter among its first 64. The parameter is found once and kept
-    weakly, and found again when it is freed, no longer trained (a backbone frozen mid-run), or
-    any module's layout changed (:func:`~torchtrace.step.watched.layout_version`: a layer
-    replaced). A read costs a fraction of a microsecond; walking ``model.parameters()`` at every
-    call of the model cost several."""
-
-    SEARCHED = 64
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = weakref.ref(model)
-        self.param: weakref.ref[torch.Tensor] | None = None
-        self.layout = -1
-
-    def __call__(self) -> GradientMark | None:
-        """The gradient's mark now; None when the model is gone or trains none of the
-        parameters searched."""
-        param = self.param() if self.param is not None else None
-        if param is None or not param.requires_grad or self.layout != layout_version():
-            param = self._find()
-            if param is None:
-                return None
-        return gradient_mark(param)
-
-    def _find(self) -> torch.Tensor | None:
-        model = self.model()
-        self.param, self.layout = None, layout_version()
-        if model is None:
-            return None
-        for index, param in enumerate(model.parameters()):
-            if index >= self.SEARCHED:
-                return None
-            if param.requires_grad:
-                self.param = weakref.ref(param)
-                return param
-        return None
-
-
 def _updates(scope: StepScope) -> int:
     """How many times the step's optimizer has updated so far in the step (0 without one)."""
     check = scope.gradients
     return check.updates if check is not None else 0
-
-
-def backward_between(before: GradientMark | None, now: GradientMark | None) -> bool:
-    """Whether a backward moved the model's gradient between two of its calls
-    (:class:`FirstGradient`'s marks); False when either is not known."""
-    return before is not None and now is not None and gradient_moved(before, now)
 
 
 class CallKeys:
@@ -225,4 +178,4 @@ class CallKeys:
         self.last[name] = None
 
 
-__all__ = ["MANY", "CallKeys", "FirstGradient", "LateKey", "backward_between", "note_call"]
+__all__ = ["MANY", "CallKeys", "LateKey", "note_call"]

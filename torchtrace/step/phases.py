@@ -17,10 +17,11 @@ import torch
 
 from torchtrace import current
 from torchtrace.job import progress
-from torchtrace.measure.gradients import in_backward
+from torchtrace.measure.gradients import backward_between, gradient_mark, in_backward
 from torchtrace.record import events
-from torchtrace.step.call_keys import MANY, FirstGradient, backward_between, note_call
+from torchtrace.step.call_keys import MANY, note_call
 from torchtrace.step.cycles import DeviceCycles  # noqa: F401  (imported from here before)
+from torchtrace.step.watched import layout_version
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -88,7 +89,7 @@ class StepClock:
         follow: the first forward start and optimizer start count (a later forward start ends
         a pause between forward calls), a forward end only before the optimizer started, an
         optimizer end only after it did. ``grads``: at a forward start, the model's gradients
-        (:class:`~torchtrace.step.call_keys.FirstGradient`); without them a pause is taken for
+        (:class:`FirstGradient`); without them a pause is taken for
         a micro-batch's backward."""
         if point == "forward_start":
             progress.mark("forward")  # (what the training thread does now: the watchdog's view)
@@ -237,6 +238,45 @@ class StepClock:
         if self.cuda:  # only events that completed (the record's read landed after them): no wait
             return events.seconds_between(a, b)
         return b - a
+
+
+class FirstGradient:
+    """Where a model's gradients stand (:func:`~torchtrace.measure.gradients.gradient_mark`), read
+    from its first trained parameter among its first 64. The parameter is found once and kept
+    weakly, and found again when it is freed, no longer trained (a backbone frozen mid-run), or
+    any module's layout changed (:func:`~torchtrace.step.watched.layout_version`: a layer
+    replaced). A read costs a fraction of a microsecond; walking ``model.parameters()`` at every
+    call of the model cost several."""
+
+    SEARCHED = 64
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = weakref.ref(model)
+        self.param: weakref.ref[torch.Tensor] | None = None
+        self.layout = -1
+
+    def __call__(self) -> GradientMark | None:
+        """The gradient's mark now; None when the model is gone or trains none of the
+        parameters searched."""
+        param = self.param() if self.param is not None else None
+        if param is None or not param.requires_grad or self.layout != layout_version():
+            param = self._find()
+            if param is None:
+                return None
+        return gradient_mark(param)
+
+    def _find(self) -> torch.Tensor | None:
+        model = self.model()
+        self.param, self.layout = None, layout_version()
+        if model is None:
+            return None
+        for index, param in enumerate(model.parameters()):
+            if index >= self.SEARCHED:
+                return None
+            if param.requires_grad:
+                self.param = weakref.ref(param)
+                return param
+        return None
 
 
 class ModelMarks:
