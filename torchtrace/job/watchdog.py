@@ -475,7 +475,8 @@ class Watchdog:
                 self._persist()
             start_thread(logger.error, "torchtrace-hang-log",
                          "torchtrace: rank(s) %s of this job are gone: their process no longer exists and never said "
-                         "how it ended (SIGKILL, the OOM killer); rank %s waits for them in vain", new, f.get("rank"))
+                         "how it ended (SIGKILL, the OOM killer); a collective of rank %s with them will wait in vain",
+                         new, f.get("rank"))
         return gone
 
     def _persist(self) -> None:
