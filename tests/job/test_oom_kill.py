@@ -77,17 +77,22 @@ def _memory_cgroup(limit: int):
             group.rmdir()
 
 
-def test_a_host_oom_kill_is_named(tmp_path):
-    run_dir = tmp_path / "runs"
-    env = clean_env(TORCHTRACE_RUN_ID="oom", TORCHTRACE_RUN_DIR=str(run_dir))
+def _run_in_cgroup(code: str, run_dir: Path, run_id: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run ``code`` in a fresh process inside a memory cgroup of :data:`LIMIT` bytes; its
+    result, and the job's story read while the cgroup is there (the next attempt of a
+    restarted container runs in it)."""
+    env = clean_env(TORCHTRACE_RUN_ID=run_id, TORCHTRACE_RUN_DIR=str(run_dir))
     with _memory_cgroup(LIMIT) as procs:
         def enter_cgroup():
             procs.write_text(str(os.getpid()))
 
-        proc = subprocess.run([sys.executable, "-c", _GREEDY], env=env, preexec_fn=enter_cgroup,
+        proc = subprocess.run([sys.executable, "-c", code], env=env, preexec_fn=enter_cgroup,
                               capture_output=True, text=True, timeout=600)
-        # Read while the cgroup is there (the next attempt of a restarted container runs in it).
-        story = job_story(run_dir / "oom")
+        return proc, job_story(run_dir / run_id)
+
+
+def test_a_host_oom_kill_is_named(tmp_path):
+    proc, story = _run_in_cgroup(_GREEDY, tmp_path / "runs", "oom")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     (attempt,) = story["attempts"]
     assert attempt["ended"] == "killed"
@@ -139,18 +144,12 @@ _GREEDY_WORKER = textwrap.dedent("""
 def test_a_dataloader_worker_the_kernel_killed_is_named_beside_the_exception(tmp_path):
     """The kernel kills the DataLoader worker that hoards memory; the training process gets
     PyTorch's ``RuntimeError: DataLoader worker (pid N) is killed by signal`` (or ``exited
-    unexpectedly``, or a ``ConnectionResetError`` from the dead worker's socket) and ends with it. Its end says the exception and that the kernel counted an
-    OOM kill in its cgroup while it ran (the message itself is not recorded by default)."""
-    run_dir = tmp_path / "runs"
-    env = clean_env(TORCHTRACE_RUN_ID="worker-oom", TORCHTRACE_RUN_DIR=str(run_dir))
-    with _memory_cgroup(LIMIT) as procs:
-        def enter_cgroup():
-            procs.write_text(str(os.getpid()))
-
-        proc = subprocess.run([sys.executable, "-c", _GREEDY_WORKER], env=env, preexec_fn=enter_cgroup,
-                              capture_output=True, text=True, timeout=600)
+    unexpectedly``, or a ``ConnectionResetError`` from the dead worker's socket) and ends with
+    it. Its end says the exception and that the kernel counted an OOM kill in its cgroup while
+    it ran (the message itself is not recorded by default)."""
+    proc, story = _run_in_cgroup(_GREEDY_WORKER, tmp_path / "runs", "worker-oom")
     assert proc.returncode == 1, proc.stderr[-2000:]
-    (attempt,) = job_story(run_dir / "worker-oom")["attempts"]
+    (attempt,) = story["attempts"]
     assert attempt["ended"] == "exception", attempt
     # What the parent raises depends on when it notices: the worker's death (RuntimeError), or
     # a connection the killed worker held (ConnectionResetError, while a batch was passed).

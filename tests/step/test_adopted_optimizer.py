@@ -237,13 +237,19 @@ def test_skip_drops_every_optimizers_update_of_a_bad_step(tmp_path):
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_a_sparse_embeddings_optimizer_and_the_rests_are_measured_together(tt_runtime):
-    """``nn.Embedding(sparse=True)`` with ``SparseAdam``, an ``Adam`` for the rest: the norm
-    counts the sparse gradient's values too."""
+def _sparse_model():
+    """An embedding with ``sparse=True`` under ``SparseAdam``, a head under ``Adam``."""
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(50, 8, sparse=True), "head": torch.nn.Linear(8, 1)})
     sparse = torch.optim.SparseAdam(list(model["emb"].parameters()), lr=1e-2)
     dense = torch.optim.Adam(model["head"].parameters(), lr=1e-2)
+    return model, sparse, dense
+
+
+def test_a_sparse_embeddings_optimizer_and_the_rests_are_measured_together(tt_runtime):
+    """``nn.Embedding(sparse=True)`` with ``SparseAdam``, an ``Adam`` for the rest: the norm
+    counts the sparse gradient's values too."""
+    model, sparse, dense = _sparse_model()
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         idx = torch.randint(0, 50, (16, 4), generator=gen)
@@ -266,10 +272,7 @@ def test_a_second_optimizer_updating_the_models_other_parameters_is_said_once(tt
     generator and the generator's optimizer, in which the discriminator's optimizer steps too,
     says nothing: the discriminator is no part of the step's model."""
     caplog.set_level(logging.WARNING, logger="torchtrace")
-    torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(50, 8, sparse=True), "head": torch.nn.Linear(8, 1)})
-    sparse = torch.optim.SparseAdam(list(model["emb"].parameters()), lr=1e-2)
-    dense = torch.optim.Adam(model["head"].parameters(), lr=1e-2)
+    model, sparse, dense = _sparse_model()
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         idx = torch.randint(0, 50, (16, 4), generator=gen)
