@@ -291,4 +291,6 @@ def test_a_save_while_the_step_before_waits_for_its_copy_is_booked_after_that_st
     step()
     g = ledger.closed()
     assert 0 < g.badput["checkpoint"] <= saved
-    assert g.productive_s >= productive + 0.05 and g.badput["data_wait"] < saved
+    # The wait between the steps is the planted 0.05 s after the save and the loop's own
+    # moments; the step before the save read as data wait would add its 0.05 s more.
+    assert g.productive_s >= productive + 0.05 and g.badput["data_wait"] < 0.09
