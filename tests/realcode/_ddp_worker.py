@@ -1,5 +1,6 @@
 """The real-code suite's DDP job (``torchrun --nproc_per_node=2``, gloo on CPU): the four planted
-faults under ``warn`` and ``skip``, each in a fresh torchtrace run, all in one launch.
+faults under ``warn`` and ``skip``, each in a fresh torchtrace run, and a run of gradient
+accumulation under ``no_sync()``, all in one launch.
 
 Usage: ``python -m torch.distributed.run ... _ddp_worker.py OUT_DIR``; each rank writes
 ``OUT_DIR/ddp.rank<r>.json``: per guard and fault, the forensic reports, each step's skip
@@ -12,6 +13,7 @@ default torchtrace settings; the key is ``one_nan/GUARD``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -28,6 +30,7 @@ from torchtrace.api import get_runtime  # noqa: E402
 
 STEPS = 5
 BAD_STEP = 3  # the fault is planted for this step (huge_lr: its update; the next step is the bad one)
+MICRO_BATCHES = 4
 ONE_NAN_STEPS = 18
 ONE_NAN_BAD_STEP = 15
 
@@ -85,15 +88,67 @@ def run_case(out: str, rank: int, guard: str, fault: str, max_replays: int = 3, 
             target = inner.h[0].mlp.c_fc.weight if fault == "inf_weight" else inner.h[0].attn.c_attn.weight
             models.put_back(target, saved)
     rt = get_runtime()
-    flat = torch.cat([p.detach().reshape(-1) for p in inner.parameters()]).to(torch.float64)
-    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    identical = all(torch.equal(torch.nan_to_num(g, 0.0, 1.0, -1.0), torch.nan_to_num(flat, 0.0, 1.0, -1.0))
-                    and torch.equal(g.isnan(), flat.isnan()) for g in gathered)
-    result = {"reports": list(rt.forensics.reports), "decisions": decisions, "identical": identical,
+    result = {"reports": list(rt.forensics.reports), "decisions": decisions, "identical": _identical_across_ranks(inner),
               "internal_errors": rt.errors.total if isinstance(getattr(rt.errors, "total", None), int) else None}
     tt.shutdown()
     return result
+
+
+def run_accumulation(out: str, rank: int) -> dict:
+    """Gradient accumulation under ``guard="skip"``: each step runs ``MICRO_BATCHES`` micro-batches,
+    all but the last inside ``no_sync()``, in a ``debug_context`` given the module DDP wraps (as
+    ``model=ddp.module``) and a replay of the whole step. A NaN in rank 1's second micro-batch of
+    step ``BAD_STEP`` reaches rank 0 only through the last micro-batch's all-reduce."""
+    tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=os.path.join(out, "accumulate"),
+                 register_atexit=False, strict=True, guard="skip", throughput=False)
+    torch.manual_seed(0)
+    inner = models.TinyGPT()
+    model = torch.nn.parallel.DistributedDataParallel(inner, find_unused_parameters=True)
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+
+    def micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batches = []
+        for i in range(MICRO_BATCHES):
+            idx, targets = models.gpt_batch(gen)
+            bad = step == BAD_STEP and i == 1 and rank == 1
+            embeds = models.nan_embeddings(inner, idx) if bad else inner.wte(idx).detach()
+            batches.append((embeds, targets))
+        return batches
+
+    def accumulate(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for i, (embeds, targets) in enumerate(batches):
+            sync = i == len(batches) - 1  # the all-reduce runs in the last micro-batch's backward
+            with contextlib.nullcontext() if sync else model.no_sync():
+                _, loss = model(embeds, targets)
+                (loss / len(batches)).backward()
+            total = total + loss.detach() / len(batches)
+        opt.step()
+        return total
+
+    decisions = []
+    for step in range(STEPS):
+        batches = micro_batches(step)
+        with tt.debug_context("train_step", model=inner, optimizer=opt,
+                              replay=lambda: accumulate(batches)) as scope:
+            scope.record_loss(accumulate(batches))
+        decisions.append({"step": step, "skipped": bool(scope.record.skipped),
+                          "nonfinite": bool(scope.record.nonfinite)})
+    result = {"reports": list(get_runtime().forensics.reports), "decisions": decisions,
+              "identical": _identical_across_ranks(inner)}
+    tt.shutdown()
+    return result
+
+
+def _identical_across_ranks(model: torch.nn.Module) -> bool:
+    """Every rank holds the same parameters (NaN where the others hold NaN)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float64)
+    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(torch.nan_to_num(g, 0.0, 1.0, -1.0), torch.nan_to_num(flat, 0.0, 1.0, -1.0))
+               and torch.equal(g.isnan(), flat.isnan()) for g in gathered)
 
 
 def main() -> None:
@@ -117,6 +172,7 @@ def main() -> None:
     # would wait for a rank that never joins it.
     results["lonely/nan_input"] = run_case(os.path.join(out, "lonely"), rank, "warn", "nan_input",
                                            max_replays=0 if rank == 0 else 3)
+    results["accumulate/nan_input"] = run_accumulation(out, rank)
     with open(os.path.join(out, f"ddp.rank{rank}.json"), "w") as f:
         json.dump(results, f, default=str)
     dist.destroy_process_group()

@@ -110,6 +110,26 @@ def test_a_replay_on_one_rank_alone_issues_no_collective(ranks):
 
 
 @pytest.mark.timeout(300)
+def test_accumulation_under_no_sync_names_the_rank_where_the_nan_was_born(ranks):
+    """Four micro-batches a step, three under ``no_sync()``, ``model=`` the module DDP wraps: a
+    NaN in rank 1's second micro-batch reaches rank 0 in the last one's all-reduce. Both ranks
+    skip that step alone and stay identical; rank 0's replay finds everything finite on its
+    side, and its report's sentence (the line logged and put on the span) says where the value
+    was born, as its ``origin_*`` fields do; before, it read "origin not found"."""
+    from torchtrace.probes.forensics import sentence
+
+    r0, r1 = ranks[0]["accumulate/nan_input"], ranks[1]["accumulate/nan_input"]
+    assert r0["decisions"] == r1["decisions"] and r0["identical"] and r1["identical"]
+    assert [d["step"] for d in r0["decisions"] if d["skipped"]] == [BAD_STEP]
+    (rep0,), (rep1,) = r0["reports"], r1["reports"]
+    assert (rep1["cause"], rep1["module"], rep1["rank"]) == ("input", "", 1)
+    assert (rep0["origin_rank"], rep0["origin_cause"], rep0["origin_module"]) == (1, "input", "")
+    text = sentence(rep0)
+    assert "born on rank 1" in text and "input" in text, text
+    assert "origin not found" not in text, text
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("guard", ["warn", "skip"])
 def test_one_nan_on_one_rank_at_the_defaults_does_not_kill_the_job(tmp_path, guard):
     """The issue's job: DDP and torchtrace at their defaults, an Inf weight on rank 1 before

@@ -171,6 +171,10 @@ class ForensicsProbe(Probe[_State]):
             return report
         report.update(origin_rank=origin["rank"], origin_cause=origin["cause"], origin_module=origin["module"],
                       origin_module_type=origin["module_type"])
+        if origin["rank"] != self.rt.identity.rank and found_all_finite(report):
+            # Its replay found this rank's side finite, a peer found the origin: the non-finite
+            # gradients came from there (DDP given as ``model=ddp.module``, a hand-written all-reduce).
+            report.update(cause="peer", kind=analysis.CAUSE_KIND["peer"])
         return report
 
     def finish(self, scope: StepScope, state: _State | None, record: StepRecord, values: list[float] | None) -> None:
@@ -226,6 +230,14 @@ class ForensicsProbe(Probe[_State]):
                 "reports": list(self.reports), "ooms": list(self.ooms)}
 
 
+def found_all_finite(report: dict[str, Any]) -> bool:
+    """The replay ran to its end and found nothing non-finite on this rank: a loss came back,
+    and no module's output, gradient or parameter was non-finite (``unknown``, without a
+    replay error)."""
+    return (report.get("cause") == "unknown" and bool(report.get("replayed")) and not report.get("replay_error")
+            and report.get("loss") is not None and not report.get("nonfinite_grads"))
+
+
 def sentence(report: dict[str, Any], where_only: bool = False) -> str:
     """One line saying where the non-finite value was born (``where_only``: without the step,
     operation and rank it begins with)."""
@@ -236,7 +248,7 @@ def sentence(report: dict[str, Any], where_only: bool = False) -> str:
         target = "the model" if where in ("", None) else where
         text = head + f"non-finite value in the input of {target}"
     elif cause == "peer":
-        text = head + "non-finite gradients arrived through DistributedDataParallel's all-reduce"
+        text = head + "non-finite gradients arrived from another rank through the gradients' all-reduce"
         if report.get("origin_rank") is not None:
             text += (f": born on rank {report['origin_rank']} in "
                      f"{report.get('origin_module') or 'the model'} ({report.get('origin_cause')})")
