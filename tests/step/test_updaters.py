@@ -153,6 +153,62 @@ def test_a_replay_applies_no_update_twice(tmp_path, build, with_context):
         assert torch.equal(a, b), "the replay applied an update a second time"
 
 
+def _schedule_and_average(tmp_path, guard: str | None, with_context: bool):
+    """Four steps of a model, its optimizer, a per-step learning-rate schedule and an EMA copy of
+    the weights, the last two stepped after the update (as most training loops do); the second
+    batch holds a NaN, so its gradients are non-finite. ``guard``: torchtrace's, or None for the
+    plain loop, which drops that step's update itself as ``skip`` does. Returns the parameters,
+    the EMA's, its count, the learning rate and the schedule's position."""
+    if guard is not None:
+        tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, guard=guard)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    batches = [torch.randn(8, 4) for _ in range(4)]
+    batches[1][0, 0] = float("nan")
+
+    def step(x, drop_update=False):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        if drop_update:
+            opt.zero_grad(set_to_none=True)
+        opt.step()
+        schedule.step()
+        ema.update_parameters(model)
+        return loss
+
+    try:
+        for i, x in enumerate(batches):
+            if guard is None:
+                step(x, drop_update=i == 1)
+            elif with_context:
+                with tt.debug_context("train_step", model=model, optimizer=opt, replay=lambda x=x: step(x)) as scope:
+                    scope.record_loss(step(x))
+            else:
+                tt.debug_operation(name="train_step", model=model, optimizer=opt)(step)(x)
+        if guard is not None:
+            assert len(get_runtime().forensics.reports) == 1  # the step was replayed
+    finally:
+        if guard is not None:
+            tt.shutdown()
+    return ([p.detach().clone() for p in (*model.parameters(), *ema.parameters())]
+            + [ema.n_averaged.clone(), torch.tensor(opt.param_groups[0]["lr"]), torch.tensor(schedule.last_epoch)])
+
+
+@pytest.mark.parametrize("with_context", [False, True])
+def test_a_replay_in_the_update_steps_no_schedule_and_averages_nothing_that_comes_after_it(tmp_path, with_context):
+    """Non-finite gradients are replayed in the optimizer's hook, before the schedule and the EMA
+    of the same step have run: the replay ran the whole step again, and they stepped twice
+    (the learning rate half of the plain loop's from then on, ``n_averaged`` one ahead)."""
+    reference = _schedule_and_average(tmp_path, None, with_context)
+    traced = _schedule_and_average(tmp_path, "skip", with_context)
+    for a, b in zip(reference, traced):
+        assert torch.equal(a, b), "the replay stepped the schedule or the average a second time"
+
+
 def _scaled(init_scale: float, nan_at: int | None):
     """The PyTorch AMP recipe with the scaler in a closure: scale, backward, step, update."""
     def build():

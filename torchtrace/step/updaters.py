@@ -35,10 +35,12 @@ wrapper's own ``step`` never ran. An optimizer that updates only the step's opti
 parameters (ZeRO's shard optimizer) is not a second optimizer the guard cannot cover.
 
 **Learning-rate schedulers.** The ``step`` of every scheduler class in
-``torch.optim.lr_scheduler`` is wrapped likewise: a scheduler stepped inside the step (the
-per-step schedule of most transformer training) is not stepped again by a replay, which
-would shift the learning rate one step ahead for the rest of the run. A scheduler class of
-the user's own that overrides ``step`` without calling the base's is not reached.
+``torch.optim.lr_scheduler`` is wrapped: inside a forensic replay it does nothing. A
+scheduler stepped inside the step (the per-step schedule of most transformer training) is
+not stepped again by a replay, which would shift the learning rate one step ahead for the
+rest of the run; this holds for one stepped after the update too, which a replay begun in the
+optimizer's hook (non-finite gradients) reaches before the step itself did. A scheduler class
+of the user's own that overrides ``step`` without calling the base's is not reached.
 
 **Weight averages.** ``torch.optim.swa_utils.AveragedModel.update_parameters`` (an EMA or
 SWA copy of the weights) is wrapped the same way: a replay does not average the weights in
@@ -239,10 +241,21 @@ def _say_unmeasured(rt: Runtime, scope: StepScope, optimizer: torch.optim.Optimi
                      type(scope.optimizer).__name__, shown)
 
 
-def _wrap(original: Callable[..., Any], note: Callable[[Any], None]) -> Callable[..., Any]:
-    """``original`` (a method) that first notes its object with ``note``."""
+def _replaying() -> bool:
+    """A forensic replay is running."""
+    rt = current.runtime(create=False)
+    return rt is not None and rt.replaying
+
+
+def _wrap(original: Callable[..., Any], note: Callable[[Any], None],
+          none_in_replay: bool = False) -> Callable[..., Any]:
+    """``original`` (a method) that first notes its object with ``note``; ``none_in_replay``: a
+    call in a forensic replay does nothing and returns None (a scheduler's step, a weight
+    average's update)."""
     @functools.wraps(original)
     def method(self: object, *args: object, **kwargs: object) -> Any:
+        if none_in_replay and _safely(_replaying):
+            return None
         _safely(note, self)
         return original(self, *args, **kwargs)
 
@@ -265,11 +278,11 @@ def install() -> None:
         if isinstance(scheduler_class, type) and base is not None and issubclass(scheduler_class, base):
             existing = vars(scheduler_class).get("step")
             if existing is not None and not getattr(existing, "__torchtrace_wrapped__", False):
-                setattr(scheduler_class, "step", _wrap(existing, _note))
+                setattr(scheduler_class, "step", _wrap(existing, _note, none_in_replay=True))
     averaged = getattr(swa_utils, "AveragedModel", None)
     existing = vars(averaged).get(AVERAGE) if averaged is not None else None
     if existing is not None and not getattr(existing, "__torchtrace_wrapped__", False):
-        setattr(averaged, AVERAGE, _wrap(existing, _note))
+        setattr(averaged, AVERAGE, _wrap(existing, _note, none_in_replay=True))
     scaler_class = getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)
     if scaler_class is None:
         return
