@@ -248,7 +248,7 @@ def sentence(report: dict[str, Any], where_only: bool = False) -> str:
         target = "the model" if where in ("", None) else where
         text = head + f"non-finite value in the input of {target}"
     elif cause == "peer":
-        text = head + "non-finite gradients arrived from another rank through the gradients' all-reduce"
+        text = head + "non-finite gradients arrived from another rank in the gradient all-reduce"
         if report.get("origin_rank") is not None:
             text += (f": born on rank {report['origin_rank']} in "
                      f"{report.get('origin_module') or 'the model'} ({report.get('origin_cause')})")
