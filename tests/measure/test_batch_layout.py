@@ -152,6 +152,62 @@ def test_batch_first_models_read_the_first_dimension():
     assert (size.samples, size.tokens) == (3, 33)
 
 
+class CRNN(torch.nn.Module):
+    """A CRNN text recogniser: a conv backbone over ``(B, 1, H, W)`` images, its columns fed to a
+    time-major LSTM (``batch_first=False``) as ``(W, B, C)`` by the model's own permute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cnn = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.AdaptiveAvgPool2d((1, 16)))
+        self.rnn = torch.nn.LSTM(8, 16)
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, images):
+        columns = self.cnn(images).squeeze(2).permute(2, 0, 1)
+        return self.fc(self.rnn(columns)[0])
+
+
+class PatchAttention(torch.nn.Module):
+    """CLIP's vision transformer shape: patches of ``(B, 3, H, W)`` images, permuted to
+    ``(L, B, D)`` for a time-major ``nn.MultiheadAttention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, 16, 8, 8)
+        self.attn = torch.nn.MultiheadAttention(16, 2)
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, images):
+        x = self.patch(images).flatten(2).permute(2, 0, 1)
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(0))
+
+
+@pytest.mark.parametrize("make, image", [(CRNN, (1, 32, 100)), (PatchAttention, (3, 32, 32))])
+def test_images_into_a_model_that_makes_them_time_major_itself_count_the_first_dimension(tmp_path, make, image):
+    """No sequence module takes a 4-d tensor: the model turns the images into a sequence itself,
+    so the batch is their first dimension (it read the second: 1 image channel, 3 colours)."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    try:
+        torch.manual_seed(0)
+        model = make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+        def train_step(images, labels):
+            opt.zero_grad()
+            loss = model(images).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        images, labels = torch.randn(32, *image), torch.randint(0, 10, (32,))
+        train_step(images, labels)
+        record = get_runtime().history.last_record
+        assert (record.samples, record.tokens) == (images.shape[0], None)
+    finally:
+        tt.shutdown()
+
+
 def _accumulating_step(model, opt, micro_batches):
     """nanoGPT's loop: a forward and a backward per micro-batch, then one update."""
     for x, y in micro_batches:

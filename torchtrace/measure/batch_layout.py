@@ -9,7 +9,8 @@ encoder and decoder layers). All ``batch_first=False``: time-major. Some of each
 told, and a warning says so once per model (samples are then the first dimension). A model
 that transposes its input itself before a time-major module (takes ``(batch, seq)`` and
 feeds ``(seq, batch)``) is read as time-major all the same: give
-``step.record_batch(samples=...)`` for it.
+``step.record_batch(samples=...)`` for it. Images (a tensor of four dimensions or more) are
+no sequence module's input: their first dimension is the batch whatever the model does.
 
 It also holds what the batch rules and the FLOP key share: how deep and wide they look, the
 first tensor of a batch, an array's shape, a dataclass batch's fields.
@@ -96,13 +97,20 @@ def as_consumed(tensor: torch.Tensor, model: torch.nn.Module) -> tuple[int, int 
     ``tensor``, read as ``model`` consumes it: the second dimension for a time-major model, and
     every element a token when it is integer and the model embeds.
 
+    Time-major is read only from a tensor a sequence module can take: token ids ``(seq,
+    batch)`` or features ``(seq, batch, dim)``. Images (four dimensions and more) that the model
+    turns into a sequence itself (a CRNN's columns, a vision transformer's patches) keep their
+    first dimension.
+
     >>> rnn_lm = torch.nn.ModuleList([torch.nn.Embedding(50, 8), torch.nn.LSTM(8, 8)])
     >>> as_consumed(torch.zeros(35, 20, dtype=torch.long), rnn_lm)
     (20, 700)
+    >>> as_consumed(torch.zeros(32, 1, 28, 100), rnn_lm)[0]
+    32
     """
     layout = sequence_layout(model)
     samples, tokens = int(tensor.size(0)), None
-    if layout.time_major and not tensor.is_nested:
+    if layout.time_major and not tensor.is_nested and tensor.dim() <= 3:
         samples = int(tensor.size(1))
     if layout.embeds and not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool):
         tokens = int(tensor.numel())
