@@ -156,3 +156,57 @@ def test_a_child_forked_while_another_thread_draws_ids_draws_its_own():
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     raise AssertionError("the forked child waited for its parent's lock")
+
+
+def test_steps_leave_pythons_global_random_where_it_was(tmp_path):
+    """A span's ids are drawn from a generator of torchtrace's own: a loop that shuffles its data
+    with ``random`` sees the same order with torchtrace as without it (the SDK's default draws
+    from the global ``random``: 192 bits a step)."""
+    import random
+
+    import torch
+
+    random.seed(0)
+    expected = [random.random() for _ in range(3)]
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    try:
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        @tt.debug_operation(name="decorated_step", model=model, optimizer=opt)
+        def step(x):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        random.seed(0)
+        for _ in range(3):
+            with tt.debug_context("train_step", model=model) as scope:
+                scope.record_loss(model(torch.ones(2, 3)).sum())
+            assert scope.record.span_id  # (its ids drawn)
+            step(torch.ones(2, 3))
+    finally:
+        tt.shutdown()
+    assert [random.random() for _ in range(3)] == expected
+
+
+def test_a_forked_child_draws_ids_other_than_its_parents():
+    """The generator is re-seeded in a forked child (a DataLoader worker's spans), as Python's
+    own ``random`` is: parent and child do not draw the same ids."""
+    from opentelemetry.sdk.resources import Resource
+
+    from torchtrace.export.tracing import tracer_provider
+
+    ids = tracer_provider(Resource.create({})).id_generator
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, ids.generate_span_id().to_bytes(8, "big"))
+        os._exit(0)
+    os.close(write)
+    child = int.from_bytes(os.read(read, 8), "big")
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert child != ids.generate_span_id()
