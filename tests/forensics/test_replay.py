@@ -214,6 +214,86 @@ def test_replay_changes_nothing_compared_with_forensics_off(tmp_path):
     assert torch.equal(finals[0][1], finals[1][1])  # the RNG stream continues as without replay
 
 
+class TwoHeads(torch.nn.Module):
+    """Two tasks, each head reading its own half of the input: a NaN in the first half makes
+    the first task's outputs non-finite and leaves the second's finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+
+    def forward(self, x):
+        return torch.cat([self.first(x[:, :2]), self.second(x[:, 2:])], dim=1)
+
+
+def _state_outside_the_model(tmp_path, forensics: bool, guard: str, how: str) -> list:
+    """Five steps, a NaN in the first half of step 3's input, of a step that keeps state outside
+    ``model=``: an uncertainty weight per task trained by the same optimizer (a multi-task
+    loss's ``log_vars``), a critic with BatchNorm that scores the second task's output (no
+    optimizer of its own, not the step's model), and a mixup weight drawn from NumPy's and
+    Python's global generators. ``how``: ``operation`` (decorated), ``operation_zero_at_end``
+    (the decorated step zeroes its gradients after the update, as nanoGPT does) or
+    ``context`` (``replay=`` the same function). Returns everything the run leaves behind."""
+    import random
+
+    import numpy as np
+
+    _configure(tmp_path, guard=guard, forensics=forensics)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    model = TwoHeads()
+    critic = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.BatchNorm1d(4))
+    log_vars = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([*model.parameters(), log_vars], lr=0.1)
+    zero_at_end = how == "operation_zero_at_end"
+
+    def step(x):
+        if not zero_at_end:
+            opt.zero_grad()
+        mix = float(np.random.beta(0.4, 0.4)) * random.uniform(0.5, 1.0)
+        out = model(x * mix)
+        losses = out.pow(2).mean(0)
+        loss = (losses * torch.exp(-log_vars) + log_vars).sum() + critic(out[:, 1:]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        if zero_at_end:
+            opt.zero_grad()
+        return loss
+
+    decorated = tt.debug_operation(name="train_step", model=model, optimizer=opt)(step)
+    try:
+        for i in range(5):
+            x = torch.randn(8, 4)
+            if i == 3:
+                x[0, 0] = float("nan")
+            if how == "context":
+                with tt.debug_context("train_step", model=model, optimizer=opt, replay=lambda x=x: step(x)) as scope:
+                    scope.record_loss(step(x))
+            else:
+                decorated(x)
+        assert get_runtime().forensics.replays == (1 if forensics else 0)
+    finally:
+        tt.shutdown()
+    return [*(t.detach().clone() for t in (*model.parameters(), log_vars, *critic.state_dict().values())),
+            *(v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+            torch.tensor(np.random.random()), torch.tensor(random.random())]
+
+
+@pytest.mark.parametrize("how", ["operation", "operation_zero_at_end", "context"])
+@pytest.mark.parametrize("guard", ["warn", "skip"])
+def test_a_replay_puts_back_the_state_the_step_keeps_outside_its_model(tmp_path, guard, how):
+    """Bit for bit the run without forensics. Before, the replay's backward added the task
+    weights' gradients a second time (or its ``zero_grad`` at the end wiped them: their update
+    was lost), the critic's BatchNorm counted one batch more, and NumPy's and Python's
+    generators were one mixup draw ahead."""
+    with_replay = _state_outside_the_model(tmp_path / "on", True, guard, how)
+    without = _state_outside_the_model(tmp_path / "off", False, guard, how)
+    assert len(with_replay) == len(without)
+    for a, b in zip(with_replay, without):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 def test_raise_policy_carries_the_report_after_recording(tmp_path):
     _configure(tmp_path, guard="raise")
     torch.manual_seed(0)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import TYPE_CHECKING, Any, Iterator
+import random
+import sys
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch.optim import swa_utils
@@ -105,6 +107,75 @@ def local_only(model: torch.nn.Module, others: tuple = ()) -> Iterator[None]:
         for w, backward, forward in saved:
             w.require_backward_grad_sync = backward
             w.require_forward_param_sync = forward
+
+
+class OutsideState:
+    """What a step keeps outside its model, kept while a replay runs and put back after it:
+
+    - the gradients of parameters the step's optimizers train that the model does not hold (a
+      multi-task loss's weights): set aside, so that the replay's backward makes gradients of
+      its own, and put back (a replay's backward added to them, its ``zero_grad`` wiped them);
+    - the gradients and buffers of every other module the replay runs (a critic's, a
+      teacher's): found by a global forward pre-hook as each first runs; the buffers (BatchNorm
+      statistics) are copied and copied back;
+    - Python's global ``random`` and NumPy's (where NumPy is imported): a replay's draws (a
+      mixup weight) are undone. The replay itself draws from them where the step left them.
+
+    Parameter values outside the model are not copied: only an optimizer changes them, and the
+    step's are neutralised (a teacher model is not copied whole).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[Any]) -> None:
+        self._inside = {id(t) for t in (*model.parameters(), *model.buffers())}
+        self._inside_modules = {id(m) for m in model.modules()}
+        self._seen: set[int] = set()
+        self._grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._set_aside(p for opt in optimizers for group in getattr(opt, "param_groups", ()) for p in group["params"])
+
+    def _set_aside(self, params: Iterable[torch.Tensor]) -> None:
+        for p in params:
+            if id(p) not in self._inside and id(p) not in self._seen:
+                self._seen.add(id(p))
+                self._grads.append((p, p.grad))
+                p.grad = None
+
+    def _copy(self, buffers: Iterable[torch.Tensor]) -> None:
+        for b in buffers:
+            if id(b) not in self._inside and id(b) not in self._seen:
+                self._seen.add(id(b))
+                self._buffers.append((b, b.detach().clone()))
+
+    def before_forward(self, module: torch.nn.Module, args: object) -> None:
+        """The global forward pre-hook: a module outside the model, on its first run."""
+        if id(module) not in self._inside_modules:
+            self._set_aside(module.parameters(recurse=False))
+            self._copy(module.buffers(recurse=False))
+
+    def put_back(self) -> None:
+        with torch.no_grad():
+            for b, saved in self._buffers:
+                b.copy_(saved)
+        for p, grad in self._grads:
+            p.grad = grad
+
+
+@contextlib.contextmanager
+def outside_kept(model: torch.nn.Module, optimizers: list[Any]) -> Iterator[None]:
+    """A replay leaves the step's state outside ``model`` as it found it (:class:`OutsideState`)."""
+    state = OutsideState(model, optimizers)
+    python_rng = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_rng = numpy.random.get_state() if numpy is not None else None
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(state.before_forward)
+    try:
+        yield
+    finally:
+        handle.remove()
+        state.put_back()
+        random.setstate(python_rng)
+        if numpy is not None:
+            numpy.random.set_state(numpy_rng)
 
 
 def eager() -> contextlib.AbstractContextManager:

@@ -6,7 +6,10 @@ RNG state, with the parameters unchanged, under forward hooks on every module (p
 when the forward was clean, once more under ``torch.autograd.detect_anomaly(check_nan=True)``
 to name the backward op (pass B). The optimizer's ``step`` (and a GradScaler's ``step``,
 ``unscale_`` and ``update``) are no-ops during the replay; gradients, buffers, RNG state and
-training flags are restored afterwards, so the replay never changes the training result.
+training flags are restored afterwards, and so is what the step keeps outside its model (its
+optimizers' other parameters' gradients, other modules' buffers, Python's and NumPy's
+generators: :class:`~torchtrace.forensics.isolation.OutsideState`), so the replay never
+changes the training result.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torchtrace.forensics.isolation import (
     is_distributed_data_parallel,
     local_only,
     neutralised,
+    outside_kept,
     restore_rng,
 )
 from torchtrace.forensics.recorder import Recorder
@@ -103,7 +107,7 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
                       replay_seconds=time.perf_counter() - t0)
         return report
     try:
-        with local_only(model, others), eager():
+        with local_only(model, others), eager(), outside_kept(model, optimizers):
             # Parameters that are already non-finite explain everything downstream.
             pflags = readout.read(torch.stack([torch.isfinite(p.detach()).all().cpu() for _, p in params])
                                   .to(torch.float64)) if params else []
