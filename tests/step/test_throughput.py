@@ -330,6 +330,36 @@ def test_learning_rate_of_each_group_under_a_scheduler(tmp_path):
         tt.shutdown()
 
 
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_step_whose_update_the_scaler_skipped_records_the_rate_it_would_have_used(tmp_path, clip):
+    """The AMP recipe: ``scaler.step``, ``scaler.update``, then the scheduler. On an overflow the
+    scaler skips the optimizer's step, whose hook reads the rates: they were read at the step's
+    end instead, after the scheduler had stepped (the next step's rate)."""
+    _configure(tmp_path)
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)  # overflows until it has backed off
+        overflows = 0
+        for _ in range(4):
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                opt.zero_grad()
+                scaler.scale(model(torch.randn(4, 16)).pow(2).mean() * 1e6).backward()
+                if clip:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                seen = [g["lr"] for g in opt.param_groups]  # the rate this update uses
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+            overflows += bool(step.record.scaler_overflow)
+            assert step.record.lr == seen
+        assert overflows >= 2
+    finally:
+        tt.shutdown()
+
+
 @pytest.mark.parametrize("rate, expected", [
     (0.5, [0.5]), (2, [2.0]), (torch.tensor(0.25), [0.25]), ("0.1", None), (True, None), (None, None),
     (torch.tensor([0.1, 0.2]), None),

@@ -61,9 +61,10 @@ from torch.optim import optimizer as optimizer_module
 from torchtrace import current
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure.gradients import in_backward
+from torchtrace.measure.learning_rates import learning_rates
 from torchtrace.measure.scaler import scale_at_start
 from torchtrace.step.gradients import adoptable, covers
-from torchtrace.step.watched import shares_groups
+from torchtrace.step.watched import real_optimizer, shares_groups
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -71,11 +72,10 @@ if TYPE_CHECKING:
     from torchtrace.step.runtime import Runtime
     from torchtrace.step.scope import StepScope
 
-_METHODS = ("scale", "step")
 AVERAGE = "update_parameters"  # the method of a weight average (AveragedModel) a replay must not call
 
 
-def _note_scaler(scaler: torch.amp.GradScaler) -> None:
+def _note_scaler(scaler: torch.amp.GradScaler, args: tuple, kwargs: dict) -> None:
     """A GradScaler used in the open step that has none yet becomes the step's."""
     scope = current.step()
     if scope is not None and scope.active and scope.scaler is None:
@@ -84,7 +84,25 @@ def _note_scaler(scaler: torch.amp.GradScaler) -> None:
             scope.throughput.scale_before = scale_at_start(scaler)
 
 
-def _note(updater: object) -> None:
+def _scaler_stepping(scaler: torch.amp.GradScaler, args: tuple, kwargs: dict) -> None:
+    """``scaler.step(optimizer)`` in the open step: the scaler is noted (:func:`_note_scaler`),
+    and the learning rates of the step's optimizer are read now, unless its gradients were
+    measured already (a clip call): on an overflow the scaler skips the optimizer's step, whose
+    hook reads them, and a scheduler stepped after it would have changed them by the step's end."""
+    _note_scaler(scaler, args, kwargs)
+    scope = current.step()
+    check = scope.gradients if scope is not None and scope.active else None
+    if check is None or check.lr is not None or scope.features is None or not scope.features.throughput:
+        return
+    optimizer = args[0] if args else kwargs.get("optimizer")
+    if optimizer is not None and real_optimizer(optimizer) is scope.optimizer:
+        check.lr = learning_rates(scope.optimizer)
+
+
+_SCALER_NOTES = {"scale": _note_scaler, "step": _scaler_stepping}
+
+
+def _note(updater: object, args: tuple, kwargs: dict) -> None:
     """An optimizer or scheduler stepped in the open step: a replay must not step it again."""
     scope = current.step()
     if scope is not None and scope.active and updater is not scope.optimizer:
@@ -114,7 +132,7 @@ def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     """The global step pre-hook; returns the step's arguments with its closure wrapped where the
     step's gradients are measured as the closure's first evaluation returns."""
     _safely(_stepped_after_its_step, optimizer)
-    _safely(_note, optimizer)
+    _safely(_note, optimizer, args, kwargs)
     _safely(_unguarded, optimizer)
     replaced = _safely(_the_steps_update, optimizer, args, kwargs)
     _safely(_skipped, optimizer)
@@ -247,16 +265,16 @@ def _replaying() -> bool:
     return rt is not None and rt.replaying
 
 
-def _wrap(original: Callable[..., Any], note: Callable[[Any], None],
+def _wrap(original: Callable[..., Any], note: Callable[[Any, tuple, dict], None],
           none_in_replay: bool = False) -> Callable[..., Any]:
-    """``original`` (a method) that first notes its object with ``note``; ``none_in_replay``: a
-    call in a forensic replay does nothing and returns None (a scheduler's step, a weight
-    average's update)."""
+    """``original`` (a method) that first notes its object and the call's arguments with
+    ``note``; ``none_in_replay``: a call in a forensic replay does nothing and returns None (a
+    scheduler's step, a weight average's update)."""
     @functools.wraps(original)
     def method(self: object, *args: object, **kwargs: object) -> Any:
         if none_in_replay and _safely(_replaying):
             return None
-        _safely(note, self)
+        _safely(note, self, args, kwargs)
         return original(self, *args, **kwargs)
 
     method.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
@@ -286,11 +304,11 @@ def install() -> None:
     scaler_class = getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)
     if scaler_class is None:
         return
-    for name in _METHODS:
+    for name, note in _SCALER_NOTES.items():
         existing = vars(scaler_class).get(name)
         if existing is None or getattr(existing, "__torchtrace_wrapped__", False):
             continue
-        setattr(scaler_class, name, _wrap(existing, _note_scaler))
+        setattr(scaler_class, name, _wrap(existing, note))
 
 
 def uninstall() -> None:
