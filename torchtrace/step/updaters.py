@@ -91,11 +91,13 @@ def _scaler_stepping(scaler: torch.amp.GradScaler, args: tuple, kwargs: dict) ->
     hook reads them, and a scheduler stepped after it would have changed them by the step's end."""
     _note_scaler(scaler, args, kwargs)
     scope = current.step()
-    check = scope.gradients if scope is not None and scope.active else None
-    if check is None or check.lr is not None or scope.features is None or not scope.features.throughput:
+    if scope is None or not scope.active or scope.features is None or not scope.features.throughput:
         return
+    check = scope.gradients
     optimizer = args[0] if args else kwargs.get("optimizer")
-    if optimizer is not None and real_optimizer(optimizer) is scope.optimizer:
+    if check is None or check.lr is not None or optimizer is None:
+        return
+    if real_optimizer(optimizer) is scope.optimizer:
         check.lr = learning_rates(scope.optimizer)
 
 
