@@ -5,6 +5,9 @@ Re-exported by :mod:`torchtrace.export.tracing`.
 
 from __future__ import annotations
 
+import os
+import random
+import sys
 from typing import Mapping
 
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -12,7 +15,33 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from torchtrace.export.http_session import HttpSpanExporter, abortable_session
 from torchtrace.export.transport import grpc_channel_options, hide_sdk_header_echo
 
-__all__ = ["otlp_span_exporter"]
+__all__ = ["otlp_span_exporter", "restore_sdk_jitter"]
+
+#: The SDK's modules that draw their retry backoff's jitter from the module-level ``random``.
+_JITTER_MODULES = ("opentelemetry.exporter.otlp.common.http", "opentelemetry.exporter.otlp.proto.grpc.exporter")
+_JITTER = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_JITTER.seed)
+
+
+def private_sdk_jitter() -> None:
+    """The SDK's OTLP exporters draw from a generator of torchtrace's own where they would draw
+    from Python's global ``random`` (their backoff's jitter: the HTTP exporter before every
+    attempt, the gRPC one before every retry). Those draws, on the export thread at moments
+    nobody controls, moved the sequence a training script shuffles its data with. Undone by
+    :func:`restore_sdk_jitter` at ``shutdown()``."""
+    for name in _JITTER_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "random", None) is random:
+            module.random = _JITTER  # type: ignore[attr-defined]  # (a Random has the module's functions)
+
+
+def restore_sdk_jitter() -> None:
+    """The SDK's modules draw from Python's ``random`` again."""
+    for name in _JITTER_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "random", None) is _JITTER:
+            module.random = random  # type: ignore[attr-defined]
 
 
 def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers: Mapping[str, str] | None = None,
@@ -28,6 +57,13 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers: 
     each gRPC connection attempt (:func:`torchtrace.export.transport.connect_timeout_s`).
     """
     hide_sdk_header_echo()
+    exporter = _sdk_exporter(endpoint, protocol, timeout_s, headers, ca_file, connect_s)
+    private_sdk_jitter()  # (after the import the exporter made)
+    return exporter
+
+
+def _sdk_exporter(endpoint: str, protocol: str, timeout_s: float, headers: Mapping[str, str] | None,
+                  ca_file: str | None, connect_s: float | None) -> SpanExporter:
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 

@@ -14,23 +14,21 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import random
 import threading
 import time
 import weakref
 from typing import Any, Callable
 
-from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from torchtrace.errors import get_logger
 from torchtrace.export import sdk_log
 from torchtrace.export.http_session import HttpSpanExporter
 from torchtrace.export.otlp_spans import otlp_span_exporter
 from torchtrace.export.span_file import JsonLinesSpanExporter, span_line, span_to_dict
+from torchtrace.export.span_ids import own_ids
 from torchtrace.export.spans import StepSpan, readable
 from torchtrace.job.signals import start_thread
 
@@ -374,53 +372,16 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             sdk_log.unroute_thread()
 
 
-class OwnRandomIds(IdGenerator):
-    """Trace and span ids drawn from a random generator of torchtrace's own, seeded from the
-    system's entropy, and again in a forked child (as Python's ``random`` is).
-
-    The SDK's default draws from the global ``random``: every step would move the sequence a
-    training script shuffles its data or picks its augmentations with, and torchtrace would
-    change what the run trains on.
-    """
-
-    def __init__(self) -> None:
-        self._random = random.Random()
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._random.seed)
-
-    def generate_span_id(self) -> int:
-        span_id = self._random.getrandbits(64)
-        while span_id == trace.INVALID_SPAN_ID:
-            span_id = self._random.getrandbits(64)
-        return span_id
-
-    def generate_trace_id(self) -> int:
-        trace_id = self._random.getrandbits(128)
-        while trace_id == trace.INVALID_TRACE_ID:
-            trace_id = self._random.getrandbits(128)
-        return trace_id
-
-    def is_trace_id_random(self) -> bool:
-        return True
-
-
-#: The one generator of every provider torchtrace makes (one fork handler, not one per configure()).
-_IDS: OwnRandomIds | None = None
-
-
 def tracer_provider(resource: Resource) -> TracerProvider:
     """A private provider: torchtrace never replaces the application's global one.
 
     Attribute values (user-given ones included) are cut to ``MAX_ATTRIBUTE_LENGTH`` characters.
-    Ids come from :class:`OwnRandomIds`.
+    Ids come from :func:`~torchtrace.export.span_ids.own_ids`.
     """
-    global _IDS
     from opentelemetry.sdk.trace import SpanLimits
 
     from torchtrace import semconv
 
-    if _IDS is None:
-        _IDS = OwnRandomIds()
     limits = SpanLimits(max_attribute_length=semconv.MAX_ATTRIBUTE_LENGTH,
                         max_span_attribute_length=semconv.MAX_ATTRIBUTE_LENGTH)
-    return TracerProvider(resource=resource, shutdown_on_exit=False, span_limits=limits, id_generator=_IDS)
+    return TracerProvider(resource=resource, shutdown_on_exit=False, span_limits=limits, id_generator=own_ids())
