@@ -178,6 +178,26 @@ def outside_kept(model: torch.nn.Module, optimizers: list[Any]) -> Iterator[None
             numpy.random.set_state(numpy_rng)
 
 
+@contextlib.contextmanager
+def accumulation_held() -> Iterator[None]:
+    """accelerate's ``Accelerator.accumulate(model)`` counts a micro-batch on every entry, and
+    that count decides which micro-batch updates: a replay that entered it again moved every
+    later update one micro-batch on. In a replay it is an empty ``with`` (the gradients'
+    synchronisation as the step left it; the replay issues no collective anyway). Nothing is
+    patched where accelerate is not imported."""
+    module = sys.modules.get("accelerate.accelerator")
+    accelerator = getattr(module, "Accelerator", None)
+    counting = vars(accelerator).get("accumulate") if accelerator is not None else None
+    if counting is None:
+        yield
+        return
+    accelerator.accumulate = lambda self, *models: contextlib.nullcontext()  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        accelerator.accumulate = counting  # type: ignore[union-attr]
+
+
 def eager() -> contextlib.AbstractContextManager:
     """torch.compile'd code runs eagerly in the replay, so every module's hooks run in Python
     (traced by dynamo, the recorder's bookkeeping is not kept)."""

@@ -26,6 +26,7 @@ import torch
 from torchtrace.errors import get_logger
 from torchtrace.forensics.analysis import CAUSE_KIND, analyse, owner
 from torchtrace.forensics.isolation import (
+    accumulation_held,
     capture_rng,
     eager,
     finished,
@@ -107,7 +108,7 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
                       replay_seconds=time.perf_counter() - t0)
         return report
     try:
-        with local_only(model, others), eager(), outside_kept(model, optimizers):
+        with local_only(model, others), eager(), outside_kept(model, optimizers), accumulation_held():
             # Parameters that are already non-finite explain everything downstream.
             pflags = readout.read(torch.stack([torch.isfinite(p.detach()).all().cpu() for _, p in params])
                                   .to(torch.float64)) if params else []
