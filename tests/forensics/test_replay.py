@@ -294,6 +294,40 @@ def test_a_replay_puts_back_the_state_the_step_keeps_outside_its_model(tmp_path,
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
+def test_gradients_accumulated_over_steps_say_the_nan_came_from_an_earlier_step(tmp_path):
+    """One decorated step per micro-batch, the update every fourth: a NaN in micro-batch 1 is
+    found in its input; the update's step, whose own replay is finite, says its non-finite
+    gradients were there before its backward (it read "origin not found")."""
+    _configure(tmp_path, guard="skip")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+
+    @tt.debug_operation(name="micro_step", model=model, optimizer=opt)
+    def micro_step(x):
+        loss = model(x).pow(2).mean() / 4
+        loss.backward()
+        if len(calls) % 4 == 3:
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+    for i in range(4):
+        x = torch.randn(8, 4)
+        if i == 1:
+            x[0, 0] = float("nan")
+        micro_step(x)
+        calls.append(i)
+    reports = get_runtime().forensics.reports
+    first, update = reports[0], reports[-1]
+    assert (first["step"], first["cause"]) == (1, "input")
+    assert update["step"] == 3 and update["cause"] == "unknown"
+    assert update["carried_over"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    text = sentence(update)
+    assert "before this step" in text and "origin not found" not in text, text
+
+
 def test_raise_policy_carries_the_report_after_recording(tmp_path):
     _configure(tmp_path, guard="raise")
     torch.manual_seed(0)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from torchtrace import semconv
 from torchtrace.errors import get_logger
 from torchtrace.forensics.analysis import CAUSE_KIND, analyse, owner
 from torchtrace.forensics.isolation import (
@@ -124,6 +125,8 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
                 report["op"] = _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params)
             _no_origin_found(report, rec, is_distributed_data_parallel(model, others) and not grad_bad
                              and loss_value is not None)
+            if report["cause"] == "unknown" and not grad_bad and loss_value is not None and not _many_ranks():
+                _carried_over(report, [(n, g) for (n, _), (_, g) in zip(params, saved_grads)])
             magnitudes = _magnitudes(params, bad_params)
             report["largest_params"] = [{"name": n, "max_abs": v} for n, v, _ in magnitudes[:LARGEST_SHOWN]]
             _blame_extreme_parameters(report, magnitudes, module_names)
@@ -197,6 +200,26 @@ def _no_origin_found(report: dict[str, Any], rec: Recorder, ddp_all_finite: bool
         report.update(cause="peer", kind=CAUSE_KIND["peer"], module=None)
     if report["cause"] in ("unknown", "peer"):
         report["tried"] = _tried(report, rec)
+
+
+def _many_ranks() -> bool:
+    """A process group of more than one rank: non-finite gradients its replay does not make may
+    have come through an all-reduce."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _carried_over(report: dict[str, Any], grads: list[tuple[str, torch.Tensor | None]]) -> None:
+    """The replay found the step's own gradients finite, but those the step had made were not: on
+    one process, they were non-finite before its backward (accumulated by an earlier step
+    since the last update, which found the origin). ``carried_over`` names them."""
+    held = [(n, g) for n, g in grads if g is not None]
+    if not held:
+        return
+    flags = readout.read(torch.stack([torch.isfinite(g).all().cpu() for _, g in held]).to(torch.float64))
+    bad = [n for (n, _), ok in zip(held, flags) if not ok]
+    if bad:
+        report["carried_over"] = bad[: semconv.MAX_NAMES_PER_ATTRIBUTE]
 
 
 def _tried(report: dict[str, Any], rec: Recorder) -> str:

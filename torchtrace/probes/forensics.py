@@ -260,6 +260,11 @@ def sentence(report: dict[str, Any], where_only: bool = False) -> str:
         place = "the model's own forward" if found.get("module") == "" else found.get("module")
         return (head + f"parameter {biggest['name']} is finite but extreme (|value| up to {biggest['max_abs']:.3g}): "
                 f"{found['cause']} non-finite value downstream, in {place}")
+    elif cause == "unknown" and report.get("carried_over"):
+        carried = report["carried_over"]
+        return (head + f"non-finite gradients from before this step ({len(carried)}, first {carried[0]}): "
+                "accumulated by an earlier step since the last update, whose report names the origin; "
+                "this step's own replay was finite")
     elif where is None:
         # Nothing named: say what the replay did instead of a module.
         text = head + f"{cause} non-finite value, origin not found: {report.get('tried') or 'no replay ran'}"
