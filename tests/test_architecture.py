@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "torchtrace"
 # Lowest first. A module may import modules of its own layer's package and of lower layers.
 LAYERS: list[tuple[str, ...]] = [
     ("torchtrace._version", "torchtrace.semconv", "torchtrace.levels", "torchtrace.errors", "torchtrace.config",
-     "torchtrace.current", "torchtrace.files"),
+     "torchtrace.current", "torchtrace.files", "torchtrace.patches"),
     ("torchtrace.distributed", "torchtrace.job"),
     ("torchtrace.measure",),
     ("torchtrace.record",),

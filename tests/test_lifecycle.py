@@ -220,3 +220,52 @@ def test_shutdown_after_a_disabled_configure_lets_the_next_use_start_afresh(tmp_
     monkeypatch.setenv("TORCHTRACE_DISABLED", "1")  # the environment still decides
     assert tt.api.get_runtime() is None
     tt.shutdown()
+
+
+def test_a_wrapper_the_application_puts_over_torchtraces_stays_after_shutdown(tmp_path):
+    """An application wraps GradScaler.step, a scheduler's step, clip_grad_norm_ and
+    init_process_group while torchtrace is configured (``functools.wraps`` copies torchtrace's
+    marker onto its wrapper): at shutdown its wrappers stay where it put them and still run.
+    Before, shutdown put back its wrapper's ``__wrapped__``: torchtrace's own, left installed,
+    and the application's wrapper gone."""
+    import functools
+
+    import torch.distributed as dist
+
+    saved = (torch.amp.GradScaler.step, torch.optim.lr_scheduler.LRScheduler.step, torch.nn.utils.clip_grad_norm_,
+             dist.init_process_group)
+    calls: list[str] = []
+
+    def counted(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            calls.append(f.__name__)
+            return f(*args, **kwargs)
+        return wrapper
+
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False)
+    try:
+        torch.amp.GradScaler.step = counted(torch.amp.GradScaler.step)
+        torch.optim.lr_scheduler.LRScheduler.step = counted(torch.optim.lr_scheduler.LRScheduler.step)
+        torch.nn.utils.clip_grad_norm_ = counted(torch.nn.utils.clip_grad_norm_)
+        dist.init_process_group = counted(dist.init_process_group)
+        applications = (torch.amp.GradScaler.step, torch.optim.lr_scheduler.LRScheduler.step,
+                        torch.nn.utils.clip_grad_norm_, dist.init_process_group)
+        tt.shutdown()
+        assert (torch.amp.GradScaler.step, torch.optim.lr_scheduler.LRScheduler.step,
+                torch.nn.utils.clip_grad_norm_, dist.init_process_group) == applications
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+        calls.clear()  # (a scheduler steps once as it is made)
+        model(torch.ones(1, 2)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scheduler.step()
+        assert calls == ["clip_grad_norm_", "step", "step"]
+    finally:
+        tt.shutdown()
+        (torch.amp.GradScaler.step, torch.optim.lr_scheduler.LRScheduler.step, torch.nn.utils.clip_grad_norm_,
+         dist.init_process_group) = saved

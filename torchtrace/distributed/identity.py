@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from torchtrace.patches import Patches, marked
+
 
 @dataclass(frozen=True)
 class Identity:
@@ -92,16 +94,17 @@ def watch_group_start(started: Callable[[], None]) -> None:
     """
     for module in _group_modules():
         fn = getattr(module, _STARTS, None)
-        if fn is not None and not getattr(fn, "__torchtrace_wrapped__", False):
-            setattr(module, _STARTS, _calling_after(fn, started))
+        if fn is not None and not marked(fn):
+            _PATCHES.replace(module, _STARTS, _calling_after(fn, started))
 
 
 def unwatch_group_start() -> None:
-    """Put torch's own ``init_process_group`` back (idempotent; at ``shutdown()``)."""
-    for module in _group_modules():
-        fn = getattr(module, _STARTS, None)
-        if fn is not None and getattr(fn, "__torchtrace_wrapped__", False):
-            setattr(module, _STARTS, fn.__wrapped__)
+    """Put torch's own ``init_process_group`` back where torchtrace's wrapper still is
+    (idempotent; at ``shutdown()``)."""
+    _PATCHES.undo()
+
+
+_PATCHES = Patches()
 
 
 def _group_modules() -> list[Any]:
@@ -123,7 +126,6 @@ def _calling_after(fn: Callable[..., Any], started: Callable[[], None]) -> Calla
             pass
         return result
 
-    init_process_group.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
     return init_process_group
 
 

@@ -125,8 +125,7 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
                 report["op"] = _anomaly_op(model, run, rng, optimizers, scalers, extract_loss, params)
             _no_origin_found(report, rec, is_distributed_data_parallel(model, others) and not grad_bad
                              and loss_value is not None)
-            if report["cause"] == "unknown" and not grad_bad and loss_value is not None and not _many_ranks():
-                _carried_over(report, [(n, g) for (n, _), (_, g) in zip(params, saved_grads)])
+            _carried_over(report, [(n, g) for (n, _), (_, g) in zip(params, saved_grads)])
             magnitudes = _magnitudes(params, bad_params)
             report["largest_params"] = [{"name": n, "max_abs": v} for n, v, _ in magnitudes[:LARGEST_SHOWN]]
             _blame_extreme_parameters(report, magnitudes, module_names)
@@ -210,9 +209,12 @@ def _many_ranks() -> bool:
 
 
 def _carried_over(report: dict[str, Any], grads: list[tuple[str, torch.Tensor | None]]) -> None:
-    """The replay found the step's own gradients finite, but those the step had made were not: on
-    one process, they were non-finite before its backward (accumulated by an earlier step
-    since the last update, which found the origin). ``carried_over`` names them."""
+    """The replay found nothing non-finite (a loss came back, every gradient finite), but the
+    gradients the step had made were not: on one process, they were non-finite before its
+    backward (accumulated by an earlier step since the last update, which found the origin).
+    ``carried_over`` names them."""
+    if report["cause"] != "unknown" or report.get("nonfinite_grads") or report.get("loss") is None or _many_ranks():
+        return
     held = [(n, g) for n, g in grads if g is not None]
     if not held:
         return

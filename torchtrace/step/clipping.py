@@ -33,6 +33,7 @@ import torch
 from torchtrace import current
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import clip_norm
+from torchtrace.patches import Patches, marked
 from torchtrace.step.compiled import is_compiling
 
 if TYPE_CHECKING:
@@ -86,7 +87,6 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             scope.gradients.zero_skipped()
         return result
 
-    clip.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
     return clip
 
 
@@ -178,21 +178,18 @@ def install() -> None:
 
     for name in CLIPS:
         existing = getattr(nn_utils, name, None)
-        if existing is None or getattr(existing, "__torchtrace_wrapped__", False):
+        if existing is None or marked(existing):
             continue
         wrapped = _wrap(existing)
-        setattr(nn_utils, name, wrapped)
+        _PATCHES.replace(nn_utils, name, wrapped)
         if getattr(clip_module, name, None) is existing:
-            setattr(clip_module, name, wrapped)
+            _PATCHES.replace(clip_module, name, wrapped)
 
 
 def uninstall() -> None:
-    """Put torch's own clip functions back where :func:`install` put the wrappers (idempotent)."""
-    import torch.nn.utils as nn_utils
-    from torch.nn.utils import clip_grad as clip_module
+    """Put torch's own clip functions back where :func:`install` put the wrappers and they still
+    are (idempotent; :class:`~torchtrace.patches.Patches`)."""
+    _PATCHES.undo()
 
-    for module in (nn_utils, clip_module):
-        for name in CLIPS:
-            wrapped = getattr(module, name, None)
-            if wrapped is not None and getattr(wrapped, "__torchtrace_wrapped__", False):
-                setattr(module, name, wrapped.__wrapped__)
+
+_PATCHES = Patches()

@@ -63,6 +63,7 @@ from torchtrace.errors import NonFiniteError
 from torchtrace.measure.gradients import in_backward
 from torchtrace.measure.learning_rates import learning_rates
 from torchtrace.measure.scaler import scale_at_start
+from torchtrace.patches import Patches, marked
 from torchtrace.step.gradients import adoptable, covers
 from torchtrace.step.watched import real_optimizer, shares_groups
 
@@ -279,11 +280,11 @@ def _wrap(original: Callable[..., Any], note: Callable[[Any, tuple, dict], None]
         _safely(note, self, args, kwargs)
         return original(self, *args, **kwargs)
 
-    method.__torchtrace_wrapped__ = True  # type: ignore[attr-defined]
     return method
 
 
 _hook_handle: RemovableHandle | None = None
+_PATCHES = Patches()
 
 
 def install() -> None:
@@ -297,20 +298,20 @@ def install() -> None:
     for scheduler_class in list(vars(lr_scheduler).values()):
         if isinstance(scheduler_class, type) and base is not None and issubclass(scheduler_class, base):
             existing = vars(scheduler_class).get("step")
-            if existing is not None and not getattr(existing, "__torchtrace_wrapped__", False):
-                setattr(scheduler_class, "step", _wrap(existing, _note, none_in_replay=True))
+            if existing is not None and not marked(existing):
+                _PATCHES.replace(scheduler_class, "step", _wrap(existing, _note, none_in_replay=True))
     averaged = getattr(swa_utils, "AveragedModel", None)
     existing = vars(averaged).get(AVERAGE) if averaged is not None else None
-    if existing is not None and not getattr(existing, "__torchtrace_wrapped__", False):
-        setattr(averaged, AVERAGE, _wrap(existing, _note, none_in_replay=True))
+    if existing is not None and not marked(existing):
+        _PATCHES.replace(averaged, AVERAGE, _wrap(existing, _note, none_in_replay=True))
     scaler_class = getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)
     if scaler_class is None:
         return
     for name, note in _SCALER_NOTES.items():
         existing = vars(scaler_class).get(name)
-        if existing is None or getattr(existing, "__torchtrace_wrapped__", False):
+        if existing is None or marked(existing):
             continue
-        setattr(scaler_class, name, _wrap(existing, note))
+        _PATCHES.replace(scaler_class, name, _wrap(existing, note))
 
 
 def uninstall() -> None:
@@ -319,15 +320,7 @@ def uninstall() -> None:
     if _hook_handle is not None:
         _hook_handle.remove()
         _hook_handle = None
-    classes: list[type | None] = [c for c in vars(lr_scheduler).values() if isinstance(c, type)]
-    classes += [getattr(swa_utils, "AveragedModel", None),
-                getattr(getattr(getattr(torch, "amp", None), "grad_scaler", None), "GradScaler", None)]
-    for cls in classes:
-        if cls is None:
-            continue
-        for name, method in list(vars(cls).items()):
-            if getattr(method, "__torchtrace_wrapped__", False):
-                setattr(cls, name, method.__wrapped__)
+    _PATCHES.undo()
 
 
 __all__ = ["install", "uninstall"]
