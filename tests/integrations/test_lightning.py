@@ -264,6 +264,40 @@ def test_a_fit_after_one_that_raised_measures_before_the_clip_again(tmp_path):
     assert "clip_gradients" not in vars(module)
 
 
+def test_a_modules_own_clip_gradients_and_checkpoint_io_are_theirs_again_after_fit(tmp_path):
+    """The module sets a ``clip_gradients`` of its own on the instance, the checkpoint IO a
+    ``save_checkpoint`` of its own: after the fit each is the one it set, and still called.
+    Before, teardown deleted them (the class's methods came back)."""
+    result = configure(tmp_path)
+    module = ManualModule()
+    counted = {"clips": 0, "saves": 0}
+    clip = module.clip_gradients
+
+    def counting_clip(optimizer, *args, **kwargs):
+        counted["clips"] += 1
+        return clip(optimizer, *args, **kwargs)
+
+    module.clip_gradients = counting_clip
+    io = pl.plugins.TorchCheckpointIO()
+    save = io.save_checkpoint
+
+    def counting_save(*args, **kwargs):
+        counted["saves"] += 1
+        return save(*args, **kwargs)
+
+    io.save_checkpoint = counting_save
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[TorchtraceCallback()], plugins=[io])
+    trainer.fit(module, loaders()[0])
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert vars(module)["clip_gradients"] is counting_clip and vars(io)["save_checkpoint"] is counting_save
+    assert counted == {"clips": 3, "saves": 1}
+    spans = [s for s in read_spans(result.spans_path) if s["name"] == "train_step"]
+    assert [s["attributes"][semconv.GRAD_NORM] for s in spans] == \
+        [pytest.approx(n, rel=1e-6) for n in module.norms.values()]
+
+
 @pytest.mark.parametrize("clip", ["module", "torch-norm"])
 def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path, clip):
     """Under ``16-mixed`` the module's ``clip_gradients`` runs on gradients the loss scaler has

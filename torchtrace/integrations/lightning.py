@@ -138,26 +138,24 @@ class TorchtraceCallback(_pl.Callback):
 
     # ------------------------------------------------------------ checkpoints
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if _measures_clips(pl_module):  # left by a fit that ended without its teardown (an exception)
-            del pl_module.clip_gradients
+        _put_back(pl_module, "clip_gradients")  # left by a fit that ended without its teardown (an exception)
         if not getattr(pl_module, "automatic_optimization", True):
-            pl_module.clip_gradients = _measured_clip(self._train, pl_module)  # type: ignore[method-assign]
+            _replace(pl_module, "clip_gradients", _measured_clip(self._train, pl_module))
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         if io is None or getattr(io.save_checkpoint, "__torchtrace_kind__", None):
             return
         handing_over = (_ASYNC_IO is not None and isinstance(io, _ASYNC_IO)
                         and getattr(io, "checkpoint_io", None) is not None)
-        io.save_checkpoint = _timed_handover(io) if handing_over else _timed(io.save_checkpoint, "save")
-        io.load_checkpoint = _timed(io.load_checkpoint, "load")
+        _replace(io, "save_checkpoint", _timed_handover(io) if handing_over else _timed(io.save_checkpoint, "save"))
+        _replace(io, "load_checkpoint", _timed(io.load_checkpoint, "load"))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if _measures_clips(pl_module):
-            del pl_module.clip_gradients  # the instance's wrapper off: the class's method again
+        _put_back(pl_module, "clip_gradients")
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         for plugin in (io, getattr(io, "checkpoint_io", None)):  # (an AsyncCheckpointIO's writer too)
-            for name in ("save_checkpoint", "load_checkpoint"):
-                if plugin is not None and getattr(getattr(plugin, name, None), "__torchtrace_kind__", None):
-                    delattr(plugin, name)  # the instance's wrapper off: the class's method again
+            if plugin is not None:
+                _put_back(plugin, "save_checkpoint")
+                _put_back(plugin, "load_checkpoint")
 
     # ------------------------------------------------------------ training
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
@@ -246,10 +244,25 @@ def _read_as_consumed(driver: StepDriver, module: torch.nn.Module, batch: object
             rt.errors.report("other", exc)
 
 
-def _measures_clips(pl_module: object) -> bool:
-    """Whether the instance's ``clip_gradients`` is :func:`_measured_clip`'s."""
-    own = getattr(pl_module, "__dict__", {}).get("clip_gradients")
-    return bool(getattr(own, "__torchtrace_measures__", False))
+_ABSENT = object()
+
+
+def _replace(obj: object, name: str, wrapper: Callable[..., Any]) -> None:
+    """``obj.name`` (an instance attribute) becomes ``wrapper``, which remembers what the
+    instance held under that name itself (an override of the application's), or that it held
+    nothing (the class's method): :func:`_put_back` restores that."""
+    wrapper.__torchtrace_replaced__ = vars(obj).get(name, _ABSENT)  # type: ignore[attr-defined]
+    setattr(obj, name, wrapper)
+
+
+def _put_back(obj: object, name: str) -> None:
+    """Undo :func:`_replace` where its wrapper is still the instance's (idempotent)."""
+    own = getattr(obj, "__dict__", {}).get(name)
+    replaced = getattr(own, "__torchtrace_replaced__", None)
+    if replaced is _ABSENT:
+        delattr(obj, name)  # the class's method again
+    elif replaced is not None:
+        setattr(obj, name, replaced)  # the instance's own again
 
 
 def _measured_clip(driver: StepDriver, pl_module: LightningModule) -> Callable[..., None]:
@@ -267,7 +280,6 @@ def _measured_clip(driver: StepDriver, pl_module: LightningModule) -> Callable[.
             driver.measure(pl_module, optimizer)
         original(optimizer, *args, **kwargs)
 
-    clip_gradients.__torchtrace_measures__ = True  # type: ignore[attr-defined]
     return clip_gradients
 
 
@@ -332,7 +344,7 @@ def _timed_handover(io: Any) -> Callable[..., None]:
             hand_over(*args, **kwargs)
 
     writing.__torchtrace_kind__ = "write"  # type: ignore[attr-defined]
-    writer.save_checkpoint = writing
+    _replace(writer, "save_checkpoint", writing)
     timed.__torchtrace_kind__ = "save"  # type: ignore[attr-defined]
     return timed
 
