@@ -418,3 +418,43 @@ def test_a_nan_in_a_compiled_step_function_is_replayed_and_skipped(tmp_path, mon
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     finally:
         tt.shutdown()
+
+
+def test_the_seeds_level_block_compiles_a_compiled_model_once_and_leaves_it_compiled(tt_runtime, fresh_dynamo):
+    """``with debug_context(DebugLevel.BASIC)`` watches its block through global module hooks.
+    Registered anew for every block, their new ids failed dynamo's guards: every step compiled
+    the model again, and past the recompile limit (8) it ran uncompiled, after shutdown too.
+    Now the hooks stay from the first block to shutdown: the model compiles at the first step
+    and once more after shutdown (the hooks gone), and every step runs a compiled graph."""
+    compiles, runs = [0], [0]
+
+    def counting(gm, example_inputs):
+        compiles[0] += 1
+
+        def run(*args):
+            runs[0] += 1
+            return gm.forward(*args)
+        return run
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 2))
+    compiled = torch.compile(model, backend=counting)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(compiled(torch.randn(4, 6)), torch.randn(4, 2)).backward()
+        opt.step()
+
+    with tt.debug_context(tt.DebugLevel.BASIC):
+        step()
+    first_compiles, first_runs = compiles[0], runs[0]
+    assert first_runs >= 1
+    for _ in range(11):
+        with tt.debug_context(tt.DebugLevel.BASIC):
+            step()
+    assert compiles[0] == first_compiles and runs[0] == 12 * first_runs
+    tt.shutdown()
+    before = compiles[0]
+    for _ in range(5):
+        step()
+    assert compiles[0] - before <= first_compiles and runs[0] >= 12 * first_runs + 5

@@ -256,6 +256,7 @@ def shutdown(timeout_s: float | None = None) -> None:
             # torch as it was: the clip functions, GradScaler, schedulers and the optimizer hook
             clipping.uninstall()
             updaters.uninstall()
+            block.unwatch()
             from torchtrace.export.otlp_spans import restore_sdk_jitter
 
             restore_sdk_jitter()  # the OpenTelemetry exporters draw from Python's random again

@@ -13,13 +13,18 @@ while the block runs, watches through torch's public global hooks:
 - with neither model nor optimizer, the gradients of the leaf tensors that loss's graph
   reached (the tensors the block made), watched as the step's model.
 
-The hooks exist only inside the block and are removed on exit, on error too. The mode routes
-every torch call of the block through Python: a cost paid only by this seed form, small
-next to the autograd anomaly detection it comes with.
+The global hooks are registered at the first such block and stay until ``shutdown()``: they
+lead to the block open on the calling thread, and do nothing outside one. Registered anew
+for every block, their new ids made ``torch.compile`` recompile a compiled model at every
+step, until its recompile limit left it uncompiled for good. The mode exists only inside the
+block (removed on exit, on error too); it routes every torch call of the block through
+Python: a cost paid only by this seed form, small next to the autograd anomaly detection it
+comes with.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -86,7 +91,7 @@ class WatchedBlock:
         self.loss: torch.Tensor | None = None
         self.stepped = False
         self._depth = 0
-        self._handles: list[RemovableHandle] = []
+        self._token: contextvars.Token[WatchedBlock | None] | None = None
         self._mode: _BackwardWatch | None = None
 
     def __enter__(self) -> StepScope:
@@ -118,10 +123,8 @@ class WatchedBlock:
 
     # ------------------------------------------------------------ hooks
     def _install(self) -> None:
-        module_hooks = torch.nn.modules.module
-        self._handles.append(module_hooks.register_module_forward_pre_hook(self._pre_forward))
-        self._handles.append(module_hooks.register_module_forward_hook(self._post_forward))
-        self._handles.append(register_optimizer_step_pre_hook(self._before_step))
+        _watch()
+        self._token = _OPEN.set(self)
         self._mode = _BackwardWatch(self)
         self._mode.__enter__()
 
@@ -129,9 +132,9 @@ class WatchedBlock:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._token is not None:
+            token, self._token = self._token, None
+            _OPEN.reset(token)
 
     def _pre_forward(self, module: torch.nn.Module, args: tuple) -> None:
         self._depth += 1
@@ -164,6 +167,45 @@ class WatchedBlock:
             self.scope.model = BlockTensors(leaves)
 
 
+_OPEN: contextvars.ContextVar[WatchedBlock | None] = contextvars.ContextVar("torchtrace_block", default=None)
+_handles: list[RemovableHandle] = []
+
+
+def _watch() -> None:
+    """Register the global hooks that lead to the open block, once (until :func:`unwatch`)."""
+    if _handles:
+        return
+    module_hooks = torch.nn.modules.module
+    _handles.append(module_hooks.register_module_forward_pre_hook(_pre_forward))
+    _handles.append(module_hooks.register_module_forward_hook(_post_forward))
+    _handles.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def unwatch() -> None:
+    """Remove the global hooks (idempotent; at ``shutdown()``)."""
+    for handle in _handles:
+        handle.remove()
+    _handles.clear()
+
+
+def _pre_forward(module: torch.nn.Module, args: tuple) -> None:
+    block = _OPEN.get()
+    if block is not None:
+        block._pre_forward(module, args)
+
+
+def _post_forward(module: torch.nn.Module, args: tuple, output: object) -> None:
+    block = _OPEN.get()
+    if block is not None:
+        block._post_forward(module, args, output)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    block = _OPEN.get()
+    if block is not None:
+        block._before_step(optimizer, args, kwargs)
+
+
 def level_block(level: DebugLevel, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                 step: int | None = None, mode: DebugMode | str | None = None, attributes: dict[str, Any] | None = None,
                 replay: Callable[[], Any] | None = None, scaler: torch.amp.GradScaler | None = None,
@@ -187,4 +229,4 @@ def _report(exc: BaseException) -> None:
         logger.warning("torchtrace: watching the block failed (%s: %s)", type(exc).__name__, exc)
 
 
-__all__ = ["BlockTensors", "WatchedBlock", "level_block"]
+__all__ = ["BlockTensors", "WatchedBlock", "level_block", "unwatch"]
