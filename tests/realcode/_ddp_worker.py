@@ -142,6 +142,45 @@ def run_accumulation(out: str, rank: int) -> dict:
     return result
 
 
+def run_fsdp1(out: str, rank: int, instrument: bool) -> dict:
+    """FSDP (the first API, flat parameters) under ``guard="warn"``, a decorated step: at step 3
+    rank 1's loss is NaN (an empty selection) while every gradient stays finite, so rank 1
+    alone finds its step non-finite. ``instrument``: with torchtrace, or the plain loop.
+    Returns each step's loss and whether the ranks' parameters agree at the end."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if instrument:
+        tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=os.path.join(out, "fsdp1"),
+                     register_atexit=False, strict=True, guard="warn", throughput=False)
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+    model = FullyShardedDataParallel(inner, device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y, keep):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x)[keep], y[keep])
+        loss.backward()
+        opt.step()
+        return loss
+
+    if instrument:
+        train_step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(train_step)
+    data = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for step in range(STEPS + 1):
+        x, y = torch.randn(4, 7, generator=data), torch.randn(4, 3, generator=data)
+        keep = torch.full((4,), not (step == BAD_STEP and rank == 1))
+        losses.append(float(train_step(x, y, keep)))
+    with FullyShardedDataParallel.summon_full_params(model):
+        identical = _identical_across_ranks(model)
+    result = {"losses": losses, "identical": identical}
+    if instrument:
+        result["reports"] = list(get_runtime().forensics.reports)
+        tt.shutdown()
+    return result
+
+
 def _identical_across_ranks(model: torch.nn.Module) -> bool:
     """Every rank holds the same parameters (NaN where the others hold NaN)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float64)
@@ -173,6 +212,8 @@ def main() -> None:
     results["lonely/nan_input"] = run_case(os.path.join(out, "lonely"), rank, "warn", "nan_input",
                                            max_replays=0 if rank == 0 else 3)
     results["accumulate/nan_input"] = run_accumulation(out, rank)
+    results["fsdp1/plain"] = run_fsdp1(out, rank, instrument=False)
+    results["fsdp1/warn"] = run_fsdp1(out, rank, instrument=True)
     with open(os.path.join(out, f"ddp.rank{rank}.json"), "w") as f:
         json.dump(results, f, default=str)
     dist.destroy_process_group()

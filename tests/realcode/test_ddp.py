@@ -130,6 +130,23 @@ def test_accumulation_under_no_sync_names_the_rank_where_the_nan_was_born(ranks)
 
 
 @pytest.mark.timeout(300)
+def test_fsdp1_is_not_replayed_on_one_rank(ranks):
+    """FSDP's first API keeps its shards in plain tensors: a replay on rank 1 alone (its loss
+    NaN, every gradient finite) ran the forward's all-gather by itself, which paired with
+    rank 0's next one: both ranks trained on wrong values (step 4's loss 0.2075 against 0.2088
+    on rank 1), then the job died. Now it is not replayed, and says why; the losses are the
+    plain loop's, step by step."""
+    for rank in (0, 1):
+        plain, traced = ranks[rank]["fsdp1/plain"], ranks[rank]["fsdp1/warn"]
+        assert traced["losses"][:BAD_STEP] == plain["losses"][:BAD_STEP]
+        assert traced["losses"][BAD_STEP + 1:] == plain["losses"][BAD_STEP + 1:]
+        assert traced["identical"] and plain["identical"]
+    assert ranks[0]["fsdp1/warn"]["reports"] == []
+    (report,) = ranks[1]["fsdp1/warn"]["reports"]
+    assert report["replayed"] is False and "sharded" in report["tried"], report
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("guard", ["warn", "skip"])
 def test_one_nan_on_one_rank_at_the_defaults_does_not_kill_the_job(tmp_path, guard):
     """The issue's job: DDP and torchtrace at their defaults, an Inf weight on rank 1 before

@@ -90,6 +90,16 @@ def is_distributed_data_parallel(model: torch.nn.Module, others: tuple = ()) -> 
     return any(_is_ddp(m) for m in (model, *others))
 
 
+def sharded_by_fsdp(model: torch.nn.Module, others: tuple = ()) -> bool:
+    """FSDP's first API (``FullyShardedDataParallel``) is the model, holds part of it, or is
+    among the step's arguments: its shards are plain tensors, and its forward all-gathers them
+    from every rank. (FSDP2's are DTensors.) Looked for only where that module is imported."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    if fsdp is None:
+        return False
+    return any(isinstance(m, fsdp) for m in (*model.modules(), *others))
+
+
 @contextlib.contextmanager
 def local_only(model: torch.nn.Module, others: tuple = ()) -> Iterator[None]:
     """No collective in the replay: DistributedDataParallel's gradient all-reduce and buffer

@@ -36,6 +36,7 @@ from torchtrace.forensics.isolation import (
     neutralised,
     outside_kept,
     restore_rng,
+    sharded_by_fsdp,
 )
 from torchtrace.forensics.recorder import Recorder
 from torchtrace.measure.names import user_name, wrapper_prefix
@@ -101,10 +102,10 @@ def replay(model: torch.nn.Module, run: Callable[[], Any], rng: tuple | None, op
     saved_training = [(m, m.training) for m in model.modules()]
     rng_now = capture_rng()
     report: dict[str, Any] = {"replayed": True, "model": type(model).__name__}
-    if any(type(p).__name__ == "DTensor" for _, p in params):
-        # FSDP2 / tensor parallel: the forward gathers shards from the other ranks, which do not replay.
+    if any(type(p).__name__ == "DTensor" for _, p in params) or sharded_by_fsdp(model, others):
+        # FSDP (either API) / tensor parallel: the forward gathers shards from the other ranks, which do not replay.
         report.update(replayed=False, cause="unknown", kind=CAUSE_KIND["unknown"], module=None,
-                      tried="not replayed: the parameters are sharded (FSDP2, DTensor), and a replay on one rank "
+                      tried="not replayed: the parameters are sharded (FSDP, DTensor), and a replay on one rank "
                             "would issue collectives the other ranks never join",
                       replay_seconds=time.perf_counter() - t0)
         return report
