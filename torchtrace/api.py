@@ -20,7 +20,7 @@ import torch
 
 from torchtrace import current
 from torchtrace.config import Settings, disabled_by_environment
-from torchtrace.distributed import in_dataloader_worker
+from torchtrace.distributed import collectives, in_dataloader_worker
 from torchtrace.distributed.identity import (
     Identity,
     identity,
@@ -172,6 +172,7 @@ def _set_up(resolved: Settings) -> ConfigureResult:
         updaters.install()
         watch_layouts()
         watch_group_start(_process_group_started)
+        collectives.watch_join()
         if resolved.register_atexit:
             _shut_down_as_the_process_ends()
         return ConfigureResult(rt)
@@ -262,6 +263,7 @@ def shutdown(timeout_s: float | None = None) -> None:
             restore_sdk_jitter()  # the OpenTelemetry exporters draw from Python's random again
             unwatch_layouts()
             unwatch_group_start()
+            collectives.unwatch_join()
             take_back_run_id()
             take_back_settings()
 

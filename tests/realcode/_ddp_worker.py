@@ -181,6 +181,41 @@ def run_fsdp1(out: str, rank: int, instrument: bool) -> dict:
     return result
 
 
+def run_join(out: str, rank: int, instrument: bool) -> dict:
+    """Uneven inputs under ``Join``: rank 0 has 3 batches, rank 1 has 6; a decorated step under
+    ``guard="skip"`` with a straggler check every 2 steps, so torchtrace's own collectives (the
+    guard's agreement, the skew check) would run while rank 0 has joined. ``instrument``: with
+    torchtrace, or the plain loop. Returns the losses and whether the ranks' parameters agree."""
+    from torch.distributed.algorithms.join import Join
+
+    if instrument:
+        tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=os.path.join(out, "join"),
+                     register_atexit=False, strict=True, guard="skip", throughput=False, rank_skew_interval=2)
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = torch.nn.parallel.DistributedDataParallel(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if instrument:
+        train_step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(train_step)
+    data = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    with Join([model]):
+        for _ in range(3 if rank == 0 else 6):
+            losses.append(float(train_step(torch.randn(4, 4, generator=data), torch.randn(4, 1, generator=data))))
+    result = {"losses": losses, "identical": _identical_across_ranks(inner)}
+    if instrument:
+        tt.shutdown()
+    return result
+
+
 def _identical_across_ranks(model: torch.nn.Module) -> bool:
     """Every rank holds the same parameters (NaN where the others hold NaN)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float64)
@@ -214,6 +249,8 @@ def main() -> None:
     results["accumulate/nan_input"] = run_accumulation(out, rank)
     results["fsdp1/plain"] = run_fsdp1(out, rank, instrument=False)
     results["fsdp1/warn"] = run_fsdp1(out, rank, instrument=True)
+    results["join/plain"] = run_join(out, rank, instrument=False)
+    results["join/skip"] = run_join(out, rank, instrument=True)
     with open(os.path.join(out, f"ddp.rank{rank}.json"), "w") as f:
         json.dump(results, f, default=str)
     dist.destroy_process_group()

@@ -15,14 +15,20 @@ The collectives, by purpose:
   every rank (:mod:`torchtrace.record.policy`);
 * ``skew``: every ``rank_skew_interval`` steps, each rank's mean step time
   (:mod:`torchtrace.probes.straggler`).
+
+None is issued inside ``Join`` (uneven inputs: :func:`watch_join`): once a rank has run out
+of batches, only DDP's own collectives are matched by the shadow ones it runs, and any other
+met them (gloo aborted the process: "Received data size doesn't match expected size").
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 from torchtrace.errors import get_logger
+from torchtrace.patches import Patches, marked
 
 if TYPE_CHECKING:
     import torch
@@ -43,8 +49,9 @@ STATE = _State()
 
 
 def collectives_available() -> bool:
-    """True when a default process group of more than one rank is up and nothing broke."""
-    if STATE.broken is not None:
+    """True when a default process group of more than one rank is up, nothing broke, and no
+    ``Join`` context is open (:func:`watch_join`)."""
+    if STATE.broken is not None or _JOINS.open:
         return False
     try:
         import torch.distributed as dist
@@ -52,6 +59,54 @@ def collectives_available() -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     except Exception:
         return False
+
+
+class _Joins:
+    """The ``Join`` contexts open in this process (uneven inputs), counted by :func:`watch_join`'s wrappers."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.patches = Patches()
+
+
+_JOINS = _Joins()
+
+
+def watch_join() -> None:
+    """Count the ``torch.distributed.algorithms.join.Join`` contexts open, from entry to the end
+    of exit (where a rank out of batches runs the shadow collectives): torchtrace issues no
+    collective while one is. At ``configure()``; :func:`unwatch_join` at ``shutdown()``."""
+    try:
+        from torch.distributed.algorithms.join import Join
+    except Exception:  # a torch built without distributed
+        return
+    enter, leave = vars(Join)["__enter__"], vars(Join)["__exit__"]
+    if marked(enter) or marked(leave):
+        return
+
+    @functools.wraps(enter)
+    def entering(self: Any) -> Any:
+        _JOINS.open += 1
+        try:
+            return enter(self)
+        except BaseException:
+            _JOINS.open -= 1
+            raise
+
+    @functools.wraps(leave)
+    def leaving(self: Any, *args: Any) -> Any:
+        try:
+            return leave(self, *args)
+        finally:
+            _JOINS.open = max(0, _JOINS.open - 1)
+
+    _JOINS.patches.replace(Join, "__enter__", entering)
+    _JOINS.patches.replace(Join, "__exit__", leaving)
+
+
+def unwatch_join() -> None:
+    """Undo :func:`watch_join` (idempotent)."""
+    _JOINS.patches.undo()
 
 
 def device(group: ProcessGroup | None = None) -> torch.device:
