@@ -282,3 +282,36 @@ def test_a_single_rank_stuck_says_in_what(tmp_path):
     report = why(tmp_path)
     assert (report["verdict"], report["culprit_ranks"]) == ("hang", [0])
     assert report["reason"] == "stuck in data_wait; then rank 0 stopped by SIGINT"
+
+
+def test_a_step_that_raised_is_not_the_boxs_last_finished_step(tmp_path):
+    """A hung rank's collective finally raises (gloo's own timeout): the step it raised in is
+    the box's last step, but it did not finish. Before, its end after the hang was flagged read
+    as the rank coming out of the hang, and the job's verdict named the rank that waited as the
+    culprit of a death."""
+    import torch
+
+    import torchtrace as tt
+    from torchtrace.api import get_runtime
+    from torchtrace.job import ending
+
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True)
+    try:
+        model = torch.nn.Linear(2, 1)
+        fields = get_runtime().rank_state.fields
+        for i in range(3):
+            if i == 2:
+                fields["hang"] = {"since": finished_at, "detected": time.time(), "step": 2}  # noqa: F821
+            try:
+                with tt.debug_context("train_step", model=model):
+                    model(torch.ones(1, 2)).sum().backward()
+                    if i == 2:
+                        raise RuntimeError("[gloo] Timed out waiting 12000ms for recv operation to complete")
+            except RuntimeError:
+                pass
+            if i == 1:
+                finished_at = fields["finished_time"]
+        assert fields["step"] == 2 and fields["finished_time"] == finished_at
+        assert ending.hung_to_the_end(fields)
+    finally:
+        tt.shutdown()

@@ -136,7 +136,9 @@ def hung_to_the_end(state: Mapping[str, Any]) -> bool:
     ``on_hang="abort"``)."""
     hang = state.get("hang")
     flagged = (hang.get("detected") or hang.get("since")) if isinstance(hang, dict) else None
-    finished = state.get("step_time")
+    # A step that raised after the hang (a collective's own timeout) did not finish: only one
+    # that ended well tells the rank came out of it.
+    finished = state.get("finished_time", state.get("step_time"))
     return isinstance(flagged, (int, float)) and not (isinstance(finished, (int, float)) and finished > flagged)
 
 

@@ -93,6 +93,23 @@ def note_step(rt: Runtime, record: "StepRecord") -> None:
         return
     f = box.fields
     end = record.end_unix_ns / 1e9 if record.end_unix_ns else time.time()
+    _note_reached(f, record, end)
+    if record.exception_type is None:
+        f["finished_time"] = end  # (a step that raised did not finish: see ending.hung_to_the_end)
+    memory = record.memory
+    if memory:
+        if memory.get("rss_bytes") is not None:
+            f["rss_bytes"] = memory["rss_bytes"]
+        if memory.get("cuda_allocated_bytes") is not None:
+            f["cuda_allocated_bytes"] = memory["cuda_allocated_bytes"]
+    if record.anomalies:
+        f["last_anomaly"] = {"step": record.step, "kinds": [a.kind for a in record.anomalies]}
+        if record.exception_type is None:  # (a step that raised did not come out of its hang)
+            _note_recovered_hang(f, record, end)
+
+
+def _note_reached(f: dict[str, Any], record: "StepRecord", end: float) -> None:
+    """The box's last step (a failed one too), and the steps' usual time."""
     n = f.get("steps_finished", 0)
     if n == 0:
         f["first_step"] = record.step
@@ -106,15 +123,6 @@ def note_step(rt: Runtime, record: "StepRecord") -> None:
     f["step"] = record.step
     f["step_time"] = end
     f["loss"] = record.loss
-    memory = record.memory
-    if memory:
-        if memory.get("rss_bytes") is not None:
-            f["rss_bytes"] = memory["rss_bytes"]
-        if memory.get("cuda_allocated_bytes") is not None:
-            f["cuda_allocated_bytes"] = memory["cuda_allocated_bytes"]
-    if record.anomalies:
-        f["last_anomaly"] = {"step": record.step, "kinds": [a.kind for a in record.anomalies]}
-        _note_recovered_hang(f, record, end)
 
 
 def _note_recovered_hang(f: dict[str, Any], record: "StepRecord", end: float) -> None:
