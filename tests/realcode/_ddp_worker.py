@@ -167,14 +167,16 @@ def run_fsdp1(out: str, rank: int, instrument: bool) -> dict:
     if instrument:
         train_step = tt.debug_operation(name="train_step", model=model, optimizer=opt)(train_step)
     data = torch.Generator().manual_seed(100 + rank)
-    losses = []
+    losses, scopes = [], []
     for step in range(STEPS + 1):
         x, y = torch.randn(4, 7, generator=data), torch.randn(4, 3, generator=data)
         keep = torch.full((4,), not (step == BAD_STEP and rank == 1))
         losses.append(float(train_step(x, y, keep)))
+        if instrument:
+            scopes.append(get_runtime().history.last_record.grad_norm_scope)
     with FullyShardedDataParallel.summon_full_params(model):
         identical = _identical_across_ranks(model)
-    result = {"losses": losses, "identical": identical}
+    result = {"losses": losses, "identical": identical, "scopes": scopes}
     if instrument:
         result["reports"] = list(get_runtime().forensics.reports)
         tt.shutdown()

@@ -159,6 +159,16 @@ def test_fsdp1_is_not_replayed_on_one_rank(ranks):
 
 
 @pytest.mark.timeout(300)
+def test_fsdp1_gradient_norms_are_said_to_be_the_ranks_shards(ranks):
+    """FSDP's first API: each rank's norms are of its flat shard, not of the whole model: the
+    span says ``local`` (it said ``global``, the whole tensors' scope, with a norm of half the
+    model on each rank)."""
+    for rank in (0, 1):
+        scopes = ranks[rank]["fsdp1/warn"]["scopes"]
+        assert scopes and set(scopes) == {"local"}, scopes
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("guard", ["warn", "skip"])
 def test_one_nan_on_one_rank_at_the_defaults_does_not_kill_the_job(tmp_path, guard):
     """The issue's job: DDP and torchtrace at their defaults, an Inf weight on rank 1 before

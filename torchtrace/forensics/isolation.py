@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import random
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
@@ -90,14 +91,25 @@ def is_distributed_data_parallel(model: torch.nn.Module, others: tuple = ()) -> 
     return any(_is_ddp(m) for m in (model, *others))
 
 
+_FSDP_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
 def sharded_by_fsdp(model: torch.nn.Module, others: tuple = ()) -> bool:
     """FSDP's first API (``FullyShardedDataParallel``) is the model, holds part of it, or is
     among the step's arguments: its shards are plain tensors, and its forward all-gathers them
-    from every rank. (FSDP2's are DTensors.) Looked for only where that module is imported."""
+    from every rank. (FSDP2's are DTensors.) Looked for only where that module is imported; a
+    model's modules once."""
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
     if fsdp is None:
         return False
-    return any(isinstance(m, fsdp) for m in (*model.modules(), *others))
+    known = _FSDP_MODELS.get(model)
+    if known is None:
+        known = any(isinstance(m, fsdp) for m in model.modules())
+        try:
+            _FSDP_MODELS[model] = known
+        except TypeError:  # a model without weak references: looked at again next time
+            pass
+    return known or any(isinstance(o, fsdp) for o in others)
 
 
 @contextlib.contextmanager

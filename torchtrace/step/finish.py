@@ -16,6 +16,7 @@ import torch
 from torchtrace import semconv
 from torchtrace.errors import NonFiniteError, get_logger
 from torchtrace.export.spans import apply_record
+from torchtrace.forensics.isolation import sharded_by_fsdp
 from torchtrace.measure import gradients as grad_measure
 from torchtrace.measure.counts import device_count, read_given
 from torchtrace.measure.learning_rates import read_rates
@@ -174,7 +175,8 @@ def _evaluate_grads(rt: Runtime, scope: StepScope, record: StepRecord, norms: li
     assert scope.gradients is not None and scope.gradients.stats is not None and scope.features is not None
     stats = scope.gradients.stats
     total = grad_measure.global_norm(norms)
-    record.grad_norm_scope = stats.scope
+    # FSDP's first API: plain tensors, each rank's flat shard (FSDP2's DTensors were combined).
+    record.grad_norm_scope = "local" if scope.model is not None and sharded_by_fsdp(scope.model) else stats.scope
     overflow: list[str] = []
     # A finite global norm (float64, summed from the tensors' norms) means every tensor's is.
     if stats.grads and not math.isfinite(total) and any(math.isinf(v) for v in norms):
