@@ -255,3 +255,35 @@ def test_a_forked_child_only_chains_the_signal(tmp_path):
         guard.restore()
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
     assert not marker.exists()  # the parent's flush and report were not run in the child
+
+
+_SAVE_AND_EXIT = textwrap.dedent("""
+    import os, signal, sys, torch, torchtrace as tt
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # the "save and exit" handler
+    tt.configure(prometheus_port="off")
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(10):
+        with tt.debug_context("train_step", model=model, optimizer=opt):
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)  # the preemption, before the step's work
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+""")
+
+
+def test_a_sigterm_whose_handler_exits_in_a_step_interrupts_that_step(tmp_path):
+    """A SIGTERM in the middle of step 5, and the application's handler calls ``sys.exit(0)``
+    there: the attempt was preempted and lost step 5, as with SIGTERM's default action. Before,
+    the handler's clean exit made step 5 a finished, productive step (``interrupted_step``
+    none, 6 steps)."""
+    env = clean_env(TORCHTRACE_RUN_ID="term", TORCHTRACE_RUN_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _SAVE_AND_EXIT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    (state,) = read_states(tmp_path / "term")
+    assert (state["ended"], state["end_detail"]) == ("preempted", "SIGTERM")
+    assert (state["step"], state.get("interrupted_step")) == (4, 5)
+    report = json.loads((tmp_path / "term" / "report.json").read_text())
+    assert report["totals"]["steps"] == 5 and report["totals"]["failed_steps"] == 0

@@ -340,6 +340,16 @@ def exit_in_step(rt: Runtime, exc: SystemExit, step: int) -> None:
     rt.exit_in_step = (exc, step)
 
 
+def preempted_since(rt: Runtime, since: float) -> bool:
+    """A SIGTERM or SIGINT reached the process at ``since`` (a ``time.time()``) or later: the
+    black box says ``preempted`` from then (:func:`on_signal`)."""
+    box = rt.rank_state
+    if box is None or box.fields.get("ended") != "preempted":
+        return False
+    at = box.fields.get("end_time")
+    return isinstance(at, (int, float)) and at >= since
+
+
 def close(rt: Runtime) -> None:
     """At shutdown, first thing: ``completed`` unless the process already said how it ended,
     the hooks taken off, the black box written (the report's job section reads it)."""

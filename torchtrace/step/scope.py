@@ -308,7 +308,13 @@ class StepScope:
         if not self._active:
             return False
         assert self.step is not None and self.features is not None  # (set as the step began)
-        progress.step_ended(self.step)
+        # A SIGTERM's handler exited in the step ("save and exit"): the step was lost to the
+        # preemption, as under the signal's default action. It stays the current step, which
+        # the shutdown names ``interrupted_step``; it gets no record and no span.
+        interrupted = (isinstance(exc, SystemExit) and exc.code in (0, None)
+                       and job.preempted_since(self._rt, self._start_ns / 1e9))
+        if not interrupted:
+            progress.step_ended(self.step)
         state = self.throughput
         clock = state.clock if state is not None else None
         if state is not None and clock is not None and clock.optimizer_end is None and \
@@ -325,6 +331,9 @@ class StepScope:
                 return False
             exc = None  # the step trained, then found no next batch: a step like any other
         elif isinstance(exc, SystemExit):  # the process ends: cleanly (status 0 or none), or failing
+            if interrupted:
+                self._leave_unrecorded(rt, exc)
+                return False
             if exc.code in (0, None):
                 exc = None  # (the step did not fail)
             else:
@@ -354,11 +363,12 @@ class StepScope:
         clock = self.throughput.clock if self.throughput is not None else None
         return clock is None or clock.forward_start is None
 
-    def _leave_unrecorded(self, rt: Runtime, exc: StopIteration) -> None:
+    def _leave_unrecorded(self, rt: Runtime, exc: BaseException) -> None:
         """The loop's data ran out before the step did anything (``next(batches)`` at its top
-        raised ``StopIteration``): it was no step. Everything it began is undone, its span is
-        never ended (so nothing exports it), its time counts as the next step's wait for data,
-        and a counted number is the next step's."""
+        raised ``StopIteration``): it was no step; or a preemption's handler ended the process
+        in it. Everything it began is undone, its span is never ended (so nothing exports it),
+        its time counts as the next step's wait for data, and a counted number is the next
+        step's."""
         try:
             self._restore()
             rt.probes.exit(self, self._states, exc, ReadPlan())  # (a probe lets go of what it holds)
