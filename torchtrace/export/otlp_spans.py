@@ -5,7 +5,6 @@ Re-exported by :mod:`torchtrace.export.tracing`.
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from typing import Mapping
@@ -13,15 +12,13 @@ from typing import Mapping
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from torchtrace.export.http_session import HttpSpanExporter, abortable_session
+from torchtrace.export.span_ids import own_random
 from torchtrace.export.transport import grpc_channel_options, hide_sdk_header_echo
 
 __all__ = ["otlp_span_exporter", "restore_sdk_jitter"]
 
 #: The SDK's modules that draw their retry backoff's jitter from the module-level ``random``.
 _JITTER_MODULES = ("opentelemetry.exporter.otlp.common.http", "opentelemetry.exporter.otlp.proto.grpc.exporter")
-_JITTER = random.Random()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_JITTER.seed)
 
 
 def private_sdk_jitter() -> None:
@@ -33,14 +30,14 @@ def private_sdk_jitter() -> None:
     for name in _JITTER_MODULES:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "random", None) is random:
-            module.random = _JITTER  # type: ignore[attr-defined]  # (a Random has the module's functions)
+            module.random = own_random()  # type: ignore[attr-defined]  # (a Random has the module's functions)
 
 
 def restore_sdk_jitter() -> None:
     """The SDK's modules draw from Python's ``random`` again."""
     for name in _JITTER_MODULES:
         module = sys.modules.get(name)
-        if module is not None and getattr(module, "random", None) is _JITTER:
+        if module is not None and getattr(module, "random", None) is own_random():
             module.random = random  # type: ignore[attr-defined]
 
 

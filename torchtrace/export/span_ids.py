@@ -10,12 +10,21 @@ import random
 from opentelemetry import trace
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
-__all__ = ["OwnRandomIds", "own_ids"]
+__all__ = ["OwnRandomIds", "own_ids", "own_random"]
+
+_RANDOM = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_RANDOM.seed)
+
+
+def own_random() -> random.Random:
+    """torchtrace's random generator, seeded from the system's entropy and again in a forked
+    child (as Python's global one is): for span ids and the exporters' retry jitter."""
+    return _RANDOM
 
 
 class OwnRandomIds(IdGenerator):
-    """Trace and span ids drawn from a random generator of torchtrace's own, seeded from the
-    system's entropy, and again in a forked child (as Python's ``random`` is).
+    """Trace and span ids drawn from :func:`own_random`.
 
     The SDK's default draws from the global ``random``: every step would move the sequence a
     training script shuffles its data or picks its augmentations with, and torchtrace would
@@ -23,9 +32,7 @@ class OwnRandomIds(IdGenerator):
     """
 
     def __init__(self) -> None:
-        self._random = random.Random()
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._random.seed)
+        self._random = own_random()
 
     def generate_span_id(self) -> int:
         span_id = self._random.getrandbits(64)

@@ -202,6 +202,14 @@ def _no_origin_found(report: dict[str, Any], rec: Recorder, ddp_all_finite: bool
         report["tried"] = _tried(report, rec)
 
 
+def found_all_finite(report: dict[str, Any]) -> bool:
+    """The replay ran to its end and found nothing non-finite on this rank: a loss came back,
+    and no module's output, gradient or parameter was non-finite (``unknown``, without a
+    replay error)."""
+    return (report.get("cause") == "unknown" and bool(report.get("replayed")) and not report.get("replay_error")
+            and report.get("loss") is not None and not report.get("nonfinite_grads"))
+
+
 def _many_ranks() -> bool:
     """A process group of more than one rank: non-finite gradients its replay does not make may
     have come through an all-reduce."""
@@ -214,7 +222,7 @@ def _carried_over(report: dict[str, Any], grads: list[tuple[str, torch.Tensor | 
     gradients the step had made were not: on one process, they were non-finite before its
     backward (accumulated by an earlier step since the last update, which found the origin).
     ``carried_over`` names them."""
-    if report["cause"] != "unknown" or report.get("nonfinite_grads") or report.get("loss") is None or _many_ranks():
+    if not found_all_finite(report) or _many_ranks():
         return
     held = [(n, g) for n, g in grads if g is not None]
     if not held:

@@ -171,7 +171,7 @@ class ForensicsProbe(Probe[_State]):
             return report
         report.update(origin_rank=origin["rank"], origin_cause=origin["cause"], origin_module=origin["module"],
                       origin_module_type=origin["module_type"])
-        if origin["rank"] != self.rt.identity.rank and found_all_finite(report):
+        if origin["rank"] != self.rt.identity.rank and replay.found_all_finite(report):
             # Its replay found this rank's side finite, a peer found the origin: the non-finite
             # gradients came from there (DDP given as ``model=ddp.module``, a hand-written all-reduce).
             report.update(cause="peer", kind=analysis.CAUSE_KIND["peer"])
@@ -228,14 +228,6 @@ class ForensicsProbe(Probe[_State]):
         return {"replays": self.replays, "incidents": self.incidents, "budget": self.rt.settings.forensics_max_replays,
                 "skipped_over_budget": self.skipped_budget, "steps_in_replayed_incidents": self.incident_steps,
                 "reports": list(self.reports), "ooms": list(self.ooms)}
-
-
-def found_all_finite(report: dict[str, Any]) -> bool:
-    """The replay ran to its end and found nothing non-finite on this rank: a loss came back,
-    and no module's output, gradient or parameter was non-finite (``unknown``, without a
-    replay error)."""
-    return (report.get("cause") == "unknown" and bool(report.get("replayed")) and not report.get("replay_error")
-            and report.get("loss") is not None and not report.get("nonfinite_grads"))
 
 
 def sentence(report: dict[str, Any], where_only: bool = False) -> str:
