@@ -6,6 +6,9 @@ Usage: ``python -m torch.distributed.run ... _ddp_worker.py OUT_DIR``; each rank
 ``OUT_DIR/ddp.rank<r>.json``: per guard and fault, the forensic reports, each step's skip
 decision, and a checksum of the final parameters.
 
+``_ddp_worker.py OUT_DIR rank0_only`` runs the job of a script that configures torchtrace
+(``guard="skip"``) on rank 0 alone; the key is ``rank0_only/skip``.
+
 ``_ddp_worker.py OUT_DIR one_nan GUARD`` runs the issue's job alone: DistributedDataParallel at
 its defaults (no ``find_unused_parameters``), an Inf weight planted on rank 1 before step 15,
 default torchtrace settings; the key is ``one_nan/GUARD``.
@@ -36,12 +39,16 @@ ONE_NAN_BAD_STEP = 15
 
 
 def run_case(out: str, rank: int, guard: str, fault: str, max_replays: int = 3, steps: int = STEPS,
-             bad_step: int = BAD_STEP, defaults: bool = False) -> dict:
+             bad_step: int = BAD_STEP, defaults: bool = False, configured_on: int | None = None) -> dict:
     """One torchtrace run of ``steps`` steps with ``fault`` planted at ``bad_step``. ``defaults``:
     torchtrace's default settings and DistributedDataParallel's (the nan_input fault leaves the
-    token embedding unused, which DDP's defaults refuse: use it only with the other faults)."""
+    token embedding unused, which DDP's defaults refuse: use it only with the other faults).
+    ``configured_on``: only that rank calls ``configure()``; the others are configured from their
+    environment at their first step."""
     run_dir = os.path.join(out, guard, fault)
-    if defaults:
+    if configured_on is not None and rank != configured_on:
+        os.environ["TORCHTRACE_PROMETHEUS_PORT"] = "off"
+    elif defaults:
         tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=run_dir, register_atexit=False,
                      guard=guard)
     else:
@@ -89,6 +96,7 @@ def run_case(out: str, rank: int, guard: str, fault: str, max_replays: int = 3, 
             models.put_back(target, saved)
     rt = get_runtime()
     result = {"reports": list(rt.forensics.reports), "decisions": decisions, "identical": _identical_across_ranks(inner),
+              "guard": rt.guard.value,
               "internal_errors": rt.errors.total if isinstance(getattr(rt.errors, "total", None), int) else None}
     tt.shutdown()
     return result
@@ -237,6 +245,12 @@ def main() -> None:
                           bad_step=ONE_NAN_BAD_STEP, defaults=True)
         with open(os.path.join(out, f"one_nan.rank{rank}.json"), "w") as f:
             json.dump({f"one_nan/{guard}": result}, f, default=str)
+        dist.destroy_process_group()
+        return
+    if sys.argv[2:3] == ["rank0_only"]:
+        result = run_case(os.path.join(out, "rank0_only"), rank, "skip", "inf_weight", defaults=True, configured_on=0)
+        with open(os.path.join(out, f"rank0_only.rank{rank}.json"), "w") as f:
+            json.dump({"rank0_only/skip": result}, f, default=str)
         dist.destroy_process_group()
         return
     results = {}

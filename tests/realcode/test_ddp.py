@@ -201,3 +201,22 @@ def test_the_shards_zero_sends_between_ranks_are_no_checkpoint(tmp_path):
     assert r0 == {"counted": {"save": 1, "load": 0}, "checkpoint_step": 1}, r0
     assert r1 == {"counted": {"save": 0, "load": 0}, "checkpoint_step": None}, r1
     assert (tmp_path / "checkpoint.pt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_script_that_configures_rank_0_alone_guards_every_rank_alike(tmp_path):
+    """``if rank == 0: tt.configure(guard="skip")``, as scripts set up their logging on the
+    main process: rank 1 is configured from its environment at its first step (``warn``).
+    Before, rank 0's guard agreement at the first update met DDP's bucket rebuild on rank 1:
+    gloo timed out and the job died. Now the ranks compare the settings that decide
+    torchtrace's collectives at their first step and follow rank 0's, saying so; the Inf
+    weight on rank 1 is skipped on both ranks, which stay identical."""
+    proc = _torchrun(tmp_path, "rank0_only")
+    case = "rank0_only/skip"
+    r0, r1 = (json.loads((tmp_path / f"rank0_only.rank{r}.json").read_text())[case] for r in (0, 1))
+    assert r0["guard"] == r1["guard"] == "skip"
+    assert r0["decisions"] == r1["decisions"] and r0["identical"] and r1["identical"]
+    assert [d["step"] for d in r0["decisions"] if d["skipped"]] == [BAD_STEP]
+    assert r0["internal_errors"] == r1["internal_errors"] == 0
+    said = proc.stdout + proc.stderr
+    assert "guard: rank 0 'skip', rank 1 'warn'" in said, said[-3000:]

@@ -13,6 +13,8 @@ The collectives, by purpose:
   shard dimension (:func:`reduce_shard_norms`, from :mod:`torchtrace.measure.gradients`);
 * ``guard``: one ``all_reduce(MAX)`` of a flag, so a guard policy takes the same decision on
   every rank (:mod:`torchtrace.record.policy`);
+* ``settings``: once, at the first step, the settings that decide the others, so that every
+  rank issues the same ones (:mod:`torchtrace.step.agreement`);
 * ``skew``: every ``rank_skew_interval`` steps, each rank's mean step time
   (:mod:`torchtrace.probes.straggler`).
 

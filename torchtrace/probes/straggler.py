@@ -72,7 +72,7 @@ class StragglerProbe(Probe[_State]):
     name = "rank_skew"
     component = "distributed"
 
-    def __init__(self, rt: Runtime, interval: int) -> None:
+    def __init__(self, rt: Runtime, interval: int | None) -> None:
         self.rt = rt
         self.interval = interval
         self._sum: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -83,6 +83,8 @@ class StragglerProbe(Probe[_State]):
         return _State()
 
     def exit(self, scope: StepScope, state: _State | None, exc: BaseException | None) -> None:
+        if self.interval is None:  # the ranks agreed on no skew check (torchtrace.step.agreement)
+            return None
         if current.step() is not None:  # nested operation: only outermost steps count
             return None
         op = scope.name

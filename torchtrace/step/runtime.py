@@ -35,7 +35,7 @@ from torchtrace.probes.base import ProbeSet
 from torchtrace.record.history import History
 from torchtrace.record.policy import GuardPolicy
 from torchtrace.record.step import StepRecord
-from torchtrace.step import finish, hangs, job, report, setup
+from torchtrace.step import agreement, finish, hangs, job, report, setup
 from torchtrace.step.gradients import UpdateHooks
 from torchtrace.step.throughput import RunThroughput
 from torchtrace.step.watched import layout_version
@@ -179,6 +179,9 @@ class Runtime:
             self.errors.report("files", exc)
         self._go_on(earlier)
         hangs.watch(self)
+        self.settings_agreed = False  # (torchtrace.step.agreement, at the first step boundary of several ranks)
+        if self.identity.distributed:
+            self.request(self._agree_settings)
 
     def _go_on(self, earlier: RunSoFar | None) -> None:
         """The goodput and the black box's progress of the run so far, if it goes on (the rest of
@@ -358,10 +361,19 @@ class Runtime:
             # One update: the writer thread's copy holds both new values or neither.
             box.fields.update(rank=self.identity.rank, world_size=self.identity.world_size)
         self.request(self._distributed_from_now)
+        self.request(self._agree_settings)
 
     def _distributed_from_now(self) -> None:
         setup.straggler(self)
         hangs.count_collectives(self)
+
+    def _agree_settings(self) -> None:
+        """Once, at a step boundary of a job of several ranks: the settings that decide
+        torchtrace's collectives made rank 0's on every rank (:mod:`torchtrace.step.agreement`)."""
+        if self.settings_agreed:
+            return
+        self.settings_agreed = agreement.agree(self)
+        setup.straggler(self)
 
     # ------------------------------------------------------------ changes and boundaries
     @property

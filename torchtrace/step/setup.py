@@ -194,11 +194,14 @@ def probes(rt: Runtime) -> None:
 
 def straggler(rt: Runtime) -> None:
     """The rank-skew probe, on a distributed job (once); a single process's skew is 1. Called
-    at configure, and again when a process group starts after it (:meth:`Runtime.process_group_started`)."""
+    at configure, again when a process group starts after it (:meth:`Runtime.process_group_started`),
+    and when the ranks agreed their settings (an interval of None: the probe gathers nothing)."""
     s = rt.settings
-    if rt.identity.distributed and s.rank_skew_interval:
-        if rt.probes.find(StragglerProbe) is None:
-            rt.probes.add(StragglerProbe(rt, s.rank_skew_interval))
+    probe = rt.probes.find(StragglerProbe)
+    if probe is not None:  # (the interval the ranks agreed: torchtrace.step.agreement)
+        probe.interval = s.rank_skew_interval
+    elif rt.identity.distributed and s.rank_skew_interval:
+        rt.probes.add(StragglerProbe(rt, s.rank_skew_interval))
     elif not rt.identity.distributed:
         # One rank is its own median and its own slowest: the skew is exactly 1.
         rt.metrics.set_rank_skew(1.0)
