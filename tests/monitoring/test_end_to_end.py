@@ -286,3 +286,26 @@ def check_throughput_series(prom: str, run: str) -> None:
     goodput = value_of(prom, f"torchtrace_goodput_ratio{sel}")
     assert len(goodput) == 1 and 0 < goodput[0] < 1
     assert value_of(prom, f'torchtrace_badput_seconds_total{{run_id="{run}",kind="startup"}}')[0] > 0
+
+
+def test_an_anomaly_counted_in_a_series_first_sample_fires_its_alert(stack):
+    """An operation's anomaly series begin when it first counts one: a run whose first step is
+    NaN (a bad first batch; the guard skips it and training goes on) is scraped with its
+    ``nonfinite_loss`` series already at 1, and the loss gauge finite again. ``increase()``
+    reads nothing in a series' first sample: before, no alert fired at all."""
+    prom, hook = stack["prom"], stack["hook"]
+    tt.configure(service_name="e2e", run_id="first-nan", guard="skip", forensics=False,
+                 prometheus_port=stack["metrics_port"], port_policy="off", run_dir=str(stack["dir"] / "runs"),
+                 register_atexit=False)
+    trainer = Trainer()
+    trainer.steps(1, nan=True)
+    trainer.steps(3)
+    wait_scraped(prom, "first-nan", trainer, min_steps=4)
+    counted = value_of(prom, 'torchtrace_anomalies_total{run_id="first-nan",kind="nonfinite_loss"}')
+    assert counted == [1.0], counted
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not hook.firing("TrainingNonFiniteLoss"):
+        train_for(trainer, 1)
+    fired = hook.firing("TrainingNonFiniteLoss")
+    assert fired and fired[0]["labels"]["run_id"] == "first-nan", [a["labels"] for a in hook.alerts]
+    tt.shutdown()
