@@ -9,6 +9,8 @@ decision, and a checksum of the final parameters.
 ``_ddp_worker.py OUT_DIR rank0_only`` runs the job of a script that configures torchtrace
 (``guard="skip"``) on rank 0 alone; the key is ``rank0_only/skip``.
 
+``_ddp_worker.py OUT_DIR rank0_ops`` runs an evaluation and checkpoints on rank 0 alone.
+
 ``_ddp_worker.py OUT_DIR one_nan GUARD`` runs the issue's job alone: DistributedDataParallel at
 its defaults (no ``find_unused_parameters``), an Inf weight planted on rank 1 before step 15,
 default torchtrace settings; the key is ``one_nan/GUARD``.
@@ -226,6 +228,43 @@ def run_join(out: str, rank: int, instrument: bool) -> dict:
     return result
 
 
+def run_rank0_operations(out: str, rank: int) -> dict:
+    """Operations rank 0 runs alone, as DDP scripts do: an evaluation before training followed
+    by a barrier, and a checkpoint saved after every step, each marked as the docs show
+    (``debug_context(kind=...)``), under a skew check every 2 steps. Returns the losses, whether
+    the ranks' parameters agree, and the collectives torchtrace issued."""
+    tt.configure(service_name="realcode-ddp", prometheus_port="off", run_dir=os.path.join(out, "rank0_ops"),
+                 register_atexit=False, strict=True, guard="skip", rank_skew_interval=2)
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = torch.nn.parallel.DistributedDataParallel(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @tt.debug_operation(name="train_step", model=model, optimizer=opt)
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    data = torch.Generator().manual_seed(100 + rank)
+    if rank == 0:
+        with tt.debug_context("evaluate", kind="evaluation"), torch.no_grad():
+            inner(torch.randn(4, 4, generator=data))
+    dist.barrier()
+    losses = []
+    for step in range(6):
+        losses.append(float(train_step(torch.randn(4, 4, generator=data), torch.randn(4, 1, generator=data))))
+        if rank == 0:
+            with tt.debug_context("save", kind="checkpoint"):
+                torch.save(inner.state_dict(), os.path.join(out, "rank0_ops.pt"))
+    result = {"losses": losses, "identical": _identical_across_ranks(inner),
+              "collectives": get_runtime().report()["distributed"]["collectives"]}
+    tt.shutdown()
+    return result
+
+
 def _identical_across_ranks(model: torch.nn.Module) -> bool:
     """Every rank holds the same parameters (NaN where the others hold NaN)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float64)
@@ -251,6 +290,12 @@ def main() -> None:
         result = run_case(os.path.join(out, "rank0_only"), rank, "skip", "inf_weight", defaults=True, configured_on=0)
         with open(os.path.join(out, f"rank0_only.rank{rank}.json"), "w") as f:
             json.dump({"rank0_only/skip": result}, f, default=str)
+        dist.destroy_process_group()
+        return
+    if sys.argv[2:3] == ["rank0_ops"]:
+        result = run_rank0_operations(out, rank)
+        with open(os.path.join(out, f"rank0_ops.rank{rank}.json"), "w") as f:
+            json.dump(result, f, default=str)
         dist.destroy_process_group()
         return
     results = {}

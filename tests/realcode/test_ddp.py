@@ -220,3 +220,19 @@ def test_a_script_that_configures_rank_0_alone_guards_every_rank_alike(tmp_path)
     assert r0["internal_errors"] == r1["internal_errors"] == 0
     said = proc.stdout + proc.stderr
     assert "guard: rank 0 'skip', rank 1 'warn'" in said, said[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_evaluations_and_checkpoints_on_rank_0_alone_issue_no_collective(tmp_path):
+    """DDP scripts evaluate and save on rank 0 alone; marked as the docs show
+    (``debug_context(kind="evaluation")``, ``kind="checkpoint"``). Before, the skew check
+    counted them as steps: at the save's interval-th call (50 at the defaults) rank 0 alone
+    issued its all_reduce, which met a DDP bucket on rank 1 (gloo: "op.preamble.length <=
+    op.nbytes. 36 vs 8", the job aborted). Only training steps are counted now, and the ranks'
+    settings are compared at their first training step, not at rank 0's evaluation (which a
+    barrier follows)."""
+    _torchrun(tmp_path, "rank0_ops")
+    r0, r1 = (json.loads((tmp_path / f"rank0_ops.rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["identical"] and r1["identical"]
+    assert len(r0["losses"]) == len(r1["losses"]) == 6
+    assert r0["collectives"] == r1["collectives"] == {"settings": 1, "guard": 6, "skew": 3}

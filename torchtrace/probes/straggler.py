@@ -15,6 +15,7 @@ from torchtrace import current
 from torchtrace.distributed import collectives
 from torchtrace.probes.base import Probe
 from torchtrace.record import readout
+from torchtrace.record.goodput_types import TRAIN
 from torchtrace.record.step import StepRecord
 
 if TYPE_CHECKING:
@@ -60,7 +61,8 @@ class _State:
 
 
 class StragglerProbe(Probe[_State]):
-    """Per outermost operation, the mean step time over ``interval`` steps is gathered from
+    """Per outermost training operation (the steps every rank runs alike: an evaluation or a
+    checkpoint may run on rank 0 alone), the mean step time over ``interval`` steps is gathered from
     every rank; the skew (slowest over median) goes to ``record.rank_skew`` and from there to
     ``torchtrace_rank_step_skew`` and the span.
 
@@ -86,6 +88,8 @@ class StragglerProbe(Probe[_State]):
         if self.interval is None:  # the ranks agreed on no skew check (torchtrace.step.agreement)
             return None
         if current.step() is not None:  # nested operation: only outermost steps count
+            return None
+        if scope.kind != TRAIN:  # an evaluation or a checkpoint may run on rank 0 alone
             return None
         op = scope.name
         self._sum[op] += scope.duration_s

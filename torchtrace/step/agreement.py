@@ -12,7 +12,9 @@ A script that configures torchtrace on rank 0 alone, as scripts set up their log
 main process, leaves the other ranks at their environment's settings. Rank 0's first guard
 agreement then met DDP's own collective on rank 1, and gloo ended the job.
 
-So at the first step boundary of a job of more than one rank, every rank that issues
+So at the first training step of a job of more than one rank (an evaluation or a checkpoint
+may run on rank 0 alone, followed by a barrier: only training steps come alike on every
+rank), every rank that issues
 collectives at all gathers these four settings (one ``all_gather`` of four integers, once). Where
 they differ, every rank follows rank 0's, and each says so once. A rank whose settings issue
 no collective (``warn``, no skew check) gathers nothing: it would be alone in the gather where
@@ -110,16 +112,14 @@ def follow(rt: Runtime, values: tuple[int, ...]) -> None:
         rt.set_level(_LEVELS[level])
 
 
-def agree(rt: Runtime) -> bool:
+def agree(rt: Runtime) -> None:
     """Make this rank's :data:`FIELDS` rank 0's, where the ranks differ; warn once when they did.
-
-    Returns False when no process group is up yet (try again when one starts), else True.
-    """
+    Without a process group, nothing (the runtime asks again when one starts)."""
     if not issues_collectives(rt):
-        return True
+        return
     every = gather(settings_of(rt))
     if every is None:
-        return False
+        return
     said = differences(every)
     if said:
         follow(rt, every[0])
@@ -128,4 +128,3 @@ def agree(rt: Runtime) -> bool:
                     "every rank")
         rt.warn_once("settings_differ", "%s", sentence)
         rt.history.add_event("settings_followed", sentence, {"differences": said})
-    return True

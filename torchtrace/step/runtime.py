@@ -179,9 +179,8 @@ class Runtime:
             self.errors.report("files", exc)
         self._go_on(earlier)
         hangs.watch(self)
-        self.settings_agreed = False  # (torchtrace.step.agreement, at the first step boundary of several ranks)
-        if self.identity.distributed:
-            self.request(self._agree_settings)
+        # The ranks compare their settings at their first training step (torchtrace.step.agreement).
+        self.settings_agreed = not self.identity.distributed
 
     def _go_on(self, earlier: RunSoFar | None) -> None:
         """The goodput and the black box's progress of the run so far, if it goes on (the rest of
@@ -361,18 +360,21 @@ class Runtime:
             # One update: the writer thread's copy holds both new values or neither.
             box.fields.update(rank=self.identity.rank, world_size=self.identity.world_size)
         self.request(self._distributed_from_now)
-        self.request(self._agree_settings)
+        self.settings_agreed = False
 
     def _distributed_from_now(self) -> None:
         setup.straggler(self)
         hangs.count_collectives(self)
 
-    def _agree_settings(self) -> None:
-        """Once, at a step boundary of a job of several ranks: the settings that decide
-        torchtrace's collectives made rank 0's on every rank (:mod:`torchtrace.step.agreement`)."""
-        if self.settings_agreed:
-            return
-        self.settings_agreed = agreement.agree(self)
+    def agree_settings(self) -> None:
+        """At the first training step of a job of several ranks, once (the first step every rank
+        reaches alike: an evaluation or a checkpoint may run on rank 0 alone): the settings that
+        decide torchtrace's collectives made rank 0's on every rank (:mod:`torchtrace.step.agreement`)."""
+        self.settings_agreed = True
+        try:
+            agreement.agree(self)
+        except Exception as exc:
+            self.errors.report("distributed", exc)
         setup.straggler(self)
 
     # ------------------------------------------------------------ changes and boundaries

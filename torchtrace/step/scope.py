@@ -27,6 +27,7 @@ from torchtrace.measure import memory as mem_measure
 from torchtrace.measure.counts import checked_overrides, plan_given
 from torchtrace.measure.loss import LossValue, classify_loss
 from torchtrace.measure.scaler import scaler_enabled
+from torchtrace.record.goodput_types import TRAIN
 from torchtrace.record.readout import ReadPlan
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import checks, job
@@ -233,6 +234,8 @@ class StepScope:
         t0 = time.perf_counter()
         try:
             rt.at_step_boundary()  # queued changes apply before the level is read (the way back on from off too)
+            if not rt.settings_agreed and self.kind == TRAIN:
+                rt.agree_settings()  # once, at a job of several ranks' first training step
             level = self._level_arg or rt.level
             if level is not DebugLevel.OFF:
                 self._begin(rt, level, t0)
