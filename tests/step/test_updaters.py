@@ -266,36 +266,67 @@ def test_an_unnamed_scaler_backs_off_once_for_a_nan_batch(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(bare_params, params))
 
 
-@pytest.mark.parametrize("guard, warned", [("skip", True), ("warn", False)])
-def test_a_second_optimizer_the_skip_guard_does_not_cover_is_named_once(tmp_path, caplog, guard, warned):
-    """A GAN step given both optimizers as arguments watches the first: under guard='skip' a
-    NaN in the other's gradients was applied (its model's parameters all NaN from then on)
-    while the step read "skipped", and nothing said that update was not guarded."""
+def _gan_step(gen, disc, nan_in: str, updates: int = 2):
+    """A GAN step given both optimizers as arguments: the discriminator's update, then the
+    generator's; ``nan_in``: whose gradients turn NaN ("disc", "gen" or ""); ``updates``: how
+    many of the two updates are applied (the plain loop's reference of a skip)."""
+
+    def gan_step(real, z, opt_g, opt_d):
+        opt_d.zero_grad()
+        d_loss = disc(real).mean() - disc(gen(z).detach()).mean()
+        (d_loss * float("nan") if nan_in == "disc" else d_loss).backward()
+        if updates >= 1:
+            opt_d.step()
+        opt_g.zero_grad()
+        loss = -disc(gen(z)).mean()
+        (loss * float("nan") if nan_in == "gen" else loss).backward()
+        if updates >= 2:
+            opt_g.step()
+        return loss
+
+    return gan_step
+
+
+@pytest.mark.parametrize("guard", ["skip", "warn"])
+@pytest.mark.parametrize("nan_in", ["disc", "gen"])
+def test_a_second_optimizer_in_the_step_is_guarded_as_its_own(tmp_path, caplog, guard, nan_in):
+    """A GAN step given both optimizers as arguments watches the first (the discriminator's).
+    Before, under guard='skip' a NaN in the generator's gradients was applied (its parameters
+    all NaN from then on) while the step read "skipped", and only a warning said that update was
+    not guarded; a NaN in the discriminator's skipped its update but let the generator's, made
+    from it, through. Now the second optimizer's gradients are guarded as it begins its update
+    (a norm pass and a host read of their own), and a skip drops the step's later updates,
+    whichever optimizer makes them: the parameters are the plain loop's that leaves out the bad
+    step's updates from the first non-finite one on, bit for bit. Under 'warn' every update is applied, as without torchtrace."""
+    def run(traced: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        gen, disc = torch.nn.Linear(4, 6), torch.nn.Linear(6, 1)
+        opt_g = torch.optim.Adam(gen.parameters(), lr=0.1)
+        opt_d = torch.optim.Adam(disc.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(1)
+        for i in range(4):
+            real, z = torch.randn(8, 6, generator=data), torch.randn(8, 4, generator=data)
+            bad = nan_in if i == 2 else ""
+            if traced:
+                tt.debug_operation(name="gan_step")(_gan_step(gen, disc, bad))(real, z, opt_g, opt_d)
+            elif not bad or guard == "warn":
+                _gan_step(gen, disc, bad)(real, z, opt_g, opt_d)
+            else:  # a skip: the updates from the first non-finite one on are left out
+                _gan_step(gen, disc, bad, updates=0 if bad == "disc" else 1)(real, z, opt_g, opt_d)
+            if traced:
+                assert get_runtime().history.last_record.skipped is (bool(bad) and guard == "skip")
+        return [p.detach().clone() for p in (*gen.parameters(), *disc.parameters())]
+
+    plain = run(traced=False)
     tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False, strict=True, guard=guard)
     try:
         caplog.set_level(logging.WARNING, logger="torchtrace")
-        torch.manual_seed(0)
-        gen, disc = torch.nn.Linear(4, 6), torch.nn.Linear(6, 1)
-        opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
-        opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
-
-        @tt.debug_operation
-        def gan_step(real, z, opt_g, opt_d):
-            opt_d.zero_grad()
-            (disc(real).mean() - disc(gen(z).detach()).mean()).backward()
-            opt_d.step()
-            opt_g.zero_grad()
-            loss = -disc(gen(z)).mean()
-            loss.backward()
-            opt_g.step()
-            return loss
-
-        for _ in range(3):
-            gan_step(torch.randn(8, 6), torch.randn(8, 4), opt_g, opt_d)
-        said = [r.getMessage() for r in caplog.records if "does not cover" in r.getMessage()]
-        assert len(said) == (1 if warned else 0), said
-        if warned:
-            assert "gan_step" in said[0] and "SGD" in said[0] and "optimizer=" in said[0]
+        traced = run(traced=True)
+        assert all(torch.equal(a, b) for a, b in zip(plain, traced)) or \
+            (guard == "warn" and all(a.isnan().all() == b.isnan().all() for a, b in zip(plain, traced)))
+        if guard == "skip":
+            assert all(torch.isfinite(p).all() for p in traced)
+        assert not [r.getMessage() for r in caplog.records if "does not cover" in r.getMessage()]
         assert get_runtime().errors.total == 0
     finally:
         tt.shutdown()

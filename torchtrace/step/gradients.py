@@ -194,28 +194,34 @@ class GradientCheck:
                 self.lr = learning_rates(optimizer)
             if later:
                 self._guard_again(optimizer)
-            self.drop_skipped()
+            self.drop_skipped(optimizer)
             return None
         self.before_update(optimizer)
-        self.drop_skipped()
+        self.drop_skipped(optimizer)
         return None
 
     def _measured(self, optimizer: torch.optim.Optimizer, closure: Callable[..., Any]) -> Callable[..., Any]:
         def measured(*args: object, **kwargs: object) -> Any:
             out = closure(*args, **kwargs)
             self.before_update(optimizer)  # once: the gradients where the step started
-            self.drop_skipped()
+            self.drop_skipped(optimizer)
             return out
         return measured
 
-    def drop_skipped(self) -> None:
-        """The optimizer is about to update: under a ``skip`` decision its gradients are set to
-        ``None`` now, so the update leaves every parameter and its state unchanged. (Decided at
-        a ``clip_grad_norm_`` call, the gradients stay tensors until here: the user's code
-        between the clip and the update sees what it would see without torchtrace.)"""
-        if self.skipped and self._skip_params is not None:
-            for ref in self._skip_params:
-                ref.param.grad = None
+    def drop_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """``optimizer`` is about to update: under a ``skip`` decision the skipped gradients and
+        those of ``optimizer``'s parameters (when given) are set to ``None`` now, so the update leaves every
+        parameter and its state unchanged: a skip drops the step's later updates, whichever
+        optimizer makes them. (Decided at a ``clip_grad_norm_`` call, the gradients stay tensors
+        until here: the user's code between the clip and the update sees what it would see
+        without torchtrace.)"""
+        if not self.skipped:
+            return
+        for ref in self._skip_params or ():
+            ref.param.grad = None
+        for group in optimizer.param_groups if optimizer is not None else ():
+            for p in group["params"]:
+                p.grad = None
 
     def zero_skipped(self) -> None:
         """After the user's ``clip_grad_norm_`` call on a skipped step: the gradients stay tensors
@@ -439,9 +445,27 @@ class GradientCheck:
         rt, scope = self.rt, self.scope
         if rt.guard is GuardPolicy.WARN or self.skipped or not scope.active:
             return
-        params = rt.params_for(scope.model, None if self.whole_model else optimizer)
+        self._guard_update(rt.params_for(scope.model, None if self.whole_model else optimizer), optimizer)
+
+    def guard_other(self, optimizer: torch.optim.Optimizer) -> None:
+        """A second optimizer, updating parameters the step's own does not (a GAN's other
+        network; an encoder's and a decoder's optimizers, as the step's arguments), is about to
+        update in the step: under ``skip`` or ``raise`` its gradients are guarded as the step's
+        own were, with a norm pass and a host read of their own. The step's statistics stay its
+        own optimizer's unless this update is non-finite; a skip drops this update and the
+        step's later ones (:meth:`drop_skipped`).
+
+        Raises:
+            NonFiniteError: under ``guard="raise"`` with non-finite gradients.
+        """
+        if self.rt.guard is GuardPolicy.WARN or self.skipped or not self.scope.active:
+            return
+        self._guard_update(self.rt.params_for(None, optimizer), optimizer)
+
+    def _guard_update(self, params: list, optimizer: torch.optim.Optimizer) -> None:
+        """Guard one more update of the step, of ``params`` by ``optimizer``: measure, read, decide."""
         stats = _applied_norms(params, optimizer)
-        if stats is None and not rt.identity.distributed:
+        if stats is None and not self.rt.identity.distributed:
             return
         first = self.stats, self.values
         self.stats, self.values = stats, None

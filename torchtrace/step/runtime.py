@@ -320,15 +320,6 @@ class Runtime:
                            "its gradients are checked only after the update; pass optimizer= to debug_context or "
                            "debug_operation (or clip with torch.nn.utils.clip_grad_norm_ inside the step)", scope.name)
 
-    def guard_other_optimizer(self, scope: StepScope, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer other than the step's own stepped in it: the skip guard does not cover it."""
-        if self.guard is GuardPolicy.SKIP:
-            self.warn_once(("guard-other", scope.name),
-                           "torchtrace: guard='skip' does not cover a second optimizer (%s) that stepped in %s: "
-                           "only the step's own optimizer (%s) has a non-finite update skipped, the other's is "
-                           "applied; give each optimizer's update a step of its own, with optimizer=",
-                           type(optimizer).__name__, scope.name, type(scope.optimizer).__name__)
-
     def guard_could_not_act(self, scope: StepScope, record: StepRecord) -> None:
         self.guard_unable[record.operation] += 1
 

@@ -217,22 +217,24 @@ def _skipped(optimizer: torch.optim.Optimizer) -> None:
         return
     scope = current.step()
     if scope is not None and scope.active and scope.gradients is not None:
-        scope.gradients.drop_skipped()
+        scope.gradients.drop_skipped(optimizer)
 
 
 def _unguarded(optimizer: torch.optim.Optimizer) -> None:
     """A second optimizer stepping in a step that has one of its own, updating parameters the
-    step's optimizer does not (the other of a GAN's two): the skip guard cannot act on those,
-    which the runtime says once. An optimizer that updates only the step's optimizer's
-    parameters (the base a wrapper steps) is covered by it."""
+    step's optimizer does not (the other of a GAN's two): its gradients are guarded as it
+    begins (:meth:`GradientCheck.guard_other`). An optimizer that updates only the step's
+    optimizer's parameters (the base a wrapper steps) is covered by the step's own guard."""
     scope = current.step()
     if scope is None or not scope.active or scope.optimizer is None or optimizer is scope.optimizer:
         return
     rt = current.runtime(create=False)
-    if rt is not None and not covers(rt, scope, optimizer):
-        rt.guard_other_optimizer(scope, optimizer)
-        if scope.model is not None:
-            _say_unmeasured(rt, scope, optimizer)
+    if rt is None or rt.replaying or covers(rt, scope, optimizer):
+        return
+    if scope.gradients is not None:
+        scope.gradients.guard_other(optimizer)
+    if scope.model is not None:
+        _say_unmeasured(rt, scope, optimizer)
 
 
 _TOLD: weakref.WeakKeyDictionary[torch.optim.Optimizer, set[str]] = weakref.WeakKeyDictionary()
