@@ -294,3 +294,42 @@ def test_a_save_while_the_step_before_waits_for_its_copy_is_booked_after_that_st
     # The wait between the steps is the planted 0.05 s after the save and the loop's own
     # moments; the step before the save read as data wait would add its 0.05 s more.
     assert g.productive_s >= productive + 0.05 and g.badput["data_wait"] < 0.09
+
+
+def test_an_evaluation_step_is_not_the_jobs_last_step(tmp_path):
+    """Training steps numbered 0-19 and an evaluation operation (its own steps, 0-3) after
+    every fifth, with a save after training step 9. Before, each evaluation's number became the
+    black box's last step: the checkpoint read step 1 (the second evaluation's), the job's last
+    step 3, and ``torchtrace why`` said "last step 3" of a run that trained 20 steps (a killed
+    run's lost steps were counted from it too). Now only training steps are the job's."""
+    from torchtrace.job.state import read_states
+    from torchtrace.job.story import job_story
+
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="evals", register_atexit=False)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    @tt.debug_operation(model=model, kind="evaluation")
+    def eval_step(x):
+        with torch.no_grad():
+            return model(x).pow(2).mean()
+
+    for s in range(20):
+        train_step(torch.randn(8, 4))
+        if s % 5 == 4:
+            eval_step(torch.randn(8, 4))
+        if s == 9:
+            torch.save(model.state_dict(), tmp_path / "ck.pt")
+    tt.shutdown()
+    (state,) = read_states(tmp_path / "evals")
+    assert (state["step"], state["checkpoint_step"]) == (19, 9)
+    (attempt,) = job_story(tmp_path / "evals")["attempts"]
+    assert attempt["last_step"] == 19

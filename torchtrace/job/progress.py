@@ -46,6 +46,7 @@ _train = True
 _clock = time.time
 _ident = threading.get_ident
 SLOW_KINDS = ("checkpoint", "evaluation")
+TRAIN_KIND = "train"
 
 
 def track(fields: dict[str, Any]) -> None:
@@ -114,13 +115,17 @@ def called_between_steps() -> None:
         f["progress"] = _clock()
 
 
-def step_ended(step: int) -> None:
-    """A step ended (``StepScope.__exit__``): data_wait until the next one."""
+def step_ended(step: int, kind: str = TRAIN_KIND) -> None:
+    """A step ended (``StepScope.__exit__``): data_wait until the next one. A training step's
+    number is the job's last step (``step``): an evaluation or a checkpoint operation numbers
+    its own steps, and its number would read as the job's (the checkpoint's step, the steps a
+    killed attempt lost)."""
     global _train
     f = _fields
     now = _clock()
-    f["step"] = step
-    f["step_time"] = now
+    if kind == TRAIN_KIND:
+        f["step"] = step
+        f["step_time"] = now
     f["current_step"] = None
     f["step_start"] = None
     f["phase"] = "data_wait"

@@ -317,7 +317,7 @@ class StepScope:
         interrupted = (isinstance(exc, SystemExit) and exc.code in (0, None)
                        and job.preempted_since(self._rt, self._start_ns / 1e9))
         if not interrupted:
-            progress.step_ended(self.step)
+            progress.step_ended(self.step, self.kind)
         state = self.throughput
         clock = state.clock if state is not None else None
         if state is not None and clock is not None and clock.optimizer_end is None and \
