@@ -287,3 +287,28 @@ def test_a_sigterm_whose_handler_exits_in_a_step_interrupts_that_step(tmp_path):
     assert (state["step"], state.get("interrupted_step")) == (4, 5)
     report = json.loads((tmp_path / "term" / "report.json").read_text())
     assert report["totals"]["steps"] == 5 and report["totals"]["failed_steps"] == 0
+
+
+def test_the_time_after_the_last_step_is_other_in_the_job_as_in_the_run(tmp_path):
+    """0.6 s of work after the last step (a final export, an upload) before ``shutdown()``: the
+    run's goodput books it as ``other`` (docs/throughput.md). The job's, read from the black box,
+    booked it as ``data_wait`` (0.6 s, as if the input pipeline had stalled): the box was
+    written for the last time before the run's ledger closed the tail. Both agree now."""
+    import time
+
+    import torch
+
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="tail", register_atexit=False)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(10):
+        with tt.debug_context("train_step", model=model, optimizer=opt):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    time.sleep(0.6)
+    tt.shutdown()
+    report = json.loads((tmp_path / "tail" / "report.json").read_text())
+    run, job = report["throughput"]["badput_s"], report["job"]["badput"]
+    assert run["other"] >= 0.6 and run["data_wait"] < 0.3, run
+    assert job["other"] == pytest.approx(run["other"], abs=0.05) and job["data_wait"] < 0.3, job

@@ -350,23 +350,24 @@ def preempted_since(rt: Runtime, since: float) -> bool:
     return isinstance(at, (int, float)) and at >= since
 
 
-def close(rt: Runtime) -> None:
-    """At shutdown, first thing: ``completed`` unless the process already said how it ended,
-    the hooks taken off, the black box written (the report's job section reads it)."""
+def close(rt: Runtime, ended_at: float) -> None:
+    """At shutdown, once the run's ledger closed: ``completed`` at ``ended_at`` (shutdown's
+    start, unix time) unless the process already said how it ended, the hooks taken off, the
+    black box written (the report's job section reads it)."""
     try:
-        _close(rt)
+        _close(rt, ended_at)
     except Exception as exc:
         rt.errors.report("files", exc)
 
 
-def _close(rt: Runtime) -> None:
+def _close(rt: Runtime, ended_at: float) -> None:
     box = rt.rank_state
     if box is not None:
         exit_in_step = rt.exit_in_step
         if exit_in_step is not None and exit_in_step[1] >= (box.fields.get("step") or 0):
             record_exception(rt, *exit_in_step)  # (no step finished after it: the process's end)
         if box.fields.get("ended") is None:
-            box.fields.update(ended="completed", end_time=time.time())
+            box.fields.update(ended="completed", end_time=ended_at)
         box.stop()
         # After the writer thread stopped: no earlier copy of the fields can land after this write.
         last_look(rt)

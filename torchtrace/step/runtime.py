@@ -512,10 +512,12 @@ class Runtime:
     def _shut_down(self, at_exit: bool) -> None:
         # The deadline and shutdown's own time (not the job's) start here.
         deadline, closing = time.monotonic() + self.settings.shutdown_timeout_s, time.perf_counter()
-        # First the watchdog stops (a slow shutdown is never taken for a hang), then the black
-        # box says how this attempt ended (the report's job section reads it).
+        # First the watchdog stops (a slow shutdown is never taken for a hang). The steps still
+        # in flight are finished and the run's ledger books the time after the last step
+        # (``other``) before the black box says how this attempt ended (the report's job section
+        # reads it, with the same accounts), as of shutdown's start.
+        ended_at = time.time()
         hangs.stop(self)
-        job.close(self)
         if at_exit:
             for proc in self.processors:
                 proc.prepare_exit()
@@ -525,6 +527,7 @@ class Runtime:
         except Exception as exc:
             self.errors.report("record", exc)
         self.throughput.ledger.pause(closing, last=True)  # (shutdown's own time is not the job's: not in wall time)
+        job.close(self, ended_at)
         self.probes.close()
         self.throughput.close()
         self.update_hooks.close()
