@@ -462,3 +462,59 @@ def test_a_call_without_autograd_beside_the_training_call_is_not_a_batch_of_the_
     assert [r.samples for r in records] == [8] * 5
     assert [r.flops for r in records] == [ref.get_total_flops()] * 5
     assert "several batches" not in caplog.text
+
+
+def test_a_replayed_step_keeps_its_batch_and_flops(tmp_path, caplog):
+    """The word-language-model step in the form docs/forensics.md shows: ``debug_context(model=,
+    replay=closure)``, a clip and a hand-written update, ``guard="skip"``. Its batch is known
+    from the model's call. On a NaN step the forensic replay calls the model again, on its own
+    hidden state (another tensor): that call was taken for a second batch of the step, which
+    then had no samples, tokens or FLOPs (None where the other steps read 20, 700 and their
+    FLOPs), and a warning said the loop called its model on several batches. A replay's calls
+    are none of the step's."""
+    import logging
+
+    import torch.nn.functional as F
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.rnn = torch.nn.Embedding(100, 16), torch.nn.LSTM(16, 16)
+            self.decoder = torch.nn.Linear(16, 100)
+            self.bad = False
+
+        def forward(self, x, h):
+            out, h = self.rnn(self.encoder(x), h)
+            logits = self.decoder(out).view(-1, 100)
+            return F.log_softmax(logits * float("nan") if self.bad else logits, 1), h
+
+    _configure(tmp_path, guard="skip")
+    caplog.set_level(logging.WARNING, logger="torchtrace")
+    try:
+        torch.manual_seed(0)
+        model = LM()
+        hidden = (torch.zeros(1, 20, 16), torch.zeros(1, 20, 16))
+        rows = []
+        for step in range(4):
+            data, targets = torch.randint(0, 100, (35, 20)), torch.randint(0, 100, (700,))
+            h_in = tuple(t.detach() for t in hidden)
+            model.bad = step == 2
+            with tt.debug_context("train_batch", model=model,
+                                  replay=lambda: F.nll_loss(model(data, h_in)[0], targets)) as st:
+                model.zero_grad()
+                out, hidden = model(data, tuple(t.detach() for t in hidden))
+                loss = F.nll_loss(out, targets)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-20)
+                st.record_loss(loss)
+            model.bad = False
+            record = st.record
+            rows.append((record.skipped, record.samples, record.tokens, record.flops))
+        assert [r[0] for r in rows] == [False, False, True, False]
+        assert [r[1:3] for r in rows] == [(20, 700)] * 4
+        assert rows[2][3] == rows[0][3] > 0
+        assert not [r for r in caplog.records if "several batches" in r.getMessage()]
+    finally:
+        tt.shutdown()

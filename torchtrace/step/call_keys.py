@@ -55,7 +55,13 @@ def note_call(scope: StepScope, args: tuple, kwargs: dict, grads: GradientMark |
     A call with autograd off beside calls with it on is no batch of the step: it trains nothing
     (Double DQN's choice of the next actions with the online network, a held-out batch looked
     at after the update). It is passed over, and an earlier such call gives way to the first
-    call with autograd on. (Its FLOPs ran, and are counted.)"""
+    call with autograd on. (Its FLOPs ran, and are counted.)
+
+    A forensic replay's calls are none of the step's batches (its own hidden state, say, is
+    another tensor: the step lost its batch and its FLOPs to a replay)."""
+    rt = current.runtime(create=False)
+    if rt is not None and rt.replaying:
+        return
     state = scope.throughput
     clock = state.clock if state is not None else None
     if state is None or clock is None:
