@@ -19,7 +19,8 @@ from torchtrace.job.story import job_story
 HOLD_S = 1.5  # how long the held step runs before the signal: three black-box writes
 
 
-@pytest.mark.parametrize("signum, ended", [(signal.SIGKILL, "killed"), (signal.SIGTERM, "preempted")])
+@pytest.mark.parametrize("signum, ended", [(signal.SIGKILL, "killed"), (signal.SIGTERM, "preempted"),
+                                           (signal.SIGINT, "preempted")])
 def test_a_step_the_signal_interrupts_is_lost_progress_not_data_wait(tmp_path, signum, ended):
     run_dir, ckpt, log = tmp_path / "runs", tmp_path / "ckpt", tmp_path / "log.jsonl"
     ckpt.mkdir()

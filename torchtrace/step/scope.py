@@ -311,10 +311,11 @@ class StepScope:
         if not self._active:
             return False
         assert self.step is not None and self.features is not None  # (set as the step began)
-        # A SIGTERM's handler exited in the step ("save and exit"): the step was lost to the
-        # preemption, as under the signal's default action. It stays the current step, which
-        # the shutdown names ``interrupted_step``; it gets no record and no span.
-        interrupted = (isinstance(exc, SystemExit) and exc.code in (0, None)
+        # A SIGTERM's handler exited in the step ("save and exit"), or a SIGINT raised
+        # KeyboardInterrupt in it (Ctrl-C, its default action): the step was lost to the
+        # preemption, as under SIGTERM's default action. It stays the current step, which the
+        # shutdown names ``interrupted_step``; it gets no record and no span.
+        interrupted = ((isinstance(exc, SystemExit) and exc.code in (0, None) or isinstance(exc, KeyboardInterrupt))
                        and job.preempted_since(self._rt, self._start_ns / 1e9))
         if not interrupted:
             progress.step_ended(self.step, self.kind)
@@ -333,10 +334,10 @@ class StepScope:
                 self._leave_unrecorded(rt, exc)
                 return False
             exc = None  # the step trained, then found no next batch: a step like any other
+        elif interrupted:  # (the step stays the black box's current one: interrupted_step)
+            self._leave_unrecorded(rt, exc)
+            return False
         elif isinstance(exc, SystemExit):  # the process ends: cleanly (status 0 or none), or failing
-            if interrupted:
-                self._leave_unrecorded(rt, exc)
-                return False
             if exc.code in (0, None):
                 exc = None  # (the step did not fail)
             else:
