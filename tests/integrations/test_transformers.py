@@ -802,3 +802,65 @@ def test_a_saved_checkpoint_reaches_the_black_box(tmp_path):
     assert rt.rank_state.fields["checkpoint_step"] == Saves.steps[-1]
     assert rt.throughput.ledger.closed().badput["checkpoint"] > 0
     tt.shutdown()
+
+
+class _StepLosses(transformers.Trainer):
+    """Keeps what each ``training_step`` returns: the loss the Trainer backpropagated (divided by
+    the accumulation steps where the Trainer divides) and adds to the loss it logs."""
+
+    returned: list[float]
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.returned.append(float(loss.double()))
+        return loss
+
+
+def _shifted_cross_entropy(outputs, labels, num_items_in_batch=None):
+    """A ``compute_loss_func``: the causal LM's next-token cross-entropy, a mean per micro-batch."""
+    logits = outputs.logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def _lm_trainer(tmp_path, how, accumulation, callbacks):
+    """A tiny GPT-2 trained 3 steps by a Trainer that computes the loss outside the model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                                       bos_token_id=0, eos_token_id=0))
+    kw = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2, report_to=[],
+              use_cpu=True, save_strategy="no", logging_strategy="steps", logging_steps=1, disable_tqdm=True,
+              seed=0, data_seed=0, gradient_accumulation_steps=accumulation,
+              label_smoothing_factor=0.1 if how == "label_smoothing" else 0.0)
+    trainer = _StepLosses(model=model, args=transformers.TrainingArguments(**kw), train_dataset=_LMData(),
+                          callbacks=callbacks,
+                          compute_loss_func=_shifted_cross_entropy if how == "compute_loss_func" else None)
+    trainer.returned = []
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("how", ["label_smoothing", "compute_loss_func"])
+def test_a_loss_the_trainer_computes_outside_the_model_is_the_steps_loss(tmp_path, how, accumulation):
+    """With ``label_smoothing_factor=0.1`` or a ``compute_loss_func`` the Trainer takes the labels
+    away from the model and computes the loss itself: the model's output has none. Before, the
+    spans had no loss at all (``[None, None, None]`` while the Trainer logged ``[3.4146, 3.4326,
+    3.4292]``). Now each step's loss is what the Trainer's ``training_step`` returned for its
+    micro-batches, summed (what it logs), and the weights are those of the run without
+    torchtrace, bit for bit."""
+    result = configure(tmp_path)
+    traced = _lm_trainer(tmp_path, how, accumulation, [TorchtraceCallback()])
+    plain = _lm_trainer(tmp_path, how, accumulation, [])
+    losses = [s["attributes"].get(semconv.LOSS) for s in read_spans(result.spans_path)]
+    returned = traced.returned
+    steps = [sum(returned[i * accumulation:(i + 1) * accumulation]) for i in range(3)]
+    logged = [entry["loss"] for entry in traced.state.log_history if "loss" in entry]
+    assert len(losses) == len(logged) == 3 and len(returned) == 3 * accumulation
+    assert losses == pytest.approx(steps, rel=1e-6)
+    assert losses == pytest.approx(logged, abs=1e-4)  # (the Trainer logs its loss rounded)
+    for a, b in zip(plain.model.parameters(), traced.model.parameters()):
+        assert torch.equal(a, b)
+    # The Trainer's training_step is its own again once training ended.
+    assert traced.training_step.__func__ is _StepLosses.training_step

@@ -214,3 +214,42 @@ def test_the_updates_the_scaler_skipped_are_on_the_spans_and_in_the_report(tmp_p
         (run_dir / "report.json").unlink()  # the report read from the spans alone
     shown = ", ".join(str(i) for i, f in enumerate(flagged) if f)
     assert f"  skipped by the loss scaler: {sum(flagged)} (step {shown})\n" in terminal_report(run_dir)
+
+
+def _gauge(samples: dict, name: str) -> float | None:
+    """The one series of ``name`` in a scrape, or None when there is none yet."""
+    found = [v for key, v in samples.items() if key != "exemplars" and key[0] == name]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+def test_a_scale_overflow_leaves_the_gradient_gauges_at_the_last_real_step(tmp_path, clip):
+    """A scale that backs off from 2**24: the scaler finds Inf in its scaled gradients and skips
+    those updates itself, which is no anomaly (see above). Before, with ``unscale_`` and a clip,
+    such a step set ``torchtrace_grad_nonfinite_tensors`` to 4 and ``torchtrace_grad_norm`` to
+    NaN, so the alert TrainingNonFiniteGradients fired on routine overflows; without the clip
+    the norm gauge kept the step before's value. Now, in both orders, after every step the
+    norm gauge is the float64 norm of the unscaled gradients of the last step whose gradients
+    were finite (a plain run without torchtrace), and no tensor is counted non-finite."""
+    from tests.helpers import scrape
+
+    _, norms, scales, _ = _plain(False, clip, init_scale=2.0 ** 24)
+    overflowed = [not math.isfinite(norm) for norm in norms]
+    assert any(overflowed) and not all(overflowed)  # the case: some steps overflow, later ones update
+    result = tt.configure(service_name="scaler", prometheus_port=0, run_dir=str(tmp_path / "runs"), strict=True,
+                          register_atexit=False)
+    try:
+        model, opt, scaler, x = _setup(False, 2.0 ** 24)
+        gauges = []
+        for _ in range(STEPS):
+            with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                step.record_loss(_body(model, opt, scaler, x, clip))
+            samples = scrape(result.metrics_url)
+            gauges.append((_gauge(samples, "torchtrace_grad_norm"),
+                           _gauge(samples, "torchtrace_grad_nonfinite_tensors")))
+    finally:
+        tt.shutdown()
+    last_real = [next((n for n in reversed(norms[:i + 1]) if math.isfinite(n)), None) for i in range(STEPS)]
+    assert [norm for norm, _ in gauges] == pytest.approx(last_real, rel=1e-5)
+    assert [count for _, count in gauges] == [None if n is None else 0 for n in last_real]

@@ -34,6 +34,17 @@ def _base(name: str) -> str:
     return name[: -len("_total")] if name.endswith("_total") else name
 
 
+def _gradients_used(record: StepRecord) -> bool:
+    """Whether the step's gradients are the training's, for the gradient gauges: not those of
+    a step whose scaled gradients overflowed, which the loss scaler threw away (it skipped the
+    update and lowered its scale). Such a step is no ``nonfinite_grad`` anomaly (a scaler
+    overflow under a finite loss, docs/forensics.md); its span says ``scaler_overflow``, and the
+    gauges keep the last step whose gradients were used, as when the scaler skipped the step
+    before torchtrace measured them. A step that kept its ``nonfinite_grad`` (a NaN loss under
+    the scaler) still sets them."""
+    return not record.scaler_overflow or semconv.NONFINITE_GRAD in record.anomaly_kinds
+
+
 class _Histogram:
     """Bucket counts, sum and the last exemplar of each bucket (trace id of the step that landed there)."""
 
@@ -179,7 +190,7 @@ class StepMetrics:
             op.last_ts = end
             if record.loss is not None:
                 op.loss = record.loss
-            if record.grad_norm is not None:
+            if record.grad_norm is not None and _gradients_used(record):
                 op.grad_norm = record.grad_norm
                 op.grad_nonfinite = len(record.grad_nonfinite_params)
             if record.skipped:
@@ -270,10 +281,11 @@ class StepMetrics:
         duration = HistogramMetricFamily(semconv.M_STEP_DURATION,
                                          "Step wall time in seconds; exemplars carry the trace id.", labels=labels)
         loss = GaugeMetricFamily(semconv.M_LOSS, "Loss of the last step (NaN when it was NaN).", labels=labels)
-        grad = GaugeMetricFamily(semconv.M_GRAD_NORM, "Global L2 gradient norm of the last step, before clipping.",
-                                 labels=labels)
+        grad = GaugeMetricFamily(semconv.M_GRAD_NORM, "Global L2 gradient norm, before clipping, of the last step "
+                                 "whose gradients were used (not a loss-scaler overflow's).", labels=labels)
         nonfinite = GaugeMetricFamily(semconv.M_GRAD_NONFINITE,
-                                      "Parameter tensors whose gradient held NaN/Inf in the last step.", labels=labels)
+                                      "Parameter tensors whose gradient held NaN/Inf in the last step "
+                                      "whose gradients were used.", labels=labels)
         anomalies = CounterMetricFamily(_base(semconv.M_ANOMALIES), "Anomalies detected, by kind.",
                                         labels=labels + ("kind",))
         skipped = CounterMetricFamily(_base(semconv.M_SKIPPED), "Optimizer updates skipped by the guard.",

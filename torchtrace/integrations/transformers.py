@@ -9,8 +9,10 @@ Needs ``pip install "torchtrace[transformers]"``.
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 from collections.abc import Mapping
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -34,6 +36,21 @@ if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transf
 _TrainerCallback: Any = _tf.TrainerCallback
 
 __all__ = ["TorchtraceCallback"]
+
+# What a Trainer instance held under ``training_step`` before torchtrace wrapped it: nothing.
+_NOTHING = object()
+
+
+def _calling_trainer() -> Any:
+    """The ``transformers.Trainer`` whose training loop called the hook that calls this (the
+    ``self`` of the nearest such frame), or None. Callbacks are not handed the Trainer."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _tf.Trainer):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def _output_loss(output: object) -> object:
@@ -61,8 +78,12 @@ class TorchtraceCallback(_TrainerCallback):
       micro-batch losses are averaged, or summed when the Trainer passes the model
       ``num_items_in_batch`` and the model's loss function takes it (it then divides each
       by the whole step's tokens: a causal or masked LM's loss under gradient accumulation,
-      which the Trainer logs as that sum). A custom ``compute_loss`` whose loss is not the
-      model output's can call ``torchtrace.current_step().record_loss(loss)`` instead.
+      which the Trainer logs as that sum). When the Trainer computes the loss itself
+      (``label_smoothing_factor``, ``compute_loss_func``: the model is not given the labels),
+      the loss is what the Trainer's ``training_step`` returns for each micro-batch, summed
+      (what it logs): its ``training_step`` is wrapped on the Trainer during ``train()``. A
+      custom ``compute_loss`` whose loss is not the model output's can call
+      ``torchtrace.current_step().record_loss(loss)`` instead.
     - Evaluation and checkpoints between steps: ``on_evaluate`` and ``on_save`` come when the
       Trainer's evaluation loop or checkpoint save has ended; the time since the step before
       (or since the one before it ended, or since training began: ``eval_on_start``) is
@@ -95,6 +116,10 @@ class TorchtraceCallback(_TrainerCallback):
         # The autocasts the step's first forward ran under: the replay runs under them too.
         self._autocast: tuple[tuple[str, torch.dtype], ...] = ()
         self._boundary: float | None = None  # perf_counter() when the last step (or evaluation, save) ended
+        # The Trainer whose training_step gives the loss (it computes it outside the model), and
+        # what its instance held under that name before (_NOTHING: the class's method).
+        self._loss_trainer: Any = None
+        self._held: object = _NOTHING
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._params = None  # parameters outside the embeddings, counted at the first forward
@@ -108,6 +133,7 @@ class TorchtraceCallback(_TrainerCallback):
             job.framework_books_checkpoints(rt, True)
         if model is not None and self._handle is None:
             self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
+        self._take_trainers_loss(_calling_trainer())
 
     def on_train_end(self, args, state, control, **kwargs):
         self._boundary = None
@@ -119,6 +145,7 @@ class TorchtraceCallback(_TrainerCallback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self._give_back_training_step()
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self._inputs = []
@@ -159,6 +186,49 @@ class TorchtraceCallback(_TrainerCallback):
         rt = api.get_runtime()
         if rt is not None:
             job.checkpoint_saved(rt, state.global_step)
+
+    def _take_trainers_loss(self, trainer: Any) -> None:
+        """When the Trainer computes the loss outside the model (``label_smoothing_factor``, a
+        ``compute_loss_func``), it takes the labels away from the model, whose output then has
+        no loss: the step's loss is what the Trainer's ``training_step`` returns for each
+        micro-batch (the loss it backpropagates, divided by the accumulation steps where it
+        divides them), summed, which is what the Trainer logs. Its ``training_step`` is wrapped
+        on the instance until training ends; the wrapper only keeps the returned tensor."""
+        if trainer is None or self._loss_trainer is not None:
+            return
+        if getattr(trainer, "label_smoother", None) is None and getattr(trainer, "compute_loss_func", None) is None:
+            return
+        self._held = vars(trainer).get("training_step", _NOTHING)
+        step = trainer.training_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            loss = step(*args, **kwargs)
+            self._add_trainers_loss(loss)
+            return loss
+
+        trainer.training_step = training_step
+        self._loss_trainer = trainer
+
+    def _give_back_training_step(self) -> None:
+        """Undo :meth:`_take_trainers_loss`: the Trainer's ``training_step`` is its own again."""
+        trainer, self._loss_trainer = self._loss_trainer, None
+        if trainer is None:
+            return
+        if self._held is _NOTHING:
+            del trainer.training_step
+        else:
+            trainer.training_step = self._held
+        self._held = _NOTHING
+
+    def _add_trainers_loss(self, loss: object) -> None:
+        """A micro-batch's loss as the Trainer's ``training_step`` returned it: a part of the
+        step's (the parts are summed)."""
+        try:
+            self._driver.add_loss(loss, part=True)
+        except Exception as exc:  # torchtrace's own failure never reaches the Trainer
+            rt = api.get_runtime()
+            if rt is not None:
+                rt.errors.report("other", exc)
 
     @staticmethod
     def _note_precision(args: TrainingArguments) -> None:
@@ -207,8 +277,9 @@ class TorchtraceCallback(_TrainerCallback):
         if rt is not None and rt.replaying:  # a forensic replay's forward is not the step's
             return
         if self._driver.active and module.training:
-            self._driver.add_loss(_output_loss(output), part=kwargs.get("num_items_in_batch") is not None
-                                  and self._divides_by_items(module))
+            if self._loss_trainer is None:  # (else the Trainer's training_step gives the loss)
+                self._driver.add_loss(_output_loss(output), part=kwargs.get("num_items_in_batch") is not None
+                                      and self._divides_by_items(module))
             if any(same_arguments(call, args, kwargs) for call in self._inputs):
                 return  # the same micro-batch again (a compute_loss that runs the model twice: R-Drop)
             if self._inputs:
