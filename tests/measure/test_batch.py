@@ -345,3 +345,18 @@ def test_a_packed_sequence_counts_its_sequences_not_its_time_steps(lengths):
     assert infer_batch((packed, labels), {}).samples == len(lengths)
     assert infer_batch((packed,), {}).samples == len(lengths)
     assert infer_batch(({"x": packed, "y": labels},), {}).samples == len(lengths)
+
+
+def test_a_seq2seq_batch_of_time_major_sequences_and_their_lengths_counts_its_pairs():
+    """PyTorch's seq2seq tutorials' batch: ``((src, src_lengths), (tgt, tgt_lengths))``, each
+    sequence batch padded time-major, ``(time, batch)``, beside the lengths
+    ``pack_padded_sequence`` takes. Six pairs of 8 and 5 tokens: before, the two parts were read
+    as two samples one by one (2); now 6, the lengths' count."""
+    src, src_len = torch.randint(0, 50, (8, 6)), torch.full((6,), 8)
+    tgt, tgt_len = torch.randint(0, 50, (5, 6)), torch.full((6,), 5)
+    assert infer_batch((((src, src_len), (tgt, tgt_len)),), {}).samples == 6
+    assert infer_batch(((src, src_len), (tgt, tgt_len)), {}).samples == 6
+    assert infer_batch(((src, src_len),), {}).samples == 6
+    # Micro-batches of (inputs, labels) stay micro-batches: their lengths agree with the first dimension.
+    pairs = [(torch.randint(0, 50, (6, 8)), torch.zeros(6, dtype=torch.long))] * 2
+    assert infer_batch((pairs,), {}).samples == 12

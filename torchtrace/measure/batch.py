@@ -10,6 +10,9 @@ Rules, in order (the first argument that gives an answer wins):
    - a tensor with at least one dimension: samples = its first dimension;
    - a ``PackedSequence`` (``pack_padded_sequence``): samples = its sequences (the
      batch size of its first time step, a host value), not its time steps;
+   - a time-major padded batch beside its lengths, ``(padded, lengths)`` (``(time, batch,
+     ...)`` and a 1-d integer tensor of ``batch`` entries), alone or as a part of
+     ``((src, src_lengths), (tgt, tgt_lengths))``: samples = the lengths' count;
    - a mapping (a ``dict`` or a transformers ``BatchEncoding``) with ``input_ids``:
      samples = ``input_ids.shape[0]`` (1 for an unbatched 1-d sequence) and tokens =
      ``input_ids.numel()``, or, with an ``attention_mask`` of the same shape, the number of
@@ -182,13 +185,16 @@ def _infer(value: Any, depth: int) -> BatchSize | None:
     if isinstance(value, Mapping):
         return _from_mapping(value, depth)
     if isinstance(value, (tuple, list)):
-        found = _per_sample(value)
-        if found is None:
-            found = _micro_batches(value, depth)
-        if found is None:
-            found = _tensor_micro_batches(value)
-        if found is None:
-            found = _sample_items(value)
+        found = _time_major_with_lengths(value)
+        if found is None and not any(isinstance(item, (tuple, list)) and _time_major_with_lengths(item)
+                                     for item in value[:MAX_ITEMS]):  # (parts of one seq2seq batch)
+            found = _per_sample(value)
+            if found is None:
+                found = _micro_batches(value, depth)
+            if found is None:
+                found = _tensor_micro_batches(value)
+            if found is None:
+                found = _sample_items(value)
         if found is not None:
             return found
         for item in value[:MAX_ITEMS]:
@@ -225,6 +231,21 @@ def _per_sample(items: Any) -> BatchSize | None:
                     _labels(v, n) for v in items[:MAX_ITEMS] if v is not images):
                 return BatchSize(samples=n)
     return None
+
+
+def _time_major_with_lengths(items: tuple | list) -> BatchSize | None:
+    """A time-major padded batch beside its lengths, ``(padded, lengths)``, the input
+    ``pack_padded_sequence`` takes at ``batch_first=False`` (PyTorch's seq2seq tutorials'
+    ``((src, src_lengths), (tgt, tgt_lengths))`` batches): a tensor of at least two dimensions,
+    ``(time, batch, ...)``, and a 1-d integer tensor as long as its second dimension but not its
+    first. Samples = the lengths' count. A batch-first one, ``(batch, time)`` beside its
+    lengths, cannot be told from inputs beside their labels, and is read as those are."""
+    if len(items) != 2:
+        return None
+    padded, lengths = items
+    if not isinstance(padded, torch.Tensor) or padded.dim() < 2 or padded.size(0) == padded.size(1):
+        return None
+    return BatchSize(samples=int(padded.size(1))) if _labels(lengths, int(padded.size(1))) else None
 
 
 def _labels(value: Any, n: int) -> bool:
