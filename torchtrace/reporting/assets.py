@@ -272,6 +272,7 @@ JS = r"""
     var errs = 0; for (var k2 in (tel.internal_errors || {})) errs += tel.internal_errors[k2];
     g.appendChild(stat("internal errors", String(errs)));
     box.appendChild(g);
+    (data.notes || []).forEach(function (n) { box.appendChild(el("p", {"class": "muted tt-note"}, n)); });
     var kinds = s.anomalies_by_kind || {};
     if (Object.keys(kinds).length) {
       var p = el("p", null, "By kind: ");

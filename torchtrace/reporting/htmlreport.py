@@ -34,6 +34,7 @@ def html_report(run_dir: str | Path, rank: int | None = None) -> str:
         "events": run.events,
         "settings": run.settings,
         "problems": run.problems,
+        "notes": run.notes,
     }
     notes = ""
     if run.problems:

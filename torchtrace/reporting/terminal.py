@@ -100,6 +100,7 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
     run = load_run(run_dir, rank)
     summary = run.summary
     lines = _header_lines(summary, run.steps, run.run_dir)
+    lines += [f"  note: {note}" for note in run.notes]
     lines += job_lines(*job_of(run.run_dir))
     label, shown = _main_steps(run.steps)
     lines += _step_time_lines(shown, label)

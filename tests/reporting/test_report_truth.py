@@ -1,0 +1,87 @@
+"""The reports say what happened to the run: a cleared history, how the run ended, a job's
+attempts, where a NaN came from. Each test compares the report with what the run itself
+recorded (the history before and after, the black box, the forensic report's own fields)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+import torchtrace as tt
+from torchtrace.reporting.cli import run_list
+from torchtrace.reporting.htmlreport import html_report
+from torchtrace.reporting.runfiles import find_runs
+from torchtrace.reporting.terminal import terminal_report
+
+from ..export.debug_helpers import call, runtime
+
+TOKEN = "report-truth-token-0123456789"
+
+
+def _embedded(html: str) -> dict:
+    m = re.search(r'<script type="application/json" id="tt-data">(.*?)</script>', html, re.S)
+    assert m, "no embedded data"
+    return json.loads(m.group(1))
+
+
+def _cleared_run(tmp_path, steps: int = 20, nan_at: int = 3, clear_at: int = 10):
+    """``steps`` decorated steps under guard=skip, a NaN loss at ``nan_at``, ``POST /debug/clear``
+    before ``clear_at``. Returns (run dir, the history's totals just before the clear applied,
+    its totals at the end)."""
+    result = tt.configure(service_name="cleared", prometheus_port=0, run_dir=str(tmp_path / "runs"), strict=True,
+                          register_atexit=False, guard="skip", debug_token=TOKEN)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(x, s):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean() * (float("nan") if s == nan_at else 1.0)
+        loss.backward()
+        opt.step()
+        return loss
+
+    before: dict = {}
+    for s in range(steps):
+        if s == clear_at:
+            tt.flush()
+            before = dict(runtime().history.totals)
+            status, _, body = call(result.prometheus_port, "POST", "/debug/clear", {"Authorization": f"Bearer {TOKEN}"})
+            assert status == 202, body
+        train_step(torch.randn(16, 8), s)
+    tt.flush()
+    after = dict(runtime().history.totals)
+    tt.shutdown()
+    return tmp_path / "runs" / result.run_id, before, after
+
+
+def test_after_a_clear_both_reports_count_every_step_and_say_where_the_clear_was(tmp_path):
+    """A NaN at step 3 (skipped), ``POST /debug/clear`` before step 10, 20 steps. Before, the
+    terminal said "steps: 20 (train_step 10)" and the HTML cards "10 steps, 0 anomalous steps,
+    0 skipped updates" beside the skipped NaN of step 3 in the list: report.json's totals start
+    at the clear, the spans do not. Now both reports count the 20 steps of spans.jsonl (1
+    anomalous, 1 non-finite, 1 skipped: the history's counts before the clear plus after it)
+    and say that the history was cleared before step 10."""
+    run_dir, before, after = _cleared_run(tmp_path)
+    assert before["steps"] == 10 and after["steps"] == 10  # what report.json holds: the steps since the clear
+    whole = {k: before.get(k, 0) + after.get(k, 0)
+             for k in ("steps", "anomaly_steps", "nonfinite_steps", "skipped_steps")}
+    assert whole == {"steps": 20, "anomaly_steps": 1, "nonfinite_steps": 1, "skipped_steps": 1}
+    text = terminal_report(run_dir)
+    assert "  steps: 20 (train_step 20)" in text, text
+    assert "  anomalies: 1 step(s), rate 5.00 %" in text
+    said = ("the debug history was cleared (POST /debug/clear) before step 10 of train_step: report.json's "
+            "totals and timeline count from there (10 steps); this report counts all 20 steps in spans.jsonl")
+    assert f"  note: {said}\n" in text
+    data = _embedded(html_report(run_dir))
+    totals = data["summary"]["totals"]
+    assert {k: totals[k] for k in whole} == whole
+    assert data["summary"]["operations"] == {"train_step": 20}
+    assert data["summary"]["anomalies_by_kind"] == {"nonfinite_grad": 1, "nonfinite_loss": 1}
+    assert data["training"]["anomaly_rate"] == 1 / 20
+    assert data["notes"] == [said]
+    listed = run_list("runs", find_runs(run_dir.parent))
+    assert "# 10 steps, 0 anomalous, started " in listed and "(counted since a POST /debug/clear" in listed
