@@ -4,18 +4,26 @@ recorded (the history before and after, the black box, the forensic report's own
 
 from __future__ import annotations
 
+import html as html_lib
 import json
 import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import torch
 
 import torchtrace as tt
+from torchtrace.job.story import job_story
 from torchtrace.reporting.cli import run_list
 from torchtrace.reporting.htmlreport import html_report
 from torchtrace.reporting.runfiles import find_runs
 from torchtrace.reporting.terminal import terminal_report
 
 from ..export.debug_helpers import call, runtime
+from ..job.helpers import clean_env
 
 TOKEN = "report-truth-token-0123456789"
 
@@ -85,3 +93,76 @@ def test_after_a_clear_both_reports_count_every_step_and_say_where_the_clear_was
     assert data["notes"] == [said]
     listed = run_list("runs", find_runs(run_dir.parent))
     assert "# 10 steps, 0 anomalous, started " in listed and "(counted since a POST /debug/clear" in listed
+
+
+_KILLED = textwrap.dedent("""
+    import json, os, signal, sys, time, torch, torchtrace as tt
+    tt.configure(prometheus_port="off", run_dir=sys.argv[1], run_id="job", register_atexit=False)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(x):
+        opt.zero_grad(); loss = model(x).pow(2).mean(); loss.backward(); opt.step(); return loss
+
+    for _ in range(6):
+        train_step(torch.randn(8, 4))
+    tt.flush()
+    state = os.path.join(sys.argv[1], "job", "state.json")
+    deadline = time.time() + 30
+    while time.time() < deadline:  # the black box is rewritten every half second: wait for the last step in it
+        try:
+            if json.load(open(state)).get("step") == 5:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def _status(html: str) -> str:
+    m = re.search(r'<span class="badge" id="tt-status">([^<]*)</span>', html)
+    assert m, "no status badge"
+    return html_lib.unescape(m.group(1))
+
+
+def test_a_killed_attempt_a_running_one_and_the_job_listing_say_how_each_stands(tmp_path):
+    """Attempt 0 is SIGKILLed after 6 steps (0-5); attempt 1 of the same run id trains 3 steps.
+    Before, every HTML report's header said "finished · N steps" (the killed attempt's "finished
+    · 6 steps" above a job section saying "killed at step 5"), its goodput card said "No
+    throughput accounting in this run" though the black box holds the attempt's ledger, and
+    ``torchtrace report FOLDER`` listed the run directory but not its ``attempt-1/``. Now the
+    header says what the job's story says of the attempt (killed at step 5, running, finished),
+    the card shows the black box's ledger up to its last write, and the listing names both."""
+    runs = tmp_path / "runs"
+    killed = subprocess.run([sys.executable, "-c", _KILLED, str(runs)], env=clean_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run_dir = runs / "job"
+    ending = next(a for a in job_story(run_dir)["attempts"] if a["attempt"] == 0)
+    assert (ending["ended"], ending["last_step"]) == ("killed", 5)
+    page = html_report(run_dir)
+    assert _status(page) == "killed at step 5 · 6 steps"
+    box = json.loads((run_dir / "state.json").read_text())
+    goodput = _embedded(page)["summary"]["throughput"]
+    assert (goodput["wall_s"], goodput["productive_s"], goodput["badput_s"]) == \
+        (box["wall_s"], box["productive_s"], box["badput_s"])
+    assert goodput["goodput_ratio"] == box["productive_s"] / box["wall_s"]
+    assert goodput["counted"].startswith("up to the black box's last write (state.json, ")
+    assert "  goodput: " in terminal_report(run_dir)
+
+    tt.configure(prometheus_port="off", run_dir=str(runs), run_id="job", register_atexit=False, strict=True)
+    model = torch.nn.Linear(4, 1)
+    for _ in range(3):
+        with tt.debug_context("train_step", model=model):
+            model(torch.randn(8, 4)).sum().backward()
+    tt.flush()
+    attempt = run_dir / "attempt-1"
+    deadline = time.time() + 30
+    while time.time() < deadline and json.loads((attempt / "state.json").read_text()).get("step") != 2:
+        time.sleep(0.1)
+    assert _status(html_report(attempt)) == "running (step 2) · 3 steps"
+    tt.shutdown()
+    assert _status(html_report(attempt)) == "finished · 3 steps"
+    assert [run.path for run in find_runs(runs)] == [run_dir, attempt]

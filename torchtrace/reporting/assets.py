@@ -143,7 +143,8 @@ JS = r"""
     box.appendChild(legend);
     box.appendChild(el("p", {"class": "muted"}, "goodput " + (tp.goodput_ratio === null || tp.goodput_ratio === undefined ?
       "–" : (100 * tp.goodput_ratio).toFixed(1) + " %") + " of " + fmtSeconds(tp.wall_s) +
-      ", up to the end of the last step: the share of wall time in training steps whose update was applied"));
+      ", " + (tp.counted || "up to the end of the last step") +
+      ": the share of wall time in training steps whose update was applied"));
     /* what the picture shows, for a headless test: each key's colour beside its segment's */
     var drawn = parts.map(function (p) {
       var seg = bar.querySelector('.gseg[data-kind="' + p[0] + '"]'), sw = legend.querySelector('.gkey[data-kind="' + p[0] + '"] .gsw');

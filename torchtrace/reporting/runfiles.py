@@ -10,12 +10,14 @@ event); :attr:`RunData.forensics` holds it once, and the timeline holds one even
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchtrace import semconv
 from torchtrace.files import from_strict
+from torchtrace.job.identity import ATTEMPT_PREFIX
 from torchtrace.reporting.summary import operation_counts, step_totals, training_summary_from_steps
 
 MAX_CHART_STEPS = 5000
@@ -33,6 +35,12 @@ class RunData:
     total_steps: int = 0
     problems: list[str] = field(default_factory=list)
     from_spans: bool = False  # the steps were read from the spans file (every step), not the report's last ones
+    black_box: dict[str, Any] | None = None  # the rank's state.json (the job's black box), when readable
+
+    @property
+    def finished(self) -> bool:
+        """The run's report was written at shutdown (``finished_unix``)."""
+        return "finished_unix" in (self.report or {})
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -49,6 +57,10 @@ class RunData:
             out["totals"] = {**(found if isinstance(found, dict) else {}), **step_totals(self.steps)}
             out["operations"] = operation_counts(self.steps)
             out["anomalies_by_kind"] = training_summary_from_steps(self.steps)["anomalies_by_kind"]
+        if "throughput" not in out:
+            ledger = black_box_goodput(self.black_box)
+            if ledger is not None:
+                out["throughput"] = ledger
         return out
 
     @property
@@ -178,8 +190,21 @@ def load_run(run_dir: str | Path, rank: int | None = None) -> RunData:
     elif data.report is not None:
         data.steps = [dict(s) for s in data.report.get("steps", [])]
     data.total_steps = len(data.steps)
+    data.black_box = _read_black_box(path, rank)
     data.events = _events(data)
     return data
+
+
+def _read_black_box(path: Path, rank: int | None) -> dict[str, Any] | None:
+    """The rank's black box (``state.json``, ``state.rankN.json``), or None."""
+    found = _rank_file(path, "state", ".json", rank)
+    if found is None:
+        return None
+    try:
+        state = json.loads(found.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def _events(data: RunData) -> list[dict[str, Any]]:
@@ -220,6 +245,27 @@ def _events(data: RunData) -> list[dict[str, Any]]:
     events = extra + report_events
     events.sort(key=lambda e: e.get("timestamp") or 0)
     return events
+
+
+def black_box_goodput(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A run without a report (killed, or still running): the goodput ledger its black box
+    holds (``wall_s``, ``productive_s``, ``badput_s``, refreshed at each write), as the
+    report's ``throughput`` section would give it, and ``counted`` saying up to when.
+
+    >>> black_box_goodput({"wall_s": 4.0, "productive_s": 1.0, "badput_s": {"startup": 3.0}, "time": 0})["counted"]
+    "up to the black box's last write (state.json, 1970-01-01 00:00:00 UTC): the run wrote no report"
+    """
+    if not state:
+        return None
+    wall, productive, badput = state.get("wall_s"), state.get("productive_s"), state.get("badput_s")
+    if not isinstance(wall, (int, float)) or not isinstance(productive, (int, float)) or not isinstance(badput, dict):
+        return None
+    written = state.get("time")
+    when = (time.strftime(", %Y-%m-%d %H:%M:%S UTC", time.gmtime(written))
+            if isinstance(written, (int, float)) else "")
+    return {"wall_s": wall, "productive_s": productive, "badput_s": badput,
+            "goodput_ratio": productive / wall if wall > 0 else None,
+            "counted": f"up to the black box's last write (state.json{when}): the run wrote no report"}
 
 
 def _count_note(data: RunData) -> str | None:
@@ -278,7 +324,8 @@ class RunListing:
 
 def find_runs(folder: Path, depth: int = 2) -> list[RunListing]:
     """The run directories inside ``folder``, up to ``depth`` levels down (``run_dir/<run_id>``,
-    and a job's ``<job>/<attempt>``), oldest first.
+    and a job's ``<job>/<attempt>``), and in each run directory its job's later attempts
+    (``<run_id>/attempt-N``), oldest first.
 
     >>> find_runs(Path("/nonexistent"))
     []
@@ -291,6 +338,8 @@ def find_runs(folder: Path, depth: int = 2) -> list[RunListing]:
     for child in children:
         if is_run_dir(child):
             found.append(_listing(child))
+            # A restarted job's later attempts lie inside its run directory (attempt-N/).
+            found.extend(_listing(a) for a in sorted(child.glob(f"{ATTEMPT_PREFIX}*")) if is_run_dir(a))
         elif depth > 1:
             found.extend(find_runs(child, depth - 1))
     return sorted(found, key=lambda run: (run.started_unix, str(run.path)))

@@ -127,7 +127,9 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
     ratio = from_strict(section.get("goodput_ratio"))
     if ratio is not None:
         lost = _badput_text(section.get("badput_s") or {})
-        rows.append(("goodput", f"{_shown(ratio, '{:.0%}')} of wall time in applied updates; the rest: {lost}"))
+        counted = f" ({section['counted']})" if section.get("counted") else ""
+        rows.append(("goodput",
+                     f"{_shown(ratio, '{:.0%}')} of wall time in applied updates; the rest: {lost}{counted}"))
     return rows
 
 
