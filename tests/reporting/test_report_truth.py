@@ -166,3 +166,68 @@ def test_a_killed_attempt_a_running_one_and_the_job_listing_say_how_each_stands(
     tt.shutdown()
     assert _status(html_report(attempt)) == "finished · 3 steps"
     assert [run.path for run in find_runs(runs)] == [run_dir, attempt]
+
+
+class _NoEps(torch.nn.Module):
+    """x / rms(x) without an epsilon: an all-zero row becomes 0/0 = NaN."""
+
+    def forward(self, x):
+        return x / x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+ACCUMULATE = 4
+
+
+def accumulation_run(tmp_path):
+    """One decorated call per micro-batch, ``optimizer.step()`` every 4th (guard=skip); micro-step
+    5 (the second of the second window) has an all-zero row: its forward makes the NaN, and
+    micro-step 7 carries the NaN gradients it accumulated into the update it skips."""
+    result = tt.configure(service_name="accumulate", prometheus_port="off", run_dir=str(tmp_path / "runs"),
+                          strict=True, register_atexit=False, guard="skip")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), _NoEps(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @tt.debug_operation(name="micro_step", model=model, optimizer=opt)
+    def micro(x, last):
+        loss = model(x).pow(2).mean() / ACCUMULATE
+        loss.backward()
+        if last:
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for i in range(3 * ACCUMULATE):
+        x = torch.randn(8, 16, generator=g)
+        if i == ACCUMULATE + 1:
+            x[0] = 0
+        micro(x, i % ACCUMULATE == ACCUMULATE - 1)
+    tt.shutdown()
+    return tmp_path / "runs" / result.run_id
+
+
+def test_a_carried_over_gradient_and_a_nan_in_the_batch_are_told_as_the_forensic_report_tells_them(tmp_path):
+    """Before, a gradient NaN carried into an update printed "step 7 micro_step: unknown: born
+    in ?" and a NaN in the batch "input: born in the model's root module (Normalised)", as if
+    the model had made it. Now each line says what the report's fields say: ``carried_over``
+    (its names, from an earlier step since the last update) and ``cause: input`` with the
+    model's input (the batch) holding the value before any module ran."""
+    run_dir = accumulation_run(tmp_path)
+    reports = {r["step"]: r for r in json.loads((run_dir / "report.json").read_text())["forensics"]["reports"]}
+    carried = reports[ACCUMULATE + 3]
+    assert carried["cause"] == "unknown" and carried["carried_over"] == ["0.weight", "2.weight", "2.bias"]
+    text = terminal_report(run_dir)
+    assert (f"    step {ACCUMULATE + 3} micro_step: carried over: non-finite gradients from before this step "
+            "(3: 0.weight, 2.weight, 2.bias), accumulated since the last update by an earlier step, whose report "
+            "names the origin; this step's replay was finite\n") in text, text
+    assert "born in ?" not in text
+
+    from .run_fixture import INPUT_NAN_STEP, make_run
+
+    fixture_dir, _ = make_run(tmp_path / "input")
+    batch = next(r for r in json.loads((fixture_dir / "report.json").read_text())["forensics"]["reports"]
+                 if r["step"] == INPUT_NAN_STEP)
+    assert (batch["cause"], batch["module"], batch["inputs"]["nan_count"]) == ("input", "", 1)
+    assert (f"    step {INPUT_NAN_STEP} train_step: input: came in with the batch: the model's input (Normalised) "
+            "held 1 NaN/Inf before any module ran\n") in terminal_report(fixture_dir)
