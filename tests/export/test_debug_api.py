@@ -279,3 +279,41 @@ def test_numbers_in_other_scripts_are_bad_arguments(api, query):
     status, _, body = call(port, "GET", query)
     assert status == 400, (status, body)
     assert b"integer" in body
+
+
+def test_an_empty_number_is_a_bad_argument(api):
+    """``?since=`` with nothing after it answered 200 (the empty value was dropped as if absent);
+    the docs give 400 for an argument that is not an integer."""
+    rt, port, token, trainer = api
+    for query in ("/debug/events?since=", "/debug/events?limit=", "/debug/steps?limit=", "/debug/steps?before="):
+        status, _, body = call(port, "GET", query)
+        assert status == 400 and b"integer" in body, (query, status, body)
+
+
+def test_queued_level_changes_collapse_into_the_last_one(api):
+    """500 level POSTs before a step queued 500 changes (pending_changes 500) and each left a
+    level_changed event at the next step, pushing the run's other events out of the history.
+    Only the last pending level matters: one change waits, the step applies the last level
+    asked for, and one event says so. A clear after it is a change of its own, in order."""
+    rt, port, token, trainer = api
+    auth = {"Authorization": f"Bearer {token}"}
+    levels = ["advanced", "basic", "extreme"] * 166 + ["off", "advanced"]
+    for level in levels:
+        assert call(port, "POST", f"/debug/level/{level}", auth)[0] == 202
+    assert get_json(port, "/debug/summary")["pending_changes"] == 1
+    assert call(port, "POST", "/debug/clear", auth)[0] == 202
+    assert call(port, "POST", "/debug/clear", auth)[0] == 202
+    assert get_json(port, "/debug/summary")["pending_changes"] == 2
+    trainer.step()
+    assert rt.level.value == levels[-1] and get_json(port, "/debug/summary")["pending_changes"] == 0
+    assert [e.event_type for e in rt.history.events()] == ["history_cleared"]
+    assert call(port, "POST", "/debug/level/basic", auth)[0] == 202
+    trainer.step()
+    assert [(e.event_type, e.data.get("level")) for e in rt.history.events()] == [
+        ("history_cleared", None), ("level_changed", "basic")]
+    answers = [call(port, "POST", path, auth)[0] for _ in range(20) for path in ("/debug/clear", "/debug/level/basic")]
+    # Alternating kinds cannot collapse: the queue fills, then a clear is refused; a level change
+    # still collapses into the level change at the queue's end.
+    full = debug_api.MAX_PENDING_CHANGES
+    assert answers == [202] * full + [429, 202] * ((40 - full) // 2)
+    assert get_json(port, "/debug/summary")["pending_changes"] == debug_api.MAX_PENDING_CHANGES

@@ -145,3 +145,57 @@ def test_monitor_loop_step_span_events(tt_runtime):
     assert [e["attributes"][semconv.LOOP_STEP] for e in events] == [0, 1, 2]
     assert [e["attributes"][semconv.LOOP_NONFINITE] for e in events] == [False, False, True]
     assert events[1]["attributes"]["torchtrace.loop.mean"] == 1.0
+
+
+def test_a_spike_the_monitor_finds_inside_a_step_is_the_steps_anomaly_and_says_its_numbers(tmp_path):
+    """``TrainingMonitor.monitor_training_step`` inside a decorated step, the loss x50 at step
+    40 of 60. Before, the spike went to an operation of its own ("training_monitor"): the step's
+    span had no ``torchtrace.anomaly.kinds``, report.json's ``anomalies_by_kind`` was {} and the
+    detail read "loss_spike at step 40". Now the step holds it (its span, the history's counts,
+    report.json) and the detail gives the loss and the threshold the rule compared it with,
+    computed here again from the losses the step returned."""
+    import statistics
+
+    result = tt.configure(service_name="spike", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
+                          register_atexit=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = tt.TrainingMonitor(window=20, spike_factor=3.0)
+    teacher = torch.randn(16, 1)
+    g = torch.Generator().manual_seed(2)
+    losses = []
+
+    @tt.debug_operation(model=model, optimizer=opt)
+    def train_step(x, s):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), x @ teacher) * (50.0 if s == 40 else 1.0)
+        loss.backward()
+        mon.monitor_training_step(model, loss, s)
+        losses.append(loss.item())
+        opt.step()
+        return loss
+
+    for s in range(60):
+        train_step(torch.randn(32, 16, generator=g), s)
+    tt.flush()
+    rt = get_runtime()
+    assert mon.get_training_summary()["loss_spikes"] == 1
+    assert dict(rt.history.anomaly_counts) == {semconv.LOSS_SPIKE: 1}
+    tt.shutdown()
+    window = losses[20:40]
+    mean, std = statistics.fmean(window), statistics.stdev(window)
+    threshold = mean + 3.0 * std
+    assert losses[40] > threshold and all(
+        v <= statistics.fmean(losses[i - 20:i]) + 3 * statistics.stdev(losses[i - 20:i])
+        for i, v in enumerate(losses) if 20 <= i != 40)
+    run_dir = tmp_path / "runs" / result.run_id
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["anomalies_by_kind"] == {semconv.LOSS_SPIKE: 1}
+    spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
+    spiked = [sp["attributes"][semconv.STEP] for sp in spans if sp["attributes"].get(semconv.ANOMALY_KINDS)]
+    assert spiked == [40]
+    event = next(e for e in report["events"] if e["type"] == "anomaly")
+    assert event["data"]["operation"] == "train_step" and event["data"]["step"] == 40
+    assert event["message"] == (f"loss {losses[40]:.4g} above the spike threshold {threshold:.4g} "
+                                f"(mean {mean:.4g} + 3 x std {std:.4g} of the last 20 losses)")

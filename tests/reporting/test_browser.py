@@ -291,3 +291,21 @@ def test_the_report_card_counts_the_updates_the_loss_scaler_skipped(tmp_path):
 def report_cards(dom: str) -> dict[str, str]:
     """The report card's figures, by label."""
     return {label: value for value, label in re.findall(r'<div class="stat"><b>([^<]*)</b><span>([^<]*)</span>', dom)}
+
+
+def test_the_html_report_tells_each_forensic_report_as_the_terminal_does(tmp_path):
+    """The page's sentence is the terminal's rule written again in JavaScript: for a carried-over
+    gradient NaN (before: "unknown: born in ?") and a forward NaN, the text Chromium draws is the
+    terminal report's line for the same step."""
+    from .test_report_truth import accumulation_run
+
+    binary = require_binary("chromium")
+    run_dir = accumulation_run(tmp_path)
+    dom = html_lib.unescape(render(binary, write_html_report(run_dir, tmp_path / "accumulate.html"), tmp_path))
+    drawn = dict(re.findall(r'<div class="forensic" id="forensic-\d+" data-step="(\d+)".*?<p><b>[^<]*</b>([^<]*)</p>',
+                            dom))
+    text = terminal_report(run_dir)
+    assert sorted(drawn) == ["5", "7"], drawn
+    for step, sentence in drawn.items():
+        assert f"    step {step} micro_step: {sentence}\n" in text, (sentence, text)
+    assert drawn["7"].startswith("carried over: non-finite gradients from before this step (3: ")

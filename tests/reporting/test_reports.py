@@ -71,8 +71,8 @@ def test_each_replay_is_one_entry_though_the_files_tell_it_three_times(run):
     text = terminal_report(run_dir)
     assert "  forensic reports: 2 (one per replayed step" in text
     assert f"    step {NAN_STEP} train_step: forward: born in norm (_Norm); input finite, output 8 NaN/Inf\n" in text
-    assert f"    step {INPUT_NAN_STEP} train_step: input: born in the model's root module (Normalised); " \
-           f"the input held 1 NaN/Inf\n" in text
+    assert f"    step {INPUT_NAN_STEP} train_step: input: came in with the batch: the model's input (Normalised) " \
+           f"held 1 NaN/Inf before any module ran\n" in text
 
 
 def test_forensics_read_back_from_the_spans_alone(run):

@@ -14,13 +14,12 @@ from typing import Any
 
 import torch
 
-from torchtrace import api, current, semconv
+from torchtrace import api, current
 from torchtrace.levels import DebugLevel, DebugMode
 from torchtrace.record import readout
-from torchtrace.record.monitor import record_anomalies
+from torchtrace.record.monitor import STEP_JUDGED_KINDS, record_anomalies
 
-STEP_KINDS = frozenset({semconv.NONFINITE_LOSS, semconv.NONFINITE_GRAD, semconv.GRAD_EXPLOSION,
-                        semconv.GRAD_VANISHING})
+STEP_KINDS = STEP_JUDGED_KINDS
 """Kinds a step's own record judges from the loss and gradients it holds."""
 
 

@@ -30,7 +30,9 @@ Safety rules, in the order they are checked:
 6. Arguments are validated (400).
 
 A change is never applied on the server thread: it is queued with :meth:`Runtime.request`
-and the training thread applies it when the next step starts.
+and the training thread applies it when the next step starts. Changes of one kind in a row
+collapse into one (the last level asked for; one clear), and at most
+:data:`MAX_PENDING_CHANGES` wait: a POST beyond that gets 429.
 
 Every response is bounded in bytes, whatever the model: every list in a response keeps
 :data:`MAX_LIST_ITEMS` entries and states how many it left out (``<key>_omitted``); one step
@@ -45,6 +47,7 @@ from __future__ import annotations
 import hmac
 import operator
 import secrets
+import threading
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -72,6 +75,8 @@ logger = get_logger("torchtrace")
 MAX_BODY_BYTES = 4096
 """Largest request body accepted; the API's POSTs need no body at all."""
 MAX_STEPS_RETURNED = 2000
+MAX_PENDING_CHANGES = 32
+"""Changes (level, clear) waiting for the next step at most; more are refused with 429."""
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "localhost.localdomain"})
 _JSON = "application/json"
 _EVENT_DICT = operator.methodcaller("as_dict")
@@ -105,6 +110,8 @@ class DebugAPI:
         self.training_summary: Callable[[Any], dict[str, Any]] = history_training_summary
         self.refused = 0
         self._cache = ItemCache()
+        self._queue_lock = threading.Lock()
+        self._last_queued: dict[str, Any] | None = None  # the newest change still waiting (see _queue)
 
     # ------------------------------------------------------------ set-up
     def install(self) -> "DebugAPI":
@@ -227,7 +234,7 @@ class DebugAPI:
         return self._json(self.training_summary(self.runtime))
 
     def _steps(self, request):
-        query = parse_qs(urlsplit(request.path).query)
+        query = parse_qs(urlsplit(request.path).query, keep_blank_values=True)
         limit = _int_arg(query, "limit", 500)
         if limit is None or not 1 <= limit <= MAX_STEPS_RETURNED:
             return self._refuse(400, f"limit must be an integer 1-{MAX_STEPS_RETURNED}")
@@ -265,7 +272,7 @@ class DebugAPI:
         return steps, total - len(steps) + 1
 
     def _events(self, request):
-        query = parse_qs(urlsplit(request.path).query)
+        query = parse_qs(urlsplit(request.path).query, keep_blank_values=True)
         since = _int_arg(query, "since", 0)
         if since is None or since < 0:
             return self._refuse(400, "since must be a non-negative integer")
@@ -314,18 +321,50 @@ class DebugAPI:
         except ValueError as exc:
             return self._refuse(400, str(exc)[:200])
         rt = self.runtime
-        rt.request(lambda: rt.set_level(level))
+        if not self._queue("level", level, rt.set_level):
+            return self._too_many()
         return self._json({"accepted": True, "level": level.value, "applies": "at the next step"}, 202)
 
     def _clear(self, request):
         rt = self.runtime
 
-        def clear() -> None:
+        def clear(_: object) -> None:
             rt.history.clear()
             rt.history.add_event("history_cleared", "debug history cleared through the HTTP API")
 
-        rt.request(clear)
+        if not self._queue("clear", None, clear):
+            return self._too_many()
         return self._json({"accepted": True, "applies": "at the next step"}, 202)
+
+    def _too_many(self):
+        return self._refuse(429, f"{MAX_PENDING_CHANGES} changes wait for the next step already; "
+                                 "send this one after it", {"Retry-After": "1"})
+
+    def _queue(self, kind: str, value: Any, apply: Callable[[Any], None]) -> bool:
+        """Queue ``apply(value)`` for the training thread's next step boundary, unless the newest
+        change still waiting is of the same kind: that one then applies ``value`` instead (two
+        level changes in a row leave the last level; two clears in a row are one clear). The
+        queue stays as short as the alternations between kinds, and at most
+        :data:`MAX_PENDING_CHANGES` long (False: refused, the queue is full)."""
+        with self._queue_lock:
+            last = self._last_queued
+            if last is not None and last["kind"] == kind:
+                last["value"] = value
+                return True
+            if self.runtime.pending_changes >= MAX_PENDING_CHANGES:
+                return False
+            entry = {"kind": kind, "value": value}
+            self._last_queued = entry
+
+        def change() -> None:
+            with self._queue_lock:
+                if self._last_queued is entry:
+                    self._last_queued = None
+                chosen = entry["value"]
+            apply(chosen)
+
+        self.runtime.request(change)
+        return True
 
 
 def _int_arg(query: dict[str, list[str]], name: str, default: int) -> int | None:

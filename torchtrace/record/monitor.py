@@ -73,6 +73,7 @@ class TrainingMonitor:
         self.losses: collections.deque[float] = collections.deque(maxlen=self.window)
         self.counts: collections.Counter[str] = collections.Counter()
         self.last: dict[str, Any] | None = None
+        self._spike: tuple[float, float, int] | None = None  # the last step's spike rule: (mean, std, window)
 
     # ------------------------------------------------------------ per step
     def monitor_training_step(self, model: torch.nn.Module | None, loss: object,
@@ -84,6 +85,7 @@ class TrainingMonitor:
         stats = grad_measure.gradient_norms(grad_measure.named_params(model)) if model is not None else None
         if stats is not None:
             pieces.append(stats.total.reshape(1).to(torch.float64).cpu())
+        share_with_open_step(model, loss)
         values = readout.read(torch.cat(pieces)) if pieces else []
         if isinstance(loss, torch.Tensor):
             loss_value: float | None = values[0]
@@ -106,8 +108,29 @@ class TrainingMonitor:
         return dict(self.last)
 
     def _report(self, kinds: list[str], step: int, loss: float | None, grad_norm: float | None) -> None:
-        """Where a step's anomalies go: the configured run (a subclass inside a step counts less)."""
-        record_anomalies(kinds, step, loss, grad_norm)
+        """Where a step's anomalies go: inside an open torchtrace step, that step's record
+        (:func:`report_to_open_step`); outside one, the run, under ``training_monitor``."""
+        details = {k: self.describe(k, loss, grad_norm) for k in kinds}
+        if not report_to_open_step(kinds, details, step, loss, grad_norm):
+            record_anomalies(kinds, step, loss, grad_norm, details=details)
+
+    def describe(self, kind: str, loss: float | None, grad_norm: float | None) -> str:
+        """An anomaly the last step judged, in words with its numbers: the loss and the spike
+        threshold it passed (mean + spike_factor x std of the window), the gradient norm and
+        the bound it crossed."""
+        if kind == semconv.LOSS_SPIKE and self._spike is not None and loss is not None:
+            mean, std, n = self._spike
+            return (f"loss {loss:.4g} above the spike threshold {mean + self.spike_factor * std:.4g} "
+                    f"(mean {mean:.4g} + {self.spike_factor:g} x std {std:.4g} of the last {n} losses)")
+        if kind == semconv.GRAD_EXPLOSION and grad_norm is not None:
+            return f"gradient norm {grad_norm:.4g} above {self.explosion_threshold:.4g}"
+        if kind == semconv.GRAD_VANISHING and grad_norm is not None:
+            return f"gradient norm {grad_norm:.4g} below {self.vanishing_threshold:.4g}"
+        if kind == semconv.NONFINITE_LOSS:
+            return f"loss is {loss}"
+        if kind == semconv.NONFINITE_GRAD:
+            return f"gradient norm is {grad_norm}"
+        return kind
 
     def _judge(self, loss: float | None, grad_norm: float | None) -> list[str]:
         kinds: list[str] = []
@@ -135,12 +158,15 @@ class TrainingMonitor:
 
     def _is_spike(self, loss: float) -> bool:
         n = len(self.losses)
+        self._spike = None
         if n < self.min_history:
             return False
         mean = math.fsum(self.losses) / n
         var = math.fsum((v - mean) ** 2 for v in self.losses) / max(n - 1, 1)
         floor = 1e-3 * abs(mean) + 1e-12
-        return loss > mean + self.spike_factor * max(math.sqrt(var), floor)
+        std = max(math.sqrt(var), floor)
+        self._spike = (mean, std, n)
+        return loss > mean + self.spike_factor * std
 
     # ------------------------------------------------------------ summary and state
     def get_training_summary(self) -> dict[str, Any]:
@@ -177,12 +203,65 @@ _RATES = (("anomaly_steps", "anomaly_rate"), ("gradient_explosions", "gradient_e
           ("loss_anomalies", "loss_anomaly_rate"), ("loss_spikes", "loss_spike_rate"))
 
 
+STEP_JUDGED_KINDS = frozenset({semconv.NONFINITE_LOSS, semconv.NONFINITE_GRAD, semconv.GRAD_EXPLOSION,
+                               semconv.GRAD_VANISHING})
+"""Kinds a torchtrace step's own record judges from the loss and gradients it holds: a check
+made inside the step leaves them to it (they would be counted twice)."""
+
+
+def _open_step() -> Any:
+    """The torchtrace step open on this thread and recording, or None."""
+    scope = current.step()
+    return scope if scope is not None and getattr(scope, "active", False) else None
+
+
+def share_with_open_step(model: torch.nn.Module | None, loss: object) -> None:
+    """Give the open step (if any) the model whose gradients a check read and the loss, where it
+    lacks them: its record then judges the kinds of :data:`STEP_JUDGED_KINDS` itself."""
+    scope = _open_step()
+    if scope is None:
+        return
+    try:
+        if model is not None and scope.model is None:
+            scope.model = model
+        if loss is not None and not scope.has_loss:
+            scope.record_loss(loss)
+    except Exception as exc:  # torchtrace's own failure never reaches the caller
+        rt = current.runtime(create=False)
+        if rt is not None:
+            rt.errors.report("record", exc)
+
+
+def report_to_open_step(kinds: list[str], details: dict[str, str], step: int | None, loss: float | None,
+                        grad_norm: float | None) -> bool:
+    """Anomalies a check found inside an open step are the step's: the kinds the step judges
+    itself are logged as history events marked ``in_step`` and not counted again; the others (a
+    loss spike) are added to the step's record (its span, counters and history). False when no
+    step is open."""
+    scope = _open_step()
+    if scope is None:
+        return False
+    own = [k for k in kinds if k in STEP_JUDGED_KINDS]
+    if own:
+        record_anomalies(own, step, loss, grad_norm, data={"in_step": True}, count=False, details=details)
+    try:
+        for kind in kinds:
+            if kind not in STEP_JUDGED_KINDS:
+                scope.add_anomaly(kind, details.get(kind, kind),
+                                  {"source": "training_monitor", "loss": _json(loss), "grad_norm": _json(grad_norm)})
+    except Exception as exc:  # torchtrace's own failure never reaches the caller
+        rt = current.runtime(create=False)
+        if rt is not None:
+            rt.errors.report("record", exc)
+    return True
+
+
 def record_anomalies(kinds: list[str], step: int | None, loss: float | None, grad_norm: float | None,
                      operation: str = "training_monitor", data: dict[str, Any] | None = None,
-                     count: bool = True) -> None:
+                     count: bool = True, details: dict[str, str] | None = None) -> None:
     """Record anomalies on the configured runtime: the log, the counter
     ``torchtrace_anomalies_total{operation, kind}`` (unless ``count`` is False) and an
-    ``anomaly`` event in the run history.
+    ``anomaly`` event in the run history, whose message is ``details[kind]`` when given.
 
     ``count=False`` is for a check made inside an open step whose own record counts the same
     kinds (the loss and gradients it was given), so that no anomaly is counted twice."""
@@ -198,7 +277,10 @@ def record_anomalies(kinds: list[str], step: int | None, loss: float | None, gra
             event = {"kind": kind, "step": step, "operation": operation, "loss": _json(loss),
                      "grad_norm": _json(grad_norm)}
             event.update(data or {})
-            rt.history.add_event("anomaly", f"{kind} at step {step}", event)
+            detail = (details or {}).get(kind) or f"{kind} at step {step}"
+            if details and kind in details:
+                event["detail"] = detail
+            rt.history.add_event("anomaly", detail, event)
     except Exception as exc:
         rt.errors.report("record", exc)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from torchtrace.reporting.charts import CHARTS_JS
+from torchtrace.reporting.forensic_text import SENTENCE_JS
 
 CSS = """
 :root { --fg:#1d2330; --muted:#6b7280; --bg:#f6f7f9; --card:#fff; --line:#2563eb; --bad:#dc2626; --grid:#e5e7eb; }
@@ -143,7 +144,8 @@ JS = r"""
     box.appendChild(legend);
     box.appendChild(el("p", {"class": "muted"}, "goodput " + (tp.goodput_ratio === null || tp.goodput_ratio === undefined ?
       "–" : (100 * tp.goodput_ratio).toFixed(1) + " %") + " of " + fmtSeconds(tp.wall_s) +
-      ", up to the end of the last step: the share of wall time in training steps whose update was applied"));
+      ", " + (tp.counted || "up to the end of the last step") +
+      ": the share of wall time in training steps whose update was applied"));
     /* what the picture shows, for a headless test: each key's colour beside its segment's */
     var drawn = parts.map(function (p) {
       var seg = bar.querySelector('.gseg[data-kind="' + p[0] + '"]'), sw = legend.querySelector('.gkey[data-kind="' + p[0] + '"] .gsw');
@@ -177,16 +179,6 @@ JS = r"""
                  data: d.data || {}, skipped: !!skipped[key(d)]});
     });
     return rows;
-  }
-
-  function sentence(f) {
-    var where = f.module === "" ? "the model's root module" : (f.module || "?");
-    var text = (f.cause || "unknown") + ": born in " + where + (f.module_type ? " (" + f.module_type + ")" : "");
-    var out = f.outputs || {}, ins = f.inputs || {};
-    if (f.cause === "forward") text += "; input finite, output " + ((out.nan_count || 0) + (out.inf_count || 0)) + " NaN/Inf";
-    if (f.cause === "input") text += "; the input held " + ((ins.nan_count || 0) + (ins.inf_count || 0)) + " NaN/Inf";
-    if (f.op) text += "; backward op " + f.op;
-    return text;
   }
 
   function renderAnomalies(box, rows, reports) {
@@ -230,7 +222,7 @@ JS = r"""
                          "data-module": String(f.module), "data-cause": String(f.cause)});
       var head = el("p");
       head.appendChild(el("b", null, "step " + f.step + " · " + (f.operation || "") + " · "));
-      head.appendChild(document.createTextNode(sentence(f)));
+      head.appendChild(document.createTextNode(window.ttForensicSentence(f)));
       d.appendChild(head);
       var det = el("details"); det.appendChild(el("summary", null, "the full report"));
       det.appendChild(el("pre", null, JSON.stringify(f, null, 2))); d.appendChild(det);
@@ -272,6 +264,7 @@ JS = r"""
     var errs = 0; for (var k2 in (tel.internal_errors || {})) errs += tel.internal_errors[k2];
     g.appendChild(stat("internal errors", String(errs)));
     box.appendChild(g);
+    (data.notes || []).forEach(function (n) { box.appendChild(el("p", {"class": "muted tt-note"}, n)); });
     var kinds = s.anomalies_by_kind || {};
     if (Object.keys(kinds).length) {
       var p = el("p", null, "By kind: ");
@@ -378,7 +371,8 @@ def page(title: str, status: str, extra_sections: str, script: str) -> str:
     body = BODY.format(status=escape(status), extra=extra_sections)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta name=\"viewport\" content=\"width=device-width\"><title>{escape(title)}</title>"
-            f"<style>{CSS}</style></head><body>{body}<script>{CHARTS_JS}</script><script>{JS}</script>"
+            f"<style>{CSS}</style></head><body>{body}<script>{CHARTS_JS}</script><script>{SENTENCE_JS}</script>"
+            f"<script>{JS}</script>"
             f"<script>{script}</script></body></html>\n")
 
 

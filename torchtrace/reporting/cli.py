@@ -80,6 +80,8 @@ def run_list(shown: str, runs: list[RunListing]) -> str:
             about = f"no report.json yet: still running, or ended without shutdown(); last written {started}"
         else:
             about = f"{run.steps} steps, {run.anomaly_steps or 0} anomalous, started {started}"
+            if run.cleared:
+                about += " (counted since a POST /debug/clear: the run's report counts every step)"
             if not run.finished:
                 about += " (not finished)"
         lines.append(f"{command.ljust(width)}   # {about}")

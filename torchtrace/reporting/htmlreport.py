@@ -1,4 +1,5 @@
-"""``torchtrace report RUN_DIR --html out.html``: one self-contained HTML file for a finished run."""
+"""``torchtrace report RUN_DIR --html out.html``: one self-contained HTML file for a run (its
+header says how the run stands: finished, running, or how it ended)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from html import escape
 from pathlib import Path
 
 from torchtrace.reporting.assets import embed_json, page
-from torchtrace.reporting.jobview import job_of, job_timeline_html
+from torchtrace.reporting.jobview import attempt_status, job_of, job_timeline_html
 from torchtrace.reporting.runfiles import chart_steps, load_run
 from torchtrace.reporting.summary import training_summary_from_steps
 
@@ -34,18 +35,20 @@ def html_report(run_dir: str | Path, rank: int | None = None) -> str:
         "events": run.events,
         "settings": run.settings,
         "problems": run.problems,
+        "notes": run.notes,
     }
     notes = ""
     if run.problems:
         notes = "<p class=\"kind\">" + "; ".join(escape(p) for p in run.problems) + "</p>"
     n_settings = len(run.settings or {})
-    extra = (job_timeline_html(job_of(run.run_dir)[0])
+    job, attempt = job_of(run.run_dir)
+    extra = (job_timeline_html(job)
              + f"<section class=\"card wide\">{notes}<details class=\"config\" id=\"tt-config\">"
              f"<summary>Configuration: <span id=\"tt-settings-count\">{n_settings}</span> settings "
              f"<span class=\"muted\">({escape(str(run.run_dir))})</span></summary>"
              f"<div id=\"tt-settings\"></div></details></section>"
              f"<script type=\"application/json\" id=\"tt-data\">{embed_json(data)}</script>")
-    status = f"finished · {run.total_steps} steps"
+    status = f"{attempt_status(job, attempt, run.finished)} · {run.total_steps} steps"
     if len(charted) < run.total_steps:
         status += f" ({len(charted)} charted)"
     return page(f"torchtrace report {run.summary.get('run_id', '')}", status, extra, _SCRIPT)

@@ -41,6 +41,27 @@ def _ending(a: dict[str, Any]) -> str:
     return text
 
 
+def attempt_status(job: dict[str, Any] | None, attempt: int, finished: bool) -> str:
+    """How the attempt a report shows stands, for the HTML report's header: its ending from the
+    job's story when it ended otherwise than completed ("killed at step 40"), else "finished"
+    when its report was written at shutdown, else "running (step N)" while its process lives.
+
+    >>> attempt_status({"attempts": [{"attempt": 0, "ended": "killed", "last_step": 40}]}, 0, False)
+    'killed at step 40'
+    >>> attempt_status(None, 0, False)
+    'not finished (no report.json)'
+    """
+    mine = next((a for a in (job or {}).get("attempts") or [] if a.get("attempt") == attempt), None)
+    ended = mine.get("ended") if mine is not None else None
+    if mine is not None and ended not in (None, "completed"):
+        return f"{ended} at step {mine.get('last_step')}"
+    if finished or ended == "completed":
+        return "finished"
+    if mine is not None:
+        return f"running (step {mine.get('last_step')})"
+    return "not finished (no report.json)"
+
+
 def job_lines(job: dict[str, Any] | None, shown: int) -> list[str]:
     """The terminal report's job lines: nothing for a job of one attempt that completed."""
     if not job:

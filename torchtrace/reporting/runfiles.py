@@ -10,12 +10,15 @@ event); :attr:`RunData.forensics` holds it once, and the timeline holds one even
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchtrace import semconv
 from torchtrace.files import from_strict
+from torchtrace.job.identity import ATTEMPT_PREFIX
+from torchtrace.reporting.summary import operation_counts, step_totals, training_summary_from_steps
 
 MAX_CHART_STEPS = 5000
 """Steps embedded in the HTML report at most: longer runs are thinned evenly, anomalous steps kept."""
@@ -31,12 +34,41 @@ class RunData:
     events: list[dict[str, Any]] = field(default_factory=list)
     total_steps: int = 0
     problems: list[str] = field(default_factory=list)
+    from_spans: bool = False  # the steps were read from the spans file (every step), not the report's last ones
+    black_box: dict[str, Any] | None = None  # the rank's state.json (the job's black box), when readable
+
+    @property
+    def finished(self) -> bool:
+        """The run's report was written at shutdown (``finished_unix``)."""
+        return "finished_unix" in (self.report or {})
 
     @property
     def summary(self) -> dict[str, Any]:
-        if self.report is not None:
-            return {k: v for k, v in self.report.items() if k not in ("steps", "events", "settings")}
-        return {"run_id": self.run_dir.name, "totals": {"steps": self.total_steps}}
+        """The report's summary, its step counts (``totals``, ``operations``,
+        ``anomalies_by_kind``) counted from the steps read when they come from the spans file:
+        every figure of a report then counts the same steps (report.json's own counts restart
+        at a ``POST /debug/clear``; :attr:`notes` says so)."""
+        if self.report is None:
+            out: dict[str, Any] = {"run_id": self.run_dir.name}
+        else:
+            out = {k: v for k, v in self.report.items() if k not in ("steps", "events", "settings")}
+        if self.from_spans or self.report is None:
+            found = out.get("totals")
+            out["totals"] = {**(found if isinstance(found, dict) else {}), **step_totals(self.steps)}
+            out["operations"] = operation_counts(self.steps)
+            out["anomalies_by_kind"] = training_summary_from_steps(self.steps)["anomalies_by_kind"]
+        if "throughput" not in out:
+            ledger = black_box_goodput(self.black_box)
+            if ledger is not None:
+                out["throughput"] = ledger
+        return out
+
+    @property
+    def notes(self) -> list[str]:
+        """What the reader should know about where the counts come from: report.json counting
+        other steps than the spans file (a cleared history, dropped spans)."""
+        note = _count_note(self)
+        return [note] if note else []
 
     @property
     def settings(self) -> dict[str, Any] | None:
@@ -96,6 +128,7 @@ def _step_from_span(span: dict[str, Any]) -> dict[str, Any] | None:
         "anomalies": [a["kind"] for a in anomalies],
         "skipped": bool(attrs.get(semconv.STEP_SKIPPED, False)),
         "scaler_overflow": bool(attrs.get(semconv.STEP_SCALER_OVERFLOW, False)),
+        "failed": any(e.get("name") == "exception" for e in span.get("events") or []),
         "_anomaly_events": anomalies,
         "_forensics": forensics,
         "trace_id": span.get("trace_id"),
@@ -153,11 +186,25 @@ def load_run(run_dir: str | Path, rank: int | None = None) -> RunData:
         if bad:
             data.problems.append(f"{spans_file.name}: {bad} unreadable line(s) skipped")
         data.steps.sort(key=lambda s: s["start_unix_ns"])
+        data.from_spans = True
     elif data.report is not None:
         data.steps = [dict(s) for s in data.report.get("steps", [])]
     data.total_steps = len(data.steps)
+    data.black_box = _read_black_box(path, rank)
     data.events = _events(data)
     return data
+
+
+def _read_black_box(path: Path, rank: int | None) -> dict[str, Any] | None:
+    """The rank's black box (``state.json``, ``state.rankN.json``), or None."""
+    found = _rank_file(path, "state", ".json", rank)
+    if found is None:
+        return None
+    try:
+        state = json.loads(found.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def _events(data: RunData) -> list[dict[str, Any]]:
@@ -200,6 +247,47 @@ def _events(data: RunData) -> list[dict[str, Any]]:
     return events
 
 
+def black_box_goodput(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A run without a report (killed, or still running): the goodput ledger its black box
+    holds (``wall_s``, ``productive_s``, ``badput_s``, refreshed at each write), as the
+    report's ``throughput`` section would give it, and ``counted`` saying up to when.
+
+    >>> black_box_goodput({"wall_s": 4.0, "productive_s": 1.0, "badput_s": {"startup": 3.0}, "time": 0})["counted"]
+    "up to the black box's last write (state.json, 1970-01-01 00:00:00 UTC): the run wrote no report"
+    """
+    if not state:
+        return None
+    wall, productive, badput = state.get("wall_s"), state.get("productive_s"), state.get("badput_s")
+    if not isinstance(wall, (int, float)) or not isinstance(productive, (int, float)) or not isinstance(badput, dict):
+        return None
+    written = state.get("time")
+    when = (time.strftime(", %Y-%m-%d %H:%M:%S UTC", time.gmtime(written))
+            if isinstance(written, (int, float)) else "")
+    return {"wall_s": wall, "productive_s": productive, "badput_s": badput,
+            "goodput_ratio": productive / wall if wall > 0 else None,
+            "counted": f"up to the black box's last write (state.json{when}): the run wrote no report"}
+
+
+def _count_note(data: RunData) -> str | None:
+    """A sentence when report.json counted a different number of steps than the spans file
+    holds: after ``POST /debug/clear`` its totals and timeline start at the clear (the spans
+    file keeps every step); with spans dropped the file holds fewer."""
+    totals = (data.report or {}).get("totals")
+    counted = totals.get("steps") if isinstance(totals, dict) else None
+    held = len(data.steps)
+    if not data.from_spans or not isinstance(counted, int) or counted == held:
+        return None
+    if counted > held:
+        return (f"report.json counts {counted} steps, spans.jsonl holds {held} (spans dropped: see telemetry); "
+                "this report counts the steps in spans.jsonl")
+    cleared = [e for e in data.events if e.get("type") == "history_cleared"]
+    when = cleared[-1].get("timestamp") if cleared else None
+    first = next((s for s in data.steps if isinstance(when, (int, float)) and s["start_unix_ns"] / 1e9 >= when), None)
+    where = f" before step {first['step']} of {first['operation']}" if first is not None else ""
+    return (f"the debug history was cleared (POST /debug/clear){where}: report.json's totals and timeline count "
+            f"from there ({counted} steps); this report counts all {held} steps in spans.jsonl")
+
+
 def _step_time(data: RunData, report: dict[str, Any]) -> float:
     for s in data.steps:
         if (s.get("operation"), s.get("step")) == _forensic_key(report):
@@ -231,11 +319,13 @@ class RunListing:
     steps: int | None  # None: no readable report (still running, or ended without shutdown)
     anomaly_steps: int | None
     finished: bool
+    cleared: bool = False  # report.json's counts start at a POST /debug/clear
 
 
 def find_runs(folder: Path, depth: int = 2) -> list[RunListing]:
     """The run directories inside ``folder``, up to ``depth`` levels down (``run_dir/<run_id>``,
-    and a job's ``<job>/<attempt>``), oldest first.
+    and a job's ``<job>/<attempt>``), and in each run directory its job's later attempts
+    (``<run_id>/attempt-N``), oldest first.
 
     >>> find_runs(Path("/nonexistent"))
     []
@@ -248,6 +338,8 @@ def find_runs(folder: Path, depth: int = 2) -> list[RunListing]:
     for child in children:
         if is_run_dir(child):
             found.append(_listing(child))
+            # A restarted job's later attempts lie inside its run directory (attempt-N/).
+            found.extend(_listing(a) for a in sorted(child.glob(f"{ATTEMPT_PREFIX}*")) if is_run_dir(a))
         elif depth > 1:
             found.extend(find_runs(child, depth - 1))
     return sorted(found, key=lambda run: (run.started_unix, str(run.path)))
@@ -270,4 +362,9 @@ def _listing(path: Path) -> RunListing:
     steps = totals.get("steps")
     return RunListing(path, float(started), steps if isinstance(steps, int) else None,
                       totals.get("anomaly_steps") if isinstance(totals.get("anomaly_steps"), int) else None,
-                      "finished_unix" in report)
+                      "finished_unix" in report, _cleared(report))
+
+
+def _cleared(report: dict[str, Any]) -> bool:
+    """The report's timeline begins with a clear of the history: its counts start there."""
+    return any(isinstance(e, dict) and e.get("type") == "history_cleared" for e in report.get("events") or [])

@@ -6,9 +6,11 @@ import collections
 import math
 from typing import Any
 
+from torchtrace import semconv
 from torchtrace.files import from_strict
 
 _LOSS_KINDS = frozenset({"nonfinite_loss", "loss_spike"})
+_NONFINITE_KINDS = semconv.NONFINITE_KINDS
 
 
 def training_summary_from_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -39,6 +41,28 @@ def training_summary_from_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "explosion_rate": rate(by_kind.get("grad_explosion", 0)),
         "vanishing_rate": rate(by_kind.get("grad_vanishing", 0)),
     }
+
+
+def step_totals(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report's ``totals`` counted from step summaries: steps, anomalous, non-finite, skipped
+    (by the guard, by the loss scaler) and failed steps, as the run's history counts them.
+
+    >>> step_totals([{"anomalies": ["nonfinite_loss"], "skipped": True}, {"anomalies": []}])["skipped_steps"]
+    1
+    """
+    return {
+        "steps": len(steps),
+        "anomaly_steps": sum(1 for s in steps if s.get("anomalies")),
+        "nonfinite_steps": sum(1 for s in steps if _NONFINITE_KINDS & set(s.get("anomalies") or [])),
+        "skipped_steps": sum(1 for s in steps if s.get("skipped")),
+        "scaler_overflow_steps": sum(1 for s in steps if s.get("scaler_overflow")),
+        "failed_steps": sum(1 for s in steps if s.get("failed")),
+    }
+
+
+def operation_counts(steps: list[dict[str, Any]]) -> dict[str, int]:
+    """Steps by operation, as the report's ``operations`` section counts them."""
+    return dict(collections.Counter(str(s.get("operation")) for s in steps))
 
 
 def main_operation(steps: list[dict[str, Any]]) -> str | None:
@@ -103,7 +127,9 @@ def throughput_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
     ratio = from_strict(section.get("goodput_ratio"))
     if ratio is not None:
         lost = _badput_text(section.get("badput_s") or {})
-        rows.append(("goodput", f"{_shown(ratio, '{:.0%}')} of wall time in applied updates; the rest: {lost}"))
+        counted = f" ({section['counted']})" if section.get("counted") else ""
+        rows.append(("goodput",
+                     f"{_shown(ratio, '{:.0%}')} of wall time in applied updates; the rest: {lost}{counted}"))
     return rows
 
 

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from torchtrace.reporting.forensic_text import forensic_cause
 from torchtrace.reporting.jobview import job_lines, job_of
 from torchtrace.reporting.runfiles import load_run
 from torchtrace.reporting.summary import (
@@ -60,25 +61,13 @@ def _mib(v: object) -> str:
 
 
 def forensic_sentence(report: dict[str, Any]) -> str:
-    """One forensic report in a line: its step, cause and the module that produced the value.
+    """One forensic report in a line: its step and operation, then :func:`forensic_cause`.
 
     >>> forensic_sentence({"step": 7, "operation": "train_step", "cause": "forward", "module": "norm",
     ...                    "module_type": "InputNorm", "outputs": {"nan_count": 64, "inf_count": 0}})
     'step 7 train_step: forward: born in norm (InputNorm); input finite, output 64 NaN/Inf'
     """
-    module = report.get("module")
-    where = "the model's root module" if module == "" else (module or "?")
-    text = f"step {report.get('step')} {report.get('operation')}: {report.get('cause', 'unknown')}: born in {where}"
-    if report.get("module_type"):
-        text += f" ({report['module_type']})"
-    outs, ins = report.get("outputs") or {}, report.get("inputs") or {}
-    if report.get("cause") == "forward":
-        text += f"; input finite, output {(outs.get('nan_count') or 0) + (outs.get('inf_count') or 0)} NaN/Inf"
-    elif report.get("cause") == "input":
-        text += f"; the input held {(ins.get('nan_count') or 0) + (ins.get('inf_count') or 0)} NaN/Inf"
-    if report.get("op"):
-        text += f"; backward op {report['op']}"
-    return text
+    return f"step {report.get('step')} {report.get('operation')}: {forensic_cause(report)}"
 
 
 def _forensic_lines(reports: list[dict[str, Any]]) -> list[str]:
@@ -100,6 +89,7 @@ def terminal_report(run_dir: str | Path, rank: int | None = None) -> str:
     run = load_run(run_dir, rank)
     summary = run.summary
     lines = _header_lines(summary, run.steps, run.run_dir)
+    lines += [f"  note: {note}" for note in run.notes]
     lines += job_lines(*job_of(run.run_dir))
     label, shown = _main_steps(run.steps)
     lines += _step_time_lines(shown, label)
