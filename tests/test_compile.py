@@ -458,3 +458,46 @@ def test_the_seeds_level_block_compiles_a_compiled_model_once_and_leaves_it_comp
     for _ in range(5):
         step()
     assert compiles[0] - before <= first_compiles and runs[0] >= 12 * first_runs + 5
+
+
+@pytest.mark.xfail(strict=True, reason="a clip traced by torch.compile is not measured: the norm recorded is the "
+                                       "update's, after the clip (docs/usage.md, Clipping)")
+def test_a_clip_inside_a_compiled_step_function_records_the_norm_before_clipping(tmp_path, monkeypatch, fresh_dynamo):
+    """A compiled step function that clips (``torch.compile(debug_operation(step))``), and an
+    exploding step (its loss x 1e6). The eager step records the norm before the clip, 603,917,
+    and a ``grad_explosion``; compiled, the clip wrapper steps aside inside the trace (no graph
+    break) and the gradients are first measured at the update, already clipped: 0.99999991, no
+    anomaly. Known and documented; kept here as what should hold."""
+    for name in list(os.environ):
+        if name.startswith(("TORCHTRACE_", "OTEL_")):
+            monkeypatch.delenv(name, raising=False)
+    tt.configure(service_name="test", prometheus_port="off", run_dir=str(tmp_path), register_atexit=False,
+                 throughput=False)
+    try:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def train_step(x, scale):
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).pow(2).mean() * scale
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return loss
+
+        step = torch.compile(tt.debug_operation(name="train_step", model=model, optimizer=opt)(train_step),
+                             backend="eager")
+        x = torch.randn(4, 8)
+        step(x, torch.tensor(1.0))
+        reference = model(x).pow(2).mean() * 1e6
+        opt.zero_grad(set_to_none=True)
+        reference.backward()
+        expected = float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad.double()) for p in model.parameters()])))
+        opt.zero_grad(set_to_none=True)
+        step(x, torch.tensor(1e6))
+        record = api.get_runtime().history.last_record
+        assert record.grad_norm == pytest.approx(expected, rel=1e-5)
+    finally:
+        tt.shutdown()
