@@ -180,8 +180,9 @@ class ManualModule(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.automatic_optimization = False
-        # "module": self.clip_gradients; "torch-norm" / "torch-value": torch's clip_grad_norm_ /
-        # clip_grad_value_ called directly, as plain PyTorch code does.
+        # "module" / "module-value": self.clip_gradients by norm / by value; "torch-norm" /
+        # "torch-value": torch's clip_grad_norm_ / clip_grad_value_ called directly, as plain
+        # PyTorch code does.
         self.clip = clip
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.critic = torch.nn.Linear(1, 1)
@@ -204,7 +205,8 @@ class ManualModule(pl.LightningModule):
         elif self.clip == "torch-value":
             torch.nn.utils.clip_grad_value_(self.net.parameters(), 0.05)
         else:
-            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            self.clip_gradients(opt, gradient_clip_val=0.5,
+                                gradient_clip_algorithm="value" if self.clip == "module-value" else "norm")
         opt.step()
         if self.gan:
             critic_opt = opts[1]
@@ -320,11 +322,14 @@ def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path, clip)
     assert min(module.norms.values()) > 1000  # what the module's clip was given: still scaled
 
 
-@pytest.mark.parametrize("clip", ["module", "torch-norm"])
+@pytest.mark.parametrize("clip", ["module", "module-value", "torch-norm", "torch-value"])
 def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path, clip):
     """The NaN batch's update is skipped, decided now at the module's clip (before the clip was
     wrapped it was decided at ``on_before_optimizer_step``, with the same outcome): the
-    weights are unchanged by that batch alone and finite at the end."""
+    weights are unchanged by that batch alone and finite at the end. A clip by value
+    (``self.clip_gradients(opt, v, "value")`` or torch's ``clip_grad_value_``) clips the zeroed
+    gradients: before, the guard had set them to ``None`` and torch's ``clip_grad_value_``
+    raised on the empty list, ending ``trainer.fit`` at the NaN batch."""
     configure(tmp_path, guard="skip")
     spy = Spy()
     module = ManualModule(nan_at=2, clip=clip)
@@ -332,6 +337,53 @@ def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path, clip):
     for i, (before, after) in enumerate(zip(spy.before, spy.after)):
         assert all(torch.equal(a, b) for a, b in zip(before, after)) == (i == 2), i
     assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert tt.api.get_runtime().history.totals["skipped_steps"] == 1
+
+
+class PlainlySkipped(Module):
+    """The reference for a skipped update, in Lightning's own terms: on the ``nan_at`` batch the
+    closure runs (forward, backward) and ``optimizer.step`` does not."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx == self.nan_at:
+            optimizer_closure()
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+
+class GradientsAfter(pl.Callback):
+    """Listed after torchtrace's callback: whether each parameter still has a gradient tensor
+    in ``on_before_optimizer_step``, which Lightning calls before it clips."""
+
+    def __init__(self) -> None:
+        self.tensors: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.tensors.append(all(p.grad is not None for p in pl_module.parameters()))
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_a_skipped_update_under_the_trainers_gradient_clipping(tmp_path, algorithm):
+    """``guard="skip"`` with ``gradient_clip_algorithm="value"``: before, the NaN batch crashed
+    ``trainer.fit`` (torch's ``clip_grad_value_`` refused the empty gradient list the guard had
+    left by setting every gradient to ``None`` before Lightning clips). Now the gradients stay
+    tensors, zeroed, until the torch optimizer's update begins: the fit trains its 5 batches,
+    a callback after torchtrace's still finds every gradient, and the weights are bit-identical
+    to a plain run that skips the NaN batch's update (Adam, so its state must be untouched too)."""
+    def trainer(callbacks):
+        return pl.Trainer(max_epochs=1, limit_train_batches=5, accelerator="cpu", logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          gradient_clip_val=0.05, gradient_clip_algorithm=algorithm, callbacks=callbacks)
+
+    configure(tmp_path, guard="skip")
+    plain, traced = PlainlySkipped(nan_at=2), Module(nan_at=2)
+    trainer([]).fit(plain, loaders()[0])
+    after = GradientsAfter()
+    trainer([TorchtraceCallback(), after]).fit(traced, loaders()[0])
+    assert after.tensors == [True] * 5
+    for a, b in zip(plain.parameters(), traced.parameters()):
+        assert torch.equal(a, b)
+    assert all(torch.isfinite(p).all() for p in traced.parameters())
     assert tt.api.get_runtime().history.totals["skipped_steps"] == 1
 
 

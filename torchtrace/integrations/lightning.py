@@ -91,7 +91,8 @@ class TorchtraceCallback(_pl.Callback):
     - ``on_before_optimizer_step`` measures the gradients: Lightning calls it after the
       closure (forward and backward) and, under mixed precision, after unscaling, so the
       statistics are those of the real update. The guard policy applies here: ``skip``
-      clears the gradients so the optimizer leaves every parameter unchanged; ``raise``
+      zeroes the gradients (Lightning's clip comes next) and clears them as the torch
+      optimizer's update begins, so it leaves every parameter unchanged; ``raise``
       ends the span and raises :class:`torchtrace.NonFiniteError` through ``trainer.fit``.
     - ``on_validation_batch_start/end`` open and close a ``validation_step`` span (no
       gradient statistics; the sanity check is not traced), inside a ``validation_step_loop``
