@@ -387,6 +387,45 @@ def test_a_skipped_update_under_the_trainers_gradient_clipping(tmp_path, algorit
     assert tt.api.get_runtime().history.totals["skipped_steps"] == 1
 
 
+class Counts(pl.Callback):
+    """What Lightning's loop did, as a callback hears it: batches trained, optimizer steps
+    announced (``on_before_optimizer_step``) and backward passes (``on_before_backward``)."""
+
+    def __init__(self) -> None:
+        self.batches = self.optimizer_steps = self.backwards = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.optimizer_steps += 1
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.backwards += 1
+
+
+@pytest.mark.parametrize("clip", ["module", "torch-norm"])
+def test_a_manual_optimization_replay_leaves_lightnings_loop_as_it_was(tmp_path, clip):
+    """A GAN's NaN batch is replayed for forensics through ``training_step``, whose
+    ``opt.step()`` calls go through Lightning's optimizer. Before, the replays (two passes)
+    advanced ``global_step`` by 4 and ran every callback's ``on_before_optimizer_step`` and
+    ``on_before_backward`` again: with ``max_steps=8`` the traced run trained 3 batches where
+    the plain run trains 4. Now the replay's ``opt.step()`` runs its closure only and no
+    callback hears the replay: 4 batches, ``global_step`` 8, 8 optimizer steps and 8
+    backward passes announced, as in the plain run."""
+    def run(callbacks):
+        counts = Counts()
+        trainer = fit(ManualModule(gan=True, nan_at=1, clip=clip), [counts, *callbacks], steps=8, val=False)
+        return counts.batches, trainer.global_step, counts.optimizer_steps, counts.backwards
+
+    configure(tmp_path)
+    plain = run([])
+    traced = run([TorchtraceCallback()])
+    assert plain == (4, 8, 8, 8)
+    assert traced == plain
+    assert tt.api.get_runtime().history.totals["nonfinite_steps"] >= 1  # (the case: a replayed batch)
+
+
 def test_guard_raise_ends_span_and_propagates(tmp_path):
     result = configure(tmp_path, guard="raise")
     with pytest.raises(tt.NonFiniteError):
