@@ -341,11 +341,16 @@ def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path, clip):
 
 
 class PlainlySkipped(Module):
-    """The reference for a skipped update, in Lightning's own terms: on the ``nan_at`` batch the
-    closure runs (forward, backward) and ``optimizer.step`` does not."""
+    """The reference for a skipped update, in Lightning's own terms: on the ``skip_at`` batch
+    (the ``nan_at`` one unless said) the closure runs (forward, backward) and
+    ``optimizer.step`` does not."""
+
+    def __init__(self, nan_at: int, skip_at: int | None = None) -> None:
+        super().__init__(nan_at)
+        self.skip_at = nan_at if skip_at is None else skip_at
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-        if batch_idx == self.nan_at:
+        if batch_idx == self.skip_at:
             optimizer_closure()
         else:
             optimizer.step(closure=optimizer_closure)
@@ -519,6 +524,28 @@ def test_gradient_accumulation_one_span_per_batch(tmp_path):
     assert [semconv.GRAD_NORM in s["attributes"] for s in spans] == [False, True, False, True]
     assert [s["attributes"][semconv.GRAD_NORM] for s in spans[1::2]] == pytest.approx(spy.norms, rel=1e-6)
     assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx([v / 2 for v in module.losses], rel=1e-6)
+
+
+def test_a_nan_micro_batch_of_a_skipped_accumulation_is_no_update_that_went_through(tmp_path):
+    """``accumulate_grad_batches=3``, ``guard="skip"``, a NaN loss on batch 3, the first of the
+    second update's three: that update (at batch 5) is skipped, and the weights are
+    bit-identical to a plain run whose ``optimizer_step`` skips it. Before, the run report's
+    ``guard.not_applied`` still counted ``{"train_step": 1}`` for batch 3, whose step makes no
+    update; now it counts none (2 non-finite steps, 1 skipped update)."""
+    def trainer(callbacks):
+        return pl.Trainer(max_epochs=1, limit_train_batches=9, accumulate_grad_batches=3, accelerator="cpu",
+                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=callbacks)
+
+    configure(tmp_path, guard="skip")
+    plain, traced = PlainlySkipped(nan_at=3, skip_at=5), Module(nan_at=3)
+    trainer([]).fit(plain, loaders()[0])
+    trainer([TorchtraceCallback()]).fit(traced, loaders()[0])
+    for a, b in zip(plain.parameters(), traced.parameters()):
+        assert torch.equal(a, b)
+    rt = tt.api.get_runtime()
+    assert (rt.history.totals["nonfinite_steps"], rt.history.totals["skipped_steps"]) == (2, 1)
+    assert rt.summary()["guard"]["not_applied"] == {}
 
 
 def test_torchtrace_failure_is_counted_and_training_goes_on(tmp_path, monkeypatch):

@@ -76,6 +76,8 @@ class StepDriver:
         # A guard="raise" decided inside the framework's own clip_grad_norm_ call (torchtrace
         # measures there, before clipping) must end this span as measure() does.
         scope.on_guard_raise = self.end
+        # The framework tells of each optimizer update (measure): a step it tells of none made none.
+        scope.update_told = False
         self.scope = scope
         if loop is not None and scope.active:
             _LOOPS[id(scope)] = (self, loop)
@@ -108,6 +110,7 @@ class StepDriver:
             return
         if model is not None and scope.model is None:
             scope.model = model
+        scope.update_told = True
         try:
             scope.check_gradients_now(optimizer)
         except NonFiniteError as exc:
