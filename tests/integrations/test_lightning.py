@@ -180,8 +180,9 @@ class ManualModule(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.automatic_optimization = False
-        # "module": self.clip_gradients; "torch-norm" / "torch-value": torch's clip_grad_norm_ /
-        # clip_grad_value_ called directly, as plain PyTorch code does.
+        # "module" / "module-value": self.clip_gradients by norm / by value; "torch-norm" /
+        # "torch-value": torch's clip_grad_norm_ / clip_grad_value_ called directly, as plain
+        # PyTorch code does.
         self.clip = clip
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.critic = torch.nn.Linear(1, 1)
@@ -204,7 +205,8 @@ class ManualModule(pl.LightningModule):
         elif self.clip == "torch-value":
             torch.nn.utils.clip_grad_value_(self.net.parameters(), 0.05)
         else:
-            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            self.clip_gradients(opt, gradient_clip_val=0.5,
+                                gradient_clip_algorithm="value" if self.clip == "module-value" else "norm")
         opt.step()
         if self.gan:
             critic_opt = opts[1]
@@ -320,11 +322,14 @@ def test_manual_optimization_under_16_mixed_is_measured_unscaled(tmp_path, clip)
     assert min(module.norms.values()) > 1000  # what the module's clip was given: still scaled
 
 
-@pytest.mark.parametrize("clip", ["module", "torch-norm"])
+@pytest.mark.parametrize("clip", ["module", "module-value", "torch-norm", "torch-value"])
 def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path, clip):
     """The NaN batch's update is skipped, decided now at the module's clip (before the clip was
     wrapped it was decided at ``on_before_optimizer_step``, with the same outcome): the
-    weights are unchanged by that batch alone and finite at the end."""
+    weights are unchanged by that batch alone and finite at the end. A clip by value
+    (``self.clip_gradients(opt, v, "value")`` or torch's ``clip_grad_value_``) clips the zeroed
+    gradients: before, the guard had set them to ``None`` and torch's ``clip_grad_value_``
+    raised on the empty list, ending ``trainer.fit`` at the NaN batch."""
     configure(tmp_path, guard="skip")
     spy = Spy()
     module = ManualModule(nan_at=2, clip=clip)
@@ -333,6 +338,97 @@ def test_manual_optimization_skips_a_nan_update_at_the_clip(tmp_path, clip):
         assert all(torch.equal(a, b) for a, b in zip(before, after)) == (i == 2), i
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert tt.api.get_runtime().history.totals["skipped_steps"] == 1
+
+
+class PlainlySkipped(Module):
+    """The reference for a skipped update, in Lightning's own terms: on the ``skip_at`` batch
+    (the ``nan_at`` one unless said) the closure runs (forward, backward) and
+    ``optimizer.step`` does not."""
+
+    def __init__(self, nan_at: int, skip_at: int | None = None) -> None:
+        super().__init__(nan_at)
+        self.skip_at = nan_at if skip_at is None else skip_at
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx == self.skip_at:
+            optimizer_closure()
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+
+class GradientsAfter(pl.Callback):
+    """Listed after torchtrace's callback: whether each parameter still has a gradient tensor
+    in ``on_before_optimizer_step``, which Lightning calls before it clips."""
+
+    def __init__(self) -> None:
+        self.tensors: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.tensors.append(all(p.grad is not None for p in pl_module.parameters()))
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_a_skipped_update_under_the_trainers_gradient_clipping(tmp_path, algorithm):
+    """``guard="skip"`` with ``gradient_clip_algorithm="value"``: before, the NaN batch crashed
+    ``trainer.fit`` (torch's ``clip_grad_value_`` refused the empty gradient list the guard had
+    left by setting every gradient to ``None`` before Lightning clips). Now the gradients stay
+    tensors, zeroed, until the torch optimizer's update begins: the fit trains its 5 batches,
+    a callback after torchtrace's still finds every gradient, and the weights are bit-identical
+    to a plain run that skips the NaN batch's update (Adam, so its state must be untouched too)."""
+    def trainer(callbacks):
+        return pl.Trainer(max_epochs=1, limit_train_batches=5, accelerator="cpu", logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          gradient_clip_val=0.05, gradient_clip_algorithm=algorithm, callbacks=callbacks)
+
+    configure(tmp_path, guard="skip")
+    plain, traced = PlainlySkipped(nan_at=2), Module(nan_at=2)
+    trainer([]).fit(plain, loaders()[0])
+    after = GradientsAfter()
+    trainer([TorchtraceCallback(), after]).fit(traced, loaders()[0])
+    assert after.tensors == [True] * 5
+    for a, b in zip(plain.parameters(), traced.parameters()):
+        assert torch.equal(a, b)
+    assert all(torch.isfinite(p).all() for p in traced.parameters())
+    assert tt.api.get_runtime().history.totals["skipped_steps"] == 1
+
+
+class Counts(pl.Callback):
+    """What Lightning's loop did, as a callback hears it: batches trained, optimizer steps
+    announced (``on_before_optimizer_step``) and backward passes (``on_before_backward``)."""
+
+    def __init__(self) -> None:
+        self.batches = self.optimizer_steps = self.backwards = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.optimizer_steps += 1
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.backwards += 1
+
+
+@pytest.mark.parametrize("clip", ["module", "torch-norm"])
+def test_a_manual_optimization_replay_leaves_lightnings_loop_as_it_was(tmp_path, clip):
+    """A GAN's NaN batch is replayed for forensics through ``training_step``, whose
+    ``opt.step()`` calls go through Lightning's optimizer. Before, the replays (two passes)
+    advanced ``global_step`` by 4 and ran every callback's ``on_before_optimizer_step`` and
+    ``on_before_backward`` again: with ``max_steps=8`` the traced run trained 3 batches where
+    the plain run trains 4. Now the replay's ``opt.step()`` runs its closure only and no
+    callback hears the replay: 4 batches, ``global_step`` 8, 8 optimizer steps and 8
+    backward passes announced, as in the plain run."""
+    def run(callbacks):
+        counts = Counts()
+        trainer = fit(ManualModule(gan=True, nan_at=1, clip=clip), [counts, *callbacks], steps=8, val=False)
+        return counts.batches, trainer.global_step, counts.optimizer_steps, counts.backwards
+
+    configure(tmp_path)
+    plain = run([])
+    traced = run([TorchtraceCallback()])
+    assert plain == (4, 8, 8, 8)
+    assert traced == plain
+    assert tt.api.get_runtime().history.totals["nonfinite_steps"] >= 1  # (the case: a replayed batch)
 
 
 def test_guard_raise_ends_span_and_propagates(tmp_path):
@@ -428,6 +524,28 @@ def test_gradient_accumulation_one_span_per_batch(tmp_path):
     assert [semconv.GRAD_NORM in s["attributes"] for s in spans] == [False, True, False, True]
     assert [s["attributes"][semconv.GRAD_NORM] for s in spans[1::2]] == pytest.approx(spy.norms, rel=1e-6)
     assert [s["attributes"][semconv.LOSS] for s in spans] == pytest.approx([v / 2 for v in module.losses], rel=1e-6)
+
+
+def test_a_nan_micro_batch_of_a_skipped_accumulation_is_no_update_that_went_through(tmp_path):
+    """``accumulate_grad_batches=3``, ``guard="skip"``, a NaN loss on batch 3, the first of the
+    second update's three: that update (at batch 5) is skipped, and the weights are
+    bit-identical to a plain run whose ``optimizer_step`` skips it. Before, the run report's
+    ``guard.not_applied`` still counted ``{"train_step": 1}`` for batch 3, whose step makes no
+    update; now it counts none (2 non-finite steps, 1 skipped update)."""
+    def trainer(callbacks):
+        return pl.Trainer(max_epochs=1, limit_train_batches=9, accumulate_grad_batches=3, accelerator="cpu",
+                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=callbacks)
+
+    configure(tmp_path, guard="skip")
+    plain, traced = PlainlySkipped(nan_at=3, skip_at=5), Module(nan_at=3)
+    trainer([]).fit(plain, loaders()[0])
+    trainer([TorchtraceCallback()]).fit(traced, loaders()[0])
+    for a, b in zip(plain.parameters(), traced.parameters()):
+        assert torch.equal(a, b)
+    rt = tt.api.get_runtime()
+    assert (rt.history.totals["nonfinite_steps"], rt.history.totals["skipped_steps"]) == (2, 1)
+    assert rt.summary()["guard"]["not_applied"] == {}
 
 
 def test_torchtrace_failure_is_counted_and_training_goes_on(tmp_path, monkeypatch):

@@ -121,6 +121,37 @@ def test_a_guard_that_cannot_act_says_so_once_per_operation(tmp_path, tiny_model
         tt.shutdown()
 
 
+def test_a_nan_micro_step_whose_accumulated_update_is_skipped_is_not_counted_as_gone_through(tmp_path, tiny_model):
+    """Accumulation across steps: four micro-steps given the optimizer, which steps in the last;
+    the first's loss is NaN. The update the NaN went into is skipped (the weights are those
+    before the four steps, bit for bit), and the first micro-step made no update: before, the
+    run report's ``guard.not_applied`` counted it ({"micro_step": 1}); now it counts none. A
+    bad step with a hand-written update is still counted (the test above). (Non-finite: the first
+    micro-step, its loss, and the last, its accumulated gradients.)"""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), guard="skip", register_atexit=False)
+    try:
+        opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1, momentum=0.9)
+        before = [p.detach().clone() for p in tiny_model.parameters()]
+
+        @tt.debug_operation(name="micro_step", model=tiny_model, optimizer=opt)
+        def micro_step(i):
+            loss = tiny_model(torch.ones(2, 8)).pow(2).mean() * (float("nan") if i == 0 else 1.0)
+            loss.backward()
+            tt.current_step().record_loss(loss)
+            if i == 3:
+                opt.step()
+                opt.zero_grad()
+
+        for i in range(4):
+            micro_step(i)
+        assert all(torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))
+        rt = get_runtime()
+        assert rt.history.totals["skipped_steps"] == 1 and rt.history.totals["nonfinite_steps"] == 2
+        assert rt.summary()["guard"]["not_applied"] == {}
+    finally:
+        tt.shutdown()
+
+
 def test_a_guard_that_acts_through_the_clip_call_does_not_warn(tmp_path, tiny_model, caplog):
     """No optimizer= but clip_grad_norm_ inside the step: the gradients are measured (and a NaN
     update skipped) at the clip call, before the update, as the warning itself advises."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 from types import FrameType, ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -22,6 +22,10 @@ from torchtrace.measure.batch import infer_batch
 from torchtrace.measure.loss import classify_loss
 from torchtrace.record.step import StepRecord
 from torchtrace.step.phases import StepClock
+from torchtrace.step.watched import hookable, real_optimizer
+
+if TYPE_CHECKING:
+    from torchtrace.step.gradients import GradientCheck
 
 
 def require(module: str, extra: str, what: str) -> ModuleType:
@@ -72,6 +76,8 @@ class StepDriver:
         # A guard="raise" decided inside the framework's own clip_grad_norm_ call (torchtrace
         # measures there, before clipping) must end this span as measure() does.
         scope.on_guard_raise = self.end
+        # The framework tells of each optimizer update (measure): a step it tells of none made none.
+        scope.update_told = False
         self.scope = scope
         if loop is not None and scope.active:
             _LOOPS[id(scope)] = (self, loop)
@@ -104,13 +110,14 @@ class StepDriver:
             return
         if model is not None and scope.model is None:
             scope.model = model
+        scope.update_told = True
         try:
             scope.check_gradients_now(optimizer)
         except NonFiniteError as exc:
             self.end(exc)
             raise
         if scope.gradients is not None:
-            scope.gradients.drop_skipped()  # guard="skip": the framework's optimizer steps next
+            _hold_skipped(scope.gradients, optimizer)
 
     def mark(self, point: str, cuda: bool = False) -> None:
         """A phase boundary the framework's hooks see and the model's own marks cannot (the
@@ -188,6 +195,19 @@ class StepDriver:
     def abort(self, exc: BaseException | None) -> None:
         if self.scope is not None:
             self.end(exc if exc is not None else RuntimeError("step interrupted"))
+
+
+def _hold_skipped(check: GradientCheck, optimizer: torch.optim.Optimizer | None) -> None:
+    """``guard="skip"`` decided as the framework's optimizer is about to step: the gradients
+    stay tensors, zeroed, for what the framework and the user's hooks do before the update
+    (Lightning clips after ``on_before_optimizer_step``, and torch's ``clip_grad_value_``
+    refuses a list of no gradients); they are set to ``None`` as the torch optimizer's update
+    begins (:mod:`torchtrace.step.updaters`), so the update leaves the parameters and the
+    optimizer's state unchanged. An optimizer that torch's step hooks do not reach (no
+    ``Optimizer.__init__`` ran) has them set to ``None`` now."""
+    check.zero_skipped()
+    if optimizer is not None and not hookable(real_optimizer(optimizer)):
+        check.drop_skipped()
 
 
 def combined_given(given: list[tuple[Any, Any]]) -> tuple[Any, Any]:

@@ -9,16 +9,16 @@ Needs ``pip install "torchtrace[lightning]"``.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
 from torchtrace import api
 from torchtrace.distributed.identity import identity
 from torchtrace.integrations._common import StepDriver, require
+from torchtrace.integrations._lightning_replay import training_step_replay
 from torchtrace.job import progress
 from torchtrace.job.checkpoints import checkpoint
 from torchtrace.job.identity import offer_run_id_ahead
@@ -47,40 +47,6 @@ _R = TypeVar("_R")
 __all__ = ["TorchtraceCallback", "training_step_replay"]
 
 
-def training_step_replay(trainer: Trainer, pl_module: LightningModule, batch: object,
-                         batch_idx: int) -> Callable[[], Any]:
-    """What forensics replays for a Lightning batch: ``training_step(batch, batch_idx)`` again,
-    under the trainer's precision context, with ``self.log``/``self.log_dict`` silenced (a
-    replay logs nothing twice). The loss it returns is the module's own code's: a non-finite
-    value made there, outside any submodule, is blamed on the module itself (``""``).
-
-    >>> replay = training_step_replay(trainer, module, batch, 0)   # doctest: +SKIP
-    """
-    def replay() -> Any:
-        context = getattr(getattr(trainer, "precision_plugin", None), "train_step_context", None)
-        with (context() if context is not None else contextlib.nullcontext()), _silenced(pl_module):
-            return pl_module.training_step(batch, batch_idx)
-
-    replay.__torchtrace_model_code__ = True  # type: ignore[attr-defined]
-    return replay
-
-
-@contextlib.contextmanager
-def _silenced(pl_module: LightningModule) -> Iterator[None]:
-    """``log`` and ``log_dict`` do nothing on this instance while the block runs."""
-    saved = {name: vars(pl_module).get(name) for name in ("log", "log_dict")}
-    try:
-        for name in saved:
-            setattr(pl_module, name, lambda *a, **k: None)
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                vars(pl_module).pop(name, None)
-            else:
-                setattr(pl_module, name, old)
-
-
 class TorchtraceCallback(_pl.Callback):
     """A torchtrace step span per training batch, and one per validation batch.
 
@@ -91,7 +57,8 @@ class TorchtraceCallback(_pl.Callback):
     - ``on_before_optimizer_step`` measures the gradients: Lightning calls it after the
       closure (forward and backward) and, under mixed precision, after unscaling, so the
       statistics are those of the real update. The guard policy applies here: ``skip``
-      clears the gradients so the optimizer leaves every parameter unchanged; ``raise``
+      zeroes the gradients (Lightning's clip comes next) and clears them as the torch
+      optimizer's update begins, so it leaves every parameter unchanged; ``raise``
       ends the span and raises :class:`torchtrace.NonFiniteError` through ``trainer.fit``.
     - ``on_validation_batch_start/end`` open and close a ``validation_step`` span (no
       gradient statistics; the sanity check is not traced), inside a ``validation_step_loop``

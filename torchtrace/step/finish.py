@@ -23,6 +23,7 @@ from torchtrace.measure.learning_rates import read_rates
 from torchtrace.record import policy, readout, rules
 from torchtrace.record.step import Anomaly, StepRecord
 from torchtrace.step import job
+from torchtrace.step.watched import hookable
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -158,8 +159,10 @@ def _apply_policy(rt: Runtime, scope: StepScope, record: StepRecord) -> None:
     """The guard's follow-ups that need the host record: stop after K bad steps, raise without an optimizer."""
     run = rt.consecutive_bad + 1 if record.nonfinite else 0
     rt.consecutive_bad = run
-    if record.nonfinite and not record.skipped and rt.guard is policy.GuardPolicy.SKIP and record.kind == "train":
-        # (an evaluation or checkpoint step makes no update: there was nothing to skip)
+    if (record.nonfinite and not record.skipped and rt.guard is policy.GuardPolicy.SKIP and record.kind == "train"
+            and not _made_no_update(scope)):
+        # (an evaluation or checkpoint step makes no update, nor does a micro-batch whose
+        # gradients go into a later step's: there was nothing to skip)
         rt.guard_could_not_act(scope, record)
     report = record.forensics
     if scope.raised is not None:
@@ -168,6 +171,22 @@ def _apply_policy(rt: Runtime, scope: StepScope, record: StepRecord) -> None:
         return
     scope.pending_error = policy.decide_after_record(record, rt.guard, run, rt.settings.max_consecutive_bad_steps,
                                                      report)
+
+
+def _made_no_update(scope: StepScope) -> bool:
+    """Whether the step is known to have made no update, so that a non-finite value in it went
+    through none (a micro-batch of an accumulation whose update comes in a later step, which the
+    guard skips or counts): no optimizer stepped in it, and its updates could go through nothing
+    else. That is known of a framework's step its framework told of no update
+    (:attr:`StepScope.update_told`), and of a step that names an optimizer torch's step hooks
+    reach; a step given only its model may update it by hand, unseen."""
+    if any(isinstance(u, torch.optim.Optimizer) for u in scope.forensics.stepped or ()):
+        return False
+    if scope.update_told is not None:
+        return not scope.update_told
+    check = scope.gradients
+    # (the check hears the step's own optimizer's updates: hooked where torch's hooks reach it)
+    return scope.optimizer is not None and hookable(scope.optimizer) and check is not None and check.updates == 0
 
 
 def _evaluate_grads(rt: Runtime, scope: StepScope, record: StepRecord, norms: list[float]) -> None:

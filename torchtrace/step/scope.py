@@ -59,10 +59,10 @@ class StepScope:
     """
 
     __slots__ = ("name", "model", "optimizer", "scaler", "kind", "step", "features", "inputs", "batch_skip",
-                 "on_guard_raise", "before_clip", "record", "duration_s", "given", "throughput", "gradients",
-                 "forensics", "raised", "pending_error", "suppress", "_step_arg", "_level_arg", "_mode_arg",
-                 "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm", "_t0", "_start_ns",
-                 "_overhead", "_states", "_anomalies", "_holds_steps", "__weakref__")
+                 "on_guard_raise", "before_clip", "update_told", "record", "duration_s", "given", "throughput",
+                 "gradients", "forensics", "raised", "pending_error", "suppress", "_step_arg", "_level_arg",
+                 "_mode_arg", "_attributes", "_rt", "_active", "_span", "_token", "_ctx_token", "_anomaly_cm", "_t0",
+                 "_start_ns", "_overhead", "_states", "_anomalies", "_holds_steps", "__weakref__")
     # Set as a step begins (_begin), not in __init__.
     _rt: Runtime
     _states: list[object] | None
@@ -89,6 +89,9 @@ class StepScope:
         # A framework's step whose model joins only as its gradients are used (Lightning's manual
         # optimization): a gradient clip in the step calls this with the parameters it clips first.
         self.before_clip: Callable[[list[torch.Tensor]], None] | None = None
+        # A framework's step: whether its framework told of an optimizer update in it (False
+        # for a micro-batch that only accumulates gradients); None for the user's own step.
+        self.update_told: bool | None = None
         self.kind = kind
         self._step_arg = step
         self._level_arg = DebugLevel.parse(level, "level") if level is not None else None

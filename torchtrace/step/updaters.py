@@ -33,6 +33,9 @@ A step's optimizer that hands its update to a base optimizer sharing its paramet
 (SAM, Lookahead) has the base's update taken for its own: measured before it when the
 wrapper's own ``step`` never ran. An optimizer that updates only the step's optimizer's
 parameters (ZeRO's shard optimizer) is not a second optimizer the guard cannot cover.
+Under ``guard="skip"`` the hook sets the gradients of a skipped update to ``None`` as it
+begins; for ``optimizer.step(closure)`` in an open step it does so as the closure returns too,
+for a framework that measures the gradients inside the closure (Lightning).
 
 **Learning-rate schedulers.** The ``step`` of every scheduler class in
 ``torch.optim.lr_scheduler`` is wrapped: inside a forensic replay it does nothing. A
@@ -139,7 +142,8 @@ def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     _safely(_unguarded, optimizer)
     replaced = _safely(_the_steps_update, optimizer, args, kwargs)
     _safely(_skipped, optimizer)
-    return replaced
+    args, kwargs = replaced or (args, kwargs)
+    return _safely(_skipped_as_closure_returns, optimizer, args, kwargs) or replaced
 
 
 def _stepped_after_its_step(optimizer: torch.optim.Optimizer) -> None:
@@ -218,6 +222,30 @@ def _skipped(optimizer: torch.optim.Optimizer) -> None:
     scope = current.step()
     if scope is not None and scope.active and scope.gradients is not None:
         scope.gradients.drop_skipped(optimizer)
+
+
+def _skipped_as_closure_returns(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
+                                ) -> tuple[tuple, dict] | None:
+    """``optimizer.step(closure)`` in an open step: a skip decided while the closure runs (a
+    framework measures the gradients inside it: Lightning's closure runs the backward, then
+    ``on_before_optimizer_step``, then its clip) leaves the gradients zeroed there; they are
+    set to ``None`` as the closure returns, right before the update (:func:`_skipped`).
+    Returns the step's arguments (its pre-hook's, the optimizer first) with the closure
+    wrapped, or None."""
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    scope = current.step()
+    rt = current.runtime(create=False)
+    if not callable(closure) or scope is None or not scope.active or rt is None or rt.replaying:
+        return None
+
+    def closure_then_skipped(*inner: object, **named: object) -> Any:
+        out = closure(*inner, **named)
+        _safely(_skipped, optimizer)
+        return out
+
+    if len(args) > 1:
+        return (args[0], closure_then_skipped, *args[2:]), kwargs
+    return args, {**kwargs, "closure": closure_then_skipped}
 
 
 def _unguarded(optimizer: torch.optim.Optimizer) -> None:
