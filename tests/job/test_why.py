@@ -315,3 +315,52 @@ def test_a_step_that_raised_is_not_the_boxs_last_finished_step(tmp_path):
         assert ending.hung_to_the_end(fields)
     finally:
         tt.shutdown()
+
+
+def _timed_out(tmp_path, flagged: bool, failed_step_as: str = "other"):
+    """Boxes as a real ``torchrun`` run left them (``/tmp/probeJ/hang.py``: two DDP ranks over
+    gloo, rank 1 sleeps in its data loading at step 10): rank 0 waits in the backward's
+    all_reduce, collective #16, until gloo's own timeout (30 s) raises in it; then the launcher
+    stops rank 1, still loading, at #15, with SIGTERM. ``flagged``: both watchdogs flagged the
+    hang (a 5 s hang timeout) before gloo's timeout; else (a 10 s process-group timeout under
+    the 30 s hang timeout) nobody did. ``failed_step_as``: the badput class rank 0's last write
+    booked its 30 s step that raised as (skipped_step before the goodput fix)."""
+    t0 = time.time() - 100
+    hang = {"since": t0 + 0.0006, "detected": t0 + 5.49, "timeout_s": 5.0, "source": "watchdog"}
+    rank0 = dict(ended="exception", end_detail="RuntimeError", end_step=10, step=10, current_step=None, phase="idle",
+                 step_time=t0 + 30.004, finished_time=t0, end_time=t0 + 30.013, time=t0 + 30.027,
+                 progress=t0 + 30.026, collective_seq=16, collective_op="gloo:all_reduce", collective_active=True,
+                 started=t0 - 4.6, first_step_start=t0 - 0.61, productive_s=0.6,
+                 badput_s={"startup": 4.0, "data_wait": 0.024, "skipped_step": 0.0, "other": 0.011})
+    rank0["badput_s"][failed_step_as] += 30.0035
+    rank1 = dict(ended="preempted", end_detail="SIGTERM", step=9, current_step=None, phase="idle",
+                 step_time=t0 - 0.0008, finished_time=t0 - 0.0008, end_time=t0 + 33.448, time=t0 + 33.45,
+                 progress=t0 + 33.45, collective_seq=15, collective_op="gloo:all_reduce", collective_active=False,
+                 started=t0 - 4.6)
+    if flagged:
+        rank0.update(hang_timeout_s=5.0, hang=dict(hang, step=10, phase="collective"))
+        rank1.update(hang_timeout_s=5.0, hang=dict(hang, step=None, phase="data_wait"))
+    _write(tmp_path, 0, **rank0)
+    _write(tmp_path, 1, **rank1)
+    return rank0, rank1
+
+
+@pytest.mark.parametrize("failed_step_as", ["other", "skipped_step"])
+def test_a_flagged_hang_the_collectives_timeout_ended_is_hang_badput(tmp_path, failed_step_as):
+    """The hang is booked from rank 0's last step that finished to the attempt's end (the 30 s
+    in the all_reduce gloo's timeout ended, then the launcher's teardown), and that stretch is
+    no other badput. Before, it counted from the end of the step that raised: 3.4 s of hang
+    (the teardown only), and the 30 s stayed skipped_step (a real run's job section: hang
+    0.009 s, skipped_step 30.0 s). Reference: the boxes' own times."""
+    rank0, rank1 = _timed_out(tmp_path, flagged=True, failed_step_as=failed_step_as)
+    report = why(tmp_path)
+    bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
+    assert (attempt["ended"], attempt["detail"]) == ("hang", "stuck, then exception")
+    assert attempt["end"] == rank1["end_time"]
+    assert bad["hang"] == pytest.approx(rank1["end_time"] - rank0["finished_time"], abs=1e-6)
+    # What rank 0's last write counted from its last finished step to its end (30.013 s, the
+    # step that raised and the wait before it) is the hang's, taken out of the classes it was in.
+    assert bad["other"] + bad["data_wait"] + bad["skipped_step"] == pytest.approx(
+        0.011 + 0.024 + 30.0035 - 30.013, abs=1e-6)
+    if failed_step_as == "other":
+        assert bad["skipped_step"] == 0.0

@@ -17,8 +17,8 @@
   summed, plus ``restart`` (an attempt's end to the next attempt's ``configure()``, process
   start included), ``lost_progress`` (from an attempt's last checkpoint save to its last step
   finished: the steps the next attempt repeats), ``compile`` (an attempt's first step beyond
-  its usual step time) and ``hang`` (a hung attempt's last step to its end, by its abort or by
-  its launcher tearing it down while stuck, and the stall of
+  its usual step time) and ``hang`` (a hung attempt's last step that finished to its end, by its
+  abort, the collective's own timeout or its launcher tearing it down while stuck, and the stall of
   each step that came out of a hang under ``on_hang="record"``, from its last progress to its end).
 
 What it rests on, and so its limits: a killed rank's end is its last heartbeat (the black box
@@ -161,7 +161,7 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
         recovered = _num(lead.get("hang_recovered_s"))
         hang = recovered
         if attempt["end"] is not None and attempt["ended"] == "hang":
-            stuck_since = _num(lead.get("step_time") or attempt["configured"])
+            stuck_since = _last_finished(lead) or attempt["configured"]
             hang += max(0.0, attempt["end"] - stuck_since)
             _take_back(own, max(0.0, last_seen(lead) - stuck_since))
         if i == 0:
@@ -183,11 +183,21 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
             "goodput": productive / wall if wall > 0 else None, "badput": badput}
 
 
+def _last_finished(lead: Mapping[str, Any]) -> float:
+    """When the lead rank's last step that finished well ended (0.0 before any): a hung rank is
+    stuck since then. A step that raised (a collective's own timeout ending the hang) is the
+    box's last step but did not finish: the hang began before it (as
+    :func:`~torchtrace.job.ending.hung_to_the_end` reads it)."""
+    return _num(lead.get("finished_time", lead.get("step_time")))
+
+
 def _take_back(own: dict[str, float], stretch: float) -> None:
     """Take ``stretch`` seconds, booked as the hang's, out of the lead rank's own badput: its
-    last write counted the time since its last step as ``other`` (a run's end) or, written
-    while it ran, ``data_wait``."""
-    for kind in ("other", "data_wait"):
+    last write counted the time since its last finished step as ``other`` (a run's end, and a
+    step that raised), ``data_wait`` (written while it ran) and, only for what is left (a box
+    written before a step that raised was ``other``), ``skipped_step``: a step the guard or a
+    scaler skipped finishes, so none is in that stretch."""
+    for kind in ("other", "data_wait", "skipped_step"):
         taken = min(stretch, own.get(kind, 0.0))
         if taken > 0:
             own[kind] -= taken
