@@ -364,3 +364,37 @@ def test_a_flagged_hang_the_collectives_timeout_ended_is_hang_badput(tmp_path, f
         0.011 + 0.024 + 30.0035 - 30.013, abs=1e-6)
     if failed_step_as == "other":
         assert bad["skipped_step"] == 0.0
+
+
+def test_a_collective_timeout_shorter_than_the_hang_timeout_is_a_hang_of_the_rank_behind(tmp_path):
+    """gloo's 10 s timeout ends rank 0's wait in all_reduce #16 before either watchdog's 30 s
+    hang timeout flags anything; rank 1, stuck in its data loading at #15, is stopped by the
+    launcher after. Before, the verdict was "died (rank 0 ended with an exception)", culprit rank
+    0, the rank that waited. Reference: the boxes' collective counts (rank 1 never reached #16,
+    and was alive after rank 0's end) and times."""
+    rank0, rank1 = _timed_out(tmp_path, flagged=False)
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1])
+    assert report["reason"] == ("not inside collective #16 that the others entered; then rank 0 ended with an "
+                                "exception, rank 1 stopped by SIGTERM")
+    bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
+    assert (attempt["ended"], attempt["detail"]) == ("hang", "stuck, then exception")
+    assert bad["hang"] == pytest.approx(rank1["end_time"] - rank0["finished_time"], abs=1e-6)
+
+
+@pytest.mark.parametrize("rank1_end", ["raised first", "killed"])
+def test_a_collective_that_failed_because_its_peer_died_is_still_a_death(tmp_path, rank1_end):
+    """The same boxes, but rank 1 ended before rank 0's collective failed: it raised an error of
+    its own in its data loading, or was SIGKILLed there (its pid gone, its last heartbeat before
+    rank 0's end). Rank 0's collective failed for want of a dead peer, not of a stuck one: the
+    verdict stays died, culprit rank 1."""
+    rank0, rank1 = _timed_out(tmp_path, flagged=False)
+    if rank1_end == "raised first":
+        _write(tmp_path, 1, **dict(rank1, ended="exception", end_detail="ValueError", end_time=rank0["end_time"] - 20,
+                                   time=rank0["end_time"] - 20))
+    else:
+        _write(tmp_path, 1, **dict(rank1, pid=2 ** 22 + 4321, ended=None, end_detail=None, end_time=None,
+                                   time=rank0["end_time"] - 20))
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("died", [1]), report["reason"]
+    assert report["job"]["attempts"][0]["ended"] == ("exception" if rank1_end == "raised first" else "killed")

@@ -6,7 +6,8 @@
 
 - ``attempts``: per attempt ``attempt``, ``ended`` (completed, exception, preempted, killed,
   hang, unknown; None while it runs; ``hang`` too when every rank that ended did so stuck in a
-  hang its watchdog had flagged, ``detail`` saying how they ended), ``detail``,
+  hang its watchdog had flagged, or at a collective a peer never reached (see
+  :func:`~torchtrace.job.ending.stuck_at_a_collective`), ``detail`` saying how they ended), ``detail``,
   ``last_step``, ``start`` (its first process's start), ``configured``, ``end`` (unix
   seconds), ``cause`` (the rank that ended first, and how) and ``ranks`` (each rank's ending;
   ``consequence`` marks a rank that ended after the cause: usually the launcher's SIGTERM, not
@@ -38,7 +39,7 @@ import time
 from typing import Any, Mapping
 
 from torchtrace import semconv
-from torchtrace.job.ending import end_time, how_ended, hung_to_the_end, last_seen
+from torchtrace.job.ending import end_time, how_ended, hung_to_the_end, last_seen, stuck_at_a_collective
 from torchtrace.job.state import read_states
 
 _ABNORMAL = ("killed", "exception", "hang", "unknown")
@@ -109,9 +110,13 @@ def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: f
         ended = str(cause["ended"])
         detail = str(cause["detail"]) if cause["detail"] is not None else None
     by_rank = {_int(s.get("rank")): s for s in states}
-    if ended not in (None, "completed", "hang") and all(hung_to_the_end(by_rank[_int(r["rank"])]) for r in over):
+    at_a_collective = stuck_at_a_collective(states)
+    if ended not in (None, "completed", "hang") and all(
+            hung_to_the_end(by_rank[_int(r["rank"])]) or _int(r["rank"]) in at_a_collective for r in over):
         # Every rank ended stuck in a hang its watchdog had flagged: its launcher or scheduler
-        # tore the hung job down (or the collective's own timeout ended it). The hang ended it.
+        # tore the hung job down (or the collective's own timeout ended it). Or a collective's
+        # timeout, shorter than the hang timeout, ended a wait for a peer stuck elsewhere. The
+        # hang ended it.
         ended, detail = "hang", f"stuck, then {ended}" + (f" ({detail})" if ended == "preempted" and detail else "")
     lead = states[0] if _int(states[0].get("rank")) == 0 else min(states, key=lambda s: _int(s.get("rank")))
     started = [_num(s["process_started"] if s.get("process_started") is not None else s.get("started"))
