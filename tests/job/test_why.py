@@ -398,3 +398,31 @@ def test_a_collective_that_failed_because_its_peer_died_is_still_a_death(tmp_pat
     report = why(tmp_path)
     assert (report["verdict"], report["culprit_ranks"]) == ("died", [1]), report["reason"]
     assert report["job"]["attempts"][0]["ended"] == ("exception" if rank1_end == "raised first" else "killed")
+
+
+def test_an_attempts_last_step_is_rank_0s_as_its_lost_steps_are(tmp_path):
+    """torchrun restarted a DDP job whose rank 1 was SIGKILLed in step 17 (``/tmp/probeJ``'s
+    restart.py --how kill): rank 1's box, last rewritten after step 14, is up to a writer period
+    old; rank 0 finished step 17, then raised in the barrier after it. Before, the attempt's line
+    took the killed rank's stale step ("last step 14, last checkpoint at step 14": nothing lost)
+    while its lost_steps, from rank 0's box as docs/jobs.md says, were 3. Reference: rank 0's
+    box's step and checkpoint."""
+    (tmp_path / "a0").mkdir()
+    (tmp_path / "a2").mkdir()
+    now = time.time()
+    rank0 = _write(tmp_path / "a0", 0, ended="exception", end_detail="RuntimeError", step=17, current_step=None,
+                   phase="idle", step_time=now - 20.4, end_time=now - 20.35, time=now - 20.34, checkpoint_step=14,
+                   checkpoint_time=now - 20.73, started=now - 30)
+    _write(tmp_path / "a0", 1, pid=2 ** 22 + 4321, step=14, current_step=None, phase="idle", step_time=now - 20.73,
+           time=now - 20.72, started=now - 30)  # gone: killed
+    for rank in (0, 1):
+        _write(tmp_path / "a2", rank, attempt=2, ended="completed", step=14, current_step=None, phase="idle",
+               step_time=now - 1, end_time=now - 0.5, time=now - 0.5, started=now - 10)
+    report = why(tmp_path)
+    attempt = report["job"]["attempts"][0]
+    assert attempt["cause"]["rank"] == 1 and attempt["cause"]["last_step"] == 14
+    assert (attempt["last_step"], attempt["lost_steps"]) == (rank0["step"], rank0["step"] - rank0["checkpoint_step"])
+    assert render(report).splitlines()[-2] == (
+        "attempt 0: ended killed (no shutdown and no signal handler ran (SIGKILL, a crash of the interpreter, or "
+        "os._exit)), rank 1 first, last step 17, last checkpoint at step 14")
+

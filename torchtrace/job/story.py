@@ -8,7 +8,7 @@
   hang, unknown; None while it runs; ``hang`` too when every rank that ended did so stuck in a
   hang its watchdog had flagged, or at a collective a peer never reached (see
   :func:`~torchtrace.job.ending.stuck_at_a_collective`), ``detail`` saying how they ended), ``detail``,
-  ``last_step``, ``start`` (its first process's start), ``configured``, ``end`` (unix
+  ``last_step`` (rank 0's), ``start`` (its first process's start), ``configured``, ``end`` (unix
   seconds), ``cause`` (the rank that ended first, and how) and ``ranks`` (each rank's ending;
   ``consequence`` marks a rank that ended after the cause: usually the launcher's SIGTERM, not
   a cause of its own);
@@ -126,7 +126,8 @@ def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: f
         "attempt": number,
         "ended": ended,
         "detail": detail,
-        "last_step": cause["last_step"] if finished and cause is not None and abnormal else max(steps, default=None),
+        # (rank 0's, as the attempt's other numbers: a killed cause's box is up to a writer period old)
+        "last_step": lead["step"] if isinstance(lead.get("step"), int) else max(steps, default=None),
         "start": min(started),
         "configured": min(_num(s.get("started")) for s in states),
         "end": max(_num(r["end"]) for r in over) if finished else None,
