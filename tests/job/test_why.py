@@ -426,3 +426,13 @@ def test_an_attempts_last_step_is_rank_0s_as_its_lost_steps_are(tmp_path):
         "attempt 0: ended killed (no shutdown and no signal handler ran (SIGKILL, a crash of the interpreter, or "
         "os._exit)), rank 1 first, last step 17, last checkpoint at step 14")
 
+
+def test_a_step_that_raised_is_told_as_raised_not_finished(tmp_path):
+    """Rank 0's step 10 raised (gloo's timeout in its all_reduce): its box's last step, but not
+    a finished one. Before, its line said "step 10 (finished)". Reference: the box's own times
+    (its last step ended after its last step that finished)."""
+    _timed_out(tmp_path, flagged=False)
+    lines = {line.split(":")[0]: line for line in render(why(tmp_path)).splitlines()}
+    assert lines["rank 0"] == ("rank 0: ended exception (RuntimeError), step 10 (raised), collective #16 "
+                               "gloo:all_reduce in progress")
+    assert lines["rank 1 [culprit]"].startswith("rank 1 [culprit]: ended preempted (SIGTERM), step 9 (finished), ")

@@ -142,6 +142,17 @@ def hung_to_the_end(state: Mapping[str, Any]) -> bool:
     return isinstance(flagged, (int, float)) and not (isinstance(finished, (int, float)) and finished > flagged)
 
 
+def last_step_raised(state: Mapping[str, Any]) -> bool:
+    """The black box's last step raised: it ended after the last step that finished well (a
+    step that raised is the box's ``step`` too, but sets no ``finished_time``).
+
+    >>> last_step_raised({"step": 10, "step_time": 130.0, "finished_time": 100.0})
+    True
+    """
+    reached, finished = state.get("step_time"), state.get("finished_time", state.get("step_time"))
+    return isinstance(reached, (int, float)) and isinstance(finished, (int, float)) and reached > finished
+
+
 def stuck_at_a_collective(states: Sequence[Mapping[str, Any]]) -> set[int]:
     """The ranks of one attempt that ended stuck at a collective that could not complete, flagged
     by no watchdog (a collective's own timeout shorter than the hang timeout): each rank that
