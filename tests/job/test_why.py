@@ -436,3 +436,19 @@ def test_a_step_that_raised_is_told_as_raised_not_finished(tmp_path):
     assert lines["rank 0"] == ("rank 0: ended exception (RuntimeError), step 10 (raised), collective #16 "
                                "gloo:all_reduce in progress")
     assert lines["rank 1 [culprit]"].startswith("rank 1 [culprit]: ended preempted (SIGTERM), step 9 (finished), ")
+
+
+def test_the_timed_out_ranks_own_report_already_tells_the_hang(tmp_path):
+    """Rank 0 writes its report.json as it ends, while rank 1 still sleeps in its data loading
+    (alive, its box last rewritten up to 0.5 s before rank 0's end): the job section it writes
+    tells the hang already. Before (a real run), it said the attempt ended with an exception,
+    and its 10 s in the timed-out all_reduce were other badput, no hang. Reference: the boxes'
+    own times."""
+    rank0, rank1 = _timed_out(tmp_path, flagged=False)
+    _write(tmp_path, 1, **dict(rank1, ended=None, end_detail=None, end_time=None, time=rank0["end_time"] - 0.3,
+                               progress=rank1["step_time"], phase="data_wait"))
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1])
+    bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
+    assert (attempt["ended"], attempt["end"]) == ("hang", rank0["end_time"])
+    assert bad["hang"] == pytest.approx(rank0["end_time"] - rank0["finished_time"], abs=1e-6)

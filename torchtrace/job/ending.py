@@ -158,8 +158,9 @@ def stuck_at_a_collective(states: Sequence[Mapping[str, Any]]) -> set[int]:
     by no watchdog (a collective's own timeout shorter than the hang timeout): each rank that
     ended with an exception inside a collective (its black box's ``collective_active`` at its
     end) that a peer never reached, and those peers. A peer never reached it when its count of
-    collectives is lower and it was seen alive at or after that end: it was stuck elsewhere (its
-    data loading), not dead, so the collective's timeout raised, not a peer's death.
+    collectives is lower and it was seen alive at or after that end (or, told of no end, its
+    process still runs): it was stuck elsewhere (its data loading), not dead, so the
+    collective's timeout raised, not a peer's death.
 
     >>> stuck_at_a_collective([
     ...     {"rank": 0, "ended": "exception", "collective_active": True, "collective_seq": 16, "end_time": 10.0},
@@ -173,10 +174,16 @@ def stuck_at_a_collective(states: Sequence[Mapping[str, Any]]) -> set[int]:
                 or not isinstance(end, (int, float))):
             continue
         behind = {_rank(peer) for peer in states if peer is not state and isinstance(peer.get("collective_seq"), int)
-                  and peer["collective_seq"] < seq and last_seen(peer) >= end}
+                  and peer["collective_seq"] < seq and _alive_after(peer, end)}
         if behind:
             stuck |= behind | {_rank(state)}
     return stuck
+
+
+def _alive_after(state: Mapping[str, Any], moment: float) -> bool:
+    """The rank was seen alive at or after ``moment``: its last sign of life, or, told of no
+    end, its process still runs (its box is rewritten only every writer period)."""
+    return last_seen(state) >= moment or (state.get("ended") is None and process_alive(state) is True)
 
 
 def _rank(state: Mapping[str, Any]) -> int:
