@@ -315,3 +315,140 @@ def test_a_step_that_raised_is_not_the_boxs_last_finished_step(tmp_path):
         assert ending.hung_to_the_end(fields)
     finally:
         tt.shutdown()
+
+
+def _timed_out(tmp_path, flagged: bool, failed_step_as: str = "other"):
+    """Boxes as a real ``torchrun`` run left them (``/tmp/probeJ/hang.py``: two DDP ranks over
+    gloo, rank 1 sleeps in its data loading at step 10): rank 0 waits in the backward's
+    all_reduce, collective #16, until gloo's own timeout (30 s) raises in it; then the launcher
+    stops rank 1, still loading, at #15, with SIGTERM. ``flagged``: both watchdogs flagged the
+    hang (a 5 s hang timeout) before gloo's timeout; else (a 10 s process-group timeout under
+    the 30 s hang timeout) nobody did. ``failed_step_as``: the badput class rank 0's last write
+    booked its 30 s step that raised as (skipped_step before the goodput fix)."""
+    t0 = time.time() - 100
+    hang = {"since": t0 + 0.0006, "detected": t0 + 5.49, "timeout_s": 5.0, "source": "watchdog"}
+    rank0 = dict(ended="exception", end_detail="RuntimeError", end_step=10, step=10, current_step=None, phase="idle",
+                 step_time=t0 + 30.004, finished_time=t0, end_time=t0 + 30.013, time=t0 + 30.027,
+                 progress=t0 + 30.026, collective_seq=16, collective_op="gloo:all_reduce", collective_active=True,
+                 started=t0 - 4.6, first_step_start=t0 - 0.61, productive_s=0.6,
+                 badput_s={"startup": 4.0, "data_wait": 0.024, "skipped_step": 0.0, "other": 0.011})
+    rank0["badput_s"][failed_step_as] += 30.0035
+    rank1 = dict(ended="preempted", end_detail="SIGTERM", step=9, current_step=None, phase="idle",
+                 step_time=t0 - 0.0008, finished_time=t0 - 0.0008, end_time=t0 + 33.448, time=t0 + 33.45,
+                 progress=t0 + 33.45, collective_seq=15, collective_op="gloo:all_reduce", collective_active=False,
+                 started=t0 - 4.6)
+    if flagged:
+        rank0.update(hang_timeout_s=5.0, hang=dict(hang, step=10, phase="collective"))
+        rank1.update(hang_timeout_s=5.0, hang=dict(hang, step=None, phase="data_wait"))
+    _write(tmp_path, 0, **rank0)
+    _write(tmp_path, 1, **rank1)
+    return rank0, rank1
+
+
+@pytest.mark.parametrize("failed_step_as", ["other", "skipped_step"])
+def test_a_flagged_hang_the_collectives_timeout_ended_is_hang_badput(tmp_path, failed_step_as):
+    """The hang is booked from rank 0's last step that finished to the attempt's end (the 30 s
+    in the all_reduce gloo's timeout ended, then the launcher's teardown), and that stretch is
+    no other badput. Before, it counted from the end of the step that raised: 3.4 s of hang
+    (the teardown only), and the 30 s stayed skipped_step (a real run's job section: hang
+    0.009 s, skipped_step 30.0 s). Reference: the boxes' own times."""
+    rank0, rank1 = _timed_out(tmp_path, flagged=True, failed_step_as=failed_step_as)
+    report = why(tmp_path)
+    bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
+    assert (attempt["ended"], attempt["detail"]) == ("hang", "stuck, then exception")
+    assert attempt["end"] == rank1["end_time"]
+    assert bad["hang"] == pytest.approx(rank1["end_time"] - rank0["finished_time"], abs=1e-6)
+    # What rank 0's last write counted from its last finished step to its end (30.013 s, the
+    # step that raised and the wait before it) is the hang's, taken out of the classes it was in.
+    assert bad["other"] + bad["data_wait"] + bad["skipped_step"] == pytest.approx(
+        0.011 + 0.024 + 30.0035 - 30.013, abs=1e-6)
+    if failed_step_as == "other":
+        assert bad["skipped_step"] == 0.0
+
+
+def test_a_collective_timeout_shorter_than_the_hang_timeout_is_a_hang_of_the_rank_behind(tmp_path):
+    """gloo's 10 s timeout ends rank 0's wait in all_reduce #16 before either watchdog's 30 s
+    hang timeout flags anything; rank 1, stuck in its data loading at #15, is stopped by the
+    launcher after. Before, the verdict was "died (rank 0 ended with an exception)", culprit rank
+    0, the rank that waited. Reference: the boxes' collective counts (rank 1 never reached #16,
+    and was alive after rank 0's end) and times."""
+    rank0, rank1 = _timed_out(tmp_path, flagged=False)
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1])
+    assert report["reason"] == ("not inside collective #16 that the others entered; then rank 0 ended with an "
+                                "exception, rank 1 stopped by SIGTERM")
+    bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
+    assert (attempt["ended"], attempt["detail"]) == ("hang", "stuck, then exception")
+    assert bad["hang"] == pytest.approx(rank1["end_time"] - rank0["finished_time"], abs=1e-6)
+
+
+@pytest.mark.parametrize("rank1_end", ["raised first", "killed"])
+def test_a_collective_that_failed_because_its_peer_died_is_still_a_death(tmp_path, rank1_end):
+    """The same boxes, but rank 1 ended before rank 0's collective failed: it raised an error of
+    its own in its data loading, or was SIGKILLed there (its pid gone, its last heartbeat before
+    rank 0's end). Rank 0's collective failed for want of a dead peer, not of a stuck one: the
+    verdict stays died, culprit rank 1."""
+    rank0, rank1 = _timed_out(tmp_path, flagged=False)
+    if rank1_end == "raised first":
+        _write(tmp_path, 1, **dict(rank1, ended="exception", end_detail="ValueError", end_time=rank0["end_time"] - 20,
+                                   time=rank0["end_time"] - 20))
+    else:
+        _write(tmp_path, 1, **dict(rank1, pid=2 ** 22 + 4321, ended=None, end_detail=None, end_time=None,
+                                   time=rank0["end_time"] - 20))
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("died", [1]), report["reason"]
+    assert report["job"]["attempts"][0]["ended"] == ("exception" if rank1_end == "raised first" else "killed")
+
+
+def test_an_attempts_last_step_is_rank_0s_as_its_lost_steps_are(tmp_path):
+    """torchrun restarted a DDP job whose rank 1 was SIGKILLed in step 17 (``/tmp/probeJ``'s
+    restart.py --how kill): rank 1's box, last rewritten after step 14, is up to a writer period
+    old; rank 0 finished step 17, then raised in the barrier after it. Before, the attempt's line
+    took the killed rank's stale step ("last step 14, last checkpoint at step 14": nothing lost)
+    while its lost_steps, from rank 0's box as docs/jobs.md says, were 3. Reference: rank 0's
+    box's step and checkpoint."""
+    (tmp_path / "a0").mkdir()
+    (tmp_path / "a2").mkdir()
+    now = time.time()
+    rank0 = _write(tmp_path / "a0", 0, ended="exception", end_detail="RuntimeError", step=17, current_step=None,
+                   phase="idle", step_time=now - 20.4, end_time=now - 20.35, time=now - 20.34, checkpoint_step=14,
+                   checkpoint_time=now - 20.73, started=now - 30)
+    _write(tmp_path / "a0", 1, pid=2 ** 22 + 4321, step=14, current_step=None, phase="idle", step_time=now - 20.73,
+           time=now - 20.72, started=now - 30)  # gone: killed
+    for rank in (0, 1):
+        _write(tmp_path / "a2", rank, attempt=2, ended="completed", step=14, current_step=None, phase="idle",
+               step_time=now - 1, end_time=now - 0.5, time=now - 0.5, started=now - 10)
+    report = why(tmp_path)
+    attempt = report["job"]["attempts"][0]
+    assert attempt["cause"]["rank"] == 1 and attempt["cause"]["last_step"] == 14
+    assert (attempt["last_step"], attempt["lost_steps"]) == (rank0["step"], rank0["step"] - rank0["checkpoint_step"])
+    assert render(report).splitlines()[-2] == (
+        "attempt 0: ended killed (no shutdown and no signal handler ran (SIGKILL, a crash of the interpreter, or "
+        "os._exit)), rank 1 first, last step 17, last checkpoint at step 14")
+
+
+def test_a_step_that_raised_is_told_as_raised_not_finished(tmp_path):
+    """Rank 0's step 10 raised (gloo's timeout in its all_reduce): its box's last step, but not
+    a finished one. Before, its line said "step 10 (finished)". Reference: the box's own times
+    (its last step ended after its last step that finished)."""
+    _timed_out(tmp_path, flagged=False)
+    lines = {line.split(":")[0]: line for line in render(why(tmp_path)).splitlines()}
+    assert lines["rank 0"] == ("rank 0: ended exception (RuntimeError), step 10 (raised), collective #16 "
+                               "gloo:all_reduce in progress")
+    assert lines["rank 1 [culprit]"].startswith("rank 1 [culprit]: ended preempted (SIGTERM), step 9 (finished), ")
+
+
+def test_the_timed_out_ranks_own_report_already_tells_the_hang(tmp_path):
+    """Rank 0 writes its report.json as it ends, while rank 1 still sleeps in its data loading
+    (alive, its box last rewritten up to 0.5 s before rank 0's end): the job section it writes
+    tells the hang already. Before (a real run), it said the attempt ended with an exception,
+    and its 10 s in the timed-out all_reduce were other badput, no hang. Reference: the boxes'
+    own times."""
+    rank0, rank1 = _timed_out(tmp_path, flagged=False)
+    _write(tmp_path, 1, **dict(rank1, ended=None, end_detail=None, end_time=None, time=rank0["end_time"] - 0.3,
+                               progress=rank1["step_time"], phase="data_wait"))
+    report = why(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("hang", [1])
+    bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
+    assert (attempt["ended"], attempt["end"]) == ("hang", rank0["end_time"])
+    assert bad["hang"] == pytest.approx(rank0["end_time"] - rank0["finished_time"], abs=1e-6)

@@ -932,6 +932,40 @@ def test_goodput_against_a_hand_computed_timeline(tmp_path):
         tt.shutdown()
 
 
+def test_a_training_step_that_raised_is_not_a_skipped_update(tmp_path):
+    """A step that raised (the script caught it and trained on: a collective's timeout, an
+    out-of-memory error) applied no update, but neither the guard nor a loss scaler skipped
+    one: its time is badput ``other``, and ``skipped_step`` stays what docs/throughput.md says,
+    updates the guard or the scaler skipped. Before, a 0.15 s step that raised was 0.15 s of
+    skipped_step (and a DDP rank's 30 s in gloo's timed-out all_reduce, 30 s of it). Reference:
+    the steps' own durations."""
+    _configure(tmp_path)
+    try:
+        rt = get_runtime()
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        durations = []
+        for i in range(3):
+            try:
+                with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+                    opt.zero_grad()
+                    model(torch.randn(4, 16)).pow(2).mean().backward()
+                    time.sleep(0.15 if i == 1 else 0.02)
+                    if i == 1:
+                        raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
+                    opt.step()
+            except RuntimeError:
+                pass
+            durations.append(step.record.duration_s)
+        section = rt.summary()["throughput"]
+        assert section["badput_s"]["skipped_step"] == 0.0
+        assert section["badput_s"]["other"] == pytest.approx(durations[1], abs=0.01)
+        assert section["productive_s"] == pytest.approx(durations[0] + durations[2], abs=0.005)
+        assert section["productive_s"] + sum(section["badput_s"].values()) == pytest.approx(section["wall_s"], rel=1e-9)
+    finally:
+        tt.shutdown()
+
+
 def test_mfu_against_flops_and_time_with_a_configured_peak(tmp_path):
     _configure(tmp_path, peak_flops=1e9)
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace.job import culprit, stacks
-from torchtrace.job.ending import crash_dump, hung_to_the_end
+from torchtrace.job.ending import crash_dump, hung_to_the_end, last_step_raised
 from torchtrace.job.state import read_states, sibling
 from torchtrace.job.story import jobs_of, story_of
 
@@ -90,6 +90,7 @@ def _rank_view(state: dict[str, Any], condition: str, now: float) -> dict[str, A
         "host": state.get("host"), "condition": condition,
         "step": state.get("current_step") if state.get("current_step") is not None else state.get("step"),
         "in_step": state.get("current_step") is not None, "last_finished_step": state.get("step"),
+        "step_raised": state.get("current_step") is None and last_step_raised(state),
         "phase": phase, "stalled_s": round(stalled, 1) if stalled is not None and phase != "idle" else 0.0,
         "heartbeat_age_s": round(now - state["time"], 1) if isinstance(state.get("time"), (int, float)) else None,
         "hang_timeout_s": state.get("hang_timeout_s"),
@@ -135,8 +136,7 @@ def render(report: dict[str, Any]) -> str:
         coll = "".join((f", collective #{c['seq']}", f" {c['op']}" if c["op"] else "",
                         f" ({c['group']})" if c["group"] else "", " in progress" if c["active"] else "")) \
             if c.get("seq") else ""
-        step = f"step {r['step']}" + (" (in progress)" if r["in_step"] else " (finished)") if r["step"] is not None \
-            else "no step yet"
+        step = f"step {r['step']} ({_step_state(r)})" if r["step"] is not None else "no step yet"
         if r["ended"]:  # (how it ended says it all: no phase, no stall)
             detail = f" ({r['end_detail']})" if r["end_detail"] else ""
             state = f"ended {r['ended']}{detail}, {step}{coll}"
@@ -155,6 +155,13 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"attempt {a['attempt']}: ended {a['ended'] or 'not yet'}{detail}{by}, last step {a['last_step']}"
                      + cut + _checkpoint(a))
     return "\n".join(lines)
+
+
+def _step_state(rank: dict[str, Any]) -> str:
+    """``in progress``, ``raised`` or ``finished``: the state of the step a rank's line names."""
+    if rank["in_step"]:
+        return "in progress"
+    return "raised" if rank.get("step_raised") else "finished"
 
 
 def _checkpoint(attempt: dict) -> str:

@@ -6,9 +6,12 @@ be the thing that hangs. The rules, in order:
 0. a rank that ended (by a signal or an exception) or vanished while stuck in a hang its
    watchdog had flagged, no step finished since, ended because of the hang: a launcher or
    scheduler tearing the hung job down (SIGTERM, then SIGKILL for a rank stuck in a C call,
-   which cannot run its handler), or the collective's own timeout. When every rank that
-   ended or vanished did so, the verdict is ``hang`` (rule 2, those ranks judged where they
-   were stuck), and the reason says how each ended;
+   which cannot run its handler), or the collective's own timeout. So did, flagged or not, a
+   rank that ended with an exception inside a collective that a peer, alive after that end,
+   never reached (its count of collectives is lower: a collective timeout shorter than the
+   hang timeout), and that peer. When every rank that ended or vanished did so, the verdict is
+   ``hang`` (rule 2, those ranks judged where they were stuck), and the reason says how each
+   ended;
 1. a rank that ended with an exception, or whose process is gone without saying how it
    ended (SIGKILL, the OOM killer), is blamed: verdict ``died``. Ranks that all ended with
    torchtrace's ``NonFiniteError`` (``guard="raise"``: one decision, agreed at one step)
@@ -45,7 +48,7 @@ import math
 from typing import Any
 
 from torchtrace.files import from_strict
-from torchtrace.job.ending import crash_of, hung_to_the_end, last_seen
+from torchtrace.job.ending import crash_of, hung_to_the_end, last_seen, stuck_at_a_collective
 from torchtrace.job.identity import process_alive
 
 STALE_S = 10.0
@@ -167,7 +170,8 @@ def judge(states: list[dict[str, Any]], now: float) -> dict[str, Any]:
         out["reason"] = "no black box found"
         return out
     died = [r for r, c in conditions.items() if c in ("gone", "ended:exception", "ended:killed")]
-    torn_down = [s for s in boxes if _ended_while_hung(s, conditions[s["rank"]])]
+    at_a_collective = stuck_at_a_collective(boxes)
+    torn_down = [s for s in boxes if _ended_while_hung(s, conditions[s["rank"]], at_a_collective)]
     if torn_down and set(died) <= {s["rank"] for s in torn_down}:
         # Every rank that ended did so stuck in a hang its watchdog had flagged: a launcher or
         # scheduler tearing the hung job down, or the collective's own timeout. The hang is the story.
@@ -226,11 +230,14 @@ def _guard_stop(boxes: list[dict[str, Any]], died: list[int]) -> tuple[list[int]
     return sorted(died), reason + "no rank's own loss was non-finite (its gradients were)"
 
 
-def _ended_while_hung(state: dict[str, Any], condition_now: str) -> bool:
-    """The rank's watchdog flagged a hang, the rank finished no step after that, and then it
-    ended by a signal or an exception, or vanished (SIGKILL: a rank stuck in a C call cannot
-    run its SIGTERM handler, and its launcher kills it)."""
-    return condition_now in ("gone", "ended:preempted", "ended:exception", "ended:killed") and hung_to_the_end(state)
+def _ended_while_hung(state: dict[str, Any], condition_now: str, at_a_collective: set[int]) -> bool:
+    """The rank ended by a signal or an exception, or vanished (SIGKILL: a rank stuck in a C call
+    cannot run its SIGTERM handler, and its launcher kills it), stuck: its watchdog had flagged
+    a hang and it finished no step after that, or it is one of ``at_a_collective``
+    (:func:`~torchtrace.job.ending.stuck_at_a_collective`: a collective's timeout ended a wait
+    for a peer stuck elsewhere before any watchdog flagged it)."""
+    return (condition_now in ("gone", "ended:preempted", "ended:exception", "ended:killed")
+            and (hung_to_the_end(state) or state["rank"] in at_a_collective))
 
 
 def _hang(boxes: list[dict[str, Any]], conditions: dict[int, str], torn_down: list[dict[str, Any]]) -> dict[str, Any]:

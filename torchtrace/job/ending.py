@@ -17,7 +17,7 @@ box's last memory sample was near the cgroup's limit. A box that is neither is `
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from torchtrace.job import cgroup, stacks
 from torchtrace.job.identity import process_alive
@@ -140,6 +140,55 @@ def hung_to_the_end(state: Mapping[str, Any]) -> bool:
     # that ended well tells the rank came out of it.
     finished = state.get("finished_time", state.get("step_time"))
     return isinstance(flagged, (int, float)) and not (isinstance(finished, (int, float)) and finished > flagged)
+
+
+def last_step_raised(state: Mapping[str, Any]) -> bool:
+    """The black box's last step raised: it ended after the last step that finished well (a
+    step that raised is the box's ``step`` too, but sets no ``finished_time``).
+
+    >>> last_step_raised({"step": 10, "step_time": 130.0, "finished_time": 100.0})
+    True
+    """
+    reached, finished = state.get("step_time"), state.get("finished_time", state.get("step_time"))
+    return isinstance(reached, (int, float)) and isinstance(finished, (int, float)) and reached > finished
+
+
+def stuck_at_a_collective(states: Sequence[Mapping[str, Any]]) -> set[int]:
+    """The ranks of one attempt that ended stuck at a collective that could not complete, flagged
+    by no watchdog (a collective's own timeout shorter than the hang timeout): each rank that
+    ended with an exception inside a collective (its black box's ``collective_active`` at its
+    end) that a peer never reached, and those peers. A peer never reached it when its count of
+    collectives is lower and it was seen alive at or after that end (or, told of no end, its
+    process still runs): it was stuck elsewhere (its data loading), not dead, so the
+    collective's timeout raised, not a peer's death.
+
+    >>> stuck_at_a_collective([
+    ...     {"rank": 0, "ended": "exception", "collective_active": True, "collective_seq": 16, "end_time": 10.0},
+    ...     {"rank": 1, "ended": "preempted", "collective_seq": 15, "end_time": 11.0}])
+    {0, 1}
+    """
+    stuck: set[int] = set()
+    for state in states:
+        seq, end = state.get("collective_seq"), state.get("end_time")
+        if (state.get("ended") != "exception" or not state.get("collective_active") or not isinstance(seq, int)
+                or not isinstance(end, (int, float))):
+            continue
+        behind = {_rank(peer) for peer in states if peer is not state and isinstance(peer.get("collective_seq"), int)
+                  and peer["collective_seq"] < seq and _alive_after(peer, end)}
+        if behind:
+            stuck |= behind | {_rank(state)}
+    return stuck
+
+
+def _alive_after(state: Mapping[str, Any], moment: float) -> bool:
+    """The rank was seen alive at or after ``moment``: its last sign of life, or, told of no
+    end, its process still runs (its box is rewritten only every writer period)."""
+    return last_seen(state) >= moment or (state.get("ended") is None and process_alive(state) is True)
+
+
+def _rank(state: Mapping[str, Any]) -> int:
+    rank = state.get("rank")
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
 
 
 def crash_dump(state: Mapping[str, Any]) -> str | None:

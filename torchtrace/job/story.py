@@ -6,8 +6,9 @@
 
 - ``attempts``: per attempt ``attempt``, ``ended`` (completed, exception, preempted, killed,
   hang, unknown; None while it runs; ``hang`` too when every rank that ended did so stuck in a
-  hang its watchdog had flagged, ``detail`` saying how they ended), ``detail``,
-  ``last_step``, ``start`` (its first process's start), ``configured``, ``end`` (unix
+  hang its watchdog had flagged, or at a collective a peer never reached (see
+  :func:`~torchtrace.job.ending.stuck_at_a_collective`), ``detail`` saying how they ended), ``detail``,
+  ``last_step`` (rank 0's), ``start`` (its first process's start), ``configured``, ``end`` (unix
   seconds), ``cause`` (the rank that ended first, and how) and ``ranks`` (each rank's ending;
   ``consequence`` marks a rank that ended after the cause: usually the launcher's SIGTERM, not
   a cause of its own);
@@ -17,8 +18,8 @@
   summed, plus ``restart`` (an attempt's end to the next attempt's ``configure()``, process
   start included), ``lost_progress`` (from an attempt's last checkpoint save to its last step
   finished: the steps the next attempt repeats), ``compile`` (an attempt's first step beyond
-  its usual step time) and ``hang`` (a hung attempt's last step to its end, by its abort or by
-  its launcher tearing it down while stuck, and the stall of
+  its usual step time) and ``hang`` (a hung attempt's last step that finished to its end, by its
+  abort, the collective's own timeout or its launcher tearing it down while stuck, and the stall of
   each step that came out of a hang under ``on_hang="record"``, from its last progress to its end).
 
 What it rests on, and so its limits: a killed rank's end is its last heartbeat (the black box
@@ -38,7 +39,7 @@ import time
 from typing import Any, Mapping
 
 from torchtrace import semconv
-from torchtrace.job.ending import end_time, how_ended, hung_to_the_end, last_seen
+from torchtrace.job.ending import end_time, how_ended, hung_to_the_end, last_seen, stuck_at_a_collective
 from torchtrace.job.state import read_states
 
 _ABNORMAL = ("killed", "exception", "hang", "unknown")
@@ -109,9 +110,13 @@ def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: f
         ended = str(cause["ended"])
         detail = str(cause["detail"]) if cause["detail"] is not None else None
     by_rank = {_int(s.get("rank")): s for s in states}
-    if ended not in (None, "completed", "hang") and all(hung_to_the_end(by_rank[_int(r["rank"])]) for r in over):
+    at_a_collective = stuck_at_a_collective(states)
+    if ended not in (None, "completed", "hang") and all(
+            hung_to_the_end(by_rank[_int(r["rank"])]) or _int(r["rank"]) in at_a_collective for r in over):
         # Every rank ended stuck in a hang its watchdog had flagged: its launcher or scheduler
-        # tore the hung job down (or the collective's own timeout ended it). The hang ended it.
+        # tore the hung job down (or the collective's own timeout ended it). Or a collective's
+        # timeout, shorter than the hang timeout, ended a wait for a peer stuck elsewhere. The
+        # hang ended it.
         ended, detail = "hang", f"stuck, then {ended}" + (f" ({detail})" if ended == "preempted" and detail else "")
     lead = states[0] if _int(states[0].get("rank")) == 0 else min(states, key=lambda s: _int(s.get("rank")))
     started = [_num(s["process_started"] if s.get("process_started") is not None else s.get("started"))
@@ -121,7 +126,8 @@ def _attempt(number: int, states: list[dict[str, Any]], superseded: bool, now: f
         "attempt": number,
         "ended": ended,
         "detail": detail,
-        "last_step": cause["last_step"] if finished and cause is not None and abnormal else max(steps, default=None),
+        # (rank 0's, as the attempt's other numbers: a killed cause's box is up to a writer period old)
+        "last_step": lead["step"] if isinstance(lead.get("step"), int) else max(steps, default=None),
         "start": min(started),
         "configured": min(_num(s.get("started")) for s in states),
         "end": max(_num(r["end"]) for r in over) if finished else None,
@@ -161,7 +167,7 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
         recovered = _num(lead.get("hang_recovered_s"))
         hang = recovered
         if attempt["end"] is not None and attempt["ended"] == "hang":
-            stuck_since = _num(lead.get("step_time") or attempt["configured"])
+            stuck_since = _last_finished(lead) or attempt["configured"]
             hang += max(0.0, attempt["end"] - stuck_since)
             _take_back(own, max(0.0, last_seen(lead) - stuck_since))
         if i == 0:
@@ -183,11 +189,21 @@ def _accounts(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
             "goodput": productive / wall if wall > 0 else None, "badput": badput}
 
 
+def _last_finished(lead: Mapping[str, Any]) -> float:
+    """When the lead rank's last step that finished well ended (0.0 before any): a hung rank is
+    stuck since then. A step that raised (a collective's own timeout ending the hang) is the
+    box's last step but did not finish: the hang began before it (as
+    :func:`~torchtrace.job.ending.hung_to_the_end` reads it)."""
+    return _num(lead.get("finished_time", lead.get("step_time")))
+
+
 def _take_back(own: dict[str, float], stretch: float) -> None:
     """Take ``stretch`` seconds, booked as the hang's, out of the lead rank's own badput: its
-    last write counted the time since its last step as ``other`` (a run's end) or, written
-    while it ran, ``data_wait``."""
-    for kind in ("other", "data_wait"):
+    last write counted the time since its last finished step as ``other`` (a run's end, and a
+    step that raised), ``data_wait`` (written while it ran) and, only for what is left (a box
+    written before a step that raised was ``other``), ``skipped_step``: a step the guard or a
+    scaler skipped finishes, so none is in that stretch."""
+    for kind in ("other", "data_wait", "skipped_step"):
         taken = min(stretch, own.get(kind, 0.0))
         if taken > 0:
             own[kind] -= taken

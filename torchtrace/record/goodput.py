@@ -12,7 +12,8 @@ once, in exactly one class, so that ``productive + sum(badput) == wall``:
 - *startup*: from configure to the start of the first step;
 - a step's own interval, by its operation kind: ``train`` with its update applied is
   *productive*; ``train`` whose update was not applied (the guard skipped it) is
-  *skipped_step*; ``checkpoint``, ``evaluation`` and ``other`` operations are badput of the
+  *skipped_step*; ``train`` that raised (the script caught it) is *other*; ``checkpoint``,
+  ``evaluation`` and ``other`` operations are badput of the
   same name. The FLOP-counting step made its update: it is productive (its slow-down
   only leaves it out of throughput). Checkpoint saves and loads inside a step
   (``FinishedStep.checkpoint_s``) are *checkpoint*, taken out of the step's own class;
@@ -106,6 +107,21 @@ def split_replays(a: float, b: float, replays: list[tuple[float, float]],
     return rest, inside, repaid
 
 
+def _own_class(step: FinishedStep) -> str:
+    """The class of a step's own interval: a training step's is productive, *skipped_step*
+    (its update skipped) or *other* (it raised: no update, and none skipped); another kind's
+    is badput of its kind.
+
+    >>> _own_class(FinishedStep(0.0, 1.0, applied=False, failed=True))
+    'other'
+    """
+    if step.kind != TRAIN:
+        return _BADPUT_OF_KIND[step.kind]
+    if step.failed:
+        return _BADPUT_OF_KIND[OTHER]
+    return _PRODUCTIVE if step.applied else "skipped_step"
+
+
 class GoodputLedger:
     """Goodput accounting, throughput windows and their rules for one process. Thread-safe: the
     step thread adds, an exporter thread may take snapshots.
@@ -152,7 +168,7 @@ class GoodputLedger:
             raise ValueError(f"kind={kind!r} is not valid; accepted values: {', '.join(OPERATION_KINDS)}")
         start = max(step.start, self.configured_at)
         end = max(step.end, start)
-        own = (_PRODUCTIVE if step.applied else "skipped_step") if kind == TRAIN else _BADPUT_OF_KIND[kind]
+        own = _own_class(step)
         if step.holds_steps and kind == TRAIN:
             own = "data_wait"
         with self._lock:

@@ -22,6 +22,8 @@ class FinishedStep:
     """One finished operation call, as the step pipeline saw it (times in seconds, one clock).
 
     ``applied``: the optimizer update was applied (False when the guard skipped it).
+    ``failed``: the step raised (the script caught it and went on): no update, but none the guard
+    or a loss scaler skipped either: badput *other*, not *skipped_step*.
     ``excluded``: left out of throughput (the step whose FLOPs were counted).
     ``kind``: one of :data:`OPERATION_KINDS`.
     ``device_cycle``: on a GPU, the step's cycle in device time, the time base of its rates
@@ -50,6 +52,7 @@ class FinishedStep:
     left: float | None = None
     device_cycle: float | None = None
     checkpoint_s: float = 0.0
+    failed: bool = False
 
 
 class StepAccount(NamedTuple):

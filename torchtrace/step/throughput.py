@@ -335,6 +335,7 @@ class RunThroughput:
         account = self.ledger.add_step(FinishedStep(
             start, start + record.duration_s,
             applied=record.progressed,  # (a NaN update applied under warn is skipped_step)
+            failed=record.exception_type is not None,
             excluded=record.flops_counted, samples=record.samples, tokens=record.tokens,
             flops=int(flops) if flops is not None else None, kind=record.kind, operation=operation,
             enclosing=enclosing(outer.kind, parent.started_at, parent.holds_steps) if outer and parent else None,
