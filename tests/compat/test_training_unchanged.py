@@ -1,0 +1,49 @@
+"""The seed APIs that run work on the side of the user's training (a speed-up measurement on a
+copy, an output check) leave the training result bit-for-bit as the same loop without them:
+the reference is a plain torch loop, compared with ``torch.equal``."""
+
+from __future__ import annotations
+
+import torch
+
+import torchtrace as tt
+from torchtrace import PyTorchOptimizer
+
+
+def dropout_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
+
+
+def regression_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(n)]
+
+
+def plain_loop(model: torch.nn.Module, data: list, epochs: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(epochs):
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+
+def test_the_speedup_measurement_leaves_a_dropout_models_training_as_the_plain_loop():
+    """Before, ``optimize_training_loop(measure_speedup=True)`` (the default) measured the
+    speed-up on a copy before training with draws from the global RNG: a model with Dropout
+    then trained to other parameters than with ``measure_speedup=False`` or a plain loop. Now
+    the measurement puts the RNG back and the parameters equal the plain loop's bit for bit."""
+    data = regression_batches(8)
+    reference = dropout_model()
+    torch.manual_seed(7)
+    plain_loop(reference, data, epochs=2)
+
+    model = dropout_model()
+    torch.manual_seed(7)
+    result = PyTorchOptimizer(mode="memory_efficient").optimize_training_loop(
+        model, data, torch.optim.SGD(model.parameters(), lr=0.05), torch.nn.MSELoss(), epochs=2,
+        measure_speedup=True)
+    tt.shutdown()
+    assert result["optimization_metrics"]["speedup_factor"] is not None
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
