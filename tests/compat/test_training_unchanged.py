@@ -47,3 +47,34 @@ def test_the_speedup_measurement_leaves_a_dropout_models_training_as_the_plain_l
     tt.shutdown()
     assert result["optimization_metrics"]["speedup_factor"] is not None
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def batchnorm_dropout_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+
+
+def train_with_check(check: bool) -> torch.nn.Module:
+    model = batchnorm_dropout_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    for x, y in regression_batches(10):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if check:
+            assert tt.detect_model_anomalies(model, x)["ok"]
+            assert model.training
+    return model
+
+
+def test_detect_model_anomalies_in_a_training_loop_leaves_the_training_as_without_it():
+    """Before, ``detect_model_anomalies(model, x)`` after each update ran the model in train
+    mode: BatchNorm counted 20 batches instead of 10 (running mean off by 0.103) and Dropout
+    drew from the global RNG. Now buffers, mode and random generators are as it found them:
+    parameters and buffers equal the loop without the check bit for bit."""
+    reference, checked = train_with_check(False), train_with_check(True)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), checked.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(reference.buffers(), checked.buffers()))
+    assert int(checked[1].num_batches_tracked) == 10

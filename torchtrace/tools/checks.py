@@ -6,12 +6,14 @@ its statistics to the host once.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from torchtrace import semconv
+from torchtrace.forensics.isolation import rng_kept
 from torchtrace.measure import tensors as tensor_measure
 from torchtrace.record import readout
 from torchtrace.record.monitor import record_anomalies
@@ -60,9 +62,34 @@ def validate_model_input(x: torch.Tensor, *, expected_dims: int | Sequence[int] 
     return info
 
 
+@contextlib.contextmanager
+def model_kept(model: torch.nn.Module) -> Iterator[None]:
+    """A forward run on the side leaves ``model`` as it found it: every buffer's value (a
+    BatchNorm's running statistics and batch count), the tensor each buffer name holds, the
+    train/eval mode of every module, and the global random generators (Dropout's draws)."""
+    buffers = [(module, name, buf, buf.detach().clone())
+               for module in model.modules() for name, buf in module.named_buffers(recurse=False)]
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        with rng_kept():
+            yield
+    finally:
+        with torch.no_grad():
+            for module, name, buf, saved in buffers:
+                if getattr(module, name, None) is not buf:
+                    setattr(module, name, buf)
+                buf.copy_(saved)
+        for module, training in modes:
+            module.training = training
+
+
 def detect_model_anomalies(model: torch.nn.Module, x: object, *, value_range: tuple[float, float] | None = None,
                            uniform_tolerance: float = 1e-6) -> dict[str, Any]:
-    """Run ``model(x)`` without gradients and check its output.
+    """Run ``model(x)`` without gradients, in the mode the model is in, and check its output.
+
+    The check does not change training: the model's buffers (BatchNorm's running statistics),
+    its modules' train/eval modes and the global random generators are put back afterwards
+    (:func:`model_kept`), so a loop that calls it after each update trains as without it.
 
     Anomalies (recorded on the runtime as ``torchtrace_anomalies_total{kind}`` and in the
     run history): ``nonfinite_output`` (NaN/Inf), ``output_out_of_range`` (outside
@@ -71,7 +98,7 @@ def detect_model_anomalies(model: torch.nn.Module, x: object, *, value_range: tu
 
     Returns ``{"ok", "anomalies": [kind...], "output": statistics, "details": {...}}``.
     """
-    with torch.no_grad():
+    with model_kept(model), torch.no_grad():
         out = model(x)
     if isinstance(out, (tuple, list)):
         out = out[0]
