@@ -10,6 +10,7 @@ step are counted with :func:`torchtrace.record.monitor.record_anomalies`.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from torchtrace import api, current, semconv
 from torchtrace.levels import DebugLevel, DebugMode
 from torchtrace.record import readout
+from torchtrace.record.goodput_types import TRAIN
 from torchtrace.record.monitor import record_anomalies
 
 STEP_KINDS = frozenset({semconv.NONFINITE_LOSS, semconv.NONFINITE_GRAD, semconv.GRAD_EXPLOSION,
@@ -41,6 +43,23 @@ def open_step(name: str, *, model: torch.nn.Module | None = None, optimizer: tor
         return api.StepScope(name, level=DebugLevel.OFF)  # records nothing
     return api.debug_context(name, model=model, optimizer=optimizer, step=step, level=level,
                              mode=None if mode in (None, DebugMode.NONE) else mode, inputs=inputs, kind=kind)
+
+
+def book_loop(since: float | None, operation: str) -> None:
+    """The loop's time from ``since`` (perf_counter: when the previous monitor-only step was
+    left) to now is training, not data wait. A monitor-only step (seed 001's
+    ``monitor_training_step``, called after ``backward()``) covers the check alone: the
+    forward, backward and update lie between two of its steps, where the ledger would count
+    data wait (and raise ``data_stall`` in a loop that loads no data). Booked as the
+    operation's training time, the next step waits about nothing. The loop's data loading is
+    in it too: such steps cannot tell it apart (docs/seed-api.md)."""
+    rt = current.runtime(create=False)
+    if since is None or rt is None or rt.off or not rt.settings.throughput:
+        return
+    try:
+        rt.throughput.book(since, time.perf_counter(), TRAIN, operation)
+    except Exception as exc:  # torchtrace's own failure never reaches the caller
+        rt.errors.report("other", exc)
 
 
 def active_step() -> api.StepScope | None:
@@ -113,4 +132,5 @@ def nonfinite(value: float | None) -> bool:
     return value is not None and not math.isfinite(value)
 
 
-__all__ = ["STEP_KINDS", "active_step", "loss_value", "nonfinite", "open_step", "report", "share_with_step"]
+__all__ = ["STEP_KINDS", "active_step", "book_loop", "loss_value", "nonfinite", "open_step", "report",
+           "share_with_step"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Any
 
 import torch
@@ -92,20 +93,31 @@ class TrainingDebugger(TrainingMonitor):
         self.timeline = Timeline(max_events, [make_sink(logger if logger is not None else _logger)])
         self.step_history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100_000)
         self._in_step = False
+        self._left_at: float | None = None  # when the last monitor-only step was left (perf_counter)
 
     # ------------------------------------------------------------ seed 001
     def monitor_training_step(self, model: torch.nn.Module | None, loss: object, step: int | None = None) -> Result:
         """Judge one step after ``backward()``: a torchtrace step ``training_step`` records the
         loss and the gradients (its span covers this call); returns the step's numbers and
-        anomaly kinds. Loss spikes are judged here only (the step has no spike rule)."""
+        anomaly kinds. Loss spikes are judged here only (the step has no spike rule).
+
+        Called outside any step, the time since the previous call (the loop's update, loading,
+        forward and backward) is booked as training, not as data wait (:func:`steps.book_loop`)."""
         if self.level is DebugLevel.OFF:
             return Result(step=step, loss=None, grad_norm=None, anomalies=[], enabled=False)
-        with steps.open_step("training_step", model=model, step=step, level=self.level):
-            self._in_step = steps.share_with_step(model, loss)
-            try:
-                info = Result(super().monitor_training_step(model, loss, step), enabled=True)
-            finally:
-                self._in_step = False
+        monitor_only = steps.active_step() is None  # not inside a step the user opened
+        if monitor_only:
+            steps.book_loop(self._left_at, "training_step")  # the loop since the last call: training
+        try:
+            with steps.open_step("training_step", model=model, step=step, level=self.level):
+                self._in_step = steps.share_with_step(model, loss)
+                try:
+                    info = Result(super().monitor_training_step(model, loss, step), enabled=True)
+                finally:
+                    self._in_step = False
+        finally:
+            if monitor_only:
+                self._left_at = time.perf_counter()
         return self._detail(info, model)
 
     def _report(self, kinds: list[str], step: int, loss: float | None, grad_norm: float | None) -> None:
