@@ -16,10 +16,14 @@ from typing import Any
 import torch
 
 from torchtrace import api, current, semconv
+from torchtrace.errors import get_logger
 from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.measure.loss import classify_loss
 from torchtrace.record import readout
 from torchtrace.record.goodput_types import TRAIN
 from torchtrace.record.monitor import record_anomalies
+
+_logger = get_logger("torchtrace.debugger")
 
 STEP_KINDS = frozenset({semconv.NONFINITE_LOSS, semconv.NONFINITE_GRAD, semconv.GRAD_EXPLOSION,
                         semconv.GRAD_VANISHING})
@@ -118,14 +122,37 @@ def _finite_or_none(v: float | None) -> float | None:
 
 
 def loss_value(loss: object) -> float | None:
-    """A loss as a Python float (one host read for a tensor), or None."""
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() == 0:
-            return None
-        return readout.read(loss.detach().reshape(-1)[:1].to(torch.float64).cpu())[0]
-    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-        return float(loss)
+    """A loss as a Python float (one host read for a tensor), or None.
+
+    Judged as the core step judges a loss (:func:`torchtrace.measure.loss.classify_loss`): a
+    tensor of more than one value (a per-sample loss) or of an integer or bool dtype is no
+    loss: None, with the core's sentence logged once ("a loss of shape [8, 1] is not a
+    scalar; record loss.mean() or loss.sum()"), never its first element read as the loss.
+    """
+    if loss is None or isinstance(loss, str):
+        return None
+    judged = classify_loss(loss)
+    if judged.tensor is not None:
+        return readout.read(judged.tensor.detach().reshape(1).to(torch.float64).cpu())[0]
+    if judged.number is not None:
+        return judged.number
+    if isinstance(loss, torch.Tensor) and judged.problem is not None:
+        _warn_once(("loss", judged.problem), "torchtrace: the loss was not read: %s", judged.problem)
     return None
+
+
+def _warn_once(key: tuple, message: str, *args: object) -> None:
+    """A user's mistake, logged the first time (through the runtime's once-only warning when
+    one is configured)."""
+    rt = current.runtime(create=False)
+    if rt is not None:
+        rt.warn_once(key, message, *args)
+    elif key not in _WARNED:
+        _WARNED.add(key)
+        _logger.warning(message, *args)
+
+
+_WARNED: set[tuple] = set()
 
 
 def nonfinite(value: float | None) -> bool:
