@@ -58,6 +58,11 @@ def _split(first: object) -> tuple[DebugLevel | None, PyTorchDebugConfig | Debug
                     f"window (int); got {type(first).__name__}")
 
 
+def _first(given: Any, fallback: Any) -> Any:
+    """``given`` unless it is None: a 0 the user gave is judged, not replaced by the default."""
+    return given if given is not None else fallback
+
+
 def _thresholds(config: PyTorchDebugConfig | DebugConfig | None) -> tuple[float | None, float | None]:
     if isinstance(config, PyTorchDebugConfig):
         return config.gradient_norm_threshold, config.gradient_vanishing_threshold
@@ -86,9 +91,10 @@ class TrainingDebugger(TrainingMonitor):
             raise TypeError("TrainingDebugger: config was given twice")
         self.config = cfg if cfg is not None else config
         explode, vanish = _thresholds(self.config)
-        super().__init__(win or window, spike_factor, min_history,
-                         **{k: v for k, v in (("explosion_threshold", explosion_threshold or explode),
-                                              ("vanishing_threshold", vanishing_threshold or vanish)) if v is not None})
+        given = (("explosion_threshold", _first(explosion_threshold, explode)),
+                 ("vanishing_threshold", _first(vanishing_threshold, vanish)))
+        super().__init__(_first(win, window), spike_factor, min_history,
+                         **{k: v for k, v in given if v is not None})  # TrainingMonitor judges each value
         self.level = lvl
         self.timeline = Timeline(max_events, [make_sink(logger if logger is not None else _logger)])
         self.step_history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100_000)
