@@ -117,6 +117,7 @@ class AsyncTrainingLogger:
 
     Raises:
         ValueError: a bad ``queue_size`` or ``enable_autograd_debug``.
+        TypeError: ``logger`` is not a ``logging.Logger``.
     """
 
     def __init__(self, user_id: object = None, model_name: str | None = None, *, enable_autograd_debug: bool = False,
@@ -126,6 +127,9 @@ class AsyncTrainingLogger:
                              "accepted values: True, False")
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size <= 0:
             raise ValueError(f"queue_size={queue_size!r} is not valid; accepted values: a positive integer")
+        if logger is not None and not isinstance(logger, logging.Logger):
+            raise TypeError(f"logger= must be a logging.Logger (its handlers get the records; for a LoggerAdapter "
+                            f"pass its .logger), got {type(logger).__name__}")
         self.user_id = user_id
         self.model_name = model_name
         self.enable_autograd_debug = enable_autograd_debug

@@ -26,6 +26,7 @@ from torchtrace.compat.operations import pick_mode
 from torchtrace.compat.records import OptimizationMetrics
 from torchtrace.compat.results import Result
 from torchtrace.errors import get_logger
+from torchtrace.forensics.isolation import rng_kept
 from torchtrace.levels import OptimizationMode
 from torchtrace.optimize import benchmark as bench
 from torchtrace.optimize import optimize_model as core_optimize_model
@@ -123,8 +124,8 @@ class PyTorchOptimizer:
         Returns :func:`torchtrace.optimize_training_loop`'s keys plus the seed's ``total_time``
         and ``optimization_metrics`` (``speedup_factor`` and ``memory_savings`` against NONE,
         measured before training by :func:`torchtrace.benchmark_optimizations` on a copy, a few
-        steps each; 1.0 and 0.0 for NONE; None with ``measure_speedup=False``; ``amp_enabled``,
-        ``applied``, ``skipped``).
+        steps each, with the random generators put back afterwards; 1.0 and 0.0 for NONE; None
+        with ``measure_speedup=False``; ``amp_enabled``, ``applied``, ``skipped``).
         """
         data = list(_one(dataloader, batches, "dataloader", "batches") or [])
         loss = _one(criterion, loss_fn, "criterion", "loss_fn")
@@ -149,12 +150,16 @@ class PyTorchOptimizer:
 
     def _measure(self, model: nn.Module, data: list, factory: OptimizerOrFactory, loss: Callable,
                  chosen: OptimizationMode) -> tuple[float | None, float | None]:
+        """``(speedup, memory_saving)`` of ``chosen`` against NONE, a few steps each on a copy of
+        ``model``; the global random generators are left as found (a model with Dropout trains
+        afterwards as it would have unmeasured)."""
         if chosen is OptimizationMode.NONE:
             return 1.0, 0.0
         steps = min(5, max(1, len(data)))
         opts = {k: v for k, v in self.options.items() if k in ("amp_dtype", "compile_backend", "compile_options")}
-        res = bench.benchmark_optimizations(model, data[:steps], factory, loss, [chosen], warmup=1, steps=steps,
-                                            print_table=False, **opts)[chosen]
+        with rng_kept():  # the training that follows draws what it would have drawn unmeasured
+            res = bench.benchmark_optimizations(model, data[:steps], factory, loss, [chosen], warmup=1, steps=steps,
+                                                print_table=False, **opts)[chosen]
         if not res.ok:
             logger.warning("could not measure %s against none: %s", chosen.value, res.error)
         return res.speedup, res.memory_saving

@@ -10,14 +10,20 @@ step are counted with :func:`torchtrace.record.monitor.record_anomalies`.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
 
 from torchtrace import api, current
+from torchtrace.errors import get_logger
 from torchtrace.levels import DebugLevel, DebugMode
+from torchtrace.measure.loss import classify_loss
 from torchtrace.record import readout
+from torchtrace.record.goodput_types import TRAIN
 from torchtrace.record.monitor import STEP_JUDGED_KINDS, record_anomalies
+
+_logger = get_logger("torchtrace.debugger")
 
 STEP_KINDS = STEP_JUDGED_KINDS
 """Kinds a step's own record judges from the loss and gradients it holds."""
@@ -40,6 +46,23 @@ def open_step(name: str, *, model: torch.nn.Module | None = None, optimizer: tor
         return api.StepScope(name, level=DebugLevel.OFF)  # records nothing
     return api.debug_context(name, model=model, optimizer=optimizer, step=step, level=level,
                              mode=None if mode in (None, DebugMode.NONE) else mode, inputs=inputs, kind=kind)
+
+
+def book_loop(since: float | None, operation: str) -> None:
+    """The loop's time from ``since`` (perf_counter: when the previous monitor-only step was
+    left) to now is training, not data wait. A monitor-only step (seed 001's
+    ``monitor_training_step``, called after ``backward()``) covers the check alone: the
+    forward, backward and update lie between two of its steps, where the ledger would count
+    data wait (and raise ``data_stall`` in a loop that loads no data). Booked as the
+    operation's training time, the next step waits about nothing. The loop's data loading is
+    in it too: such steps cannot tell it apart (docs/seed-api.md)."""
+    rt = current.runtime(create=False)
+    if since is None or rt is None or rt.off or not rt.settings.throughput:
+        return
+    try:
+        rt.throughput.book(since, time.perf_counter(), TRAIN, operation)
+    except Exception as exc:  # torchtrace's own failure never reaches the caller
+        rt.errors.report("other", exc)
 
 
 def active_step() -> api.StepScope | None:
@@ -98,18 +121,42 @@ def _finite_or_none(v: float | None) -> float | None:
 
 
 def loss_value(loss: object) -> float | None:
-    """A loss as a Python float (one host read for a tensor), or None."""
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() == 0:
-            return None
-        return readout.read(loss.detach().reshape(-1)[:1].to(torch.float64).cpu())[0]
-    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-        return float(loss)
+    """A loss as a Python float (one host read for a tensor), or None.
+
+    Judged as the core step judges a loss (:func:`torchtrace.measure.loss.classify_loss`): a
+    tensor of more than one value (a per-sample loss) or of an integer or bool dtype is no
+    loss: None, with the core's sentence logged once ("a loss of shape [8, 1] is not a
+    scalar; record loss.mean() or loss.sum()"), never its first element read as the loss.
+    """
+    if loss is None or isinstance(loss, str):
+        return None
+    judged = classify_loss(loss)
+    if judged.tensor is not None:
+        return readout.read(judged.tensor.detach().reshape(1).to(torch.float64).cpu())[0]
+    if judged.number is not None:
+        return judged.number
+    if isinstance(loss, torch.Tensor) and judged.problem is not None:
+        _warn_once(("loss", judged.problem), "torchtrace: the loss was not read: %s", judged.problem)
     return None
+
+
+def _warn_once(key: tuple, message: str, *args: object) -> None:
+    """A user's mistake, logged the first time (through the runtime's once-only warning when
+    one is configured)."""
+    rt = current.runtime(create=False)
+    if rt is not None:
+        rt.warn_once(key, message, *args)
+    elif key not in _WARNED:
+        _WARNED.add(key)
+        _logger.warning(message, *args)
+
+
+_WARNED: set[tuple] = set()
 
 
 def nonfinite(value: float | None) -> bool:
     return value is not None and not math.isfinite(value)
 
 
-__all__ = ["STEP_KINDS", "active_step", "loss_value", "nonfinite", "open_step", "report", "share_with_step"]
+__all__ = ["STEP_KINDS", "active_step", "book_loop", "loss_value", "nonfinite", "open_step", "report",
+           "share_with_step"]

@@ -79,6 +79,8 @@ class Timeline:
     """Bounded events, written to sinks; counts by type survive the bound."""
 
     def __init__(self, max_events: int = 1000, sinks: list[Callable[..., None]] | None = None) -> None:
+        if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events <= 0:
+            raise ValueError(f"max_events={max_events!r} is not valid; accepted values: a positive integer")
         self.history = History(max_events)
         self.sinks = list(sinks) if sinks else [make_sink(logger)]
         self.by_type: dict[str, int] = {}

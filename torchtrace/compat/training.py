@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Any
 
 import torch
@@ -57,6 +58,11 @@ def _split(first: object) -> tuple[DebugLevel | None, PyTorchDebugConfig | Debug
                     f"window (int); got {type(first).__name__}")
 
 
+def _first(given: Any, fallback: Any) -> Any:
+    """``given`` unless it is None: a 0 the user gave is judged, not replaced by the default."""
+    return given if given is not None else fallback
+
+
 def _thresholds(config: PyTorchDebugConfig | DebugConfig | None) -> tuple[float | None, float | None]:
     if isinstance(config, PyTorchDebugConfig):
         return config.gradient_norm_threshold, config.gradient_vanishing_threshold
@@ -85,27 +91,39 @@ class TrainingDebugger(TrainingMonitor):
             raise TypeError("TrainingDebugger: config was given twice")
         self.config = cfg if cfg is not None else config
         explode, vanish = _thresholds(self.config)
-        super().__init__(win or window, spike_factor, min_history,
-                         **{k: v for k, v in (("explosion_threshold", explosion_threshold or explode),
-                                              ("vanishing_threshold", vanishing_threshold or vanish)) if v is not None})
+        given = (("explosion_threshold", _first(explosion_threshold, explode)),
+                 ("vanishing_threshold", _first(vanishing_threshold, vanish)))
+        super().__init__(_first(win, window), spike_factor, min_history,
+                         **{k: v for k, v in given if v is not None})  # TrainingMonitor judges each value
         self.level = lvl
         self.timeline = Timeline(max_events, [make_sink(logger if logger is not None else _logger)])
         self.step_history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100_000)
         self._in_step = False
+        self._left_at: float | None = None  # when the last monitor-only step was left (perf_counter)
 
     # ------------------------------------------------------------ seed 001
     def monitor_training_step(self, model: torch.nn.Module | None, loss: object, step: int | None = None) -> Result:
         """Judge one step after ``backward()``: a torchtrace step ``training_step`` records the
         loss and the gradients (its span covers this call); returns the step's numbers and
-        anomaly kinds. Loss spikes are judged here only (the step has no spike rule)."""
+        anomaly kinds. Loss spikes are judged here only (the step has no spike rule).
+
+        Called outside any step, the time since the previous call (the loop's update, loading,
+        forward and backward) is booked as training, not as data wait (:func:`steps.book_loop`)."""
         if self.level is DebugLevel.OFF:
             return Result(step=step, loss=None, grad_norm=None, anomalies=[], enabled=False)
-        with steps.open_step("training_step", model=model, step=step, level=self.level):
-            self._in_step = steps.share_with_step(model, loss)
-            try:
-                info = Result(super().monitor_training_step(model, loss, step), enabled=True)
-            finally:
-                self._in_step = False
+        monitor_only = steps.active_step() is None  # not inside a step the user opened
+        if monitor_only:
+            steps.book_loop(self._left_at, "training_step")  # the loop since the last call: training
+        try:
+            with steps.open_step("training_step", model=model, step=step, level=self.level):
+                self._in_step = steps.share_with_step(model, loss)
+                try:
+                    info = Result(super().monitor_training_step(model, loss, step), enabled=True)
+                finally:
+                    self._in_step = False
+        finally:
+            if monitor_only:
+                self._left_at = time.perf_counter()
         return self._detail(info, model)
 
     def _report(self, kinds: list[str], step: int, loss: float | None, grad_norm: float | None) -> None:

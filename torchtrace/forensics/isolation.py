@@ -40,6 +40,33 @@ def restore_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+@contextlib.contextmanager
+def host_rng_kept() -> Iterator[None]:
+    """Python's global ``random`` and NumPy's (where NumPy is imported) as the block found them."""
+    python_rng = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_rng = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(python_rng)
+        if numpy is not None:
+            numpy.random.set_state(numpy_rng)
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Every global generator a model's forward may draw from (torch's CPU and CUDA ones,
+    Python's, NumPy's) as the block found them: work done on the side (a check's forward with
+    Dropout, a measurement's training on a copy) leaves the user's next draw where it was."""
+    torch_rng = capture_rng()
+    try:
+        with host_rng_kept():
+            yield
+    finally:
+        restore_rng(torch_rng)
+
+
 # ---------------------------------------------------------------- neutralising side effects
 @contextlib.contextmanager
 def neutralised(optimizers: list[Any], scalers: list[Any]) -> Iterator[None]:
@@ -186,18 +213,13 @@ class OutsideState:
 def outside_kept(model: torch.nn.Module, optimizers: list[Any]) -> Iterator[None]:
     """A replay leaves the step's state outside ``model`` as it found it (:class:`OutsideState`)."""
     state = OutsideState(model, optimizers)
-    python_rng = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_rng = numpy.random.get_state() if numpy is not None else None
     handle = torch.nn.modules.module.register_module_forward_pre_hook(state.before_forward)
     try:
-        yield
+        with host_rng_kept():
+            yield
     finally:
         handle.remove()
         state.put_back()
-        random.setstate(python_rng)
-        if numpy is not None:
-            numpy.random.set_state(numpy_rng)
 
 
 @contextlib.contextmanager

@@ -6,12 +6,15 @@ its statistics to the host once.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Sequence
+import numbers
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from torchtrace import semconv
+from torchtrace.forensics.isolation import rng_kept
 from torchtrace.measure import tensors as tensor_measure
 from torchtrace.record import readout
 from torchtrace.record.monitor import record_anomalies
@@ -20,6 +23,55 @@ from torchtrace.record.monitor import record_anomalies
 def _stats(t: torch.Tensor) -> dict[str, Any]:
     values = readout.read(tensor_measure.tensor_stats(t).cpu())
     return tensor_measure.describe(t, values)
+
+
+def _dims(expected_dims: object) -> tuple[int, ...] | None:
+    """The numbers of dimensions accepted, or ``ValueError`` naming ``expected_dims``."""
+    if expected_dims is None:
+        return None
+    values = tuple(expected_dims) if isinstance(expected_dims, (list, tuple, set, frozenset, range)) \
+        else (expected_dims,)
+    if not values or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in values):
+        raise ValueError(f"expected_dims={expected_dims!r} is not valid; accepted values: a number of dimensions "
+                         "(a non-negative int), a sequence of them, or None")
+    return tuple(int(v) for v in values)
+
+
+def _number(value: object, name: str, accepted: str = "a number or None") -> float | None:
+    """A real number (not NaN), None, or ``ValueError`` naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"{name}={value!r} is not valid; accepted values: {accepted}")
+    return float(value)
+
+
+def _bounds(min_value: object, max_value: object) -> tuple[float | None, float | None]:
+    """``(min_value, max_value)`` as numbers, the minimum not above the maximum."""
+    low, high = _number(min_value, "min_value"), _number(max_value, "max_value")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"min_value={min_value!r} is above max_value={max_value!r}: no input could pass; "
+                         "accepted values: min_value <= max_value")
+    return low, high
+
+
+def _value_range(value_range: object) -> tuple[float, float] | None:
+    """``(low, high)`` with low <= high, or None; else ``ValueError`` naming ``value_range``."""
+    if value_range is None:
+        return None
+    pair = tuple(value_range) if isinstance(value_range, (list, tuple)) else ()
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v) for v in pair) \
+            or pair[0] > pair[1]:
+        raise ValueError(f"value_range={value_range!r} is not valid; accepted values: a pair (low, high) of numbers "
+                         "with low <= high, or None")
+    return float(pair[0]), float(pair[1])
+
+
+def _tolerance(value: object) -> float:
+    """A non-negative finite number, or ``ValueError`` naming ``uniform_tolerance``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) < math.inf:
+        raise ValueError(f"uniform_tolerance={value!r} is not valid; accepted values: a non-negative finite number")
+    return float(value)
 
 
 def validate_model_input(x: torch.Tensor, *, expected_dims: int | Sequence[int] | None = None,
@@ -32,15 +84,18 @@ def validate_model_input(x: torch.Tensor, *, expected_dims: int | Sequence[int] 
         ValueError: NaN/Inf values (counted as ``nonfinite_input``), values outside
             ``[min_value, max_value]``, or a number of dimensions not in ``expected_dims``;
             the message says what was found and what was expected.
+        ValueError: a setting that is not valid (``expected_dims`` not an int or a sequence of
+            ints, a bound not a number, ``min_value`` above ``max_value``), naming it.
 
     >>> import torch, torchtrace as tt
     >>> tt.validate_model_input(torch.zeros(2, 3), expected_dims=2)["nan_count"]
     0
     """
+    allowed = _dims(expected_dims)
+    min_value, max_value = _bounds(min_value, max_value)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if expected_dims is not None:
-        allowed = (expected_dims,) if isinstance(expected_dims, int) else tuple(expected_dims)
+    if allowed is not None:
         if x.dim() not in allowed:
             raise ValueError(f"{name} has {x.dim()} dimensions (shape {tuple(x.shape)}); expected "
                              f"{' or '.join(str(a) for a in allowed)}")
@@ -60,9 +115,34 @@ def validate_model_input(x: torch.Tensor, *, expected_dims: int | Sequence[int] 
     return info
 
 
+@contextlib.contextmanager
+def model_kept(model: torch.nn.Module) -> Iterator[None]:
+    """A forward run on the side leaves ``model`` as it found it: every buffer's value (a
+    BatchNorm's running statistics and batch count), the tensor each buffer name holds, the
+    train/eval mode of every module, and the global random generators (Dropout's draws)."""
+    buffers = [(module, name, buf, buf.detach().clone())
+               for module in model.modules() for name, buf in module.named_buffers(recurse=False)]
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        with rng_kept():
+            yield
+    finally:
+        with torch.no_grad():
+            for module, name, buf, saved in buffers:
+                if getattr(module, name, None) is not buf:
+                    setattr(module, name, buf)
+                buf.copy_(saved)
+        for module, training in modes:
+            module.training = training
+
+
 def detect_model_anomalies(model: torch.nn.Module, x: object, *, value_range: tuple[float, float] | None = None,
                            uniform_tolerance: float = 1e-6) -> dict[str, Any]:
-    """Run ``model(x)`` without gradients and check its output.
+    """Run ``model(x)`` without gradients, in the mode the model is in, and check its output.
+
+    The check does not change training: the model's buffers (BatchNorm's running statistics),
+    its modules' train/eval modes and the global random generators are put back afterwards
+    (:func:`model_kept`), so a loop that calls it after each update trains as without it.
 
     Anomalies (recorded on the runtime as ``torchtrace_anomalies_total{kind}`` and in the
     run history): ``nonfinite_output`` (NaN/Inf), ``output_out_of_range`` (outside
@@ -70,8 +150,14 @@ def detect_model_anomalies(model: torch.nn.Module, x: object, *, value_range: tu
     same prediction, within ``uniform_tolerance``: a collapsed model).
 
     Returns ``{"ok", "anomalies": [kind...], "output": statistics, "details": {...}}``.
+
+    Raises:
+        ValueError: ``value_range`` is not a pair ``(low, high)`` of numbers with low <= high,
+            or ``uniform_tolerance`` is not a non-negative finite number (before the model runs).
     """
-    with torch.no_grad():
+    value_range = _value_range(value_range)
+    uniform_tolerance = _tolerance(uniform_tolerance)
+    with model_kept(model), torch.no_grad():
         out = model(x)
     if isinstance(out, (tuple, list)):
         out = out[0]
