@@ -16,6 +16,7 @@ from torchtrace import current, semconv
 from torchtrace.config import DEFAULT_GRAD_EXPLOSION_THRESHOLD, DEFAULT_GRAD_VANISHING_THRESHOLD
 from torchtrace.errors import get_logger
 from torchtrace.measure import gradients as grad_measure
+from torchtrace.measure.loss import classify_loss
 from torchtrace.record import readout
 
 logger = get_logger("torchtrace.monitor")
@@ -78,20 +79,31 @@ class TrainingMonitor:
     # ------------------------------------------------------------ per step
     def monitor_training_step(self, model: torch.nn.Module | None, loss: object,
                               step: int | None = None) -> dict[str, Any]:
-        """Check one step (after ``backward()``); returns the step's numbers and anomaly kinds."""
+        """Check one step (after ``backward()``); returns the step's numbers and anomaly kinds.
+        The loss is judged as the core step judges it (:func:`torchtrace.measure.loss.classify_loss`):
+        a per-sample loss is not read (None, the core's sentence logged once), never its first
+        element."""
         pieces = []
-        if isinstance(loss, torch.Tensor):
-            pieces.append(loss.detach().reshape(-1)[:1].to(torch.float64).cpu())
+        judged = classify_loss(loss) if loss is not None else None
+        if judged is not None and judged.tensor is not None:
+            pieces.append(judged.tensor.detach().reshape(1).to(torch.float64).cpu())
+        elif judged is not None and judged.problem is not None and isinstance(loss, torch.Tensor):
+            rt = current.runtime(create=False)
+            if rt is not None:
+                rt.warn_once(("monitor-loss", judged.problem), "torchtrace: the loss was not read: %s", judged.problem)
+            else:
+                logger.warning("torchtrace: the loss was not read: %s", judged.problem)
         stats = grad_measure.gradient_norms(grad_measure.named_params(model)) if model is not None else None
         if stats is not None:
             pieces.append(stats.total.reshape(1).to(torch.float64).cpu())
         share_with_open_step(model, loss)
         values = readout.read(torch.cat(pieces)) if pieces else []
-        if isinstance(loss, torch.Tensor):
-            loss_value: float | None = values[0]
+        loss_value: float | None = None
+        if judged is not None and judged.tensor is not None:
+            loss_value = values[0]
             values = values[1:]
-        else:
-            loss_value = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
+        elif judged is not None:
+            loss_value = judged.number
         grad_norm = values[0] if stats is not None else None
         return self.record_step(loss_value, grad_norm, step)
 
