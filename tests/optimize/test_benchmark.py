@@ -196,3 +196,27 @@ def test_results_are_a_mapping_with_the_seeds_keys():
                                          modes=["amp"], warmup=0, steps=1, print_table=False)
     for _, result in failing.items():  # a failed mode never wins min(results.items(), key=total_time)
         assert "loss failed" in result["error"] and result["total_time"] == float("inf")
+
+
+def test_the_benchmark_leaves_the_global_generators_where_it_found_them():
+    """``benchmark_optimizations`` seeds each mode's training (``seed=``), which reset torch's
+    global generator: a script that benchmarked, then trained, drew other dropout masks and
+    other shuffles than without the benchmark (its next ``torch.rand`` read the seeded
+    generator's). Now the generators (torch's, Python's, NumPy's) are as it found them."""
+    import random
+
+    import numpy as np
+
+    model = DeepMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    tt.benchmark_optimizations(model, batches(), opt, F.mse_loss, modes=["none"], warmup=0, steps=1,
+                               measure_memory=False, print_table=False)
+    drawn = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(drawn[0], expected[0]) and drawn[1:] == expected[1:]

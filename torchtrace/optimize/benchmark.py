@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from torchtrace import current, semconv
+from torchtrace.forensics.isolation import rng_kept
 from torchtrace.levels import OptimizationMode
 from torchtrace.measure.saved import SavedTensorMeter
 from torchtrace.optimize.modes import OptimizedModel, failure_reason, model_device, optimize_model
@@ -132,6 +133,10 @@ def benchmark_optimizations(model: nn.Module, batches: Iterable, optimizer, loss
             (:class:`~torchtrace.measure.saved.SavedTensorMeter`).
         print_table: write :meth:`BenchmarkResults.table` to ``file`` (default stdout).
 
+    The global generators (torch's, Python's, NumPy's) are left as the benchmark found them:
+    each mode's training is seeded (``seed``), and the user's training after it draws what it
+    would have drawn without it.
+
     A mode that raises is reported with its error; the others still run. Spans:
     ``benchmark_optimizations`` with one ``benchmark_optimizations.mode`` child per mode;
     metrics ``torchtrace_optimization_{step_seconds,speedup,memory_bytes}{mode}``.
@@ -150,7 +155,7 @@ def benchmark_optimizations(model: nn.Module, batches: Iterable, optimizer, loss
     rt = current.runtime()
     tracer = rt.tracer if rt is not None and not rt.off else None
     outer = tracer.start_as_current_span("benchmark_optimizations") if tracer else _null()
-    with outer:
+    with outer, rng_kept():
         for mode in order:
             _benchmark_mode(mode, out, rt, tracer,
                             lambda m: _run_mode(snapshot, names, optimizer, loss_fn, batches, m, warmup, steps, seed,
