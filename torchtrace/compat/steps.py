@@ -21,7 +21,7 @@ from torchtrace.levels import DebugLevel, DebugMode
 from torchtrace.measure.loss import classify_loss
 from torchtrace.record import readout
 from torchtrace.record.goodput_types import TRAIN
-from torchtrace.record.monitor import STEP_JUDGED_KINDS, record_anomalies
+from torchtrace.record.monitor import STEP_JUDGED_KINDS, record_anomalies, share_with_open_step
 
 _logger = get_logger("torchtrace.debugger")
 
@@ -72,19 +72,11 @@ def active_step() -> api.StepScope | None:
 
 def share_with_step(model: torch.nn.Module | None = None, loss: object = None) -> bool:
     """Give the open step the model whose gradients were checked and the loss, when it lacks
-    them. True when a step is open (it then counts the loss and gradient anomalies itself)."""
-    scope = active_step()
-    if scope is None:
+    them (:func:`torchtrace.record.monitor.share_with_open_step`). True when a step is open (it
+    then counts the loss and gradient anomalies itself)."""
+    if active_step() is None:
         return False
-    try:
-        if model is not None and scope.model is None:
-            scope.model = model
-        if loss is not None:
-            scope.record_loss(loss)
-    except Exception as exc:  # torchtrace's own failure never reaches the caller
-        rt = current.runtime(create=False)
-        if rt is not None:
-            rt.errors.report("step", exc)
+    share_with_open_step(model, loss)
     return True
 
 

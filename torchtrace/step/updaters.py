@@ -233,9 +233,11 @@ def _skipped_as_closure_returns(optimizer: torch.optim.Optimizer, args: tuple, k
     Returns the step's arguments (its pre-hook's, the optimizer first) with the closure
     wrapped, or None."""
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if not callable(closure):  # (the usual update: nothing to wrap)
+        return None
     scope = current.step()
     rt = current.runtime(create=False)
-    if not callable(closure) or scope is None or not scope.active or rt is None or rt.replaying:
+    if scope is None or not scope.active or rt is None or rt.replaying:
         return None
 
     def closure_then_skipped(*inner: object, **named: object) -> Any:
