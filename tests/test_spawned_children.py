@@ -302,7 +302,7 @@ def test_a_spawned_rank_that_never_reaches_the_collective_is_named(tmp_path):
 
 
 RAISES = r"""
-import sys, torch, torch.distributed as dist, torchtrace as tt
+import sys, time, torch, torch.distributed as dist, torchtrace as tt
 
 
 def train(rank, port):
@@ -310,6 +310,8 @@ def train(rank, port):
     tt.configure(prometheus_port="off", run_dir=sys.argv[1], run_id="raises")
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if rank == 0:
+        time.sleep(float(sys.argv[3]))  # a rank slow to start: its peer waits in the first collective
     for i in range(6):
         with tt.debug_context("train_step", model=model, optimizer=opt) as step:
             opt.zero_grad()
@@ -333,12 +335,18 @@ if __name__ == "__main__":
 @pytest.mark.slow
 @pytest.mark.skipif(sys.version_info >= (3, 13), reason="Python 3.13 runs multiprocessing's finalizers after it "
                     "has handled the target's exception: the end is not seen (torchtrace/api.py)")
-def test_a_spawned_rank_that_raises_ends_as_an_exception(tmp_path, capsys):
+@pytest.mark.parametrize("rank0_late_s", [0.0, 4.0])
+def test_a_spawned_rank_that_raises_ends_as_an_exception(tmp_path, capsys, rank0_late_s):
     """``torch.multiprocessing.spawn`` catches a rank's exception, hands it to the parent and ends
     the rank with ``sys.exit(1)``: no ``sys.excepthook`` runs, and the rank's black box said
     ``completed``. Now it says ``exception`` (ValueError) at the step that raised, and ``why``
-    names the rank."""
-    proc = _run(tmp_path, RAISES, str(_free_port()))
+    names the rank.
+
+    With rank 0 late to start, rank 1's watchdog saw it waiting in the first collective (the
+    settings' agreement); it raised before the next look, and its last black box still said the
+    collective was in progress: ``why`` read a hang (CI, stop 75). The last look that ends a
+    process reads the collectives again."""
+    proc = _run(tmp_path, RAISES, str(_free_port()), str(rank0_late_s))
     assert "spawn raised ProcessRaisedException" in proc.stdout
     run = tmp_path / "runs" / "raises"
     states = {p.name: json.loads(p.read_text()) for p in run.glob("state.rank*.json")}

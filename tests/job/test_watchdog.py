@@ -474,6 +474,37 @@ def test_every_path_that_ends_a_rank_takes_a_last_look_at_the_peers(tmp_path, en
         tt.shutdown()
 
 
+@pytest.mark.parametrize("end", ["exception", "sigterm", "shutdown"])
+def test_every_path_that_ends_a_rank_reads_its_last_collective_again(tmp_path, end, monkeypatch):
+    """The last tick saw the rank inside a collective (waiting for a peer late to start); it
+    completed, and the rank ended before the next tick. The final black box says it completed:
+    a box that still said "in progress" read as a rank ending stuck in it (a hang, CI stop 75)."""
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    tt.configure(run_dir=tmp_path, run_id="collective", prometheus_port="off", register_atexit=False)
+    rt = tt.current.runtime()
+    try:
+        rt.watchdog.stop()
+        recorder = {"seq": 1, "op": "gloo:all_gather", "group": "default_pg", "active": True}
+        rt.watchdog.collectives = lambda: dict(recorder)
+        rt.watchdog.tick(time.time())
+        assert rt.rank_state.fields["collective_active"] is True  # what the last tick saw
+        recorder["active"] = False  # the collective completed; no tick since
+        if end == "exception":
+            try:
+                raise ValueError("a bad batch")
+            except ValueError as exc:
+                sys.excepthook(type(exc), exc, exc.__traceback__)
+        elif end == "sigterm":
+            job.on_signal(rt, signal.SIGTERM, terminal=False)
+        else:
+            tt.shutdown()
+        state = json.loads(rt.rank_state.path.read_text())
+        assert (state["collective_seq"], state["collective_active"]) == (1, False), state
+    finally:
+        tt.shutdown()
+
+
 def test_a_hang_the_step_recovers_from_is_hang_badput_not_productive_time(tmp_path):
     """A training step stuck for 2.5 s (hang timeout 1 s, ``on_hang="record"``) that then ends:
     its span carries the ``hang`` anomaly, and the job's story books the stall as ``hang``

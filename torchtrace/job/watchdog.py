@@ -343,6 +343,17 @@ class Watchdog:
         self._seen_stall = stalled
         self._looked = mono
 
+    def read_collectives(self) -> None:
+        """Read the last collective into the black box's fields now (a tick does so each
+        period): the paths that end the process take this last look, so that their final write
+        does not keep a collective a tick saw in flight, completed since (a rank that waited in
+        its first collective for a peer late to start, then raised before the next tick, read
+        as ending stuck in it). Errors are swallowed."""
+        try:
+            self._read_collectives(self.fields)
+        except Exception as exc:
+            logger.debug("torchtrace: collectives not read: %r", exc)
+
     def _read_collectives(self, f: dict[str, Any]) -> None:
         if self.collectives is None:
             return

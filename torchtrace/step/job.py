@@ -268,20 +268,24 @@ def on_signal(rt: Runtime, signum: int, terminal: bool) -> None:
 
 
 def last_look(rt: Runtime) -> list[int]:
-    """The ranks newly found gone by one last look at the peers, taken by every path that ends
-    this process (an exception, a signal, shutdown) before its final black-box write, which
-    the caller makes: a rank whose collective failed for a SIGKILLed peer may be ended by the
-    launcher before its watchdog's next tick, and must still name that peer in ``peers_gone``.
+    """The ranks newly found gone by one last look at the peers and at this rank's last
+    collective, taken by every path that ends this process (an exception, a signal, shutdown)
+    before its final black-box write, which the caller makes: a rank whose collective failed
+    for a SIGKILLed peer may be ended by the launcher before its watchdog's next tick, and must
+    still name that peer in ``peers_gone``; a collective the last tick saw in flight may have
+    completed since, and the box must not say the rank ended inside it.
 
     Bounded: one read of the run directory's black boxes and of ``/proc`` for each peer on
-    this host (:meth:`torchtrace.job.watchdog.Watchdog.check_peers`), no waiting on another
-    thread (it runs in a signal handler too). Nothing without a watchdog (no run directory);
-    errors are swallowed.
+    this host (:meth:`torchtrace.job.watchdog.Watchdog.check_peers`), one dump of the flight
+    recorder (:meth:`~torchtrace.job.watchdog.Watchdog.read_collectives`), no waiting on
+    another thread (it runs in a signal handler too). Nothing without a watchdog (no run
+    directory); errors are swallowed.
     """
     dog = rt.watchdog
     box = rt.rank_state
     if dog is None or box is None:
         return []
+    dog.read_collectives()
     try:
         known = list(box.fields.get("peers_gone") or [])
         dog.check_peers(persist=False)
