@@ -255,6 +255,24 @@ def test_chart_steps_thins_but_keeps_anomalies():
     assert chart_steps(steps[:10], limit=1000) == steps[:10]
 
 
+@pytest.mark.parametrize("n", [1001, 5001, 6000, 12000, 12345])
+def test_chart_steps_keeps_the_first_and_the_last_step(n):
+    """The HTML report's "last loss" card reads the last charted step: thinned without it, a
+    run of 6000 steps said its last loss was step 5998's."""
+    steps = [{"step": i, "loss": float(i), "anomalies": []} for i in range(n)]
+    thinned = chart_steps(steps, limit=1000)
+    assert (thinned[0]["step"], thinned[-1]["step"]) == (0, n - 1)
+    assert len(thinned) <= 1000
+
+
+def test_chart_steps_keeps_each_operations_last_step():
+    steps = [{"step": i, "operation": "eval_step" if i % 100 == 37 else "train_step", "anomalies": []}
+             for i in range(6000)]
+    thinned = chart_steps(steps, limit=1000)
+    last = {s["operation"]: s["step"] for s in thinned}
+    assert last == {"train_step": 5999, "eval_step": 5937}
+
+
 def test_not_a_run_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="no report.json or spans.jsonl"):
         terminal_report(tmp_path)
