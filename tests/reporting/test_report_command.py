@@ -70,3 +70,16 @@ def test_a_folder_with_no_run_in_it_says_so(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path / "empty")]) == 2
     out, err = capsys.readouterr()
     assert "no report.json or spans.jsonl" in err and "no run directory in it either" in err
+
+
+def test_an_html_path_that_cannot_be_written_names_html_not_the_run(tmp_path, capsys):
+    """A folder, a path under /proc, a file under a read-only place: a traceback before, or a
+    message that blamed the run directory (which was fine)."""
+    run = small_run(tmp_path / "runs", 2)
+    (tmp_path / "a_folder").mkdir()
+    for out in (tmp_path / "a_folder", "/proc/nope/x.html", "/proc/self/x.html"):
+        assert cli_main(["report", str(run), "--html", str(out)]) == 2, out
+        said, err = capsys.readouterr()
+        assert "listing" in said  # the terminal report still came
+        assert err.startswith(f"torchtrace report: --html {out}: cannot write the page there ("), err
+        assert "Traceback" not in err and "run directory" not in err

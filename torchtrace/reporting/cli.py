@@ -52,13 +52,18 @@ def run_report(args: argparse.Namespace) -> int:
             return 0
     try:
         sys.stdout.write(terminal_report(args.run_dir, args.rank))
-        if args.html:
-            path = write_html_report(args.run_dir, args.html, args.rank)
-            sys.stdout.write(f"HTML report: {path}\n")
     except FileNotFoundError as exc:
         either = "; no run directory in it either" if path.is_dir() else ""
         sys.stderr.write(f"torchtrace report: {exc}{either}\n")
         return 2
+    if args.html:
+        try:
+            written = write_html_report(args.run_dir, args.html, args.rank)
+        except OSError as exc:  # a folder, a path with no parent, one not ours to write
+            sys.stderr.write(f"torchtrace report: --html {args.html}: cannot write the page there "
+                             f"({exc.strerror or type(exc).__name__})\n")
+            return 2
+        sys.stdout.write(f"HTML report: {written}\n")
     return 0
 
 
