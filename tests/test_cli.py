@@ -227,6 +227,7 @@ def test_quickstart_example_runs(tmp_path):
 def test_a_command_whose_reader_went_away_ends_without_a_traceback(tmp_path):
     """``torchtrace why DIR | head -1``: the reader closes the pipe; the command ends quietly,
     as a process that SIGPIPE ended reports it (128 + 13), and says nothing on stderr."""
+    (tmp_path / "state.rank0.json").write_text(json.dumps({"rank": 0, "attempt": 0, "ended": "completed"}))
     read_end, write_end = os.pipe()
     os.close(read_end)  # (gone before the command writes: every write fails)
     try:

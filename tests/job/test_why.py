@@ -452,3 +452,15 @@ def test_the_timed_out_ranks_own_report_already_tells_the_hang(tmp_path):
     bad, (attempt,) = report["job"]["badput"], report["job"]["attempts"]
     assert (attempt["ended"], attempt["end"]) == ("hang", rank0["end_time"])
     assert bad["hang"] == pytest.approx(rank0["end_time"] - rank0["finished_time"], abs=1e-6)
+
+
+def test_a_path_that_is_not_a_run_is_refused_not_called_running(tmp_path, capsys):
+    """``why /``, ``why`` of a plain folder or of a file said ``verdict: running (no black box
+    found)``: a job that is not there is not running."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    for path in (tmp_path / "notes", tmp_path / "file.txt"):
+        for json_flag in ([], ["--json"]):
+            assert main(["why", str(path), *json_flag]) == 2
+            out, err = capsys.readouterr()
+            assert out == "" and "holds no black box" in err and "not a run directory" in err, err

@@ -177,11 +177,14 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.path).exists():
         raise ValueError(f"PATH={args.path!r} does not exist; give a run directory")
     report = why(args.path)
+    if not report["ranks"]:
+        raise ValueError(f"PATH={args.path!r} holds no black box (state.rank*.json, up to two folders down): "
+                         "not a run directory, or a job that has not configured torchtrace yet")
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
         print(render(report))
-    return 0 if report["ranks"] else 1
+    return 0
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
