@@ -343,6 +343,24 @@ def test_raise_policy_carries_the_report_after_recording(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_the_raise_policys_error_carries_every_kind_its_step_recorded(tmp_path):
+    """The error raised from the optimizer's pre-hook said ``nonfinite_grad`` alone while the
+    step's record (its span, the report) had the loss and the output too."""
+    _configure(tmp_path, guard="raise")
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(tt.NonFiniteError) as info:
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            opt.zero_grad()
+            loss = model(torch.full((2, 8), float("nan"))).sum()
+            step.record_loss(loss)
+            loss.backward()
+            opt.step()
+    recorded = get_runtime().history.last_record.anomaly_kinds
+    assert {semconv.NONFINITE_GRAD, semconv.NONFINITE_LOSS} <= set(recorded), recorded
+    assert sorted(info.value.kinds) == sorted(recorded)
+
+
 def test_raise_policy_without_optimizer_raises_after_the_step(tmp_path):
     _configure(tmp_path, guard="raise")
     model = TinyNet()

@@ -166,8 +166,12 @@ def _apply_policy(rt: Runtime, scope: StepScope, record: StepRecord) -> None:
         rt.guard_could_not_act(scope, record)
     report = record.forensics
     if scope.raised is not None:
+        # Raised from the optimizer's pre-hook, where only the gradients were judged: the
+        # error the user catches carries what the step's record found (its loss, its output).
         if report is not None and scope.raised.report is None:
             scope.raised.report = report
+        if record.anomaly_kinds:
+            scope.raised.kinds = list(record.anomaly_kinds)
         return
     scope.pending_error = policy.decide_after_record(record, rt.guard, run, rt.settings.max_consecutive_bad_steps,
                                                      report)
