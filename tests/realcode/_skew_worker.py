@@ -1,7 +1,8 @@
 """The real-code suite's straggler job (``torchrun --nproc_per_node=2``, gloo on CPU): DDP, rank 1
-50 ms slower per step, in three runs of torchtrace in one launch: ``inside`` (rank 1 sleeps in
-its step, between forward and backward, as a slower device would compute), ``outside`` (rank 1
-sleeps before each step, as a slow data loader would) and ``even`` (no sleep).
+50 ms slower per step, in three runs of torchtrace in one launch: ``inside`` (rank 1 sleeps 50 ms
+more in its step, between forward and backward, as a slower device would compute), ``outside``
+(rank 1 sleeps 50 ms before each step, as a slow data loader would) and ``even``. Each rank's
+work in the step is a small model's forward and backward and a 20 ms sleep.
 
 Usage: ``python -m torch.distributed.run ... _skew_worker.py OUT_DIR``; each rank writes
 ``OUT_DIR/skew.rank<r>.json``: per run, the report's ``rank_skew`` section (the last gather),
@@ -30,6 +31,9 @@ RUNS = ("inside", "outside", "even")
 INTERVAL = 20
 STEPS = 2 * INTERVAL
 SLOW_S = 0.05
+# Every rank's work in its step, beside the small model's: a sleep, so that the scheduler's noise
+# on this 2-core machine (a few ms, other jobs running) stays small beside each rank's own time.
+WORK_S = 0.02
 
 
 def _model() -> torch.nn.Module:
@@ -55,8 +59,7 @@ def run(out: str, rank: int, where: str) -> dict:
         began = time.perf_counter()
         opt.zero_grad()
         loss = model(x).pow(2).mean()
-        if slow and where == "inside":
-            time.sleep(SLOW_S)
+        time.sleep(WORK_S + (SLOW_S if slow and where == "inside" else 0.0))
         own.append(time.perf_counter() - began)
         loss.backward()
         opt.step()
