@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import socket
 
@@ -15,7 +16,7 @@ from torchtrace.distributed.collectives import STATE
 from torchtrace.export.server import TelemetryServer
 from torchtrace.export.trace_ids import step_trace_id
 from torchtrace.measure import gradients as grad_measure
-from torchtrace.probes.straggler import skew
+from torchtrace.probes.straggler import StepSpan, held_since_ns, own_mean_seconds, own_step_seconds, skew
 from torchtrace.record.policy import agree_any
 
 
@@ -73,6 +74,50 @@ def test_skew_divides_by_a_real_rank_the_lower_median(times):
     lower_middle = sorted(times)[(len(times) - 1) // 2]
     assert lower_middle in times
     assert skew(times) == pytest.approx(max(times) / lower_middle)
+
+
+MS = 1_000_000  # nanoseconds
+
+
+def _entry(record_id: int, created_ms: float) -> dict:
+    return {"record_id": record_id, "time_created_ns": int(created_ms * MS), "profiling_name": "gloo:all_reduce"}
+
+
+def test_own_step_time_ends_at_the_last_collective_before_the_backward_ended():
+    # DDP's buckets at 20 and 55 ms, a collective after the backward (the user's loss average) at 80 ms.
+    step = StepSpan(start_ns=0, backward_end_ns=70 * MS, wall_s=0.09)
+    assert own_step_seconds([20 * MS, 55 * MS, 80 * MS], 0, step) == pytest.approx(0.055)
+    assert own_step_seconds([80 * MS], 0, step) == pytest.approx(0.09)  # none inside: no wait, the wall time
+    assert own_step_seconds([-5 * MS], 0, step) == pytest.approx(0.09)  # (the step before's)
+
+
+def test_a_step_older_than_what_the_recorder_holds_has_no_own_time():
+    step = StepSpan(start_ns=100 * MS, backward_end_ns=150 * MS, wall_s=0.06)
+    assert own_step_seconds([], 120 * MS, step) is None  # the ring dropped what it entered
+    assert own_step_seconds([140 * MS], 120 * MS, step) == pytest.approx(0.04)  # its last one is still held
+    assert own_step_seconds([], 100 * MS, step) == pytest.approx(0.06)
+
+
+def test_the_recorder_holds_everything_until_it_drops_its_first_entry():
+    assert held_since_ns([]) == 0
+    assert held_since_ns([_entry(0, 5), _entry(1, 9)]) == 0
+    assert held_since_ns([_entry(7, 5), _entry(8, 9)]) == 5 * MS
+
+
+def test_own_mean_leaves_out_torchtrace_own_collectives(monkeypatch):
+    steps = [StepSpan(0, 70 * MS, 0.08), StepSpan(100 * MS, 170 * MS, 0.08)]
+    entries = [_entry(0, 10), _entry(1, 60), _entry(2, 110), _entry(3, 150)]
+    assert own_mean_seconds(entries, steps) == pytest.approx((0.06 + 0.05) / 2)
+    # The collective at 60 ms was torchtrace's own (a guard's agreement run with throughput off).
+    monkeypatch.setattr(STATE, "spans", collections.deque([(59 * MS, 61 * MS)]))
+    assert own_mean_seconds(entries, steps) == pytest.approx((0.01 + 0.05) / 2)
+
+
+def test_own_mean_falls_back_to_wall_time():
+    steps = [StepSpan(0, 70 * MS, 0.08), StepSpan(100 * MS, 170 * MS, 0.06)]
+    assert own_mean_seconds(None, steps) == pytest.approx(0.07)  # no recorder
+    assert own_mean_seconds([], steps) == pytest.approx(0.07)  # no collective in any step
+    assert own_mean_seconds([_entry(9, 500)], steps) == pytest.approx(0.07)  # none known any more
 
 
 def test_two_ranks_three_times_apart_cross_the_straggler_threshold():

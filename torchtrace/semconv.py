@@ -35,8 +35,8 @@ MEMORY_CUDA_PEAK_BYTES = "torchtrace.memory.cuda_peak_allocated_bytes"
 STEP_SKIPPED = "torchtrace.step.skipped"  # the guard skipped the optimizer update
 STEP_SCALER_OVERFLOW = "torchtrace.step.scaler_overflow"  # the loss scaler found Inf/NaN grads, skipped the update
 OVERHEAD_SECONDS = "torchtrace.overhead_seconds"
-RANK_STEP_SKEW = "torchtrace.rank.step_skew"  # slowest rank's mean step time over the median's (every N steps)
-RANK_SLOWEST = "torchtrace.rank.slowest"  # the rank with the slowest mean step time in that window
+RANK_STEP_SKEW = "torchtrace.rank.step_skew"  # slowest rank's mean own step time over the median's (every N steps)
+RANK_SLOWEST = "torchtrace.rank.slowest"  # the rank with the slowest mean own step time in that window
 GUARD_PEER_NONFINITE = "torchtrace.guard.peer_nonfinite"  # the guard acted because another rank was non-finite
 
 # ---------------------------------------------------------------- span events
@@ -68,7 +68,7 @@ M_INTERNAL_ERRORS = "torchtrace_internal_errors_total"  # counter {component}
 M_RANK_SKEW = "torchtrace_rank_step_skew"  # gauge
 M_OVERHEAD = "torchtrace_overhead_seconds_total"  # counter
 M_BUILD_INFO = "torchtrace_build_info"  # gauge {version, level}
-M_RANK_STEP_SECONDS = "torchtrace_rank_step_seconds"  # gauge {operation}: this rank's mean step time, last skew window
+M_RANK_STEP_SECONDS = "torchtrace_rank_step_seconds"  # gauge {operation}: rank's mean wall step time, last skew window
 # Hangs (docs/hangs.md): read from the black box's fields when /metrics is scraped.
 M_STALLED_SECONDS = "torchtrace_stalled_seconds"  # gauge: seconds since the training thread last made progress
 M_HANGS = "torchtrace_hangs_total"  # counter: hangs detected (no progress beyond the hang timeout)

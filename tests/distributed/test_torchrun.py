@@ -121,6 +121,8 @@ def test_slowed_rank_shows_in_skew_and_metrics_carry_rank(worker):
         # slowest rank's time over the other's, not over the two ranks' mean.
         assert res["skew_gauge"] == pytest.approx(max(times) / min(times))
         assert res["skew_gauge"] > 2  # rank 1 sleeps 50 ms per step, rank 0 computes ~1 ms
+        # No collective in the steps (independent models), so no rank waited: own time is wall time.
+        assert last["own_seconds_by_rank"] == pytest.approx(times)
         assert res["collectives"]["skew"] == 2  # 8 steps, every 4
         assert res["steps_lines"] and all(f'rank="{r}"' in ln for ln in res["steps_lines"])
     assert results[0]["metrics_port"] != results[1]["metrics_port"]

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import TYPE_CHECKING, Any, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from torchtrace.errors import get_logger
 from torchtrace.patches import Patches, marked
@@ -39,12 +40,19 @@ if TYPE_CHECKING:
 logger = get_logger("torchtrace")
 
 
+OWN_SPANS = 1024  # the time spans of torchtrace's latest collectives kept (several per step at most)
+
+
 class _State:
-    """Process-wide collective bookkeeping: counts per purpose, and the broken flag."""
+    """Process-wide collective bookkeeping: counts per purpose, the broken flag, and when
+    torchtrace's latest collectives ran."""
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
         self.broken: str | None = None  # why collectives were switched off
+        # (began, ended) of each recent run(), in time.time_ns(): a flight-recorder entry created
+        # inside one is torchtrace's own (issued_by_torchtrace)
+        self.spans: collections.deque[tuple[int, int]] = collections.deque(maxlen=OWN_SPANS)
 
 
 STATE = _State()
@@ -123,8 +131,10 @@ def device(group: ProcessGroup | None = None) -> torch.device:
 
 
 def run(purpose: str, fn) -> Any:
-    """Run one collective; on failure switch collectives off for good and re-raise."""
+    """Run one collective; on failure switch collectives off for good and re-raise. When it
+    ran is kept (:func:`issued_by_torchtrace`)."""
     STATE.counts[purpose] += 1
+    began = time.time_ns()
     try:
         return fn()
     except Exception as exc:
@@ -132,6 +142,24 @@ def run(purpose: str, fn) -> Any:
         logger.error("torchtrace: a %s collective failed (%s); torchtrace issues no further collectives in "
                      "this process", purpose, type(exc).__name__)
         raise
+    finally:
+        STATE.spans.append((began, time.time_ns()))
+
+
+def spans_since(since_ns: int) -> list[tuple[int, int]]:
+    """The ``(began, ended)`` times of torchtrace's collectives that ended at ``since_ns`` or later."""
+    return [span for span in STATE.spans if span[1] >= since_ns]
+
+
+def issued_by_torchtrace(created_ns: int, spans: Iterable[tuple[int, int]] | None = None) -> bool:
+    """Whether a collective created at ``created_ns`` (``time.time_ns()``'s clock, as the flight
+    recorder stamps its entries) was one of torchtrace's own: created while :func:`run` ran
+    (``spans``: its latest ``(began, ended)`` times, the kept ones by default).
+
+    >>> issued_by_torchtrace(15, [(10, 20)]), issued_by_torchtrace(25, [(10, 20)])
+    (True, False)
+    """
+    return any(began <= created_ns <= ended for began, ended in (STATE.spans if spans is None else spans))
 
 
 # Any: a DTensor is known by its class name (torch.distributed.tensor may not be importable).

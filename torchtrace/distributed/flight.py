@@ -10,7 +10,8 @@ are counted from Python there (:func:`records_every_backend`). :func:`enable` tu
 a small buffer when neither variable is set: gloo reads it at its first collective, NCCL when
 its process group is created (set the variable before ``init_process_group`` there; ``0`` keeps it off). It is
 read off the training thread (the watchdog, about once a second; a dump of 64 entries takes
-well under a millisecond).
+well under a millisecond), and on it once every ``rank_skew_interval`` steps (the times at
+which this rank entered its collectives: :mod:`torchtrace.probes.straggler`).
 
 Where no recorder runs (switched off, another backend), :func:`count_calls` wraps the
 ``torch.distributed`` functions so each call is counted with its op and group; it cannot see
@@ -86,10 +87,11 @@ def records_every_backend() -> bool:
     return hasattr(_c10d(), "_dump_fr_trace_json")
 
 
-def last_collective() -> dict[str, Any] | None:
-    """The last collective the recorder holds: ``seq`` (this process's count, all groups),
-    ``op``, ``group``, ``group_seq`` and ``active`` (entered, not completed); None without a
-    recorder, a process group or any entry."""
+def entries() -> list[dict[str, Any]] | None:
+    """The collectives the recorder holds (every group's, the oldest dropped past its buffer
+    size), each a dict with ``record_id`` (this process's count from 0, all groups) and
+    ``time_created_ns`` (on :func:`time.time_ns`'s clock) among others; None without a
+    recorder, a process group or a readable dump."""
     dump_json = _dump()
     if dump_json is None or not enabled() or not _initialized():
         return None
@@ -97,10 +99,18 @@ def last_collective() -> dict[str, Any] | None:
         dump = json.loads(dump_json(True, False))
     except Exception:
         return None
-    entries = dump.get("entries") if isinstance(dump, dict) else None
-    if not entries:
+    held = dump.get("entries", []) if isinstance(dump, dict) else None
+    return held if isinstance(held, list) else None
+
+
+def last_collective() -> dict[str, Any] | None:
+    """The last collective the recorder holds: ``seq`` (this process's count, all groups),
+    ``op``, ``group``, ``group_seq`` and ``active`` (entered, not completed); None without a
+    recorder, a process group or any entry."""
+    held = entries()
+    if not held:
         return None
-    last = max(entries, key=lambda e: e.get("record_id", -1))
+    last = max(held, key=lambda e: e.get("record_id", -1))
     group = last.get("process_group") or ["", ""]
     state = str(last.get("state", ""))
     return {"seq": int(last.get("record_id", -1)) + 1, "op": str(last.get("profiling_name", "")),

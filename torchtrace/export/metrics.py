@@ -81,8 +81,8 @@ class Metrics:
         self.internal_errors = Counter(_base(semconv.M_INTERNAL_ERRORS),
                                        "torchtrace's own failures, caught and counted.",
                                        common + ["component"], registry=r)
-        self.rank_skew = Gauge(semconv.M_RANK_SKEW, "Slowest rank's step time over the median rank's.", common,
-                               registry=r)
+        self.rank_skew = Gauge(semconv.M_RANK_SKEW, "Slowest rank's own step time (up to its backward's last "
+                               "collective) over the median rank's.", common, registry=r)
         self.overhead = Counter(_base(semconv.M_OVERHEAD), "Seconds spent inside torchtrace on the training thread.",
                                 common, registry=r)
         self.build_info = Gauge(semconv.M_BUILD_INFO, "Always 1; labels name the version and level.",

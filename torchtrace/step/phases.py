@@ -57,6 +57,9 @@ class StepClock:
     forward_end: Any = None
     optimizer_start: Any = None
     optimizer_end: Any = None
+    # The host time (time.perf_counter) the optimizer step began, the backward's end: on a GPU
+    # too, where optimizer_start is an event (the straggler probe bounds the step's collectives by it).
+    optimizer_host: float | None = None
     last: Any = None  # on a GPU, once the phases are read: the step's last mark (see DeviceCycles)
     graph = True  # the forward ran with autograd on (without it, no backward can follow)
     # The time between the model's calls in the step: not forward time. A pause in which a
@@ -109,7 +112,7 @@ class StepClock:
         elif point == "optimizer_start":
             progress.mark("optimizer")
             if self.optimizer_start is None:
-                self.optimizer_start = self.mark()
+                self.begin_optimizer()
         elif point == "optimizer_end":
             progress.mark("optimizer")
             if self.optimizer_start is not None:
@@ -117,6 +120,11 @@ class StepClock:
         else:
             raise ValueError(f"point={point!r} is not valid; accepted values: forward_start, forward_end, "
                              "optimizer_start, optimizer_end")
+
+    def begin_optimizer(self) -> None:
+        """Mark the optimizer's start, also as a host time (``optimizer_host``)."""
+        self.optimizer_start = self.mark()
+        self.optimizer_host = time.perf_counter() if self.cuda else self.optimizer_start
 
     def moved(self, grads: GradientMark | None) -> bool:
         """At a later call's start, the model's gradients ``grads``: whether the pause before it
@@ -489,7 +497,7 @@ class OptimizerMarks:
         clock = _open_clock()
         if clock is not None and clock.optimizer_start is None:
             progress.mark("optimizer")
-            clock.optimizer_start = clock.mark()
+            clock.begin_optimizer()
 
     @staticmethod
     def _post(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
