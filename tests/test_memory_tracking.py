@@ -117,3 +117,22 @@ def test_model_bytes_and_memory_profile_against_a_plain_count():
     assert prof["total"] == 2 * p_bytes + b_bytes
     assert prof["cpu_memory"] == 100.0 * prof["rss_bytes"] / psutil.virtual_memory().total
     assert prof["gpu_memory"] is None or prof["gpu_memory"] == prof["cuda_allocated_bytes"] / 2 ** 20
+
+
+def test_retained_bytes_count_each_storage_once():
+    # TanhBackward0 saves its own output (already in bytes_growth) and the Linear's
+    # AddmmBackward0 saves a view of the weight (kept by the model, not by the graph): neither
+    # is retained by keeping the output. What is: the output and the input the graph saved.
+    lin = torch.nn.Linear(256, 1024)
+    keep = []
+    for _ in range(3):
+        torch.tanh(lin(torch.randn(64, 256, requires_grad=True))).sum().backward()  # warm-up
+    gc.collect()
+    a = tt.take_memory_snapshot("a", census=True)
+    for _ in range(8):
+        keep.append(torch.tanh(lin(torch.randn(64, 256, requires_grad=True))))
+    b = tt.take_memory_snapshot("b", census=True)
+    g = next(t for t in b.compare(a)["growing_tensors"] if t["grad_fn"] == "TanhBackward0")
+    own, saved_input = 64 * 1024 * 4, 64 * 256 * 4
+    assert g["count_growth"] == 8 and g["graph_bytes_each"] == saved_input
+    assert g["retained_bytes_growth"] == 8 * (own + saved_input)

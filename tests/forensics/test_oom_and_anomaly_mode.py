@@ -104,3 +104,43 @@ def test_forensics_settings_are_validated():
         tt.configure(forensics_max_replays=-1, prometheus_port="off", write_files=False)
     with pytest.raises(ValueError, match="forensics='maybe'"):
         tt.configure(forensics="maybe", prometheus_port="off", write_files=False)
+
+
+def _cpu_oom_step():
+    @tt.debug_operation
+    def train_step(model, batch, opt):
+        opt.zero_grad()
+        model(batch).sum().backward()
+        torch.empty(1 << 60, dtype=torch.uint8)  # 1 EiB: the CPU allocator always refuses it
+        opt.step()
+    return train_step
+
+
+@pytest.mark.parametrize("guard", ["warn", "raise", "skip"])
+def test_the_cpu_allocators_failure_is_an_oom_under_each_guard(guard, tmp_path):
+    _configure(tmp_path, guard=guard)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    if guard == "skip":
+        assert _cpu_oom_step()(model, torch.randn(2, 8), opt) is None
+    else:
+        with pytest.raises(RuntimeError, match="DefaultCPUAllocator: can't allocate memory"):
+            _cpu_oom_step()(model, torch.randn(2, 8), opt)
+    rec = get_runtime().history.last_record
+    assert semconv.OOM in rec.anomaly_kinds
+    info = get_runtime().summary()["forensics"]["ooms"][0]
+    assert info["action"] == ("skipped" if guard == "skip" else "raised")
+    if guard == "skip":
+        assert rec.skipped and all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_is_oom_is_narrow():
+    from torchtrace.forensics.oom import is_oom
+
+    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                               "can't allocate memory: you tried to allocate 35184372088832 bytes."))
+    assert is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x7 and 8x4)"))
+    assert not is_oom(ValueError("DefaultCPUAllocator: can't allocate memory"))

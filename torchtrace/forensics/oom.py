@@ -16,10 +16,21 @@ from torchtrace.record.policy import GuardPolicy
 logger = get_logger("torchtrace.forensics")
 
 
+# torch's CPU allocator raises a plain RuntimeError when malloc fails, e.g. "[enforce fail at
+# alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to
+# allocate 35184372088832 bytes. Error code 12 (Cannot allocate memory)" (torch 2.x).
+CPU_ALLOCATOR_OOM = "DefaultCPUAllocator: can't allocate memory"
+
+
 def is_oom(exc: BaseException) -> bool:
+    """An out-of-memory error: torch's ``OutOfMemoryError`` (CUDA and other accelerators), a
+    RuntimeError saying "out of memory", or the CPU allocator's failure to allocate."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return "out of memory" in text.lower() or CPU_ALLOCATOR_OOM in text
 
 
 def _history_recording() -> bool:

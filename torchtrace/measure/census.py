@@ -34,30 +34,48 @@ def _grad_fn_name(t: torch.Tensor) -> str | None:
     return type(fn).__name__ if fn is not None else None
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # no storage (sparse, fake): the tensor itself
+        return id(t)
+
+
+def _kept_by_a_model(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``AddmmBackward0`` saves ``weight.t()``): the model keeps
+    it whether or not the graph does."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter)
+
+
+def _saved_tensors(node: Any) -> Iterable[torch.Tensor]:
+    for attr in dir(node):
+        if not attr.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, attr)
+        except Exception:  # freed buffers raise
+            continue
+        for v in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
 def graph_bytes(t: torch.Tensor, max_nodes: int = _GRAPH_NODES) -> int:
-    """Bytes of the tensors saved by ``t``'s autograd graph (bounded walk), what keeping ``t`` retains."""
+    """Bytes of the tensors saved by ``t``'s autograd graph (bounded walk), what keeping ``t``
+    retains beyond itself: each storage once, leaving out ``t``'s own storage (``TanhBackward0``
+    saves its output; the census counts it already) and parameters with their views."""
     fn = t.grad_fn
     if fn is None:
         return 0
-    seen_storage: set[int] = set()
+    seen_storage = {_storage_key(t)}
     total = 0
     for node in graph_nodes(fn, max_nodes):
-        for attr in dir(node):
-            if not attr.startswith("_saved_"):
+        for v in _saved_tensors(node):
+            key = _storage_key(v)
+            if key in seen_storage or _kept_by_a_model(v):
                 continue
-            try:
-                value = getattr(node, attr)
-            except Exception:  # freed buffers raise
-                continue
-            for v in (value if isinstance(value, (tuple, list)) else (value,)):
-                if isinstance(v, torch.Tensor):
-                    try:
-                        key = v.untyped_storage().data_ptr()
-                    except Exception:
-                        key = id(v)
-                    if key not in seen_storage:
-                        seen_storage.add(key)
-                        total += v.numel() * v.element_size()
+            seen_storage.add(key)
+            total += v.numel() * v.element_size()
     return total
 
 

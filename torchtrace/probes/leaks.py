@@ -4,9 +4,12 @@ it is sustained, and a ``memory_leak`` anomaly with the report."""
 from __future__ import annotations
 
 import collections
+import gc
 import math
 import time
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from torchtrace import semconv
 from torchtrace.measure import census
@@ -52,6 +55,33 @@ def timed_heap_sample() -> tuple[int | None, float]:
     return heap, time.thread_time() - t0
 
 
+def reachable_bytes(device: str) -> int | None:
+    """Memory in use on ``device`` after a full garbage collection: what live objects hold,
+    without the reference cycles nothing reaches any more (a loop under ``gc.disable()`` that
+    collects every N steps, or cycles waiting for the oldest generation). The CPU heap in use
+    (RSS without glibc, which a collection rarely lowers), or the CUDA allocator's count.
+    Costs a full collection: about what a census costs (see docs/profiling.md)."""
+    gc.collect()
+    if not device.startswith("cpu"):
+        try:
+            return int(torch.cuda.memory_allocated(device))
+        except Exception:
+            return None
+    heap = mem_measure.heap_in_use_bytes()
+    return heap if heap is not None else mem_measure.rss_bytes()
+
+
+def checkpoints(confirm_steps: int) -> set[int]:
+    """Confirmation steps, besides its first and last, at which the reachable memory is
+    measured: three quarters (6 of the default 8), so the last quarter must grow too. Each
+    measure is a full collection, about a census's cost: one is enough.
+
+    >>> sorted(checkpoints(8)), sorted(checkpoints(4)), sorted(checkpoints(1))
+    ([6], [3], [])
+    """
+    return {k for k in (3 * confirm_steps // 4,) if 0 < k < confirm_steps}
+
+
 class LeakProbe(Probe[None]):
     """The leak detector: robust slope per device each step; an investigation when it is sustained.
 
@@ -61,7 +91,9 @@ class LeakProbe(Probe[None]):
     ``GrowthTracker.stride()`` steps (1 to a few) until the rule in
     :mod:`torchtrace.record.growth` settles it, with at most ``EXTRA_SAMPLES`` out-of-turn
     samples between two regular ones; a sustained slope starts the slow path
-    for ``confirm_steps`` steps, then a ``memory_leak`` anomaly is added with the report, the
+    for ``confirm_steps`` steps, at whose start, middle and end the memory left after a full
+    garbage collection is measured (``reachable_bytes``); when that growth goes on
+    (``growth.goes_on``) a ``memory_leak`` anomaly is added with the report, the
     slope windows start afresh, and the next investigation waits ``window * 2**k`` steps
     (k counts investigations in a row, up to ``BACKOFF_MAX``; it falls back to 0 after a calm
     window). The slope goes to ``record.memory_growth``; the report of a flagged leak to
@@ -97,6 +129,7 @@ class LeakProbe(Probe[None]):
         self._heap_due: int | None = None  # tick from which the CPU tracker wants a sample out of turn
         self._quiet_until = 0  # no investigation starts before this tick
         self._backoff = 0
+        self._retried = False  # the last wait was skipped for a paused growth
 
     def configure(self, window: int | None = None, threshold: float | None = None,
                   confirm_steps: int | None = None) -> None:
@@ -213,31 +246,73 @@ class LeakProbe(Probe[None]):
             if cpu is not None and cpu.slope is not None:
                 record.memory_growth = cpu.slope
         if self.investigation is not None:
-            self.investigation.steps += 1
-            if self.investigation.steps >= self.confirm_steps:
-                self._conclude(record)
+            self._confirm_step(record)
             return
         if worst is not None:
-            self.investigated_device = worst[0]
-            self.investigations += 1
-            self.investigation = census.Investigation.begin(record.step, use_tracemalloc=self.use_tracemalloc)
+            self._investigate(worst[0], record)
+
+    def _investigate(self, device: str, record: StepRecord) -> None:
+        """Start the slow path; garbage is collected first, so the census and the measure of
+        where the confirmation starts count only what is reachable."""
+        self.investigated_device = device
+        self.investigations += 1
+        start = reachable_bytes(device)
+        self.investigation = census.Investigation.begin(record.step, use_tracemalloc=self.use_tracemalloc)
+        self.investigation.extra["reachable"] = {0: start}
+
+    def _confirm_step(self, record: StepRecord) -> None:
+        """One confirmation step: the reachable memory is measured at three quarters
+        (``checkpoints``), and the investigation concluded at the end."""
+        inv = self.investigation
+        if inv is None:
+            return
+        inv.steps += 1
+        if inv.steps >= self.confirm_steps:
+            self._conclude(record)
+        elif inv.steps in checkpoints(self.confirm_steps):
+            inv.extra["reachable"][inv.steps] = reachable_bytes(self.investigated_device or "cpu")
+
+    def _reachable_growth(self, inv: census.Investigation, device: str) -> tuple[bool, float | None]:
+        """Whether the reachable memory grew through the confirmation steps
+        (``growth.goes_on``), and its rate in bytes per step; (True, None) when it could not be
+        measured (the tracker's slope decides alone)."""
+        points = dict(inv.extra.get("reachable") or {})
+        points[inv.steps] = reachable_bytes(device)
+        if 0 not in points or any(v is None for v in points.values()) or inv.steps <= 0:
+            return True, None
+        ordered = sorted(points.items())
+        return growth.goes_on(ordered, self.threshold), (ordered[-1][1] - ordered[0][1]) / inv.steps
+
+    def _wait_after(self, paused: bool) -> None:
+        """The wait before the next investigation: ``window * 2**k`` steps, or none once when
+        the reachable memory grew over the confirmation but not in its last quarter (a leak
+        that pauses, as when evaluation steps come between training steps, is looked at
+        again as soon as its fresh window has the evidence; one that stopped never has it)."""
+        if paused and not self._retried:
+            self._retried = True
+            self._quiet_until = self.ticks
+            return
+        self._retried = False
+        self._quiet_until = self.ticks + self.window * 2 ** self._backoff
+        self._backoff = min(self._backoff + 1, BACKOFF_MAX)
 
     def _conclude(self, record: StepRecord) -> None:
-        """Flag when the slow path accounts for the growth, or when growth nothing accounts for
+        """Flag when the growth goes on through the confirmation steps (reachable memory, after
+        a collection) and the slow path accounts for it, or when growth nothing accounts for
         is seen in two windows in a row (a leak outside tensors and Python objects)."""
         inv, self.investigation = self.investigation, None
         if inv is None:
             return
-        report = inv.finish(record.step, steps=inv.steps)
         device = self.investigated_device or "cpu"
+        goes_on, reachable_rate = self._reachable_growth(inv, device)  # collects before the census below
+        report = inv.finish(record.step, steps=inv.steps)
         tr = self.trackers.get(device)
-        slope = tr.rate() if tr is not None else None
+        slope = reachable_rate if reachable_rate is not None else tr.rate() if tr is not None else None
         for t in self.trackers.values():
             t.reset()  # a fresh window, free of the slow path's own allocations
         self._heap_due = self.ticks  # and a first sample for it as soon as the wait allows
-        self._quiet_until = self.ticks + self.window * 2 ** self._backoff
-        self._backoff = min(self._backoff + 1, BACKOFF_MAX)
-        if slope is None or slope <= self.threshold:
+        self._wait_after(paused=not goes_on and slope is not None and slope > self.threshold)
+        if slope is None or slope <= self.threshold or not goes_on:
             self.unattributed = 0
             return
         if census.attributed_bytes(report) < 0.25 * slope * report["steps"]:

@@ -66,6 +66,26 @@ def _fit(samples: list[tuple[int, int]]) -> float | None:
     return theil_sen_slope([s for s, _ in samples], [v for _, v in samples])
 
 
+def goes_on(points: list[tuple[int, int]], threshold: float) -> bool:
+    """The confirmation steps judged on their own: ``(step, bytes)`` at their start, at points
+    within and at their end, each measured after a full garbage collection (see
+    ``LeakProbe``). The growth goes on when the whole confirmation climbs faster than
+    ``threshold`` and each part between two points at half the threshold or more: a growth
+    that stopped during it, or garbage a collection frees, is not a leak.
+
+    >>> goes_on([(0, 0), (4, 4_000), (6, 6_000), (8, 8_000)], 500)     # 1000 B/step all along
+    True
+    >>> goes_on([(0, 0), (4, 4_000), (6, 6_000), (8, 6_100)], 500)     # stopped at step 6
+    False
+    >>> goes_on([(0, 0), (4, 8_000), (6, 1_000), (8, 1_500)], 500)     # garbage, collected
+    False
+    """
+    (s0, v0), (s1, v1) = points[0], points[-1]
+    if s1 <= s0 or v1 - v0 <= threshold * (s1 - s0):
+        return False
+    return all(b[1] - a[1] >= 0.5 * threshold * (b[0] - a[0]) for a, b in zip(points, points[1:]))
+
+
 class GrowthTracker:
     """Samples of one device's memory in use, their robust slope, and whether growth is a leak.
 
