@@ -139,4 +139,5 @@ def _enabled(scaler: object) -> bool:
         return False
 
 
-__all__ = ["carried_scale", "find_side_effect_owners", "scale_at_start", "scaler_enabled", "skipped_update", "unscaled_by"]
+__all__ = ["carried_scale", "find_side_effect_owners", "scale_at_start", "scaler_enabled", "skipped_update",
+           "unscaled_by"]
