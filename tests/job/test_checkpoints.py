@@ -333,3 +333,92 @@ def test_an_evaluation_step_is_not_the_jobs_last_step(tmp_path):
     assert (state["step"], state["checkpoint_step"]) == (19, 9)
     (attempt,) = job_story(tmp_path / "evals")["attempts"]
     assert attempt["last_step"] == 19
+
+
+def test_safetensors_file_functions_are_timed_once_each_and_restored(rt, tmp_path):
+    """safetensors' ``save_file``/``load_file`` (and ``save_model``/``load_model``, which call
+    them) are checkpoints of their own: they write no ``torch.save`` and were not timed at all.
+    Inside another save they count nothing more."""
+    import safetensors.torch as st
+
+    original = st.save_file.__wrapped__
+    _steps(0, 1)
+    st.save_file({"w": torch.ones(1 << 16)}, str(tmp_path / "a.safetensors"))
+    assert torch.equal(st.load_file(str(tmp_path / "a.safetensors"))["w"], torch.ones(1 << 16))
+    model = torch.nn.Linear(4, 4)
+    st.save_model(model, str(tmp_path / "m.safetensors"))
+    st.load_model(model, str(tmp_path / "m.safetensors"))
+    with tt.checkpoint("save"):
+        st.save_file({"w": torch.zeros(4)}, str(tmp_path / "inner.safetensors"))
+    assert _hist(rt, "save")[0] == 3 and _hist(rt, "load")[0] == 2
+    assert rt.rank_state.fields["checkpoint_step"] == 1
+    tt.shutdown()
+    assert st.save_file is original
+
+
+_STAND_IN = '''
+import torch
+from safetensors.torch import save_file
+
+
+class Accelerator:
+    """As accelerate's: one file per object, a safetensors model and torch.save for the rest."""
+
+    def save_state(self, output_dir):
+        save_file({"w": torch.ones(4)}, output_dir + "/model.safetensors")
+        for name in ("optimizer", "scheduler", "random_states"):
+            torch.save({name: 1}, output_dir + "/" + name + ".bin")
+
+    def load_state(self, input_dir):
+        for name in ("optimizer", "scheduler", "random_states"):
+            torch.load(input_dir + "/" + name + ".bin")
+'''
+
+
+def _one_checkpoint_each(rt, accelerator, tmp_path):
+    assert hasattr(type(accelerator).save_state, "__wrapped__")
+    _steps(0, 2)
+    out = tmp_path / "state"
+    out.mkdir()
+    t0 = time.perf_counter()
+    accelerator.save_state(str(out))
+    took = time.perf_counter() - t0
+    accelerator.load_state(str(out))
+    count, total = _hist(rt, "save")
+    assert count == 1 and 0 < total <= took
+    assert _hist(rt, "load")[0] == 1
+    assert rt.rank_state.fields["checkpoint_step"] == 2
+    tt.shutdown()
+    assert not hasattr(type(accelerator).save_state, "__wrapped__")
+
+
+def test_an_accelerate_save_state_is_one_checkpoint_with_its_whole_time(rt, tmp_path):
+    """``Accelerator.save_state`` writes a file per object (the model, the optimizer, the
+    scheduler, the random states): it counted as 3 or 4 saves, the time of its inner
+    ``torch.save`` calls only (the safetensors model, most of it, was not timed). It is one
+    save, timed whole, and ``load_state`` one load."""
+    accelerate = pytest.importorskip("accelerate")
+    model = torch.nn.Linear(8, 8)
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _one_checkpoint_each(rt, accelerator, tmp_path)
+
+
+def test_an_accelerator_imported_after_configure_is_wrapped_as_it_is_imported(rt, tmp_path, monkeypatch):
+    """The same through the import hook, with a stand-in ``accelerate`` package where the real
+    one is not installed (its save_state writes as accelerate's does)."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("accelerate") is not None:
+        pytest.skip("accelerate is installed: the test above uses the real one")
+    package = tmp_path / "site" / "accelerate"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from accelerate.accelerator import Accelerator\n")
+    (package / "accelerator.py").write_text(_STAND_IN)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in ("accelerate", "accelerate.accelerator"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import accelerate
+
+    _one_checkpoint_each(rt, accelerate.Accelerator(), tmp_path)

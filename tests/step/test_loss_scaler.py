@@ -1,8 +1,10 @@
 """Float16 training with a real loss scaler (``torch.amp.GradScaler``, enabled), in the two orders
 PyTorch's AMP recipe gives: ``scaler.step(opt)`` straight after the backward, and
-``scaler.unscale_(opt)`` then ``clip_grad_norm_`` first (nanoGPT's). Each with a plain and a
-fused AdamW: a fused optimizer unscales the gradients in its own kernel, so they are still
-scaled when its update begins.
+``scaler.unscale_(opt)`` then ``clip_grad_norm_`` first (nanoGPT's), and a third many loops
+have: ``clip_grad_norm_(params, inf)`` on the still-scaled gradients, to log their norm, then
+``scaler.step(opt)`` (accelerate's ``clip_grad_norm_`` with no ``unscale_`` due, too). Each with a
+plain and a fused AdamW: a fused optimizer unscales the gradients in its own kernel, so they
+are still scaled when its update begins.
 
 - The recorded gradient norm is that of the unscaled gradients: the float64 norm of
   ``grad / scale`` summed in a plain loop of a run without torchtrace.
@@ -33,11 +35,15 @@ def _setup(fused: bool, init_scale: float):
     return model, opt, scaler, torch.randn(64, 16)
 
 
-def _body(model, opt, scaler, x, clip: bool, norms: list | None = None):
+SCALED = "scaled"  # ``clip``: a clip of the still-scaled gradients, before ``scaler.step``
+CLIPS = pytest.mark.parametrize("clip", [False, True, SCALED], ids=["step", "unscale-clip-step", "scaled-clip-step"])
+
+
+def _body(model, opt, scaler, x, clip: bool | str, norms: list | None = None):
     with torch.autocast("cpu", dtype=torch.float16):
         loss = model(x).pow(2).mean()
     scaler.scale(loss).backward()
-    if clip:
+    if clip is True:
         scaler.unscale_(opt)
         if norms is not None:  # the reference: unscaled already
             norms.append(math.sqrt(sum(float(v) ** 2 for p in model.parameters() for v in p.grad.double().flatten())))
@@ -46,6 +52,8 @@ def _body(model, opt, scaler, x, clip: bool, norms: list | None = None):
         scale = scaler.get_scale()
         norms.append(math.sqrt(sum((float(v) / scale) ** 2 for p in model.parameters()
                                    for v in p.grad.double().flatten())))
+    if clip == SCALED:  # the logging idiom: the gradients stay as they are
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=True)
@@ -62,13 +70,15 @@ def _plain(fused: bool, clip: bool, init_scale: float):
     return losses, norms, scales, [p.detach().clone() for p in model.parameters()]
 
 
-def _traced(tmp_path, guard: str, fused: bool, clip: bool, init_scale: float):
+def _traced(tmp_path, guard: str, fused: bool, clip: bool | str, init_scale: float, scales: list | None = None):
     tt.configure(service_name="scaler", prometheus_port="off", run_dir=str(tmp_path / "runs"), strict=True,
                  register_atexit=False, guard=guard)
     try:
         model, opt, scaler, x = _setup(fused, init_scale)
         losses, records = [], []
         for _ in range(STEPS):
+            if scales is not None:
+                scales.append(scaler.get_scale())
             with tt.debug_context("train_step", model=model, optimizer=opt) as step:
                 loss = _body(model, opt, scaler, x, clip)
                 step.record_loss(loss)
@@ -79,7 +89,7 @@ def _traced(tmp_path, guard: str, fused: bool, clip: bool, init_scale: float):
         tt.shutdown()
 
 
-@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+@CLIPS
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
 def test_the_recorded_norm_is_that_of_the_unscaled_gradients(tmp_path, fused, clip):
     losses, norms, scales, weights = _plain(fused, clip, init_scale=1024.0)
@@ -92,15 +102,22 @@ def test_the_recorded_norm_is_that_of_the_unscaled_gradients(tmp_path, fused, cl
 
 
 @pytest.mark.parametrize("guard", ["warn", "skip", "raise"])
-@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+@CLIPS
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
 def test_a_scale_overflow_is_left_to_the_scaler(tmp_path, guard, fused, clip):
-    losses, _, scales, weights = _plain(fused, clip, init_scale=2.0 ** 24)
+    """Also with a clip of the still-scaled gradients: before, torchtrace judged the overflow
+    there, before the scaler saw it; under ``skip`` it dropped the update, so the scaler found
+    no Inf and never backed off (no update in the whole run), and ``raise`` raised at step 0."""
+    losses, norms, scales, weights = _plain(fused, clip, init_scale=2.0 ** 24)
     overflowed = [later < now for now, later in zip(scales, scales[1:])]
     assert any(overflowed) and not all(overflowed)  # the case: some steps overflow, later ones update
-    got, records, got_weights = _traced(tmp_path, guard, fused, clip, init_scale=2.0 ** 24)
+    got_scales: list[float] = []
+    got, records, got_weights = _traced(tmp_path, guard, fused, clip, init_scale=2.0 ** 24, scales=got_scales)
+    assert got_scales == scales
     assert got == losses
     assert all(torch.equal(a, b) for a, b in zip(got_weights, weights))
+    finite = [i for i, norm in enumerate(norms) if math.isfinite(norm)]
+    assert [records[i].grad_norm for i in finite] == pytest.approx([norms[i] for i in finite], rel=1e-5)
     assert [r.scaler_overflow for r in records][:-1] == overflowed
     assert not any(r.skipped for r in records)
     assert [r.anomaly_kinds for r in records] == [[]] * STEPS
@@ -223,7 +240,7 @@ def _gauge(samples: dict, name: str) -> float | None:
     return found[0] if found else None
 
 
-@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+@CLIPS
 def test_a_scale_overflow_leaves_the_gradient_gauges_at_the_last_real_step(tmp_path, clip):
     """A scale that backs off from 2**24: the scaler finds Inf in its scaled gradients and skips
     those updates itself, which is no anomaly (see above). Before, with ``unscale_`` and a clip,
@@ -253,3 +270,24 @@ def test_a_scale_overflow_leaves_the_gradient_gauges_at_the_last_real_step(tmp_p
     last_real = [next((n for n in reversed(norms[:i + 1]) if math.isfinite(n)), None) for i in range(STEPS)]
     assert [norm for norm, _ in gauges] == pytest.approx(last_real, rel=1e-5)
     assert [count for _, count in gauges] == [None if n is None else 0 for n in last_real]
+
+
+def test_a_clip_of_the_scaled_gradients_returns_torchs_scaled_total(tt_runtime):
+    """The clip reuses the norms the step measured: those of the scaled gradients, as torch's
+    own clip computes them (bit for bit), while the record's norm is that of the unscaled ones."""
+    model, opt, scaler, x = _setup(False, 1024.0)
+    for _ in range(3):
+        with tt.debug_context("train_step", model=model, optimizer=opt) as step:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+            expected = math.sqrt(sum(float(v) ** 2 for g in grads for v in g.double().flatten())) / 1024.0
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            assert torch.equal(total, torch.nn.utils.get_total_norm(grads))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            step.record_loss(loss)
+        assert step.record.grad_norm == pytest.approx(expected, rel=1e-5)
+        assert step.record.anomaly_kinds == []

@@ -1,14 +1,17 @@
 """Checkpoint saves and loads, timed without a call in the training code.
 
-:func:`install` wraps ``torch.save``, ``torch.load`` and ``torch.distributed.checkpoint``'s
-``save`` and ``load`` (at ``configure()``); :func:`uninstall` puts the originals back (at
-``shutdown()``). Each call is timed and handed to the sink (the runtime): the histogram
+:func:`install` wraps ``torch.save``, ``torch.load``, ``torch.distributed.checkpoint``'s
+``save`` and ``load``, accelerate's ``Accelerator.save_state`` and ``load_state``, and
+safetensors' ``save_file``, ``load_file``, ``save_model`` and ``load_model`` (at ``configure()``;
+the last three where the application imports them, :data:`WHEN_IMPORTED`); :func:`uninstall`
+puts the originals back (at ``shutdown()``). Each call is timed and handed to the sink (the runtime): the histogram
 ``torchtrace_checkpoint_seconds{kind}``, badput ``checkpoint``, and the black box's
 ``checkpoint_step``. :func:`checkpoint` (``tt.checkpoint("save")``) marks any other saving or
 loading code the same way.
 
 A save inside another save (Lightning's checkpoint IO calling ``torch.save``; a distributed
-checkpoint that calls ``torch.save`` per shard) counts once: only the outermost call of each
+checkpoint that calls ``torch.save`` per shard; ``save_state`` saving the model, the optimizer,
+the scheduler and the random states one file each) counts once: only the outermost call of each
 thread is timed, and the sink counts only calls on the thread that trains (a distributed
 checkpoint's writer threads save its items while the training thread waits in it).
 
@@ -20,9 +23,9 @@ The calls torch makes itself (``ZeroRedundancyOptimizer`` sending its shards bet
 ``torch.save``'d bytes, ``torch.hub`` loading downloaded weights) are serialisation, not
 checkpoints, and are not counted.
 
-Limits: code that took its own reference before ``configure()`` (``from torch import save``)
-calls the original and is not timed; safetensors' ``save_file`` is not wrapped (mark it with
-:func:`checkpoint`).
+Limits: code that took its own reference before ``configure()`` (``from torch import save``;
+``from safetensors.torch import save_file``, as transformers' ``save_pretrained`` does) calls
+the original and is not timed (mark it with :func:`checkpoint`).
 """
 
 from __future__ import annotations
@@ -62,8 +65,9 @@ def install(sink: Sink) -> None:
     """Time checkpoint calls from now on and hand each to ``sink``. Installing again only
     replaces the sink.
 
-    ``torch.distributed.checkpoint`` takes seconds to import: it is wrapped when the
-    application imports it (now, if it already has), never imported by torchtrace.
+    The modules of :data:`WHEN_IMPORTED` (``torch.distributed.checkpoint`` takes seconds to
+    import; accelerate and safetensors are the application's own) are wrapped when the
+    application imports them (now, those it already has), never imported by torchtrace.
     """
     global _sink
     _sink = sink
@@ -71,32 +75,68 @@ def install(sink: Sink) -> None:
         return
     _wrap(torch, "save", "save", own_calls=False)
     _wrap(torch, "load", "load", own_calls=False)
-    if DCP in sys.modules:
-        _wrap_dcp(sys.modules[DCP])
-    elif not any(isinstance(f, _DcpFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DcpFinder())
+    for name, wrap in WHEN_IMPORTED.items():
+        if name in sys.modules:
+            wrap(sys.modules[name])
+    if not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WrapOnImport())
 
 
 DCP = "torch.distributed.checkpoint"
 
 
 def _wrap_dcp(dcp: ModuleType) -> None:
-    if _sink is None or any(owner is dcp for owner, _, _ in _originals):
+    if _sink is None:
         return
     for name, kind in (("save", "save"), ("load", "load"), ("save_state_dict", "save"),
                        ("load_state_dict", "load")):
-        if callable(getattr(dcp, name, None)):
-            _wrap(dcp, name, kind)
-    if callable(getattr(dcp, "async_save", None)):
+        _wrap_if_there(dcp, name, kind)
+    if callable(getattr(dcp, "async_save", None)) and not _wrapped(dcp, "async_save"):
         _wrap_async_save(dcp, "async_save")
 
 
-class _DcpFinder(importlib.abc.MetaPathFinder):
-    """Wraps ``torch.distributed.checkpoint``'s save and load once the application imports it."""
+def _wrap_accelerate(module: ModuleType) -> None:
+    """``Accelerator.save_state`` and ``load_state``: one checkpoint each, however many files
+    (and ``torch.save`` calls) they write or read."""
+    accelerator = getattr(module, "Accelerator", None)
+    if isinstance(accelerator, type):
+        _wrap_if_there(accelerator, "save_state", "save")
+        _wrap_if_there(accelerator, "load_state", "load")
+
+
+def _wrap_safetensors(module: ModuleType) -> None:
+    """safetensors' file functions (not ``save``/``load``, which make and read bytes in memory)."""
+    for name, kind in (("save_file", "save"), ("save_model", "save"), ("load_file", "load"),
+                       ("load_model", "load")):
+        _wrap_if_there(module, name, kind)
+
+
+WHEN_IMPORTED: dict[str, Callable[[ModuleType], None]] = {
+    DCP: _wrap_dcp,
+    "accelerate.accelerator": _wrap_accelerate,  # (where ``Accelerator`` is defined)
+    "safetensors.torch": _wrap_safetensors,
+}
+"""The modules whose checkpoint functions are wrapped as the application imports them."""
+
+
+def _wrapped(owner: object, name: str) -> bool:
+    return any(o is owner and n == name for o, n, _ in _originals)
+
+
+def _wrap_if_there(owner: object, name: str, kind: str) -> None:
+    """``owner.name`` timed as a ``kind`` call, if it is there, once (and torchtrace is installed)."""
+    if _sink is not None and callable(getattr(owner, name, None)) and not _wrapped(owner, name):
+        _wrap(owner, name, kind)
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Wraps the checkpoint functions of a module of :data:`WHEN_IMPORTED` once the application
+    imports it."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> ModuleSpec | None:
-        if fullname != DCP:
+        wrap = WHEN_IMPORTED.get(fullname)
+        if wrap is None:
             return None
         sys.meta_path.remove(self)
         try:
@@ -111,9 +151,9 @@ class _DcpFinder(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             original_exec(module)
             try:
-                _wrap_dcp(module)
+                wrap(module)
             except Exception:  # never break the application's import
-                logger.debug("torchtrace could not wrap %s", DCP, exc_info=True)
+                logger.debug("torchtrace could not wrap %s", fullname, exc_info=True)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -123,7 +163,7 @@ def uninstall() -> None:
     """Put every wrapped function back; nothing is timed afterwards."""
     global _sink
     _sink = None
-    for finder in [f for f in sys.meta_path if isinstance(f, _DcpFinder)]:
+    for finder in [f for f in sys.meta_path if isinstance(f, _WrapOnImport)]:
         sys.meta_path.remove(finder)
     while _originals:
         owner, name, original = _originals.pop()

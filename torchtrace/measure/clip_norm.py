@@ -68,7 +68,7 @@ def total_norm(stats: GradStats, grads: Sequence[torch.Tensor], norm_type: float
         rows = [position.get(id(g)) for g in group]
         if None in rows:
             return None
-        pieces.append(_norms_at(stats.norms, rows).to(dtype))  # type: ignore[arg-type]
+        pieces.append(_norms_at(stats.as_measured, rows).to(dtype))  # type: ignore[arg-type]
     if len(pieces) == 1:
         stacked = pieces[0]
     else:

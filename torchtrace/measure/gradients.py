@@ -42,6 +42,14 @@ class GradStats:
     norms: torch.Tensor
     grads: list[torch.Tensor]  # dense views used; kept only until the record is read
     scope: str = "global"  # "local" when some DTensor shard norms could not be combined across ranks
+    # The norms as measured, where ``norms`` were divided by a loss scale the gradients still
+    # carry (:func:`unscaled`): those of the tensors as they are, which a clip's total is made of.
+    measured: torch.Tensor | None = None
+
+    @property
+    def as_measured(self) -> torch.Tensor:
+        """The norms of the gradient tensors as they are (scaled, where they carry a loss scale)."""
+        return self.norms if self.measured is None else self.measured
 
     @property
     def count(self) -> int:
@@ -215,7 +223,7 @@ def unscaled(stats: GradStats, scale: torch.Tensor) -> GradStats:
     element), divided by it on the device: those of the gradients the update applies. (The
     scale is a power of two: the division is exact.)"""
     norms = stats.norms / scale.detach().to(stats.norms.device, stats.norms.dtype).reshape(())
-    return GradStats(names=stats.names, norms=norms, grads=stats.grads, scope=stats.scope)
+    return GradStats(names=stats.names, norms=norms, grads=stats.grads, scope=stats.scope, measured=stats.as_measured)
 
 
 def remeasured(stats: GradStats | None, again: GradStats) -> GradStats:
@@ -226,11 +234,16 @@ def remeasured(stats: GradStats | None, again: GradStats) -> GradStats:
     renamed = set(again.names)
     keep = [i for i, name in enumerate(stats.names) if name not in renamed]
     dtype = torch.promote_types(stats.norms.dtype, again.norms.dtype)
-    kept = stats.norms[torch.tensor(keep, dtype=torch.long, device=stats.norms.device)]
-    norms = torch.cat([kept.to(dtype), again.norms.to(stats.norms.device, dtype)])
-    return GradStats(names=[stats.names[i] for i in keep] + list(again.names), norms=norms,
+    rows = torch.tensor(keep, dtype=torch.long, device=stats.norms.device)
+
+    def merged(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return torch.cat([first[rows].to(dtype), second.to(stats.norms.device, dtype)])
+
+    scaled = stats.measured is not None or again.measured is not None
+    return GradStats(names=[stats.names[i] for i in keep] + list(again.names), norms=merged(stats.norms, again.norms),
                      grads=[stats.grads[i] for i in keep] + list(again.grads) if stats.grads else list(again.grads),
-                     scope="local" if "local" in (stats.scope, again.scope) else stats.scope)
+                     scope="local" if "local" in (stats.scope, again.scope) else stats.scope,
+                     measured=merged(stats.as_measured, again.as_measured) if scaled else None)
 
 
 GradientMark = tuple["weakref.ref[torch.Tensor] | None", int]

@@ -13,7 +13,8 @@ both on the device and never waited for here:
 
 Before the scaler's first ``scale()`` call it has no scale yet: the scale at the start of
 that step is the one it starts from (``init_scale``). The scaler's own attributes are read
-(``_scale``, ``_init_scale``, ``_per_optimizer_states``); a scaler without them gives no sign.
+(``_scale``, ``_init_scale``, ``_per_optimizer_states``: torch has no public way to read them
+without a host sync, or at all); a scaler without them gives no sign.
 """
 
 from __future__ import annotations
@@ -75,6 +76,30 @@ def unscaled_by(scaler: object) -> bool:
                                             for state in states.values())
 
 
+def carried_scale(scaler: object, optimizer: object = None) -> torch.Tensor | None:
+    """The scale gradients made by ``scaler.scale(loss).backward()`` still carry: the enabled
+    scaler's scale while it has not unscaled ``optimizer``'s gradients (any optimizer's, when
+    None) since its last ``update()``; None otherwise. The scale is the scaler's own device
+    tensor (``_scale``), read without a host sync, where ``get_scale()`` would read it to the
+    host.
+
+    >>> scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    >>> _ = scaler.scale(torch.ones(()))
+    >>> float(carried_scale(scaler))
+    4.0
+    """
+    if not scaler_enabled(scaler):
+        return None
+    scale = getattr(scaler, "_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        return None
+    if optimizer is None:
+        return None if unscaled_by(scaler) else scale
+    states = getattr(scaler, "_per_optimizer_states", None)
+    state = states.get(id(optimizer)) if isinstance(states, dict) else None
+    return None if isinstance(state, dict) and state.get("found_inf_per_device") else scale
+
+
 def find_side_effect_owners(args: tuple, kwargs: dict) -> tuple[list[Any], list[Any]]:
     """Optimizers and GradScalers passed to a step function: a replay neutralises their updates,
     and throughput reads a scaler's skipped updates.
@@ -114,4 +139,5 @@ def _enabled(scaler: object) -> bool:
         return False
 
 
-__all__ = ["find_side_effect_owners", "scale_at_start", "scaler_enabled", "skipped_update", "unscaled_by"]
+__all__ = ["carried_scale", "find_side_effect_owners", "scale_at_start", "scaler_enabled", "skipped_update",
+           "unscaled_by"]

@@ -23,7 +23,7 @@ import torch
 
 from torchtrace.errors import NonFiniteError
 from torchtrace.measure import gradients as grad_measure
-from torchtrace.measure.scaler import scaler_enabled, unscaled_by
+from torchtrace.measure.scaler import carried_scale, scaler_enabled, unscaled_by
 from torchtrace.record import readout
 from torchtrace.record.policy import GuardPolicy, agree_any
 from torchtrace.step.compiled import outside_compiler
@@ -54,11 +54,18 @@ def kernel_scale(optimizer: object) -> torch.Tensor | None:
     return scale if isinstance(scale, torch.Tensor) else None
 
 
-def _applied_norms(params: list, optimizer: torch.optim.Optimizer | None) -> grad_measure.GradStats | None:
+def _applied_norms(params: list, optimizer: torch.optim.Optimizer | None,
+                   scaler: object = None) -> grad_measure.GradStats | None:
     """The norms of the gradients of ``params`` as ``optimizer``'s update will apply them: divided
-    by the scale a fused optimizer stepped through a GradScaler still has to remove."""
+    by the scale they still carry. That is the scale a fused optimizer stepped through a
+    GradScaler still has to remove, or, before the step's ``scaler`` unscaled them (a clip
+    called on the scaled gradients, to log their norm), the scaler's own, which its ``step``
+    removes before the update. (The stats keep the norms as measured, which a clip's total is
+    made of.)"""
     stats = grad_measure.gradient_norms(params)
     scale = kernel_scale(optimizer)
+    if scale is None:
+        scale = carried_scale(scaler, optimizer)
     if stats is not None and scale is not None:
         stats = grad_measure.unscaled(stats, scale)
     return stats
@@ -366,7 +373,7 @@ class GradientCheck:
         rt, scope = self.rt, self.scope
         t0 = time.perf_counter()
         try:
-            stats = _applied_norms(refs, optimizer)
+            stats = _applied_norms(refs, optimizer, scope.scaler)
             if stats is not None:
                 self.stats = grad_measure.remeasured(self.stats, stats)
                 self.values = None  # the earlier values, if read, are not all current now
@@ -401,7 +408,7 @@ class GradientCheck:
             if clipped is not None:
                 ids = {id(p) for p in clipped}
                 params = [ref for ref in params if id(ref.param) in ids]
-            self.stats = _applied_norms(params, optimizer)
+            self.stats = _applied_norms(params, optimizer, scope.scaler)
             self._guard(params, measured=self.stats is not None)
             every = rt.settings.update_ratio_interval
             if scope.features.param_stats and every and scope.step % every == 0 and params:
@@ -464,7 +471,7 @@ class GradientCheck:
 
     def _guard_update(self, params: list, optimizer: torch.optim.Optimizer) -> None:
         """Guard one more update of the step, of ``params`` by ``optimizer``: measure, read, decide."""
-        stats = _applied_norms(params, optimizer)
+        stats = _applied_norms(params, optimizer, self.scope.scaler)
         if stats is None and not self.rt.identity.distributed:
             return
         first = self.stats, self.values
@@ -508,10 +515,13 @@ class GradientCheck:
 
     def _left_to_scaler(self) -> bool:
         """Whether a loss scaler skips this update itself if the gradients hold Inf or NaN: it
-        unscaled them (``scaler.unscale_`` before a clip), or it steps a fused optimizer that
-        unscales in its kernel. Its overflows are routine while its scale backs off: the guard
-        leaves them to it (the record tells an overflow from a non-finite loss)."""
-        return kernel_scale(self.optimizer) is not None or unscaled_by(self.scope.scaler)
+        unscaled them (``scaler.unscale_`` before a clip), it steps a fused optimizer that
+        unscales in its kernel, or the gradients measured still carry its scale (a clip called
+        before any ``unscale_``, to log the norm: its ``step`` unscales and checks them). Its
+        overflows are routine while its scale backs off: the guard leaves them to it (the
+        record tells an overflow from a non-finite loss)."""
+        carried = self.stats is not None and self.stats.measured is not None
+        return carried or kernel_scale(self.optimizer) is not None or unscaled_by(self.scope.scaler)
 
     def _decide(self, params: list, values: list[float] | None = None) -> None:
         """Read the norms now (a host read of its own, unless ``values`` are the CPU norms already
