@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import pty
 import re
@@ -46,15 +47,15 @@ def test_demo_tells_the_story_in_a_pipe(tmp_path):
     assert "samples, FLOPs (counted once per input shape), learning rate" in " ".join(out.split())
     page = re.search(r"live page:  (http://127\.0\.0\.1:\d+/)\n  token:      (\S+)", out)
     assert page and len(page.group(2)) >= 32, out
-    assert out.index("token:") < out.index("step 20/120")
+    assert out.index("token:") < out.index("step 19 (20/120 done)")
     # the NaN: found at its step, its producer named, the update skipped, training recovering, in that order
     lines = out.splitlines()
     found = next(i for i, l in enumerate(lines) if "step 50: NaN found (" in l and "). Forensic replay: born in layer "
                                                      "`norm` (InputNorm)" in l)
     skipped = next(i for i, l in enumerate(lines) if "step 50: update skipped (guard skip)" in l)
     recovered = next(i for i, l in enumerate(lines) if re.search(r">> step 51: training recovered: loss \d", l))
-    progress_before = next(i for i, l in enumerate(lines) if l.startswith("  step 40/120"))
-    progress_after = next(i for i, l in enumerate(lines) if l.startswith("  step 60/120"))
+    progress_before = next(i for i, l in enumerate(lines) if l.startswith("  step 39 (40/120 done)"))
+    progress_after = next(i for i, l in enumerate(lines) if l.startswith("  step 59 (60/120 done)"))
     assert progress_before < found < skipped < recovered < progress_after  # each event when it happens
     assert "WARNING torchtrace: step 80 train_step: grad_explosion: " in out  # torchtrace's own log lines, whole
     # the NaN story is told once: the narration's line, with what was non-finite, and no raw
@@ -107,7 +108,7 @@ def test_demo_names_an_input_nan_as_a_data_problem(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"step 5: NaN found \(nonfinite_\w+(, nonfinite_\w+)*\)\. Forensic replay: it came in with the "
                      r"input batch \(1 NaN/Inf value\(s\)\), before any layer ran", proc.stdout.replace("\n     ", " "))
-    assert "step 6/12" not in proc.stdout  # --no-progress
+    assert "/12 done)" not in proc.stdout  # --no-progress
     report = json.loads((only_run(tmp_path) / "report.json").read_text())
     assert [r["cause"] for r in report["forensics"]["reports"]] == ["input"]
 
@@ -205,6 +206,7 @@ def test_parse_fault_refuses_what_would_never_fire():
     (["--hold", "-1"], "--hold=-1.0 is not valid"),
     (["--level", "loud"], "level='loud' is not valid; accepted values: off, basic, advanced, extreme"),
     (["--guard", "maybe"], "guard='maybe' is not valid; accepted values:"),
+    (["--run-dir", "/dev/null/runs"], "--run-dir='/dev/null/runs' is not valid: /dev/null is not a directory"),
 ])
 def test_demo_refuses_bad_arguments(tmp_path, args, message, capsys):
     """The command's own entry point, in this process: exit status 2, one line naming the setting."""
@@ -212,6 +214,88 @@ def test_demo_refuses_bad_arguments(tmp_path, args, message, capsys):
     err = capsys.readouterr().err
     assert status == 2 and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "runs").exists()  # refused before any run started
+
+
+PROGRESS = re.compile(r"^  step (\d+) \((\d+)/(\d+) done\)  loss (\S+)$", re.M)
+
+
+@pytest.mark.timeout(120)
+def test_demo_progress_lines_number_steps_as_the_narration_and_the_report(tmp_path):
+    """A progress line read "step 50/150 loss 0.9682" above ">> step 50: NaN found": the
+    loss was step 49's. Each line now names the step (from 0, as everywhere) whose loss it shows."""
+    proc = demo(tmp_path, "--steps", "12", "--inject", "nan-input@5")
+    assert proc.returncode == 0, proc.stderr
+    lines = PROGRESS.findall(proc.stdout)
+    assert [(int(s), int(n)) for s, n, _, _ in lines] == [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10), (11, 12)], lines
+    steps = {s["step"]: s for s in json.loads((only_run(tmp_path) / "report.json").read_text())["steps"]}
+    for step, _, _, loss in lines:
+        want = steps[int(step)]["loss"]
+        assert loss == ("nan" if not isinstance(want, float) or math.isnan(want) else f"{want:.4f}"), (step, loss)
+
+
+@pytest.mark.timeout(120)
+def test_demo_at_level_off_shows_its_own_loss_and_promises_no_spans(tmp_path):
+    """Level off measures nothing: every progress line said "loss nan" and the header promised
+    spans, metrics and report lines, then the summary said "steps 0 of 12"."""
+    proc = demo(tmp_path, "--steps", "12", "--level", "off", "--inject", "nan@6")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    losses = {int(s): float(loss) for s, _, _, loss in PROGRESS.findall(out)}
+    assert sorted(losses) == [1, 3, 5, 7, 9, 11] and all(math.isfinite(losses[s]) for s in (1, 3, 5)), out
+    assert "Each step is one span" not in out and "line in the run report" not in out
+    assert "no spans, no step metrics and no step lines in the run report" in " ".join(out.split()), out
+    assert re.search(r"\n  steps +12 of 12, run bare \(level off: torchtrace measured none of them\)\n", out), out
+    assert not (only_run(tmp_path) / "spans.jsonl").exists()
+
+
+@pytest.mark.timeout(120)
+def test_demo_hold_after_training_is_no_hang(tmp_path):
+    """The demo's --hold kept the live page up after the last step and, 30 s into it, the
+    watchdog reported a training hang (hang.json, stacks.txt, a hang span, report hangs: 1),
+    and the report's goodput counted the hold as badput. The demo now says training is over
+    (``tt.idle()``): a hold longer than the hang timeout records no hang."""
+    env = {**ENV, "TORCHTRACE_HANG_TIMEOUT_S": "2"}
+    proc = subprocess.run([sys.executable, "-m", "torchtrace.cli", "demo", "--port", "0", "--run-dir",
+                           str(tmp_path / "runs"), "--steps", "20", "--hold", "5", "--no-progress"],
+                          capture_output=True, text=True, timeout=100, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "The live page stays up for 5 s" in proc.stdout
+    assert "hang" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    run = only_run(tmp_path)
+    assert not (run / "hang.json").exists() and not (run / "stacks.txt").exists()
+    report = json.loads((run / "report.json").read_text())
+    assert report["hangs"]["hangs"] == 0
+    assert report["throughput"]["badput_s"]["other"] < 2.0, report["throughput"]["badput_s"]
+
+
+@pytest.mark.timeout(120)
+def test_demo_prints_absolute_paths_and_takes_a_relative_run_dir_from_the_users_directory(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torchtrace.cli", "demo", "--port", "off", "--run-dir", "rel",
+                           "--steps", "3", "--no-progress"], capture_output=True, text=True, timeout=100,
+                          cwd=tmp_path, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    (run,) = (tmp_path / "rel").iterdir()
+    assert f"  run files:  {run}/ (" in proc.stdout, proc.stdout
+    cmd = re.search(r"HTML report:  (.+)\n", proc.stdout).group(1)
+    assert cmd == f"{sys.executable} -m torchtrace.cli report {run} --html report.html", cmd
+
+
+def test_demo_script_runs_the_demo_from_the_users_directory(tmp_path):
+    """scripts/demo.sh went into the checkout before starting the demo: a relative --run-dir
+    (and the default ./torchtrace-runs) landed there, not where the user ran it."""
+    checkout, user = tmp_path / "checkout", tmp_path / "user"
+    (checkout / "scripts").mkdir(parents=True)
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    user.mkdir()
+    (checkout / "scripts" / "demo.sh").write_text((ROOT / "scripts" / "demo.sh").read_text())
+    (checkout / "scripts" / "setup.sh").write_text("#!/bin/sh\necho setup in $PWD\n")
+    (checkout / ".venv" / "bin" / "torchtrace").write_text('#!/bin/sh\necho "torchtrace in $PWD: $*"\n')
+    for script in ("scripts/demo.sh", "scripts/setup.sh", ".venv/bin/torchtrace"):
+        (checkout / script).chmod(0o755)
+    done = subprocess.run([str(checkout / "scripts" / "demo.sh"), "--run-dir", "runs"], cwd=user,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert f"torchtrace in {user}: demo --run-dir runs" in done.stdout, done.stdout
 
 
 def test_quickstart_example_runs(tmp_path):

@@ -272,3 +272,23 @@ def test_a_misspelt_environment_variable_is_named_with_the_one_meant(caplog):
         "ignoring TORCHTRACE_HANG_TIMEOUT: torchtrace reads no such variable; did you mean TORCHTRACE_HANG_TIMEOUT_S?",
         "ignoring TORCHTRACE_PROMETHEUS_PORTS: torchtrace reads no such variable; did you mean "
         "TORCHTRACE_PROMETHEUS_PORT?"]
+
+
+def test_an_unwritable_run_dir_is_one_warning_line_naming_it_and_training_goes_on(caplog):
+    """configure(run_dir=<unwritable>) logged "torchtrace internal error in files" with three
+    chained tracebacks. It is the user's setting, not torchtrace's failure: one line naming
+    it and what it accepts, no traceback; the run goes on without files, as docs/reliability.md
+    says of a run directory torchtrace cannot use."""
+    with caplog.at_level(logging.WARNING):
+        result = tt.configure(prometheus_port="off", run_dir="/dev/null/runs", register_atexit=False)
+    try:
+        with tt.debug_context("train_step", step=0):
+            pass
+    finally:
+        tt.shutdown()
+    assert result.run_dir is None
+    (record,) = [r for r in caplog.records if "run_dir" in r.getMessage()]
+    message = record.getMessage()
+    assert "run_dir='/dev/null/runs' cannot be used" in message and "accepted values: a directory" in message
+    assert record.exc_info is None and "\n" not in message
+    assert "internal error" not in caplog.text

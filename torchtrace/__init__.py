@@ -42,6 +42,7 @@ from torchtrace.api import (
     debug_context,
     debug_operation,
     flush,
+    idle,
     shutdown,
 )
 from torchtrace.compat import (
@@ -99,6 +100,7 @@ __all__ = [
     "debug_operation",
     "debug_training_session",
     "flush",
+    "idle",
     "shutdown",
     "TrainingMonitor",
     "TrainingDebugger",

@@ -30,6 +30,7 @@ from torchtrace.distributed.identity import (
     watch_group_start,
 )
 from torchtrace.errors import get_logger
+from torchtrace.job import progress
 from torchtrace.job.identity import (
     SettingsOffer,
     agent_run_id,
@@ -435,6 +436,26 @@ def current_step() -> StepScope:
     current.end_orphan()  # a framework's step whose loop raised is not open any more
     scope = current.step()
     return scope if scope is not None else _NO_STEP
+
+
+def idle() -> None:
+    """Say that training is over for now: the script evaluates, serves its model, keeps a page
+    up or waits for its next job after its last step.
+
+    Until the next step begins, the hang watchdog does not watch the training thread (its phase
+    is ``idle``, as before the first step) and goodput counts no time. Without it that time is
+    ``data_wait`` under the regular hang timeout: a script that served for a minute after its
+    last step was reported as a hung job. Does nothing outside a configured run, inside a step,
+    or on a thread other than the one that runs the steps.
+
+    >>> import torchtrace as tt
+    >>> tt.idle()
+    """
+    rt = current.runtime(create=False)
+    if rt is None or current.step() is not None or not progress.on_training_thread():
+        return
+    progress.idle()
+    rt.throughput.idle()
 
 
 def debug_context(name: str | DebugLevel = "step", *, model: torch.nn.Module | None = None,

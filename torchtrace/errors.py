@@ -143,12 +143,14 @@ class InternalErrors:
         self.total = 0
         self.by_component: dict[str, int] = {}
 
-    def report(self, component: str, exc: BaseException) -> None:
+    def report(self, component: str, exc: BaseException, log: bool = True) -> None:
+        """Count ``exc`` under ``component``; log it the first time (``log=False``: the caller
+        told the user already, in words of its own)."""
         with self._lock:
             self.total += 1
             self.by_component[component] = self.by_component.get(component, 0) + 1
             first = self._seen.first((component, type(exc).__name__))
-        if first:
+        if first and log:
             logger.warning("torchtrace internal error in %s (%s); training continues, further ones are counted",
                            component, type(exc).__name__, exc_info=exc)
         if self._count is not None:

@@ -422,3 +422,38 @@ def test_an_accelerator_imported_after_configure_is_wrapped_as_it_is_imported(rt
     import accelerate
 
     _one_checkpoint_each(rt, accelerate.Accelerator(), tmp_path)
+
+
+def test_idle_after_the_last_step_is_no_hang_and_no_badput(tmp_path):
+    """``tt.idle()``: training is over for now (the script evaluates, serves, or keeps a page
+    up). The time after it was ``data_wait`` under the regular timeout: the demo's 30 s hold
+    was reported as a training hang, and counted as badput ``other``. The next step ends it."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="idle", hang_timeout_s=2.0,
+                 register_atexit=False)
+    try:
+        rt = current.runtime(create=False)
+        box = rt.rank_state.fields
+        _steps(0, 4)
+        tt.idle()
+        assert box["phase"] == "idle"
+        time.sleep(4.0)  # longer than the timeout and the watchdog's look
+        assert not box.get("hangs") and not (tmp_path / "idle" / "hang.json").exists()
+        assert rt.throughput.ledger.snapshot(time.perf_counter()).badput["other"] < 1.0
+        _steps(5, 5)
+        assert box["phase"] == "data_wait" and box["step"] == 5
+        time.sleep(4.0)  # the same pause after a step: watched again
+        assert box.get("hangs") == 1
+    finally:
+        tt.shutdown()
+
+
+def test_idle_does_nothing_outside_a_run_or_inside_a_step(tmp_path):
+    tt.idle()  # never configured: nothing to say it to
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="idle2", register_atexit=False)
+    try:
+        box = current.runtime(create=False).rank_state.fields
+        with tt.debug_context("train_step", step=0):
+            tt.idle()
+            assert box["phase"] != "idle"
+    finally:
+        tt.shutdown()

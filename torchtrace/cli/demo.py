@@ -15,11 +15,11 @@ Steps are numbered from 0, so ``--steps 300`` accepts faults at steps 0 to 299.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import select
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import IO
@@ -128,6 +128,7 @@ class DemoState:
     replays: int = 0
     skipped: int = 0
     stopped_at: int | None = None
+    ran: int = 0  # steps run to their end (counted by the demo itself: at level off nothing is measured)
 
 
 def run(steps: int = 300, level: str = "basic", inject: list[Fault] | None = None, guard: str | None = "skip",
@@ -161,6 +162,7 @@ def run(steps: int = 300, level: str = "basic", inject: list[Fault] | None = Non
     page = _live_page(rt)
     narrate.summary(console, summary, state, settings, steps)
     narrate.next_steps(console, result.run_dir, report_command(), page)
+    tt.idle()  # training is over: the hold below is no hang, nor the job's time
     _hold(console, hold_s, page, out)
     tt.shutdown()
     return summary
@@ -201,12 +203,27 @@ def _train(model: DemoNet, opt: torch.optim.Optimizer, teacher: torch.nn.Linear,
             state.stopped_at = i
             return
         narrate.after_step(console, i, step.record, state)
-        last = state.losses[-1] if state.losses else math.nan
-        if console.bar:
-            console.progress(f"  {bar_text(i + 1, steps)}  loss {last:8.4f}", force=i == steps - 1)
-        elif progress and ((i + 1) % pipe_every == 0 or i == steps - 1):
-            console.line(f"  step {i + 1}/{steps}  loss {last:.4f}")
+        _show_progress(console, i, steps, _step_loss(step.record, loss, state), progress, pipe_every)
     console.end_progress()
+
+
+def _step_loss(record, loss: torch.Tensor, state: DemoState) -> float:
+    """This step's loss: torchtrace's reading of it, or (nothing measured: level off) the
+    demo's own, kept for the summary too."""
+    state.ran += 1
+    if record is not None and record.loss is not None:
+        return record.loss
+    value = float(loss.detach())
+    state.losses.append(value)
+    return value
+
+
+def _show_progress(console: Console, i: int, steps: int, loss: float, progress: bool, pipe_every: int) -> None:
+    """Step ``i`` (numbered from 0, as the narration and the report number it) and its loss."""
+    if console.bar:
+        console.progress(f"  {bar_text(i + 1, steps)}  step {i}  loss {loss:8.4f}", force=i == steps - 1)
+    elif progress and ((i + 1) % pipe_every == 0 or i == steps - 1):
+        console.line(f"  step {i} ({i + 1}/{steps} done)  loss {loss:.4f}")
 
 
 def _live_page(rt) -> tuple[str, str | None] | None:
@@ -218,20 +235,38 @@ def _live_page(rt) -> tuple[str, str | None] | None:
     return f"{server.url}/", (None if api.token_from_settings else api.token)
 
 
-def _relative(path: str) -> str:
-    rel = os.path.relpath(path)
-    return rel if not rel.startswith("..") else path
-
-
 def report_command() -> str:
-    """How this very program is started again, for the ``report`` command the demo suggests."""
+    """How this very program is started again, for the ``report`` command the demo suggests:
+    an absolute path, right from any directory the user copies it into."""
     argv0 = sys.argv[0] if sys.argv else ""
     if os.path.basename(argv0) == "torchtrace" and os.path.isfile(argv0):
         on_path = shutil.which("torchtrace")
         if on_path and os.path.realpath(on_path) == os.path.realpath(argv0):
             return "torchtrace"
-        return _relative(argv0)
-    return f"{_relative(sys.executable)} -m torchtrace.cli"
+        return os.path.abspath(argv0)
+    return f"{os.path.abspath(sys.executable)} -m torchtrace.cli"
+
+
+def usable_run_dir(path: str) -> str:
+    """``--run-dir`` as an absolute path (a relative one is taken from the directory the demo
+    was started in), once a directory was made and removed where it would be created.
+
+    Raises:
+        ValueError: it cannot be created or written; the message names ``--run-dir``.
+    """
+    absolute = os.path.abspath(os.path.expanduser(path))
+    existing = absolute
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        problem = f"{existing} is not a directory"
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".torchtrace-demo-", dir=existing))
+            return absolute
+        except OSError as exc:
+            problem = f"cannot create a directory in {existing}: {exc.strerror or exc}"
+    raise ValueError(f"--run-dir={path!r} is not valid: {problem}; accepted values: a directory you can write")
 
 
 def _hold(console: Console, hold_s: float | None, page: tuple[str, str | None] | None, out: IO[str]) -> None:
@@ -277,6 +312,7 @@ def _main(args: argparse.Namespace) -> int:
             raise ValueError(f"--hold={args.hold} is not valid; accepted values: seconds, 0 or more")
         faults = [parse_fault(f, args.steps) for f in args.inject]
         check_faults(faults)
+        run_dir = usable_run_dir(args.run_dir) if args.run_dir is not None else None
     except ValueError as exc:
         print(f"torchtrace demo: {exc}", file=sys.stderr)
         return 2
@@ -284,5 +320,5 @@ def _main(args: argparse.Namespace) -> int:
     # cores are busy the threads' spin-waits made each step about 10x slower (8 vs 92 ms).
     torch.set_num_threads(1)
     run(steps=args.steps, level=args.level, inject=faults, guard=args.guard, prometheus_port=args.port,
-        run_dir=args.run_dir, progress=not args.no_progress, hold_s=args.hold)
+        run_dir=run_dir, progress=not args.no_progress, hold_s=args.hold)
     return 0

@@ -23,7 +23,8 @@ from torchtrace.reporting.summary import throughput_rows
 from torchtrace.reporting.terminal import sink_summary
 
 MEASURED = {
-    "off": "nothing: the step runs bare (level off)",
+    "off": "nothing: the steps run bare (level off): no spans, no step metrics and no step lines in the run report. "
+           "The run directory gets the job's black box (state.json) and a report.json without steps",
     "basic": "the loss; the global and per-tensor gradient norms (one fused pass, one host read); NaN/Inf "
              "in the loss and gradients; step time; process memory",
 }
@@ -65,9 +66,19 @@ def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
     return lines
 
 
-def _rel(path: str | os.PathLike[str]) -> str:
-    rel = os.path.relpath(str(path))
-    return rel if not rel.startswith("..") else str(path)
+def _level(settings) -> str:
+    return settings.level.value if hasattr(settings.level, "value") else str(settings.level)
+
+
+def _what_each_step_makes(level: str, throughput: bool) -> str:
+    if level == "off":
+        return "measured every step: " + MEASURED["off"] + "."
+    measured = MEASURED.get(level, MEASURED["basic"])
+    if throughput:
+        measured += ("; samples, FLOPs (counted once per input shape), learning rate, forward/backward/optimizer "
+                     "time, the wait for data and goodput")
+    return ("measured every step: " + measured
+            + ". Each step is one span (spans.jsonl), Prometheus metrics and a line in the run report.")
 
 
 def header(console: Console, steps: int, settings, faults, fault_text: dict[str, str],
@@ -77,16 +88,10 @@ def header(console: Console, steps: int, settings, faults, fault_text: dict[str,
         console.line(f"torchtrace demo: {steps} training steps; torchtrace is disabled by the environment, "
                      "so nothing is measured")
         return
-    level = settings.level.value if hasattr(settings.level, "value") else str(settings.level)
+    level = _level(settings)
     console.line(f"torchtrace demo: {steps} training steps of an 85 k-parameter MLP on synthetic data, "
                  f"level {level}, guard {settings.guard}")
-    measured = MEASURED.get(level, MEASURED["basic"])
-    if level != "off" and getattr(settings, "throughput", True):
-        measured += ("; samples, FLOPs (counted once per input shape), learning rate, forward/backward/optimizer "
-                     "time, the wait for data and goodput")
-    for line in _wrap("measured every step: " + measured
-                      + ". Each step is one span (spans.jsonl), Prometheus metrics and a line in the run report.",
-                      "  "):
+    for line in _wrap(_what_each_step_makes(level, getattr(settings, "throughput", True)), "  "):
         console.line(line)
     for f in sorted(faults, key=lambda f: f.step):
         console.line(f"  planted at step {f.step}: {f.kind} ({fault_text[f.kind]})")
@@ -98,7 +103,8 @@ def header(console: Console, steps: int, settings, faults, fault_text: dict[str,
     if result.metrics_url:
         console.line(f"  metrics:    {result.metrics_url}")
     if result.run_dir:
-        console.line(f"  run files:  {_rel(result.run_dir)}/ (spans.jsonl now, report.json at the end)")
+        now = "state.json" if level == "off" else "spans.jsonl"
+        console.line(f"  run files:  {os.path.abspath(result.run_dir)}/ ({now} now, report.json at the end)")
     console.line("")
 
 
@@ -183,16 +189,30 @@ def stopped(console: Console, i: int, why: str) -> None:
 
 
 def summary(console: Console, summary: dict[str, Any], state, settings, steps: int) -> None:
-    """The run in a few rows; anomaly kinds on their own row, not under another figure."""
-    totals = summary.get("totals", {})
+    """The run in a few rows; anomaly kinds on their own row, not under another figure. At
+    level off only what the demo counted itself: torchtrace measured nothing."""
     finite = [v for v in state.losses if math.isfinite(v)]
+    loss = ("loss", f"{finite[0]:.4f} first, {finite[-1]:.4f} last finite" if finite else "-")
+    if settings is not None and _level(settings) == "off":
+        rows = [("steps", f"{state.ran} of {steps}, run bare (level off: torchtrace measured none of them)"), loss]
+    else:
+        rows = _measured_rows(summary, state, steps, loss)
+    width = max(len(k) for k, _ in rows)
+    console.line("")
+    console.line("summary")
+    for key, value in rows:
+        console.line(f"  {key.ljust(width)}  {value}")
+
+
+def _measured_rows(summary: dict[str, Any], state, steps: int, loss: tuple[str, str]) -> list[tuple[str, str]]:
+    totals = summary.get("totals", {})
     median_ms = 1000 * statistics.median(state.step_times) if state.step_times else 0.0
     kinds = summary.get("anomalies_by_kind", {})
     forensics = summary.get("forensics") or {}
-    rows = [
+    return [
         ("steps", f"{totals.get('steps', 0)} of {steps}, median {median_ms:.1f} ms per step"
                   + (f"; stopped at step {state.stopped_at}" if state.stopped_at is not None else "")),
-        ("loss", f"{finite[0]:.4f} first, {finite[-1]:.4f} last finite" if finite else "-"),
+        loss,
         ("anomalous steps", str(totals.get("anomaly_steps", 0))),
         ("anomalies by kind", ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) or "none"),
         ("non-finite steps", str(totals.get("nonfinite_steps", 0))),
@@ -201,11 +221,6 @@ def summary(console: Console, summary: dict[str, Any], state, settings, steps: i
         ("spans", sink_summary(summary.get("telemetry") or {})),
         *throughput_rows(summary.get("throughput") or {}),
     ]
-    width = max(len(k) for k, _ in rows)
-    console.line("")
-    console.line("summary")
-    for key, value in rows:
-        console.line(f"  {key.ljust(width)}  {value}")
 
 
 def next_steps(console: Console, run_path, command: str, page: tuple[str, str | None] | None) -> None:
@@ -213,6 +228,6 @@ def next_steps(console: Console, run_path, command: str, page: tuple[str, str | 
     console.line("")
     console.line("where to look next")
     if run_path is not None:
-        console.line(f"  HTML report:  {command} report {_rel(run_path)} --html report.html")
+        console.line(f"  HTML report:  {command} report {os.path.abspath(run_path)} --html report.html")
     if page is not None:
         console.line(f"  live page:    {page[0]} (up while the demo runs; --hold SECONDS keeps it after training)")

@@ -9,10 +9,11 @@ thread and ``/metrics`` read the same values (a dict store is atomic under the G
 Fields written here (besides those :mod:`torchtrace.job.state` lists):
 
 * ``phase``: one of :data:`torchtrace.semconv.TRAINING_PHASES`. ``idle`` before the first
-  step and after shutdown; ``data_wait`` between steps and inside a step before its model's
-  forward (input code); ``forward``, then ``backward`` from the forward's end (the loss
-  counts with it), ``optimizer``; ``collective`` inside a ``torch.distributed`` call;
-  ``checkpoint`` and ``evaluation`` for the whole of a step marked with that ``kind=``.
+  step, after shutdown and from :func:`torchtrace.idle` to the next step; ``data_wait``
+  between steps and inside a step before its model's forward (input code); ``forward``, then
+  ``backward`` from the forward's end (the loss counts with it), ``optimizer``;
+  ``collective`` inside a ``torch.distributed`` call; ``checkpoint`` and ``evaluation`` for
+  the whole of a step marked with that ``kind=``.
 * ``progress``: unix time of the last mark of any kind (the watchdog's clock).
 * ``step_kind``: the open step's ``kind=`` (train, evaluation, checkpoint, other).
 * ``step_start``: unix time the open step began; None between steps. Kept at shutdown: a
@@ -71,6 +72,15 @@ def untrack(fields: dict[str, Any]) -> None:
     if fields.get("current_step") is not None:
         fields["interrupted_step"] = fields["current_step"]
     fields.update(phase="idle", phase_since=now, progress=now, current_step=None)
+
+
+def idle() -> None:
+    """The script says no step comes for now (:func:`torchtrace.idle`): the phase is ``idle``,
+    which no timeout watches, until the next step begins."""
+    f = _fields
+    now = _clock()
+    f["phase"] = "idle"
+    f["phase_since"] = f["progress"] = now
 
 
 def tracked() -> dict[str, Any]:

@@ -84,8 +84,20 @@ def run_files(rt: Runtime) -> None:
         rt.report_path = files.claim_file(rt.run_path / rank_file_name("report", ".json", rt.identity))
         rt.state_path = files.claim_file(rt.run_path / state_name)
     except OSError as exc:
-        rt.errors.report("files", exc)
         rt.run_path = rt.spans_path = rt.report_path = rt.state_path = rt.run_root = None
+        no_run_files(rt, exc)
+
+
+def no_run_files(rt: Runtime, exc: OSError) -> None:
+    """The run directory cannot be used: the user's setting, not torchtrace's failure. One
+    warning line names it and what it accepts, without a traceback (it logged three chained
+    ones as an internal error); counted under ``files``; strict mode raises."""
+    reason = exc.strerror or str(exc)
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(rt.settings.run_dir) else ""
+    logger.warning("torchtrace: run_dir=%r cannot be used: %s%s; this run writes no files (spans, report, black "
+                   "box), training goes on; accepted values: a directory this process can create and write",
+                   str(rt.settings.run_dir), reason, where)
+    rt.errors.report("files", exc, log=False)
 
 
 BLACK_BOX_PERIOD_S = 0.5

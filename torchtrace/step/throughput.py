@@ -441,6 +441,13 @@ class RunThroughput:
         for hooks in list(self._models.values()):
             hooks.detach()
 
+    def idle(self) -> None:
+        """The script said training is over for now (:func:`torchtrace.idle`): goodput pauses
+        until the next step, as while nothing is measured (the time between steps waiting to
+        be booked, an unmarked evaluation among it, is booked first)."""
+        self.between_steps(before=math.inf)
+        self.ledger.pause(time.perf_counter())
+
     def close(self) -> None:
         for hooks in list(self._models.values()) + list(self._optimizers.values()):
             hooks.remove()
