@@ -33,6 +33,7 @@ from opentelemetry.proto.resource.v1 import resource_pb2
 from prometheus_client import CollectorRegistry
 
 from torchtrace.errors import get_logger
+from torchtrace.export.endpoints import signal_url
 from torchtrace.export.transport import grpc_channel_options
 from torchtrace.job.signals import start_thread
 
@@ -172,8 +173,7 @@ class _GrpcSender:
 class _HttpSender:
     def __init__(self, endpoint: str, headers: Mapping[str, str] | None, ca_file: str | None,
                  connect_s: float) -> None:
-        url = endpoint.rstrip("/")
-        self.url = url if url.endswith("/v1/metrics") else url + "/v1/metrics"
+        self.url = signal_url(endpoint, "metrics")
         self._headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
         self._context = ssl.create_default_context(cafile=ca_file) if self.url.startswith("https://") else None
 
@@ -191,7 +191,8 @@ class OtlpMetricsPusher:
 
     Args:
         registry: the Prometheus registry to convert.
-        endpoint: the collector's base URL (``/v1/metrics`` is appended for HTTP).
+        endpoint: the collector's endpoint; the URL posted to over HTTP follows the spec's rules
+            (:func:`torchtrace.export.endpoints.signal_url`).
         protocol: ``grpc`` or ``http/protobuf``.
         resource: resource attributes (service.name, run id, rank, ...).
         interval_s: seconds between pushes.
