@@ -1,17 +1,19 @@
 """What ``flush()`` and ``shutdown()`` promise about OTLP delivery, against the real receivers:
 flush says False when a collector refused the spans; shutdown waits for a slow collector that
-answers within the deadline."""
+answers within the deadline; no metrics push thread or socket outlives shutdown."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
+import psutil
 import pytest
 import torch
 
 import torchtrace as tt
-from tests.fixtures import GrpcOtlpReceiver, HttpOtlpReceiver
+from tests.fixtures import BlackHole, GrpcOtlpReceiver, HttpOtlpReceiver
 from torchtrace.api import get_runtime
 
 RECEIVERS = [("grpc", GrpcOtlpReceiver, grpc.StatusCode.INVALID_ARGUMENT), ("http/protobuf", HttpOtlpReceiver, 400)]
@@ -64,4 +66,27 @@ def test_shutdown_waits_for_a_slow_collector_that_answers_within_the_deadline(pr
         elapsed = time.monotonic() - t0
         assert proc.accounting()["exported"] == 7, proc.accounting()
         assert len(rx.spans()) == 7
+    assert elapsed < 1.1, elapsed
+
+
+def _sockets_to(port: int) -> list:
+    return [c for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port]
+
+
+@pytest.mark.timeout(60)
+def test_no_metrics_push_thread_or_socket_outlives_shutdown(tmp_path, tiny_model):
+    with BlackHole() as hole:
+        tt.configure(prometheus_port="off", run_dir=str(tmp_path), register_atexit=False,
+                     metrics_exporter="otlp", otlp_metrics_endpoint=hole.endpoint, otlp_protocol="http/protobuf",
+                     metrics_export_interval_s=0.2, export_timeout_s=5.0, shutdown_timeout_s=1.0)
+        _train(tiny_model, 2)
+        deadline = time.monotonic() + 5
+        while not _sockets_to(hole.port) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _sockets_to(hole.port), "no push reached the black hole"
+        t0 = time.monotonic()
+        tt.shutdown()
+        elapsed = time.monotonic() - t0
+        threads = [t.name for t in threading.enumerate() if t.name == "torchtrace-metrics-push"]
+        assert threads == [] and _sockets_to(hole.port) == [], (threads, _sockets_to(hole.port))
     assert elapsed < 1.1, elapsed
