@@ -695,3 +695,55 @@ def test_step_phases_panel_keeps_operations_apart(dashboards):
             assert {"operation", "phase"} <= {g.strip() for g in grouping.split(",")}, expr
         assert "{{operation}}" in target["legendFormat"] and "{{phase}}" in target["legendFormat"]
         assert re.search(r"_count\{[^}]*\}\[\$__rate_interval\]\)\)\s*>\s*0\)", expr), expr
+
+
+# ------------------------------------------------------------------ OTLP endpoints documented
+
+OTLP_VARIABLE = re.compile(r"(OTEL_EXPORTER_OTLP_(?:TRACES_|METRICS_)?(?:ENDPOINT|PROTOCOL))"
+                           r"""(?:=|:\s*|,\s*value:\s*)["']?([^\s"'}#]+)""")
+DEFAULT_OTLP_PROTOCOL = "http/protobuf"  # torchtrace's, as the OTel spec's (docs/configuration.md)
+
+
+def text_blocks(path: Path) -> list[str]:
+    """A markdown file's fenced code blocks (what a reader copies); a YAML file as one block."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".md":
+        return re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.M | re.S)
+    return [text]
+
+
+def documented_otlp_endpoints() -> list[tuple[str, str, str]]:
+    """(file, endpoint URL, protocol it is used with) for every OTLP endpoint deploy/ tells
+    a training job to set: README and runbook code blocks, compose, Kubernetes manifests. A
+    block that sets no protocol means torchtrace's default."""
+    found = []
+    for path in sorted([*DEPLOY.rglob("*.md"), *DEPLOY.rglob("*.yml"), *DEPLOY.rglob("*.yaml")]):
+        for block in text_blocks(path):
+            pairs = OTLP_VARIABLE.findall(block)
+            protocols = {value for name, value in pairs if name.endswith("PROTOCOL")}
+            assert len(protocols) <= 1, f"{path}: one block sets several protocols {protocols}"
+            protocol = protocols.pop() if protocols else DEFAULT_OTLP_PROTOCOL
+            found += [(str(path.relative_to(DEPLOY)), value, protocol)
+                      for name, value in pairs if name.endswith("ENDPOINT")]
+    return found
+
+
+def test_documented_otlp_endpoints_match_the_collectors_receiver(otel_config):
+    receivers = otel_config["receivers"]["otlp"]["protocols"]
+    port_of = {"grpc": host_port(receivers["grpc"]["endpoint"])[1],
+               "http/protobuf": host_port(receivers["http"]["endpoint"])[1]}
+    assert port_of == {"grpc": OTLP_GRPC_PORT, "http/protobuf": OTLP_HTTP_PORT}
+    documented = documented_otlp_endpoints()
+    assert any(where == "README.md" for where, _, _ in documented), documented
+    for where, url, protocol in documented:
+        assert host_port(url)[1] == port_of[protocol], (
+            f"{where}: {url} with protocol {protocol}: the collector takes {protocol} on {port_of[protocol]}")
+
+
+def test_the_endpoint_check_catches_a_grpc_port_with_the_default_protocol(tmp_path, monkeypatch):
+    (tmp_path / "README.md").write_text("```sh\nexport OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4317\n```\n")
+    (tmp_path / "job.yaml").write_text('env:\n  - {name: OTEL_EXPORTER_OTLP_PROTOCOL, value: "grpc"}\n'
+                                       '  - {name: OTEL_EXPORTER_OTLP_ENDPOINT, value: "http://collector:4317"}\n')
+    monkeypatch.setitem(globals(), "DEPLOY", tmp_path)
+    assert documented_otlp_endpoints() == [("README.md", "http://localhost:4317", "http/protobuf"),
+                                           ("job.yaml", "http://collector:4317", "grpc")]

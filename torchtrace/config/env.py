@@ -114,3 +114,15 @@ def misspelt(environ: Mapping[str, str], known: Iterable[str]) -> list[tuple[str
             if close:
                 found.append((name, close[0]))
     return found
+
+
+class SignalEndpoint(str):
+    """An endpoint read from ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
+    ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``: by the OpenTelemetry spec, the full URL of that
+    signal, which an HTTP exporter posts to as it is (:func:`torchtrace.export.endpoints.signal_url`).
+    Everything else about it is the string's."""
+
+    __slots__ = ()
+
+
+SIGNAL_ENDPOINT_VARIABLES = (ENV_OTLP_TRACES_ENDPOINT, ENV_OTLP_METRICS_ENDPOINT)

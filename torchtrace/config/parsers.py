@@ -56,7 +56,9 @@ from torchtrace.config.env import (
     ENV_THROUGHPUT,
     ENV_UPDATE_RATIO_INTERVAL,
     FALSE_STRINGS,
+    SIGNAL_ENDPOINT_VARIABLES,
     TRUE_STRINGS,
+    SignalEndpoint,
 )
 from torchtrace.config.headers import check_headers, parse_env_headers
 from torchtrace.levels import DebugLevel, DebugMode
@@ -376,6 +378,12 @@ VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "on_hang": _choice(HANG_POLICIES),
 }
 
+def _env_endpoint(value: str, variable: str) -> str:
+    """An endpoint from the environment; a signal-specific variable's is a :class:`SignalEndpoint`."""
+    url = _check_endpoint(value, variable)
+    return SignalEndpoint(url) if variable in SIGNAL_ENDPOINT_VARIABLES else url
+
+
 # setting -> (environment variables in order of precedence, parser)
 ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "disabled": ((ENV_DISABLED, ENV_OTEL_SDK_DISABLED), _bool),
@@ -388,7 +396,7 @@ ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "prometheus_host": ((ENV_PROMETHEUS_HOST,), _host),
     "prometheus_port": ((ENV_PROMETHEUS_PORT,), _port),
     "port_policy": ((ENV_PORT_POLICY,), _choice(PORT_POLICIES)),
-    "otlp_endpoint": ((ENV_OTLP_TRACES_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),
+    "otlp_endpoint": ((ENV_OTLP_TRACES_ENDPOINT, ENV_OTLP_ENDPOINT), _env_endpoint),
     "otlp_protocol": ((ENV_OTLP_TRACES_PROTOCOL, ENV_OTLP_PROTOCOL), _choice(OTLP_PROTOCOLS)),
     "guard": ((ENV_GUARD,), _choice(GUARD_POLICIES)),
     "strict": ((ENV_STRICT,), _bool),
@@ -402,7 +410,7 @@ ENV_SOURCES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "forensics_max_replays": ((ENV_FORENSICS_MAX_REPLAYS,), lambda v, s: _non_negative_int(v, s)),
     "metrics_exporter": ((ENV_METRICS_EXPORTER,), _choice(METRICS_EXPORTERS)),
     "metrics_export_interval_s": ((ENV_METRICS_EXPORT_INTERVAL,), _positive_float),
-    "otlp_metrics_endpoint": ((ENV_OTLP_METRICS_ENDPOINT, ENV_OTLP_ENDPOINT), _check_endpoint),
+    "otlp_metrics_endpoint": ((ENV_OTLP_METRICS_ENDPOINT, ENV_OTLP_ENDPOINT), _env_endpoint),
     "otlp_certificate": ((ENV_OTLP_TRACES_CERTIFICATE, ENV_OTLP_CERTIFICATE), _readable_file),
     "otlp_headers": ((ENV_OTLP_TRACES_HEADERS, ENV_OTLP_HEADERS), parse_env_headers),
     "peak_flops": ((ENV_PEAK_FLOPS,), _peak_flops),

@@ -17,11 +17,13 @@ Name mapping (so that a collector's Prometheus exporter gives back the scraped n
 
 from __future__ import annotations
 
+import http.client
 import os
+import socket
 import ssl
 import threading
 import time
-import urllib.request
+import urllib.error
 import weakref
 from typing import Any, Mapping
 from urllib.parse import urlsplit
@@ -33,6 +35,7 @@ from opentelemetry.proto.resource.v1 import resource_pb2
 from prometheus_client import CollectorRegistry
 
 from torchtrace.errors import get_logger
+from torchtrace.export.endpoints import signal_url
 from torchtrace.export.transport import grpc_channel_options
 from torchtrace.job.signals import start_thread
 
@@ -170,20 +173,66 @@ class _GrpcSender:
 
 
 class _HttpSender:
+    """POSTs each push on a connection of its own, all of it (connect, send, answer) within
+    the push's deadline; :meth:`close` shuts down the socket of a push in flight, which then
+    fails at once, and refuses new ones."""
+
     def __init__(self, endpoint: str, headers: Mapping[str, str] | None, ca_file: str | None,
                  connect_s: float) -> None:
-        url = endpoint.rstrip("/")
-        self.url = url if url.endswith("/v1/metrics") else url + "/v1/metrics"
+        self.url = signal_url(endpoint, "metrics")
+        parts = urlsplit(self.url)
+        self._address = (parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+        self._path = parts.path or "/"
         self._headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
-        self._context = ssl.create_default_context(cafile=ca_file) if self.url.startswith("https://") else None
+        self._context = ssl.create_default_context(cafile=ca_file) if parts.scheme == "https" else None
+        self._lock = threading.Lock()
+        self._conn: http.client.HTTPConnection | None = None
+        self._closed = False
 
     def send(self, request, timeout_s: float) -> None:
-        req = urllib.request.Request(self.url, data=request.SerializeToString(), headers=self._headers, method="POST")
-        with urllib.request.urlopen(req, timeout=timeout_s, context=self._context) as response:
+        deadline = time.monotonic() + timeout_s
+        conn = self._connect(timeout_s)
+        try:
+            conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            conn.request("POST", self._path, body=request.SerializeToString(), headers=self._headers)
+            conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            response = conn.getresponse()
             response.read()
+        finally:
+            with self._lock:
+                self._conn = None
+            conn.close()
+        if not 200 <= response.status < 300:
+            raise urllib.error.HTTPError(self.url, response.status, response.reason, response.headers, None)
+
+    def _connect(self, timeout_s: float) -> http.client.HTTPConnection:
+        host, port = self._address
+        if self._context is not None:
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(host, port, timeout=timeout_s,
+                                                                           context=self._context)
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        with self._lock:
+            if self._closed:
+                raise ConnectionAbortedError("metrics sender closed")
+            self._conn = conn
+        conn.connect()
+        with self._lock:  # a close() during the connect found no socket to shut down
+            if self._closed:
+                conn.close()
+                raise ConnectionAbortedError("metrics sender closed")
+        return conn
 
     def close(self) -> None:
-        return None
+        with self._lock:
+            self._closed = True
+            conn = self._conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a push blocked on it; it then fails at once
+            except OSError:
+                pass
 
 
 class OtlpMetricsPusher:
@@ -191,7 +240,8 @@ class OtlpMetricsPusher:
 
     Args:
         registry: the Prometheus registry to convert.
-        endpoint: the collector's base URL (``/v1/metrics`` is appended for HTTP).
+        endpoint: the collector's endpoint; the URL posted to over HTTP follows the spec's rules
+            (:func:`torchtrace.export.endpoints.signal_url`).
         protocol: ``grpc`` or ``http/protobuf``.
         resource: resource attributes (service.name, run id, rank, ...).
         interval_s: seconds between pushes.
@@ -214,6 +264,7 @@ class OtlpMetricsPusher:
         self.pushes = 0
         self.failures = 0
         self._last_failed = False
+        self._closing = False  # shutdown is closing the sender: a push it cuts off is no collector failure
         self._failure_kinds: set[str] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -253,7 +304,9 @@ class OtlpMetricsPusher:
                 self.failures += 1
                 self._last_failed = True
                 kind = type(exc).__name__
-                if kind not in self._failure_kinds:
+                if self._closing:
+                    logger.debug("torchtrace OTLP metrics push ended by shutdown (%s)", kind)
+                elif kind not in self._failure_kinds:
                     self._failure_kinds.add(kind)
                     logger.warning("torchtrace OTLP metrics push failed (%s); further failures are counted", kind)
                 return False
@@ -275,7 +328,10 @@ class OtlpMetricsPusher:
         if not self._last_failed and left > 0.05 and self._lock.acquire(timeout=min(left, 0.1)):
             self._lock.release()
             self.push_once(deadline - time.monotonic())
+        self._closing = True
         try:
-            self._sender.close()
+            self._sender.close()  # ends a push still in flight: no thread or socket outlives shutdown
         except Exception:
             logger.debug("metrics sender close failed", exc_info=True)
+        if thread is not None and thread.is_alive():
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -11,6 +11,7 @@ from typing import Mapping
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from torchtrace.export.endpoints import signal_url
 from torchtrace.export.http_session import HttpSpanExporter, abortable_session
 from torchtrace.export.span_ids import own_random
 from torchtrace.export.transport import grpc_channel_options, hide_sdk_header_echo
@@ -45,10 +46,11 @@ def otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float, headers: 
                        ca_file: str | None = None, connect_s: float | None = None) -> SpanExporter:
     """The SDK's OTLP exporter for ``protocol`` ("grpc" or "http/protobuf").
 
-    ``endpoint`` is the base endpoint, as in ``OTEL_EXPORTER_OTLP_ENDPOINT`` (already parsed
-    by the settings); for HTTP, ``/v1/traces`` is appended unless the path already ends with
-    it. TLS follows the scheme: https uses TLS (``ca_file``, or
-    ``OTEL_EXPORTER_OTLP_CERTIFICATE``, names a CA file), http does not. Both exporters'
+    ``endpoint`` is the setting ``otlp_endpoint`` (already parsed); for HTTP, the URL posted
+    to follows the spec's rules (:func:`torchtrace.export.endpoints.signal_url`): a base gets
+    ``/v1/traces``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is used as given. TLS follows the
+    scheme: https uses TLS (``ca_file``, or ``OTEL_EXPORTER_OTLP_CERTIFICATE``, names a CA
+    file), http does not. Both exporters'
     ``shutdown()`` ends a call in flight at once: the gRPC one by closing its channel, the
     HTTP one by closing the connections its session holds, idle or busy. ``connect_s`` bounds
     each gRPC connection attempt (:func:`torchtrace.export.transport.connect_timeout_s`).
@@ -76,9 +78,7 @@ def _sdk_exporter(endpoint: str, protocol: str, timeout_s: float, headers: Mappi
                             # (the exporter's stub allows only string values; gRPC takes ints too)
                             headers=dict(headers) if headers else None,
                             channel_options=options)  # type: ignore[arg-type]
-    url = endpoint.rstrip("/")
-    if not url.endswith("/v1/traces"):
-        url += "/v1/traces"
+    url = signal_url(endpoint, "traces")
     pinned = ca_file if url.startswith("https://") and ca_file else None
     session = abortable_session(pinned)
     return HttpSpanExporter(endpoint=url, timeout=timeout_s, headers=dict(headers) if headers else None,

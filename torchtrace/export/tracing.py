@@ -98,6 +98,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._exiting = False
         self._failing = False  # the last export failed: a flush at shutdown would only wait
         self._export_started: float | None = None
+        self._last_answer_s = 0.0  # how long the last successful export took
 
     def _after_fork(self) -> None:
         # A forked child (a DataLoader worker) must not export its parent's spans, nor any
@@ -262,6 +263,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                     self.on_error(exc)
                 except Exception:
                     pass
+        if written == len(batch):
+            self._last_answer_s = time.monotonic() - self._export_started
         self._export_started = None
         lost = len(batch) - written
         with self._cond:
@@ -279,9 +282,11 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._notify_drop("export_failed", lost)
 
     def collector_unhealthy(self, stuck_after_s: float = 0.5) -> bool:
-        """The last export failed, or the current one has hung for ``stuck_after_s``."""
+        """The last export failed, or the current one has hung for ``stuck_after_s`` and for
+        twice as long as the last successful one took (a collector slow to answer is not stuck)."""
         started = self._export_started
-        return self._failing or (started is not None and time.monotonic() - started > stuck_after_s)
+        patience = max(stuck_after_s, 2 * self._last_answer_s)
+        return self._failing or (started is not None and time.monotonic() - started > patience)
 
     def prepare_exit(self) -> None:
         """Interpreter exit: from now on no thread is started; a processor without a worker
@@ -289,10 +294,13 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._exiting = True
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Export what is queued now; True only when every export it waited for succeeded (with
+        nothing to wait for: when the last export did)."""
         deadline = time.monotonic() + timeout_millis / 1000.0
         with self._cond:
-            if self._worker is None or self._shutdown:
-                return not self._queue
+            failed_before = self.dropped["export_failed"]
+            if self._worker is None or self._shutdown or not (self._queue or self._in_flight):
+                return not self._queue and not self._failing
             self._flush_requests += 1
             self._cond.notify_all()
             while self._queue or self._in_flight:
@@ -300,7 +308,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 if left <= 0:
                     return False
                 self._cond.wait(left)
-        return True
+            return self.dropped["export_failed"] == failed_before
 
     def shutdown(self, timeout_s: float = 3.0) -> None:
         """Flush what fits in ``timeout_s``, count the rest as dropped, stop the exporter.

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from torchtrace.errors import get_logger
+from torchtrace.export.endpoints import metrics_endpoint
 
 if TYPE_CHECKING:
     from torchtrace.config import Settings
@@ -166,6 +167,6 @@ def wait_for_grpc_disconnect(settings: Settings, pushes_metrics: bool, deadline:
         return
     endpoints = {settings.otlp_endpoint}
     if pushes_metrics:
-        endpoints.add(settings.otlp_metrics_endpoint or settings.otlp_endpoint)
+        endpoints.add(metrics_endpoint(settings))
     for endpoint in sorted(e for e in endpoints if e):
         wait_for_disconnect(endpoint, deadline)

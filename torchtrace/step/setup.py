@@ -15,6 +15,7 @@ from torchtrace.distributed import rank_file_name
 from torchtrace.distributed.collectives import STATE as COLLECTIVES
 from torchtrace.errors import get_logger
 from torchtrace.export import transport
+from torchtrace.export.endpoints import metrics_endpoint
 from torchtrace.export.server import TelemetryServer
 from torchtrace.export.tracing import BoundedBatchSpanProcessor, JsonLinesSpanExporter, otlp_span_exporter
 from torchtrace.job import identity as job_identity
@@ -175,10 +176,11 @@ def metrics_push(rt: Runtime) -> None:
     s = rt.settings
     if s.metrics_exporter not in ("otlp", "both"):
         return
-    endpoint = s.otlp_metrics_endpoint or s.otlp_endpoint
+    endpoint = metrics_endpoint(s)
     if not endpoint:
-        logger.warning("torchtrace metrics_exporter=%s but no OTLP endpoint is set: no metrics are pushed",
-                       s.metrics_exporter)
+        logger.warning("torchtrace metrics_exporter=%s but no OTLP endpoint is set for metrics (otlp_metrics_endpoint, "
+                       "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; the traces URL is not "
+                       "used for metrics): no metrics are pushed", s.metrics_exporter)
         return
     from torchtrace.export.otlp_metrics import OtlpMetricsPusher
 
