@@ -21,6 +21,7 @@ Fields written here (besides those :mod:`torchtrace.job.state` lists):
   that step's number as ``interrupted_step``.
 * ``steps_done``: steps finished in this process (the watchdog's step-period estimate).
 * ``thread``: the id of the thread that runs the steps (its stack comes first).
+* ``idles``: :func:`torchtrace.idle` calls so far (the watchdog learns no step period across one).
 
 >>> fields = {}
 >>> track(fields)
@@ -81,6 +82,7 @@ def idle() -> None:
     now = _clock()
     f["phase"] = "idle"
     f["phase_since"] = f["progress"] = now
+    f["idles"] = f.get("idles", 0) + 1
 
 
 def tracked() -> dict[str, Any]:
