@@ -332,16 +332,22 @@ class Watchdog:
         :func:`torchtrace.idle` give no period, nor is the pause it ends one: the time idle is
         no step's."""
         step_time = f.get("step_time")
-        if (f.get("idles") or 0) != self._seen_idles:
-            self._seen_idles = f.get("idles") or 0
-            self._seen_step_time = self._seen_progress = None
-        if steps > self._seen_steps and isinstance(step_time, (int, float)) and self._seen_step_time is not None:
+        idled = (f.get("idles") or 0) != self._seen_idles  # a tt.idle() since the last tick
+        advanced = steps > self._seen_steps
+        if advanced and not idled and isinstance(step_time, (int, float)) and self._seen_step_time is not None:
             elapsed = min(step_time - self._seen_step_time, mono - self._seen_step_mono)
             self.recent.append(max(elapsed, 0.0) / (steps - self._seen_steps))
         if steps != self._seen_steps:
             self._seen_steps, self._seen_step_time = steps, step_time
             if isinstance(step_time, (int, float)):
                 self._seen_step_mono = mono - ago(step_time, now, mono, self._looked)
+        if idled:
+            # The steps this tick saw may straddle the idle: no period from them. The last one
+            # starts the next period only if it came after the idle (training runs again).
+            self._seen_idles = f.get("idles") or 0
+            self._seen_progress = None
+            if not advanced or f.get("phase") == "idle":
+                self._seen_step_time = None
         if since != self._seen_progress:
             if self._seen_progress is not None and self._seen_phase not in progress.SLOW_KINDS + ("idle",):
                 self.recent.append(self._seen_stall)
