@@ -447,6 +447,83 @@ def test_idle_after_the_last_step_is_no_hang_and_no_badput(tmp_path):
         tt.shutdown()
 
 
+def _evaluate(model, how, tmp_path):
+    """0.3 s of work between steps: an evaluation, marked or not, or a checkpoint save."""
+    x = torch.randn(2, 4)
+    if how == "unmarked":
+        with torch.no_grad():
+            model(x)
+            time.sleep(0.3)
+            model(x)
+    elif how == "marked":
+        with tt.debug_context("evaluate", model=model, kind="evaluation"), torch.no_grad():
+            model(x)
+            time.sleep(0.3)
+    else:
+        with tt.checkpoint("save"):
+            time.sleep(0.3)
+
+
+def _train(model, first, last):
+    for step in range(first, last + 1):
+        with tt.debug_context("train_step", model=model, step=step):
+            model(torch.randn(2, 4)).sum().backward()
+
+
+@pytest.mark.parametrize("how", ["unmarked", "marked", "checkpoint"])
+def test_work_after_idle_is_booked_as_itself_and_goodput_stays_paused(tmp_path, how):
+    """After ``tt.idle()``, an evaluation of the watched model (marked or not) or a checkpoint
+    save is booked as evaluation or checkpoint badput, and goodput stays paused until the next
+    training step. An unmarked evaluation ended the pause: the idle time after it was counted
+    as data wait (3.0 s -> 23.1 s, and the next step's ``data_wait_s`` was 15.2 s)."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="idle_" + how, register_atexit=False)
+    try:
+        ledger = current.runtime(create=False).throughput.ledger
+        model = torch.nn.Linear(4, 1)
+        _train(model, 0, 3)
+        tt.idle()
+        before = ledger.snapshot(time.perf_counter()).badput
+        _evaluate(model, how, tmp_path)
+        time.sleep(1.5)  # serving, waiting: no class's time
+        _train(model, 4, 4)
+        after = ledger.closed().badput
+        kind = "checkpoint" if how == "checkpoint" else "evaluation"
+        assert after[kind] - before[kind] >= 0.25, (before, after)
+        assert after["data_wait"] - before["data_wait"] < 0.5, (before, after)
+        assert after["other"] - before["other"] < 0.5, (before, after)
+    finally:
+        tt.shutdown()
+
+
+@pytest.mark.parametrize("how", ["marked", "checkpoint"])
+def test_work_after_idle_has_its_phase_then_idle_again(tmp_path, how):
+    """An evaluation marked ``kind="evaluation"`` (or a checkpoint save) after ``tt.idle()``
+    runs in its own phase, then the process is idle again until the next training step. The
+    marked evaluation ended the idle: the wait after it was ``data_wait``, reported as a
+    training hang under the timeout."""
+    tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="idle_phase", hang_timeout_s=2.0,
+                 register_atexit=False)
+    try:
+        box = current.runtime(create=False).rank_state.fields
+        model = torch.nn.Linear(4, 1)
+        _train(model, 0, 3)
+        tt.idle()
+        phases = []
+        sampler = threading.Thread(target=lambda: [phases.append(box.get("phase")) or time.sleep(0.05)
+                                                   for _ in range(5)])
+        sampler.start()
+        _evaluate(model, how, tmp_path)
+        sampler.join()
+        assert ("checkpoint" if how == "checkpoint" else "evaluation") in phases, phases
+        assert box["phase"] == "idle"
+        time.sleep(4.0)  # longer than the timeout and the watchdog's look
+        assert not box.get("hangs") and not (tmp_path / "idle_phase" / "hang.json").exists()
+        _train(model, 4, 4)
+        assert box["phase"] == "data_wait" and box["step"] == 4
+    finally:
+        tt.shutdown()
+
+
 def test_idle_does_nothing_outside_a_run_or_inside_a_step(tmp_path):
     tt.idle()  # never configured: nothing to say it to
     tt.configure(prometheus_port="off", run_dir=str(tmp_path), run_id="idle2", register_atexit=False)

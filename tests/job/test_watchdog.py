@@ -76,6 +76,45 @@ def test_a_tick_flags_a_stall_once_and_learns_periods(tmp_path):
         dog.stop()
 
 
+def test_time_idle_is_no_step_period(tmp_path, monkeypatch):
+    """``tt.idle()`` between epochs, then training resumes: the time from the last step before
+    the idle to the first after it is no step period. It was learned as one (the adaptive
+    timeout went from 30 s to 76.5 s after 15 s idle, and stayed for 100 observations),
+    whether or not a tick saw the idle phase, and whether or not one saw the last step before
+    the idle (the tick that first saw the idle once first saw that step too, and measured the
+    next period from it: 48.8 s)."""
+    now = [100.0]
+    monkeypatch.setattr(progress, "_clock", lambda: now[0])
+    f = {"rank": 0, "attempt": 0}
+    progress.track(f)
+    dog = Watchdog(f, given_timeout_s=None, hang_path=tmp_path / "hang.json")
+    step = 0
+    try:
+        for tick_while_idle, tick_after_last in ((True, True), (False, True), (True, False), (False, False)):
+            for i in range(5):  # steps of 1 s, a tick after each (but the last, where said)
+                progress.step_began(step, "train")
+                now[0] += 1.0
+                progress.step_ended(step)
+                step += 1
+                if i < 4 or tick_after_last:
+                    dog.tick(now[0])
+            progress.idle()
+            now[0] += 60.0
+            if tick_while_idle:
+                dog.tick(now[0])
+            for _ in range(2):  # training resumes
+                progress.step_began(step, "train")
+                now[0] += 1.0
+                progress.step_ended(step)
+                step += 1
+                dog.tick(now[0])
+            assert max(dog.recent) <= 1.5 and f["hang_timeout_s"] == 30.0, (tick_while_idle, tick_after_last,
+                                                                              list(dog.recent))
+    finally:
+        progress.untrack(f)
+        dog.stop()
+
+
 def test_a_wall_clock_that_steps_is_neither_a_stall_nor_progress(tmp_path):
     """The marks stamp progress with the wall clock; NTP or a resumed VM can step it. A step of
     an hour forward between two ticks, the training making progress all along, is no hang and

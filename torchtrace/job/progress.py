@@ -9,7 +9,8 @@ thread and ``/metrics`` read the same values (a dict store is atomic under the G
 Fields written here (besides those :mod:`torchtrace.job.state` lists):
 
 * ``phase``: one of :data:`torchtrace.semconv.TRAINING_PHASES`. ``idle`` before the first
-  step, after shutdown and from :func:`torchtrace.idle` to the next step; ``data_wait``
+  step, after shutdown and from :func:`torchtrace.idle` to the next training step (an
+  evaluation or a checkpoint in between has its phase while it runs, then ``idle`` again); ``data_wait``
   between steps and inside a step before its model's forward (input code); ``forward``, then
   ``backward`` from the forward's end (the loss counts with it), ``optimizer``;
   ``collective`` inside a ``torch.distributed`` call; ``checkpoint`` and ``evaluation`` for
@@ -21,6 +22,7 @@ Fields written here (besides those :mod:`torchtrace.job.state` lists):
   that step's number as ``interrupted_step``.
 * ``steps_done``: steps finished in this process (the watchdog's step-period estimate).
 * ``thread``: the id of the thread that runs the steps (its stack comes first).
+* ``idles``: :func:`torchtrace.idle` calls so far (the watchdog learns no step period across one).
 
 >>> fields = {}
 >>> track(fields)
@@ -44,6 +46,9 @@ _fields: dict[str, Any] = {}
 # the phase. Inside a checkpoint or evaluation step the phase stays the step's kind (the
 # watchdog gives those their own allowance) and the marks count as progress only.
 _train = True
+# Whether torchtrace.idle() was said since the last training step began: a checkpoint or an
+# evaluation step then ends in phase idle, not data_wait.
+_idle = False
 _clock = time.time
 _ident = threading.get_ident
 SLOW_KINDS = ("checkpoint", "evaluation")
@@ -52,12 +57,13 @@ TRAIN_KIND = "train"
 
 def track(fields: dict[str, Any]) -> None:
     """Make ``fields`` the dict the marks store into, starting idle."""
-    global _fields, _train
+    global _fields, _train, _idle
     now = _clock()
     # The thread that configures is usually the one that trains (a step sets it again).
     fields.update(phase="idle", phase_since=now, progress=now, current_step=None, step_kind=None, step_start=None,
                   steps_done=0, collective_seq=fields.get("collective_seq") or 0, thread=_ident())
     _train = True
+    _idle = False
     _fields = fields
 
 
@@ -76,11 +82,15 @@ def untrack(fields: dict[str, Any]) -> None:
 
 def idle() -> None:
     """The script says no step comes for now (:func:`torchtrace.idle`): the phase is ``idle``,
-    which no timeout watches, until the next step begins."""
+    which no timeout watches, until the next training step begins (a checkpoint or an
+    evaluation meanwhile has its own phase while it runs, then the phase is ``idle`` again)."""
+    global _idle
+    _idle = True
     f = _fields
     now = _clock()
     f["phase"] = "idle"
     f["phase_since"] = f["progress"] = now
+    f["idles"] = f.get("idles", 0) + 1
 
 
 def tracked() -> dict[str, Any]:
@@ -89,8 +99,9 @@ def tracked() -> dict[str, Any]:
 
 
 def step_began(step: int, kind: str) -> None:
-    """A step was entered (``StepScope``): its number and kind; data_wait until its forward."""
-    global _train
+    """A step was entered (``StepScope``): its number and kind; data_wait until its forward.
+    A training step ends an idle (:func:`idle`)."""
+    global _train, _idle
     f = _fields
     now = _clock()
     f["current_step"] = step
@@ -102,6 +113,7 @@ def step_began(step: int, kind: str) -> None:
         f["phase"] = kind
     else:
         _train = True
+        _idle = False
         f["phase"] = "data_wait"
     f["phase_since"] = f["progress"] = now
 
@@ -126,7 +138,8 @@ def called_between_steps() -> None:
 
 
 def step_ended(step: int, kind: str = TRAIN_KIND) -> None:
-    """A step ended (``StepScope.__exit__``): data_wait until the next one. A training step's
+    """A step ended (``StepScope.__exit__``): data_wait until the next one (while idle, a
+    checkpoint or evaluation step ends in ``idle``: no training step follows). A training step's
     number is the job's last step (``step``): an evaluation or a checkpoint operation numbers
     its own steps, and its number would read as the job's (the checkpoint's step, the steps a
     killed attempt lost)."""
@@ -138,7 +151,7 @@ def step_ended(step: int, kind: str = TRAIN_KIND) -> None:
         f["step_time"] = now
     f["current_step"] = None
     f["step_start"] = None
-    f["phase"] = "data_wait"
+    f["phase"] = "idle" if _idle else "data_wait"
     f["phase_since"] = f["progress"] = now
     f["steps_done"] = f.get("steps_done", 0) + 1
     _train = True
@@ -169,12 +182,13 @@ def on_training_thread() -> bool:
 def checkpoint_began() -> str:
     """A checkpoint save or load began on the training thread (``torch.save`` between steps,
     say): the phase is ``checkpoint``, with its allowance, until it ends; while ``idle``
-    (before the first step: a resume's load) it stays idle, which no timeout watches. Returns
-    the phase before it, for :func:`phase_ended`."""
+    before the first step (a resume's load) it stays idle, which no timeout watches; after
+    :func:`idle` it is ``checkpoint``, then ``idle`` again. Returns the phase before it, for
+    :func:`phase_ended`."""
     f = _fields
     now = f["progress"] = _clock()
     before = f.get("phase", "idle")
-    if before != "idle":
+    if before != "idle" or _idle:
         f["phase"] = "checkpoint"
         f["phase_since"] = now
     return before

@@ -222,6 +222,7 @@ class Watchdog:
         self._seen_steps = 0
         self._seen_step_time: float | None = None
         self._seen_step_mono = 0.0  # when the step of _seen_step_time ended, on the monotonic clock
+        self._seen_idles = 0  # tt.idle() calls seen (``idles``): a period across one is no step's
         self._looked: float | None = None  # the monotonic time of the last tick
         self._flagged_since: float | None = None
         self._stack_file: BinaryIO | None = None
@@ -327,15 +328,26 @@ class Watchdog:
         slow kinds, which have their own allowance). The steps' wall-clock stamps give the
         period, never more than the monotonic clock allows (a wall clock that stepped is no
         slow step): no more than from the step seen before (placed on the monotonic clock by
-        its wall-clock age when first seen) to this tick."""
+        its wall-clock age when first seen) to this tick. Steps on either side of a
+        :func:`torchtrace.idle` give no period, nor is the pause it ends one: the time idle is
+        no step's."""
         step_time = f.get("step_time")
-        if steps > self._seen_steps and isinstance(step_time, (int, float)) and self._seen_step_time is not None:
+        idled = (f.get("idles") or 0) != self._seen_idles  # a tt.idle() since the last tick
+        advanced = steps > self._seen_steps
+        if advanced and not idled and isinstance(step_time, (int, float)) and self._seen_step_time is not None:
             elapsed = min(step_time - self._seen_step_time, mono - self._seen_step_mono)
             self.recent.append(max(elapsed, 0.0) / (steps - self._seen_steps))
         if steps != self._seen_steps:
             self._seen_steps, self._seen_step_time = steps, step_time
             if isinstance(step_time, (int, float)):
                 self._seen_step_mono = mono - ago(step_time, now, mono, self._looked)
+        if idled:
+            # The steps this tick saw may straddle the idle: no period from them. The last one
+            # starts the next period only if it came after the idle (training runs again).
+            self._seen_idles = f.get("idles") or 0
+            self._seen_progress = None
+            if not advanced or f.get("phase") == "idle":
+                self._seen_step_time = None
         if since != self._seen_progress:
             if self._seen_progress is not None and self._seen_phase not in progress.SLOW_KINDS + ("idle",):
                 self.recent.append(self._seen_stall)

@@ -34,7 +34,10 @@ While nothing is measured (level ``off``, or ``throughput=False``) the ledger is
 (:meth:`GoodputLedger.pause`): that stretch is in no class and not in wall time either (the
 job may have trained all along; nobody looked), and the first step after it has no data
 wait. Without the pause, turning torchtrace off for an hour and on again counted the hour
-as data wait, and the goodput alert fired on a healthy job.
+as data wait, and the goodput alert fired on a healthy job. While the script says training is
+over for now (:meth:`GoodputLedger.idle`, from :func:`torchtrace.idle`) the ledger is paused
+until the next *training* step: an evaluation or a checkpoint booked meanwhile is counted as
+its own class, and the pause goes on from its end.
 
 Overlapping steps (a step inside another) are not counted twice: a step's interval starts
 at the end of the time already counted. Two views: :meth:`GoodputLedger.closed` counts up
@@ -149,6 +152,7 @@ class GoodputLedger:
         self._prior_wall = 0.0  # wall time of a run restored with load_state_dict
         self._unmeasured = 0.0  # seconds while paused: in no class, not in wall time
         self._paused_at: float | None = None  # when measuring stopped (pause), until the next step
+        self._idle = False  # paused by idle(): until the next training step, not any step
         self._replays: list[tuple[float, float]] = []  # forensic intervals not yet counted
         self._debt = 0.0  # forensic seconds reported after their instants were counted
         self._windows: dict[str, OperationWindow] = {}
@@ -174,6 +178,8 @@ class GoodputLedger:
         with self._lock:
             before = self._totals[own]
             wait, mine = self._book(start, end, own, step.enclosing, step.entered, step.left)
+            if self._idle:
+                self._still_idle(kind, end)
             saving = min(step.checkpoint_s, self._totals[own] - before)
             if saving > 0:  # (moved within one booking: a badput counter never goes down)
                 self._totals[own] -= saving
@@ -258,6 +264,22 @@ class GoodputLedger:
                 self._paused_at = max(now, self._cursor)
             if last and self._started and self._paused_at > self._cursor:
                 self._count(self._cursor, self._paused_at, OTHER)
+
+    def idle(self, now: float) -> None:
+        """The script said training is over for now (:func:`torchtrace.idle`) at ``now``: paused
+        as by :meth:`pause`, until the next training step (an evaluation or a checkpoint before
+        it is booked as itself, and the pause goes on after it)."""
+        self.pause(now)
+        with self._lock:
+            self._idle = True
+
+    def _still_idle(self, kind: str, end: float) -> None:
+        """After a step of ``kind`` booked while idle (the lock is held): a training step ends
+        the idle; any other leaves the ledger paused again from its ``end``."""
+        if kind == TRAIN:
+            self._idle = False
+        else:
+            self._paused_at = max(end, self._cursor)
 
     def _resume(self, start: float) -> None:
         """The first step after a pause starts at ``start`` (the lock is held): the time up to

@@ -443,10 +443,11 @@ class RunThroughput:
 
     def idle(self) -> None:
         """The script said training is over for now (:func:`torchtrace.idle`): goodput pauses
-        until the next step, as while nothing is measured (the time between steps waiting to
-        be booked, an unmarked evaluation among it, is booked first)."""
+        until the next training step, as while nothing is measured (the time between steps
+        waiting to be booked, an unmarked evaluation among it, is booked first). An evaluation
+        or a checkpoint after it is booked as itself, and the pause goes on after it."""
         self.between_steps(before=math.inf)
-        self.ledger.pause(time.perf_counter())
+        self.ledger.idle(time.perf_counter())
 
     def close(self) -> None:
         for hooks in list(self._models.values()) + list(self._optimizers.values()):
