@@ -243,6 +243,8 @@ REVIEWED = {
                    "and how the process ended, each a short function",
     "job/identity.py": "the job's identity: its job id and attempt, whether a writer still runs, and the run id "
                        "the ranks one launcher started agree on without talking (multiprocessing, torchrun, srun)",
+    "record/goodput.py": "the goodput ledger, one class: booking a step's interval, its pauses (level off, "
+                         "tt.idle()), forensic time, per-operation windows and its state for checkpoints",
 }
 SHOWN = 8  # the largest modules and functions printed with the test output
 
