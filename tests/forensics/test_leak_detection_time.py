@@ -415,15 +415,18 @@ def test_a_persistent_leak_is_flagged_again_with_growing_intervals(tmp_path, mon
         tt.shutdown()
 
 
+@pytest.mark.parametrize("train_steps", (34, 40, 46))
 @pytest.mark.parametrize("gap", (1, 11))
-def test_interleaved_operations_share_one_step_axis(advanced, monkeypatch, gap):
-    # Blocks of 40 training steps (each keeps 10x the threshold) and 10 evaluation steps,
-    # each operation with its own step numbers (evaluation's restart at 0 every block): the
-    # detector's axis is the recorded steps of both, 8x per recorded step on average.
+def test_interleaved_operations_share_one_step_axis(advanced, monkeypatch, gap, train_steps):
+    # Blocks of training steps (each keeps 10x the threshold) and 10 evaluation steps, each
+    # operation with its own step numbers (evaluation's restart at 0 every block): the
+    # detector's axis is the recorded steps of both. Found within the second training block,
+    # wherever the blocks' edges fall: an investigation that runs wholly within an evaluation
+    # block (the growth paused) is followed by another once the training steps resume.
     force_heap_gap(monkeypatch, gap)
     kept, records = [], []
     for block in range(3):
-        for _ in range(40):
+        for _ in range(train_steps):
             with tt.debug_context("train_step") as step:
                 kept.append(torch.randn(160, WIDTH))
             records.append(step.record)
@@ -432,7 +435,7 @@ def test_interleaved_operations_share_one_step_axis(advanced, monkeypatch, gap):
                 torch.randn(64, 64).sum()
             records.append(step.record)
     found = [i for i, r in enumerate(records) if semconv.MEMORY_LEAK in r.anomaly_kinds]
-    assert found and found[0] <= 100, found
+    assert found and found[0] < 2 * train_steps + 10, found
     leak = next(a for a in records[found[0]].anomalies if a.kind == semconv.MEMORY_LEAK)
     assert 0.8 * 8 * THRESHOLD <= leak.data["bytes_per_step"] <= 1.15 * 10 * THRESHOLD, leak.data
 

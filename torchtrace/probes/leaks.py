@@ -285,9 +285,10 @@ class LeakProbe(Probe[None]):
 
     def _wait_after(self, paused: bool) -> None:
         """The wait before the next investigation: ``window * 2**k`` steps, or none once when
-        the reachable memory grew over the confirmation but not in its last quarter (a leak
-        that pauses, as when evaluation steps come between training steps, is looked at
-        again as soon as its fresh window has the evidence; one that stopped never has it)."""
+        the reachable memory did not go on growing through the confirmation (a leak that
+        pauses, as when evaluation steps come between training steps, may pause during the
+        confirmation, or the whole confirmation may fall in the pause: it is looked at again
+        as soon as its fresh window has the evidence; a growth that stopped never has it)."""
         if paused and not self._retried:
             self._retried = True
             self._quiet_until = self.ticks
@@ -311,7 +312,7 @@ class LeakProbe(Probe[None]):
         for t in self.trackers.values():
             t.reset()  # a fresh window, free of the slow path's own allocations
         self._heap_due = self.ticks  # and a first sample for it as soon as the wait allows
-        self._wait_after(paused=not goes_on and slope is not None and slope > self.threshold)
+        self._wait_after(paused=not goes_on)
         if slope is None or slope <= self.threshold or not goes_on:
             self.unattributed = 0
             return
