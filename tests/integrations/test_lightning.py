@@ -695,6 +695,38 @@ def test_a_run_resumed_from_its_checkpoint_goes_on_counting_steps(tmp_path):
     assert steps == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+
+@pytest.mark.filterwarnings("ignore::UserWarning:lightning")  # (its advice on resuming mid-epoch: not the subject)
+def test_a_restarted_runs_lost_steps_are_the_steps_it_repeats(tmp_path, monkeypatch):
+    """Attempt 0 saves after Lightning's step 4 (batches 0 to 3) and ends after 7 batches;
+    attempt 1 resumes from that checkpoint. The batches it repeats, from its first (Lightning's,
+    4) to attempt 0's last (6), are attempt 0's lost steps: 3; the black box's checkpoint step
+    is the last step finished before the save, 3 (as the Trainer integration's now is)."""
+    from torchtrace.job.story import job_story
+
+    def trainer(steps, callbacks):
+        return pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=callbacks, limit_val_batches=0,
+                          num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+
+    saving = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="{step}", every_n_train_steps=4,
+                                          save_top_k=-1)
+    first = configure(tmp_path, run_id="job")
+    trainer(7, [TorchtraceCallback(), saving]).fit(Module(), loaders()[0])
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step=4.ckpt"]
+    root = get_runtime().run_root
+    tt.shutdown()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # (the launcher's restart: attempt 1 in this process)
+    resumed = configure(tmp_path, run_id="job")
+    trainer(8, [TorchtraceCallback()]).fit(Module(), loaders()[0], ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))
+    tt.shutdown()
+    repeated = [s["attributes"][semconv.STEP] for s in read_spans(resumed.spans_path) if s["name"] == "train_step"]
+    last = [s["attributes"][semconv.STEP] for s in read_spans(first.spans_path) if s["name"] == "train_step"][-1]
+    attempts = job_story(root)["attempts"]
+    assert [a["attempt"] for a in attempts] == [0, 1] and attempts[0]["last_step"] == last == 6
+    assert repeated[0] == 4 and attempts[0]["checkpoint_step"] == 3
+    assert attempts[0]["lost_steps"] == len([s for s in repeated if s <= last]) == 3
+
 def test_checkpoint_io_is_timed_as_saves_and_loads(tmp_path):
     configure(tmp_path)
     rt = get_runtime()

@@ -797,9 +797,10 @@ def test_a_saved_checkpoint_reaches_the_black_box(tmp_path):
     train(tmp_path, [Saves(), TorchtraceCallback()], steps=5, save_strategy="steps", save_steps=2,
           save_only_model=True)
     # save_only_model: the model goes through safetensors, no torch.save; on_save still tells
-    # the black box which step the last checkpoint holds.
+    # the black box which step the last checkpoint holds: the last one finished, counted from 0
+    # (the Trainer's count of steps less one).
     assert Saves.steps[:2] == [2, 4]
-    assert rt.rank_state.fields["checkpoint_step"] == Saves.steps[-1]
+    assert rt.rank_state.fields["checkpoint_step"] == Saves.steps[-1] - 1
     assert rt.throughput.ledger.closed().badput["checkpoint"] > 0
     tt.shutdown()
 
@@ -864,3 +865,93 @@ def test_a_loss_the_trainer_computes_outside_the_model_is_the_steps_loss(tmp_pat
         assert torch.equal(a, b)
     # The Trainer's training_step is its own again once training ended.
     assert traced.training_step.__func__ is _StepLosses.training_step
+
+
+class _TimedCheckpoints(transformers.Trainer):
+    """Times the Trainer's own checkpoint methods, the reference: a save (model, optimizer,
+    scheduler, random states, arguments, state) is one ``_save_checkpoint``; a resume is its
+    four loads (model, optimizer and scheduler, scaler, random states)."""
+
+    saves: list[float]
+    loads: list[float]
+
+    def _timed(self, into, method, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    def _save_checkpoint(self, model, trial):
+        return self._timed(self.saves, super()._save_checkpoint, model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        return self._timed(self.loads, super()._load_from_checkpoint, resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        return self._timed(self.loads, super()._load_optimizer_and_scheduler, checkpoint)
+
+    def _load_scaler(self, checkpoint):
+        return self._timed(self.loads, super()._load_scaler, checkpoint)
+
+    def _load_rng_state(self, checkpoint):
+        return self._timed(self.loads, super()._load_rng_state, checkpoint)
+
+
+class _StopAt(transformers.TrainerCallback):
+    """Ends training once the Trainer has counted ``at`` steps (a job killed there); keeps the
+    Trainer's step count at each save."""
+
+    def __init__(self, at: int | None = None) -> None:
+        self.at = at
+        self.saved_at: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saved_at.append(state.global_step)
+
+
+def _checkpointing_trainer(tmp_path, steps, callbacks, save_steps=2):
+    """A tiny GPT-2 saving full checkpoints (model, optimizer, scheduler, random states) every
+    ``save_steps`` steps into ``tmp_path / "out"``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                                       bos_token_id=0, eos_token_id=0))
+    kw = dict(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=1, report_to=[],
+              use_cpu=True, save_strategy="steps", save_steps=save_steps, logging_strategy="no",
+              disable_tqdm=True, seed=0, data_seed=0)
+    trainer = _TimedCheckpoints(model=model, args=transformers.TrainingArguments(**kw), train_dataset=_LMData(),
+                                callbacks=callbacks)
+    trainer.saves, trainer.loads = [], []
+    return trainer
+
+
+def test_a_restarted_trainers_lost_steps_are_the_steps_it_repeats(tmp_path, monkeypatch):
+    """Attempt 0 saves at the Trainer's step 4 (after steps 0 to 3) and stops after step 6;
+    attempt 1 resumes from that checkpoint. The steps it repeats, from its first step (the
+    Trainer's, 4) to attempt 0's last (6), are attempt 0's lost steps: 3. Before: 2 (the
+    black box held the Trainer's count of steps, 4, for the last step finished, 3)."""
+    from torchtrace.job.story import job_story
+
+    first = configure(tmp_path, run_id="job")
+    stop = _StopAt(at=7)
+    _checkpointing_trainer(tmp_path, 12, [stop, TorchtraceCallback()], save_steps=4).train()
+    assert stop.saved_at == [4]
+    root = get_runtime().run_root
+    tt.shutdown()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # (the launcher's restart: attempt 1 in this process)
+    resumed = configure(tmp_path, run_id="job")
+    _checkpointing_trainer(tmp_path, 8, [TorchtraceCallback()], save_steps=4).train(
+        resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+    tt.shutdown()
+    repeated = [s["attributes"][semconv.STEP] for s in read_spans(resumed.spans_path)]
+    last = [s["attributes"][semconv.STEP] for s in read_spans(first.spans_path)][-1]
+    attempts = job_story(root)["attempts"]
+    assert [a["attempt"] for a in attempts] == [0, 1] and attempts[0]["last_step"] == last == 6
+    assert attempts[0]["checkpoint_step"] == 3
+    assert attempts[0]["lost_steps"] == len([s for s in repeated if s <= last]) == 3

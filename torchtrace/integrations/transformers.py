@@ -182,10 +182,11 @@ class TorchtraceCallback(_TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         self._book_since_boundary("checkpoint", "save_checkpoint")
         # The black box's last checkpoint: the Trainer saves the model with safetensors, which
-        # torchtrace does not time (its torch.save of the optimizer is timed on its own).
+        # torchtrace does not time (its torch.save of the optimizer is timed on its own). It holds
+        # the last step finished (the Trainer's count of steps less one), as a timed save's does.
         rt = api.get_runtime()
         if rt is not None:
-            job.checkpoint_saved(rt, state.global_step)
+            job.checkpoint_saved(rt, state.global_step - 1)
 
     def _take_trainers_loss(self, trainer: Any) -> None:
         """When the Trainer computes the loss outside the model (``label_smoothing_factor``, a
