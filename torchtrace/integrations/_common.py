@@ -36,6 +36,27 @@ def require(module: str, extra: str, what: str) -> ModuleType:
         raise ImportError(f"torchtrace.integrations.{extra} needs {what}: pip install \"torchtrace[{extra}]\"") from exc
 
 
+
+_ABSENT = object()
+
+
+def replace_attribute(obj: object, name: str, wrapper: Callable[..., Any]) -> None:
+    """``obj.name`` (an instance attribute) becomes ``wrapper``, which remembers what the
+    instance held under that name itself (an override of the application's), or that it held
+    nothing (the class's method): :func:`put_back_attribute` restores that."""
+    wrapper.__torchtrace_replaced__ = vars(obj).get(name, _ABSENT)  # type: ignore[attr-defined]
+    setattr(obj, name, wrapper)
+
+
+def put_back_attribute(obj: object, name: str) -> None:
+    """Undo :func:`replace_attribute` where its wrapper is still the instance's (idempotent)."""
+    own = getattr(obj, "__dict__", {}).get(name)
+    replaced = getattr(own, "__torchtrace_replaced__", None)
+    if replaced is _ABSENT:
+        delattr(obj, name)  # the class's method again
+    elif replaced is not None:
+        setattr(obj, name, replaced)  # the instance's own again
+
 class StepDriver:
     """Opens and closes one scope per framework step; never raises torchtrace's own errors."""
 

@@ -17,7 +17,7 @@ import torch
 
 from torchtrace import api
 from torchtrace.distributed.identity import identity
-from torchtrace.integrations._common import StepDriver, require
+from torchtrace.integrations._common import StepDriver, put_back_attribute, replace_attribute, require
 from torchtrace.integrations._lightning_replay import training_step_replay
 from torchtrace.job import progress
 from torchtrace.job.checkpoints import checkpoint
@@ -105,24 +105,25 @@ class TorchtraceCallback(_pl.Callback):
 
     # ------------------------------------------------------------ checkpoints
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _put_back(pl_module, "clip_gradients")  # left by a fit that ended without its teardown (an exception)
+        put_back_attribute(pl_module, "clip_gradients")  # left by a fit that ended without its teardown (an exception)
         if not getattr(pl_module, "automatic_optimization", True):
-            _replace(pl_module, "clip_gradients", _measured_clip(self._train, pl_module))
+            replace_attribute(pl_module, "clip_gradients", _measured_clip(self._train, pl_module))
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         if io is None or getattr(io.save_checkpoint, "__torchtrace_kind__", None):
             return
         handing_over = (_ASYNC_IO is not None and isinstance(io, _ASYNC_IO)
                         and getattr(io, "checkpoint_io", None) is not None)
-        _replace(io, "save_checkpoint", _timed_handover(io) if handing_over else _timed(io.save_checkpoint, "save"))
-        _replace(io, "load_checkpoint", _timed(io.load_checkpoint, "load"))
+        save = _timed_handover(io) if handing_over else _timed(io.save_checkpoint, "save")
+        replace_attribute(io, "save_checkpoint", save)
+        replace_attribute(io, "load_checkpoint", _timed(io.load_checkpoint, "load"))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _put_back(pl_module, "clip_gradients")
+        put_back_attribute(pl_module, "clip_gradients")
         io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
         for plugin in (io, getattr(io, "checkpoint_io", None)):  # (an AsyncCheckpointIO's writer too)
             if plugin is not None:
-                _put_back(plugin, "save_checkpoint")
-                _put_back(plugin, "load_checkpoint")
+                put_back_attribute(plugin, "save_checkpoint")
+                put_back_attribute(plugin, "load_checkpoint")
 
     # ------------------------------------------------------------ training
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
@@ -211,27 +212,6 @@ def _read_as_consumed(driver: StepDriver, module: torch.nn.Module, batch: object
             rt.errors.report("other", exc)
 
 
-_ABSENT = object()
-
-
-def _replace(obj: object, name: str, wrapper: Callable[..., Any]) -> None:
-    """``obj.name`` (an instance attribute) becomes ``wrapper``, which remembers what the
-    instance held under that name itself (an override of the application's), or that it held
-    nothing (the class's method): :func:`_put_back` restores that."""
-    wrapper.__torchtrace_replaced__ = vars(obj).get(name, _ABSENT)  # type: ignore[attr-defined]
-    setattr(obj, name, wrapper)
-
-
-def _put_back(obj: object, name: str) -> None:
-    """Undo :func:`_replace` where its wrapper is still the instance's (idempotent)."""
-    own = getattr(obj, "__dict__", {}).get(name)
-    replaced = getattr(own, "__torchtrace_replaced__", None)
-    if replaced is _ABSENT:
-        delattr(obj, name)  # the class's method again
-    elif replaced is not None:
-        setattr(obj, name, replaced)  # the instance's own again
-
-
 def _measured_clip(driver: StepDriver, pl_module: LightningModule) -> Callable[..., None]:
     """``pl_module.clip_gradients`` that measures (and guards) the gradients of the optimizer it
     is given before they are clipped. Under manual optimization the module's ``training_step``
@@ -311,7 +291,7 @@ def _timed_handover(io: Any) -> Callable[..., None]:
             hand_over(*args, **kwargs)
 
     writing.__torchtrace_kind__ = "write"  # type: ignore[attr-defined]
-    _replace(writer, "save_checkpoint", writing)
+    replace_attribute(writer, "save_checkpoint", writing)
     timed.__torchtrace_kind__ = "save"  # type: ignore[attr-defined]
     return timed
 
