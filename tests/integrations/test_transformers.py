@@ -931,6 +931,50 @@ def _checkpointing_trainer(tmp_path, steps, callbacks, save_steps=2):
     return trainer
 
 
+def test_a_trainer_checkpoint_is_one_save_timed_whole(tmp_path):
+    """A Trainer checkpoint writes the model (safetensors), the optimizer, the scheduler, the
+    random states and the arguments. It is one save, timed from its start to its end: the
+    histogram's count and sum are the Trainer's ``_save_checkpoint`` calls and their time.
+    Before: 4 saves each (each ``torch.save``'d file), and the model's write not timed."""
+    configure(tmp_path)
+    rt = get_runtime()
+    stop = _StopAt()
+    trainer = _checkpointing_trainer(tmp_path, 6, [stop, TorchtraceCallback()])
+    trainer.train()
+    assert stop.saved_at == [2, 4, 6] and len(trainer.saves) == 3
+    assert rt.metrics.value("torchtrace_checkpoint_seconds_count", {"kind": "save"}) == 3
+    seconds = rt.metrics.value("torchtrace_checkpoint_seconds_sum", {"kind": "save"})
+    assert sum(trainer.saves) <= seconds <= sum(trainer.saves) * 1.05 + 0.005
+    assert rt.rank_state.fields["checkpoint_seconds"]["save"] == pytest.approx(seconds)
+    # Goodput books each save once, as checkpoint time (with what came between the step and it).
+    assert sum(trainer.saves) <= rt.throughput.ledger.snapshot(time.perf_counter()).badput["checkpoint"] \
+        <= sum(trainer.saves) + 0.1
+    # The last checkpoint holds the last step finished before it: the Trainer's count less one.
+    assert rt.rank_state.fields["checkpoint_step"] == stop.saved_at[-1] - 1 == 5
+    assert "_save_checkpoint" not in vars(trainer)  # the Trainer's own again once training ended
+    tt.shutdown()
+
+
+def test_a_trainers_resume_is_one_load(tmp_path):
+    """``train(resume_from_checkpoint=...)`` loads the model, the optimizer and scheduler, the
+    scaler and the random states at three moments of its start: one load, of their time
+    together. Before: 4 loads (the model's safetensors file and each ``torch.load``)."""
+    configure(tmp_path / "first")
+    _checkpointing_trainer(tmp_path, 2, [TorchtraceCallback()]).train()
+    tt.shutdown()
+    configure(tmp_path / "resumed")
+    rt = get_runtime()
+    trainer = _checkpointing_trainer(tmp_path, 4, [TorchtraceCallback()])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert len(trainer.loads) == 4
+    assert rt.metrics.value("torchtrace_checkpoint_seconds_count", {"kind": "load"}) == 1
+    seconds = rt.metrics.value("torchtrace_checkpoint_seconds_sum", {"kind": "load"})
+    assert sum(trainer.loads) <= seconds <= sum(trainer.loads) * 1.05 + 0.005
+    assert rt.rank_state.fields["checkpoint_seconds"]["load"] == pytest.approx(seconds)
+    assert not {"_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state"} & set(vars(trainer))
+    tt.shutdown()
+
+
 def test_a_restarted_trainers_lost_steps_are_the_steps_it_repeats(tmp_path, monkeypatch):
     """Attempt 0 saves at the Trainer's step 4 (after steps 0 to 3) and stops after step 6;
     attempt 1 resumes from that checkpoint. The steps it repeats, from its first step (the

@@ -19,7 +19,8 @@ import torch
 
 from torchtrace import api
 from torchtrace.forensics.isolation import autocast_as, autocast_state
-from torchtrace.integrations._common import StepDriver, loop_frame, require
+from torchtrace.integrations._common import StepDriver, loop_frame, put_back_attribute, replace_attribute, require
+from torchtrace.integrations._trainer_checkpoints import TrainerCheckpoints
 from torchtrace.job import progress
 from torchtrace.measure.batch import same_arguments
 from torchtrace.step import job
@@ -36,9 +37,6 @@ if not hasattr(_tf.TrainerCallback, "on_pre_optimizer_step"):  # added in transf
 _TrainerCallback: Any = _tf.TrainerCallback
 
 __all__ = ["TorchtraceCallback"]
-
-# What a Trainer instance held under ``training_step`` before torchtrace wrapped it: nothing.
-_NOTHING = object()
 
 
 def _calling_trainer() -> Any:
@@ -88,6 +86,15 @@ class TorchtraceCallback(_TrainerCallback):
       Trainer's evaluation loop or checkpoint save has ended; the time since the step before
       (or since the one before it ended, or since training began: ``eval_on_start``) is
       evaluation or checkpoint badput in goodput, not data wait or startup.
+    - Checkpoints: each Trainer checkpoint (model, optimizer, scheduler, random states,
+      arguments) is one save in ``torchtrace_checkpoint_seconds``, timed from its start to its
+      end, and a resume (``resume_from_checkpoint``) one load; the black box's last checkpoint
+      holds the last step finished. The Trainer's ``_save_checkpoint`` and ``_load_*`` methods
+      are wrapped on the Trainer instance from its ``__init__`` (``on_init_end``; or from
+      ``on_train_begin`` for a callback added later, whose resume's model load is then timed
+      on its own) until training ends (see :mod:`torchtrace.integrations._trainer_checkpoints`):
+      they are private API, and where this transformers lacks them each file is timed on its
+      own, as any ``torch.save``.
     - FLOPs: the Trainer's own estimate (what it adds to ``total_flos``), six times the
       main input's elements times the parameters outside the embeddings, summed over the
       micro-batches: the step's batch is not known when it starts, so torchtrace's own
@@ -116,10 +123,13 @@ class TorchtraceCallback(_TrainerCallback):
         # The autocasts the step's first forward ran under: the replay runs under them too.
         self._autocast: tuple[tuple[str, torch.dtype], ...] = ()
         self._boundary: float | None = None  # perf_counter() when the last step (or evaluation, save) ended
-        # The Trainer whose training_step gives the loss (it computes it outside the model), and
-        # what its instance held under that name before (_NOTHING: the class's method).
+        # The Trainer whose training_step gives the loss (it computes it outside the model).
         self._loss_trainer: Any = None
-        self._held: object = _NOTHING
+        self._checkpoints = TrainerCheckpoints()
+
+    def on_init_end(self, args, state, control, **kwargs):
+        # A resume loads the model in train() before on_train_begin: the Trainer is taken now.
+        self._checkpoints.take(_calling_trainer())
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._params = None  # parameters outside the embeddings, counted at the first forward
@@ -133,7 +143,9 @@ class TorchtraceCallback(_TrainerCallback):
             job.framework_books_checkpoints(rt, True)
         if model is not None and self._handle is None:
             self._handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
-        self._take_trainers_loss(_calling_trainer())
+        trainer = _calling_trainer()
+        self._checkpoints.take(trainer)
+        self._take_trainers_loss(trainer)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._boundary = None
@@ -146,8 +158,10 @@ class TorchtraceCallback(_TrainerCallback):
             self._handle.remove()
             self._handle = None
         self._give_back_training_step()
+        self._checkpoints.give_back()
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._checkpoints.resumed()  # (the resume's loads all come before its first step)
         self._inputs = []
         self._driver.begin(model, loop=loop_frame("transformers.trainer_callback"), step=state.global_step,
                            replay=self._replayer(model))
@@ -181,11 +195,11 @@ class TorchtraceCallback(_TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         self._book_since_boundary("checkpoint", "save_checkpoint")
-        # The black box's last checkpoint: the Trainer saves the model with safetensors, which
-        # torchtrace does not time (its torch.save of the optimizer is timed on its own). It holds
-        # the last step finished (the Trainer's count of steps less one), as a timed save's does.
+        # The black box's last checkpoint, where no timed save set it (this Trainer has no
+        # _save_checkpoint to time): the last step finished, the Trainer's count of steps less
+        # one, as a timed save's.
         rt = api.get_runtime()
-        if rt is not None:
+        if rt is not None and not self._checkpoints.times_saves:
             job.checkpoint_saved(rt, state.global_step - 1)
 
     def _take_trainers_loss(self, trainer: Any) -> None:
@@ -199,7 +213,6 @@ class TorchtraceCallback(_TrainerCallback):
             return
         if getattr(trainer, "label_smoother", None) is None and getattr(trainer, "compute_loss_func", None) is None:
             return
-        self._held = vars(trainer).get("training_step", _NOTHING)
         step = trainer.training_step
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
@@ -207,19 +220,14 @@ class TorchtraceCallback(_TrainerCallback):
             self._add_trainers_loss(loss)
             return loss
 
-        trainer.training_step = training_step
+        replace_attribute(trainer, "training_step", training_step)
         self._loss_trainer = trainer
 
     def _give_back_training_step(self) -> None:
         """Undo :meth:`_take_trainers_loss`: the Trainer's ``training_step`` is its own again."""
         trainer, self._loss_trainer = self._loss_trainer, None
-        if trainer is None:
-            return
-        if self._held is _NOTHING:
-            del trainer.training_step
-        else:
-            trainer.training_step = self._held
-        self._held = _NOTHING
+        if trainer is not None:
+            put_back_attribute(trainer, "training_step")
 
     def _add_trainers_loss(self, loss: object) -> None:
         """A micro-batch's loss as the Trainer's ``training_step`` returned it: a part of the

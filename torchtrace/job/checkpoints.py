@@ -52,9 +52,9 @@ logger = logging.getLogger(__name__)
 KINDS = ("save", "load")
 """The values of the ``kind`` label of ``torchtrace_checkpoint_seconds``."""
 
-Sink = Callable[[str, float, float, "Future[Any] | None"], None]
-"""``sink(kind, start, end, upload)``: perf_counter seconds of one outermost save or load;
-``upload``, for an asynchronous save, the future that completes once it is stored (else None)."""
+Sink = Callable[[str, float, float, "TimedCall"], None]
+"""``sink(kind, start, end, call)``: perf_counter seconds of one outermost save or load, and
+what its code said of it (:class:`TimedCall`: an asynchronous save's upload, a part)."""
 
 _sink: Sink | None = None
 _depth = threading.local()
@@ -221,10 +221,20 @@ class TimedCall:
     ``upload``: for a save that only hands the checkpoint over to be stored on another thread
     (``dcp.async_save``, Lightning's ``AsyncCheckpointIO``), a future that completes once it is
     stored. The checkpoint then counts, holding the step of the call, when the future completes
-    without error; one that fails is no checkpoint."""
+    without error; one that fails is no checkpoint.
+
+    ``part``: True for one part of a checkpoint whose parts run at moments of their own (a
+    Hugging Face Trainer's resume loads the model, then the optimizer, then the random states,
+    with other work between): its time is checkpoint time, but the checkpoint is counted once,
+    whole, by whoever knows it is complete (:func:`torchtrace.step.job.checkpoint_counted`).
+
+    ``seconds``: the call's time once it ended, where it was handed to the sink (the thread's
+    outermost, torchtrace configured, no exception); else None."""
 
     def __init__(self) -> None:
         self.upload: Future[Any] | None = None
+        self.part = False
+        self.seconds: float | None = None
 
 
 @contextlib.contextmanager
@@ -249,8 +259,10 @@ def _timed(kind: str) -> Iterator[TimedCall]:
         sink = _sink
         # A save that raised saved nothing: no checkpoint to resume from.
         if depth == 0 and sink is not None and finished:
+            end = time.perf_counter()
+            call.seconds = end - start
             try:
-                sink(kind, start, time.perf_counter(), call.upload)
+                sink(kind, start, end, call)
             except Exception:  # never break the user's save
                 logger.debug("torchtrace could not record a checkpoint %s", kind, exc_info=True)
 

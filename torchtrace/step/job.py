@@ -57,7 +57,7 @@ def watch(rt: Runtime) -> None:
     except Exception as exc:
         rt.errors.report("metrics", exc)
     rt.report_sections["job"] = lambda: job_section(rt)
-    checkpoints.install(lambda kind, start, end, upload: on_checkpoint(rt, kind, start, end, upload))
+    checkpoints.install(lambda kind, start, end, call: on_checkpoint(rt, kind, start, end, call.upload, call.part))
     rt.signals = SignalGuard(lambda signum, terminal: on_signal(rt, signum, terminal))
     rt.signals.install()
     sys.excepthook = _ExceptHook(rt, sys.excepthook)
@@ -157,18 +157,21 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def on_checkpoint(rt: Runtime, kind: str, start: float, end: float, upload: Future[Any] | None = None) -> None:
+def on_checkpoint(rt: Runtime, kind: str, start: float, end: float, upload: Future[Any] | None = None,
+                  part: bool = False) -> None:
     """One outermost checkpoint save or load (perf_counter seconds): the histogram, badput
     ``checkpoint`` (inside a step too: taken out of the step's time) and the black box.
 
     Only a call on the thread that trains counts: one on another thread is part of a save in
     progress (a distributed checkpoint's writer threads, an asynchronous save's upload).
-    ``upload``: an asynchronous save's upload (see :func:`checkpoint_saved`)."""
+    ``upload``: an asynchronous save's upload (see :func:`checkpoint_saved`). ``part``: one
+    part of a checkpoint counted whole later (:func:`checkpoint_counted`): its time is booked
+    and added to the black box's, but it is no checkpoint of its own."""
     if not progress.on_training_thread():
         return
     seconds = end - start
     metrics = rt.job_metrics
-    if metrics is not None:
+    if metrics is not None and not part:
         metrics.observe_checkpoint(kind, seconds)
     booked = rt.checkpoints_booked_by_framework
     if rt.features.throughput and not rt.closed and not booked:
@@ -184,8 +187,23 @@ def on_checkpoint(rt: Runtime, kind: str, start: float, end: float, upload: Futu
     totals = dict(f.get("checkpoint_seconds") or {})
     totals[kind] = totals.get(kind, 0.0) + seconds
     f["checkpoint_seconds"] = totals
-    if kind == "save":
+    if kind == "save" and not part:
         checkpoint_saved(rt, f.get("step"), upload)
+
+
+def checkpoint_counted(rt: Runtime, kind: str, seconds: float) -> None:
+    """A checkpoint whose parts were timed one by one (``TimedCall.part``: a Trainer's resume)
+    is complete: one save or load of ``seconds`` (the parts' time together) in the histogram,
+    and a save is the black box's last checkpoint, holding the last step finished. The parts'
+    time was booked as they ran (:func:`on_checkpoint`)."""
+    if not progress.on_training_thread():
+        return
+    metrics = rt.job_metrics
+    if metrics is not None:
+        metrics.observe_checkpoint(kind, seconds)
+    box = rt.rank_state
+    if kind == "save" and box is not None:
+        checkpoint_saved(rt, box.fields.get("step"))
 
 
 def framework_books_checkpoints(rt: Runtime, flag: bool) -> None:
